@@ -1,0 +1,31 @@
+"""Shared test setup.
+
+Runs before any test module is imported, which matters for two environment
+variables that must be set before the libraries that read them are imported:
+
+* TRITON_INTERPRET=1 lets the Triton kernels in kernels.py run on CPU tensors
+  (only set when there is no CUDA device: on a GPU the real kernels run).
+* TIKTOKEN_CACHE_DIR points tiktoken at a pre-seeded GPT-2 BPE cache when one
+  sits beside the checkout (offline machines, CI).
+"""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_shared_cache = os.path.join(os.path.dirname(ROOT), "shared", "tiktoken")
+if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(_shared_cache):
+    os.environ["TIKTOKEN_CACHE_DIR"] = _shared_cache
