@@ -1,0 +1,597 @@
+"""The GPT-2 model: config, architecture, initialization, sampling, HF interop.
+
+One file, read top to bottom:
+
+1. GPTConfig + PRESETS: the GPT-2 sizes (124M ... 1.5B) plus tiny ones for
+   tests and CPU runs. Field names follow Megatron-LM's flags
+   (--num-layers, --hidden-size, --num-attention-heads, ...).
+2. Plug-in seams: `self_attention(...)` holds the attention math and
+   `make_layernorm(...)` builds every LayerNorm. kernels.py adds other
+   implementations ("triton") by extending ATTENTION_IMPLS / LAYERNORM_IMPLS
+   and these two functions; nothing else in the model needs to change.
+3. The model: token + learned absolute position embeddings, a stack of
+   pre-LayerNorm transformer blocks (causal self-attention, tanh-GELU MLP),
+   a final LayerNorm and an LM head tied to the token embedding.
+4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
+   code that initializes a full master weight and keeps its own slice.
+5. Sampling (`filter_logits`, `GPT.generate`), parameter/FLOP accounting
+   (`count_parameters`, `flops_per_token`) and Hugging Face GPT-2 import and
+   export against a local directory (`hf_to_ours`, `ours_to_hf`).
+
+Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
+GPT-2's 50257 tokens; a multiple of 128, Megatron's
+--make-vocab-size-divisible-by) so matmuls get friendly shapes and so weight
+shapes never depend on how the model is split across GPUs. The extra rows are
+never produced by the tokenizer and are never sampled.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# -----------------------------------------------------------------------------
+# Config
+
+# Implementations the seams below understand. kernels.py extends these.
+ATTENTION_IMPLS = ("torch",)
+LAYERNORM_IMPLS = ("torch",)
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_attention_heads: int = 12
+    ffn_hidden_size: int | None = None  # None -> 4 * hidden_size
+    max_position_embeddings: int = 1024
+    vocab_size: int = 50257          # true tokenizer vocabulary
+    padded_vocab_size: int = 50304   # embedding rows (>= vocab_size)
+    hidden_dropout: float = 0.0      # embeddings and residual branches
+    attention_dropout: float = 0.0   # attention probabilities
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    attention_impl: str = "torch"
+    layernorm_impl: str = "torch"
+    activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        positive = ("num_layers", "hidden_size", "num_attention_heads",
+                    "max_position_embeddings", "vocab_size", "padded_vocab_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}); pick a head count that divides it")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
+            raise ValueError(
+                f"ffn_hidden_size must be positive or None, got {self.ffn_hidden_size}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"padded_vocab_size ({self.padded_vocab_size}) must be >= vocab_size "
+                f"({self.vocab_size}); use e.g. pad_vocab_size({self.vocab_size}) = "
+                f"{pad_vocab_size(self.vocab_size)}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {p}")
+        if self.layernorm_epsilon <= 0 or self.init_method_std <= 0:
+            raise ValueError("layernorm_epsilon and init_method_std must be > 0")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention_impl {self.attention_impl!r}; "
+                             f"choose one of {list(ATTENTION_IMPLS)}")
+        if self.layernorm_impl not in LAYERNORM_IMPLS:
+            raise ValueError(f"unknown layernorm_impl {self.layernorm_impl!r}; "
+                             f"choose one of {list(LAYERNORM_IMPLS)}")
+
+    @property
+    def ffn(self) -> int:
+        """The resolved MLP width."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; valid presets: {list(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS = {
+    # GPT-2 family (Radford et al. 2019); all use 1024 positions.
+    "124M": dict(num_layers=12, hidden_size=768, num_attention_heads=12),
+    "350M": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
+    "774M": dict(num_layers=36, hidden_size=1280, num_attention_heads=20),
+    "1.5B": dict(num_layers=48, hidden_size=1600, num_attention_heads=25),
+    # Small shapes: unit tests, and the default run on a laptop CPU.
+    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, max_position_embeddings=64),
+    "cpu": dict(num_layers=4, hidden_size=256, num_attention_heads=4, max_position_embeddings=256),
+}
+
+
+def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
+    """Round up to a multiple (Megatron's --make-vocab-size-divisible-by)."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+# -----------------------------------------------------------------------------
+# Plug-in seams: attention math and LayerNorm construction
+
+
+def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, training: bool = False):
+    """Causal softmax attention. q, k, v: (B, nh, T, hd) -> (B, nh, T, hd).
+
+    Scale is 1/sqrt(hd). This is the one place the attention kernel is
+    chosen; add a branch here for a new impl (and list it in ATTENTION_IMPLS).
+    """
+    if impl == "torch":
+        # Dropout on the attention probabilities only while training.
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
+    raise ValueError(f"unknown attention_impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
+
+
+def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
+    """Every LayerNorm in the model is built here (weight and bias, eps from config)."""
+    if config.layernorm_impl == "torch":
+        return nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
+    raise ValueError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
+                     f"choose one of {list(LAYERNORM_IMPLS)}")
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        # One matmul for Q, K and V; output layout [Q | K | V], each head-major
+        # (head 0's hd columns, then head 1's, ...), the same as HF's c_attn.
+        self.qkv = nn.Linear(H, 3 * H)
+        self.proj = nn.Linear(H, H)
+        self.proj.residual_out = True  # gets the scaled init, see init_weights
+        self.resid_drop = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        nh, hd = self.config.num_attention_heads, self.config.head_dim
+        q, k, v = self.qkv(x).split(C, dim=2)           # 3 x (B, T, C)
+        q = q.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
+        k = k.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
+        v = v.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
+        y = self_attention(q, k, v, self.config.attention_impl,
+                           self.config.attention_dropout, self.training)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, config.ffn)
+        self.proj = nn.Linear(config.ffn, config.hidden_size)
+        self.proj.residual_out = True
+        self.drop = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x):
+        # GPT-2 uses the tanh approximation of GELU (HF calls it "gelu_new").
+        h = F.gelu(self.fc(x), approximate="tanh")  # (B, T, F)
+        return self.drop(self.proj(h))              # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = make_layernorm(config, config.hidden_size)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = make_layernorm(config, config.hidden_size)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+def init_std(config: GPTConfig, residual_out: bool = False) -> float:
+    """GPT-2 init std. Projections that write into the residual stream are
+    scaled by 1/sqrt(2 * num_layers): each layer adds two such outputs, so
+    this keeps the residual stream's variance from growing with depth."""
+    std = config.init_method_std
+    return std / math.sqrt(2 * config.num_layers) if residual_out else std
+
+
+def init_weights(module: nn.Module, config: GPTConfig) -> None:
+    """GPT-2 initialization of `module` and all its submodules, in place.
+
+    Linear/Embedding weights ~ N(0, std), biases 0, LayerNorm weight 1 bias 0;
+    Linears marked `residual_out = True` use the scaled std (see init_std).
+    """
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            residual = getattr(m, "residual_out", False)
+            nn.init.normal_(m.weight, mean=0.0, std=init_std(config, residual))
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=config.init_method_std)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.drop = nn.Dropout(config.hidden_dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.ln_f = make_layernorm(config, config.hidden_size)
+        init_weights(self, config)
+
+    # -- forward --------------------------------------------------------------
+
+    def _check_inputs(self, input_ids, position_ids, labels):
+        """Fail loudly on out-of-range ids (an embedding lookup on CUDA would
+        otherwise die with an opaque device-side assert). One host sync."""
+        T = input_ids.shape[-1]
+        if T > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {T} exceeds max_position_embeddings "
+                f"({self.config.max_position_embeddings}); use a shorter --seq-length or a "
+                f"model with more positions")
+        if torch.compiler.is_compiling():
+            return  # .tolist() would break the compiled graph
+        checks = [("input_ids", input_ids, self.config.padded_vocab_size),
+                  ("position_ids", position_ids, self.config.max_position_embeddings),
+                  ("labels", labels, self.config.padded_vocab_size)]
+        checks = [c for c in checks if c[1] is not None and c[1].numel() > 0]
+        if not checks:
+            return
+        bounds = torch.stack([m.long() for _, t, _ in checks for m in t.aminmax()]).tolist()
+        for j, (name, _, limit) in enumerate(checks):
+            lo, hi = bounds[2 * j], bounds[2 * j + 1]
+            if lo < 0 or hi >= limit:
+                raise ValueError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; "
+                                 f"check the tokenizer / vocab_size and the data")
+
+    def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None):
+        """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
+        the masked mean cross-entropy loss (fp32 scalar)."""
+        B, T = input_ids.shape
+        self._check_inputs(input_ids, position_ids, labels)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)  # (T,) broadcasts over B
+        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, C)
+        for block in self.blocks:
+            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Keep only the block's input; recompute its activations in backward.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded)
+        if labels is None:
+            return logits
+        return self.loss(logits, labels, loss_mask)
+
+    def lm_head(self, x):
+        """Output projection tied to the token embedding: (B, T, C) -> (B, T, V_padded)."""
+        return F.linear(x, self.wte.weight)
+
+    @staticmethod
+    def loss(logits, labels, loss_mask=None):
+        """sum(token_loss * loss_mask) / sum(loss_mask), computed in fp32."""
+        token_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                     reduction="none")  # (B*T,)
+        if loss_mask is None:
+            return token_loss.mean()
+        mask = loss_mask.flatten().float()
+        # clamp: a fully masked micro-batch contributes 0 loss (and 0 grads), not NaN.
+        return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+    # -- bookkeeping ------------------------------------------------------------
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameters in this module (the tied head counted once, as part of wte).
+        exclude_embeddings drops wte and wpe (Kaplan et al.'s non-embedding N)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.wte.weight.numel() + self.wpe.weight.numel()
+        return n
+
+    def full_state_dict(self) -> dict:
+        """The full, unsharded state dict that checkpoints store. A parallel
+        layout overrides this to gather shards, so checkpoints do not depend
+        on the layout they were written with."""
+        return self.state_dict()
+
+    def load_full_state_dict(self, sd: dict) -> None:
+        """Inverse of full_state_dict (strict: every key must match)."""
+        self.load_state_dict(sd, strict=True)
+
+    # -- sampling ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: int | None = None, generator: torch.Generator | None = None):
+        """Autoregressively extend input_ids (B, T) by up to max_new_tokens.
+
+        temperature 0 means greedy. Only real token ids (< vocab_size) are ever
+        produced. Rows that emitted eos_token_id keep emitting it; generation
+        stops early once every row has. Runs in eval mode (restored after).
+        No KV cache: each step re-runs the (cropped) context, which is simple
+        and fast enough for a training codebase's samples.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        was_training = self.training
+        self.eval()
+        try:
+            ids = input_ids
+            finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            for _ in range(max_new_tokens):
+                context = ids[:, -self.config.max_position_embeddings:]  # crop to model's window
+                logits = self(context)[:, -1, :self.config.vocab_size].float()  # (B, V) no pad ids
+                if temperature == 0:
+                    next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+                else:
+                    logits = filter_logits(logits / temperature, top_k, top_p)
+                    probs = F.softmax(logits, dim=-1)
+                    next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                if eos_token_id is not None:
+                    next_id = next_id.masked_fill(finished[:, None], eos_token_id)
+                    finished |= next_id[:, 0] == eos_token_id
+                ids = torch.cat([ids, next_id], dim=1)
+                if eos_token_id is not None and bool(finished.all()):
+                    break
+            return ids
+        finally:
+            self.train(was_training)
+
+    # -- Hugging Face interop -----------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, path: str, padded_vocab_size: int | None = None, **overrides) -> "GPT":
+        """Load a Hugging Face GPT-2 checkpoint from a local directory
+        (config.json + model.safetensors or pytorch_model.bin)."""
+        config = config_from_hf(_read_hf_config(path), padded_vocab_size, **overrides)
+        model = cls(config)
+        model.load_state_dict(hf_to_ours(_read_hf_weights(path), config), strict=True)
+        return model
+
+    def to_hf(self, path: str) -> None:
+        """Write config.json + model.safetensors (pytorch_model.bin if the
+        safetensors package is missing) that transformers'
+        GPT2LMHeadModel.from_pretrained(path) loads. Files appear atomically."""
+        os.makedirs(path, exist_ok=True)
+        sd = ours_to_hf(self.full_state_dict(), self.config)
+        try:
+            from safetensors.torch import save_file
+            _atomic_write(os.path.join(path, "model.safetensors"),
+                          lambda f: save_file(sd, f, metadata={"format": "pt"}))
+        except ImportError:
+            _atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
+        text = json.dumps(config_to_hf(self.config), indent=2)
+        _atomic_write(os.path.join(path, "config.json"), lambda f: _write_text(f, text))
+
+
+# -----------------------------------------------------------------------------
+# Sampling filters
+
+
+def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
+    """Set logits outside the top-k / nucleus (top-p) set to -inf. logits: (B, V).
+
+    top_p keeps the smallest set of most likely tokens whose cumulative
+    probability reaches top_p; the most likely token is always kept.
+    """
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        probs = F.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+        # A token is dropped once the tokens ahead of it already reach top_p;
+        # mass_before of the top token is 0 < top_p, so it always survives.
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+# -----------------------------------------------------------------------------
+# Parameter and FLOP accounting (analytic, so no model needs to be built)
+
+
+def count_parameters(config: GPTConfig, exclude_embeddings: bool = False) -> int:
+    """Same number as GPT(config).num_parameters(...), from the config alone."""
+    H, Fh, L = config.hidden_size, config.ffn, config.num_layers
+    per_layer = (2 * H                 # ln_1
+                 + 3 * H * H + 3 * H   # qkv
+                 + H * H + H           # attn.proj
+                 + 2 * H               # ln_2
+                 + H * Fh + Fh         # mlp.fc
+                 + Fh * H + H)         # mlp.proj
+    n = L * per_layer + 2 * H          # + ln_f
+    if not exclude_embeddings:
+        n += (config.padded_vocab_size + config.max_position_embeddings) * H
+    return n
+
+
+def flops_per_token(config: GPTConfig, seq_length: int) -> int:
+    """Training FLOPs per token (forward + backward):
+
+        6 * N  +  12 * num_layers * hidden_size * seq_length
+
+    N = non-embedding parameters + hidden_size * padded_vocab_size: every
+    weight matmul costs 2 FLOPs per weight forward and 4 backward; the tied LM
+    head is a real matmul, so its weight counts once, while embedding lookups
+    are free. The second term is attention's two T x T matmuls (Q K^T and
+    P V): 2 * 2 * T * H forward per layer, times 3 for backward. The causal
+    half is not subtracted (the PaLM / nanoGPT convention), so MFU computed
+    from this is comparable with theirs.
+    """
+    H, L = config.hidden_size, config.num_layers
+    n = count_parameters(config, exclude_embeddings=True) + H * config.padded_vocab_size
+    return 6 * n + 12 * L * H * seq_length
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face GPT-2 checkpoint conversion
+#
+# HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,attn.c_attn,
+# attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
+# (in, out), the transpose of nn.Linear's (out, in).
+
+_HF_RENAMES = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
+               "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
+_HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
+    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "add_cross_attention": False,
+}
+
+
+def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"HF activation_function {act!r} is not supported; this GPT uses "
+                         f"tanh-approximate GELU ('gelu_new')")
+    for key, want in _HF_UNSUPPORTED.items():
+        if hf.get(key, want) != want:
+            raise ValueError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
+    vocab = hf.get("vocab_size", 50257)
+    return GPTConfig(
+        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
+        vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
+        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        init_method_std=hf.get("initializer_range", 0.02), **overrides)
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    eos = min(50256, config.vocab_size - 1)
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
+        "n_embd": config.hidden_size, "n_layer": config.num_layers,
+        "n_head": config.num_attention_heads,
+        "n_inner": config.ffn_hidden_size,
+        "activation_function": "gelu_new",
+        "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
+        "attn_pdrop": config.attention_dropout,
+        "layer_norm_epsilon": config.layernorm_epsilon,
+        "initializer_range": config.init_method_std,
+        "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": True,
+    }
+
+
+def _is_conv1d_weight(name: str) -> bool:
+    return name.endswith(".weight") and any(f".{k}." in name for k in _HF_RENAMES)
+
+
+def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
+    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte."""
+    out = {}
+    for name, t in sd.items():
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # HF's causal-mask buffers, not weights
+        if name == "lm_head.weight":
+            if not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
+                raise ValueError("HF lm_head.weight differs from wte.weight; only tied "
+                                 "embeddings are supported")
+            continue
+        if _is_conv1d_weight(name):
+            t = t.t()
+        for old, new in _HF_RENAMES.items():
+            name = name.replace(f".{old}.", f".{new}.")
+        if name.startswith("h."):
+            name = "blocks." + name[2:]
+        out[name] = t.contiguous()
+    wte = out.get("wte.weight")
+    if wte is None or wte.shape[0] != config.vocab_size:
+        raise ValueError(f"HF wte.weight missing or not {config.vocab_size} rows")
+    # Padding rows are zero: their logits are 0 and they are never sampled.
+    out["wte.weight"] = torch.cat([wte, wte.new_zeros(config.padded_vocab_size - wte.shape[0],
+                                                      wte.shape[1])])
+    return out
+
+
+def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
+    """Our state dict -> HF GPT-2's (lm_head omitted: HF re-ties it to wte)."""
+    out = {}
+    for name, t in sd.items():
+        if name == "wte.weight":
+            t = t[:config.vocab_size]  # drop the padding rows
+        if name.startswith("blocks."):
+            name = "h." + name[len("blocks."):]
+        for old, new in _HF_RENAMES.items():
+            name = name.replace(f".{new}.", f".{old}.")
+        if _is_conv1d_weight(name):
+            t = t.t()
+        out["transformer." + name] = t.detach().cpu().contiguous().clone()
+    return out
+
+
+def _read_hf_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found; from_hf needs a local directory "
+                                f"written by save_pretrained (no hub downloads)")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def _read_hf_weights(path: str) -> dict:
+    st, index, binf = (os.path.join(path, n) for n in
+                       ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
+    if os.path.isfile(st) or os.path.isfile(index):
+        from safetensors.torch import load_file
+        if os.path.isfile(st):
+            return load_file(st)
+        with open(index) as f:  # sharded checkpoint: merge the shards
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return {k: v for s in shards for k, v in load_file(os.path.join(path, s)).items()}
+    if os.path.isfile(binf):
+        return torch.load(binf, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _atomic_write(final_path: str, write) -> None:
+    """write(tmp_path), then rename: readers never see a half-written file."""
+    tmp = final_path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, final_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
