@@ -1,0 +1,634 @@
+"""Pretraining data: Megatron's mmap token format, GPT samples, blending, sampling.
+
+Three layers, bottom to top:
+
+1. The *indexed dataset* (PREFIX.bin + PREFIX.idx), byte-compatible with
+   Megatron-LM / megatron-core. The .bin file is every document's tokens laid
+   end to end; the .idx file says where each document starts and how long it
+   is. Both are memory-mapped, so opening a 100 GB corpus costs nothing and a
+   DataLoader worker only touches the pages it reads.
+
+       .idx layout (little endian)
+         9 bytes   magic  b"MMIDIDX\\x00\\x00"
+         u64       version (1)
+         u8        dtype code (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64,
+                   6 float64, 7 float32, 8 uint16)
+         u64       S = number of sequences
+         u64       D = number of document boundaries (documents + 1)
+         int32[S]  sequence lengths, in tokens
+         int64[S]  sequence start offsets into .bin, in BYTES
+         int64[D]  document boundaries as sequence indices, starting with 0
+
+   In this codebase a document is one sequence (add_document appends one
+   sequence and closes a document), the same as Megatron's GPT preprocessing.
+
+2. The *GPT dataset*: a split of the documents is shuffled, repeated for as
+   many epochs as needed and read as one long token stream, which is cut into
+   samples of seq_length + 1 tokens (inputs + the next-token target); sample
+   i+1 starts on the last token of sample i. Three index arrays describe this
+   (Megatron names): doc_idx (document order), sample_idx (where each sample
+   starts in that order) and shuffle_idx (sample order). They are built with
+   numpy in a few seconds even for 1e9 tokens and cached as .npy files.
+
+3. *Blending* several corpora by weight, and the *sampler* that hands each
+   data-parallel rank its disjoint share of every global batch and can resume
+   mid-run from the number of samples already consumed.
+"""
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------
+# 1. Megatron mmap indexed dataset (.bin/.idx)
+
+_INDEX_MAGIC = b"MMIDIDX\x00\x00"
+_INDEX_VERSION = 1
+_HEADER_BYTES = len(_INDEX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype, S, D
+_DTYPE_CODES = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
+    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+_CODE_OF_DTYPE = {np.dtype(t): code for code, t in _DTYPE_CODES.items()}
+
+
+def best_dtype(vocab_size: int):
+    """Smallest token dtype for a vocabulary: uint16 halves the .bin size (GPT-2's
+    50257 tokens fit); the 65500 threshold is Megatron's."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def _dtype_code(dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype not in _CODE_OF_DTYPE:
+        names = ", ".join(np.dtype(t).name for t in _DTYPE_CODES.values())
+        raise ValueError(f"token dtype {dtype.name} cannot be stored in a Megatron .idx file; use one of: {names}")
+    return _CODE_OF_DTYPE[dtype]
+
+
+def _corrupt(path: str, problem: str) -> ValueError:
+    return ValueError(f"{path}: {problem}; the file is truncated or corrupt, re-run prepare.py to rebuild it")
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """Read-only view of PREFIX.bin / PREFIX.idx; ds[i] is sequence i as a numpy array.
+
+    Opening validates the whole index against the .bin size, so a truncated copy
+    fails here with a clear message instead of yielding garbage tokens mid-run.
+    """
+
+    def __init__(self, path_prefix: str):
+        self.path_prefix = path_prefix
+        self._open()
+
+    @staticmethod
+    def exists(path_prefix: str) -> bool:
+        return os.path.isfile(path_prefix + ".idx") and os.path.isfile(path_prefix + ".bin")
+
+    def _open(self):
+        idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"{path} not found: expected a Megatron .bin/.idx pair at prefix {self.path_prefix!r}. "
+                    "Create it with prepare.py (e.g. --output-prefix P --json-key text writes P_text_document.bin/.idx) "
+                    "and pass the prefix without the extension")
+        self._read_index(idx_path)
+        self._map_bin(bin_path)
+
+    def _read_index(self, idx_path: str):
+        idx_bytes = os.path.getsize(idx_path)
+        with open(idx_path, "rb") as f:
+            header = f.read(_HEADER_BYTES)
+        if len(header) < _HEADER_BYTES or header[:9] != _INDEX_MAGIC:
+            raise _corrupt(idx_path, f"not a Megatron mmap index (expected magic {_INDEX_MAGIC!r}, got {header[:9]!r})")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
+        if version != _INDEX_VERSION:
+            raise ValueError(f"{idx_path}: index version {version} is not supported (only version {_INDEX_VERSION})")
+        if code not in _DTYPE_CODES:
+            raise _corrupt(idx_path, f"unknown dtype code {code} (valid: {sorted(_DTYPE_CODES)})")
+        expected = _HEADER_BYTES + 4 * n_seq + 8 * n_seq + 8 * n_doc
+        if idx_bytes != expected:
+            raise _corrupt(idx_path, f"header promises {n_seq} sequences and {n_doc} document boundaries "
+                                     f"= {expected} bytes, but the file has {idx_bytes} bytes")
+        self.dtype = np.dtype(_DTYPE_CODES[code])
+        self._idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_bytes else None
+        buf = self._idx_map
+        self.sizes = np.frombuffer(buf, np.int32, n_seq, _HEADER_BYTES)                  # (S,)
+        self.pointers = np.frombuffer(buf, np.int64, n_seq, _HEADER_BYTES + 4 * n_seq)   # (S,)
+        self.doc_idx = np.frombuffer(buf, np.int64, n_doc, _HEADER_BYTES + 12 * n_seq)   # (D,)
+        self._check_index(idx_path)
+
+    def _check_index(self, idx_path: str):
+        sizes = self.sizes.astype(np.int64)
+        if (sizes < 0).any():
+            raise _corrupt(idx_path, "negative sequence length")
+        expected_ptr = np.concatenate([[0], np.cumsum(sizes)[:-1]]) * self.dtype.itemsize if len(sizes) else sizes
+        if not np.array_equal(expected_ptr, self.pointers):
+            raise _corrupt(idx_path, "sequence pointers disagree with the sequence lengths")
+        d = self.doc_idx
+        if len(d) == 0 or d[0] != 0 or d[-1] != len(sizes) or (np.diff(d) < 0).any():
+            raise _corrupt(idx_path, f"document boundaries must rise from 0 to {len(sizes)}")
+        self.num_tokens = int(sizes.sum())
+
+    def _map_bin(self, bin_path: str):
+        expected = self.num_tokens * self.dtype.itemsize
+        actual = os.path.getsize(bin_path)
+        if actual != expected:
+            raise _corrupt(bin_path, f"the index describes {self.num_tokens} tokens = {expected} bytes, "
+                                     f"but the .bin file has {actual} bytes")
+        # np.memmap refuses empty files; an empty corpus is still a valid dataset.
+        self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if actual else np.empty(0, self.dtype)
+
+    # Memmaps do not pickle cheaply: ship the prefix and reopen (DataLoader workers).
+    def __getstate__(self):
+        return self.path_prefix
+
+    def __setstate__(self, path_prefix):
+        self.path_prefix = path_prefix
+        self._open()
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset+length) of sequence i (to its end if length is None)."""
+        n = len(self.sizes)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for {self.path_prefix} with {n} sequences")
+        i %= n
+        size = int(self.sizes[i])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} of length {size}")
+        start = int(self.pointers[i]) // self.dtype.itemsize + offset
+        return np.asarray(self._bin[start:start + length])  # a plain ndarray view of the mapped file
+
+
+def write_index_file(idx_path: str, sizes, doc_idx, dtype) -> None:
+    """Write a .idx file for sequences of `sizes` tokens (pointers are derived from them)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if len(sizes) and sizes.max() > np.iinfo(np.int32).max:
+        raise ValueError("a sequence longer than 2**31-1 tokens cannot be indexed; split the document")
+    pointers = np.zeros_like(sizes)
+    pointers[1:] = np.cumsum(sizes)[:-1] * np.dtype(dtype).itemsize
+    with open(idx_path, "wb") as f:
+        f.write(_INDEX_MAGIC)
+        f.write(struct.pack("<QBQQ", _INDEX_VERSION, _dtype_code(dtype), len(sizes), len(doc_idx)))
+        f.write(sizes.astype(np.int32).tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.asarray(doc_idx, dtype=np.int64).tobytes())
+
+
+class IndexedDatasetBuilder:
+    """Writes PREFIX.bin / PREFIX.idx byte-identical to megatron-core's builder.
+
+    Everything goes to PATH.tmp files that finalize() renames into place (.bin
+    first, .idx last), so a crash or abort() never leaves a half-written pair
+    that a later run would read. Use it as a context manager to clean up on error.
+    """
+
+    def __init__(self, bin_path: str, dtype=np.uint16):
+        _dtype_code(dtype)  # fail now, not at finalize(), on an unsupported dtype
+        self.dtype = np.dtype(dtype)
+        self.bin_path = bin_path
+        self._bin_tmp = bin_path + ".tmp"
+        self._idx_tmp = None
+        self._bin_file = open(self._bin_tmp, "wb")
+        self._sizes = []          # tokens per sequence
+        self._doc_idx = [0]       # document boundaries, as sequence indices
+        self._done = False
+
+    def add_document(self, tokens) -> None:
+        """Append one document (one sequence) of token ids."""
+        arr = np.asarray(tokens).reshape(-1)
+        if arr.size:
+            self._check_range(arr)
+        self._bin_file.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._sizes.append(arr.size)
+        self._doc_idx.append(len(self._sizes))
+
+    def _check_range(self, arr: np.ndarray):
+        if not np.issubdtype(self.dtype, np.integer):
+            return
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        info = np.iinfo(self.dtype)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"token id range [{lo}, {hi}] does not fit dtype {self.dtype.name} "
+                             f"([{info.min}, {info.max}]); build with a wider dtype, e.g. best_dtype(vocab_size)")
+
+    def add_index(self, path_prefix: str) -> None:
+        """Append every document of an existing PREFIX.bin/.idx (merging shards)."""
+        other = IndexedDataset(path_prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"cannot merge {path_prefix} (dtype {other.dtype.name}) into a "
+                             f"{self.dtype.name} dataset; rebuild both with the same dtype")
+        offset = len(self._sizes)
+        self._sizes.extend(other.sizes.tolist())
+        self._doc_idx.extend((other.doc_idx[1:] + offset).tolist())
+        with open(path_prefix + ".bin", "rb") as f:
+            shutil.copyfileobj(f, self._bin_file, 16 << 20)
+
+    def finalize(self, idx_path: str) -> None:
+        """Write the index and atomically publish both files."""
+        self._bin_file.close()
+        self._idx_tmp = idx_path + ".tmp"
+        write_index_file(self._idx_tmp, self._sizes, self._doc_idx, self.dtype)
+        os.replace(self._bin_tmp, self.bin_path)
+        os.replace(self._idx_tmp, idx_path)  # last: a visible .idx implies its .bin is complete
+        self._done = True
+
+    def abort(self) -> None:
+        """Discard everything written so far (no output files are left)."""
+        self._bin_file.close()
+        for path in (self._bin_tmp, self._idx_tmp):
+            if path and os.path.exists(path):
+                os.remove(path)
+        self._done = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
+        elif not self._done:
+            self.abort()
+            raise RuntimeError(f"IndexedDatasetBuilder for {self.bin_path} left without finalize(); nothing was written")
+        return False
+
+
+# ----------------------------------------------------------------------------
+# 2. GPT dataset: fixed-length samples over a shuffled, repeated document stream
+
+_INDEX_CACHE_VERSION = 1  # bump when the index arrays' meaning changes
+
+
+def parse_split(split: str) -> list[float]:
+    """'969,30,1' (or '969/30/1', or fewer fields) -> normalized [train, valid, test] fractions."""
+    fields = [f for f in re.split(r"[,/]", split.strip()) if f.strip()]
+    try:
+        weights = [float(f) for f in fields]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"bad split {split!r}: expected 1-3 non-negative numbers with a positive sum, "
+                         "separated by ',' or '/', e.g. '969,30,1'")
+    weights += [0.0] * (3 - len(weights))
+    return [w / sum(weights) for w in weights]
+
+
+def split_boundaries(fractions: list[float], num_docs: int) -> list[int]:
+    """Document boundaries [0, b1, b2, num_docs]: Megatron rounds each cumulative fraction."""
+    cum = np.cumsum([0.0] + list(fractions))
+    bounds = [int(round(c * num_docs)) for c in cum]
+    bounds[-1] = num_docs  # guard against float drift
+    return bounds
+
+
+def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    """Document order: the split's documents repeated num_epochs times, each epoch
+    shuffled on its own, so every epoch visits every document exactly once.
+
+    (Megatron shuffles the whole multi-epoch list at once, and optionally the last
+    partial epoch separately; per-epoch shuffling is simpler and keeps the epoch
+    boundary exact.)
+    """
+    return np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(np.int64)
+
+
+def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int) -> np.ndarray:
+    """(num_samples + 1, 2) array of (position in doc_idx, token offset) where each sample starts.
+
+    Sample i covers stream tokens [i*seq_length, (i+1)*seq_length] inclusive, i.e.
+    seq_length + 1 tokens: consecutive samples share one token because the last
+    target of one sample is the first input of the next. Row i+1 is therefore both
+    sample i's (inclusive) end and sample i+1's start, Megatron's convention.
+    """
+    doc_ends = np.cumsum(sizes[doc_idx].astype(np.int64))         # stream position after each doc
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    # First document ending after the start token; side="right" skips empty documents.
+    doc_pos = np.searchsorted(doc_ends, starts, side="right")
+    doc_starts = doc_ends[doc_pos] - sizes[doc_idx[doc_pos]]
+    return np.stack([doc_pos, starts - doc_starts], axis=1)
+
+
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Fewest epochs whose token stream holds num_samples samples (plus the +1 target token)."""
+    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+
+
+def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int,
+                      num_samples: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(doc_idx, sample_idx, shuffle_idx) for num_samples samples; all vectorized numpy."""
+    tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
+    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    rng = np.random.RandomState(seed)
+    doc_idx = build_doc_idx(documents, num_epochs, rng)
+    # Build every sample the epochs hold (not only num_samples) so the shuffle below
+    # mixes whole epochs, like Megatron.
+    num_built = (num_epochs * tokens_per_epoch - 1) // seq_length
+    sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_built)
+    shuffle_idx = rng.permutation(num_built).astype(np.int64)
+    return doc_idx, sample_idx, shuffle_idx
+
+
+def _file_stamp(path: str) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _cached_arrays(cache_dir: str, stem: str, description: dict, names: tuple, build) -> tuple[dict, bool]:
+    """Load arrays `names` from cache_dir if built before from the same description, else
+    build() them and save. The file names carry a sha256 of the description, so any
+    change of input (data file, split, seed, ...) lands in fresh files. Each file is
+    written to a temp name and renamed, so a crash or a concurrent rank never leaves a
+    truncated .npy that a later run would trust. Returns (arrays, was_cache_hit)."""
+    text = json.dumps(description, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    paths = {n: os.path.join(cache_dir, f"{stem}-{digest}-{n}.npy") for n in names}
+    if all(os.path.isfile(p) for p in paths.values()):
+        return {n: np.load(p, mmap_mode="r") for n, p in paths.items()}, True
+    arrays = build()
+    os.makedirs(cache_dir, exist_ok=True)
+    for n, path in paths.items():
+        _atomic_write(path, lambda f, a=arrays[n]: np.save(f, a))
+    _atomic_write(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), lambda f: f.write(text.encode()))
+    return arrays, False
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def default_cache_dir(path_prefix: str) -> str:
+    return path_prefix + "-cache"
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """num_samples next-token-prediction samples of seq_length tokens over `documents`
+    (sequence indices of `indexed`, e.g. the train split).
+
+    Item i is a dict of tensors (S = seq_length):
+      tokens (S,) long, labels (S,) long (tokens shifted by one),
+      loss_mask (S,) float (0 on positions whose input is EOD when eod_mask_loss),
+      position_ids (S,) long (restart after each EOD when reset_position_ids).
+    """
+
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int,
+                 seed: int, cache_dir: str | None = None, eod_token: int = 50256,
+                 reset_position_ids: bool = False, eod_mask_loss: bool = False, name: str = "train"):
+        documents = np.asarray(documents, dtype=np.int64)
+        if seq_length < 1 or num_samples < 1:
+            raise ValueError(f"{name}: need seq_length >= 1 and num_samples >= 1, got {seq_length} and {num_samples}")
+        if len(documents) == 0 or int(indexed.sizes[documents].astype(np.int64).sum()) == 0:
+            raise ValueError(f"{name} split of {indexed.path_prefix} has {len(documents)} documents and no tokens; "
+                             "add documents or give this split a larger share")
+        self.indexed, self.name = indexed, name
+        self.num_samples, self.seq_length = num_samples, seq_length
+        self.eod_token, self.reset_position_ids, self.eod_mask_loss = eod_token, reset_position_ids, eod_mask_loss
+        prefix = indexed.path_prefix
+        description = {
+            "class": "GPTDataset", "version": _INDEX_CACHE_VERSION, "prefix": os.path.abspath(prefix),
+            "idx": _file_stamp(prefix + ".idx"), "bin": _file_stamp(prefix + ".bin"),
+            "documents": hashlib.sha256(documents.tobytes()).hexdigest(), "num_documents": len(documents),
+            "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
+        }
+
+        def build():
+            d, s, sh = build_gpt_indices(indexed.sizes, documents, seq_length, num_samples, seed)
+            return {"doc_idx": d, "sample_idx": s, "shuffle_idx": sh}
+
+        arrays, self.cache_hit = _cached_arrays(cache_dir or default_cache_dir(prefix), f"gpt-{name}",
+                                                description, ("doc_idx", "sample_idx", "shuffle_idx"), build)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample_tokens(self, j: int) -> np.ndarray:
+        """The seq_length + 1 stream tokens of (unshuffled) sample j."""
+        (d0, o0), (d1, o1) = self.sample_idx[j], self.sample_idx[j + 1]
+        get, doc = self.indexed.get, self.doc_idx
+        if d0 == d1:
+            return np.array(get(int(doc[d0]), int(o0), int(o1 - o0 + 1)))
+        parts = [get(int(doc[d0]), int(o0))]
+        parts += [get(int(doc[d])) for d in range(d0 + 1, d1)]
+        parts.append(get(int(doc[d1]), 0, int(o1 + 1)))
+        return np.concatenate(parts)
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"{self.name} sample {i} out of range [0, {self.num_samples})")
+        sample = torch.from_numpy(self.sample_tokens(int(self.shuffle_idx[i])).astype(np.int64))  # (S+1,)
+        tokens, labels = sample[:-1], sample[1:]                                                  # (S,)
+        is_eod = tokens == self.eod_token
+        loss_mask = torch.ones(self.seq_length, dtype=torch.float32)
+        if self.eod_mask_loss:
+            loss_mask[is_eod] = 0.0
+        position_ids = torch.arange(self.seq_length)
+        if self.reset_position_ids:
+            position_ids = _reset_positions(is_eod)
+        return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)
+
+
+def _reset_positions(is_eod: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 on the token after each EOD: [a b EOD c d] -> [0 1 2 0 1]."""
+    S = is_eod.shape[0]
+    seg_start = torch.zeros(S, dtype=torch.long)
+    after_eod = torch.nonzero(is_eod[:-1]).flatten() + 1
+    seg_start[after_eod] = after_eod
+    seg_start = torch.cummax(seg_start, dim=0).values  # start of the segment each position is in
+    return torch.arange(S) - seg_start
+
+
+# ----------------------------------------------------------------------------
+# 3. Blending corpora by weight, and the data-parallel sampler
+
+def build_blending_indices(weights: list[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron's greedy blend: sample i comes from the dataset whose count lags its
+    target weight*i the most, so every prefix of the blend matches the weights as
+    closely as whole samples allow (deterministic, no randomness).
+    Returns (dataset_index int16 (N,), dataset_sample_index int64 (N,)).
+
+    A plain Python loop (~1 s per 1e6 samples); the result is cached on disk.
+    """
+    w = [float(x) for x in weights]
+    counts = [0] * len(w)
+    choice = [0] * num_samples
+    for i in range(num_samples):
+        t = max(float(i), 1.0)
+        best, best_err = 0, w[0] * t - counts[0]
+        for k in range(1, len(w)):
+            err = w[k] * t - counts[k]
+            if err > best_err:
+                best, best_err = k, err
+        choice[i] = best
+        counts[best] += 1
+    dataset_index = np.asarray(choice, dtype=np.int16)
+    sample_index = np.empty(num_samples, dtype=np.int64)
+    for k in range(len(w)):  # the n-th pick of dataset k reads its sample n
+        picked = dataset_index == k
+        sample_index[picked] = np.arange(int(picked.sum()))
+    return dataset_index, sample_index
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """num_samples samples drawn from several datasets in proportion to weights."""
+
+    def __init__(self, datasets: list, weights: list[float], num_samples: int,
+                 cache_dir: str | None = None, name: str = "train"):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"blend weights must be positive, got {weights}")
+        total = float(sum(weights))
+        self.datasets, self.weights, self.num_samples = datasets, [w / total for w in weights], num_samples
+        # The blend order depends only on the weights and the length, not on the datasets.
+        description = {"class": "BlendedDataset", "version": _INDEX_CACHE_VERSION, "weights": self.weights,
+                       "num_samples": num_samples}
+
+        def build():
+            di, si = build_blending_indices(self.weights, num_samples)
+            return {"dataset_index": di, "dataset_sample_index": si}
+
+        cache_dir = cache_dir or default_cache_dir(datasets[0].indexed.path_prefix)
+        arrays, self.cache_hit = _cached_arrays(cache_dir, f"blend-{name}", description,
+                                                ("dataset_index", "dataset_sample_index"), build)
+        self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
+        self._check_sizes()
+
+    def _check_sizes(self):
+        counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
+        for k, (d, c) in enumerate(zip(self.datasets, counts)):
+            if c > len(d):
+                raise ValueError(f"blend needs {c} samples from dataset {k} but it only has {len(d)}; "
+                                 "build it with more samples (weight * num_samples plus a margin)")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"blended sample {i} out of range [0, {self.num_samples})")
+        return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]
+
+
+
+def parse_blend(data_path: list[str]) -> tuple[list[str], list[float]]:
+    """Megatron --data-path: ["A"] or ["0.3", "A", "0.7", "B"] -> (prefixes, normalized weights)."""
+    if isinstance(data_path, str):
+        data_path = data_path.split()
+    if len(data_path) == 1:
+        return list(data_path), [1.0]
+    if len(data_path) == 0 or len(data_path) % 2:
+        raise ValueError(f"bad data path {data_path}: give one prefix, or weight/prefix pairs like "
+                         "['0.3', 'A_text_document', '0.7', 'B_text_document']")
+    try:
+        weights = [float(w) for w in data_path[0::2]]
+    except ValueError:
+        raise ValueError(f"bad data path {data_path}: in a blend every other entry must be a number "
+                         "(weight, prefix, weight, prefix, ...)") from None
+    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"blend weights {weights} must be non-negative with a positive sum")
+    pairs = [(p, w) for p, w in zip(data_path[1::2], weights) if w > 0]
+    return [p for p, _ in pairs], [w / sum(weights) for _, w in pairs]
+
+
+_SPLIT_NAMES = ("train", "valid", "test")
+_BLEND_MARGIN = 0.005  # Megatron's surplus: children get 0.5% extra so the greedy blend never runs dry
+
+
+def build_train_valid_test_datasets(data_path: list[str], split: str, num_samples, seq_length: int, seed: int,
+                                    cache_dir: str | None = None, eod_token: int = 50256,
+                                    reset_position_ids: bool = False, eod_mask_loss: bool = False):
+    """(train, valid, test) datasets over a single corpus or a weighted blend; None
+    where 0 samples are asked. Each corpus is split by document with `split`."""
+    prefixes, weights = parse_blend(data_path)
+    fractions = parse_split(split)
+    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
+        raise ValueError(f"num_samples must be 3 non-negative counts (train, valid, test), got {num_samples}")
+    indexed = [IndexedDataset(p) for p in prefixes]
+    result = []
+    for s, name in enumerate(_SPLIT_NAMES):
+        n = int(num_samples[s])
+        if n == 0:
+            result.append(None)
+            continue
+        parts = []
+        for ds, w in zip(indexed, weights):
+            n_child = n if len(indexed) == 1 else int(math.ceil(math.ceil(n * w) * (1 + _BLEND_MARGIN)))
+            parts.append(_split_dataset(ds, fractions, s, n_child, seq_length, seed, cache_dir,
+                                        eod_token, reset_position_ids, eod_mask_loss))
+        result.append(parts[0] if len(parts) == 1 else
+                      BlendedDataset(parts, weights, n, cache_dir or default_cache_dir(prefixes[0]), name))
+    return tuple(result)
+
+
+def _split_dataset(ds: IndexedDataset, fractions, s: int, num_samples: int, seq_length: int, seed: int,
+                   cache_dir, eod_token, reset_position_ids, eod_mask_loss) -> GPTDataset:
+    bounds = split_boundaries(fractions, len(ds))
+    documents = np.arange(bounds[s], bounds[s + 1], dtype=np.int64)
+    name = _SPLIT_NAMES[s]
+    if len(documents) == 0 or int(ds.sizes[documents].astype(np.int64).sum()) == 0:
+        raise ValueError(f"the {name} split of {ds.path_prefix} gets {len(documents)} of its {len(ds)} documents "
+                         f"and no tokens (split fractions {[round(f, 4) for f in fractions]}), but {num_samples} "
+                         f"{name} samples were asked for; add more documents, give {name} a larger share in "
+                         "--split, or ask for 0 samples of it")
+    return GPTDataset(ds, documents, num_samples, seq_length, seed, cache_dir, eod_token,
+                      reset_position_ids, eod_mask_loss, name)
+
+
+class PretrainingSampler:
+    """Yields this rank's micro-batches of sample indices, in global order.
+
+    Global order is 0, 1, 2, ...; each block of micro_batch_size * data_parallel_size
+    consecutive indices is one micro-step of all ranks together, and rank r takes
+    its r-th slice. Starting at consumed_samples (counted over ALL ranks, as in
+    Megatron's checkpoints) resumes exactly where a previous run stopped; the
+    incomplete tail block is dropped so every rank runs the same number of steps.
+    (The datasets are already shuffled, so the sampler need not be.)
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int):
+        if total_samples <= 0:
+            raise ValueError(f"total_samples must be positive, got {total_samples}")
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed_samples={consumed_samples} must lie in [0, total_samples={total_samples}]; "
+                             "was the checkpoint made with a larger dataset?")
+        if micro_batch_size <= 0 or data_parallel_size <= 0:
+            raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
+                             f"({data_parallel_size}) must be positive")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.micro_batch_size, self.rank, self.world = micro_batch_size, data_parallel_rank, data_parallel_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.world)
+
+    def __iter__(self):
+        step = self.micro_batch_size * self.world
+        first = self.consumed_samples + self.rank * self.micro_batch_size
+        for start in range(first, first + len(self) * step, step):
+            yield list(range(start, start + self.micro_batch_size))
