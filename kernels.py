@@ -1,0 +1,558 @@
+"""Fused GPU kernels in Triton: causal FlashAttention-2 and LayerNorm.
+
+Why fused kernels? Plain attention materialises the (T, T) score matrix in
+GPU memory, reads it back for the softmax and again for the product with V:
+at T=2048 that is 4M floats per head, moved three times. FlashAttention keeps
+a (BLOCK_M, BLOCK_N) tile of scores in registers, folds it into the output
+with an *online softmax* (a running max and running denominator per row), and
+never writes the (T, T) matrix at all. The backward pass recomputes the tiles
+from the saved per-row log-sum-exp instead of storing the probabilities.
+LayerNorm is memory bound: one fused pass (read x once, write y once) beats
+the several elementwise kernels an unfused version launches.
+
+Layout of this file, top to bottom:
+  1. setup: optional Triton import, interpreter detection, triton_usable()
+  2. attention kernels: forward, backward preprocess, dK/dV, dQ
+  3. LayerNorm kernels: forward, backward with per-program partial dW/dB
+  4. launchers: autotuned on CUDA, a single fixed config in the interpreter
+  5. torch.autograd.Function wrappers and the public functions
+     flash_attention(), layer_norm(), the drop-in module TritonLayerNorm,
+     and the torch references attention_torch(), layer_norm_torch().
+
+Testing without a GPU: with TRITON_INTERPRET=1 set *before* this module is
+imported, Triton runs the same kernels on CPU tensors through numpy (slow,
+but exact enough to check the maths). Two interpreter quirks are handled here
+rather than in the tests: the interpreter's bf16/fp16 arithmetic is not
+faithful, so inputs are upcast to fp32 before launch and results cast back;
+and autotuning needs a real driver, so a single fixed config is used.
+"""
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # the torch fallbacks below still work
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Triton decides at *decoration* time (when this module is imported) whether
+# @triton.jit functions are compiled for the GPU or interpreted on the CPU,
+# so the flag is read once here; setting the variable later has no effect.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the fast hardware op
+
+
+def _device_of(device_or_tensor) -> torch.device:
+    if isinstance(device_or_tensor, torch.Tensor):
+        return device_or_tensor.device
+    return torch.device(device_or_tensor)
+
+
+def triton_usable(device_or_tensor) -> bool:
+    """True when the Triton kernels can run on this device (or tensor's device):
+    Triton imports and either the device is CUDA, or the device is CPU and
+    TRITON_INTERPRET=1 was set before this module was imported."""
+    if not HAS_TRITON:
+        return False
+    device = _device_of(device_or_tensor)
+    if INTERPRET:
+        return device.type == "cpu"
+    return device.type == "cuda"
+
+
+def require_triton(device_or_tensor) -> None:
+    """Raise a RuntimeError explaining how to fix things when triton_usable() is False."""
+    if triton_usable(device_or_tensor):
+        return
+    device = _device_of(device_or_tensor)
+    if not HAS_TRITON:
+        why = "the triton package is not installed (pip install triton)"
+    elif INTERPRET:
+        why = (f"TRITON_INTERPRET=1 is set, so the kernels run only on CPU tensors, "
+               f"but got a tensor on {device}; unset TRITON_INTERPRET to use the GPU")
+    else:
+        why = (f"got a tensor on {device}: the kernels need a CUDA device, or "
+               f"TRITON_INTERPRET=1 set before importing kernels to run them on CPU")
+    raise RuntimeError(f"attention_impl/layernorm_impl='triton' cannot run: {why}. "
+                       f"Use --attention-impl torch --layernorm-impl torch instead.")
+
+
+# ---------------------------------------------------------------------------
+# 2. Attention kernels
+#
+# q, k, v, o, do are contiguous (B*H, T, D) tensors; program (i, bh) works on
+# head bh, so element (bh, t, d) sits at bh*T*D + t*D + d. lse is (B*H, T) fp32.
+# Scores are kept in base 2: s2 = (q.k) * sm_scale * log2(e), and
+# lse2 = max + log2(sum exp2(s2 - max)), so that p = exp2(s2 - lse2).
+# ---------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, offs_m, T, qk_scale,
+                        lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                        MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+        """Fold key/value blocks [lo, hi) into the running softmax state of one
+        query block. MASKED=False is the fast path for blocks that are fully
+        visible (strictly below the causal diagonal and inside T)."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kv_ptrs = kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+            k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+            v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
+            if MASKED:
+                keep = offs_n[None, :] < T
+                if CAUSAL:
+                    keep = keep & (offs_m[:, None] >= offs_n[None, :])
+                s = tl.where(keep, s, float("-inf"))
+            # online softmax: rescale what we have so far to the new row max
+            m_new = tl.maximum(m_i, tl.max(s, 1))           # (BM,)
+            p = tl.math.exp2(s - m_new[:, None])            # (BM, BN)
+            alpha = tl.math.exp2(m_i - m_new)               # (BM,) correction factor
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _attn_fwd_kernel(Q, K, V, O, LSE, T, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+        """One program = one block of BLOCK_M queries of one (batch, head)."""
+        start_m = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        base = bh.to(tl.int64) * T * HEAD_DIM  # int64: B*H*T*D can exceed 2**31
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(Q + q_ptrs, mask=offs_m[:, None] < T, other=0.0)  # (BM, D)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                # running denominator
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)      # running numerator @ V
+        if CAUSAL:
+            # stage 1: key blocks entirely left of the diagonal, no mask needed
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, base, offs_m, T, qk_scale,
+                                            0, start_m, HEAD_DIM, BLOCK_N, False, True,
+                                            DOT_PRECISION)
+            # stage 2: the diagonal blocks; key blocks right of them are skipped
+            hi = tl.minimum(start_m + BLOCK_M, T)
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, base, offs_m, T, qk_scale,
+                                            start_m, hi, HEAD_DIM, BLOCK_N, True, True,
+                                            DOT_PRECISION)
+        else:
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, base, offs_m, T, qk_scale,
+                                            0, T, HEAD_DIM, BLOCK_N, True, False,
+                                            DOT_PRECISION)
+        o = acc / l_i[:, None]
+        tl.store(O + q_ptrs, o.to(O.dtype.element_ty), mask=offs_m[:, None] < T)
+        tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
+
+    @triton.jit
+    def _attn_bwd_preprocess_kernel(O, DO, DELTA, T, HEAD_DIM: tl.constexpr,
+                                    BLOCK_M: tl.constexpr):
+        """delta_i = sum_d dO_id * O_id: the softmax-backward term shared by dK and dQ."""
+        bh = tl.program_id(1)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        ptrs = bh.to(tl.int64) * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
+        do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
+        tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
+
+    @triton.jit
+    def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, qo_base, row_base, offs_n,
+                             T, qk_scale, lo, hi, HEAD_DIM: tl.constexpr,
+                             BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):
+        """Accumulate dK, dV of one key block over query blocks [lo, hi).
+        Works on transposed tiles (keys along rows) so the sums over queries
+        are plain matmuls: dV += P^T dO, dK += dS^T Q."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            ptrs = qo_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+            q = tl.load(Q + ptrs, mask=offs_m[:, None] < T, other=0.0)    # (BM, D)
+            do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0)  # (BM, D)
+            # padded query rows get lse=+inf, so their probabilities are exactly 0
+            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < T, other=float("inf"))
+            delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < T, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BN, BM)
+            p_t = tl.math.exp2(s_t - lse[None, :])                                 # (BN, BM)
+            if MASKED:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)           # (BN, BM)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        return dk, dv
+
+    @triton.jit
+    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, sm_scale, qk_scale,
+                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr):
+        """One program = one block of BLOCK_N keys; it alone writes their dK, dV
+        (no atomics), looping over every query block that can see them."""
+        start_n = tl.program_id(0) * BLOCK_N
+        bh = tl.program_id(1)
+        base = bh.to(tl.int64) * T * HEAD_DIM
+        row_base = bh.to(tl.int64) * T
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+        v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:
+            # diagonal query blocks (masked), then every query block below them
+            mid = tl.minimum(start_n + BLOCK_N, T)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, base, row_base,
+                                          offs_n, T, qk_scale, start_n, mid, HEAD_DIM,
+                                          BLOCK_M, True, DOT_PRECISION)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, base, row_base,
+                                          offs_n, T, qk_scale, mid, T, HEAD_DIM,
+                                          BLOCK_M, False, DOT_PRECISION)
+        else:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, base, row_base,
+                                          offs_n, T, qk_scale, 0, T, HEAD_DIM,
+                                          BLOCK_M, False, DOT_PRECISION)
+        # s = sm_scale * q.k, so dK picks up the scale once, here
+        tl.store(DK + kv_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
+        tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+
+    @triton.jit
+    def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, offs_m, T, qk_scale,
+                           lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                           MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
+        """Accumulate dQ of one query block over key blocks [lo, hi): dQ += dS K."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kv_ptrs = kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+            k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+            v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
+            p = tl.math.exp2(s - lse[:, None])
+            if MASKED:
+                keep = offs_n[None, :] < T
+                if CAUSAL:
+                    keep = keep & (offs_m[:, None] >= offs_n[None, :])
+                p = tl.where(keep, p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)           # (BM, BN)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+        return dq
+
+    @triton.jit
+    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, sm_scale, qk_scale,
+                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+        """One program = one block of BLOCK_M queries; it alone writes their dQ."""
+        start_m = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        base = bh.to(tl.int64) * T * HEAD_DIM
+        row_base = bh.to(tl.int64) * T
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(Q + q_ptrs, mask=offs_m[:, None] < T, other=0.0)    # (BM, D)
+        do = tl.load(DO + q_ptrs, mask=offs_m[:, None] < T, other=0.0)  # (BM, D)
+        lse = tl.load(LSE + row_base + offs_m, mask=offs_m < T, other=float("inf"))
+        delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < T, other=0.0)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, base, offs_m, T, qk_scale,
+                                    0, start_m, HEAD_DIM, BLOCK_N, False, True, DOT_PRECISION)
+            hi = tl.minimum(start_m + BLOCK_M, T)
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, base, offs_m, T, qk_scale,
+                                    start_m, hi, HEAD_DIM, BLOCK_N, True, True, DOT_PRECISION)
+        else:
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, base, offs_m, T, qk_scale,
+                                    0, T, HEAD_DIM, BLOCK_N, True, False, DOT_PRECISION)
+        tl.store(DQ + q_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+
+
+# ---------------------------------------------------------------------------
+# 3. LayerNorm kernels. x is viewed as (M, N) rows; BLOCK_N = next_pow2(N).
+# ---------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, M, N, eps,
+                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program = a tile of ROWS whole rows (ROWS=1 for wide rows):
+        y = (x - mean) * rstd * w + b, statistics in fp32."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
+        cols = tl.arange(0, BLOCK_N)                          # (BN,)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)      # (R, BN)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, 1) / N                                  # (R,)
+        xc = tl.where(mask, x - mean[:, None], 0.0)  # padded columns must not add to the variance
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / N + eps)       # (R,)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = xc * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(MEAN + rows, mean, mask=rows < M)
+        tl.store(RSTD + rows, rstd, mask=rows < M)
+
+    @triton.jit
+    def _layer_norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, M, N,
+                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program p handles row tiles p, p+G, p+2G, ... (G = number of programs).
+        dx is finished per row; dW and dB are sums over rows, so each program
+        keeps its own fp32 partial sums and writes them to row p of a (G, N)
+        buffer, summed afterwards. No atomics, and the result is deterministic."""
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_N)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)  # (BN,)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for tile in range(pid, tl.cdiv(M, ROWS), num_programs):
+            rows = tile * ROWS + tl.arange(0, ROWS)                 # (R,)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)        # (R, BN)
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + rows, mask=rows < M, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            wdy = w[None, :] * dy
+            # dx = rstd * (w*dy - mean(w*dy) - xhat * mean(w*dy*xhat))
+            c1 = tl.sum(xhat * wdy, 1) / N                          # (R,)
+            c2 = tl.sum(wdy, 1) / N                                 # (R,)
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * xhat, 0)
+            db += tl.sum(dy, 0)
+        tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
+        tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
+
+
+# ---------------------------------------------------------------------------
+# 4. Launchers. On CUDA the kernels go through triton.autotune (best block
+# sizes depend on the GPU, T and D); the interpreter has no driver to time
+# configs with, so it runs one fixed, small config (small tiles are also what
+# keeps the numpy interpreter fast).
+# ---------------------------------------------------------------------------
+_FIXED_ATTN = dict(BLOCK_M=16, BLOCK_N=16)
+
+
+def _attn_configs(small_queries: bool):
+    """Candidate configs. The forward and dQ kernels step through the diagonal
+    with BLOCK_N-sized key blocks, so BLOCK_M % BLOCK_N == 0; the dK/dV kernel
+    steps with BLOCK_M-sized query blocks, so BLOCK_N % BLOCK_M == 0."""
+    shapes = [(32, 64), (64, 64), (64, 128)] if small_queries else [(64, 32), (64, 64), (128, 64)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn in shapes for w in (4, 8) for s in (2, 3, 4)]
+
+
+def _build_launchers():
+    if not HAS_TRITON:
+        return {}
+    kernels = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+    if INTERPRET:
+        return kernels
+    key = ["T", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"]
+    return {
+        "fwd": triton.autotune(_attn_configs(False), key=key)(_attn_fwd_kernel),
+        "dkdv": triton.autotune(_attn_configs(True), key=key)(_attn_bwd_dkdv_kernel),
+        "dq": triton.autotune(_attn_configs(False), key=key)(_attn_bwd_dq_kernel),
+    }
+
+
+_LAUNCHERS = _build_launchers()  # built once at import; read-only afterwards
+
+
+def _launch_attn(name: str, num_rows: int, bh: int, *args, **constexprs):
+    """Launch attention kernel `name` over (row blocks, B*H) programs. The grid is
+    a function of the chosen config because autotuning changes the block size;
+    `rows_block` is the constexpr whose block tiles the grid's first axis."""
+    rows_block = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+    grid = lambda meta: (triton.cdiv(num_rows, meta[rows_block]), bh)  # noqa: E731
+    fixed = _FIXED_ATTN if INTERPRET else {}
+    _LAUNCHERS[name][grid](*args, **constexprs, **fixed)
+
+
+# ---------------------------------------------------------------------------
+# 5. autograd wrappers and public API
+# ---------------------------------------------------------------------------
+def _check_attention_inputs(q, k, v):
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"flash_attention expects q, k, v of the same shape (B, H, T, D); "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"flash_attention supports head dims {SUPPORTED_HEAD_DIMS}, got "
+                         f"D={q.shape[-1]}; change hidden_size/num_attention_heads or use "
+                         f"attention_impl='torch'")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise ValueError(f"flash_attention needs q, k, v of one dtype among fp32/fp16/bf16; "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    require_triton(q)
+
+
+def _dot_precision(dtype) -> str:
+    # fp32 inputs: exact IEEE products (Triton would otherwise use TF32 on
+    # Ampere+, ~1e-3 error) so the fp32 path matches the torch reference.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale):
+        in_dtype = q.dtype
+        if INTERPRET:  # the interpreter's half-precision maths is unreliable: compute in fp32
+            q, k, v = q.float(), k.float(), v.float()
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        B, H, T, D = q.shape
+        o = torch.empty_like(q)
+        lse = torch.empty((B * H, T), device=q.device, dtype=torch.float32)
+        _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, sm_scale * LOG2E,
+                     HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale, ctx.in_dtype = causal, sm_scale, in_dtype
+        return o.to(in_dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        B, H, T, D = q.shape
+        do = do.to(q.dtype).contiguous()
+        delta = torch.empty_like(lse)
+        block = 16 if INTERPRET else 64
+        grid = (triton.cdiv(T, block), B * H)
+        _attn_bwd_preprocess_kernel[grid](o, do, delta, T, HEAD_DIM=D, BLOCK_M=block)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        consts = dict(HEAD_DIM=D, CAUSAL=ctx.causal, DOT_PRECISION=_dot_precision(q.dtype))
+        scales = (T, ctx.sm_scale, ctx.sm_scale * LOG2E)
+        _launch_attn("dkdv", T, B * H, q, k, v, do, lse, delta, dk, dv, *scales, **consts)
+        _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *scales, **consts)
+        dt = ctx.in_dtype
+        return dq.to(dt), dk.to(dt), dv.to(dt), None, None
+
+
+def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None):
+    """Fused attention softmax(q k^T * sm_scale + causal mask) v.
+
+    q, k, v: (B, H, T, D) tensors, same dtype (fp32/fp16/bf16), D in {32, 64, 128};
+    accumulation is fp32. sm_scale defaults to 1/sqrt(D). Returns (B, H, T, D).
+    Differentiable (FlashAttention-2 backward, recomputing probabilities)."""
+    _check_attention_inputs(q, k, v)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), float(sm_scale))
+
+
+def attention_torch(q, k, v, causal: bool = True, sm_scale: float | None = None):
+    """Reference / fallback: PyTorch's scaled_dot_product_attention, same signature."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+
+
+_MAX_LN_BYTES = 65536  # one row must fit in a program's registers/shared memory
+
+
+def _layer_norm_config(N: int):
+    """(BLOCK_N, ROWS, num_warps) for rows of N elements. A program holds
+    ROWS x BLOCK_N fp32 values: narrow rows are batched so each program still
+    moves a useful amount of memory (and the interpreter launches fewer
+    programs); wide rows get one row per program and more warps."""
+    block_n = triton.next_power_of_2(N)
+    rows = max(1, min(16, 2048 // block_n)) if not INTERPRET else 16
+    num_warps = min(max(block_n * rows // 512, 1), 16)
+    return block_n, rows, num_warps
+
+
+class LayerNormFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        in_dtype = x.dtype
+        if INTERPRET:  # see FlashAttentionFunction.forward
+            x = x.float()
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()  # (M, N)
+        M, N = x2.shape
+        weight, bias = weight.contiguous(), bias.contiguous()
+        y = torch.empty_like(x2)
+        mean = torch.empty(M, device=x.device, dtype=torch.float32)
+        rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+        block_n, rows, num_warps = _layer_norm_config(N)
+        _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](x2, weight, bias, y, mean, rstd, M, N,
+                                                        eps, ROWS=rows, BLOCK_N=block_n,
+                                                        num_warps=num_warps)
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.in_dtype, ctx.config = in_dtype, (block_n, rows, num_warps)
+        return y.reshape(shape).to(in_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        M, N = x2.shape
+        dy2 = dy.reshape(M, N).to(x2.dtype).contiguous()
+        dx = torch.empty_like(x2)
+        block_n, rows, num_warps = ctx.config
+        # enough programs to fill the GPU, few enough that the (G, N) partial
+        # buffers stay small; the interpreter runs programs serially anyway
+        sms = 1 if INTERPRET else torch.cuda.get_device_properties(x2.device).multi_processor_count
+        programs = min(triton.cdiv(M, rows), 4 * sms)
+        dw_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
+        db_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
+        _layer_norm_bwd_kernel[(programs,)](x2, weight, dy2, dx, mean, rstd, dw_partial,
+                                            db_partial, M, N, ROWS=rows, BLOCK_N=block_n,
+                                            num_warps=num_warps)
+        dw = dw_partial.sum(0).to(weight.dtype)
+        db = db_partial.sum(0).to(weight.dtype)
+        return dx.reshape(dy.shape).to(ctx.in_dtype), dw, db, None
+
+
+def layer_norm(x, weight, bias, eps: float = 1e-5):
+    """Fused LayerNorm over the last dim of x (any leading shape), with affine
+    weight and bias of shape (N,). Statistics in fp32; output has x's dtype.
+    weight/bias may be fp32 while x is fp16/bf16 (mixed precision)."""
+    N = x.shape[-1]
+    if weight.shape != (N,) or bias.shape != (N,):
+        raise ValueError(f"layer_norm: weight and bias must have shape ({N},), got "
+                         f"{tuple(weight.shape)} and {tuple(bias.shape)}")
+    if N * 4 > _MAX_LN_BYTES:
+        raise ValueError(f"layer_norm: hidden size {N} too large for the one-row-per-program "
+                         f"kernel (max {_MAX_LN_BYTES // 4}); use layernorm_impl='torch'")
+    if x.numel() == 0:
+        raise ValueError("layer_norm: got an empty input tensor")
+    require_triton(x)
+    return LayerNormFunction.apply(x, weight, bias, float(eps))
+
+
+def layer_norm_torch(x, weight, bias, eps: float = 1e-5):
+    """Reference / fallback: F.layer_norm over the last dim, same signature."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+class TritonLayerNorm(torch.nn.LayerNorm):
+    """Drop-in nn.LayerNorm (same parameters, state_dict keys and init) whose
+    forward runs the fused Triton kernel. Subclassing keeps isinstance checks
+    (weight-decay grouping, init) and checkpoints interchangeable with torch."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
+        # always affine with bias: the kernel expects both weight and bias
+        super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
+
+    def forward(self, x):  # (..., N) -> (..., N)
+        return layer_norm(x, self.weight, self.bias, self.eps)

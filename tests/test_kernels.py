@@ -1,0 +1,281 @@
+"""Tests for kernels.py: Triton FlashAttention-2 and fused LayerNorm.
+
+Without a GPU, conftest.py sets TRITON_INTERPRET=1 so the very same kernels
+run on CPU tensors through Triton's interpreter (slow, hence tiny shapes).
+Every kernel result is compared with a float64 PyTorch reference; the
+tolerance scales with the dtype and with the size of the reference values.
+Tests marked `gpu` run the compiled kernels at realistic sizes.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# relative-to-scale tolerance per dtype: |got - ref| <= TOL * max|ref|
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def assert_close(got, ref, dtype, what):
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}, expected {dtype}"
+    err = (got.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= TOL[dtype] * max(scale, 1e-6), f"{what}: max err {err:.3g} vs scale {scale:.3g}"
+
+
+def attention_reference(q, k, v, do, causal=True, sm_scale=None):
+    """Output and (dq, dk, dv) of SDPA computed in float64."""
+    q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o64 = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, scale=sm_scale)
+    o64.backward(do.double())
+    return o64.detach(), q64.grad, k64.grad, v64.grad
+
+
+def run_flash(q, k, v, do, **kw):
+    q, k, v = [t.detach().requires_grad_() for t in (q, k, v)]
+    o = kernels.flash_attention(q, k, v, **kw)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def check_attention(B, H, T, D, dtype, causal=True, sm_scale=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = [torch.randn(B, H, T, D, generator=g).to(DEVICE, dtype) for _ in range(4)]
+    got = run_flash(q, k, v, do, causal=causal, sm_scale=sm_scale)
+    ref = attention_reference(q, k, v, do, causal=causal, sm_scale=sm_scale)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert_close(a, b, dtype, f"{name} (T={T}, D={D}, {dtype})")
+
+
+# ---------------------------------------------------------------------------
+# attention, on the interpreter (or GPU when present)
+
+# Covers every head dim, every dtype, ragged T (37 is not a multiple of the
+# 16-wide blocks), several blocks per sequence (T=64) and B > 1, without
+# the full cross product (the interpreter is slow).
+@pytest.mark.parametrize("B,H,T,D,dtype", [
+    (1, 2, 37, 32, torch.float32),
+    (2, 2, 64, 64, torch.float32),
+    (1, 2, 16, 128, torch.float32),
+    (1, 2, 37, 64, torch.float16),
+    (2, 2, 37, 128, torch.bfloat16),
+    (1, 2, 64, 32, torch.bfloat16),
+])
+def test_flash_attention_matches_float64_sdpa(B, H, T, D, dtype):
+    check_attention(B, H, T, D, dtype)
+
+
+def test_flash_attention_custom_scale_and_non_causal():
+    check_attention(1, 2, 37, 32, torch.float32, causal=False, sm_scale=0.3)
+
+
+def test_flash_attention_accepts_non_contiguous_inputs():
+    # the model produces q, k, v as transposed views of one fused qkv projection
+    B, T, H, D = 1, 20, 2, 32
+    qkv = torch.randn(B, T, 3 * H * D, device=DEVICE)
+    q, k, v = [t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2)]
+    assert not q.is_contiguous()
+    do = torch.randn(B, H, T, D, device=DEVICE)
+    for a, b in zip(run_flash(q, k, v, do), attention_reference(q, k, v, do)):
+        assert_close(a, b, torch.float32, "non-contiguous")
+
+
+def test_first_query_attends_only_to_itself():
+    # causal: output row 0 must equal v row 0 exactly, whatever the keys are
+    q, k, v = [torch.randn(1, 2, 37, 32, device=DEVICE) for _ in range(3)]
+    o = kernels.flash_attention(q, k, v)
+    torch.testing.assert_close(o[:, :, 0], v[:, :, 0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("D", [16, 48, 256])
+def test_unsupported_head_dim_is_a_clear_error(D):
+    q = torch.randn(1, 2, 16, D, device=DEVICE)
+    with pytest.raises(ValueError, match="head dims"):
+        kernels.flash_attention(q, q, q)
+
+
+def test_mismatched_shapes_are_a_clear_error():
+    q = torch.randn(1, 2, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="same shape"):
+        kernels.flash_attention(q, q[:, :, :8], q)
+
+
+def test_attention_torch_reference_is_causal_sdpa():
+    q, k, v = [torch.randn(1, 2, 8, 32) for _ in range(3)]
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(kernels.attention_torch(q, k, v), ref)
+
+
+# ---------------------------------------------------------------------------
+# LayerNorm
+
+def check_layer_norm(shape, dtype, weight_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = shape[-1]
+    x = torch.randn(*shape, generator=g).mul(3).add(1).to(DEVICE, dtype).requires_grad_()
+    w = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
+    b = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
+    y = kernels.layer_norm(x, w, b, eps=1e-5)
+    dy = torch.randn(y.shape, generator=g).to(DEVICE, dtype)
+    y.backward(dy)
+    x6, w6, b6 = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    y6 = F.layer_norm(x6, (N,), w6, b6, 1e-5)
+    y6.backward(dy.double())
+    assert y.shape == x.shape
+    assert_close(y.detach(), y6.detach(), dtype, "y")
+    assert_close(x.grad, x6.grad, dtype, "dx")
+    # dW/dB are summed over rows in fp32, then returned in the weights' dtype
+    assert_close(w.grad, w6.grad, weight_dtype, "dw")
+    assert_close(b.grad, b6.grad, weight_dtype, "db")
+
+
+# 3-D input, N not a power of two (masked columns), more rows than backward
+# programs (so each program folds several rows into its partial dW/dB),
+# every dtype, and bf16/fp16 activations with fp32 weights (mixed precision).
+@pytest.mark.parametrize("shape,dtype,weight_dtype", [
+    ((2, 40, 100), torch.float32, torch.float32),
+    ((13, 1000), torch.float32, torch.float32),
+    ((6, 64), torch.float16, torch.float16),
+    ((5, 3, 96), torch.bfloat16, torch.float32),
+])
+def test_layer_norm_matches_float64(shape, dtype, weight_dtype):
+    check_layer_norm(shape, dtype, weight_dtype)
+
+
+def test_triton_layernorm_module_is_a_drop_in_for_nn_layernorm():
+    torch.manual_seed(0)
+    ref = torch.nn.LayerNorm(48).to(DEVICE)
+    with torch.no_grad():
+        ref.weight.normal_(), ref.bias.normal_()
+    mod = kernels.TritonLayerNorm(48).to(DEVICE)
+    mod.load_state_dict(ref.state_dict())  # same keys, so checkpoints are interchangeable
+    x = torch.randn(3, 5, 48, device=DEVICE)
+    torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert isinstance(mod, torch.nn.LayerNorm)
+
+
+def test_layer_norm_bad_weight_shape_is_a_clear_error():
+    x = torch.randn(4, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="weight and bias must have shape"):
+        kernels.layer_norm(x, torch.ones(16, device=DEVICE), torch.zeros(32, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------
+# availability checks
+
+def test_triton_usable_follows_device():
+    assert kernels.triton_usable(torch.empty(1, device=DEVICE))
+    assert not kernels.triton_usable(torch.device("meta"))
+
+
+def _run_clean(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_require_triton_on_cpu_without_interpreter_raises_helpful_error():
+    code = (
+        "import torch, kernels\n"
+        "try:\n"
+        "    kernels.require_triton(torch.zeros(1))\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', e)\n"
+    )
+    out = _run_clean(code)
+    assert out.returncode == 0, out.stderr
+    assert "RAISED" in out.stdout
+    assert "TRITON_INTERPRET=1" in out.stdout and "--attention-impl torch" in out.stdout
+
+
+def test_module_imports_and_falls_back_without_triton():
+    # sys.modules[name] = None makes `import triton` raise ImportError
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import torch, kernels\n"
+        "assert not kernels.HAS_TRITON and not kernels.triton_usable(torch.zeros(1))\n"
+        "q = torch.randn(1, 2, 8, 32)\n"
+        "print(tuple(kernels.attention_torch(q, q, q).shape))\n"
+        "try:\n"
+        "    kernels.require_triton(q)\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', e)\n"
+    )
+    out = _run_clean(code)
+    assert out.returncode == 0, out.stderr
+    assert "(1, 2, 8, 32)" in out.stdout and "not installed" in out.stdout
+
+
+# ---------------------------------------------------------------------------
+# whole model: triton vs torch implementations give the same loss and grads
+
+def test_gpt_tiny_triton_matches_torch():
+    import gpt
+    # 2 heads of 64 -> head dim 32 (the kernels support 32/64/128)
+    overrides = dict(num_layers=2, hidden_size=64, num_attention_heads=2)
+    torch.manual_seed(0)
+    ref_model = gpt.GPT(gpt.GPTConfig.from_preset("tiny", **overrides)).to(DEVICE)
+    tri_model = gpt.GPT(gpt.GPTConfig.from_preset(
+        "tiny", attention_impl="triton", layernorm_impl="triton", **overrides)).to(DEVICE)
+    tri_model.load_state_dict(ref_model.state_dict())
+    idx = torch.randint(0, 50257, (2, 37), device=DEVICE)  # ragged length
+    labels = torch.randint(0, 50257, (2, 37), device=DEVICE)
+    losses = []
+    for model in (ref_model, tri_model):
+        loss = model(idx, labels=labels)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    ref_grads = dict(ref_model.named_parameters())
+    for name, p in tri_model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_train_py_runs_the_triton_path(tmp_path):
+    """--attention-impl/--layernorm-impl triton run through train.py on CPU under
+    the interpreter (how tests and readers step through a kernel)."""
+    import numpy as np
+    import data
+    prefix = str(tmp_path / "rand_text_document")
+    builder = data.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        builder.add_document(rng.integers(0, 500, size=50).tolist() + [50256])
+    builder.finalize(prefix + ".idx")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "train.py"), "--preset", "tiny", "--num-attention-heads", "2",
+         "--attention-impl", "triton", "--layernorm-impl", "triton", "--seq-length", "24",
+         "--micro-batch-size", "2", "--train-iters", "2", "--eval-interval", "0", "--log-interval", "1",
+         "--sample-tokens", "0", "--data-path", prefix, "--split", "1,0,0"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "iter      2" in out.stdout
+
+
+# ---------------------------------------------------------------------------
+# GPU: compiled kernels at training sizes
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [1024, 2048])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_bf16_attention_long_sequences(T, D):
+    check_attention(2, 4, T, D, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [4096, 8192])
+def test_gpu_layer_norm_wide(N):
+    check_layer_norm((2048, N), torch.bfloat16, torch.float32)
