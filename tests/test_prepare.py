@@ -1,0 +1,294 @@
+"""prepare.py: text -> GPT-2 tokens -> Megatron .bin/.idx, merging, and its errors."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tiktoken
+
+import prepare
+from data import IndexedDataset
+
+EOD = 50256
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return tiktoken.get_encoding("r50k_base")
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+    return str(path)
+
+
+def write_jsonl(path, objects):
+    return write(path, "".join(json.dumps(o) + "\n" for o in objects))
+
+
+def decoded_documents(prefix, enc):
+    """Each stored document decoded, after checking it ends with exactly one EOD."""
+    ds = IndexedDataset(prefix)
+    assert ds.dtype == np.uint16
+    docs = []
+    for i in range(len(ds)):
+        tokens = ds[i].tolist()
+        assert tokens[-1] == EOD and EOD not in tokens[:-1]
+        docs.append(enc.decode(tokens[:-1]))
+    return docs
+
+
+def files_in(directory):
+    return sorted(os.path.relpath(os.path.join(r, f), directory) for r, _, fs in os.walk(directory) for f in fs)
+
+
+# ----------------------------------------------------------------------------
+# Round trips and naming
+
+def test_txt_files_round_trip_one_document_per_file(tmp_path, enc):
+    texts = ["First doc.\nWith two lines.\n", "Ünïcödé, emoji 🎭, CRLF\r\nline\r\n",
+             "The literal text <|endoftext|> is ordinary text, not the EOD token."]
+    paths = [write(tmp_path / f"in/{i}.txt", t) for i, t in enumerate(texts)]
+    stats = prepare.prepare(paths, output_prefix=str(tmp_path / "out/corpus"), workers=1)
+    prefix = str(tmp_path / "out/corpus_text_document")
+    assert stats.outputs == [prefix + ".bin", prefix + ".idx"]
+    assert decoded_documents(prefix, enc) == texts
+    assert stats.documents == 3 and stats.tokens == IndexedDataset(prefix).num_tokens
+
+
+def test_jsonl_round_trip_and_json_key_names_the_output(tmp_path, enc):
+    rows = [{"body": "alpha beta", "id": 1}, {"body": "gamma\ndelta", "id": 2}, {"body": "  spaced  ", "id": 3}]
+    path = write(tmp_path / "c.jsonl", "".join(json.dumps(r) + "\n\n" for r in rows))  # blank lines are skipped
+    prepare.main(["--input", path, "--output-prefix", str(tmp_path / "web"), "--json-key", "body",
+                  "--workers", "2"])
+    assert decoded_documents(str(tmp_path / "web_body_document"), enc) == [r["body"] for r in rows]
+    assert files_in(tmp_path) == ["c.jsonl", "web_body_document.bin", "web_body_document.idx"]
+
+
+def test_directories_are_searched_recursively_in_sorted_order(tmp_path, enc):
+    write(tmp_path / "corpus/b.txt", "from b")
+    write(tmp_path / "corpus/a/deep.md", "# from a markdown file, kept verbatim")
+    write_jsonl(tmp_path / "corpus/c.json", [{"text": "json one"}, {"text": "json two"}])
+    write(tmp_path / "corpus/notes.csv", "ignored,extension")
+    prepare.prepare([str(tmp_path / "corpus")], output_prefix=str(tmp_path / "o"), workers=1)
+    assert decoded_documents(str(tmp_path / "o_text_document"), enc) == [
+        "# from a markdown file, kept verbatim", "from b", "json one", "json two"]
+
+
+def test_globs_expand_sorted_and_mix_with_files(tmp_path, enc):
+    for name in ["x2", "x1", "y"]:
+        write(tmp_path / f"g/{name}.txt", name)
+    single = write(tmp_path / "single.txt", "single")
+    prepare.prepare([str(tmp_path / "g/**/x*.txt"), single], output_prefix=str(tmp_path / "o"), workers=1)
+    assert decoded_documents(str(tmp_path / "o_text_document"), enc) == ["x1", "x2", "single"]
+
+
+def test_text_split_line_and_paragraph(tmp_path, enc):
+    path = write(tmp_path / "t.txt", "para one\nstill one\n\n  \npara two\n")
+    prepare.prepare([path], output_prefix=str(tmp_path / "p"), text_split="paragraph", workers=1)
+    assert decoded_documents(str(tmp_path / "p_text_document"), enc) == ["para one\nstill one", "para two"]
+    prepare.prepare([path], output_prefix=str(tmp_path / "l"), text_split="line", workers=1)
+    assert decoded_documents(str(tmp_path / "l_text_document"), enc) == ["para one", "still one", "para two"]
+
+
+def test_no_append_eod_stores_bare_tokens(tmp_path, enc):
+    path = write(tmp_path / "t.txt", "hello world")
+    prepare.main(["--input", path, "--output-prefix", str(tmp_path / "n"), "--no-append-eod"])
+    assert IndexedDataset(str(tmp_path / "n_text_document"))[0].tolist() == enc.encode_ordinary("hello world")
+
+
+def test_whitespace_only_documents_are_skipped(tmp_path, enc):
+    write_jsonl(tmp_path / "w.jsonl", [{"text": "kept"}, {"text": "   \n"}, {"text": ""}, {"text": "also kept"}])
+    stats = prepare.prepare([str(tmp_path / "w.jsonl")], output_prefix=str(tmp_path / "w"), workers=1)
+    assert stats.documents == 2
+    assert decoded_documents(str(tmp_path / "w_text_document"), enc) == ["kept", "also kept"]
+
+
+def test_encode_document_is_encode_ordinary_plus_eod(enc):
+    text = "Special-looking text <|endoftext|> and <|fim_prefix|> stays text. Ünïcödé 🎭\r\n"
+    tokens = prepare.encode_document(enc, text)
+    assert tokens.dtype == np.uint16
+    assert tokens.tolist() == enc.encode_ordinary(text) + [EOD]
+    assert prepare.encode_document(enc, text, append_eod=False).tolist() == enc.encode_ordinary(text)
+
+
+# ----------------------------------------------------------------------------
+# Parallelism must not change a single byte
+
+def test_more_workers_write_identical_bytes(tmp_path, enc):
+    docs = [f"document {i}: " + "to be or not to be " * (i % 7) for i in range(200)]
+    out = {}
+    for workers in (1, 4):
+        prefix = str(tmp_path / f"w{workers}")
+        # chunk_chars=100 forces ~50 chunks, so the 4 threads really interleave.
+        prepare.write_dataset(iter(docs), prefix, enc, workers=workers, chunk_chars=100)
+        out[workers] = [open(prefix + ext, "rb").read() for ext in (".bin", ".idx")]
+    assert out[1] == out[4]
+    assert decoded_documents(str(tmp_path / "w4"), enc) == docs
+
+
+# ----------------------------------------------------------------------------
+# Default corpus: Shakespeare, one document per scene
+
+HAMLET = [p for p in prepare.shakespeare_files() if p.endswith("hamlet.md")][0]
+
+
+def test_markdown_play_becomes_plain_text_scenes():
+    with open(HAMLET, encoding="utf-8") as f:
+        scenes = prepare.markdown_to_scenes(f.read())
+    assert len(scenes) == 20  # Hamlet has 20 scenes
+    assert scenes[0].startswith("Hamlet\n\nACT I\n\nSCENE I. Elsinore. A platform before the castle.")
+    assert all(s.count("SCENE") >= 1 for s in scenes)
+    to_be = [s for s in scenes if "To be, or not to be: that is the question:\n" in s]
+    assert len(to_be) == 1 and to_be[0].startswith("ACT III\n\nSCENE I.") and "\nHAMLET:\n" in to_be[0]
+    for scene in scenes:
+        assert not re.search(r"[*_#\\]", scene), "markdown markup left in the text"
+        assert not re.search(r" +\n", scene), "markdown hard-break spaces left in the text"
+        assert "\n\n\n" not in scene
+
+
+def test_markdown_line_conversion():
+    assert prepare.markdown_line_to_text("**FIRST CITIZEN**  ") == "FIRST CITIZEN:"
+    assert prepare.markdown_line_to_text("### SCENE II. A room.") == "SCENE II. A room."
+    assert prepare.markdown_line_to_text("_Enter Ghost_") == "Enter Ghost"
+    assert prepare.markdown_line_to_text("__\\[Aside]_  ") == "[Aside]"
+    assert prepare.markdown_line_to_text("*Exeunt.*") == "Exeunt."
+    assert prepare.markdown_line_to_text("Would wish \\--or no") == "Would wish --or no"
+
+
+def test_default_corpus_is_hundreds_of_scenes_from_38_plays():
+    files = prepare.shakespeare_files()
+    assert len(files) == 38
+    scenes = list(prepare.iter_shakespeare_documents(files))
+    assert 700 <= len(scenes) <= 850
+    # Even the 1-in-1000 test split of the default "969,30,1" gets a document.
+    assert len(scenes) - round(len(scenes) * 0.999) >= 1
+    assert sum("Now is the winter of our discontent" in s for s in scenes) == 1
+
+
+def test_default_prepare_writes_data_shakespeare(tmp_path, enc, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    stats = prepare.main(["--workers", "2"])
+    assert stats.outputs == ["data/shakespeare_text_document.bin", "data/shakespeare_text_document.idx"]
+    ds = IndexedDataset("data/shakespeare_text_document")
+    assert len(ds) == stats.documents == len(list(prepare.iter_shakespeare_documents()))
+    assert 1_000_000 < ds.num_tokens < 2_500_000
+    assert enc.decode(ds[0][:-1].tolist()).startswith("A Midsummer Night's Dream\n\nACT I")
+    assert files_in(tmp_path) == ["data/shakespeare_text_document.bin", "data/shakespeare_text_document.idx"]
+
+
+# ----------------------------------------------------------------------------
+# Merge
+
+def test_merge_equals_preparing_everything_at_once(tmp_path):
+    a = write(tmp_path / "a.txt", "first shard, one document")
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "second shard"}, {"text": "two documents"}])
+    for name, inputs in [("a", [a]), ("b", [b]), ("ab", [a, b])]:
+        prepare.prepare(inputs, output_prefix=str(tmp_path / name), workers=1)
+    stats = prepare.main(["merge", "--input", str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document"),
+                          "--output-prefix", str(tmp_path / "merged")])
+    assert stats.documents == 3
+    for ext in (".bin", ".idx"):  # output named exactly as given, bytes identical to a single run
+        merged = open(tmp_path / f"merged{ext}", "rb").read()
+        assert merged == open(tmp_path / f"ab_text_document{ext}", "rb").read()
+
+
+def test_merge_of_a_missing_prefix_fails_without_output(tmp_path):
+    a = write(tmp_path / "a.txt", "x")
+    prepare.prepare([a], output_prefix=str(tmp_path / "a"), workers=1)
+    with pytest.raises(SystemExit, match="nope.idx not found"):
+        prepare.main(["merge", "--input", str(tmp_path / "a_text_document"), str(tmp_path / "nope"),
+                      "--output-prefix", str(tmp_path / "m")])
+    assert not any(f.startswith("m") for f in os.listdir(tmp_path))
+
+
+# ----------------------------------------------------------------------------
+# Errors: clear message, non-zero exit, no output files
+
+def fails(tmp_path, argv, message):
+    """Run the CLI expecting an error mentioning `message`; no output may be left."""
+    out_dir = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        prepare.main(argv + ["--output-prefix", str(out_dir / "x"), "--workers", "2"])
+    assert isinstance(e.value.code, str) and e.value.code.startswith("prepare.py: error:")  # exit status 1
+    assert re.search(message, e.value.code), e.value.code
+    assert not out_dir.exists() or os.listdir(out_dir) == [], "a failed run left files behind"
+    return e.value.code
+
+
+def test_missing_input_path(tmp_path):
+    fails(tmp_path, ["--input", str(tmp_path / "missing.txt")], r"missing\.txt does not exist")
+
+
+def test_glob_matching_nothing(tmp_path):
+    fails(tmp_path, ["--input", str(tmp_path / "*.jsonl")], r"glob .* matches no files")
+
+
+def test_directory_without_text_files(tmp_path):
+    write(tmp_path / "d/x.csv", "a,b")
+    fails(tmp_path, ["--input", str(tmp_path / "d")], r"contains no .txt/.md/.json/.jsonl files")
+
+
+def test_invalid_json_line_names_file_and_line(tmp_path):
+    path = write(tmp_path / "bad.jsonl", '{"text": "ok"}\n\n{"text": "unterminated\n')
+    fails(tmp_path, ["--input", path], r"bad\.jsonl:3: invalid JSON")
+
+
+def test_json_object_missing_key_lists_keys_present(tmp_path):
+    path = write_jsonl(tmp_path / "k.jsonl", [{"text": "ok"}, {"content": "x", "url": "u"}])
+    msg = fails(tmp_path, ["--input", path], r"k\.jsonl:2: JSON object has no key 'text'")
+    assert "['content', 'url']" in msg and "--json-key" in msg
+
+
+def test_non_utf8_input_names_the_file(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"text": "café"}\n'.encode("latin-1"))
+    fails(tmp_path, ["--input", str(path)], r"latin1\.jsonl is not valid UTF-8")
+
+
+def test_empty_corpus(tmp_path):
+    a = write(tmp_path / "empty.txt", "")
+    b = write(tmp_path / "blank.txt", " \n\n")
+    fails(tmp_path, ["--input", a, b], r"corpus is empty")
+
+
+def test_failure_mid_run_leaves_no_partial_output(tmp_path):
+    """A good file is tokenized and written before the bad last line of the
+    second file is read: the partial .bin must vanish, temp files included."""
+    good = write(tmp_path / "in/1.txt", "a complete document " * 1000)
+    bad = write(tmp_path / "in/2.jsonl", '{"text": "fine"}\n{"text": "fine"}\nnot json at all\n')
+    fails(tmp_path, ["--input", good, bad], r"2\.jsonl:3: invalid JSON")
+    assert files_in(tmp_path) == ["in/1.txt", "in/2.jsonl"]
+
+
+def test_tiktoken_offline_without_cache_explains_how_to_seed_it(tmp_path):
+    src = write(tmp_path / "t.txt", "hello")
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "empty_cache"),
+               HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
+               https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9", NO_PROXY="", no_proxy="")
+    os.makedirs(env["TIKTOKEN_CACHE_DIR"])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), "--input", src,
+                        "--output-prefix", str(tmp_path / "out/x")], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    assert "could not load the GPT-2 BPE file r50k_base" in r.stderr
+    assert "TIKTOKEN_CACHE_DIR" in r.stderr and "tiktoken.get_encoding('r50k_base')" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_zero_workers_is_rejected(tmp_path):
+    src = write(tmp_path / "t.txt", "hello")
+    with pytest.raises(SystemExit, match="--workers must be >= 1"):
+        prepare.main(["--input", src, "--output-prefix", str(tmp_path / "x"), "--workers", "0"])
+    assert files_in(tmp_path) == ["t.txt"]
+
+
+def test_unknown_tokenizer_type_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="only GPT2BPETokenizer"):
+        prepare.load_tokenizer("HuggingFaceTokenizer")
