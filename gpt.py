@@ -14,7 +14,14 @@ One file, read top to bottom:
    a final LayerNorm and an LM head tied to the token embedding.
 4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
    code that initializes a full master weight and keeps its own slice.
-5. Sampling (`filter_logits`, `GPT.generate`), parameter/FLOP accounting
+5. Tensor parallelism (Megatron-style, see parallel.py): when the model is
+   built after parallel.initialize(T) with T > 1, it is first built and
+   initialized exactly as for T=1, then its big matmuls are swapped for
+   parallel layers holding this rank's slice (see GPT._shard_for_tensor_parallelism),
+   so every T trains the same model from the same seed. Optional Domino
+   overlap (config.domino_chunks > 1, see GPT._domino_layers) hides the TP
+   all-reduces behind computation.
+6. Sampling (`filter_logits`, `GPT.generate`), parameter/FLOP accounting
    (`count_parameters`, `flops_per_token`) and Hugging Face GPT-2 import and
    export against a local directory (`hf_to_ours`, `ours_to_hf`).
 
@@ -36,12 +43,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import parallel
+
 # -----------------------------------------------------------------------------
 # Config
 
 # Implementations the seams below understand. kernels.py extends these.
-ATTENTION_IMPLS = ("torch",)
-LAYERNORM_IMPLS = ("torch",)
+ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.py (FlashAttention-2)
+LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.py (fused LayerNorm)
 
 
 @dataclass
@@ -60,6 +69,10 @@ class GPTConfig:
     attention_impl: str = "torch"
     layernorm_impl: str = "torch"
     activation_checkpointing: bool = False
+    # Domino (tensor parallelism only): split each micro-batch into this many
+    # chunks along the batch and overlap one chunk's all-reduces with another
+    # chunk's compute. 1 = off. Ignored when tensor_model_parallel_size is 1.
+    domino_chunks: int = 1
 
     def __post_init__(self):
         positive = ("num_layers", "hidden_size", "num_attention_heads",
@@ -84,6 +97,8 @@ class GPTConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {p}")
+        if not isinstance(self.domino_chunks, int) or self.domino_chunks < 1:
+            raise ValueError(f"domino_chunks must be an int >= 1 (1 = off), got {self.domino_chunks!r}")
         if self.layernorm_epsilon <= 0 or self.init_method_std <= 0:
             raise ValueError("layernorm_epsilon and init_method_std must be > 0")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -92,6 +107,14 @@ class GPTConfig:
         if self.layernorm_impl not in LAYERNORM_IMPLS:
             raise ValueError(f"unknown layernorm_impl {self.layernorm_impl!r}; "
                              f"choose one of {list(LAYERNORM_IMPLS)}")
+        if self.attention_impl == "triton":
+            if self.hidden_size // self.num_attention_heads not in (32, 64, 128):
+                raise ValueError(f"attention_impl='triton' supports head dims 32, 64 and 128, not "
+                                 f"{self.hidden_size // self.num_attention_heads}; change "
+                                 f"hidden_size/num_attention_heads or use attention_impl='torch'")
+            if self.attention_dropout > 0:
+                raise ValueError("attention_impl='triton' has no attention dropout; set "
+                                 "attention_dropout=0 or use attention_impl='torch'")
 
     @property
     def ffn(self) -> int:
@@ -140,6 +163,10 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
         # Dropout on the attention probabilities only while training.
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
+    if impl == "triton":
+        import kernels  # imported on demand: triton is optional
+        kernels.require_triton(q)  # clear error on CPU without TRITON_INTERPRET=1
+        return kernels.flash_attention(q, k, v, causal=True)
     raise ValueError(f"unknown attention_impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
 
 
@@ -147,6 +174,9 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
     """Every LayerNorm in the model is built here (weight and bias, eps from config)."""
     if config.layernorm_impl == "torch":
         return nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
+    if config.layernorm_impl == "triton":
+        import kernels
+        return kernels.TritonLayerNorm(hidden, eps=config.layernorm_epsilon)
     raise ValueError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
                      f"choose one of {list(LAYERNORM_IMPLS)}")
 
@@ -167,17 +197,26 @@ class CausalSelfAttention(nn.Module):
         self.proj.residual_out = True  # gets the scaled init, see init_weights
         self.resid_drop = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x):
-        B, T, C = x.shape
-        nh, hd = self.config.num_attention_heads, self.config.head_dim
-        q, k, v = self.qkv(x).split(C, dim=2)           # 3 x (B, T, C)
+    def heads(self, x):
+        """Everything before the output projection: (B, T, C) -> (B, T, C_local).
+        Under tensor parallelism qkv is column-parallel with output
+        [Q_r | K_r | V_r], so this rank attends with its nh/T heads and
+        C_local = C/T; otherwise C_local = C."""
+        B, T, _ = x.shape
+        hd = self.config.head_dim
+        qkv = self.qkv(x)                                # (B, T, 3*C_local)
+        C_local = qkv.shape[-1] // 3
+        nh = C_local // hd                               # heads on this rank
+        q, k, v = qkv.split(C_local, dim=2)              # 3 x (B, T, C_local)
         q = q.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
         k = k.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
         v = v.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
         y = self_attention(q, k, v, self.config.attention_impl,
                            self.config.attention_dropout, self.training)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.resid_drop(self.proj(y))
+        return y.transpose(1, 2).contiguous().view(B, T, C_local)  # (B, T, C_local)
+
+    def forward(self, x):
+        return self.resid_drop(self.proj(self.heads(x)))  # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -188,10 +227,12 @@ class MLP(nn.Module):
         self.proj.residual_out = True
         self.drop = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x):
+    def hidden(self, x):
         # GPT-2 uses the tanh approximation of GELU (HF calls it "gelu_new").
-        h = F.gelu(self.fc(x), approximate="tanh")  # (B, T, F)
-        return self.drop(self.proj(h))              # (B, T, C)
+        return F.gelu(self.fc(x), approximate="tanh")  # (B, T, F) or (B, T, F/T) under TP
+
+    def forward(self, x):
+        return self.drop(self.proj(self.hidden(x)))    # (B, T, C)
 
 
 class Block(nn.Module):
@@ -208,6 +249,14 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         x = x + self.mlp(self.ln_2(x))
         return x
+
+
+def _finish_residual(x, pending):
+    """x + dropout(all-reduced branch output), waiting for the all-reduce only now."""
+    if pending is None:
+        return x
+    reduce, drop = pending
+    return x + drop(reduce.wait())
 
 
 def init_std(config: GPTConfig, residual_out: bool = False) -> float:
@@ -247,6 +296,36 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = make_layernorm(config, config.hidden_size)
         init_weights(self, config)
+        if parallel.tp_size() > 1:
+            self._shard_for_tensor_parallelism()
+
+    def _shard_for_tensor_parallelism(self):
+        """Swap the big matmuls for Megatron's parallel layers, each keeping
+        this rank's slice of the full weight just initialized above. So the
+        model (and the RNG stream after it) is the same for every T; the cost
+        is one full fp32 model per rank during construction (6 GB at 1.5B).
+
+            wte          VocabParallelEmbedding (vocab rows split; tied head)
+            attn.qkv     ColumnParallelLinear, stride 3: rank r gets [Q_r|K_r|V_r]
+            attn.proj    RowParallelLinear
+            mlp.fc       ColumnParallelLinear
+            mlp.proj     RowParallelLinear
+            LayerNorms, wpe, row-parallel biases: replicated
+
+        Parameter names are unchanged, so full_state_dict() has T=1's keys.
+        """
+        if self.config.domino_chunks > 1 and self.config.activation_checkpointing:
+            raise ValueError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
+                             "turn one of them off")
+        parallel.check_divisible(self.config)
+        domino = self.config.domino_chunks > 1
+        Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
+        self.wte = parallel.VocabParallelEmbedding.from_embedding(self.wte)
+        for block in self.blocks:
+            block.attn.qkv = Column.from_linear(block.attn.qkv, stride=3, async_grad_allreduce=domino)
+            block.attn.proj = Row.from_linear(block.attn.proj)
+            block.mlp.fc = Column.from_linear(block.mlp.fc, async_grad_allreduce=domino)
+            block.mlp.proj = Row.from_linear(block.mlp.proj)
 
     # -- forward --------------------------------------------------------------
 
@@ -282,26 +361,65 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)  # (T,) broadcasts over B
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, C)
-        for block in self.blocks:
-            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                # Keep only the block's input; recompute its activations in backward.
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded)
+        if parallel.tp_size() > 1 and min(self.config.domino_chunks, B) > 1:
+            x = self._domino_layers(x)
+        else:
+            for block in self.blocks:
+                if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+                    # Keep only the block's input; recompute its activations in backward.
+                    x = checkpoint(block, x, use_reentrant=False)
+                else:
+                    x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded), or (B, T, V_padded/T) under TP
         if labels is None:
-            return logits
+            # Under TP: all-gather the full logits (B*T*V per rank; fine for
+            # eval and generation). The training loss below never gathers them.
+            return parallel.gather_from_tensor_parallel_region(logits)
         return self.loss(logits, labels, loss_mask)
 
+    def _domino_layers(self, x):
+        """The block stack with Domino overlap (Wang et al., DeepSpeed-Domino).
+
+        The micro-batch is split along the batch into chunks (uneven is fine)
+        that are independent until the loss. Each row-parallel projection's
+        all-reduce is launched asynchronously and waited for only when that
+        chunk's residual stream is next needed, so it runs while the OTHER
+        chunk computes. Per layer, with 2 chunks:
+
+            attn c0 | attn c1 (c0's all-reduce in flight) | mlp c0 (c1's in flight)
+            | mlp c1 (c0's in flight) | next layer attn c0 (c1's MLP all-reduce in flight) ...
+
+        The last MLP all-reduce of a layer is thus waited for inside the next
+        layer. Backward overlap comes from the column-parallel layers
+        (async_grad_allreduce). Mathematically the same as the plain path
+        (fp32 results agree to rounding); with dropout > 0 the random masks
+        are drawn in a different order.
+        """
+        chunks = list(x.tensor_split(min(self.config.domino_chunks, x.shape[0]), dim=0))
+        pending = [None] * len(chunks)  # per chunk: (residual, in-flight all-reduce, dropout)
+        for block in self.blocks:
+            for i in range(len(chunks)):
+                chunks[i] = _finish_residual(chunks[i], pending[i])
+                h = block.attn.heads(block.ln_1(chunks[i]))                  # (b, T, C/T)
+                pending[i] = (block.attn.proj.forward_async(h), block.attn.resid_drop)
+            for i in range(len(chunks)):
+                chunks[i] = _finish_residual(chunks[i], pending[i])
+                h = block.mlp.hidden(block.ln_2(chunks[i]))                  # (b, T, F/T)
+                pending[i] = (block.mlp.proj.forward_async(h), block.mlp.drop)
+        return torch.cat([_finish_residual(c, p) for c, p in zip(chunks, pending)], dim=0)
+
     def lm_head(self, x):
-        """Output projection tied to the token embedding: (B, T, C) -> (B, T, V_padded)."""
-        return F.linear(x, self.wte.weight)
+        """Output projection tied to the token embedding: (B, T, C) -> (B, T, V_padded).
+        Under TP, x goes through f and each rank multiplies by its vocab rows:
+        (B, T, V_padded/T), the logits of the vocab range it owns."""
+        return F.linear(parallel.copy_to_tensor_parallel_region(x), self.wte.weight)
 
     @staticmethod
     def loss(logits, labels, loss_mask=None):
-        """sum(token_loss * loss_mask) / sum(loss_mask), computed in fp32."""
-        token_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                     reduction="none")  # (B*T,)
+        """sum(token_loss * loss_mask) / sum(loss_mask), computed in fp32.
+        Under TP, logits is this rank's vocab shard (B, T, V/T) and the
+        per-token loss is computed without gathering the vocab."""
+        token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten()  # (B*T,)
         if loss_mask is None:
             return token_loss.mean()
         mask = loss_mask.flatten().float()
@@ -311,7 +429,8 @@ class GPT(nn.Module):
     # -- bookkeeping ------------------------------------------------------------
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameters in this module (the tied head counted once, as part of wte).
+        """Parameters in this module (the tied head counted once, as part of wte);
+        under tensor parallelism, this rank's shards (count_parameters gives the full model).
         exclude_embeddings drops wte and wpe (Kaplan et al.'s non-embedding N)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
@@ -319,14 +438,15 @@ class GPT(nn.Module):
         return n
 
     def full_state_dict(self) -> dict:
-        """The full, unsharded state dict that checkpoints store. A parallel
-        layout overrides this to gather shards, so checkpoints do not depend
-        on the layout they were written with."""
-        return self.state_dict()
+        """The full, unsharded state dict that checkpoints store: tensor-
+        parallel shards are gathered (a collective: every TP rank must call
+        it), so checkpoints do not depend on the layout they were written with."""
+        return parallel.full_state_dict(self)
 
     def load_full_state_dict(self, sd: dict) -> None:
-        """Inverse of full_state_dict (strict: every key must match)."""
-        self.load_state_dict(sd, strict=True)
+        """Inverse of full_state_dict: each rank keeps its slice (strict:
+        every key must match). Loads a save from any tensor-parallel size."""
+        parallel.load_full_state_dict(self, sd)
 
     # -- sampling ---------------------------------------------------------------
 
@@ -376,7 +496,7 @@ class GPT(nn.Module):
         (config.json + model.safetensors or pytorch_model.bin)."""
         config = config_from_hf(_read_hf_config(path), padded_vocab_size, **overrides)
         model = cls(config)
-        model.load_state_dict(hf_to_ours(_read_hf_weights(path), config), strict=True)
+        model.load_full_state_dict(hf_to_ours(_read_hf_weights(path), config))
         return model
 
     def to_hf(self, path: str) -> None:

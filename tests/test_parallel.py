@@ -1,0 +1,511 @@
+"""Tensor parallelism on CPU: 2 gloo ranks must reproduce the 1-process maths.
+
+Every multi-rank test runs a top-level function on 2 processes through
+run_on_ranks(); an assertion or exception on any rank fails the test with that
+rank's traceback.
+"""
+import datetime
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import parallel
+
+# --------------------------------------------------------------------------
+# Multi-process harness
+# --------------------------------------------------------------------------
+
+
+def _rank_main(rank, world_size, init_file, fn, args):
+    torch.set_num_threads(1)  # 2 ranks share the CI box's cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(*args)
+    finally:
+        parallel.destroy()
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn, *args, world_size=2):
+    """Run fn(*args) on `world_size` gloo ranks; re-raise any rank's failure.
+
+    fork (not spawn) keeps each launch cheap: no re-import of torch. The
+    rendezvous file lives in a fresh temp dir, so no TCP port can collide."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_main, args=(world_size, os.path.join(tmp, "rdzv"), fn, args),
+                           nprocs=world_size, join=True, start_method="fork")
+
+
+def assert_close(actual, expected, tol=1e-6, what=""):
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------
+# Communication operators
+# --------------------------------------------------------------------------
+
+
+def _check_comm_ops():
+    parallel.initialize(2)
+    r = parallel.tp_rank()
+    # Per-rank data built from .t() so every input is NON-contiguous.
+    per_rank = [torch.arange(12.0).view(3, 4).t() * (k + 1) for k in range(2)]  # (4, 3)
+    mine = per_rank[r]
+    assert not mine.is_contiguous()
+
+    # f: identity forward, all-reduce backward.
+    x = mine.clone().t().contiguous().t().requires_grad_()  # non-contiguous leaf
+    y = parallel.copy_to_tensor_parallel_region(x)
+    assert_close(y, mine, what="f forward")
+    grad_r = per_rank[r] + 100 * r
+    y.backward(grad_r)
+    assert_close(x.grad, per_rank[0] + per_rank[1] + 100, what="f backward")
+
+    # g: all-reduce forward (input untouched), identity backward.
+    x = mine.detach().clone().t().contiguous().t().requires_grad_()
+    before = x.detach().clone()
+    y = parallel.reduce_from_tensor_parallel_region(x)
+    assert_close(y, per_rank[0] + per_rank[1], what="g forward")
+    assert_close(x.detach(), before, what="g must not modify its input")
+    y.backward(mine)
+    assert_close(x.grad, mine, what="g backward")
+
+    # all-reduce of a non-contiguous tensor returns the reduced values.
+    assert_close(parallel.all_reduce(mine), per_rank[0] + per_rank[1], what="all_reduce")
+
+    # gather along the last dim: forward concatenates, backward keeps my slice.
+    x = mine.detach().clone().t().contiguous().t().requires_grad_()
+    y = parallel.gather_from_tensor_parallel_region(x)
+    assert_close(y, torch.cat(per_rank, dim=-1), what="gather forward")
+    dy = torch.arange(24.0).view(6, 4).t()  # (4, 6), non-contiguous
+    y.backward(dy)
+    assert_close(x.grad, dy[:, 3 * r:3 * r + 3], what="gather backward")
+
+    # scatter along the last dim: forward keeps my slice, backward gathers.
+    full = torch.arange(24.0).view(6, 4).t()  # (4, 6), non-contiguous
+    x = full.clone().t().contiguous().t().requires_grad_()
+    y = parallel.scatter_to_tensor_parallel_region(x)
+    assert_close(y, full[:, 3 * r:3 * r + 3], what="scatter forward")
+    dys = [torch.full((4, 3), 1.0 + k) for k in range(2)]
+    y.backward(dys[r])
+    assert_close(x.grad, torch.cat(dys, dim=-1), what="scatter backward")
+
+
+def test_communication_operators_forward_and_backward():
+    run_on_ranks(_check_comm_ops)
+
+
+def test_operators_are_free_identities_with_one_rank():
+    parallel.initialize(1)
+    try:
+        x = torch.randn(3, 4).t()
+        for op in (parallel.copy_to_tensor_parallel_region,
+                   parallel.reduce_from_tensor_parallel_region,
+                   parallel.gather_from_tensor_parallel_region,
+                   parallel.scatter_to_tensor_parallel_region):
+            assert op(x) is x, op.__name__  # no copy, no autograd node
+    finally:
+        parallel.destroy()
+
+
+# --------------------------------------------------------------------------
+# Sharding helpers (no processes needed)
+# --------------------------------------------------------------------------
+
+
+def test_shard_tensor_with_stride_keeps_whole_qkv_pieces():
+    H = 4
+    q, k, v = (torch.randn(H, 2) for _ in range(3))
+    full = torch.cat([q, k, v], dim=0)                   # (3H, 2): [Q | K | V]
+    shards = [parallel.shard_tensor(full, 0, r, 2, stride=3) for r in range(2)]
+    assert torch.equal(shards[1], torch.cat([q[2:], k[2:], v[2:]]))
+    assert torch.equal(parallel.merge_shards(shards, 0, stride=3), full)
+    with pytest.raises(ValueError, match="cannot be split"):
+        parallel.shard_tensor(torch.zeros(10, 2), 0, 0, 2, stride=3)
+
+
+# --------------------------------------------------------------------------
+# Parallel linear layers
+# --------------------------------------------------------------------------
+
+
+def _gathered_grad(p):
+    return parallel.gather_tensor(p.grad, p.partition_dim, p.partition_stride)
+
+
+def _check_linear_pair():
+    parallel.initialize(2)
+    torch.manual_seed(0)  # same on both ranks -> same full master weights
+    col = parallel.ColumnParallelLinear(8, 16)
+    row = parallel.RowParallelLinear(16, 8)
+    with torch.no_grad():  # non-zero biases so bias handling is exercised
+        col.bias.normal_()
+        row.bias.normal_()
+    # The same seed on one process gives the same full weights.
+    torch.manual_seed(0)
+    full_fc, full_proj = torch.empty(16, 8).normal_(0, 0.02), torch.empty(8, 16).normal_(0, 0.02)
+    assert_close(parallel.gather_tensor(col.weight, 0), full_fc, what="col init")
+    assert_close(parallel.gather_tensor(row.weight, 1), full_proj, what="row init")
+
+    # Sharded params are tagged; the replicated row bias is not.
+    assert col.weight.tensor_model_parallel and col.weight.partition_dim == 0
+    assert col.bias.tensor_model_parallel and row.weight.partition_dim == 1
+    assert not getattr(row.bias, "tensor_model_parallel", False)
+    assert col.weight.shape == (8, 8) and row.weight.shape == (8, 8)
+
+    fc, proj = nn.Linear(8, 16), nn.Linear(16, 8)
+    with torch.no_grad():
+        fc.weight.copy_(full_fc), proj.weight.copy_(full_proj)
+        fc.bias.copy_(parallel.gather_tensor(col.bias, 0)), proj.bias.copy_(row.bias)
+
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_tp = row(F.gelu(col(x_tp)))
+    y_ref = proj(F.gelu(fc(x_ref)))
+    assert_close(y_tp, y_ref, what="output")
+    # A rank-independent upstream gradient, as after a replicated loss.
+    (y_tp.square().sum()).backward()
+    (y_ref.square().sum()).backward()
+    assert_close(x_tp.grad, x_ref.grad, what="input grad")
+    assert_close(_gathered_grad(col.weight), fc.weight.grad, what="fc weight grad")
+    assert_close(_gathered_grad(col.bias), fc.bias.grad, what="fc bias grad")
+    assert_close(_gathered_grad(row.weight), proj.weight.grad, what="proj weight grad")
+    assert_close(row.bias.grad, proj.bias.grad, what="proj bias grad")
+
+    # gather_output / input_is_parallel=False: full tensors in and out.
+    col_full = parallel.ColumnParallelLinear.from_linear(fc, gather_output=True)
+    row_full = parallel.RowParallelLinear.from_linear(proj, input_is_parallel=False)
+    h = fc(x)
+    assert_close(col_full(x), h, what="gather_output")
+    assert_close(row_full(h), proj(h), what="input_is_parallel=False")
+
+
+def test_column_row_pair_matches_plain_linears():
+    run_on_ranks(_check_linear_pair)
+
+
+def _check_qkv_stride():
+    parallel.initialize(2)
+    r = parallel.tp_rank()
+    H = 8
+    qkv = nn.Linear(H, 3 * H)
+    torch.manual_seed(0)
+    with torch.no_grad():  # rank-identical full weights
+        qkv.weight.normal_(), qkv.bias.normal_()
+    col = parallel.ColumnParallelLinear.from_linear(qkv, stride=3)
+    x = torch.randn(2, 5, H)
+    q, k, v = qkv(x).split(H, dim=-1)                # full Q, K, V
+    half = slice(r * H // 2, (r + 1) * H // 2)       # this rank's heads
+    assert_close(col(x), torch.cat([q[..., half], k[..., half], v[..., half]], -1),
+                 what="strided shard = [Q_r | K_r | V_r]")
+    assert_close(parallel.gather_tensor(col.weight, 0, stride=3), qkv.weight, what="regather")
+    assert col.weight.partition_stride == 3
+    with pytest.raises(ValueError, match="stride"):
+        parallel.ColumnParallelLinear(H, 3 * H, stride=3, gather_output=True)
+
+
+def test_strided_column_split_gives_each_rank_its_q_k_v_heads():
+    run_on_ranks(_check_qkv_stride)
+
+
+# --------------------------------------------------------------------------
+# Vocab-parallel embedding and cross entropy
+# --------------------------------------------------------------------------
+
+
+def _check_vocab_parallel():
+    parallel.initialize(2)
+    V, C = 10, 4
+    torch.manual_seed(0)
+    emb = parallel.VocabParallelEmbedding(V, C)
+    assert emb.weight.shape == (V // 2, C) and emb.weight.tensor_model_parallel
+    ref = nn.Embedding(V, C)
+    with torch.no_grad():
+        ref.weight.copy_(parallel.gather_tensor(emb.weight, 0))
+    ids = torch.tensor([[0, 4, 5, 9], [9, 9, 2, 6]])  # ids on both ranks, repeats
+    out = emb(ids)
+    assert_close(out, ref(ids), what="embedding forward")
+    g = torch.randn(2, 4, C, generator=torch.Generator().manual_seed(3))
+    out.backward(g)
+    ref(ids).backward(g)
+    assert_close(_gathered_grad(emb.weight), ref.weight.grad, what="embedding grad")
+
+    for bad in (torch.tensor([[0, 10]]), torch.tensor([[-1, 3]])):
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 10\)"):
+            emb(bad)
+
+    # Cross entropy on vocab-sharded logits, including large logits (stability).
+    full = torch.randn(2, 3, V, generator=torch.Generator().manual_seed(4)) * 30
+    target = torch.tensor([[0, 4, 5], [9, 2, 7]])
+    r = parallel.tp_rank()
+    shard = full[..., r * 5:(r + 1) * 5].clone().requires_grad_()
+    full_ref = full.clone().requires_grad_()
+    loss = parallel.vocab_parallel_cross_entropy(shard, target)
+    loss_ref = F.cross_entropy(full_ref.view(-1, V), target.view(-1), reduction="none").view(2, 3)
+    assert loss.dtype == torch.float32 and loss.shape == (2, 3)
+    assert_close(loss, loss_ref, tol=1e-5, what="cross entropy")
+    w = torch.arange(6.0).view(2, 3)  # non-uniform upstream grad
+    (loss * w).sum().backward()
+    (loss_ref * w).sum().backward()
+    assert_close(shard.grad, full_ref.grad[..., r * 5:(r + 1) * 5], tol=1e-5, what="CE grad")
+    with pytest.raises(ValueError, match="target ids"):
+        parallel.vocab_parallel_cross_entropy(shard, torch.tensor([[0, 1, 10], [0, 0, 0]]))
+
+
+def test_vocab_parallel_embedding_and_cross_entropy_match_full_vocab():
+    run_on_ranks(_check_vocab_parallel)
+
+
+# --------------------------------------------------------------------------
+# Gradient clipping
+# --------------------------------------------------------------------------
+
+
+def _tiny_mlp(parallel_layers: bool):
+    """LayerNorm (replicated) -> column -> row: both kinds of grads."""
+    torch.manual_seed(0)
+    ln, fc, proj = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+    if parallel_layers:
+        fc = parallel.ColumnParallelLinear.from_linear(fc)
+        proj = parallel.RowParallelLinear.from_linear(proj)
+    return nn.Sequential(ln, fc, nn.GELU(), proj)
+
+
+def _check_clip_grad_norm():
+    parallel.initialize(2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    tp, ref = _tiny_mlp(True), _tiny_mlp(False)
+    tp(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.1)
+    norm = parallel.clip_grad_norm_(tp.parameters(), max_norm=0.1)
+    assert ref_norm > 0.1  # so clipping really happened
+    assert_close(norm, ref_norm, tol=1e-5, what="global norm")
+    for (name, p), p_ref in zip(tp.named_parameters(), ref.parameters()):
+        g = _gathered_grad(p) if getattr(p, "tensor_model_parallel", False) else p.grad
+        assert_close(g, p_ref.grad, tol=1e-5, what=f"clipped grad {name}")
+
+    # Non-finite norm: returned as is, grads left alone for the caller.
+    tp[0].weight.grad[0] = float("inf")
+    before = [p.grad.clone() for p in tp.parameters()]
+    assert not torch.isfinite(parallel.clip_grad_norm_(tp.parameters(), 0.1))
+    for p, b in zip(tp.parameters(), before):
+        assert torch.equal(p.grad, b)
+
+
+def test_clip_grad_norm_uses_the_full_model_norm():
+    run_on_ranks(_check_clip_grad_norm)
+
+
+def test_clip_grad_norm_with_one_rank_equals_torch():
+    parallel.initialize(1)
+    try:
+        a, b = _tiny_mlp(False), _tiny_mlp(False)
+        x = torch.randn(4, 8)
+        for m in (a, b):
+            m(x).square().sum().backward()
+        ref = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
+        assert_close(parallel.clip_grad_norm_(b.parameters(), 0.1), ref)
+        for p, q in zip(b.parameters(), a.parameters()):
+            assert_close(p.grad, q.grad)
+    finally:
+        parallel.destroy()
+
+
+# --------------------------------------------------------------------------
+# Process groups and bad layouts
+# --------------------------------------------------------------------------
+
+
+def _check_groups_and_bad_layout():
+    with pytest.raises(RuntimeError, match="initialize"):
+        parallel.tp_size()  # forgot initialize() in a multi-rank job
+    with pytest.raises(ValueError, match="does not divide the world size 2"):
+        parallel.initialize(3)
+    parallel.initialize(1)  # T=1 on 2 ranks: pure data parallelism
+    assert (parallel.tp_size(), parallel.dp_size(), parallel.dp_rank()) == (1, 2, dist.get_rank())
+    t = torch.ones(1)
+    dist.all_reduce(t, group=parallel.tp_group())  # really a 1-rank group
+    assert t.item() == 1.0
+    parallel.destroy()
+    parallel.initialize(2)
+    assert (parallel.tp_size(), parallel.tp_rank(), parallel.dp_size()) == (2, dist.get_rank(), 1)
+
+
+def test_process_groups_and_world_size_check():
+    run_on_ranks(_check_groups_and_bad_layout)
+
+
+def test_tensor_parallel_needs_torch_distributed():
+    with pytest.raises(ValueError, match="torchrun"):
+        parallel.initialize(2)
+
+
+@pytest.mark.parametrize("field,value,tp", [
+    ("num_attention_heads", 12, 8), ("hidden_size", 772, 8), ("ffn_hidden_size", 3074, 4),
+    ("padded_vocab_size", 50257, 2),
+])
+def test_check_divisible_names_the_quantity(field, value, tp):
+    config = SimpleNamespace(num_attention_heads=16, hidden_size=768, ffn_hidden_size=None,
+                             padded_vocab_size=50304)
+    parallel.check_divisible(config, tp)  # the GPT-2 shape is fine
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=f"{field}={value}"):
+        parallel.check_divisible(config, tp)
+
+
+# --------------------------------------------------------------------------
+# GPT under tensor parallelism (gpt.py + parallel.py)
+# --------------------------------------------------------------------------
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def _use_layout(tp: int):
+    """Switch this rank's tensor-parallel size (models read it when built and run)."""
+    parallel.destroy()
+    parallel.initialize(tp)
+
+
+def _build_gpt(tp: int, **overrides) -> GPT:
+    _use_layout(tp)
+    torch.manual_seed(0)  # same seed on every rank, as train.py does
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                       max_position_embeddings=16, vocab_size=100, padded_vocab_size=128,
+                       **overrides)
+    return GPT(config)
+
+
+def _batch(step: int, batch_size: int = 3):
+    """Odd batch so Domino chunks are uneven; the same on every rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 100, (batch_size, 9), generator=g)
+    mask = (torch.rand(batch_size, 8, generator=g) > 0.2).float()
+    return ids[:, :-1], ids[:, 1:], mask
+
+
+def _full_grads(model: GPT) -> dict:
+    return {n: _gathered_grad(p) if getattr(p, "tensor_model_parallel", False) else p.grad
+            for n, p in model.named_parameters()}
+
+
+def _forward_backward(model: GPT):
+    """Full logits, loss, gathered grads and clipped global grad norm on one batch."""
+    x, y, mask = _batch(0)
+    logits = model(x).detach()
+    loss = model(x, labels=y, loss_mask=mask)
+    loss.backward()
+    grads = {n: g.clone() for n, g in _full_grads(model).items()}
+    norm = parallel.clip_grad_norm_(model.parameters(), max_norm=0.05)
+    clipped = _full_grads(model)
+    return logits, loss.detach(), grads, norm, clipped
+
+
+def _train_losses(model: GPT, steps: int = 20) -> list:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y, mask = _batch(step)
+        loss = model(x, labels=y, loss_mask=mask)
+        loss.backward()
+        parallel.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _assert_same_run(got, want, what):
+    logits, loss, grads, norm, clipped = got
+    logits_ref, loss_ref, grads_ref, norm_ref, clipped_ref = want
+    assert_close(logits, logits_ref, tol=1e-5, what=f"{what}: logits")
+    assert_close(loss, loss_ref, tol=1e-5, what=f"{what}: loss")
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{what}: grad of {name}: {m}")
+        torch.testing.assert_close(clipped[name], clipped_ref[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{what}: clipped grad of {name}: {m}")
+    assert_close(norm, norm_ref, tol=1e-5, what=f"{what}: grad norm")
+
+
+def _check_gpt_tensor_parallel_matches_single_gpu():
+    ref = _build_gpt(1)
+    want = _forward_backward(ref)
+    ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_losses = _train_losses(_build_gpt(1))
+
+    tp = _build_gpt(2)
+    # Really sharded: half the heads, half the vocab rows on this rank.
+    assert tp.blocks[0].attn.qkv.weight.shape == (3 * 32 // 2, 32)
+    assert tp.wte.weight.shape == (64, 32)
+    # Same full model from the same seed, same keys as T=1.
+    full = tp.full_state_dict()
+    assert full.keys() == ref_sd.keys()
+    for k in ref_sd:
+        assert torch.equal(full[k], ref_sd[k]), k
+    _assert_same_run(_forward_backward(tp), want, "T=2 vs T=1")
+    losses = _train_losses(_build_gpt(2))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)
+
+    # Checkpoint written at T=2 loads at T=1 and back at T=2.
+    trained = _build_gpt(2)
+    _train_losses(trained, steps=3)
+    x, y, mask = _batch(7)
+    with torch.no_grad():
+        loss_t2 = trained(x, labels=y, loss_mask=mask)
+    saved = trained.full_state_dict()
+    single = _build_gpt(1)
+    single.load_full_state_dict(saved)
+    with torch.no_grad():
+        assert_close(single(x, labels=y, loss_mask=mask), loss_t2, tol=1e-5, what="T=2 -> T=1")
+    back = _build_gpt(2)
+    back.load_full_state_dict({k: v.clone() for k, v in single.state_dict().items()})
+    with torch.no_grad():
+        assert_close(back(x, labels=y, loss_mask=mask), loss_t2, tol=1e-5, what="T=1 -> T=2")
+
+
+@pytest.mark.slow
+def test_gpt_tensor_parallel_matches_single_gpu():
+    run_on_ranks(_check_gpt_tensor_parallel_matches_single_gpu)
+
+
+def _check_domino_matches_plain_tensor_parallel():
+    plain = _build_gpt(2)
+    want = _forward_backward(plain)
+    plain_losses = _train_losses(_build_gpt(2))
+    for chunks in (2, 3):
+        domino = _build_gpt(2, domino_chunks=chunks)
+        assert domino.blocks[0].mlp.fc.async_grad_allreduce
+        _assert_same_run(_forward_backward(domino), want, f"domino {chunks} chunks")
+        losses = _train_losses(_build_gpt(2, domino_chunks=chunks))
+        torch.testing.assert_close(losses, plain_losses, rtol=1e-4, atol=0)
+    # A micro-batch smaller than the chunk count falls back to the plain path.
+    x, y, mask = _batch(0, batch_size=1)
+    with torch.no_grad():
+        assert_close(_build_gpt(2, domino_chunks=3)(x, labels=y), plain(x, labels=y),
+                     tol=1e-5, what="batch 1 fallback")
+
+
+@pytest.mark.slow
+def test_domino_overlap_matches_plain_tensor_parallel():
+    run_on_ranks(_check_domino_matches_plain_tensor_parallel)
+
+
+def test_gpt_with_one_rank_is_the_plain_model():
+    parallel.initialize(1)
+    try:
+        model = _build_gpt(1, domino_chunks=2)  # Domino is a no-op without TP
+        assert type(model.blocks[0].attn.qkv) is nn.Linear
+        assert type(model.wte) is nn.Embedding
+        assert not any(hasattr(p, "tensor_model_parallel") for p in model.parameters())
+    finally:
+        parallel.destroy()
