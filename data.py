@@ -118,7 +118,7 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise _corrupt(idx_path, f"header promises {n_seq} sequences and {n_doc} document boundaries "
                                      f"= {expected} bytes, but the file has {idx_bytes} bytes")
         self.dtype = np.dtype(_DTYPE_CODES[code])
-        self._idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_bytes else None
+        self._idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r")  # non-empty: it holds the header
         buf = self._idx_map
         self.sizes = np.frombuffer(buf, np.int32, n_seq, _HEADER_BYTES)                  # (S,)
         self.pointers = np.frombuffer(buf, np.int64, n_seq, _HEADER_BYTES + 4 * n_seq)   # (S,)

@@ -164,8 +164,12 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
     if impl == "triton":
+        if training and dropout_p > 0:  # GPTConfig refuses this too; guard direct callers
+            raise ValueError("attention_impl='triton' has no attention dropout; "
+                             "use dropout_p=0 or impl='torch'")
         import kernels  # imported on demand: triton is optional
-        kernels.require_triton(q)  # clear error on CPU without TRITON_INTERPRET=1
+        # flash_attention raises a clear error when Triton cannot run here
+        # (e.g. a CPU tensor without TRITON_INTERPRET=1).
         return kernels.flash_attention(q, k, v, causal=True)
     raise ValueError(f"unknown attention_impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
 
@@ -707,8 +711,11 @@ def _write_text(path: str, text: str) -> None:
 
 
 def _atomic_write(final_path: str, write) -> None:
-    """write(tmp_path), then rename: readers never see a half-written file."""
-    tmp = final_path + ".tmp"
+    """write(tmp_path), then rename: readers never see a half-written file.
+    The temp name is per process: under tensor parallelism every rank calls
+    to_hf (full_state_dict is collective) and writes the same files, and a
+    shared temp name would let one rank rename or delete another's half-written copy."""
+    tmp = f"{final_path}.tmp{os.getpid()}"
     try:
         write(tmp)
         os.replace(tmp, final_path)

@@ -92,6 +92,8 @@ def require_triton(device_or_tensor) -> None:
 # head bh, so element (bh, t, d) sits at bh*T*D + t*D + d. lse is (B*H, T) fp32.
 # Scores are kept in base 2: s2 = (q.k) * sm_scale * log2(e), and
 # lse2 = max + log2(sum exp2(s2 - max)), so that p = exp2(s2 - lse2).
+# T_BUCKET (next power of two >= T) is unused by the maths: it is only the
+# autotuning key on CUDA, see _build_launchers.
 # ---------------------------------------------------------------------------
 if HAS_TRITON:
 
@@ -125,7 +127,7 @@ if HAS_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _attn_fwd_kernel(Q, K, V, O, LSE, T, qk_scale,
+    def _attn_fwd_kernel(Q, K, V, O, LSE, T, qk_scale, T_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
@@ -199,7 +201,7 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, sm_scale, qk_scale,
+    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, sm_scale, qk_scale, T_BUCKET,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
@@ -258,7 +260,7 @@ if HAS_TRITON:
         return dq
 
     @triton.jit
-    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, sm_scale, qk_scale,
+    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, sm_scale, qk_scale, T_BUCKET,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                             DOT_PRECISION: tl.constexpr):
@@ -370,7 +372,10 @@ def _build_launchers():
     kernels = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
     if INTERPRET:
         return kernels
-    key = ["T", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"]
+    # Tune per power-of-two bucket of T (the kernels' T_BUCKET argument, unused
+    # inside them), not per exact T: generate() grows T by one token per step,
+    # and re-benchmarking all configs for every new length takes seconds.
+    key = ["T_BUCKET", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"]
     return {
         "fwd": triton.autotune(_attn_configs(False), key=key)(_attn_fwd_kernel),
         "dkdv": triton.autotune(_attn_configs(True), key=key)(_attn_bwd_dkdv_kernel),
@@ -388,7 +393,8 @@ def _launch_attn(name: str, num_rows: int, bh: int, *args, **constexprs):
     rows_block = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
     grid = lambda meta: (triton.cdiv(num_rows, meta[rows_block]), bh)  # noqa: E731
     fixed = _FIXED_ATTN if INTERPRET else {}
-    _LAUNCHERS[name][grid](*args, **constexprs, **fixed)
+    bucket = max(16, triton.next_power_of_2(num_rows))  # autotuning key, see _build_launchers
+    _LAUNCHERS[name][grid](*args, T_BUCKET=bucket, **constexprs, **fixed)
 
 
 # ---------------------------------------------------------------------------

@@ -175,8 +175,11 @@ def check_divisible(config, tp: int | None = None) -> None:
 
 @contextlib.contextmanager
 def skip_communication():
-    """Make the TP all-reduces no-ops (results become WRONG). Benchmarking only:
-    measures the step time of the same compute without communication."""
+    """Make the f/g (and Domino) activation/gradient all-reduces no-ops
+    (results become WRONG). Benchmarking only: measures the step time of the
+    same compute without that communication. The small per-token all-reduces
+    of vocab_parallel_cross_entropy, clip_grad_norm_'s norm all-reduce and
+    the all-gathers still run."""
     global _SKIP_COMMUNICATION
     previous, _SKIP_COMMUNICATION = _SKIP_COMMUNICATION, True
     try:
@@ -462,13 +465,21 @@ class _ColumnParallelLinearAsyncGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
+        # Under torch.autocast, forward's F.linear ran in the autocast dtype
+        # (grad_out is e.g. bf16) but x and weight were saved in fp32, and
+        # backward runs outside autocast. So do the GEMMs in grad_out's dtype,
+        # as autograd does for an autocast F.linear, and cast each gradient
+        # back to its input's dtype (dX before the all-reduce, exactly like
+        # the plain f path, which all-reduces the fp32 gradient).
+        dtype = grad_out.dtype
         grad_input = handle = None
         if ctx.needs_input_grad[0]:
-            grad_input = (grad_out @ weight).contiguous()       # (..., in) partial
+            grad_input = (grad_out @ weight.to(dtype)).to(x.dtype).contiguous()  # (..., in) partial
             handle = _all_reduce_owned(grad_input, async_op=True)
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])          # (N, out/T)
-        grad_weight = g2d.t() @ x.reshape(-1, x.shape[-1])      # overlaps the all-reduce
-        grad_bias = g2d.sum(dim=0) if ctx.has_bias else None
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/T)
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype)                       # (N, in)
+        grad_weight = (g2d.t() @ x2d).to(weight.dtype)                   # overlaps the all-reduce
+        grad_bias = g2d.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias
@@ -542,12 +553,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _sharded_master((num_embeddings, embedding_dim), init_method, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # One cheap min/max instead of a silent wrong row (or a CUDA assert).
-        if ids.numel() and not torch.compiler.is_compiling() and \
-                (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise ValueError(f"token ids must be in [0, {self.num_embeddings}), got range "
-                             f"[{int(ids.min())}, {int(ids.max())}]: check the tokenizer "
-                             "vocab against padded_vocab_size")
+        # Each rank sees only its own rows, so an out-of-range id would
+        # otherwise silently embed to zeros instead of failing.
+        _check_id_range(ids, self.num_embeddings, "token ids",
+                        "check the tokenizer vocab against padded_vocab_size")
         if tp_size() == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)      # (B, T)
@@ -623,12 +632,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> 
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                target.reshape(-1), reduction="none")
         return loss.view(target.shape)
-    vocab = logits.shape[-1] * tp_size()
-    if target.numel() and not torch.compiler.is_compiling() and \
-            (int(target.min()) < 0 or int(target.max()) >= vocab):
-        raise ValueError(f"target ids must be in [0, {vocab}), got range "
-                         f"[{int(target.min())}, {int(target.max())}]")
+    # No rank sees the whole vocab, so an out-of-range target would silently
+    # get a loss of log(sum exp) (no rank owns it) instead of an error.
+    _check_id_range(target, logits.shape[-1] * tp_size(), "target ids",
+                    "check the labels against padded_vocab_size")
     return _VocabParallelCrossEntropy.apply(logits, target)
+
+
+def _check_id_range(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
+    """Raise ValueError unless every id is in [0, limit). One host sync."""
+    if ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    lo, hi = torch.stack(list(ids.aminmax())).tolist()
+    if lo < 0 or hi >= limit:
+        raise ValueError(f"{what} must be in [0, {limit}), got range [{lo}, {hi}]: {fix}")
 
 
 # --------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def markdown_line_to_text(line: str) -> str:
 def _is_spoken(line: str) -> bool:
     """Body text rather than a heading or an italic stage direction."""
     line = line.strip()
-    return line != "" and not line.startswith(("#", "_", "*")) or line.startswith("**")
+    return (line != "" and not line.startswith(("#", "_", "*"))) or line.startswith("**")  # "**NAME**" speaks
 
 
 def markdown_to_scenes(markdown: str) -> list[str]:
@@ -339,8 +339,9 @@ def write_dataset(docs: Iterable[str], out_prefix: str, enc, workers: int = 1, a
     os.makedirs(os.path.dirname(out_prefix) or ".", exist_ok=True)
     stats, start = PrepareStats(), time.perf_counter()
     bar, update = _progress(log_interval)
-    with bar, IndexedDatasetBuilder(out_prefix + ".bin", dtype=best_dtype(VOCAB_SIZE)) as builder:
-        for tokens in tokenize_documents(docs, enc, workers, append_eod, chunk_chars=chunk_chars):
+    dtype = best_dtype(VOCAB_SIZE)  # uint16: the encoder and the .bin must agree
+    with bar, IndexedDatasetBuilder(out_prefix + ".bin", dtype=dtype) as builder:
+        for tokens in tokenize_documents(docs, enc, workers, append_eod, dtype, chunk_chars):
             if len(tokens) == 0:
                 continue  # only possible with --no-append-eod and an empty document
             builder.add_document(tokens)
@@ -388,8 +389,9 @@ def merge(inputs: list[str], output_prefix: str) -> PrepareStats:
     start = time.perf_counter()
     dtype = IndexedDataset(prefixes[0]).dtype  # opening each input first validates it before any output exists
     for prefix in prefixes[1:]:
-        if IndexedDataset(prefix).dtype != dtype:
-            raise ValueError(f"cannot merge {prefix} (dtype {IndexedDataset(prefix).dtype.name}) with "
+        other = IndexedDataset(prefix).dtype
+        if other != dtype:
+            raise ValueError(f"cannot merge {prefix} (dtype {other.name}) with "
                              f"{prefixes[0]} (dtype {dtype.name}); rebuild them with the same tokenizer")
     os.makedirs(os.path.dirname(output_prefix) or ".", exist_ok=True)
     with IndexedDatasetBuilder(output_prefix + ".bin", dtype=dtype) as builder:

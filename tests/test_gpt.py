@@ -68,7 +68,7 @@ def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path):
                 p.normal_(0.0, 0.2)
     ours.to_hf(str(tmp_path))
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
-    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     x = tokens(T=32)
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x)[..., :100], atol=1e-5, rtol=1e-5)

@@ -212,6 +212,20 @@ def test_module_imports_and_falls_back_without_triton():
     assert "(1, 2, 8, 32)" in out.stdout and "not installed" in out.stdout
 
 
+def test_cuda_autotuning_is_keyed_by_length_bucket_not_exact_length():
+    """generate() grows T one token per step: keying the autotuner on the exact
+    T would re-benchmark every config at every step (seconds each)."""
+    code = (
+        "import kernels\n"
+        "for name, launcher in kernels._LAUNCHERS.items():\n"
+        "    print(name, launcher.keys)\n"
+    )
+    out = _run_clean(code)
+    assert out.returncode == 0, out.stderr
+    for name in ("fwd", "dkdv", "dq"):
+        assert f"{name} ['T_BUCKET', 'HEAD_DIM', 'CAUSAL', 'DOT_PRECISION']" in out.stdout, out.stdout
+
+
 # ---------------------------------------------------------------------------
 # whole model: triton vs torch implementations give the same loss and grads
 

@@ -500,6 +500,30 @@ def test_domino_overlap_matches_plain_tensor_parallel():
     run_on_ranks(_check_domino_matches_plain_tensor_parallel)
 
 
+def _check_domino_under_bf16_autocast():
+    """train.py --bf16 runs the model under torch.autocast: the async-grad
+    column layer's backward then sees bf16 grads and fp32 saved tensors."""
+    x, y, mask = _batch(0)
+    runs = []
+    for chunks in (1, 2):
+        model = _build_gpt(2, domino_chunks=chunks)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, labels=y, loss_mask=mask)
+        loss.backward()
+        runs.append((loss.detach(), _full_grads(model)))
+    (loss_plain, grads_plain), (loss_domino, grads_domino) = runs
+    assert_close(loss_domino, loss_plain, tol=1e-2, what="bf16 domino loss")
+    for name, g in grads_plain.items():
+        assert grads_domino[name].dtype == torch.float32, name  # fp32 master grads
+        torch.testing.assert_close(grads_domino[name], g, rtol=5e-2, atol=2e-3,
+                                   msg=lambda m: f"bf16 domino grad of {name}: {m}")
+
+
+@pytest.mark.slow
+def test_domino_works_under_bf16_autocast():
+    run_on_ranks(_check_domino_under_bf16_autocast)
+
+
 def test_gpt_with_one_rank_is_the_plain_model():
     parallel.initialize(1)
     try:
