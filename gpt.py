@@ -33,6 +33,7 @@ never produced by the tokenizer and are never sampled.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -294,6 +295,9 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        # How blocks are recomputed under activation checkpointing; train.py
+        # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
+        self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
         self.wte = nn.Embedding(config.padded_vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.drop = nn.Dropout(config.hidden_dropout)
@@ -371,7 +375,7 @@ class GPT(nn.Module):
             for block in self.blocks:
                 if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
                     # Keep only the block's input; recompute its activations in backward.
-                    x = checkpoint(block, x, use_reentrant=False)
+                    x = self.checkpoint_fn(block, x)
                 else:
                     x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded), or (B, T, V_padded/T) under TP

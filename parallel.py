@@ -399,6 +399,12 @@ def _sharded_master(shape: tuple[int, ...], init_method, dim: int,
 # Parallel layers
 # --------------------------------------------------------------------------
 
+def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """A parameter's shape on this rank, also under ZeRO-3, which empties the
+    tensor and keeps its shape in `ds_shape`."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its OUTPUT dim: rank r holds the rows
     A_r (out/T, in) and computes Y_r = X A_r^T + b_r. The input goes through f
@@ -440,7 +446,7 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {self.weight.shape[0]}), stride={self.stride}, "
+                f"(local {_local_shape(self.weight)[0]}), stride={self.stride}, "
                 f"gather_output={self.gather_output}")
 
 
@@ -518,7 +524,7 @@ class RowParallelLinear(nn.Module):
         return _from_linear(cls, linear, **kwargs)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+        return (f"in_features={self.in_features} (local {_local_shape(self.weight)[1]}), "
                 f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
 
 

@@ -212,6 +212,11 @@ def init_distributed(cfg: TrainConfig) -> Dist:
     Without torchrun this is a single process. nccl drives GPUs; gloo runs the
     same code on CPU so that every distributed path can be tested anywhere.
     """
+    if cfg.domino:
+        # One hardware queue: kernels start in launch order, so an all-reduce
+        # launched before a GEMM really runs beside it (see parallel.py). Read
+        # when the CUDA context is created, so set it before touching the GPU.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -722,6 +727,12 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     config["zero_optimization"] = zero
     for key in ("bf16", "fp16"):
         config[key] = {**user.get(key, {}), **ours[key]}
+    if zero["stage"] == 0 and not (cfg.bf16 or cfg.fp16):
+        # DeepSpeed's fp32 stage-0 clipping sums the squared norms in float64 on
+        # the host, so its clip factor differs from the plain path's in the last
+        # bit; Adam amplifies that on near-zero gradients into a visible drift.
+        # It also reports no norm here. So we clip (and measure) ourselves.
+        config["gradient_clipping"] = 0.0
     # Our torch AdamW runs inside ZeRO (incl. offload: no DeepSpeed CPU-Adam build).
     config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     config.setdefault("steps_per_print", 10 ** 9)  # we log ourselves
@@ -804,7 +815,8 @@ def init_deepspeed(cfg: TrainConfig, env: Dist, accum: int, logger: Logger):
     model = build_model_zero3(cfg, ds, config) if stage == 3 else build_model(cfg, env.device)
     if cfg.recompute_activations:
         # DeepSpeed's recomputation; optionally each TP rank keeps 1/T of the saved inputs.
-        ds.checkpointing.configure(mpu, partition_activations=cfg.partition_activations)
+        ds.checkpointing.configure(DeepSpeedMPU(), partition_activations=cfg.partition_activations)
+        model.checkpoint_fn = ds.checkpointing.checkpoint
     optimizer = build_optimizer(model, cfg)
     # A callable: DeepSpeed builds the scheduler on its own (ZeRO-wrapped)
     # optimizer, whose param groups are the ones that reach the update.
@@ -816,6 +828,11 @@ def init_deepspeed(cfg: TrainConfig, env: Dist, accum: int, logger: Logger):
                            f"size is {parallel.dp_size()} (world / T): the mpu was not applied")
     iteration, consumed = load_deepspeed_checkpoint(cfg, engine, logger) if cfg.load else (0, 0)
     return engine, iteration, consumed
+
+
+def clips_itself(engine, cfg: TrainConfig) -> bool:
+    """Whether train.py, not DeepSpeed, clips gradients (see deepspeed_config)."""
+    return engine.zero_optimization_stage() == 0 and not (cfg.bf16 or cfg.fp16)
 
 
 def deepspeed_train_step(engine, batches, cfg: TrainConfig, device):
@@ -831,12 +848,12 @@ def deepspeed_train_step(engine, batches, cfg: TrainConfig, device):
         loss = engine(batch["tokens"], position_ids=batch["position_ids"],
                       labels=batch["labels"], loss_mask=batch["loss_mask"])
         engine.backward(loss)
-        if i == len(batches) - 1 and engine.zero_optimization_stage() == 0 \
-                and not (cfg.bf16 or cfg.fp16):
-            # DeepSpeed does not report the norm in this one mode: measure the
-            # averaged grads (max_norm inf: nothing is changed).
+        if i == len(batches) - 1 and clips_itself(engine, cfg):
+            # Plain fp32 engine (stage 0): we clip the averaged grads ourselves;
+            # see deepspeed_config.
+            max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
             grad_norm = parallel.clip_grad_norm_([p for p in engine.module.parameters()
-                                                  if p.grad is not None], float("inf"))
+                                                  if p.grad is not None], max_norm)
         engine.step()
         total += loss.detach().float() / len(batches)
     if grad_norm is None:
