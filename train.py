@@ -971,7 +971,8 @@ def consolidated_weights(path: str) -> tuple[dict, dict]:
 
 
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
-    """Write a DeepSpeed checkpoint's consolidated fp32 weights as
+    """Write the consolidated fp32 weights of a checkpoint (train.py's own, or
+    DeepSpeed's from any ZeRO stage and T) as
     fmt="plain": the project's checkpoint layout (OUT/iter_N/model_optim_rng.pt
                  + latest_checkpointed_iteration.txt), weights only: resume
                  it with --load OUT --no-load-optim (any layout, with or
@@ -979,20 +980,27 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="hf":    a Hugging Face GPT-2 directory (GPT.to_hf)."""
     if parallel.tp_size() > 1:
         raise RuntimeError("export_weights builds a T=1 model: call it outside a tensor-parallel job")
-    full, meta = consolidated_weights(checkpoint)
-    mcfg = GPTConfig(**meta["model_config"])
-    model = GPT(mcfg)  # T=1, on CPU
+    plain = find_checkpoint(checkpoint)
+    if plain:  # train.py's own checkpoint: already full weights
+        state = torch.load(plain, map_location="cpu", weights_only=False)
+        full, model_config = state["model"], state["model_config"]
+    else:
+        full, meta = consolidated_weights(checkpoint)
+        tag_dir, _ = read_deepspeed_checkpoint(checkpoint)
+        client = torch.load(glob.glob(os.path.join(tag_dir, "*mp_rank_00_model_states.pt"))[0],
+                            map_location="cpu", weights_only=False)
+        state = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
+                 "rng": client["rng"], "config": client["config"]}
+        model_config = meta["model_config"]
+    model = GPT(GPTConfig(**model_config))  # T=1, on CPU
     model.load_full_state_dict(full)
     if fmt == "hf":
         model.to_hf(out)
         return
-    tag_dir, _ = read_deepspeed_checkpoint(checkpoint)
-    client = torch.load(glob.glob(os.path.join(tag_dir, "*mp_rank_00_model_states.pt"))[0],
-                        map_location="cpu", weights_only=False)
     state = {"model": model.full_state_dict(), "optimizer": None, "scaler": None,
-             "iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
-             "rng": client["rng"], "config": client["config"], "model_config": meta["model_config"]}
-    final = os.path.join(out, f"iter_{meta['iteration']:07d}")
+             "iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
+             "rng": state["rng"], "config": state["config"], "model_config": model_config}
+    final = os.path.join(out, f"iter_{state['iteration']:07d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -1000,7 +1008,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     with open(os.path.join(out, LATEST + ".tmp"), "w") as f:
-        f.write(str(meta["iteration"]))
+        f.write(str(state["iteration"]))
     os.replace(os.path.join(out, LATEST + ".tmp"), os.path.join(out, LATEST))
 
 
