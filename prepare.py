@@ -24,10 +24,11 @@ same flags where they apply:
      `--output-prefix data/shakespeare` gives data/shakespeare_text_document,
      the path to pass to train.py --data-path.
 
-Parallelism: tiktoken's Rust encoder releases the GIL, so --workers threads in
-this one process tokenize chunks of documents side by side. That measured
-faster than a multiprocessing Pool (bench/bench_prepare.py), which must pickle
-every document to a worker and every token list back.
+Parallelism: --workers processes tokenize chunks of documents side by side,
+as Megatron's preprocess_data.py does; each chunk's tokens come back as numpy
+arrays, which are cheap to pickle (a list of Python ints is not), and the
+main process writes them in input order. bench/bench_prepare.py measures this
+against raw tiktoken on the same cores.
 
 Output is atomic: files are written under temporary names and renamed only
 when complete, so an error or Ctrl-C leaves no .bin/.idx behind.
@@ -41,7 +42,7 @@ import re
 import sys
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -248,10 +249,10 @@ def iter_shakespeare_documents(files: list[str] | None = None) -> Iterator[str]:
 
 
 # ----------------------------------------------------------------------------
-# Tokenization (threads: tiktoken releases the GIL while encoding)
+# Tokenization
 
 def _chunks(docs: Iterable[str], chunk_chars: int) -> Iterator[list[str]]:
-    """Group documents into chunks of about chunk_chars characters: one thread task each."""
+    """Group documents into chunks of about chunk_chars characters: one worker task each."""
     chunk, size = [], 0
     for doc in docs:
         chunk.append(doc)
@@ -268,8 +269,8 @@ def encode_document(enc, text: str, append_eod: bool = True, dtype=np.uint16) ->
 
     encode_to_numpy with no special tokens allowed or disallowed is exactly
     encode_ordinary ("<|endoftext|>" in the text is plain text), but it hands
-    back a buffer instead of a Python list of ints: building that list holds
-    the GIL, which would serialize the threads.
+    back a buffer instead of a Python list of ints, which is slow to build and
+    to send between processes.
     """
     ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())  # (n,) uint32
     out = np.empty(len(ids) + append_eod, dtype=dtype)
@@ -283,15 +284,36 @@ def _encode_chunk(enc, docs: list[str], append_eod: bool, dtype) -> list[np.ndar
     return [encode_document(enc, doc, append_eod, dtype) for doc in docs]
 
 
+_worker_encoding = None  # each worker process loads its own copy of the BPE once
+
+
+def _init_worker() -> None:
+    global _worker_encoding
+    _worker_encoding = load_tokenizer()
+
+
+def _encode_chunk_in_worker(docs: list[str], append_eod: bool, dtype) -> list[np.ndarray]:
+    return _encode_chunk(_worker_encoding, docs, append_eod, dtype)
+
+
 def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: bool = True,
                        dtype=np.uint16, chunk_chars: int = 1 << 15) -> Iterator[np.ndarray]:
-    """Token arrays, one per document, in input order; `workers` chunks encode at once."""
+    """Token arrays, one per document, in input order.
+
+    With workers > 1, chunks of documents (~chunk_chars characters each) go to
+    a pool of worker processes, as in Megatron's preprocess_data.py; token
+    arrays come back as numpy (cheap to pickle). A bounded look-ahead keeps
+    memory flat however big the corpus is."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    with ThreadPoolExecutor(workers) as pool:
-        pending = deque()  # bounded look-ahead: memory stays flat however big the corpus
+    if workers == 1:
         for chunk in _chunks(docs, chunk_chars):
-            pending.append(pool.submit(_encode_chunk, enc, chunk, append_eod, dtype))
+            yield from _encode_chunk(enc, chunk, append_eod, dtype)
+        return
+    with ProcessPoolExecutor(workers, initializer=_init_worker) as pool:
+        pending = deque()
+        for chunk in _chunks(docs, chunk_chars):
+            pending.append(pool.submit(_encode_chunk_in_worker, chunk, append_eod, dtype))
             if len(pending) > 2 * workers:
                 yield from pending.popleft().result()
         while pending:
@@ -419,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", "--json-keys", dest="json_key", default="text",
                    help="key holding the document in .json/.jsonl lines; also names the output (default: text)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="tokenizer threads (default: all CPUs, %(default)s)")
+                   help="tokenizer processes (default: all CPUs, %(default)s)")
     p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                    help="append EOD (50256) to every document; on by default (GPT needs document "
                         "boundaries); --no-append-eod disables it")
