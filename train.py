@@ -557,6 +557,31 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
+def publish(tmp_dir: str, final_dir: str, pointer: str, pointer_text: str) -> None:
+    """Move a completely written checkpoint directory into place, then point
+    the `latest` file at it. Both steps are renames, so a crash leaves either
+    the old checkpoint and pointer or the new ones."""
+    old = final_dir + ".old"
+    if os.path.exists(final_dir):  # re-saving an iteration: keep it until the new one is in place
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    with open(pointer + ".tmp", "w") as f:
+        f.write(pointer_text)
+    os.replace(pointer + ".tmp", pointer)
+
+
+def write_plain_checkpoint(save_dir: str, state: dict) -> str:
+    """SAVE/iter_N/model_optim_rng.pt + SAVE/latest_checkpointed_iteration.txt."""
+    final = os.path.join(save_dir, f"iter_{state['iteration']:07d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    torch.save(state, os.path.join(tmp, "model_optim_rng.pt"))
+    publish(tmp, final, os.path.join(save_dir, LATEST), str(state["iteration"]))
+    return final
+
+
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
                     consumed_samples: int, logger: Logger) -> None:
     # Every rank takes part: gathering tensor-parallel shards is a collective.
@@ -573,20 +598,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        final = os.path.join(cfg.save, f"iter_{iteration:07d}")
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        torch.save(state, os.path.join(tmp, "model_optim_rng.pt"))
-        old = final + ".old"
-        if os.path.exists(final):  # re-saving the same iteration: keep it until the new one is in place
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        with open(os.path.join(cfg.save, LATEST + ".tmp"), "w") as f:
-            f.write(str(iteration))
-        os.replace(os.path.join(cfg.save, LATEST + ".tmp"), os.path.join(cfg.save, LATEST))
-        logger.print(f"saved checkpoint {final}")
+        logger.print(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
     if dist.is_initialized():
         dist.barrier()
 
@@ -891,14 +903,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
                 "tensor_parallel_layout": tensor_parallel_layout(engine.module)}
         with open(os.path.join(tmp, DS_META), "w") as f:
             json.dump(meta, f, indent=1)
-        old = final + ".old"
-        if os.path.exists(final):  # re-saving an iteration: keep it until the new one is in place
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        with open(os.path.join(cfg.save, DS_LATEST + ".tmp"), "w") as f:
-            f.write(tag)
-        os.replace(os.path.join(cfg.save, DS_LATEST + ".tmp"), os.path.join(cfg.save, DS_LATEST))
+        publish(tmp, final, os.path.join(cfg.save, DS_LATEST), tag)
         logger.print(f"saved checkpoint {final}")
     dist.barrier()
 
@@ -1000,16 +1005,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     state = {"model": model.full_state_dict(), "optimizer": None, "scaler": None,
              "iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
              "rng": state["rng"], "config": state["config"], "model_config": model_config}
-    final = os.path.join(out, f"iter_{state['iteration']:07d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    torch.save(state, os.path.join(tmp, "model_optim_rng.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    with open(os.path.join(out, LATEST + ".tmp"), "w") as f:
-        f.write(str(state["iteration"]))
-    os.replace(os.path.join(out, LATEST + ".tmp"), os.path.join(out, LATEST))
+    write_plain_checkpoint(out, state)
 
 
 # ----------------------------------------------------------------------------
