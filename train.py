@@ -115,7 +115,7 @@ class TrainConfig:
     deepspeed_config: str | None = None    # DeepSpeed JSON; must agree with the flags above
     zero_offload_optimizer: bool = False   # optimizer states (and the step) on CPU
     partition_activations: bool = False    # with --recompute-activations: split saved inputs over TP
-    # weight export from a DeepSpeed checkpoint (then exit)
+    # weight export from a checkpoint, plain or DeepSpeed (then exit)
     export_from: str | None = None
     export_to: str | None = None
     export_format: str = "plain"           # plain | hf
