@@ -15,10 +15,11 @@ One file, read top to bottom:
 4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
    code that initializes a full master weight and keeps its own slice.
 5. Tensor parallelism (Megatron-style, see parallel.py): when the model is
-   built after parallel.initialize(T) with T > 1, it is first built and
+   built after parallel.initialize(T) with T > 1, each layer is built and
    initialized exactly as for T=1, then its big matmuls are swapped for
-   parallel layers holding this rank's slice (see GPT._shard_for_tensor_parallelism),
-   so every T trains the same model from the same seed. Optional Domino
+   parallel layers holding this rank's slice (see GPT._shard_block) before
+   the next layer is built, so every T trains the same model from the same
+   seed and no rank ever holds the full model. Optional Domino
    overlap (config.domino_chunks > 1, see GPT._domino_layers) hides the TP
    all-reduces behind computation.
 6. Sampling (`filter_logits`, `GPT.generate`), parameter/FLOP accounting
@@ -38,6 +39,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -298,20 +300,45 @@ class GPT(nn.Module):
         # How blocks are recomputed under activation checkpointing; train.py
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
-        self.wte = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        tp = parallel.tp_size() > 1
+        if tp:
+            self._check_tensor_parallel_config()
+        # Built one piece at a time, each initialized (and under tensor
+        # parallelism sliced) before the next exists: a rank never holds more
+        # than its slices plus one full layer. See _build.
+        self.wte = self._build(lambda: nn.Embedding(config.padded_vocab_size, config.hidden_size))
+        if tp:
+            self.wte = parallel.VocabParallelEmbedding.from_embedding(self.wte)
+        self.wpe = self._build(lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size))
         self.drop = nn.Dropout(config.hidden_dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.ln_f = make_layernorm(config, config.hidden_size)
-        init_weights(self, config)
-        if parallel.tp_size() > 1:
-            self._shard_for_tensor_parallelism()
+        self.blocks = nn.ModuleList()
+        for _ in range(config.num_layers):
+            block = self._build(lambda: Block(config))
+            if tp:
+                self._shard_block(block)
+            self.blocks.append(block)
+        self.ln_f = self._build(lambda: make_layernorm(config, config.hidden_size))
 
-    def _shard_for_tensor_parallelism(self):
-        """Swap the big matmuls for Megatron's parallel layers, each keeping
-        this rank's slice of the full weight just initialized above. So the
-        model (and the RNG stream after it) is the same for every T; the cost
-        is one full fp32 model per rank during construction (6 GB at 1.5B).
+    def _build(self, make: Callable[[], nn.Module]) -> nn.Module:
+        """make() a piece and give it GPT-2's init. Only init_weights draws
+        random numbers (the constructors' own default init runs on a forked,
+        discarded RNG), so the weights depend on the seed and the order of the
+        pieces alone: the same for every T, and the same when DeepSpeed's
+        zero.Init re-runs init_weights module by module (train.py)."""
+        with torch.random.fork_rng(devices=[]):
+            module = make()
+        init_weights(module, self.config)
+        return module
+
+    def _check_tensor_parallel_config(self) -> None:
+        if self.config.domino_chunks > 1 and self.config.activation_checkpointing:
+            raise ValueError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
+                             "turn one of them off")
+        parallel.check_divisible(self.config)
+
+    def _shard_block(self, block: "Block") -> None:
+        """Swap a block's big matmuls for Megatron's parallel layers, each
+        keeping this rank's slice of the full weight just initialized:
 
             wte          VocabParallelEmbedding (vocab rows split; tied head)
             attn.qkv     ColumnParallelLinear, stride 3: rank r gets [Q_r|K_r|V_r]
@@ -322,18 +349,12 @@ class GPT(nn.Module):
 
         Parameter names are unchanged, so full_state_dict() has T=1's keys.
         """
-        if self.config.domino_chunks > 1 and self.config.activation_checkpointing:
-            raise ValueError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
-                             "turn one of them off")
-        parallel.check_divisible(self.config)
         domino = self.config.domino_chunks > 1
         Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
-        self.wte = parallel.VocabParallelEmbedding.from_embedding(self.wte)
-        for block in self.blocks:
-            block.attn.qkv = Column.from_linear(block.attn.qkv, stride=3, async_grad_allreduce=domino)
-            block.attn.proj = Row.from_linear(block.attn.proj)
-            block.mlp.fc = Column.from_linear(block.mlp.fc, async_grad_allreduce=domino)
-            block.mlp.proj = Row.from_linear(block.mlp.proj)
+        block.attn.qkv = Column.from_linear(block.attn.qkv, stride=3, async_grad_allreduce=domino)
+        block.attn.proj = Row.from_linear(block.attn.proj)
+        block.mlp.fc = Column.from_linear(block.mlp.fc, async_grad_allreduce=domino)
+        block.mlp.proj = Row.from_linear(block.mlp.proj)
 
     # -- forward --------------------------------------------------------------
 

@@ -781,13 +781,17 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
     partitioned over the data-parallel group as soon as the layer is built,
     so no rank ever holds the full model.
 
-    GPT.__init__ initializes weights after its layers exist, when they are
-    already partitioned (empty), so that init does nothing here; we redo it
-    one layer at a time on gathered weights. The RNG stream is the same as in
-    build_model (the skipped init drew no numbers), so the weights are too.
-    With tensor parallelism GPT builds the full model first and then shards
-    it, which needs whole weights: that case is built normally (full model
-    per rank during construction) and partitioned by deepspeed.initialize.
+    GPT initializes each piece after it is built, when zero.Init has already
+    partitioned (emptied) it, so that init does nothing here; we redo it one
+    module at a time on gathered weights. Only init_weights draws random
+    numbers (GPT._build), so the RNG stream, and the weights, are those of
+    build_model.
+
+    With tensor parallelism GPT slices each layer's full weight right after
+    initializing it, which needs whole weights, so that case is built outside
+    zero.Init: each rank then holds its 1/T slices plus one full layer at a
+    time, never the full model, and deepspeed.initialize partitions the
+    slices over the data-parallel group.
     """
     if parallel.tp_size() > 1:
         return build_model(cfg, torch.device("cpu"))

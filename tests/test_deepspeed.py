@@ -100,6 +100,8 @@ def worker(out: str, plan: str) -> None:
                                                  "--load", ck(f"z{stage}_resume")])
         worker_run(out, "z1_recompute", ["--deepspeed", "--zero-stage", "1", "--recompute-activations",
                                          "--train-iters", "6", "--lr-decay-iters", str(STEPS)])
+        worker_run(out, "z2_offload", ["--deepspeed", "--zero-stage", "2", "--zero-offload-optimizer",
+                                       "--train-iters", "6", "--lr-decay-iters", str(STEPS)])
         export_and_eval(out, ck("z3"), "export_z3", [])
     elif plan == "tp":  # 4 processes: T=2, D=2
         tp = ["--tensor-model-parallel-size", "2"]
@@ -190,10 +192,12 @@ def test_tensor_parallel_zero_matches_ddp(runs, stage):
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
 
 
-@pytest.mark.parametrize("run,ref", [("z1_recompute", "z1"), ("tp2_z1_partitioned", "tp2_z1")])
-def test_deepspeed_activation_checkpointing_changes_nothing_but_memory(runs, run, ref):
+@pytest.mark.parametrize("run,ref", [("z1_recompute", "z1"), ("tp2_z1_partitioned", "tp2_z1"),
+                                     ("z2_offload", "z2")])
+def test_memory_saving_options_change_nothing_but_memory(runs, run, ref):
     """--recompute-activations through DeepSpeed's checkpointing (and, under
-    TP, --partition-activations) trains exactly like keeping activations."""
+    TP, --partition-activations), and --zero-offload-optimizer (optimizer
+    states and step on CPU, torch AdamW) train exactly like the plain stage."""
     got, want = metrics(runs, run), metrics(runs, ref)
     assert [m["iteration"] for m in got] == list(range(1, 7))
     for a, b in zip(want, got):  # same schedule: --lr-decay-iters pins it

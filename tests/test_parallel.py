@@ -533,3 +533,32 @@ def test_gpt_with_one_rank_is_the_plain_model():
         assert not any(hasattr(p, "tensor_model_parallel") for p in model.parameters())
     finally:
         parallel.destroy()
+
+
+def _check_construction_never_holds_the_full_model():
+    """Under T=2 each block is built, initialized and sliced before the next
+    one exists, so at most one unsharded block is alive at any time (a rank
+    never materializes the full model, which matters for large models)."""
+    import gc
+    from gpt import Block
+    alive_full_blocks = []
+    real_shard = GPT._shard_block
+
+    def spy(self, block):
+        gc.collect()
+        full = [b for b in gc.get_objects()
+                if isinstance(b, Block) and isinstance(b.attn.qkv, torch.nn.Linear)]
+        alive_full_blocks.append(len(full))
+        return real_shard(self, block)
+
+    GPT._shard_block = spy
+    try:
+        model = _build_gpt(2)
+    finally:
+        GPT._shard_block = real_shard
+    assert alive_full_blocks == [1] * len(model.blocks)
+    assert all(isinstance(b.attn.qkv, parallel.ColumnParallelLinear) for b in model.blocks)
+
+
+def test_construction_never_holds_the_full_model():
+    run_on_ranks(_check_construction_never_holds_the_full_model)
