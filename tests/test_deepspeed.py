@@ -326,3 +326,26 @@ def test_zero_flags_without_deepspeed_are_an_error():
 
 if __name__ == "__main__" and sys.argv[1] == "worker":
     worker(sys.argv[2], sys.argv[3])
+
+
+def test_deepspeed_launcher_runs_train_py(tmp_path):
+    """`deepspeed --num_gpus 2 train.py ...` (it passes --local_rank) works like torchrun."""
+    import shutil as sh
+    launcher = sh.which("deepspeed")
+    if launcher is None:
+        pytest.skip("the deepspeed launcher is not on PATH")
+    prefix = str(tmp_path / "corpus_text_document")
+    make_corpus(prefix)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"  # the launcher picks its accelerator at import
+    import socket
+    with socket.socket() as sock:  # a free port for the launcher's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(port),
+                           os.path.join(ROOT, "train.py"), *COMMON, "--train-iters", "2",
+                           "--data-path", prefix, "--deepspeed", "--zero-stage", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world 2 = TP 1 x DP 2" in proc.stdout and "iter      2" in proc.stdout
