@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data as data_lib
 import parallel
+from prepare import TokenizerUnavailableError, load_tokenizer
 from gpt import GPT, GPTConfig, PRESETS, count_parameters, flops_per_token, init_weights
 
 EOD_TOKEN = 50256  # GPT-2's <|endoftext|>
@@ -1035,8 +1036,7 @@ class Preemption:
 
 
 def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
-    import tiktoken
-    enc = tiktoken.get_encoding("r50k_base")
+    enc = load_tokenizer()  # TokenizerUnavailableError says how to seed TIKTOKEN_CACHE_DIR
     ids = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # same on every tensor-parallel rank
     out = model.generate(ids, max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=200,
@@ -1135,8 +1135,11 @@ def train(cfg: TrainConfig, env: Dist) -> None:
             break
 
     if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
-        text = sample_text(raw_model, cfg, env.device)
-        logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
+        try:
+            text = sample_text(raw_model, cfg, env.device)
+            logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
+        except TokenizerUnavailableError as e:  # training is done and saved: just say why
+            logger.print(f"no sample printed: {e}")
     logger.close()
     if cfg.deepspeed:
         model.destroy()  # without it ZeRO-3 under gloo sometimes aborts at exit

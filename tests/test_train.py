@@ -291,3 +291,12 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path):
     exported = GPT.from_hf(hf)
     for name, value in exported.state_dict().items():
         torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
+
+
+def test_offline_tokenizer_skips_the_sample_but_not_the_run(corpus, tmp_path):
+    """Training needs no tokenizer; only the closing sample does. Offline with
+    no tiktoken cache, the run still succeeds and says how to fix the sample."""
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
+           "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--sample-tokens", "4"], env=env)
+    assert "no sample printed" in proc.stdout and "TIKTOKEN_CACHE_DIR" in proc.stdout
