@@ -1,4 +1,4 @@
-"""Pretrain a GPT on Megatron-format token data.
+r"""Pretrain a GPT on Megatron-format token data.
 
     torchrun --standalone --nproc_per_node 8 train.py --preset 124M \
         --data-path data/shakespeare_text_document --micro-batch-size 8 \
@@ -13,6 +13,8 @@ One file, top to bottom:
   5. The step: gradient accumulation, mixed precision, clipping.
   6. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   7. Checkpoints that are written atomically and resume bit-exactly.
+  8. DeepSpeed ZeRO (--deepspeed): config from these flags, the same AdamW and
+     schedule, tensor-parallel mpu, its checkpoints, and weight export.
 """
 from __future__ import annotations
 
@@ -124,6 +126,53 @@ class TrainConfig:
     seed: int = 1234
 
 
+# --help text for each flag (the dataclass above stays one line a field).
+FLAG_HELP = {
+    "preset": "model size: " + ", ".join(PRESETS) + "; the model flags below override it",
+    "num_layers": "transformer layers", "hidden_size": "model width",
+    "num_attention_heads": "attention heads", "ffn_hidden_size": "MLP width (default 4 x hidden)",
+    "seq_length": "tokens per sample", "max_position_embeddings": "learned positions (default: preset's, at least --seq-length)",
+    "hidden_dropout": "dropout on embeddings and residual branches",
+    "attention_dropout": "dropout on attention probabilities",
+    "attention_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
+    "layernorm_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
+    "recompute_activations": "activation checkpointing: recompute each block in backward",
+    "tensor_model_parallel_size": "T: ranks that split every layer (consecutive ranks, one node)",
+    "domino": "overlap tensor-parallel all-reduces with compute (DeepSpeed-Domino)",
+    "domino_chunks": "micro-batch chunks that --domino interleaves",
+    "micro_batch_size": "samples per rank per forward/backward",
+    "global_batch_size": "samples per optimizer step = micro batch x data-parallel size x accumulation",
+    "train_iters": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate",
+    "lr_warmup_iters": "linear warmup steps", "lr_decay_iters": "decay steps (default: --train-iters)",
+    "adam_beta1": "AdamW beta1", "adam_beta2": "AdamW beta2", "adam_eps": "AdamW epsilon",
+    "lr_decay_style": "cosine | linear | constant", "weight_decay": "AdamW decay of matrices (not biases or norms)",
+    "clip_grad": "global gradient-norm clipping; 0 disables",
+    "bf16": "bf16 autocast", "fp16": "fp16 autocast with dynamic loss scaling",
+    "initial_loss_scale": "first loss scale under --fp16", "compile": "torch.compile the model",
+    "data_path": "PREFIX, or a weighted blend: W1 PREFIX1 W2 PREFIX2 ...",
+    "split": "train,valid,test weights, split by documents",
+    "data_cache_path": "where sample-index arrays are cached (default: next to the data)",
+    "reset_position_ids": "restart positions after each end-of-text",
+    "eod_mask_loss": "no loss on end-of-text positions", "num_workers": "DataLoader workers",
+    "eval_interval": "validate every N steps (and at the end); 0 disables",
+    "eval_iters": "global batches per validation", "log_interval": "log every N steps",
+    "metrics_file": "also write the logged figures as JSON lines here",
+    "tensorboard_dir": "also log to TensorBoard here",
+    "peak_flops": "peak FLOP/s of one device for MFU (default: by GPU name)",
+    "save": "checkpoint directory to write", "load": "checkpoint directory to resume from",
+    "save_interval": "save every N steps (and at the end, on SIGTERM and at --exit-interval)",
+    "exit_interval": "save and stop after every N steps",
+    "no_load_optim": "load weights only (fresh optimizer)",
+    "sample_prompt": "prompt of the sample printed at the end", "sample_tokens": "its length; 0 disables",
+    "deepspeed": "train through DeepSpeed ZeRO", "zero_stage": "ZeRO stage 0-3 (default 1)",
+    "deepspeed_config": "DeepSpeed's JSON config; values must agree with these flags",
+    "zero_offload_optimizer": "optimizer states and step on CPU",
+    "partition_activations": "with --recompute-activations under DeepSpeed: split saved inputs over TP ranks",
+    "export_from": "export the weights of this checkpoint (plain or DeepSpeed), then exit",
+    "export_to": "where the export goes", "export_format": "plain (train.py checkpoint) | hf (Hugging Face GPT-2)",
+    "seed": "random seed (the same on every rank)",
+}
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Megatron-style flags -> TrainConfig. Flag `--foo-bar` fills field `foo_bar`."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,14 +180,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        help = FLAG_HELP.get(f.name, "")
         if f.type == "bool":
-            p.add_argument(flag, action="store_true", default=default)
+            p.add_argument(flag, action="store_true", default=default, help=help)
         elif f.name == "data_path":
-            p.add_argument(flag, nargs="+", default=default,
-                           help="PREFIX, or weighted blend: W1 PREFIX1 W2 PREFIX2 ...")
+            p.add_argument(flag, nargs="+", default=default, help=help + " (default: %(default)s)")
         else:
             kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-            p.add_argument(flag, type=kind, default=default)
+            p.add_argument(flag, type=kind, default=default, help=help + " (default: %(default)s)")
     p.add_argument("--checkpoint-activations", dest="recompute_activations", action="store_true",
                    help="alias of --recompute-activations (older Megatron name)")
     p.add_argument("--deepspeed_config", dest="deepspeed_config", help=argparse.SUPPRESS)  # DeepSpeed's spelling
