@@ -658,30 +658,36 @@ def _check_id_range(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
 # Layout-independent checkpoints
 # --------------------------------------------------------------------------
 
+def gather_like(param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of `t`, a tensor split the way `param` is (the
+    parameter itself, or optimizer state shaped like it). Collective over the
+    TP group for sharded parameters; replicated ones are returned as they are."""
+    if getattr(param, "tensor_model_parallel", False):
+        return gather_tensor(t, param.partition_dim, param.partition_stride)
+    return t
+
+
+def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """Inverse of gather_like: this rank's slice of `full`, split like `param`."""
+    if getattr(param, "tensor_model_parallel", False):
+        return shard_tensor(full, param.partition_dim, tp_rank(), tp_size(), param.partition_stride)
+    return full
+
+
 def full_state_dict(module: nn.Module) -> dict:
     """module.state_dict() with every sharded parameter gathered to its full
     tensor: the same keys and shapes for any T. Collective over the TP group."""
     params = dict(module.named_parameters())
-    out = {}
-    for name, t in module.state_dict().items():
-        p = params.get(name)
-        if p is not None and getattr(p, "tensor_model_parallel", False):
-            t = gather_tensor(t, p.partition_dim, p.partition_stride)
-        out[name] = t
-    return out
+    return {name: gather_like(params[name], t) if name in params else t
+            for name, t in module.state_dict().items()}
 
 
 def load_full_state_dict(module: nn.Module, sd: dict) -> None:
     """Inverse of full_state_dict: slice each full tensor the way this rank's
     parameter is split, then load strictly (any T can load any T's save)."""
     params = dict(module.named_parameters())
-    local = {}
-    for name, t in sd.items():
-        p = params.get(name)
-        if p is not None and getattr(p, "tensor_model_parallel", False):
-            t = shard_tensor(t, p.partition_dim, tp_rank(), tp_size(), p.partition_stride)
-        local[name] = t
-    module.load_state_dict(local, strict=True)
+    module.load_state_dict({name: shard_like(params[name], t) if name in params else t
+                            for name, t in sd.items()}, strict=True)
 
 
 # --------------------------------------------------------------------------

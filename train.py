@@ -564,28 +564,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def gather_like(p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
-    """Gather a tensor shaped like tensor-parallel shard `p` into the full tensor."""
-    if getattr(p, "tensor_model_parallel", False):
-        return parallel.gather_tensor(t, p.partition_dim, p.partition_stride)
-    return t
-
-
-def shard_like(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a full tensor, split the way parameter `p` is split."""
-    if getattr(p, "tensor_model_parallel", False):
-        return parallel.shard_tensor(full, p.partition_dim, parallel.tp_rank(), parallel.tp_size(),
-                                     p.partition_stride)
-    return full
-
-
 def full_optimizer_state(model: GPT, optimizer) -> dict:
     """AdamW state keyed by parameter name, with tensor-parallel shards gathered,
     so that the checkpoint does not depend on the parallel layout."""
     state = {}
     for name, p in model.named_parameters():
         s = optimizer.state.get(p, {})
-        state[name] = {k: gather_like(p, v) if torch.is_tensor(v) and v.shape == p.shape else v
+        state[name] = {k: parallel.gather_like(p, v) if torch.is_tensor(v) and v.shape == p.shape else v
                        for k, v in s.items()}
     return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
@@ -601,7 +586,7 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict) -> None:
             name = names[id(p)]
             if name not in saved["state"]:
                 raise KeyError(f"checkpoint has no optimizer state for parameter {name!r}")
-            state[index] = {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
+            state[index] = {k: parallel.shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
                             for k, v in saved["state"][name].items()}
             index += 1
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
