@@ -300,3 +300,19 @@ def test_offline_tokenizer_skips_the_sample_but_not_the_run(corpus, tmp_path):
            "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
     proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--sample-tokens", "4"], env=env)
     assert "no sample printed" in proc.stdout and "TIKTOKEN_CACHE_DIR" in proc.stdout
+
+
+def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
+    """Domino's overlap relies on kernels starting in launch order on GPU, so
+    --domino sets CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA starts (unless the
+    user chose a value)."""
+    import parallel
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so teardown restores the original
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    train.init_distributed(train.parse_args(["--preset", "tiny", "--domino"]))
+    parallel.destroy()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    train.init_distributed(train.parse_args(["--preset", "tiny", "--domino"]))
+    parallel.destroy()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
