@@ -253,17 +253,29 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x)))  # x += attn(...); h = ln_2(x)
+        return x + self.mlp(h)
 
 
-def _finish_residual(x, pending):
-    """x + dropout(all-reduced branch output), waiting for the all-reduce only now."""
+def add_and_norm(ln: nn.Module, x, branch):
+    """(x + branch, ln(x + branch)): a residual add and the LayerNorm that
+    reads its result. With layernorm_impl='triton' both run in one kernel
+    (kernels.add_layer_norm), saving a write and a read of the residual
+    stream in forward and again in backward. branch=None: just (x, ln(x))."""
+    if branch is None:
+        return x, ln(x)
+    if getattr(ln, "fuses_residual_add", False):  # kernels.TritonLayerNorm
+        return ln(x, residual=branch)
+    x = x + branch
+    return x, ln(x)
+
+
+def _finish_branch(pending):
+    """dropout(all-reduced branch output), waiting for the all-reduce only now."""
     if pending is None:
-        return x
+        return None
     reduce, drop = pending
-    return x + drop(reduce.wait())
+    return drop(reduce.wait())
 
 
 def init_std(config: GPTConfig, residual_out: bool = False) -> float:
@@ -425,17 +437,18 @@ class GPT(nn.Module):
         are drawn in a different order.
         """
         chunks = list(x.tensor_split(min(self.config.domino_chunks, x.shape[0]), dim=0))
-        pending = [None] * len(chunks)  # per chunk: (residual, in-flight all-reduce, dropout)
+        pending = [None] * len(chunks)  # per chunk: (in-flight all-reduce, its dropout)
         for block in self.blocks:
             for i in range(len(chunks)):
-                chunks[i] = _finish_residual(chunks[i], pending[i])
-                h = block.attn.heads(block.ln_1(chunks[i]))                  # (b, T, C/T)
+                chunks[i], h = add_and_norm(block.ln_1, chunks[i], _finish_branch(pending[i]))
+                h = block.attn.heads(h)                                      # (b, T, C/T)
                 pending[i] = (block.attn.proj.forward_async(h), block.attn.resid_drop)
             for i in range(len(chunks)):
-                chunks[i] = _finish_residual(chunks[i], pending[i])
-                h = block.mlp.hidden(block.ln_2(chunks[i]))                  # (b, T, F/T)
+                chunks[i], h = add_and_norm(block.ln_2, chunks[i], _finish_branch(pending[i]))
+                h = block.mlp.hidden(h)                                      # (b, T, F/T)
                 pending[i] = (block.mlp.proj.forward_async(h), block.mlp.drop)
-        return torch.cat([_finish_residual(c, p) for c, p in zip(chunks, pending)], dim=0)
+        last = [c if p is None else c + _finish_branch(p) for c, p in zip(chunks, pending)]
+        return torch.cat(last, dim=0)
 
     def lm_head(self, x):
         """Output projection tied to the token embedding: (B, T, C) -> (B, T, V_padded).

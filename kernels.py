@@ -13,11 +13,13 @@ the several elementwise kernels an unfused version launches.
 Layout of this file, top to bottom:
   1. setup: optional Triton import, interpreter detection, triton_usable()
   2. attention kernels: forward, backward preprocess, dK/dV, dQ
-  3. LayerNorm kernels: forward, backward with per-program partial dW/dB
+  3. LayerNorm kernels: forward, backward with per-program partial dW/dB,
+     each optionally fused with the residual add that precedes the LayerNorm
   4. launchers: autotuned on CUDA, a single fixed config in the interpreter
   5. torch.autograd.Function wrappers and the public functions
-     flash_attention(), layer_norm(), the drop-in module TritonLayerNorm,
-     and the torch references attention_torch(), layer_norm_torch().
+     flash_attention(), layer_norm(), add_layer_norm(), the drop-in module
+     TritonLayerNorm, and the torch references attention_torch(),
+     layer_norm_torch().
 
 Testing without a GPU: with TRITON_INTERPRET=1 set *before* this module is
 imported, Triton runs the same kernels on CPU tensors through numpy (slow,
@@ -295,15 +297,27 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
-    def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, M, N, eps,
-                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _layer_norm_fwd_kernel(X, RES, W, B, Y, SUM, MEAN, RSTD, M, N, eps,
+                               HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
+                               BLOCK_N: tl.constexpr):
         """One program = a tile of ROWS whole rows (ROWS=1 for wide rows):
-        y = (x - mean) * rstd * w + b, statistics in fp32."""
+        y = (x - mean) * rstd * w + b, statistics in fp32.
+        HAS_RESIDUAL: first s = x + res (the pre-LN block's residual add),
+        written to SUM, then y = LayerNorm(s). Unfused, one kernel writes s
+        and the next reads it back; here it is written once and normalized
+        from registers. RES and SUM are not touched otherwise."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
         cols = tl.arange(0, BLOCK_N)                          # (BN,)
         mask = (rows[:, None] < M) & (cols[None, :] < N)      # (R, BN)
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32)
+            # round s to its storage dtype before normalizing, exactly like
+            # an unfused add would; backward re-reads the stored s
+            s = x.to(SUM.dtype.element_ty)
+            tl.store(SUM + offs, s, mask=mask)
+            x = s.to(tl.float32)
         mean = tl.sum(x, 1) / N                                  # (R,)
         xc = tl.where(mask, x - mean[:, None], 0.0)  # padded columns must not add to the variance
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / N + eps)       # (R,)
@@ -315,12 +329,16 @@ if HAS_TRITON:
         tl.store(RSTD + rows, rstd, mask=rows < M)
 
     @triton.jit
-    def _layer_norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, M, N,
-                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _layer_norm_bwd_kernel(X, W, DY, DSUM, DX, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, M, N,
+                               HAS_DSUM: tl.constexpr, ROWS: tl.constexpr,
+                               BLOCK_N: tl.constexpr):
         """Program p handles row tiles p, p+G, p+2G, ... (G = number of programs).
         dx is finished per row; dW and dB are sums over rows, so each program
         keeps its own fp32 partial sums and writes them to row p of a (G, N)
-        buffer, summed afterwards. No atomics, and the result is deterministic."""
+        buffer, summed afterwards. No atomics, and the result is deterministic.
+        HAS_DSUM (fused residual add): s = x + res also flowed on along the
+        residual stream, so its gradient DSUM is added to dx here; the sum is
+        then the gradient of both x and res."""
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_N)
@@ -341,6 +359,8 @@ if HAS_TRITON:
             c1 = tl.sum(xhat * wdy, 1) / N                          # (R,)
             c2 = tl.sum(wdy, 1) / N                                 # (R,)
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if HAS_DSUM:
+                dx += tl.load(DSUM + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
             dw += tl.sum(dy * xhat, 0)
             db += tl.sum(dy, 0)
@@ -486,53 +506,95 @@ def _layer_norm_config(N: int):
     return block_n, rows, num_warps
 
 
+def _ln_forward(x2, res2, weight, bias, eps):
+    """Launch the forward kernel on (M, N) rows. With res2, s = x2 + res2 is
+    computed first (in the promoted dtype, like torch's `+`) and normalized.
+    Returns y, s (None without res2), mean, rstd and the launch config."""
+    M, N = x2.shape
+    weight, bias = weight.contiguous(), bias.contiguous()
+    s = None if res2 is None else torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
+    y = torch.empty_like(x2 if s is None else s)
+    mean = torch.empty(M, device=x2.device, dtype=torch.float32)
+    rstd = torch.empty(M, device=x2.device, dtype=torch.float32)
+    block_n, rows, num_warps = _layer_norm_config(N)
+    # without a residual, x2 stands in for the unused RES and SUM pointers
+    _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
+        x2, x2 if res2 is None else res2, weight, bias, y, x2 if s is None else s, mean, rstd,
+        M, N, eps, HAS_RESIDUAL=res2 is not None, ROWS=rows, BLOCK_N=block_n,
+        num_warps=num_warps)
+    return y, s, mean, rstd, (block_n, rows, num_warps)
+
+
+def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, config):
+    """Launch the backward kernel: returns dx (fp32 if x2 is, else x2's dtype),
+    dw, db. x2 is the normalized input (s for the fused add); dsum2, if
+    given, is the gradient that reached s along the residual stream."""
+    M, N = x2.shape
+    dx = torch.empty_like(x2)
+    block_n, rows, num_warps = config
+    # enough programs to fill the GPU, few enough that the (G, N) partial
+    # buffers stay small; the interpreter runs programs serially anyway
+    sms = 1 if INTERPRET else torch.cuda.get_device_properties(x2.device).multi_processor_count
+    programs = min(triton.cdiv(M, rows), 4 * sms)
+    dw_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
+    db_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
+    _layer_norm_bwd_kernel[(programs,)](x2, weight, dy2, dy2 if dsum2 is None else dsum2, dx,
+                                        mean, rstd, dw_partial, db_partial, M, N,
+                                        HAS_DSUM=dsum2 is not None, ROWS=rows,
+                                        BLOCK_N=block_n, num_warps=num_warps)
+    return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
+
+
+def _rows(t, upcast: bool):
+    """(..., N) -> contiguous (M, N); fp32 under the interpreter (see
+    FlashAttentionFunction.forward) when upcast is set."""
+    t = t.reshape(-1, t.shape[-1])
+    return (t.float() if upcast else t).contiguous()
+
+
 class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        in_dtype = x.dtype
-        if INTERPRET:  # see FlashAttentionFunction.forward
-            x = x.float()
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()  # (M, N)
-        M, N = x2.shape
-        weight, bias = weight.contiguous(), bias.contiguous()
-        y = torch.empty_like(x2)
-        mean = torch.empty(M, device=x.device, dtype=torch.float32)
-        rstd = torch.empty(M, device=x.device, dtype=torch.float32)
-        block_n, rows, num_warps = _layer_norm_config(N)
-        _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](x2, weight, bias, y, mean, rstd, M, N,
-                                                        eps, ROWS=rows, BLOCK_N=block_n,
-                                                        num_warps=num_warps)
+        x2 = _rows(x, INTERPRET)
+        y, _, mean, rstd, config = _ln_forward(x2, None, weight, bias, eps)
         ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.in_dtype, ctx.config = in_dtype, (block_n, rows, num_warps)
-        return y.reshape(shape).to(in_dtype)
+        ctx.in_dtype, ctx.config = x.dtype, config
+        return y.reshape(x.shape).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, mean, rstd = ctx.saved_tensors
-        M, N = x2.shape
-        dy2 = dy.reshape(M, N).to(x2.dtype).contiguous()
-        dx = torch.empty_like(x2)
-        block_n, rows, num_warps = ctx.config
-        # enough programs to fill the GPU, few enough that the (G, N) partial
-        # buffers stay small; the interpreter runs programs serially anyway
-        sms = 1 if INTERPRET else torch.cuda.get_device_properties(x2.device).multi_processor_count
-        programs = min(triton.cdiv(M, rows), 4 * sms)
-        dw_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
-        db_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
-        _layer_norm_bwd_kernel[(programs,)](x2, weight, dy2, dx, mean, rstd, dw_partial,
-                                            db_partial, M, N, ROWS=rows, BLOCK_N=block_n,
-                                            num_warps=num_warps)
-        dw = dw_partial.sum(0).to(weight.dtype)
-        db = db_partial.sum(0).to(weight.dtype)
+        dx, dw, db = _ln_backward(x2, weight, mean, rstd, _rows(dy, INTERPRET), None, ctx.config)
         return dx.reshape(dy.shape).to(ctx.in_dtype), dw, db, None
 
 
-def layer_norm(x, weight, bias, eps: float = 1e-5):
-    """Fused LayerNorm over the last dim of x (any leading shape), with affine
-    weight and bias of shape (N,). Statistics in fp32; output has x's dtype.
-    weight/bias may be fp32 while x is fp16/bf16 (mixed precision)."""
+class AddLayerNormFunction(torch.autograd.Function):
+    """(s, y) = (x + residual, LayerNorm(x + residual)) in one kernel.
+    Backward: s feeds both the LayerNorm and the rest of the residual
+    stream, so ds_total = ds + LayerNorm-backward(dy), and since s = x +
+    residual, that is the gradient of x and of residual alike."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps):
+        sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+        x2, r2 = _rows(x, INTERPRET), _rows(residual, INTERPRET)
+        y, s, mean, rstd, config = _ln_forward(x2, r2, weight, bias, eps)
+        ctx.save_for_backward(s, weight, mean, rstd)
+        ctx.dtypes, ctx.config = (x.dtype, residual.dtype, sum_dtype), config
+        return s.reshape(x.shape).to(sum_dtype), y.reshape(x.shape).to(sum_dtype)
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s2, weight, mean, rstd = ctx.saved_tensors
+        dsum, dw, db = _ln_backward(s2, weight, mean, rstd, _rows(dy, INTERPRET),
+                                    _rows(ds, INTERPRET), ctx.config)
+        dsum = dsum.reshape(dy.shape)
+        x_dtype, res_dtype, _ = ctx.dtypes
+        return dsum.to(x_dtype), dsum.to(res_dtype), dw, db, None
+
+
+def _check_layer_norm_inputs(x, weight, bias):
     N = x.shape[-1]
     if weight.shape != (N,) or bias.shape != (N,):
         raise ValueError(f"layer_norm: weight and bias must have shape ({N},), got "
@@ -543,7 +605,30 @@ def layer_norm(x, weight, bias, eps: float = 1e-5):
     if x.numel() == 0:
         raise ValueError("layer_norm: got an empty input tensor")
     require_triton(x)
+
+
+def layer_norm(x, weight, bias, eps: float = 1e-5):
+    """Fused LayerNorm over the last dim of x (any leading shape), with affine
+    weight and bias of shape (N,). Statistics in fp32; output has x's dtype.
+    weight/bias may be fp32 while x is fp16/bf16 (mixed precision)."""
+    _check_layer_norm_inputs(x, weight, bias)
     return LayerNormFunction.apply(x, weight, bias, float(eps))
+
+
+def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5):
+    """Fused residual add + LayerNorm: returns (s, layer_norm(s)) for
+    s = x + residual, both in the promoted dtype of x and residual.
+
+    In a pre-LN block, `x = x + attn(ln_1(x)); h = ln_2(x)` is
+    `x, h = add_layer_norm(x, attn(ln_1(x)), ...)`: the sum is written once
+    and normalized without a second trip through memory, and in backward
+    the residual stream's gradient is folded into the LayerNorm kernel."""
+    if residual.shape != x.shape or residual.device != x.device:
+        raise ValueError(f"add_layer_norm: x and residual must have the same shape and device, "
+                         f"got {tuple(x.shape)} on {x.device} and {tuple(residual.shape)} "
+                         f"on {residual.device}")
+    _check_layer_norm_inputs(x, weight, bias)
+    return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps))
 
 
 def layer_norm_torch(x, weight, bias, eps: float = 1e-5):
@@ -560,5 +645,13 @@ class TritonLayerNorm(torch.nn.LayerNorm):
         # always affine with bias: the kernel expects both weight and bias
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
 
-    def forward(self, x):  # (..., N) -> (..., N)
-        return layer_norm(x, self.weight, self.bias, self.eps)
+    fuses_residual_add = True  # gpt.add_and_norm checks this
+
+    def forward(self, x, residual=None):
+        """x (..., N) -> LayerNorm(x). With residual (same shape): the pair
+        (x + residual, LayerNorm(x + residual)) from one fused kernel. Both go
+        through forward (module call) so that module hooks, e.g. ZeRO-3's
+        parameter gathering, see the fused use too."""
+        if residual is None:
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        return add_layer_norm(x, residual, self.weight, self.bias, self.eps)
