@@ -6,6 +6,9 @@ FlashAttention backend, at a fixed token budget (B*T tokens, H*D hidden) so
 every sequence length does the same amount of non-attention work.
 LayerNorm: forward and backward GB/s of kernels.layer_norm vs F.layer_norm,
 and as a fraction of the GPU's peak memory bandwidth.
+Residual add + LayerNorm: microseconds for kernels.add_layer_norm (one
+kernel) vs the same add done by torch followed by each LayerNorm, with the
+model's autocast dtypes (fp32 residual stream, bf16 branch output).
 
 Prints markdown tables ready to paste into bench/RESULTS.md.
 
@@ -126,9 +129,37 @@ def bench_layer_norm(args, peak_tbs: float | None) -> list[str]:
     return rows
 
 
+def bench_add_layer_norm(args) -> list[str]:
+    import kernels
+    rows = ["| hidden | fused fwd us | add + triton LN fwd us | add + torch LN fwd us "
+            "| fused fwd+bwd us | add + triton LN fwd+bwd us | add + torch LN fwd+bwd us |",
+            "|---|---|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)
+    M = args.ln_rows
+    for N in args.ln_hidden:
+        x = torch.randn(M, N, device="cuda", requires_grad=True)                       # stream, fp32
+        r = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # branch
+        w = torch.randn(N, device="cuda", requires_grad=True)
+        b = torch.randn(N, device="cuda", requires_grad=True)
+        ds, dy = torch.randn(M, N, device="cuda"), torch.randn(M, N, device="cuda")
+        variants = {
+            "fused": lambda: kernels.add_layer_norm(x, r, w, b),
+            "triton": lambda: (lambda s: (s, kernels.layer_norm(s, w, b)))(x + r),
+            "torch": lambda: (lambda s: (s, F.layer_norm(s, (N,), w, b)))(x + r),
+        }
+        fwd, both = [], []
+        for fn in variants.values():
+            fwd.append(1e3 * bench_ms(fn, args.warmup, args.rep))
+            both.append(1e3 * bench_ms(
+                lambda: torch.autograd.grad(fn(), (x, r, w, b), (ds, dy)), args.warmup, args.rep))
+        rows.append(f"| {N} | " + " | ".join(f"{t:.0f}" for t in fwd + both) + " |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["attention", "layernorm"], default=None)
+    p.add_argument("--only", choices=["attention", "layernorm", "addnorm"], default=None)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--tokens", type=int, default=16384, help="B*T per attention call")
@@ -154,6 +185,10 @@ def main():
         peak_txt = f"peak {peak} TB/s" if peak else "peak unknown: pass --peak-bw"
         print(f"### LayerNorm, bf16 activations, fp32 weights, {args.ln_rows} rows ({peak_txt})\n")
         bench_layer_norm(args, peak)
+        print()
+    if args.only in (None, "addnorm"):
+        print(f"### Residual add + LayerNorm, fp32 stream + bf16 branch, {args.ln_rows} rows\n")
+        bench_add_layer_norm(args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 Runs full training steps (forward, backward, fused AdamW update) of GPT-2
 124M and 350M at seq 1024 under bf16 autocast, once with the PyTorch
 attention/LayerNorm and once with the Triton kernels from kernels.py, on
-random tokens (data loading is not what is measured).
+random tokens (data loading is not what is measured). `triton-unfused` is the
+Triton path with each block's residual add done by torch instead of fused
+into the next LayerNorm (kernels.add_layer_norm): the pair shows what the
+fusion buys in a real step.
 
 MFU (model FLOPs utilization) = achieved model FLOP/s / the GPU's peak dense
 bf16 FLOP/s, where model FLOPs per token = gpt.flops_per_token(config, T)
@@ -13,6 +16,7 @@ scores, without subtracting the causal half: the PaLM / nanoGPT convention). Rec
     python bench/bench_model.py
     python bench/bench_model.py --models 124M --micro-batch-size 16 --impls triton
     python bench/bench_model.py --peak-tflops 989   # when the GPU name is unknown
+    python bench/bench_model.py --impls triton triton-unfused   # the residual-add fusion alone
 """
 import argparse
 import os
@@ -36,12 +40,20 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     return None
 
 
+def unfused_add_and_norm(ln, x, branch):
+    """gpt.add_and_norm without the fused kernel (for `triton-unfused`)."""
+    if branch is not None:
+        x = x + branch
+    return x, ln(x)
+
+
 def build_model(preset: str, impl: str, seq_length: int):
     """GPT with both attention and LayerNorm set to `impl`, or None (with a
     printed reason) when gpt.py does not offer that implementation."""
     from gpt import GPT, GPTConfig
+    kernel_impl = "triton" if impl == "triton-unfused" else impl
     try:
-        config = GPTConfig.from_preset(preset, attention_impl=impl, layernorm_impl=impl,
+        config = GPTConfig.from_preset(preset, attention_impl=kernel_impl, layernorm_impl=kernel_impl,
                                        max_position_embeddings=max(1024, seq_length))
     except ValueError as e:
         print(f"skipping {preset}/{impl}: {e}", file=sys.stderr)
@@ -78,7 +90,8 @@ def time_training(model, args) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["124M", "350M"])
-    p.add_argument("--impls", nargs="+", default=["torch", "triton"], choices=["torch", "triton"])
+    p.add_argument("--impls", nargs="+", default=["torch", "triton", "triton-unfused"],
+                   choices=["torch", "triton", "triton-unfused"])
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=5)
@@ -88,6 +101,7 @@ def main():
 
     if not torch.cuda.is_available():
         sys.exit("bench_model.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    import gpt
     from gpt import flops_per_token
     name = torch.cuda.get_device_name()
     peak = peak_flops(name, args.peak_tflops)
@@ -101,7 +115,13 @@ def main():
             model, config = build_model(preset, impl, args.seq_length)
             if model is None:
                 continue
-            seconds = time_training(model, args)
+            fused = gpt.add_and_norm
+            if impl == "triton-unfused":  # Block.forward looks the helper up at call time
+                gpt.add_and_norm = unfused_add_and_norm
+            try:
+                seconds = time_training(model, args)
+            finally:
+                gpt.add_and_norm = fused
             tok_s = args.micro_batch_size * args.seq_length / seconds
             flops = tok_s * flops_per_token(config, args.seq_length)
             mfu = "n/a" if peak is None else f"{100 * flops / peak:.1f}%"
