@@ -169,6 +169,74 @@ def test_layer_norm_bad_weight_shape_is_a_clear_error():
 # ---------------------------------------------------------------------------
 # availability checks
 
+# Fused residual add + LayerNorm: (s, y) = (x + r, LayerNorm(x + r)), and in
+# backward both s and y receive gradients (s goes on along the residual stream).
+def check_add_layer_norm(shape, x_dtype, r_dtype, weight_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = shape[-1]
+    x = torch.randn(*shape, generator=g).mul(3).add(1).to(DEVICE, x_dtype).requires_grad_()
+    r = torch.randn(*shape, generator=g).to(DEVICE, r_dtype).requires_grad_()
+    w = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
+    b = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
+    s, y = kernels.add_layer_norm(x, r, w, b, eps=1e-5)
+    sum_dtype = torch.promote_types(x_dtype, r_dtype)
+    ds, dy = [torch.randn(shape, generator=g).to(DEVICE, sum_dtype) for _ in range(2)]
+    torch.autograd.backward([s, y], [ds, dy])
+    x6, r6, w6, b6 = [t.detach().double().requires_grad_() for t in (x, r, w, b)]
+    s6 = x6 + r6
+    y6 = F.layer_norm(s6, (N,), w6, b6, 1e-5)
+    torch.autograd.backward([s6, y6], [ds.double(), dy.double()])
+    assert_close(s.detach(), s6.detach(), sum_dtype, "s")
+    assert_close(y.detach(), y6.detach(), sum_dtype, "y")
+    assert_close(x.grad, x6.grad, x_dtype, "dx")
+    assert_close(r.grad, r6.grad, r_dtype, "dr")
+    assert_close(w.grad, w6.grad, weight_dtype, "dw")
+    assert_close(b.grad, b6.grad, weight_dtype, "db")
+
+
+# fp32 stream + bf16 branch is what autocast produces (the Linear's output is
+# bf16, the residual stream stays fp32); all-bf16 is the pure-bf16 case.
+@pytest.mark.parametrize("shape,x_dtype,r_dtype,weight_dtype", [
+    ((2, 40, 100), torch.float32, torch.float32, torch.float32),
+    ((3, 5, 96), torch.float32, torch.bfloat16, torch.float32),
+    ((7, 64), torch.bfloat16, torch.bfloat16, torch.float32),
+    ((6, 64), torch.float16, torch.float16, torch.float16),
+])
+def test_add_layer_norm_matches_float64(shape, x_dtype, r_dtype, weight_dtype):
+    check_add_layer_norm(shape, x_dtype, r_dtype, weight_dtype)
+
+
+def test_add_layer_norm_equals_add_then_layer_norm_exactly_in_fp32():
+    """The fused kernel is the unfused pair with one memory trip fewer: the
+    same numbers as kernels.layer_norm applied to x + r (same kernel maths)."""
+    g = torch.Generator().manual_seed(1)
+    x, r = [torch.randn(4, 9, 48, generator=g).to(DEVICE) for _ in range(2)]
+    mod = kernels.TritonLayerNorm(48).to(DEVICE)
+    s, y = mod(x, residual=r)
+    torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(y, mod(x + r), rtol=0, atol=0)
+
+
+
+def test_fused_residual_add_goes_through_the_module_call():
+    """ZeRO-3 gathers a module's partitioned parameters in a forward pre-hook:
+    the block's fused add + ln_2 must call the ln_2 module, not bypass it."""
+    import gpt
+    config = gpt.GPTConfig.from_preset("tiny", num_attention_heads=2, layernorm_impl="triton")
+    block = gpt.Block(config).to(DEVICE)
+    calls = []
+    block.ln_2.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs),
+                                         with_kwargs=True)
+    x = torch.randn(2, 5, config.hidden_size, device=DEVICE)
+    block(x)
+    assert len(calls) == 1 and "residual" in calls[0]
+
+def test_add_layer_norm_shape_mismatch_is_a_clear_error():
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="same shape"):
+        kernels.add_layer_norm(x, x[:1], torch.ones(32, device=DEVICE), torch.zeros(32, device=DEVICE))
+
+
 def test_triton_usable_follows_device():
     assert kernels.triton_usable(torch.empty(1, device=DEVICE))
     assert not kernels.triton_usable(torch.device("meta"))
@@ -293,3 +361,81 @@ def test_gpu_bf16_attention_long_sequences(T, D):
 @pytest.mark.parametrize("N", [4096, 8192])
 def test_gpu_layer_norm_wide(N):
     check_layer_norm((2048, N), torch.bfloat16, torch.float32)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [768, 4096])
+def test_gpu_add_layer_norm_autocast_dtypes(N):
+    # fp32 residual stream + bf16 branch output: the dtypes under bf16 autocast
+    check_add_layer_norm((2048, N), torch.float32, torch.bfloat16, torch.float32)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_attention_ragged_length_other_dtypes(dtype):
+    check_attention(2, 3, 1000, 64, dtype)  # 1000: not a multiple of any block size
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gpt_trains_with_triton_kernels_like_torch():
+    """The default CUDA path (Triton attention and LayerNorm, fused residual
+    adds) trains under bf16 autocast like the torch kernels: same losses to
+    bf16 rounding over 20 AdamW steps, and the loss falls."""
+    import gpt
+    STEPS = 20
+    shape = dict(num_layers=4, hidden_size=256, num_attention_heads=4,  # head dim 64
+                 max_position_embeddings=256)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    tokens = torch.randint(0, 1000, (8, 257), device=DEVICE, generator=g)  # one fixed batch
+    runs, init = {}, None
+    for impl in ("torch", "triton"):
+        torch.manual_seed(0)
+        config = gpt.GPTConfig.from_preset("tiny", attention_impl=impl, layernorm_impl=impl, **shape)
+        model = gpt.GPT(config).to(DEVICE)
+        if init is None:
+            init = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(init)  # same starting point for both
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(STEPS):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs[impl] = losses
+    assert runs["triton"][-1] < runs["triton"][0] - 1.0, runs["triton"]
+    torch.testing.assert_close(runs["triton"], runs["torch"], rtol=2e-2, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# GPU code generation, checked without a GPU
+
+def test_every_kernel_compiles_for_h100_quick():
+    """The interpreter tests above never generate GPU code. bench/check_compile.py
+    --quick compiles each kernel for H100 (sm_90) ahead of time, Triton to PTX
+    and the bundled ptxas to a cubin, no device needed, with its worst-case
+    config (largest tiles, most pipeline stages; smaller configs only if that
+    one does not fit), bf16, and checks shared memory against H100's limit.
+    It runs in a subprocess because this process imported kernels.py with
+    TRITON_INTERPRET=1, which makes the kernels uncompilable."""
+    try:
+        import triton
+        triton.knobs.nvidia.ptxas_blackwell.path  # the ptxas Triton uses for sm_90
+        triton.knobs.nvidia.cuobjdump.path
+    except ImportError:
+        pytest.skip("triton is not installed")
+    except (AttributeError, RuntimeError) as exc:
+        pytest.skip(f"Triton's bundled ptxas/cuobjdump are not available: {exc}")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, os.path.join("bench", "check_compile.py"), "--quick"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    for name in ("attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
+                 "layer_norm_fwd", "layer_norm_bwd"):
+        assert f"| {name} |" in out.stdout, f"{name} missing from:\n{out.stdout}"
+    assert "OK: every kernel has a config that compiles and fits sm_90" in out.stdout
