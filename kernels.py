@@ -512,7 +512,9 @@ def _ln_forward(x2, res2, weight, bias, eps):
     Returns y, s (None without res2), mean, rstd and the launch config."""
     M, N = x2.shape
     weight, bias = weight.contiguous(), bias.contiguous()
-    s = None if res2 is None else torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
+    s = None
+    if res2 is not None:
+        s = torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
     y = torch.empty_like(x2 if s is None else s)
     mean = torch.empty(M, device=x2.device, dtype=torch.float32)
     rstd = torch.empty(M, device=x2.device, dtype=torch.float32)
@@ -526,9 +528,9 @@ def _ln_forward(x2, res2, weight, bias, eps):
 
 
 def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, config):
-    """Launch the backward kernel: returns dx (fp32 if x2 is, else x2's dtype),
-    dw, db. x2 is the normalized input (s for the fused add); dsum2, if
-    given, is the gradient that reached s along the residual stream."""
+    """Launch the backward kernel: returns dx (in x2's dtype), dw, db. x2 is
+    the normalized input (s for the fused add); dsum2, if given, is the
+    gradient that reached s along the residual stream."""
     M, N = x2.shape
     dx = torch.empty_like(x2)
     block_n, rows, num_warps = config
