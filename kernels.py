@@ -100,6 +100,20 @@ def require_triton(device_or_tensor) -> None:
 if HAS_TRITON:
 
     @triton.jit
+    def _load_rows(P, base, rows, T, HEAD_DIM: tl.constexpr):
+        """The (len(rows), HEAD_DIM) tile of rows `rows` of the head starting at
+        P + base; rows at or past T (the ragged last block) read as zeros."""
+        offs = base + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        return tl.load(P + offs, mask=rows[:, None] < T, other=0.0)
+
+    @triton.jit
+    def _store_rows(P, base, rows, T, tile, HEAD_DIM: tl.constexpr):
+        """Write `tile` to rows `rows` of the head starting at P + base, in P's
+        dtype; rows at or past T are skipped."""
+        offs = base + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        tl.store(P + offs, tile.to(P.dtype.element_ty), mask=rows[:, None] < T)
+
+    @triton.jit
     def _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, offs_m, T, qk_scale,
                         lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                         MASKED: tl.constexpr, CAUSAL: tl.constexpr,
@@ -107,12 +121,10 @@ if HAS_TRITON:
         """Fold key/value blocks [lo, hi) into the running softmax state of one
         query block. MASKED=False is the fast path for blocks that are fully
         visible (strictly below the causal diagonal and inside T)."""
-        offs_d = tl.arange(0, HEAD_DIM)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kv_ptrs = kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-            k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
-            v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+            k = _load_rows(K, kv_base, offs_n, T, HEAD_DIM)  # (BN, D)
+            v = _load_rows(V, kv_base, offs_n, T, HEAD_DIM)  # (BN, D)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
             if MASKED:
                 keep = offs_n[None, :] < T
@@ -138,9 +150,7 @@ if HAS_TRITON:
         bh = tl.program_id(1)
         base = bh.to(tl.int64) * T * HEAD_DIM  # int64: B*H*T*D can exceed 2**31
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        q = tl.load(Q + q_ptrs, mask=offs_m[:, None] < T, other=0.0)  # (BM, D)
+        q = _load_rows(Q, base, offs_m, T, HEAD_DIM)  # (BM, D)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                # running denominator
@@ -160,7 +170,7 @@ if HAS_TRITON:
                                             0, T, HEAD_DIM, BLOCK_N, True, False,
                                             DOT_PRECISION)
         o = acc / l_i[:, None]
-        tl.store(O + q_ptrs, o.to(O.dtype.element_ty), mask=offs_m[:, None] < T)
+        _store_rows(O, base, offs_m, T, o, HEAD_DIM)
         tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
 
     @triton.jit
@@ -169,10 +179,9 @@ if HAS_TRITON:
         """delta_i = sum_d dO_id * O_id: the softmax-backward term shared by dK and dQ."""
         bh = tl.program_id(1)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        ptrs = bh.to(tl.int64) * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        o = tl.load(O + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
-        do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
+        base = bh.to(tl.int64) * T * HEAD_DIM
+        o = _load_rows(O, base, offs_m, T, HEAD_DIM).to(tl.float32)
+        do = _load_rows(DO, base, offs_m, T, HEAD_DIM).to(tl.float32)
         tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
 
     @triton.jit
@@ -183,12 +192,10 @@ if HAS_TRITON:
         """Accumulate dK, dV of one key block over query blocks [lo, hi).
         Works on transposed tiles (keys along rows) so the sums over queries
         are plain matmuls: dV += P^T dO, dK += dS^T Q."""
-        offs_d = tl.arange(0, HEAD_DIM)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            ptrs = qo_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-            q = tl.load(Q + ptrs, mask=offs_m[:, None] < T, other=0.0)    # (BM, D)
-            do = tl.load(DO + ptrs, mask=offs_m[:, None] < T, other=0.0)  # (BM, D)
+            q = _load_rows(Q, qo_base, offs_m, T, HEAD_DIM)    # (BM, D)
+            do = _load_rows(DO, qo_base, offs_m, T, HEAD_DIM)  # (BM, D)
             # padded query rows get lse=+inf, so their probabilities are exactly 0
             lse = tl.load(LSE + row_base + offs_m, mask=offs_m < T, other=float("inf"))
             delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < T, other=0.0)
@@ -214,10 +221,8 @@ if HAS_TRITON:
         base = bh.to(tl.int64) * T * HEAD_DIM
         row_base = bh.to(tl.int64) * T
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM)
-        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
-        v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+        k = _load_rows(K, base, offs_n, T, HEAD_DIM)  # (BN, D)
+        v = _load_rows(V, base, offs_n, T, HEAD_DIM)  # (BN, D)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
@@ -234,8 +239,8 @@ if HAS_TRITON:
                                           offs_n, T, qk_scale, 0, T, HEAD_DIM,
                                           BLOCK_M, False, DOT_PRECISION)
         # s = sm_scale * q.k, so dK picks up the scale once, here
-        tl.store(DK + kv_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
-        tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+        _store_rows(DK, base, offs_n, T, dk * sm_scale, HEAD_DIM)
+        _store_rows(DV, base, offs_n, T, dv, HEAD_DIM)
 
     @triton.jit
     def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, offs_m, T, qk_scale,
@@ -243,12 +248,10 @@ if HAS_TRITON:
                            MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                            DOT_PRECISION: tl.constexpr):
         """Accumulate dQ of one query block over key blocks [lo, hi): dQ += dS K."""
-        offs_d = tl.arange(0, HEAD_DIM)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kv_ptrs = kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-            k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
-            v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < T, other=0.0)  # (BN, D)
+            k = _load_rows(K, kv_base, offs_n, T, HEAD_DIM)  # (BN, D)
+            v = _load_rows(V, kv_base, offs_n, T, HEAD_DIM)  # (BN, D)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
             p = tl.math.exp2(s - lse[:, None])
             if MASKED:
@@ -272,10 +275,8 @@ if HAS_TRITON:
         base = bh.to(tl.int64) * T * HEAD_DIM
         row_base = bh.to(tl.int64) * T
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        q = tl.load(Q + q_ptrs, mask=offs_m[:, None] < T, other=0.0)    # (BM, D)
-        do = tl.load(DO + q_ptrs, mask=offs_m[:, None] < T, other=0.0)  # (BM, D)
+        q = _load_rows(Q, base, offs_m, T, HEAD_DIM)    # (BM, D)
+        do = _load_rows(DO, base, offs_m, T, HEAD_DIM)  # (BM, D)
         lse = tl.load(LSE + row_base + offs_m, mask=offs_m < T, other=float("inf"))
         delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < T, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -288,7 +289,7 @@ if HAS_TRITON:
         else:
             dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, base, offs_m, T, qk_scale,
                                     0, T, HEAD_DIM, BLOCK_N, True, False, DOT_PRECISION)
-        tl.store(DQ + q_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+        _store_rows(DQ, base, offs_m, T, dq * sm_scale, HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------
