@@ -40,13 +40,6 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def unfused_add_and_norm(ln, x, branch):
-    """gpt.add_and_norm without the fused kernel (for `triton-unfused`)."""
-    if branch is not None:
-        x = x + branch
-    return x, ln(x)
-
-
 def build_model(preset: str, impl: str, seq_length: int):
     """GPT with both attention and LayerNorm set to `impl`, or None (with a
     printed reason) when gpt.py does not offer that implementation."""
@@ -58,7 +51,13 @@ def build_model(preset: str, impl: str, seq_length: int):
     except ValueError as e:
         print(f"skipping {preset}/{impl}: {e}", file=sys.stderr)
         return None, None
-    return GPT(config).cuda(), config
+    model = GPT(config).cuda()
+    if impl == "triton-unfused":
+        # gpt.add_and_norm then adds with torch and runs the LayerNorm alone
+        for m in model.modules():
+            if getattr(m, "fuses_residual_add", False):
+                m.fuses_residual_add = False
+    return model, config
 
 
 def time_training(model, args) -> float:
@@ -101,7 +100,6 @@ def main():
 
     if not torch.cuda.is_available():
         sys.exit("bench_model.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    import gpt
     from gpt import flops_per_token
     name = torch.cuda.get_device_name()
     peak = peak_flops(name, args.peak_tflops)
@@ -115,13 +113,7 @@ def main():
             model, config = build_model(preset, impl, args.seq_length)
             if model is None:
                 continue
-            fused = gpt.add_and_norm
-            if impl == "triton-unfused":  # Block.forward looks the helper up at call time
-                gpt.add_and_norm = unfused_add_and_norm
-            try:
-                seconds = time_training(model, args)
-            finally:
-                gpt.add_and_norm = fused
+            seconds = time_training(model, args)
             tok_s = args.micro_batch_size * args.seq_length / seconds
             flops = tok_s * flops_per_token(config, args.seq_length)
             mfu = "n/a" if peak is None else f"{100 * flops / peak:.1f}%"
