@@ -372,7 +372,10 @@ class GPT(nn.Module):
 
     def _check_inputs(self, input_ids, position_ids, labels):
         """Fail loudly on out-of-range ids (an embedding lookup on CUDA would
-        otherwise die with an opaque device-side assert). One host sync."""
+        otherwise die with an opaque device-side assert). On CPU tensors this
+        is free and runs every call. On a GPU it is a host sync, which stalls
+        the GPU's queue, so it runs only until one call passes: train.py
+        checks every batch on the host instead (train.check_batch)."""
         T = input_ids.shape[-1]
         if T > self.config.max_position_embeddings:
             raise ValueError(
@@ -381,6 +384,8 @@ class GPT(nn.Module):
                 f"model with more positions")
         if torch.compiler.is_compiling():
             return  # .tolist() would break the compiled graph
+        if input_ids.is_cuda and getattr(self, "_ids_checked_on_gpu", False):
+            return
         checks = [("input_ids", input_ids, self.config.padded_vocab_size),
                   ("position_ids", position_ids, self.config.max_position_embeddings),
                   ("labels", labels, self.config.padded_vocab_size)]
@@ -393,6 +398,7 @@ class GPT(nn.Module):
             if lo < 0 or hi >= limit:
                 raise ValueError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; "
                                  f"check the tokenizer / vocab_size and the data")
+        self._ids_checked_on_gpu = input_ids.is_cuda
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,

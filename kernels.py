@@ -28,6 +28,7 @@ rather than in the tests: the interpreter's bf16/fp16 arithmetic is not
 faithful, so inputs are upcast to fp32 before launch and results cast back;
 and autotuning needs a real driver, so a single fixed config is used.
 """
+import inspect
 import math
 import os
 
@@ -90,8 +91,14 @@ def require_triton(device_or_tensor) -> None:
 # ---------------------------------------------------------------------------
 # 2. Attention kernels
 #
-# q, k, v, o, do are contiguous (B*H, T, D) tensors; program (i, bh) works on
-# head bh, so element (bh, t, d) sits at bh*T*D + t*D + d. lse is (B*H, T) fp32.
+# q, k, v, o, do and the gradients are (B, H, T, D) tensors with any strides
+# whose last dim is contiguous: the model passes q, k, v as transposed views
+# of its fused QKV projection, (B, T, 3, H, D) in memory, and the kernels read
+# them in place instead of copying. Program (i, bh) works on head bh = b*H + h,
+# whose row t starts at b*stride_b + h*stride_h + t*stride_t. q, k and v share
+# one set of strides; o and the gradients dq, dk, dv share another ((B, T, H,
+# D) in memory, so the model's transpose back to (B, T, C) is free); do has
+# its own. lse and delta are (B*H, T) fp32.
 # Scores are kept in base 2: s2 = (q.k) * sm_scale * log2(e), and
 # lse2 = max + log2(sum exp2(s2 - max)), so that p = exp2(s2 - lse2).
 # T_BUCKET (next power of two >= T) is unused by the maths: it is only the
@@ -100,21 +107,34 @@ def require_triton(device_or_tensor) -> None:
 if HAS_TRITON:
 
     @triton.jit
-    def _load_rows(P, base, rows, T, HEAD_DIM: tl.constexpr):
+    def _load_rows(P, base, rows, T, stride_t, HEAD_DIM: tl.constexpr):
         """The (len(rows), HEAD_DIM) tile of rows `rows` of the head starting at
         P + base; rows at or past T (the ragged last block) read as zeros."""
-        offs = base + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        offs = base + rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
         return tl.load(P + offs, mask=rows[:, None] < T, other=0.0)
 
     @triton.jit
-    def _store_rows(P, base, rows, T, tile, HEAD_DIM: tl.constexpr):
+    def _store_rows(P, base, rows, T, stride_t, tile, HEAD_DIM: tl.constexpr):
         """Write `tile` to rows `rows` of the head starting at P + base, in P's
         dtype; rows at or past T are skipped."""
-        offs = base + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        offs = base + rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
         tl.store(P + offs, tile.to(P.dtype.element_ty), mask=rows[:, None] < T)
 
     @triton.jit
-    def _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, offs_m, T, qk_scale,
+    def _head_base(bh, H, stride_b, stride_h):
+        """Offset of head bh = b*H + h in a tensor with these strides (int64:
+        B*H*T*D can exceed 2**31)."""
+        return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+
+    @triton.jit
+    def _heavy_first(BLOCK: tl.constexpr):
+        """Start row of this program's block, counting from the end: under the
+        causal mask the last query blocks have the most keys to visit, and
+        launching them first keeps the GPU from idling on a long tail."""
+        return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK
+
+    @triton.jit
+    def _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_t, offs_m, T, qk_scale,
                         lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                         MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
@@ -123,8 +143,8 @@ if HAS_TRITON:
         visible (strictly below the causal diagonal and inside T)."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _load_rows(K, kv_base, offs_n, T, HEAD_DIM)  # (BN, D)
-            v = _load_rows(V, kv_base, offs_n, T, HEAD_DIM)  # (BN, D)
+            k = _load_rows(K, kv_base, offs_n, T, stride_t, HEAD_DIM)  # (BN, D)
+            v = _load_rows(V, kv_base, offs_n, T, stride_t, HEAD_DIM)  # (BN, D)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
             if MASKED:
                 keep = offs_n[None, :] < T
@@ -141,61 +161,64 @@ if HAS_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _attn_fwd_kernel(Q, K, V, O, LSE, T, qk_scale, T_BUCKET,
+    def _attn_fwd_kernel(Q, K, V, O, LSE, T, H, stride_qb, stride_qh, stride_qt,
+                         stride_ob, stride_oh, stride_ot, qk_scale, T_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
         """One program = one block of BLOCK_M queries of one (batch, head)."""
-        start_m = tl.program_id(0) * BLOCK_M
+        start_m = _heavy_first(BLOCK_M)
         bh = tl.program_id(1)
-        base = bh.to(tl.int64) * T * HEAD_DIM  # int64: B*H*T*D can exceed 2**31
+        qkv_base = _head_base(bh, H, stride_qb, stride_qh)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, base, offs_m, T, HEAD_DIM)  # (BM, D)
+        q = _load_rows(Q, qkv_base, offs_m, T, stride_qt, HEAD_DIM)  # (BM, D)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                # running denominator
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)      # running numerator @ V
         if CAUSAL:
             # stage 1: key blocks entirely left of the diagonal, no mask needed
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, base, offs_m, T, qk_scale,
-                                            0, start_m, HEAD_DIM, BLOCK_N, False, True,
-                                            DOT_PRECISION)
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, qkv_base, stride_qt, offs_m,
+                                            T, qk_scale, 0, start_m, HEAD_DIM, BLOCK_N, False,
+                                            True, DOT_PRECISION)
             # stage 2: the diagonal blocks; key blocks right of them are skipped
             hi = tl.minimum(start_m + BLOCK_M, T)
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, base, offs_m, T, qk_scale,
-                                            start_m, hi, HEAD_DIM, BLOCK_N, True, True,
-                                            DOT_PRECISION)
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, qkv_base, stride_qt, offs_m,
+                                            T, qk_scale, start_m, hi, HEAD_DIM, BLOCK_N, True,
+                                            True, DOT_PRECISION)
         else:
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, base, offs_m, T, qk_scale,
-                                            0, T, HEAD_DIM, BLOCK_N, True, False,
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, qkv_base, stride_qt, offs_m,
+                                            T, qk_scale, 0, T, HEAD_DIM, BLOCK_N, True, False,
                                             DOT_PRECISION)
         o = acc / l_i[:, None]
-        _store_rows(O, base, offs_m, T, o, HEAD_DIM)
+        _store_rows(O, _head_base(bh, H, stride_ob, stride_oh), offs_m, T, stride_ot, o, HEAD_DIM)
         tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
 
     @triton.jit
-    def _attn_bwd_preprocess_kernel(O, DO, DELTA, T, HEAD_DIM: tl.constexpr,
-                                    BLOCK_M: tl.constexpr):
+    def _attn_bwd_preprocess_kernel(O, DO, DELTA, T, H, stride_ob, stride_oh, stride_ot,
+                                    stride_dob, stride_doh, stride_dot,
+                                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
         """delta_i = sum_d dO_id * O_id: the softmax-backward term shared by dK and dQ."""
         bh = tl.program_id(1)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        base = bh.to(tl.int64) * T * HEAD_DIM
-        o = _load_rows(O, base, offs_m, T, HEAD_DIM).to(tl.float32)
-        do = _load_rows(DO, base, offs_m, T, HEAD_DIM).to(tl.float32)
+        o = _load_rows(O, _head_base(bh, H, stride_ob, stride_oh), offs_m, T, stride_ot,
+                       HEAD_DIM).to(tl.float32)
+        do = _load_rows(DO, _head_base(bh, H, stride_dob, stride_doh), offs_m, T, stride_dot,
+                        HEAD_DIM).to(tl.float32)
         tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
 
     @triton.jit
-    def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, qo_base, row_base, offs_n,
-                             T, qk_scale, lo, hi, HEAD_DIM: tl.constexpr,
-                             BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr):
+    def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt, do_base,
+                             stride_dot, row_base, offs_n, T, qk_scale, lo, hi,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                             MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """Accumulate dK, dV of one key block over query blocks [lo, hi).
         Works on transposed tiles (keys along rows) so the sums over queries
         are plain matmuls: dV += P^T dO, dK += dS^T Q."""
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _load_rows(Q, qo_base, offs_m, T, HEAD_DIM)    # (BM, D)
-            do = _load_rows(DO, qo_base, offs_m, T, HEAD_DIM)  # (BM, D)
+            q = _load_rows(Q, q_base, offs_m, T, stride_qt, HEAD_DIM)      # (BM, D)
+            do = _load_rows(DO, do_base, offs_m, T, stride_dot, HEAD_DIM)  # (BM, D)
             # padded query rows get lse=+inf, so their probabilities are exactly 0
             lse = tl.load(LSE + row_base + offs_m, mask=offs_m < T, other=float("inf"))
             delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < T, other=0.0)
@@ -210,48 +233,54 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, sm_scale, qk_scale, T_BUCKET,
+    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H,
+                              stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                              stride_dot, stride_gb, stride_gh, stride_gt,
+                              sm_scale, qk_scale, T_BUCKET,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
         """One program = one block of BLOCK_N keys; it alone writes their dK, dV
-        (no atomics), looping over every query block that can see them."""
+        (no atomics), looping over every query block that can see them.
+        Program 0 has the most query blocks to visit: heavy blocks start first."""
         start_n = tl.program_id(0) * BLOCK_N
         bh = tl.program_id(1)
-        base = bh.to(tl.int64) * T * HEAD_DIM
+        qkv_base = _head_base(bh, H, stride_qb, stride_qh)
+        do_base = _head_base(bh, H, stride_dob, stride_doh)
         row_base = bh.to(tl.int64) * T
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, base, offs_n, T, HEAD_DIM)  # (BN, D)
-        v = _load_rows(V, base, offs_n, T, HEAD_DIM)  # (BN, D)
+        k = _load_rows(K, qkv_base, offs_n, T, stride_qt, HEAD_DIM)  # (BN, D)
+        v = _load_rows(V, qkv_base, offs_n, T, stride_qt, HEAD_DIM)  # (BN, D)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
             # diagonal query blocks (masked), then every query block below them
             mid = tl.minimum(start_n + BLOCK_N, T)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, base, row_base,
-                                          offs_n, T, qk_scale, start_n, mid, HEAD_DIM,
-                                          BLOCK_M, True, DOT_PRECISION)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, base, row_base,
-                                          offs_n, T, qk_scale, mid, T, HEAD_DIM,
-                                          BLOCK_M, False, DOT_PRECISION)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, qkv_base, stride_qt,
+                                          do_base, stride_dot, row_base, offs_n, T, qk_scale,
+                                          start_n, mid, HEAD_DIM, BLOCK_M, True, DOT_PRECISION)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, qkv_base, stride_qt,
+                                          do_base, stride_dot, row_base, offs_n, T, qk_scale,
+                                          mid, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
         else:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, base, row_base,
-                                          offs_n, T, qk_scale, 0, T, HEAD_DIM,
-                                          BLOCK_M, False, DOT_PRECISION)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, qkv_base, stride_qt,
+                                          do_base, stride_dot, row_base, offs_n, T, qk_scale,
+                                          0, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
         # s = sm_scale * q.k, so dK picks up the scale once, here
-        _store_rows(DK, base, offs_n, T, dk * sm_scale, HEAD_DIM)
-        _store_rows(DV, base, offs_n, T, dv, HEAD_DIM)
+        g_base = _head_base(bh, H, stride_gb, stride_gh)
+        _store_rows(DK, g_base, offs_n, T, stride_gt, dk * sm_scale, HEAD_DIM)
+        _store_rows(DV, g_base, offs_n, T, stride_gt, dv, HEAD_DIM)
 
     @triton.jit
-    def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, offs_m, T, qk_scale,
+    def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_t, offs_m, T, qk_scale,
                            lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                            MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                            DOT_PRECISION: tl.constexpr):
         """Accumulate dQ of one query block over key blocks [lo, hi): dQ += dS K."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _load_rows(K, kv_base, offs_n, T, HEAD_DIM)  # (BN, D)
-            v = _load_rows(V, kv_base, offs_n, T, HEAD_DIM)  # (BN, D)
+            k = _load_rows(K, kv_base, offs_n, T, stride_t, HEAD_DIM)  # (BN, D)
+            v = _load_rows(V, kv_base, offs_n, T, stride_t, HEAD_DIM)  # (BN, D)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
             p = tl.math.exp2(s - lse[:, None])
             if MASKED:
@@ -265,31 +294,39 @@ if HAS_TRITON:
         return dq
 
     @triton.jit
-    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, sm_scale, qk_scale, T_BUCKET,
+    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, H,
+                            stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                            stride_dot, stride_gb, stride_gh, stride_gt,
+                            sm_scale, qk_scale, T_BUCKET,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                             DOT_PRECISION: tl.constexpr):
         """One program = one block of BLOCK_M queries; it alone writes their dQ."""
-        start_m = tl.program_id(0) * BLOCK_M
+        start_m = _heavy_first(BLOCK_M)
         bh = tl.program_id(1)
-        base = bh.to(tl.int64) * T * HEAD_DIM
+        qkv_base = _head_base(bh, H, stride_qb, stride_qh)
         row_base = bh.to(tl.int64) * T
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, base, offs_m, T, HEAD_DIM)    # (BM, D)
-        do = _load_rows(DO, base, offs_m, T, HEAD_DIM)  # (BM, D)
+        q = _load_rows(Q, qkv_base, offs_m, T, stride_qt, HEAD_DIM)                    # (BM, D)
+        do = _load_rows(DO, _head_base(bh, H, stride_dob, stride_doh), offs_m, T, stride_dot,
+                        HEAD_DIM)                                                        # (BM, D)
         lse = tl.load(LSE + row_base + offs_m, mask=offs_m < T, other=float("inf"))
         delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < T, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, base, offs_m, T, qk_scale,
-                                    0, start_m, HEAD_DIM, BLOCK_N, False, True, DOT_PRECISION)
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, qkv_base, stride_qt, offs_m, T,
+                                    qk_scale, 0, start_m, HEAD_DIM, BLOCK_N, False, True,
+                                    DOT_PRECISION)
             hi = tl.minimum(start_m + BLOCK_M, T)
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, base, offs_m, T, qk_scale,
-                                    start_m, hi, HEAD_DIM, BLOCK_N, True, True, DOT_PRECISION)
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, qkv_base, stride_qt, offs_m, T,
+                                    qk_scale, start_m, hi, HEAD_DIM, BLOCK_N, True, True,
+                                    DOT_PRECISION)
         else:
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, base, offs_m, T, qk_scale,
-                                    0, T, HEAD_DIM, BLOCK_N, True, False, DOT_PRECISION)
-        _store_rows(DQ, base, offs_m, T, dq * sm_scale, HEAD_DIM)
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, qkv_base, stride_qt, offs_m, T,
+                                    qk_scale, 0, T, HEAD_DIM, BLOCK_N, True, False,
+                                    DOT_PRECISION)
+        _store_rows(DQ, _head_base(bh, H, stride_gb, stride_gh), offs_m, T, stride_gt,
+                    dq * sm_scale, HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------
@@ -370,21 +407,69 @@ if HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------
-# 4. Launchers. On CUDA the kernels go through triton.autotune (best block
-# sizes depend on the GPU, T and D); the interpreter has no driver to time
-# configs with, so it runs one fixed, small config (small tiles are also what
-# keeps the numpy interpreter fast).
+# 4. Launchers. On CUDA the attention kernels go through triton.autotune (the
+# best tiles depend on the GPU, T, D and dtype); the interpreter has no driver
+# to time configs with, so it runs one fixed, small config (small tiles are
+# also what keeps the numpy interpreter fast).
 # ---------------------------------------------------------------------------
 _FIXED_ATTN = dict(BLOCK_M=16, BLOCK_N=16)
 
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: few enough
+# that autotuning the first step stays cheap. The forward and dQ kernels step
+# through the diagonal with BLOCK_N-sized key blocks, so BLOCK_M % BLOCK_N ==
+# 0; the dK/dV kernel steps with BLOCK_M-sized query blocks, so BLOCK_N %
+# BLOCK_M == 0. 128-row tiles are what FlashAttention-2 uses on Hopper.
+ATTN_CONFIGS = {
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+            (64, 64, 4, 3), (64, 64, 4, 4)],
+    "dkdv": [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
+             (32, 64, 4, 3), (64, 64, 4, 3)],
+    "dq": [(128, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3),
+           (64, 64, 4, 3), (128, 128, 8, 2)],
+}
+# KERNELS_AUTOTUNE=wide (read at import) searches every tile shape x warps x
+# stages instead: slow to tune, for finding a new GPU's best configs.
+_WIDE_SHAPES = {"fwd": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)],
+                "dkdv": [(32, 64), (32, 128), (64, 64), (64, 128), (128, 128)],
+                "dq": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]}
 
-def _attn_configs(small_queries: bool):
-    """Candidate configs. The forward and dQ kernels step through the diagonal
-    with BLOCK_N-sized key blocks, so BLOCK_M % BLOCK_N == 0; the dK/dV kernel
-    steps with BLOCK_M-sized query blocks, so BLOCK_N % BLOCK_M == 0."""
-    shapes = [(32, 64), (64, 64), (64, 128)] if small_queries else [(64, 32), (64, 64), (128, 64)]
+
+def _attn_configs(kernel: str, wide: bool = False):
+    if wide:
+        tiles = [(bm, bn, w, s) for bm, bn in _WIDE_SHAPES[kernel] for w in (4, 8)
+                 for s in (2, 3, 4, 5)]
+    else:
+        tiles = ATTN_CONFIGS[kernel]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn in shapes for w in (4, 8) for s in (2, 3, 4)]
+            for bm, bn, w, s in tiles]
+
+
+def _keep_attn_config(config, dtype) -> bool:
+    """fp32 inputs (only without autocast) take 4 bytes an element: keep the
+    small tiles, which fit in shared memory and registers, instead of
+    compiling configs that do not or that spill (bench/check_compile.py)."""
+    if dtype != torch.float32:
+        return True
+    return config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] <= 64 * 64 and config.num_stages <= 3
+
+
+def _prune_attn_configs(configs, named_args, **kwargs):
+    """triton.autotune's early_config_prune hook: the configs worth timing for q's dtype."""
+    kept = [c for c in configs if _keep_attn_config(c, named_args["Q"].dtype)]
+    return kept or configs[:1]
+
+
+def _autotune_kwargs() -> dict:
+    """Tune once per (T bucket, head dim, causal, dot precision; Triton adds
+    the dtypes) and, where this Triton can, keep the result on disk next to the
+    compiled kernels (~/.triton/cache, or TRITON_CACHE_DIR), keyed by the GPU
+    target, the Triton version and the kernel source: the first step of a
+    second run reuses it instead of re-timing every config."""
+    kw = dict(key=["T_BUCKET", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"],
+              prune_configs_by={"early_config_prune": _prune_attn_configs})
+    if "cache_results" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
+        kw["cache_results"] = True
+    return kw
 
 
 def _build_launchers():
@@ -396,12 +481,9 @@ def _build_launchers():
     # Tune per power-of-two bucket of T (the kernels' T_BUCKET argument, unused
     # inside them), not per exact T: generate() grows T by one token per step,
     # and re-benchmarking all configs for every new length takes seconds.
-    key = ["T_BUCKET", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"]
-    return {
-        "fwd": triton.autotune(_attn_configs(False), key=key)(_attn_fwd_kernel),
-        "dkdv": triton.autotune(_attn_configs(True), key=key)(_attn_bwd_dkdv_kernel),
-        "dq": triton.autotune(_attn_configs(False), key=key)(_attn_bwd_dq_kernel),
-    }
+    wide = os.environ.get("KERNELS_AUTOTUNE", "").lower() == "wide"
+    return {name: triton.autotune(_attn_configs(name, wide), **_autotune_kwargs())(fn)
+            for name, fn in kernels.items()}
 
 
 _LAUNCHERS = _build_launchers()  # built once at import; read-only afterwards
@@ -436,9 +518,41 @@ def _check_attention_inputs(q, k, v):
 
 
 def _dot_precision(dtype) -> str:
-    # fp32 inputs: exact IEEE products (Triton would otherwise use TF32 on
-    # Ampere+, ~1e-3 error) so the fp32 path matches the torch reference.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """Precision of tl.dot on fp32 inputs. Exact IEEE products by default, so
+    fp32 matches the torch reference; TF32 (~1e-3 relative error, 8x the
+    speed on Ampere and later) when torch's own fp32 matmuls use it
+    (torch.set_float32_matmul_precision("high"), as train.py sets for fp32
+    runs on a GPU). Ignored for 16-bit inputs."""
+    if dtype == torch.float32 and (INTERPRET or torch.get_float32_matmul_precision() == "highest"):
+        return "ieee"
+    return "tf32"
+
+
+def _bhtd_strides(t):
+    """(stride_b, stride_h, stride_t) of a (B, H, T, D) tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _rows_last(t):
+    """t itself when its last dim is contiguous (any other strides are fine:
+    the kernels take them), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _empty_bthd(like):
+    """An empty (B, H, T, D) tensor laid out as (B, T, H, D) in memory: the
+    layout the model reshapes to (B, T, C) next, so that reshape is free."""
+    B, H, T, D = like.shape
+    return torch.empty((B, T, H, D), device=like.device, dtype=like.dtype).transpose(1, 2)
+
+
+def _check_int32_offsets(T, *tensors):
+    # Row offsets t * stride_t are int32 inside the kernels (heads are int64).
+    for t in tensors:
+        if T * t.stride(2) >= 2 ** 31:
+            raise ValueError(f"flash_attention: sequence length {T} with a row stride of "
+                             f"{t.stride(2)} elements overflows the kernels' int32 row offsets; "
+                             f"use a shorter sequence or attention_impl='torch'")
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -448,12 +562,16 @@ class FlashAttentionFunction(torch.autograd.Function):
         in_dtype = q.dtype
         if INTERPRET:  # the interpreter's half-precision maths is unreliable: compute in fp32
             q, k, v = q.float(), k.float(), v.float()
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = _rows_last(q), _rows_last(k), _rows_last(v)
+        if not q.stride() == k.stride() == v.stride():  # the kernels take one set for all three
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         B, H, T, D = q.shape
-        o = torch.empty_like(q)
+        o = _empty_bthd(q)
+        _check_int32_offsets(T, q, o)
         lse = torch.empty((B * H, T), device=q.device, dtype=torch.float32)
-        _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, sm_scale * LOG2E,
-                     HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
+        _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, *_bhtd_strides(q), *_bhtd_strides(o),
+                     sm_scale * LOG2E, HEAD_DIM=D, CAUSAL=causal,
+                     DOT_PRECISION=_dot_precision(q.dtype))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.sm_scale, ctx.in_dtype = causal, sm_scale, in_dtype
         return o.to(in_dtype)
@@ -462,16 +580,19 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         B, H, T, D = q.shape
-        do = do.to(q.dtype).contiguous()
+        do = _rows_last(do.to(q.dtype))
+        _check_int32_offsets(T, do)
         delta = torch.empty_like(lse)
         block = 16 if INTERPRET else 64
         grid = (triton.cdiv(T, block), B * H)
-        _attn_bwd_preprocess_kernel[grid](o, do, delta, T, HEAD_DIM=D, BLOCK_M=block)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *_bhtd_strides(o),
+                                          *_bhtd_strides(do), HEAD_DIM=D, BLOCK_M=block)
+        dq, dk, dv = _empty_bthd(q), _empty_bthd(q), _empty_bthd(q)  # strides: o's
         consts = dict(HEAD_DIM=D, CAUSAL=ctx.causal, DOT_PRECISION=_dot_precision(q.dtype))
-        scales = (T, ctx.sm_scale, ctx.sm_scale * LOG2E)
-        _launch_attn("dkdv", T, B * H, q, k, v, do, lse, delta, dk, dv, *scales, **consts)
-        _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *scales, **consts)
+        strides = (T, H, *_bhtd_strides(q), *_bhtd_strides(do), *_bhtd_strides(dq))
+        scales = (ctx.sm_scale, ctx.sm_scale * LOG2E)
+        _launch_attn("dkdv", T, B * H, q, k, v, do, lse, delta, dk, dv, *strides, *scales, **consts)
+        _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *strides, *scales, **consts)
         dt = ctx.in_dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None
 
@@ -507,16 +628,17 @@ def _layer_norm_config(N: int):
     return block_n, rows, num_warps
 
 
-def _ln_forward(x2, res2, weight, bias, eps):
+def _ln_forward(x2, res2, weight, bias, eps, out_dtype=None):
     """Launch the forward kernel on (M, N) rows. With res2, s = x2 + res2 is
     computed first (in the promoted dtype, like torch's `+`) and normalized.
+    y is written in out_dtype (default: the dtype of what is normalized).
     Returns y, s (None without res2), mean, rstd and the launch config."""
     M, N = x2.shape
     weight, bias = weight.contiguous(), bias.contiguous()
     s = None
     if res2 is not None:
         s = torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
-    y = torch.empty_like(x2 if s is None else s)
+    y = torch.empty_like(x2 if s is None else s, dtype=out_dtype)
     mean = torch.empty(M, device=x2.device, dtype=torch.float32)
     rstd = torch.empty(M, device=x2.device, dtype=torch.float32)
     block_n, rows, num_warps = _layer_norm_config(N)
@@ -548,6 +670,12 @@ def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, config):
     return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
 
 
+def _kernel_dtype(out_dtype):
+    """The dtype the kernel writes y in: out_dtype, except under the
+    interpreter, which computes in fp32 and is cast afterwards."""
+    return None if INTERPRET else out_dtype
+
+
 def _rows(t, upcast: bool):
     """(..., N) -> contiguous (M, N); fp32 under the interpreter (see
     FlashAttentionFunction.forward) when upcast is set."""
@@ -558,18 +686,18 @@ def _rows(t, upcast: bool):
 class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, out_dtype):
         x2 = _rows(x, INTERPRET)
-        y, _, mean, rstd, config = _ln_forward(x2, None, weight, bias, eps)
+        y, _, mean, rstd, config = _ln_forward(x2, None, weight, bias, eps, _kernel_dtype(out_dtype))
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.in_dtype, ctx.config = x.dtype, config
-        return y.reshape(x.shape).to(x.dtype)
+        return y.reshape(x.shape).to(out_dtype or x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = _ln_backward(x2, weight, mean, rstd, _rows(dy, INTERPRET), None, ctx.config)
-        return dx.reshape(dy.shape).to(ctx.in_dtype), dw, db, None
+        return dx.reshape(dy.shape).to(ctx.in_dtype), dw, db, None, None
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -579,13 +707,13 @@ class AddLayerNormFunction(torch.autograd.Function):
     residual, that is the gradient of x and of residual alike."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps):
+    def forward(ctx, x, residual, weight, bias, eps, out_dtype):
         sum_dtype = torch.promote_types(x.dtype, residual.dtype)
         x2, r2 = _rows(x, INTERPRET), _rows(residual, INTERPRET)
-        y, s, mean, rstd, config = _ln_forward(x2, r2, weight, bias, eps)
+        y, s, mean, rstd, config = _ln_forward(x2, r2, weight, bias, eps, _kernel_dtype(out_dtype))
         ctx.save_for_backward(s, weight, mean, rstd)
         ctx.dtypes, ctx.config = (x.dtype, residual.dtype, sum_dtype), config
-        return s.reshape(x.shape).to(sum_dtype), y.reshape(x.shape).to(sum_dtype)
+        return s.reshape(x.shape).to(sum_dtype), y.reshape(x.shape).to(out_dtype or sum_dtype)
 
     @staticmethod
     def backward(ctx, ds, dy):
@@ -594,7 +722,7 @@ class AddLayerNormFunction(torch.autograd.Function):
                                     _rows(ds, INTERPRET), ctx.config)
         dsum = dsum.reshape(dy.shape)
         x_dtype, res_dtype, _ = ctx.dtypes
-        return dsum.to(x_dtype), dsum.to(res_dtype), dw, db, None
+        return dsum.to(x_dtype), dsum.to(res_dtype), dw, db, None, None
 
 
 def _check_layer_norm_inputs(x, weight, bias):
@@ -610,17 +738,19 @@ def _check_layer_norm_inputs(x, weight, bias):
     require_triton(x)
 
 
-def layer_norm(x, weight, bias, eps: float = 1e-5):
+def layer_norm(x, weight, bias, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
     """Fused LayerNorm over the last dim of x (any leading shape), with affine
-    weight and bias of shape (N,). Statistics in fp32; output has x's dtype.
-    weight/bias may be fp32 while x is fp16/bf16 (mixed precision)."""
+    weight and bias of shape (N,). Statistics in fp32; output in out_dtype
+    (default: x's dtype). weight/bias may be fp32 while x is fp16/bf16."""
     _check_layer_norm_inputs(x, weight, bias)
-    return LayerNormFunction.apply(x, weight, bias, float(eps))
+    return LayerNormFunction.apply(x, weight, bias, float(eps), out_dtype)
 
 
-def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5):
+def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
+                   out_dtype: torch.dtype | None = None):
     """Fused residual add + LayerNorm: returns (s, layer_norm(s)) for
-    s = x + residual, both in the promoted dtype of x and residual.
+    s = x + residual, s in the promoted dtype of x and residual, and
+    layer_norm(s) in out_dtype (default: the same).
 
     In a pre-LN block, `x = x + attn(ln_1(x)); h = ln_2(x)` is
     `x, h = add_layer_norm(x, attn(ln_1(x)), ...)`: the sum is written once
@@ -631,7 +761,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5):
                          f"got {tuple(x.shape)} on {x.device} and {tuple(residual.shape)} "
                          f"on {residual.device}")
     _check_layer_norm_inputs(x, weight, bias)
-    return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps))
+    return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps), out_dtype)
 
 
 def layer_norm_torch(x, weight, bias, eps: float = 1e-5):
@@ -654,7 +784,22 @@ class TritonLayerNorm(torch.nn.LayerNorm):
         """x (..., N) -> LayerNorm(x). With residual (same shape): the pair
         (x + residual, LayerNorm(x + residual)) from one fused kernel. Both go
         through forward (module call) so that module hooks, e.g. ZeRO-3's
-        parameter gathering, see the fused use too."""
+        parameter gathering, see the fused use too.
+
+        Under autocast the LayerNorm output is written in the autocast dtype:
+        in this model every LayerNorm feeds a matmul, which would cast an fp32
+        output down anyway (the same rounding), so writing it narrow saves a
+        full-width write, a read and a cast kernel. The residual stream keeps
+        its own dtype."""
+        out_dtype = _autocast_dtype(x)
         if residual is None:
-            return layer_norm(x, self.weight, self.bias, self.eps)
-        return add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+            return layer_norm(x, self.weight, self.bias, self.eps, out_dtype)
+        return add_layer_norm(x, residual, self.weight, self.bias, self.eps, out_dtype)
+
+
+def _autocast_dtype(x) -> torch.dtype | None:
+    """The dtype autocast would cast x to before a matmul, or None outside autocast."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)

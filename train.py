@@ -398,8 +398,29 @@ def data_iterator(dataset, cfg: TrainConfig, consumed_samples: int):
     return iter(loader)
 
 
+def check_batch(batch: dict, config: GPTConfig) -> dict:
+    """Token ids and positions must index the embeddings. Checked here, on the
+    host, where it is cheap: on a GPU an out-of-range id fails as an opaque
+    device-side assert, and checking there costs a host sync per step."""
+    for name, limit in (("tokens", config.padded_vocab_size), ("labels", config.padded_vocab_size),
+                        ("position_ids", config.max_position_embeddings)):
+        ids = batch[name]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            what = ("the data's tokenizer against the model's vocabulary" if name != "position_ids"
+                    else "--seq-length against --max-position-embeddings")
+            raise ValueError(f"batch {name} must lie in [0, {limit}), got values in "
+                             f"[{int(ids.min())}, {int(ids.max())}]; check {what}")
+    return batch
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queue (host clocks then time real work); no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------
@@ -1052,21 +1073,56 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
 # ----------------------------------------------------------------------------
 
 class Preemption:
-    """Turns SIGTERM (a cluster's preemption notice) into a flag the loop checks."""
+    """Turns SIGTERM (a cluster's preemption notice) into a flag the loop checks.
 
-    def __init__(self):
+    Every rank must stop (and save) at the same iteration, so the ranks vote
+    with an all-reduce. Reading a vote right away would make the host wait
+    for the GPU at every step, and the GPU would then idle while the host
+    queues the next step. On CUDA each step's vote is therefore read one step
+    later, once the next step is queued: the ranks still agree, one step
+    after the signal."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
         self.requested = False
+        self.pending = None  # CUDA: (event, pinned host copy) of the last vote
         signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum, frame):
         self.requested = True
 
-    def agreed(self, device) -> bool:
-        """True on every rank if any rank got SIGTERM, so that all save together."""
-        flag = torch.tensor([float(self.requested)], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agreed(self) -> bool:
+        """True on every rank, at the same iteration, once any rank got SIGTERM."""
+        vote = torch.tensor([float(self.requested)], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        if self.device.type != "cuda":
+            return bool(vote.item())  # nothing queued on a CPU to keep busy
+        host = torch.empty(1, pin_memory=True)
+        host.copy_(vote, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        previous, self.pending = self.pending, (event, host)
+        if previous is None:
+            return False
+        previous[0].synchronize()  # waits for the previous step only
+        return bool(previous[1].item())
+
+
+def check_losses(pending: list, logger: Logger, last_saved: int) -> float:
+    """Read the (iteration, device loss) pairs queued since the last check in
+    one host sync, stop the run at the first non-finite one, and return the
+    latest value. Checked at log intervals and before every save, never per
+    step: a per-step .item() would stall the GPU queue."""
+    values = torch.stack([loss.float() for _, loss in pending]).tolist()
+    for (iteration, _), value in zip(pending, values):
+        if not math.isfinite(value):
+            logger.print(f"error: loss is {value} at iteration {iteration}; stopping without "
+                         f"saving (last good checkpoint: iteration {last_saved}). Lower --lr, "
+                         f"raise --lr-warmup-iters, or use --bf16 instead of --fp16.")
+            raise SystemExit(1)
+    pending.clear()
+    return values[-1]
 
 
 def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
@@ -1096,6 +1152,13 @@ def train(cfg: TrainConfig, env: Dist) -> None:
     accum = gradient_accumulation_steps(cfg, parallel.dp_size())
     global_batch = cfg.micro_batch_size * parallel.dp_size() * accum
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
+    if env.device.type == "cuda" and not (cfg.bf16 or cfg.fp16):
+        # Plain fp32 matmuls run on CUDA cores at a fraction of the tensor
+        # cores' speed; TF32 keeps fp32 storage and range with a 10-bit
+        # mantissa in the products (nanoGPT and Megatron train fp32 this way).
+        torch.set_float32_matmul_precision("high")
+        logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; "
+                     "--bf16 is faster still")
 
     if cfg.deepspeed:  # section 8: DeepSpeed owns the optimizer step and checkpoints
         model, iteration, consumed = init_deepspeed(cfg, env, accum, logger)
@@ -1126,30 +1189,41 @@ def train(cfg: TrainConfig, env: Dist) -> None:
                  f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation | "
                  f"device {env.device}")
 
-    preempt = Preemption()
+    # Nothing in an iteration waits for the GPU except at log intervals,
+    # evaluations and saves: the host keeps queueing work and the GPU never
+    # runs dry between steps (see Preemption and check_losses).
+    preempt = Preemption(env.device)
+    pending_losses = []  # (iteration, loss on device) since the last check
+    first_iteration = iteration + 1
     t0, tokens_since = time.time(), 0
     last_saved = iteration
     while iteration < cfg.train_iters:
         lr = learning_rate(iteration, cfg)
-        batches = [next(train_iter) for _ in range(accum)]
+        batches = [check_batch(next(train_iter), mcfg) for _ in range(accum)]
         loss, grad_norm = step(batches, lr)
         iteration += 1
         consumed += global_batch
         tokens_since += global_batch * cfg.seq_length
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            logger.print(f"error: loss is {loss_value} at iteration {iteration}; stopping without "
-                         f"saving (last good checkpoint: iteration {last_saved}). Lower --lr, "
-                         f"raise --lr-warmup-iters, or use --bf16 instead of --fp16.")
-            raise SystemExit(1)
-
+        pending_losses.append((iteration, loss))
         last = iteration == cfg.train_iters
         eval_now = valid_ds is not None and cfg.eval_interval > 0 and (
             iteration % cfg.eval_interval == 0 or last)
-        if iteration % cfg.log_interval == 0 or last or eval_now:
-            if env.device.type == "cuda":
-                torch.cuda.synchronize()
-            tps = tokens_since / (time.time() - t0)
+        log_now = iteration % cfg.log_interval == 0 or last or eval_now
+        if iteration == first_iteration:
+            # The first step compiles (and, with Triton kernels, autotunes):
+            # report it alone, and keep it out of the next logged tokens/s.
+            synchronize(env.device)
+            logger.print(f"first step (iteration {iteration}) took {time.time() - t0:.1f} s, "
+                         f"compilation and autotuning included")
+            if not log_now:
+                t0, tokens_since = time.time(), 0
+        stop = preempt.agreed() or (cfg.exit_interval and iteration % cfg.exit_interval == 0)
+        save_now = cfg.save and (stop or last or (cfg.save_interval and iteration % cfg.save_interval == 0))
+        if log_now or save_now:
+            loss_value = check_losses(pending_losses, logger, last_saved)
+        if log_now:
+            synchronize(env.device)
+            tps = tokens_since / max(time.time() - t0, 1e-9)
             metrics = {"iteration": iteration, "loss": loss_value, "lr": lr,
                        "grad_norm": float(grad_norm), "tokens_per_sec": tps,
                        "mfu": flops_tok * tps / (peak * env.world_size) if peak else None}
@@ -1158,10 +1232,7 @@ def train(cfg: TrainConfig, env: Dist) -> None:
                                                eval_consumed(iteration, cfg, global_batch), accum)
             logger.log(metrics)
             t0, tokens_since = time.time(), 0
-
-        stop = preempt.agreed(env.device) or (cfg.exit_interval and iteration % cfg.exit_interval == 0)
-        if cfg.save and (stop or (cfg.save_interval and iteration % cfg.save_interval == 0)
-                         or iteration == cfg.train_iters):
+        if save_now:
             save(iteration, consumed)
             last_saved = iteration
         if stop:

@@ -1,22 +1,31 @@
 """Benchmark the Triton kernels in kernels.py against PyTorch's on one GPU.
 
-Attention: causal, bf16, forward and forward+backward TFLOP/s of
+Attention: causal, bf16, forward, backward and forward+backward TFLOP/s of
 kernels.flash_attention vs F.scaled_dot_product_attention restricted to its
 FlashAttention backend, at a fixed token budget (B*T tokens, H*D hidden) so
-every sequence length does the same amount of non-attention work.
+every sequence length does the same amount of non-attention work. Inputs come
+in the layout the model passes: q, k, v are (B, H, T, D) views of one (B, T,
+3*H*D) QKV projection, and the output gradient is laid out (B, T, H, D).
+FLOPs follow FlashAttention's convention: forward 4*B*H*T^2*D / 2 (causal),
+backward 2.5x that, forward+backward 3.5x.
 LayerNorm: forward and backward GB/s of kernels.layer_norm vs F.layer_norm,
-and as a fraction of the GPU's peak memory bandwidth.
+bf16 in and out (weights cast once, outside the timed region), counting every
+byte each one must move (for ours, the dW/dB partial-sum buffers too), and as
+a fraction of the GPU's peak and of a measured device-to-device copy.
 Residual add + LayerNorm: microseconds for kernels.add_layer_norm (one
 kernel) vs the same add done by torch followed by each LayerNorm, with the
 model's autocast dtypes (fp32 residual stream, bf16 branch output).
 
-Prints markdown tables ready to paste into bench/RESULTS.md.
+Prints markdown tables ready to paste into bench/RESULTS.md; --autotune-log
+writes every config's autotune timing as JSON.
 
     python bench/bench_kernels.py                 # everything
     python bench/bench_kernels.py --only attention --seq-lens 1024 2048
     python bench/bench_kernels.py --peak-bw 3.35  # TB/s, when the name is unknown
+    KERNELS_AUTOTUNE=wide python bench/bench_kernels.py --only attention  # search every config
 """
 import argparse
+import json
 import os
 import sys
 
@@ -27,7 +36,8 @@ import torch.nn.functional as F  # noqa: E402
 
 # Peak HBM bandwidth in TB/s, matched against torch.cuda.get_device_name().
 # Order matters: more specific names first.
-PEAK_BANDWIDTH_TBS = [("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8), ("A100", 2.0)]
+PEAK_BANDWIDTH_TBS = [("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200", 4.8),
+                      ("A100", 2.0)]
 
 
 def peak_bandwidth(device_name: str, override: float | None) -> float | None:
@@ -45,13 +55,21 @@ def bench_ms(fn, warmup: int, rep: int) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def attention_flops(B: int, H: int, T: int, D: int, backward: bool) -> float:
+def copy_bandwidth_tbs(args) -> float:
+    """A large device-to-device copy, bytes read + written: the practical ceiling."""
+    src = torch.empty(2 ** 28, device="cuda", dtype=torch.float32).normal_()  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), args.warmup, args.rep)
+    return 2 * src.numel() * 4 / ms / 1e9
+
+
+def attention_flops(B: int, H: int, T: int, D: int, kind: str) -> float:
     """Causal attention matmul FLOPs. Forward: QK^T and PV, 2*2*B*H*T*T*D,
     halved because the causal mask skips half the scores. The backward pass
     does 2.5x the forward's matmuls (5 vs 2: recomputed QK^T, dV, dP, dQ, dK),
-    so forward+backward counts 3.5x the forward (FlashAttention paper convention)."""
+    so forward+backward counts 3.5x the forward (FlashAttention convention)."""
     fwd = 4 * B * H * T * T * D / 2
-    return fwd * 3.5 if backward else fwd
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[kind]
 
 
 def sdpa_flash(q, k, v):
@@ -60,71 +78,126 @@ def sdpa_flash(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def time_attention(fn, q, k, v, do, backward: bool, args) -> float:
-    if not backward:
-        return bench_ms(lambda: fn(q, k, v), args.warmup, args.rep)
+def model_layout_inputs(B, H, T, D, dtype=torch.bfloat16):
+    """q, k, v as views of a (B, T, 3*H*D) projection; do as the gradient of
+    the model's (B, T, H*D) reshape of the output."""
+    qkv = torch.randn(B, T, 3 * H * D, device="cuda", dtype=dtype, requires_grad=True)
+    q, k, v = [t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2)]
+    do = torch.randn(B, T, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+    return qkv, q, k, v, do
 
-    def step():
-        q.grad = k.grad = v.grad = None
-        fn(q, k, v).backward(do)
-    return bench_ms(step, args.warmup, args.rep)
+
+def time_attention(fn, qkv, q, k, v, do, kind: str, args) -> float:
+    if kind == "fwd":
+        with torch.no_grad():
+            return bench_ms(lambda: fn(q, k, v), args.warmup, args.rep)
+    if kind == "bwd":
+        o = fn(q, k, v)
+        return bench_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
+                        args.warmup, args.rep)
+    return bench_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), args.warmup, args.rep)
+
+
+def autotune_snapshot() -> dict:
+    """{kernel: {tuning key: {config: ms}}} of every tuning the launchers have
+    done so far (Triton keeps only the last timings per launcher, so this is
+    called after each launch that may have tuned)."""
+    import kernels
+    out = {}
+    for name, launcher in kernels._LAUNCHERS.items():
+        timings = getattr(launcher, "configs_timings", None) or {}
+        best = getattr(launcher, "best_config", None)
+        key = next((k for k, v in launcher.cache.items() if v is best), None) if best else None
+        if timings and key is not None:
+            out.setdefault(name, {})[str(key)] = {
+                str(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+    return out
 
 
 def bench_attention(args) -> list[str]:
     import kernels
-    rows = ["| T | D | B x H | fwd triton | fwd SDPA-flash | fwd+bwd triton | fwd+bwd SDPA-flash |",
-            "|---|---|---|---|---|---|---|"]
+    kinds = ("fwd", "bwd", "fwd+bwd")
+    rows = ["| T | D | B x H | " + " | ".join(f"{k} ours | {k} SDPA | {k} ratio" for k in kinds) + " |",
+            "|---|---|---|" + "---|" * 3 * len(kinds)]
     print("\n".join(rows), flush=True)
+    tuning = {}
     for D in args.head_dims:
         for T in args.seq_lens:
             B, H = max(1, args.tokens // T), args.hidden // D
-            q, k, v, do = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
-                           for _ in range(4)]
-            for t in (q, k, v):
-                t.requires_grad_()
-            err = (kernels.flash_attention(q, k, v) - sdpa_flash(q, k, v)).abs().max().item()
+            qkv, q, k, v, do = model_layout_inputs(B, H, T, D)
+            o = kernels.flash_attention(q, k, v)
+            torch.autograd.grad(o, (q, k, v), do)  # tunes (once) outside the timing
+            for name, per_key in autotune_snapshot().items():
+                tuning.setdefault(name, {}).update(per_key)
+            err = (o - sdpa_flash(q, k, v)).abs().max().item()
             if err > 5e-2:
                 raise RuntimeError(f"flash_attention disagrees with SDPA at T={T}, D={D}: {err}")
             cells = []
-            for backward in (False, True):
-                flops = attention_flops(B, H, T, D, backward)
-                for fn in (kernels.flash_attention, sdpa_flash):
-                    ms = time_attention(fn, q, k, v, do, backward, args)
-                    cells.append(f"{flops / ms / 1e9:.0f}")
+            for kind in kinds:
+                flops = attention_flops(B, H, T, D, kind)
+                ours, ref = (flops / time_attention(fn, qkv, q, k, v, do, kind, args) / 1e9
+                             for fn in (kernels.flash_attention, sdpa_flash))
+                cells += [f"{ours:.0f}", f"{ref:.0f}", f"{ours / ref:.2f}"]
             rows.append(f"| {T} | {D} | {B} x {H} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
-            del q, k, v, do
+            del qkv, q, k, v, do, o
+    if args.autotune_log:
+        with open(args.autotune_log, "w") as f:
+            json.dump(tuning, f, indent=1)
+    print("\nAutotune picks (kernel, key -> best config, ms):")
+    for name, per_key in tuning.items():
+        for key, timings in per_key.items():
+            best = min(timings, key=timings.get)
+            print(f"  {name} {key}: {best} {timings[best]:.3f} ms (of {len(timings)} configs)")
     return rows
 
 
-def bench_layer_norm(args, peak_tbs: float | None) -> list[str]:
+def layer_norm_bytes(impl: str, kind: str, M: int, N: int) -> int:
+    """Bytes a LayerNorm of M rows of N bf16 values must move. Forward: read
+    x, write y and the fp32 mean and rstd per row. Backward: read x, dy, mean,
+    rstd; write dx; for ours also the fp32 dW/dB partial sums each program
+    writes and the reduction reads back (torch's are counted as zero)."""
     import kernels
-    rows = ["| hidden | fwd triton GB/s | fwd torch GB/s | bwd triton GB/s | bwd torch GB/s "
-            "| triton fwd/bwd % of peak |",
-            "|---|---|---|---|---|---|"]
+    act = 2 * M * N  # one bf16 (M, N) tensor
+    if kind == "fwd":
+        return 2 * act + 8 * M
+    total = 3 * act + 8 * M
+    if impl == "ours":
+        block_n, rows, _ = kernels._layer_norm_config(N)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        programs = min(-(-M // rows), 4 * sms)        # as kernels._ln_backward
+        total += 2 * (2 * programs * N * 4)           # dW, dB partials: written, then read
+    return total
+
+
+def bench_layer_norm(args, peak_tbs: float | None, copy_tbs: float) -> list[str]:
+    import kernels
+    rows = ["| hidden | rows | fwd ours GB/s | fwd torch GB/s | bwd ours GB/s | bwd torch GB/s "
+            "| ours fwd / bwd, % of peak | % of measured copy |",
+            "|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
-    M = args.ln_rows
     for N in args.ln_hidden:
+        M = args.ln_elements // N
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(N, device="cuda", requires_grad=True)
-        b = torch.randn(N, device="cuda", requires_grad=True)
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        fns = {"triton": kernels.layer_norm,
-               "torch": lambda x_, w_, b_: F.layer_norm(x_, (N,), w_.to(x_.dtype), b_.to(x_.dtype))}
-        nbytes = x.numel() * x.element_size()
+        w32, b32 = (torch.randn(N, device="cuda", requires_grad=True) for _ in range(2))
+        w16, b16 = (t.detach().to(torch.bfloat16).requires_grad_() for t in (w32, b32))
+        fns = {"ours": lambda: kernels.layer_norm(x, w32, b32),          # the model's fp32 weights
+               "torch": lambda: F.layer_norm(x, (N,), w16, b16)}         # weights cast beforehand
+        params = {"ours": (x, w32, b32), "torch": (x, w16, b16)}
         gbs = {}
         for name, fn in fns.items():
-            ms = bench_ms(lambda: fn(x, w, b), args.warmup, args.rep)
-            gbs[name, "fwd"] = 2 * nbytes / ms / 1e6            # read x, write y
-            y = fn(x, w, b)
-            ms = bench_ms(lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True),
+            ms = bench_ms(fn, args.warmup, args.rep)
+            gbs[name, "fwd"] = layer_norm_bytes(name, "fwd", M, N) / ms / 1e6
+            y = fn()
+            ms = bench_ms(lambda: torch.autograd.grad(y, params[name], dy, retain_graph=True),
                           args.warmup, args.rep)
-            gbs[name, "bwd"] = 3 * nbytes / ms / 1e6            # read x and dy, write dx
-        pct = "n/a" if peak_tbs is None else (
-            f"{100 * gbs['triton', 'fwd'] / (peak_tbs * 1e3):.0f}% / "
-            f"{100 * gbs['triton', 'bwd'] / (peak_tbs * 1e3):.0f}%")
-        rows.append(f"| {N} | {gbs['triton', 'fwd']:.0f} | {gbs['torch', 'fwd']:.0f} | "
-                    f"{gbs['triton', 'bwd']:.0f} | {gbs['torch', 'bwd']:.0f} | {pct} |")
+            gbs[name, "bwd"] = layer_norm_bytes(name, "bwd", M, N) / ms / 1e6
+        f, b = gbs["ours", "fwd"], gbs["ours", "bwd"]
+        pct = "n/a" if peak_tbs is None else f"{f / (10 * peak_tbs):.0f}% / {b / (10 * peak_tbs):.0f}%"
+        rows.append(f"| {N} | {M} | {f:.0f} | {gbs['torch', 'fwd']:.0f} | {b:.0f} | "
+                    f"{gbs['torch', 'bwd']:.0f} | {pct} | {f / (10 * copy_tbs):.0f}% / "
+                    f"{b / (10 * copy_tbs):.0f}% |")
         print(rows[-1], flush=True)
     return rows
 
@@ -160,31 +233,39 @@ def bench_add_layer_norm(args) -> list[str]:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["attention", "layernorm", "addnorm"], default=None)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--tokens", type=int, default=16384, help="B*T per attention call")
     p.add_argument("--hidden", type=int, default=2048, help="H*D per attention call")
-    p.add_argument("--ln-hidden", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--ln-rows", type=int, default=16384)
+    p.add_argument("--ln-hidden", type=int, nargs="+", default=[768, 1024, 2048, 4096, 8192])
+    p.add_argument("--ln-elements", type=int, default=2 ** 26,
+                   help="rows x hidden per LayerNorm call (128 MiB of bf16: far past L2)")
+    p.add_argument("--ln-rows", type=int, default=16384, help="rows for the residual add + LayerNorm")
     p.add_argument("--peak-bw", type=float, default=None, help="peak memory bandwidth in TB/s")
     p.add_argument("--warmup", type=int, default=25, help="ms of warmup per measurement")
     p.add_argument("--rep", type=int, default=100, help="ms of timed runs per measurement")
+    p.add_argument("--autotune-log", default=None, help="write every autotune timing here (JSON)")
     args = p.parse_args()
 
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
                  "the kernels' correctness tests run on CPU: pytest tests/test_kernels.py")
+    import triton
     name = torch.cuda.get_device_name()
     peak = peak_bandwidth(name, args.peak_bw)
-    print(f"## Kernel benchmarks on {name} (torch {torch.__version__})\n")
+    copy_tbs = copy_bandwidth_tbs(args)
+    print(f"## Kernel benchmarks on {name} (torch {torch.__version__}, triton {triton.__version__})\n")
+    print(f"device-to-device copy: {copy_tbs:.2f} TB/s (read + write); "
+          f"peak {peak or 'unknown'} TB/s\n")
     if args.only in (None, "attention"):
-        print(f"### Causal attention, bf16, TFLOP/s (B*T={args.tokens}, H*D={args.hidden})\n")
+        print(f"### Causal attention, bf16, TFLOP/s (B*T={args.tokens}, H*D={args.hidden}; "
+              f"ratio = ours / SDPA flash)\n")
         bench_attention(args)
         print()
     if args.only in (None, "layernorm"):
         peak_txt = f"peak {peak} TB/s" if peak else "peak unknown: pass --peak-bw"
-        print(f"### LayerNorm, bf16 activations, fp32 weights, {args.ln_rows} rows ({peak_txt})\n")
-        bench_layer_norm(args, peak)
+        print(f"### LayerNorm, bf16 in and out, {args.ln_elements} elements a call ({peak_txt})\n")
+        bench_layer_norm(args, peak, copy_tbs)
         print()
     if args.only in (None, "addnorm"):
         print(f"### Residual add + LayerNorm, fp32 stream + bf16 branch, {args.ln_rows} rows\n")

@@ -154,12 +154,14 @@ def attention_constexprs(case):
 
 
 def layer_norm_fwd_args(case):
-    # Y and SUM hold x + res in the promoted dtype; without a residual the
-    # launcher passes x itself for the unused RES and SUM
+    # SUM holds x + res in the promoted dtype; without a residual the
+    # launcher passes x itself for the unused RES and SUM. A bf16 residual
+    # into an fp32 stream is autocast, where Y is written in bf16.
     x = case["dtype"]
     res = case["res"] or x
     out = "fp32" if "fp32" in (x, res) else x
-    return {"X": f"*{x}", "RES": f"*{res}", "W": "*fp32", "B": "*fp32", "Y": f"*{out}",
+    y = "bf16" if res == "bf16" else out
+    return {"X": f"*{x}", "RES": f"*{res}", "W": "*fp32", "B": "*fp32", "Y": f"*{y}",
             "SUM": f"*{out}", "MEAN": "*fp32", "RSTD": "*fp32",
             "M": "i32", "N": case["N"], "eps": "fp32"}
 
@@ -174,28 +176,44 @@ def layer_norm_config(case):
 # T_BUCKET is a power of two >= 16. LayerNorm weights are fp32 for bf16 and
 # fp32 activations, as under the model's mixed precision; MEAN/RSTD/LSE/DELTA
 # and the dW/dB partial sums are always fp32.
+# Strides are sample values from GPT-2 124M at T=1024 (C=768, so q, k, v are
+# views of the (B, T, 3C) projection and o is (B, T, H, D) in memory); like
+# the real ones they are multiples of 16, which Triton specialises on.
+def attention_args(c, grads=()):
+    D, t = c["D"], c["dtype"]
+    args = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "LSE": "*fp32", "T": "i32", "H": "i32",
+            "stride_qb": 1024 * 3 * 768, "stride_qh": D, "stride_qt": 3 * 768,
+            "qk_scale": "fp32", "T_BUCKET": 1024}
+    if not grads:  # forward: writes O
+        return {**args, "O": f"*{t}", "stride_ob": 1024 * 768, "stride_oh": D, "stride_ot": 768}
+    return {**args, "DO": f"*{t}", "DELTA": "*fp32", **{g: f"*{t}" for g in grads},
+            "stride_dob": 1024 * 768, "stride_doh": D, "stride_dot": 768,
+            "stride_gb": 1024 * 768, "stride_gh": D, "stride_gt": 768, "sm_scale": "fp32"}
+
+
+def attention_configs(kernel_name):
+    """The autotune candidates for a case, after the pruning autotune applies."""
+    import torch
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    return lambda c: from_autotune([cfg for cfg in kernels._attn_configs(kernel_name)
+                                    if kernels._keep_attn_config(cfg, dtypes[c["dtype"]])])
+
+
 KERNELS = [
-    Kernel("attn_fwd", "_attn_fwd_kernel", attention_cases,
-           lambda c: {"Q": f"*{c['dtype']}", "K": f"*{c['dtype']}", "V": f"*{c['dtype']}",
-                      "O": f"*{c['dtype']}", "LSE": "*fp32", "T": "i32", "qk_scale": "fp32",
-                      "T_BUCKET": 1024},
-           attention_constexprs, lambda c: from_autotune(kernels._attn_configs(False))),
+    Kernel("attn_fwd", "_attn_fwd_kernel", attention_cases, attention_args,
+           attention_constexprs, attention_configs("fwd")),
     Kernel("attn_bwd_preprocess", "_attn_bwd_preprocess_kernel", head_dim_cases,
-           lambda c: {"O": f"*{c['dtype']}", "DO": f"*{c['dtype']}", "DELTA": "*fp32", "T": "i32"},
+           lambda c: {"O": f"*{c['dtype']}", "DO": f"*{c['dtype']}", "DELTA": "*fp32", "T": "i32",
+                      "H": "i32", "stride_ob": 1024 * 768, "stride_oh": c["D"], "stride_ot": 768,
+                      "stride_dob": 1024 * 768, "stride_doh": c["D"], "stride_dot": 768},
            # FlashAttentionFunction.backward launches it with BLOCK_M=64, default warps/stages
            lambda c: {"HEAD_DIM": c["D"]}, lambda c: [Config({"BLOCK_M": 64}, {})]),
     Kernel("attn_bwd_dkdv", "_attn_bwd_dkdv_kernel", attention_cases,
-           lambda c: {"Q": f"*{c['dtype']}", "K": f"*{c['dtype']}", "V": f"*{c['dtype']}",
-                      "DO": f"*{c['dtype']}", "LSE": "*fp32", "DELTA": "*fp32",
-                      "DK": f"*{c['dtype']}", "DV": f"*{c['dtype']}", "T": "i32",
-                      "sm_scale": "fp32", "qk_scale": "fp32", "T_BUCKET": 1024},
-           attention_constexprs, lambda c: from_autotune(kernels._attn_configs(True))),
+           lambda c: attention_args(c, grads=("DK", "DV")),
+           attention_constexprs, attention_configs("dkdv")),
     Kernel("attn_bwd_dq", "_attn_bwd_dq_kernel", attention_cases,
-           lambda c: {"Q": f"*{c['dtype']}", "K": f"*{c['dtype']}", "V": f"*{c['dtype']}",
-                      "DO": f"*{c['dtype']}", "LSE": "*fp32", "DELTA": "*fp32",
-                      "DQ": f"*{c['dtype']}", "T": "i32", "sm_scale": "fp32",
-                      "qk_scale": "fp32", "T_BUCKET": 1024},
-           attention_constexprs, lambda c: from_autotune(kernels._attn_configs(False))),
+           lambda c: attention_args(c, grads=("DQ",)),
+           attention_constexprs, attention_configs("dq")),
     Kernel("layer_norm_fwd", "_layer_norm_fwd_kernel", layer_norm_fwd_cases,
            layer_norm_fwd_args, lambda c: {"HAS_RESIDUAL": c["res"] is not None},
            layer_norm_config),

@@ -1,0 +1,106 @@
+"""Where a training step spends its GPU time: a torch.profiler trace of a few
+steps of GPT-2 (bf16 autocast, fused AdamW, clipping as train.py does),
+summed by kernel category.
+
+    python bench/profile_step.py                          # 124M, Triton kernels, micro-batch 16
+    python bench/profile_step.py --preset 350M --impl torch --trace step.json
+
+Categories are matched on kernel names: attention (ours or flash), matmul
+(cuBLAS / CUTLASS GEMMs), LayerNorm, cross-entropy (log-softmax, NLL and
+the fp32 logits' casts), optimizer (AdamW, grad-norm clipping), and the
+rest (elementwise ops, embedding, copies). "GPU idle" is the wall time of
+the profiled steps not covered by any kernel: host-side stalls and launch gaps.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+CATEGORIES = [  # first match wins; lower-case substrings of kernel names
+    ("attention", ("_attn_", "flash", "fmha", "attention")),
+    ("LayerNorm", ("layer_norm", "layernorm")),
+    ("cross-entropy", ("log_softmax", "nll_loss", "cross_entropy", "softmax")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "sm80", "cublas", "wgmma")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other (elementwise, embedding, copies)"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="124M")
+    p.add_argument("--impl", default="triton", choices=["triton", "torch"])
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
+    p.add_argument("--top", type=int, default=20, help="kernels listed individually")
+    p.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_step.py needs a CUDA GPU")
+
+    import parallel
+    from gpt import GPT, GPTConfig
+    from torch.profiler import ProfilerActivity, profile
+    parallel.initialize(1)
+    config = GPTConfig.from_preset(args.preset, attention_impl=args.impl, layernorm_impl=args.impl,
+                                   max_position_embeddings=max(1024, args.seq_length))
+    model = GPT(config).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    B, T = args.micro_batch_size, args.seq_length
+    tokens = torch.randint(0, 50257, (B, T + 1), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
+        parallel.clip_grad_norm_(list(model.parameters()), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+    kernels = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0) or 0
+        if us > 0 and evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[evt.key] = kernels.get(evt.key, 0) + us / 1e3 / args.steps  # ms per step
+    busy = sum(kernels.values())
+    by_cat = {}
+    for name, ms in kernels.items():
+        by_cat[category(name)] = by_cat.get(category(name), 0) + ms
+    print(f"## Profile: GPT {args.preset}, {args.impl} kernels, micro-batch {B}, seq {T}, bf16, "
+          f"on {torch.cuda.get_device_name()}\n")
+    print(f"step wall time {wall_ms:.1f} ms, kernels {busy:.1f} ms, GPU idle "
+          f"{max(wall_ms - busy, 0):.1f} ms ({100 * max(wall_ms - busy, 0) / wall_ms:.0f}%)\n")
+    print("| category | ms per step | % of kernel time |\n|---|---|---|")
+    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        print(f"| {cat} | {ms:.2f} | {100 * ms / busy:.1f}% |")
+    print(f"\n| top {args.top} kernels | category | ms per step |\n|---|---|---|")
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"| {name[:90]} | {category(name)} | {ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Everything a GPU session measures, in one command; each stage writes its
+# log to OUT_DIR, and a failing stage does not stop the others.
+#
+#   bash bench/run_gpu.sh OUT_DIR                       # every stage
+#   STAGES="tests kernels" bash bench/run_gpu.sh OUT_DIR
+#   MODEL_ARGS="--models 124M --variants triton torch" STAGES=model bash bench/run_gpu.sh OUT_DIR
+#
+# Stages (in this order):
+#   env        GPU, driver, torch/triton versions          -> env.txt
+#   tests      python -m pytest -m gpu tests/              -> tests.log
+#   kernels    bench/bench_kernels.py (attention, LayerNorm) -> kernels.md, autotune.json
+#   profile    bench/profile_step.py, 124M and 350M         -> profile.md
+#   model      bench/bench_model.py through train.py (MODEL_ARGS) -> model.md
+#   firststep  train.py's first step with an empty, then a warm Triton cache -> firststep.log
+# STAGE_TIMEOUT (seconds, default 420) bounds each stage.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash bench/run_gpu.sh OUT_DIR}
+mkdir -p "$OUT"
+STAGES=${STAGES:-env tests kernels profile model firststep}
+LIMIT=${STAGE_TIMEOUT:-420}
+export PYTHONUNBUFFERED=1
+WORK=$(mktemp -d)
+
+stage() {  # stage NAME LOG "COMMAND": run COMMAND under the time limit, log and time it
+    local name=$1 log=$2 cmd=$3
+    case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
+    local t0=$SECONDS
+    echo "== $name: $cmd" | tee -a "$OUT/$log"
+    timeout "$LIMIT" bash -c "$cmd" >> "$OUT/$log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$log"
+}
+
+env_report() {
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
+    python -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__, '|', torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
+}
+
+first_step() {  # the first training step, autotuning included, cold and then warm
+    export TRITON_CACHE_DIR="$WORK/triton-cache-first-step"
+    rm -rf "$TRITON_CACHE_DIR"
+    python bench/bench_model.py --models 124M --variants triton --micro-batch-size 16 \
+        --iters 3 --log-interval 1 --workdir "$WORK/first" | sed 's/^/cold cache: /'
+    python bench/bench_model.py --models 124M --variants triton --micro-batch-size 16 \
+        --iters 3 --log-interval 1 --workdir "$WORK/first" | sed 's/^/warm cache: /'
+}
+
+profile_all() {
+    python bench/profile_step.py --preset 124M --impl triton
+    python bench/profile_step.py --preset 124M --impl torch
+    python bench/profile_step.py --preset 350M --impl triton
+}
+
+export OUT WORK
+export -f env_report first_step profile_all
+stage env env.txt env_report
+stage tests tests.log "python -m pytest -p no:cacheprovider -m gpu tests/ -q -rfEs"
+stage kernels kernels.md "python bench/bench_kernels.py --autotune-log $OUT/autotune.json"
+stage profile profile.md profile_all
+stage model model.md "python bench/bench_model.py --workdir $WORK/model ${MODEL_ARGS:-}"
+stage firststep firststep.log first_step
+rm -rf "$WORK"
