@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import parallel
+from loss import fused_lm_loss
 
 # -----------------------------------------------------------------------------
 # Config
@@ -54,6 +55,7 @@ import parallel
 # Implementations the seams below understand. kernels.py extends these.
 ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.py (FlashAttention-2)
 LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.py (fused LayerNorm)
+LOSS_IMPLS = ("fused", "full")         # "fused": loss.py (head + loss in chunks)
 
 
 @dataclass
@@ -71,6 +73,9 @@ class GPTConfig:
     init_method_std: float = 0.02
     attention_impl: str = "torch"
     layernorm_impl: str = "torch"
+    # "fused": LM head + cross-entropy in chunks, never the full logits
+    # (loss.py); "full": full logits, then the cross-entropy (for comparison)
+    loss_impl: str = "fused"
     activation_checkpointing: bool = False
     # Domino (tensor parallelism only): split each micro-batch into this many
     # chunks along the batch and overlap one chunk's all-reduces with another
@@ -107,6 +112,8 @@ class GPTConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention_impl {self.attention_impl!r}; "
                              f"choose one of {list(ATTENTION_IMPLS)}")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"unknown loss_impl {self.loss_impl!r}; choose one of {list(LOSS_IMPLS)}")
         if self.layernorm_impl not in LAYERNORM_IMPLS:
             raise ValueError(f"unknown layernorm_impl {self.layernorm_impl!r}; "
                              f"choose one of {list(LAYERNORM_IMPLS)}")
@@ -417,12 +424,15 @@ class GPT(nn.Module):
                     x = self.checkpoint_fn(block, x)
                 else:
                     x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded), or (B, T, V_padded/T) under TP
+        h = self.ln_f(x)                                             # (B, T, C)
         if labels is None:
             # Under TP: all-gather the full logits (B*T*V per rank; fine for
             # eval and generation). The training loss below never gathers them.
-            return parallel.gather_from_tensor_parallel_region(logits)
-        return self.loss(logits, labels, loss_mask)
+            return parallel.gather_from_tensor_parallel_region(self.lm_head(h))
+        if self.config.loss_impl == "fused":  # the logits are never materialized whole
+            return fused_lm_loss(parallel.copy_to_tensor_parallel_region(h), self.wte.weight,
+                                 labels, loss_mask)
+        return self.loss(self.lm_head(h), labels, loss_mask)  # (B, T, V_padded[/T]) logits
 
     def _domino_layers(self, x):
         """The block stack with Domino overlap (Wang et al., DeepSpeed-Domino).

@@ -202,6 +202,61 @@ def bench_layer_norm(args, peak_tbs: float | None, copy_tbs: float) -> list[str]
     return rows
 
 
+def sweep_layer_norm(args) -> list[str]:
+    """Time the LayerNorm kernels directly over (rows a program, warps) and,
+    for backward, programs per SM, to choose kernels._layer_norm_config."""
+    import itertools
+    import triton
+    import kernels
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows_out = ["| hidden | pass | config (rows, warps[, programs/SM]) | GB/s | current config GB/s |",
+                "|---|---|---|---|---|"]
+    print("\n".join(rows_out), flush=True)
+    for N in args.ln_hidden:
+        M = args.ln_elements // N
+        block_n = triton.next_power_of_2(N)
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        dy, y, dx = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
+        w, b = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
+        mean, rstd = (torch.empty(M, device="cuda") for _ in range(2))
+
+        def fwd(rows, warps):
+            kernels._layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
+                x, x, w, b, y, x, mean, rstd, M, N, 1e-5, HAS_RESIDUAL=False, ROWS=rows,
+                BLOCK_N=block_n, num_warps=warps)
+
+        def bwd(rows, warps, per_sm):
+            programs = min(triton.cdiv(M, rows), per_sm * sms)
+            dw_p = torch.empty((programs, N), device="cuda")
+            db_p = torch.empty((programs, N), device="cuda")
+            kernels._layer_norm_bwd_kernel[(programs,)](
+                x, w, dy, dy, dx, mean, rstd, dw_p, db_p, M, N, HAS_DSUM=False, ROWS=rows,
+                BLOCK_N=block_n, num_warps=warps)
+            return dw_p.sum(0), db_p.sum(0)
+
+        fwd(*kernels._layer_norm_config(N)[1:])  # mean/rstd for the backward
+        results = {"fwd": {}, "bwd": {}}
+        for rows, warps in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8, 16)):
+            if rows * block_n > 32768 or rows * block_n < 32 * warps:
+                continue
+            ms = bench_ms(lambda: fwd(rows, warps), 10, 40)
+            results["fwd"][(rows, warps)] = layer_norm_bytes("torch", "fwd", M, N) / ms / 1e6
+            for per_sm in (2, 4, 8):
+                ms = bench_ms(lambda: bwd(rows, warps, per_sm), 10, 40)
+                programs = min(triton.cdiv(M, rows), per_sm * sms)
+                nbytes = layer_norm_bytes("torch", "bwd", M, N) + 4 * 2 * programs * N * 4
+                results["bwd"][(rows, warps, per_sm)] = nbytes / ms / 1e6
+        _, cur_rows, cur_warps = kernels._layer_norm_config(N)
+        current = {"fwd": results["fwd"].get((cur_rows, cur_warps)),
+                   "bwd": results["bwd"].get((cur_rows, cur_warps, 4))}
+        for kind in ("fwd", "bwd"):
+            for cfg, gbs in sorted(results[kind].items(), key=lambda kv: -kv[1])[:3]:
+                cur = "-" if current[kind] is None else f"{current[kind]:.0f}"
+                rows_out.append(f"| {N} | {kind} | {cfg} | {gbs:.0f} | {cur} |")
+                print(rows_out[-1], flush=True)
+    return rows_out
+
+
 def bench_add_layer_norm(args) -> list[str]:
     import kernels
     rows = ["| hidden | fused fwd us | add + triton LN fwd us | add + torch LN fwd us "
@@ -232,7 +287,7 @@ def bench_add_layer_norm(args) -> list[str]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["attention", "layernorm", "addnorm"], default=None)
+    p.add_argument("--only", choices=["attention", "layernorm", "addnorm", "ln-sweep"], default=None)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--tokens", type=int, default=16384, help="B*T per attention call")
@@ -270,6 +325,9 @@ def main():
     if args.only in (None, "addnorm"):
         print(f"### Residual add + LayerNorm, fp32 stream + bf16 branch, {args.ln_rows} rows\n")
         bench_add_layer_norm(args)
+    if args.only == "ln-sweep":
+        print("### LayerNorm kernel configs, bf16, best three per hidden size\n")
+        sweep_layer_norm(args)
 
 
 if __name__ == "__main__":

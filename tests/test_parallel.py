@@ -437,10 +437,12 @@ def _assert_same_run(got, want, what, tol=1e-5, grad_atol=1e-7):
 
 
 def _check_gpt_tensor_parallel_matches_single_gpu():
-    ref = _build_gpt(1)
+    # The reference is T=1 with the full-logits loss; T=2 runs the default
+    # fused head + loss (loss.py), vocab-parallel.
+    ref = _build_gpt(1, loss_impl="full")
     want = _forward_backward(ref)
     ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_losses = _train_losses(_build_gpt(1))
+    ref_losses = _train_losses(_build_gpt(1, loss_impl="full"))
 
     tp = _build_gpt(2)
     # Really sharded: half the heads, half the vocab rows on this rank.
@@ -478,9 +480,9 @@ def test_gpt_tensor_parallel_matches_single_gpu():
 
 
 def _check_domino_matches_plain_tensor_parallel():
-    plain = _build_gpt(2)
+    plain = _build_gpt(2, loss_impl="full")  # Domino runs the default fused loss
     want = _forward_backward(plain)
-    plain_losses = _train_losses(_build_gpt(2))
+    plain_losses = _train_losses(_build_gpt(2, loss_impl="full"))
     for chunks in (2, 3):
         domino = _build_gpt(2, domino_chunks=chunks)
         assert domino.blocks[0].mlp.fc.async_grad_allreduce

