@@ -50,7 +50,6 @@ except ImportError:
 # 5336 tokens of GPT-2's 50304-row vocabulary. Larger chunks make larger,
 # slightly more efficient matmuls; smaller ones save memory.
 CHUNK_LOGITS = 2 ** 28
-LOG2E = 1.4426950408889634
 
 
 # ---------------------------------------------------------------------------
@@ -64,6 +63,7 @@ if HAS_TRITON:
         """Program r: over row r of z, the max m, sum(exp(z - m)) (an online
         softmax denominator, rescaled whenever the running max grows), and
         the target logit if this rank's vocab slice holds the target (else 0)."""
+        log2e = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
         r = tl.program_id(0)
         row = Z + r.to(tl.int64) * stride_z
         m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # per-lane running max
@@ -72,12 +72,12 @@ if HAS_TRITON:
             cols = start + tl.arange(0, BLOCK_V)
             z = tl.load(row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, z)
-            s = s * tl.math.exp2((m - m_new) * LOG2E) + tl.math.exp2((z - m_new) * LOG2E)
+            s = s * tl.math.exp2((m - m_new) * log2e) + tl.math.exp2((z - m_new) * log2e)
             # a lane that has seen only padding (-inf) computed -inf - -inf = NaN: it holds 0
             s = tl.where(m_new == float("-inf"), 0.0, s)
             m = m_new
         row_max = tl.max(m, 0)
-        row_sum = tl.sum(s * tl.math.exp2((m - row_max) * LOG2E), 0)
+        row_sum = tl.sum(s * tl.math.exp2((m - row_max) * log2e), 0)
         target = tl.load(LABELS + r) - vocab_start
         here = (target >= 0) & (target < V)
         z_t = tl.load(row + tl.where(here, target, 0)).to(tl.float32)
@@ -89,6 +89,7 @@ if HAS_TRITON:
     def _row_grad_kernel(Z, LABELS, LSE, WEIGHT, V, stride_z, vocab_start,
                          BLOCK_V: tl.constexpr):
         """Program r: overwrite row r of z with w_r * (softmax(z) - onehot(target))."""
+        log2e = 1.4426950408889634
         r = tl.program_id(0)
         row = Z + r.to(tl.int64) * stride_z
         lse = tl.load(LSE + r)
@@ -97,7 +98,7 @@ if HAS_TRITON:
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             z = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
-            p = tl.math.exp2((z - lse) * LOG2E)
+            p = tl.math.exp2((z - lse) * log2e)
             dz = (p - tl.where(cols == target, 1.0, 0.0)) * w
             tl.store(row + cols, dz.to(Z.dtype.element_ty), mask=cols < V)
 

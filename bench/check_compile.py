@@ -66,6 +66,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kernels  # noqa: E402
+import loss  # noqa: E402
+
+MODULES = (kernels, loss)  # where check_compile looks for *_kernel functions
 
 # Largest dynamic shared memory one block may request (cudaDevAttrMax-
 # SharedMemoryPerBlockOptin), the figure Triton's launcher checks against.
@@ -147,6 +150,10 @@ def layer_norm_bwd_cases(opts):
             for n, t, d in itertools.product(opts.ln_hidden, dtypes, (False, True))]
 
 
+def loss_cases(opts):
+    return [{"N": 50304, "dtype": t} for t in LN_DTYPES if t in opts.dtypes]
+
+
 def attention_constexprs(case):
     # as FlashAttentionFunction: exact fp32 products for fp32 inputs
     return {"HEAD_DIM": case["D"], "CAUSAL": case["causal"],
@@ -217,6 +224,16 @@ KERNELS = [
     Kernel("layer_norm_fwd", "_layer_norm_fwd_kernel", layer_norm_fwd_cases,
            layer_norm_fwd_args, lambda c: {"HAS_RESIDUAL": c["res"] is not None},
            layer_norm_config),
+    # loss.py's row passes over a chunk of logits (bf16 under autocast, fp32
+    # without), at GPT-2's 50304-row vocabulary and the block the launcher picks
+    Kernel("loss_row_stats", "_row_stats_kernel", loss_cases,
+           lambda c: {"Z": f"*{c['dtype']}", "LABELS": "*i64", "MAX": "*fp32", "SUMEXP": "*fp32",
+                      "TARGET": "*fp32", "V": 50304, "stride_z": 50304, "vocab_start": "i32"},
+           lambda c: {}, lambda c: [Config({"BLOCK_V": 4096}, {})]),
+    Kernel("loss_row_grad", "_row_grad_kernel", loss_cases,
+           lambda c: {"Z": f"*{c['dtype']}", "LABELS": "*i64", "LSE": "*fp32", "WEIGHT": "*fp32",
+                      "V": 50304, "stride_z": 50304, "vocab_start": "i32"},
+           lambda c: {}, lambda c: [Config({"BLOCK_V": 4096}, {})]),
     Kernel("layer_norm_bwd", "_layer_norm_bwd_kernel", layer_norm_bwd_cases,
            lambda c: {"X": f"*{c['dtype']}", "W": "*fp32", "DY": f"*{c['dtype']}",
                       "DSUM": f"*{c['dtype']}", "DX": f"*{c['dtype']}", "MEAN": "*fp32",
@@ -227,11 +244,12 @@ KERNELS = [
 
 
 def uncovered_kernels() -> list:
-    """Launchable kernels in kernels.py (by convention the @triton.jit functions
-    named *_kernel; the others are helpers inlined into them) with no entry in
-    KERNELS, so that a new kernel cannot silently go unchecked."""
+    """Launchable kernels in kernels.py and loss.py (by convention the
+    @triton.jit functions named *_kernel; the others are helpers inlined into
+    them) with no entry in KERNELS, so that a new kernel cannot silently go
+    unchecked."""
     covered = {k.function for k in KERNELS}
-    return sorted(name for name, obj in vars(kernels).items()
+    return sorted(name for module in MODULES for name, obj in vars(module).items()
                   if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")
                   and name not in covered)
 
@@ -255,7 +273,7 @@ def config_label(config: Config, metadata=None) -> str:
 
 
 def build_source(kernel: Kernel, case: dict, config: Config) -> ASTSource:
-    fn = getattr(kernels, kernel.function)
+    fn = next(getattr(m, kernel.function) for m in MODULES if hasattr(m, kernel.function))
     constexprs = {**kernel.constexprs(case), **config.constexprs}
     given = {**kernel.args(case), **{name: "constexpr" for name in constexprs}}
     missing = [a for a in fn.arg_names if a not in given]

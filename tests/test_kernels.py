@@ -386,7 +386,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("T", [1024, 1000, 4096, 4001, 16384, 16000])  # and ragged lengths
+@pytest.mark.parametrize("T", [1000, 4096, 16000])  # 1k, 4k, 16k; two of them ragged
 def test_gpu_attention_long_sequences(T, D, dtype):
     """Forward and dq, dk, dv against float64 SDPA, q/k/v as views of a QKV
     projection (the layout the model passes)."""
