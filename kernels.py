@@ -788,9 +788,10 @@ class TritonLayerNorm(torch.nn.LayerNorm):
 
         Under autocast the LayerNorm output is written in the autocast dtype:
         in this model every LayerNorm feeds a matmul, which would cast an fp32
-        output down anyway (the same rounding), so writing it narrow saves a
-        full-width write, a read and a cast kernel. The residual stream keeps
-        its own dtype."""
+        output down anyway (the same round-to-nearest, up to the last fp32
+        bit: the two compiled variants may contract multiply-adds
+        differently), so writing it narrow saves a full-width
+        write, a read and a cast kernel. The residual stream keeps its own dtype."""
         out_dtype = _autocast_dtype(x)
         if residual is None:
             return layer_norm(x, self.weight, self.bias, self.eps, out_dtype)

@@ -749,6 +749,17 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
+def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
+    """DeepSpeed refuses a precision its accelerator does not report; say so in
+    our words, before any rank builds a model. (Its CPU accelerator reports fp16
+    only on CPUs with AVX512-FP16, bf16 on most.)"""
+    for flag, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
+        if getattr(cfg, flag) and not supported():
+            raise ValueError(f"--{flag} --deepspeed: DeepSpeed does not support {flag} on this device "
+                             f"({accelerator.device_name()}); drop --{flag} (fp32), or use the other "
+                             f"16-bit format, or train without --deepspeed")
+
+
 class DeepSpeedMPU:
     """The "model parallel unit" DeepSpeed asks for, backed by parallel.py's
     groups: ZeRO then shards over the data-parallel group only, and its
@@ -880,6 +891,7 @@ def init_deepspeed(cfg: TrainConfig, env: Dist, accum: int, logger: Logger):
     """Model + our AdamW + our schedule -> a DeepSpeed engine, resumed from
     --load if there is a checkpoint. Returns (engine, iteration, consumed)."""
     ds = import_deepspeed(env.device)
+    check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
     ds.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")
     mpu = DeepSpeedMPU() if parallel.tp_size() > 1 else None
     config = deepspeed_config(cfg, parallel.dp_size(), accum)

@@ -78,9 +78,19 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
             f.write(repr(loss))
 
 
+def allow_deepspeed_fp16_on_any_cpu() -> None:
+    """DeepSpeed's CPU accelerator reports fp16 only where oneDNN has
+    AVX512-FP16, so it refuses --fp16 on many CI machines. torch computes fp16
+    on any CPU (slowly) and these tests check numbers, not speed: let it through."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+
+
 def worker(out: str, plan: str) -> None:
     import torch.distributed as dist
     import train
+    allow_deepspeed_fp16_on_any_cpu()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     ck = lambda name: os.path.join(out, "ckpt_" + name)
@@ -316,6 +326,24 @@ def test_contradicting_deepspeed_json_is_an_error(tmp_path):
                                 "zero_optimization": {"stage": 3, "overlap_comm": True}}))
     ds = train.deepspeed_config(train.parse_args(base), dp_size=1, accum=1)
     assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": True} and ds["wall_clock_breakdown"]
+
+
+def test_a_precision_deepspeed_refuses_is_named_before_any_model_is_built():
+    """DeepSpeed's CPU accelerator reports fp16 only on CPUs with AVX512-FP16;
+    the user hears which flag to change, not DeepSpeed's 'Type fp16 is not
+    supported on your device' from inside initialize on every rank."""
+    import train
+
+    class CPUWithoutFP16:
+        def device_name(self): return "cpu"
+        def is_fp16_supported(self): return False
+        def is_bf16_supported(self): return True
+
+    base = ["--preset", "tiny", "--deepspeed"]
+    with pytest.raises(ValueError, match="--fp16 --deepspeed: DeepSpeed does not support fp16 on this device"):
+        train.check_deepspeed_precision(train.parse_args(base + ["--fp16"]), CPUWithoutFP16())
+    for ok in ([], ["--bf16"]):
+        train.check_deepspeed_precision(train.parse_args(base + ok), CPUWithoutFP16())
 
 
 def test_zero_flags_without_deepspeed_are_an_error():

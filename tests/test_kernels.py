@@ -448,8 +448,11 @@ def test_gpu_add_layer_norm_autocast_dtypes(N):
 @pytest.mark.gpu
 @gpu
 def test_gpu_layer_norm_writes_the_autocast_dtype_with_the_same_rounding():
-    """Under autocast TritonLayerNorm writes its output in bf16, bit for bit
-    what the next matmul would have made of the fp32 output."""
+    """Under autocast TritonLayerNorm writes its output in bf16: what the next
+    matmul would have made of the fp32 output. Not bit for bit: the bf16-out
+    kernel is compiled separately and may fuse multiply-adds differently, so
+    the fp32 value before rounding can differ in its last bit and, rarely,
+    round to the neighbouring bf16 number (seen on an H100, 2026-11-23)."""
     ln = kernels.TritonLayerNorm(1024).to(DEVICE)
     with torch.no_grad():
         ln.weight.normal_(), ln.bias.normal_()
@@ -458,8 +461,20 @@ def test_gpu_layer_norm_writes_the_autocast_dtype_with_the_same_rounding():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y, (s, y2) = ln(x), ln(x, residual=r)
     assert y.dtype == y2.dtype == torch.bfloat16 and s.dtype == torch.float32
-    assert torch.equal(y, ln(x).to(torch.bfloat16))
-    assert torch.equal(y2, ln(x, residual=r)[1].to(torch.bfloat16))
+    assert_rounded_alike(y, ln(x).to(torch.bfloat16))
+    assert_rounded_alike(y2, ln(x, residual=r)[1].to(torch.bfloat16))
+
+
+def assert_rounded_alike(a, b):
+    """bf16 tensors that agree except for a few elements one bf16 step apart
+    (eps * |b| >= one step at b's exponent). Near zero, where w * xhat + b
+    cancels, fp32's absolute error (~1e-7 of the terms) is more than a step
+    of the small result: allow that absolutely."""
+    a, b = a.detach().float(), b.detach().float()
+    tol = torch.finfo(torch.bfloat16).eps * b.abs() + 1e-5
+    worst = ((a - b).abs() - tol).argmax()
+    assert ((a - b).abs() <= tol).all(), (a.flatten()[worst].item(), b.flatten()[worst].item())
+    assert (a == b).float().mean() > 0.99
 
 
 def _zipf_batches(steps, B, T, vocab=2000, seed=0):
