@@ -246,8 +246,12 @@ class IndexedDatasetBuilder:
         self._bin_file.close()
         self._idx_tmp = idx_path + ".tmp"
         write_index_file(self._idx_tmp, self._sizes, self._doc_idx, self.dtype)
+        for tmp in (self._bin_tmp, self._idx_tmp):  # on disk before either name appears
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(self._idx_tmp, idx_path)  # last: a visible .idx implies its .bin is complete
+        fsync_dir(os.path.dirname(os.path.abspath(idx_path)))
         self._done = True
 
     def abort(self) -> None:
@@ -364,20 +368,39 @@ def _cached_arrays(cache_dir: str, stem: str, description: dict, names: tuple, b
     arrays = build()
     os.makedirs(cache_dir, exist_ok=True)
     for n, path in paths.items():
-        _atomic_write(path, lambda f, a=arrays[n]: np.save(f, a))
-    _atomic_write(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), lambda f: f.write(text.encode()))
+        atomic_write(path, lambda f, a=arrays[n]: np.save(f, a))
+    atomic_write(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), lambda f: f.write(text.encode()))
     return arrays, False
 
 
-def _atomic_write(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
+    """write(f) into a temporary binary file beside `path`, force it to disk,
+    rename it into place and force the directory entry too: a reader, or the
+    machine after a power loss, finds the old file or the new one, never a
+    torn one. The temporary name is per process, because several ranks may
+    write the same file (GPT.to_hf under tensor parallelism) and must not
+    rename or delete one another's half-written copy. The one atomic write of
+    the project: index caches, checkpoints, exports."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def fsync_dir(path: str) -> None:
+    """Force a directory's entries (a rename into it, say) to disk (POSIX)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def default_cache_dir(path_prefix: str) -> str:
@@ -632,3 +655,8 @@ class PretrainingSampler:
         first = self.consumed_samples + self.rank * self.micro_batch_size
         for start in range(first, first + len(self) * step, step):
             yield list(range(start, start + self.micro_batch_size))
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A batch of host tensors -> `device` (asynchronous from pinned memory)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

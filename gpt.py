@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import parallel
+from data import atomic_write
 from loss import fused_lm_loss
 
 # -----------------------------------------------------------------------------
@@ -564,13 +565,13 @@ class GPT(nn.Module):
         os.makedirs(path, exist_ok=True)
         sd = ours_to_hf(self.full_state_dict(), self.config)
         try:
-            from safetensors.torch import save_file
-            _atomic_write(os.path.join(path, "model.safetensors"),
-                          lambda f: save_file(sd, f, metadata={"format": "pt"}))
+            from safetensors.torch import save
+            atomic_write(os.path.join(path, "model.safetensors"),
+                         lambda f: f.write(save(sd, metadata={"format": "pt"})))
         except ImportError:
-            _atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
+            atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
         text = json.dumps(config_to_hf(self.config), indent=2)
-        _atomic_write(os.path.join(path, "config.json"), lambda f: _write_text(f, text))
+        atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
 
 
 # -----------------------------------------------------------------------------
@@ -757,22 +758,3 @@ def _read_hf_weights(path: str) -> dict:
     if os.path.isfile(binf):
         return torch.load(binf, map_location="cpu", weights_only=True)
     raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def _atomic_write(final_path: str, write) -> None:
-    """write(tmp_path), then rename: readers never see a half-written file.
-    The temp name is per process: under tensor parallelism every rank calls
-    to_hf (full_state_dict is collective) and writes the same files, and a
-    shared temp name would let one rank rename or delete another's half-written copy."""
-    tmp = f"{final_path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, final_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

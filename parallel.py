@@ -212,6 +212,15 @@ def all_reduce(x: torch.Tensor, async_op: bool = False):
     return (out, handle) if async_op else out
 
 
+def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The mean of x over `group` (a copy; x itself if the group is one rank)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        x /= dist.get_world_size(group)
+    return x
+
+
 def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
     """This rank's 1/T slice of the last dim (a copy, so it frees the rest)."""
     chunk = x.shape[-1] // tp_size()
@@ -370,6 +379,18 @@ def gather_tensor(shard: torch.Tensor, dim: int, stride: int = 1) -> torch.Tenso
     shards = [torch.empty_like(shard) for _ in range(tp_size())]
     dist.all_gather(shards, shard, group=tp_group())
     return merge_shards(shards, dim, stride)
+
+
+def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor | None:
+    """gather_tensor, but only TP rank 0 receives the full tensor (dist.gather):
+    the others return None and never allocate it (checkpoint writes)."""
+    if tp_size() == 1:
+        return shard
+    shard = shard.contiguous()
+    first = tp_rank() == 0
+    shards = [torch.empty_like(shard) for _ in range(tp_size())] if first else None
+    dist.gather(shard, shards, dst=dist.get_global_rank(tp_group(), 0), group=tp_group())
+    return merge_shards(shards, dim, stride) if first else None
 
 
 def _mark_sharded(param: nn.Parameter, dim: int, stride: int = 1) -> nn.Parameter:

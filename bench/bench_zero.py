@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import config  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
+import zero  # noqa: E402
 
 
 def nbytes(tensors) -> int:
@@ -71,10 +73,10 @@ def model_state_bytes(engine, stage: int) -> dict:
 
 
 def bench_stage(stage: int, args, env) -> dict:
-    cfg = train.parse_args(["--preset", args.preset, "--seq-length", str(args.seq_length),
+    cfg = config.parse_args(["--preset", args.preset, "--seq-length", str(args.seq_length),
                             "--micro-batch-size", str(args.micro_batch_size), "--deepspeed",
                             "--zero-stage", str(stage), "--sample-tokens", "0", "--lr", "1e-4"])
-    engine, _, _ = train.init_deepspeed(cfg, env, 1, train.Logger(cfg, False, False))
+    engine, _, _ = zero.init_deepspeed(cfg, env.device, 1, lambda message: None)
     V = engine.module.config.vocab_size
     tokens = torch.randint(0, V, (args.micro_batch_size, args.seq_length + 1), device=env.device)
     times, grads = [], 0
@@ -109,7 +111,7 @@ def main() -> None:
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--json", default=None, help="write the figures here (rank 0)")
     args = p.parse_args()
-    cfg = train.parse_args(["--preset", args.preset, "--deepspeed"])
+    cfg = config.parse_args(["--preset", args.preset, "--deepspeed"])
     env = train.init_distributed(cfg)
     results = [bench_stage(int(s), args, env) for s in args.stages.split(",")]
     if env.rank == 0:

@@ -20,6 +20,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
+import config  # noqa: E402
+import zero  # noqa: E402
 
 STEPS, RESUME_AT = 30, 15
 # Global batch 8 = micro-batch 2 x D=2 x 2 accumulation steps; clipping at 0.05
@@ -49,7 +52,7 @@ def worker_run(out: str, name: str, extra: list[str]) -> None:
     """train.train() once in the existing world, metrics to OUT/NAME.jsonl."""
     import parallel
     import train
-    cfg = train.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
+    cfg = config.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
                                      "--data-cache-path", os.path.join(out, "cache"),
                                      "--metrics-file", os.path.join(out, name + ".jsonl"), *extra])
     parallel.destroy()
@@ -62,14 +65,14 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
     import dataclasses
     import parallel
     import train
-    cfg = train.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
+    cfg = config.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
                                      "--data-cache-path", os.path.join(out, "cache"), *extra])
     parallel.destroy()
     env = train.init_distributed(cfg)
     cfg = dataclasses.replace(cfg, load=export, no_load_optim=True)
-    model = train.build_model(cfg, env.device)
-    train.load_checkpoint(cfg, model, None, None, train.Logger(cfg, False, False))
-    accum = train.gradient_accumulation_steps(cfg, parallel.dp_size())
+    model = config.build_model(cfg, env.device)
+    checkpoint.load_checkpoint(cfg, model, None, None, lambda message: None)
+    accum = config.gradient_accumulation_steps(cfg, parallel.dp_size())
     gb = cfg.micro_batch_size * parallel.dp_size() * accum
     _, valid, _ = train.build_datasets(cfg, gb)
     loss = train.evaluate(model, valid, cfg, env.device, train.eval_consumed(STEPS, cfg, gb), accum)
@@ -89,7 +92,6 @@ def allow_deepspeed_fp16_on_any_cpu() -> None:
 
 def worker(out: str, plan: str) -> None:
     import torch.distributed as dist
-    import train
     allow_deepspeed_fp16_on_any_cpu()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -129,15 +131,14 @@ def worker(out: str, plan: str) -> None:
     dist.destroy_process_group()
 
 
-def export_and_eval(out, checkpoint, name, extra):
+def export_and_eval(out, saved, name, extra):
     import torch.distributed as dist
     import parallel
-    import train
     parallel.destroy()
     parallel.initialize(1)  # an export is a single-process, T=1 job; no TP collectives
     if dist.get_rank() == 0:
-        train.export_weights(checkpoint, os.path.join(out, name), "plain")
-        train.export_weights(checkpoint, os.path.join(out, name + "_hf"), "hf")
+        checkpoint.export_weights(saved, os.path.join(out, name), "plain")
+        checkpoint.export_weights(saved, os.path.join(out, name + "_hf"), "hf")
     dist.barrier()
     worker_eval_export(out, os.path.join(out, name), extra)
 
@@ -295,11 +296,10 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
 # ----------------------------------------------------------------------------
 
 def test_config_is_generated_from_flags():
-    import train
-    cfg = train.parse_args(["--preset", "tiny", "--deepspeed", "--zero-stage", "2",
+    cfg = config.parse_args(["--preset", "tiny", "--deepspeed", "--zero-stage", "2",
                             "--micro-batch-size", "3", "--clip-grad", "0.5", "--bf16",
                             "--zero-offload-optimizer"])
-    ds = train.deepspeed_config(cfg, dp_size=4, accum=5)
+    ds = zero.deepspeed_config(cfg, dp_size=4, accum=5)
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"],
             ds["train_batch_size"]) == (3, 5, 60)
     assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
@@ -309,22 +309,21 @@ def test_config_is_generated_from_flags():
 
 
 def test_contradicting_deepspeed_json_is_an_error(tmp_path):
-    import train
     path = tmp_path / "ds.json"
     base = ["--preset", "tiny", "--deepspeed", "--deepspeed_config", str(path), "--micro-batch-size", "2"]
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
     with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=4 contradicts --micro-batch-size"):
-        train.deepspeed_config(train.parse_args(base), dp_size=1, accum=1)
+        zero.deepspeed_config(config.parse_args(base), dp_size=1, accum=1)
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     with pytest.raises(ValueError, match="stage=3 contradicts --zero-stage 1"):
-        train.deepspeed_config(train.parse_args(base + ["--zero-stage", "1"]), dp_size=1, accum=1)
+        zero.deepspeed_config(config.parse_args(base + ["--zero-stage", "1"]), dp_size=1, accum=1)
     path.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(ValueError, match="remove the 'optimizer' section"):
-        train.deepspeed_config(train.parse_args(base), dp_size=1, accum=1)
+        zero.deepspeed_config(config.parse_args(base), dp_size=1, accum=1)
     # Agreeing values (and DeepSpeed-only keys) pass through; the stage comes from the JSON.
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "wall_clock_breakdown": True,
                                 "zero_optimization": {"stage": 3, "overlap_comm": True}}))
-    ds = train.deepspeed_config(train.parse_args(base), dp_size=1, accum=1)
+    ds = zero.deepspeed_config(config.parse_args(base), dp_size=1, accum=1)
     assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": True} and ds["wall_clock_breakdown"]
 
 
@@ -332,7 +331,6 @@ def test_a_precision_deepspeed_refuses_is_named_before_any_model_is_built():
     """DeepSpeed's CPU accelerator reports fp16 only on CPUs with AVX512-FP16;
     the user hears which flag to change, not DeepSpeed's 'Type fp16 is not
     supported on your device' from inside initialize on every rank."""
-    import train
 
     class CPUWithoutFP16:
         def device_name(self): return "cpu"
@@ -341,15 +339,14 @@ def test_a_precision_deepspeed_refuses_is_named_before_any_model_is_built():
 
     base = ["--preset", "tiny", "--deepspeed"]
     with pytest.raises(ValueError, match="--fp16 --deepspeed: DeepSpeed does not support fp16 on this device"):
-        train.check_deepspeed_precision(train.parse_args(base + ["--fp16"]), CPUWithoutFP16())
+        zero.check_deepspeed_precision(config.parse_args(base + ["--fp16"]), CPUWithoutFP16())
     for ok in ([], ["--bf16"]):
-        train.check_deepspeed_precision(train.parse_args(base + ok), CPUWithoutFP16())
+        zero.check_deepspeed_precision(config.parse_args(base + ok), CPUWithoutFP16())
 
 
 def test_zero_flags_without_deepspeed_are_an_error():
-    import train
     with pytest.raises(ValueError, match="need --deepspeed"):
-        train.parse_args(["--preset", "tiny", "--zero-stage", "2"])
+        config.parse_args(["--preset", "tiny", "--zero-stage", "2"])
 
 
 if __name__ == "__main__" and sys.argv[1] == "worker":

@@ -584,3 +584,87 @@ def _check_construction_never_holds_the_full_model():
 
 def test_construction_never_holds_the_full_model():
     run_on_ranks(_check_construction_never_holds_the_full_model)
+
+
+# --------------------------------------------------------------------------
+# A non-finite gradient under tensor parallelism
+# --------------------------------------------------------------------------
+
+def _check_non_finite_grad_skips_the_step_on_every_rank(precision):
+    """An inf in ONE rank's gradient shard: every rank skips that step (and
+    under fp16 halves its loss scale), so the ranks stay in lockstep: equal
+    scales, and replicated weights bitwise equal across the TP group."""
+    import config
+    import train
+    cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", *precision])
+    model = _build_gpt(2)
+    optimizer = config.build_optimizer(model, cfg)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if cfg.fp16 else None
+    shard = model.blocks[0].mlp.fc.weight
+    assert shard.tensor_model_parallel
+    poison = []  # on rank 1 only, while it holds True
+
+    def inject_inf(p):
+        if poison and dist.get_rank() == 1:
+            p.grad.view(-1)[0] = float("inf")
+
+    shard.register_post_accumulate_grad_hook(inject_inf)
+
+    def step(i):
+        x, y, mask = _batch(i)
+        batch = {"tokens": x, "labels": y, "loss_mask": mask,
+                 "position_ids": torch.arange(x.shape[1]).expand_as(x)}
+        return train.train_step(model, optimizer, scaler, [batch], cfg, torch.device("cpu"), lr=1e-2)
+
+    assert step(0)[2]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    poison.append(True)
+    loss, norm, stepped = step(1)
+    poison.clear()
+    assert not stepped and not torch.isfinite(norm) and torch.isfinite(loss)
+    for n, p in model.named_parameters():  # nothing moved, on either rank
+        assert torch.equal(p, before[n]), n
+    if scaler:
+        scales = [None, None]
+        dist.all_gather_object(scales, scaler.get_scale())
+        assert scales == [2.0 ** 9] * 2
+    assert step(2)[2]
+    for n, p in model.named_parameters():
+        if not getattr(p, "tensor_model_parallel", False):  # replicated: the same on both ranks
+            copies = [torch.empty_like(p) for _ in range(2)]
+            dist.all_gather(copies, p.detach())
+            assert torch.equal(copies[0], copies[1]), n
+
+
+@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"], []], ids=["fp16", "bf16", "fp32"])
+def test_non_finite_grad_skips_the_step_on_every_rank(precision):
+    run_on_ranks(_check_non_finite_grad_skips_the_step_on_every_rank, precision)
+
+
+def _check_checkpoint_states_are_assembled_on_the_writer_only(tp):
+    """A save gathers the full model and AdamW states tensor by tensor on
+    global rank 0 only (dist.gather, to the host): other ranks get nothing,
+    and what rank 0 gets is exactly the all-gathered full state."""
+    import checkpoint
+    model = _build_gpt(tp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y, mask = _batch(0)
+    model(x, labels=y, loss_mask=mask).backward()
+    opt.step()
+    reference = parallel.full_state_dict(model)
+    full_moments = {n: parallel.gather_like(p, opt.state[p]["exp_avg"]) for n, p in model.named_parameters()}
+    model_sd, optim_sd = checkpoint.states_for_writer(model, opt)
+    if dist.get_rank() != 0:
+        assert model_sd is None and optim_sd is None
+        return
+    assert model_sd.keys() == reference.keys()
+    for name, t in reference.items():
+        assert t.shape == model_sd[name].shape and torch.equal(model_sd[name], t), name
+        assert model_sd[name].device.type == "cpu"
+    for name, moment in full_moments.items():
+        assert torch.equal(optim_sd["state"][name]["exp_avg"], moment), name
+
+
+@pytest.mark.parametrize("tp", [2, 1], ids=["T=2", "T=1,D=2"])
+def test_checkpoint_states_are_assembled_on_the_writer_only(tp):
+    run_on_ranks(_check_checkpoint_states_are_assembled_on_the_writer_only, tp)

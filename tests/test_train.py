@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
+import config
 import data as data_lib
 import train
 from gpt import GPTConfig
@@ -71,14 +73,14 @@ def losses(path):
 
 
 def test_megatron_flags_fill_typed_config():
-    cfg = train.parse_args(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "4",
+    cfg = config.parse_args(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "4",
                             "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
                             "--lr-decay-style", "linear", "--data-path", "0.3", "A", "0.7", "B",
                             "--bf16", "--checkpoint-activations", "--local_rank", "3"])
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (3, 96, 4)
     assert cfg.global_batch_size == 8 and cfg.bf16 and cfg.recompute_activations
     assert cfg.data_path == ["0.3", "A", "0.7", "B"]
-    mcfg = train.model_config(cfg)
+    mcfg = config.model_config(cfg)
     assert mcfg.max_position_embeddings >= 64 and mcfg.activation_checkpointing
 
 
@@ -90,31 +92,31 @@ def test_megatron_flags_fill_typed_config():
 ])
 def test_bad_flags_are_clear_errors(argv, message):
     with pytest.raises(ValueError, match=message):
-        train.model_config(train.parse_args(argv))
+        config.model_config(config.parse_args(argv))
 
 
 def test_global_batch_must_divide():
-    cfg = train.TrainConfig(preset="tiny", micro_batch_size=4, global_batch_size=20)
-    assert train.gradient_accumulation_steps(cfg, dp_size=1) == 5
+    cfg = config.TrainConfig(preset="tiny", micro_batch_size=4, global_batch_size=20)
+    assert config.gradient_accumulation_steps(cfg, dp_size=1) == 5
     with pytest.raises(ValueError, match="not divisible.*multiple of 8"):
-        train.gradient_accumulation_steps(cfg, dp_size=2)
+        config.gradient_accumulation_steps(cfg, dp_size=2)
 
 
 def test_learning_rate_warmup_then_cosine_to_min():
-    cfg = train.TrainConfig(preset="tiny", lr=1.0, min_lr=0.1, lr_warmup_iters=10, train_iters=110)
-    lrs = [train.learning_rate(i, cfg) for i in range(120)]
+    cfg = config.TrainConfig(preset="tiny", lr=1.0, min_lr=0.1, lr_warmup_iters=10, train_iters=110)
+    lrs = [config.learning_rate(i, cfg) for i in range(120)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # reaches the peak
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))                 # then only decays
     assert lrs[60] == pytest.approx(0.55)                                  # cosine midpoint
     assert lrs[110] == lrs[119] == pytest.approx(0.1)                      # floor at --min-lr
-    linear = train.TrainConfig(preset="tiny", lr=1.0, min_lr=0.0, lr_decay_style="linear", train_iters=100)
-    assert train.learning_rate(25, linear) == pytest.approx(0.75)
+    linear = config.TrainConfig(preset="tiny", lr=1.0, min_lr=0.0, lr_decay_style="linear", train_iters=100)
+    assert config.learning_rate(25, linear) == pytest.approx(0.75)
 
 
 def test_no_weight_decay_on_biases_and_norms():
-    cfg = train.TrainConfig(preset="tiny", weight_decay=0.1)
+    cfg = config.TrainConfig(preset="tiny", weight_decay=0.1)
     model = train.GPT(GPTConfig.from_preset("tiny"))
-    opt = train.build_optimizer(model, cfg)
+    opt = config.build_optimizer(model, cfg)
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     for name, p in model.named_parameters():
         is_matrix = name.endswith("weight") and "ln" not in name
@@ -123,7 +125,7 @@ def test_no_weight_decay_on_biases_and_norms():
 
 
 def test_peak_flops_table():
-    cfg = train.TrainConfig(preset="tiny")
+    cfg = config.TrainConfig(preset="tiny")
     assert train.device_peak_flops(cfg, torch.device("cpu")) is None
     cfg.peak_flops = 123e12
     assert train.device_peak_flops(cfg, torch.device("cpu")) == 123e12
@@ -164,7 +166,7 @@ def test_resume_is_bit_identical(corpus, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_train([*common, "--save", ckpt, "--exit-interval", "4",
                "--metrics-file", str(tmp_path / "part.jsonl")])
-    assert open(os.path.join(ckpt, train.LATEST)).read() == "4"
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "4"
     run_train([*common, "--load", ckpt, "--save", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
     assert losses(tmp_path / "part.jsonl") == losses(tmp_path / "full.jsonl")  # exact, not close
     assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 9))
@@ -191,7 +193,7 @@ def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    saved = int(open(os.path.join(ckpt, train.LATEST)).read())
+    saved = int(open(os.path.join(ckpt, checkpoint.LATEST)).read())
     assert saved >= 3 and f"exiting at iteration {saved}" in out
     assert os.path.exists(os.path.join(ckpt, f"iter_{saved:07d}", "model_optim_rng.pt"))
 
@@ -207,17 +209,47 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(corpus, tmp_path, monke
     calls = []
 
     def step_that_diverges(*a, **k):
-        loss, norm = real_step(*a, **k)
+        loss, norm, stepped = real_step(*a, **k)
         calls.append(1)
-        return (loss * float("nan") if len(calls) == 3 else loss), norm
+        return (loss * float("nan") if len(calls) == 3 else loss), norm, stepped
 
     monkeypatch.setattr(train, "train_step", step_that_diverges)
     with pytest.raises(SystemExit) as exc:
         train.main(args)
     assert exc.value.code == 1
     assert "loss is nan at iteration 3" in capsys.readouterr().out
-    assert open(os.path.join(ckpt, train.LATEST)).read() == "2"
-    assert sorted(os.listdir(ckpt)) == ["iter_0000002", train.LATEST]
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", checkpoint.LATEST]
+
+
+def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpus, tmp_path, monkeypatch):
+    """fp32 (no loss scaler): an inf gradient at iteration 2, a save step, leaves
+    the weights as iteration 1 left them; the run goes on and says it skipped."""
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    real_build = train.build_model
+    backwards = []
+
+    def build_with_inf_at_iteration_2(cfg, device):
+        model = real_build(cfg, device)
+
+        def poison(p):
+            backwards.append(1)
+            if len(backwards) == 2:
+                p.grad[0, 0] = float("inf")
+
+        model.wte.weight.register_post_accumulate_grad_hook(poison)
+        return model
+
+    monkeypatch.setattr(train, "build_model", build_with_inf_at_iteration_2)
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "3", "--save", ckpt,
+                "--save-interval", "1", "--metrics-file", metrics])
+    saved = [torch.load(os.path.join(ckpt, f"iter_{i:07d}", "model_optim_rng.pt"), weights_only=False)
+             for i in (1, 2, 3)]
+    for name, value in saved[1]["model"].items():
+        assert torch.isfinite(value).all(), name
+        assert torch.equal(value, saved[0]["model"][name]), name  # iteration 2 was skipped
+    assert not torch.equal(saved[2]["model"]["wte.weight"], saved[1]["model"]["wte.weight"])
+    assert [r["skipped_iterations"] for r in read_metrics(metrics)] == [0, 1, 0]
 
 
 def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
@@ -238,13 +270,74 @@ def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypat
     with pytest.raises(OSError, match="disk full"):
         train.main(args)
     monkeypatch.setattr(torch, "save", real_save)
-    assert open(os.path.join(ckpt, train.LATEST)).read() == "2"
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
     state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
     assert state["iteration"] == 2 and state["consumed_samples"] == 8
     # and the run resumes from it
     train.main([*args, "--load", ckpt])
-    assert open(os.path.join(ckpt, train.LATEST)).read() == "4"
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "4"
     assert not glob.glob(os.path.join(ckpt, "*.tmp"))
+
+
+def test_resaving_an_iteration_never_leaves_latest_dangling(tmp_path, monkeypatch):
+    """Re-saving iteration 2 moves the old copy aside before the new one is
+    renamed in; a crash between the two renames leaves `latest` naming a
+    missing directory, and the loader then reads the copy set aside."""
+    save = str(tmp_path / "ckpt")
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "first"})
+    real_replace = os.replace
+
+    def crash_on_rename_into_place(src, dst):
+        if src.endswith(".tmp") and dst.endswith("iter_0000002"):
+            raise OSError("power cut")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_rename_into_place)
+    with pytest.raises(OSError, match="power cut"):
+        checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "second"})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not os.path.exists(os.path.join(save, "iter_0000002"))  # what `latest` names
+    path = checkpoint.find_checkpoint(save)
+    assert torch.load(path, weights_only=False)["weights"] == "first"
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "third"})
+    assert torch.load(checkpoint.find_checkpoint(save), weights_only=False)["weights"] == "third"
+    assert sorted(os.listdir(save)) == ["iter_0000002", checkpoint.LATEST]
+
+
+def test_checkpoint_reaches_the_disk_before_it_is_published(tmp_path, monkeypatch):
+    """The atomic renames only survive a power loss if what they publish is on
+    disk first: the file, its directory, then (after the rename) the parent,
+    then the pointer and its directory."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def spy_fsync(fd):  # Linux: the descriptor's path, as it is when fsynced
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(b))),
+                                                      real_replace(a, b))[1])
+    checkpoint.write_plain_checkpoint(str(tmp_path / "ckpt"), {"iteration": 5})
+    order = [e for e in events if e[1] in ("model_optim_rng.pt", "iter_0000005.tmp", "iter_0000005",
+                                            "ckpt", checkpoint.LATEST)]
+    assert order == [("fsync", "model_optim_rng.pt"), ("fsync", "iter_0000005.tmp"),
+                     ("rename", "iter_0000005"), ("fsync", "ckpt"),
+                     ("rename", checkpoint.LATEST), ("fsync", "ckpt")]
+    assert any(e[0] == "fsync" and e[1].startswith(checkpoint.LATEST + ".tmp") for e in events)
+
+
+def test_a_failed_write_on_rank_0_stops_every_rank(corpus, tmp_path):
+    """Only rank 0 writes a plain checkpoint. If that fails (here --save lies
+    under a regular file), the other rank must not wait for it at a barrier
+    forever: both exit, and the error names the cause."""
+    (tmp_path / "a-file").write_text("")
+    start = time.time()
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "1",
+                      "--save", str(tmp_path / "a-file" / "ckpt")], nproc=2, check=False, timeout=240)
+    assert proc.returncode != 0 and time.time() - start < 200
+    assert "NotADirectoryError" in proc.stderr
+    assert "rank 1: stopping, saving checkpoint 1" in proc.stderr and "failed on rank 0" in proc.stderr
 
 
 def test_readme_main_command(tmp_path):
@@ -309,10 +402,10 @@ def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
     import parallel
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so teardown restores the original
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    train.init_distributed(train.parse_args(["--preset", "tiny", "--domino"]))
+    train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    train.init_distributed(train.parse_args(["--preset", "tiny", "--domino"]))
+    train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"

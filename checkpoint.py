@@ -1,0 +1,373 @@
+"""Checkpoints: train.py's own (Megatron's layout), DeepSpeed's, and weight export.
+
+  - plain: SAVE/iter_0000100/model_optim_rng.pt + latest_checkpointed_iteration.txt,
+    full (unsharded) model and optimizer states, so any T and DP size loads them;
+  - DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
+    published the same way, so DeepSpeed's tools (zero_to_fp32) read it;
+  - export: consolidated fp32 weights of either kind, as a plain checkpoint or
+    a Hugging Face GPT-2 directory.
+Both kinds are written under a temporary name and renamed into place, with
+the `latest` pointer replaced after that (see publish).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import random
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import parallel
+from config import TrainConfig
+from data import atomic_write, fsync_dir
+from gpt import GPT, GPTConfig
+
+# ----------------------------------------------------------------------------
+# 1. train.py's own checkpoints
+# ----------------------------------------------------------------------------
+# Layout (Megatron's): SAVE/iter_0000100/model_optim_rng.pt and
+# SAVE/latest_checkpointed_iteration.txt. A checkpoint directory is written under
+# a temporary name and renamed into place; the "latest" file is replaced
+# atomically after that. A crash at any point leaves the previous checkpoint
+# and the pointer to it intact.
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_full_optimizer_state(model: GPT, optimizer, saved: dict) -> None:
+    """Inverse of full_optimizer_state: slice this rank's shards, then hand torch
+    its own format (parameters numbered in param-group order) so that it places
+    every tensor on the right device."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state, index = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            if name not in saved["state"]:
+                raise KeyError(f"checkpoint has no optimizer state for parameter {name!r}")
+            state[index] = {k: parallel.shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
+                            for k, v in saved["state"][name].items()}
+            index += 1
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor | None:
+    """The full tensor of `t` (the parameter, or optimizer state shaped like
+    it) on the host of tensor-parallel rank 0, None on the other TP ranks.
+    dist.gather, not all_gather, and straight to the CPU: no GPU holds more
+    than one full tensor beyond its own shards at any moment."""
+    if getattr(param, "tensor_model_parallel", False):
+        t = parallel.gather_tensor_to_first(t, param.partition_dim, param.partition_stride)
+    elif parallel.tp_rank() != 0:
+        return None
+    return None if t is None else t.detach().cpu()
+
+
+def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
+    """(model state dict, optimizer state keyed by parameter name), both full
+    and unsharded, so the checkpoint does not depend on the parallel layout;
+    assembled tensor by tensor on the writer (global rank 0), (None, None)
+    elsewhere. Only the first data-parallel replica takes part: the others
+    hold the same values. (Gathering everything on every rank would put the
+    whole model and AdamW state, 16 bytes a parameter, on each GPU: 24 GB at
+    1.5B parameters and T=2.)"""
+    if parallel.dp_rank() != 0:
+        return None, None
+    params = dict(model.named_parameters())
+    model_sd = {name: gather_to_writer(params[name], t) if name in params
+                else (t.detach().cpu() if parallel.tp_rank() == 0 else None)
+                for name, t in model.state_dict().items()}
+    optim = {name: {k: gather_to_writer(p, v) if torch.is_tensor(v) and v.shape == p.shape else v
+                    for k, v in optimizer.state.get(p, {}).items()}
+             for name, p in params.items()}
+    if parallel.tp_rank() != 0:
+        return None, None
+    return model_sd, {"state": optim, "param_groups": optimizer.state_dict()["param_groups"]}
+
+
+def publish(tmp_dir: str, final_dir: str, pointer: str, pointer_text: str) -> None:
+    """Move a completely written checkpoint directory into place, then point
+    the `latest` file at it. Every file and directory is forced to disk
+    before the rename that makes it visible, so a crash or a power loss at
+    any moment leaves either the old checkpoint and pointer or the new ones.
+
+    Re-saving an iteration that exists: the old copy is renamed to
+    final_dir.old until the new one is in place; if a crash lands between
+    the two renames, `latest` may name a directory that is missing, and
+    checkpoint_dir() then reads the .old copy."""
+    for root, _, files in os.walk(tmp_dir):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(root)
+    old = final_dir + ".old"
+    if os.path.exists(final_dir):
+        shutil.rmtree(old, ignore_errors=True)  # a stale copy from an earlier crash
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(os.path.dirname(final_dir))
+    atomic_write(pointer, lambda f: f.write(pointer_text.encode()))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_dir(save_dir: str, tag: str) -> str:
+    """SAVE/TAG, or SAVE/TAG.old if a crash interrupted a re-save of TAG
+    between its two renames (see publish)."""
+    path = os.path.join(save_dir, tag)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        return path + ".old"
+    return path
+
+
+def write_plain_checkpoint(save_dir: str, state: dict) -> str:
+    """SAVE/iter_N/model_optim_rng.pt + SAVE/latest_checkpointed_iteration.txt."""
+    final = os.path.join(save_dir, f"iter_{state['iteration']:07d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    torch.save(state, os.path.join(tmp, "model_optim_rng.pt"))
+    publish(tmp, final, os.path.join(save_dir, LATEST), str(state["iteration"]))
+    return final
+
+
+def on_every_rank(fn, what: str) -> None:
+    """Run fn() on this rank, then agree with every rank on whether all of
+    them succeeded. A rank whose part failed raises its own error; the others
+    stop with one line that names it. (With a bare barrier instead, the
+    ranks whose partner died would wait at it forever.)"""
+    error = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 -- re-raised below, after the vote
+        error = e
+    failures = [f"{type(error).__name__}: {error}"] if error else []
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, failures[0] if failures else None)
+        failures = [(r, m) for r, m in enumerate(everyone) if m]
+    if error is not None:
+        raise error
+    if failures:
+        rank, message = failures[0]
+        raise SystemExit(f"rank {dist.get_rank()}: stopping, {what} failed on rank {rank}: {message}")
+
+
+def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
+                    consumed_samples: int, log) -> None:
+    """Gather the full states on global rank 0 and write them there (log:
+    where to say so). Every rank calls it: the gathering is collective."""
+    model_sd, optim_sd = states_for_writer(model, optimizer)
+
+    def write():
+        if model_sd is None:
+            return
+        state = {
+            "model": model_sd, "optimizer": optim_sd,
+            "scaler": scaler.state_dict() if scaler else None,
+            "iteration": iteration, "consumed_samples": consumed_samples,
+            "rng": rng_state(),  # rank 0's; all ranks share the seed stream
+            "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(model.config),
+        }
+        log(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
+
+    on_every_rank(write, f"saving checkpoint {iteration} to {cfg.save}")
+
+
+def find_checkpoint(load_dir: str) -> str | None:
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        iteration = int(f.read().strip())
+    path = os.path.join(checkpoint_dir(load_dir, f"iter_{iteration:07d}"), "model_optim_rng.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{latest} points at iteration {iteration} but {path} is missing")
+    return path
+
+
+def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
+    """Restore everything; returns (iteration, consumed_samples). (0, 0) if none."""
+    path = find_checkpoint(cfg.load) if cfg.load else None
+    if path is None:
+        if cfg.load:
+            log(f"no checkpoint in {cfg.load}; starting from scratch")
+        return 0, 0
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["optimizer"] is None and not cfg.no_load_optim:
+        raise ValueError(f"{path} holds weights only (an --export-to plain export): "
+                         f"add --no-load-optim to start fresh optimizer states from it")
+    model.load_full_state_dict(state["model"])
+    if not cfg.no_load_optim:
+        load_full_optimizer_state(model, optimizer, state["optimizer"])
+        if scaler and state["scaler"]:
+            scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    log(f"loaded checkpoint {path} (iteration {state['iteration']})")
+    return state["iteration"], state["consumed_samples"]
+
+
+# ----------------------------------------------------------------------------
+# 2. DeepSpeed's checkpoints (--deepspeed), and weight export from either kind
+# ----------------------------------------------------------------------------
+
+DS_LATEST = "latest"  # DeepSpeed's own pointer file name, so its tools work on our checkpoints
+DS_META = "trainer_state.json"
+
+def tensor_parallel_layout(model: torch.nn.Module) -> dict:
+    """{name: [partition_dim, partition_stride]} of every TP-sharded parameter:
+    what an export needs to merge the shards of any T."""
+    return {name: [p.partition_dim, p.partition_stride] for name, p in model.named_parameters()
+            if getattr(p, "tensor_model_parallel", False)}
+
+
+def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed: int,
+                              log) -> None:
+    """engine.save_checkpoint under a temporary tag, renamed into place by rank
+    0 after every rank has written, then the `latest` file replaced atomically:
+    a crash at any moment leaves the previous checkpoint and pointer intact."""
+    tag = f"iter_{iteration:07d}"
+    final, tmp = os.path.join(cfg.save, tag), os.path.join(cfg.save, tag + ".tmp")
+    first = dist.get_rank() == 0
+    what = f"saving checkpoint {iteration} to {cfg.save}"
+    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
+    client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
+                    "config": dataclasses.asdict(cfg)}
+    on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
+                                                 save_latest=False), what)
+    meta = {"iteration": iteration, "consumed_samples": consumed,
+            "zero_stage": engine.zero_optimization_stage(),
+            "data_parallel_size": parallel.dp_size(),
+            "tensor_model_parallel_size": parallel.tp_size(),
+            "model_config": dataclasses.asdict(engine.module.config),
+            "tensor_parallel_layout": tensor_parallel_layout(engine.module)}
+
+    def publish_on_first():
+        if first:
+            text = json.dumps(meta, indent=1)
+            atomic_write(os.path.join(tmp, DS_META), lambda f: f.write(text.encode()))
+            publish(tmp, final, os.path.join(cfg.save, DS_LATEST), tag)
+            log(f"saved checkpoint {final}")
+
+    on_every_rank(publish_on_first, what)
+
+
+def read_deepspeed_checkpoint(path: str) -> tuple[str, dict]:
+    """(tag directory, trainer_state.json) of the checkpoint `latest` points at."""
+    latest = os.path.join(path, DS_LATEST)
+    if not os.path.exists(latest):
+        hint = " (a plain checkpoint: load it without --deepspeed)" \
+            if os.path.exists(os.path.join(path, LATEST)) else ""
+        raise FileNotFoundError(f"no DeepSpeed checkpoint in {path}: {latest} is missing{hint}")
+    with open(latest) as f:
+        tag_dir = checkpoint_dir(path, f.read().strip())
+    with open(os.path.join(tag_dir, DS_META)) as f:
+        return tag_dir, json.load(f)
+
+
+def load_deepspeed_checkpoint(cfg: TrainConfig, engine, log) -> tuple[int, int]:
+    if not os.path.exists(os.path.join(cfg.load, DS_LATEST)):
+        log(f"no DeepSpeed checkpoint in {cfg.load}; starting from scratch")
+        return 0, 0
+    tag_dir, meta = read_deepspeed_checkpoint(cfg.load)
+    layout = {"data-parallel": (meta["data_parallel_size"], parallel.dp_size()),
+              "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.tp_size())}
+    for name, (saved, now) in layout.items():
+        if saved != now and (name == "tensor-parallel" or meta["zero_stage"] > 0):
+            raise ValueError(
+                f"{tag_dir} was written with {name} size {saved}, this run has {now}: ZeRO and "
+                f"tensor-parallel shards only fit the layout they were written with. Relaunch with "
+                f"the old layout, or continue from the weights: `python train.py --export-from "
+                f"{cfg.load} --export-to NEW --export-format plain`, then --load NEW "
+                f"--no-load-optim (fresh optimizer states), or convert the optimizer states with "
+                f"DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal; "
+                f"data-parallel changes only)")
+    load_optim = not cfg.no_load_optim
+    _, client = engine.load_checkpoint(cfg.load, tag=os.path.basename(tag_dir),
+                                       load_optimizer_states=load_optim,
+                                       load_lr_scheduler_states=load_optim)
+    set_rng_state(client["rng"])
+    log(f"loaded checkpoint {tag_dir} (iteration {client['iteration']})")
+    return client["iteration"], client["consumed_samples"]
+
+
+def consolidated_weights(path: str) -> tuple[dict, dict]:
+    """Full fp32 weights and trainer_state of the DeepSpeed checkpoint in
+    `path`, for any ZeRO stage and any T, with no process group.
+
+    Per TP rank r, DeepSpeed's zero_to_fp32 merges the data-parallel
+    partitions (fp32 master weights) of that rank's files; it refuses several
+    TP ranks at once, so each rank's files are shown to it alone. The TP
+    shards are then concatenated along their split dimension."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    tag_dir, meta = read_deepspeed_checkpoint(path)
+    shards = []
+    for r in range(meta["tensor_model_parallel_size"]):
+        files = sorted(glob.glob(os.path.join(tag_dir, f"*mp_rank_{r:02d}_*.pt")))
+        if meta["zero_stage"] == 0:  # no ZeRO partitions: the module's own state dict
+            module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+            shards.append({k: v.float() for k, v in module.items()})
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            os.makedirs(os.path.join(tmp, "rank"))
+            for f in files:
+                os.symlink(os.path.abspath(f), os.path.join(tmp, "rank", os.path.basename(f)))
+            shards.append(get_fp32_state_dict_from_zero_checkpoint(tmp, tag="rank"))
+    layout = meta["tensor_parallel_layout"]
+    full = {name: parallel.merge_shards([s[name] for s in shards], *layout[name]) if name in layout
+            else t for name, t in shards[0].items()}
+    return full, meta
+
+
+def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
+    """Write the consolidated fp32 weights of a checkpoint (train.py's own, or
+    DeepSpeed's from any ZeRO stage and T) as
+    fmt="plain": the project's checkpoint layout (OUT/iter_N/model_optim_rng.pt
+                 + latest_checkpointed_iteration.txt), weights only: resume
+                 it with --load OUT --no-load-optim (any layout, with or
+                 without --deepspeed);
+    fmt="hf":    a Hugging Face GPT-2 directory (GPT.to_hf)."""
+    if parallel.tp_size() > 1:
+        raise RuntimeError("export_weights builds a T=1 model: call it outside a tensor-parallel job")
+    plain = find_checkpoint(checkpoint)
+    if plain:  # train.py's own checkpoint: already full weights
+        state = torch.load(plain, map_location="cpu", weights_only=False)
+        full, model_config = state["model"], state["model_config"]
+    else:
+        full, meta = consolidated_weights(checkpoint)
+        tag_dir, _ = read_deepspeed_checkpoint(checkpoint)
+        client = torch.load(glob.glob(os.path.join(tag_dir, "*mp_rank_00_model_states.pt"))[0],
+                            map_location="cpu", weights_only=False)
+        state = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
+                 "rng": client["rng"], "config": client["config"]}
+        model_config = meta["model_config"]
+    model = GPT(GPTConfig(**model_config))  # T=1, on CPU
+    model.load_full_state_dict(full)
+    if fmt == "hf":
+        model.to_hf(out)
+        return
+    state = {"model": model.full_state_dict(), "optimizer": None, "scaler": None,
+             "iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
+             "rng": state["rng"], "config": state["config"], "model_config": model_config}
+    write_plain_checkpoint(out, state)

@@ -1,0 +1,247 @@
+"""DeepSpeed ZeRO (--deepspeed): the engine built from train.py's flags, model,
+AdamW and schedule; its training step. Its checkpoints are in checkpoint.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+import parallel
+from checkpoint import load_deepspeed_checkpoint
+from config import TrainConfig, build_model, build_optimizer, learning_rate, model_config
+from data import to_device
+from gpt import GPT, init_weights
+
+# ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
+# model states. With Psi parameters, fp32 AdamW (4 bytes each for weights,
+# grads, and 2 x 4 bytes of moments = 16 Psi bytes) and D data-parallel ranks,
+# each rank holds:
+#     stage 0 (plain DDP)   16 Psi
+#     stage 1 (optimizer)    8 Psi + 8 Psi / D      Adam moments sharded
+#     stage 2 (+ grads)      4 Psi + 12 Psi / D     gradients reduce-scattered
+#     stage 3 (+ params)     16 Psi / D             weights gathered per layer
+# The model, AdamW, the learning-rate schedule, data, logging and MFU are the
+# plain path's; DeepSpeed owns gradient averaging, accumulation, clipping,
+# mixed precision and (sharded) checkpoints. With tensor parallelism ZeRO
+# shards over the data-parallel group only (DeepSpeedMPU below).
+
+
+def import_deepspeed(device: torch.device):
+    """Import DeepSpeed; on CPU-only machines, point it at the CPU accelerator
+    (before import: it picks one at import time) and skip its shared-memory
+    all-reduce op, which otherwise costs a one-off ~100 s C++ build in the
+    first initialize; gloo does the same job."""
+    if device.type != "cuda":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import warnings
+    # DeepSpeed calls torch collectives that torch now marks deprecated, on every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    import deepspeed
+    import deepspeed.ops
+    if device.type != "cuda":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
+    """DeepSpeed refuses a precision its accelerator does not report; say so in
+    our words, before any rank builds a model. (Its CPU accelerator reports fp16
+    only on CPUs with AVX512-FP16, bf16 on most.)"""
+    for flag, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
+        if getattr(cfg, flag) and not supported():
+            raise ValueError(f"--{flag} --deepspeed: DeepSpeed does not support {flag} on this device "
+                             f"({accelerator.device_name()}); drop --{flag} (fp32), or use the other "
+                             f"16-bit format, or train without --deepspeed")
+
+
+class DeepSpeedMPU:
+    """The "model parallel unit" DeepSpeed asks for, backed by parallel.py's
+    groups: ZeRO then shards over the data-parallel group only, and its
+    gradient norm counts tensor-parallel shards (params marked
+    `tensor_model_parallel`) once per TP rank and replicated params once."""
+
+    def get_model_parallel_rank(self): return parallel.tp_rank()
+    def get_model_parallel_world_size(self): return parallel.tp_size()
+    def get_model_parallel_group(self): return parallel.tp_group()
+    def get_data_parallel_rank(self): return parallel.dp_rank()
+    def get_data_parallel_world_size(self): return parallel.dp_size()
+    def get_data_parallel_group(self): return parallel.dp_group()
+    # Newer DeepSpeed code asks with Megatron-core's names.
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return dist.get_rank() - parallel.tp_rank()  # TP groups are consecutive ranks
+
+
+def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
+    """DeepSpeed's JSON config, from train.py's flags (or checked against them)."""
+    ours = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": cfg.micro_batch_size * dp_size * accum,
+        "gradient_clipping": cfg.clip_grad,
+        "bf16": {"enabled": cfg.bf16},
+        "fp16": {"enabled": cfg.fp16, "initial_scale_power": int(math.log2(cfg.initial_loss_scale))},
+    }
+    user = {}
+    if cfg.deepspeed_config:
+        with open(cfg.deepspeed_config) as f:
+            user = json.load(f)
+        check_deepspeed_config(user, ours, cfg)
+    config = {**user, **ours}
+    zero = dict(user.get("zero_optimization", {}))
+    if cfg.zero_stage is not None:
+        zero["stage"] = cfg.zero_stage
+    zero.setdefault("stage", 1)
+    if cfg.zero_offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config["zero_optimization"] = zero
+    for key in ("bf16", "fp16"):
+        config[key] = {**user.get(key, {}), **ours[key]}
+    if zero["stage"] == 0 and not (cfg.bf16 or cfg.fp16):
+        # DeepSpeed's fp32 stage-0 clipping sums the squared norms in float64 on
+        # the host, so its clip factor differs from the plain path's in the last
+        # bit; Adam amplifies that on near-zero gradients into a visible drift.
+        # It also reports no norm here. So we clip (and measure) ourselves.
+        config["gradient_clipping"] = 0.0
+    # Our torch AdamW runs inside ZeRO (incl. offload: no DeepSpeed CPU-Adam build).
+    config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
+    config.setdefault("steps_per_print", 10 ** 9)  # we log ourselves
+    return config
+
+
+def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
+    """A value in the JSON that contradicts a flag is an error, never silently one of them."""
+    for key in ("optimizer", "scheduler"):
+        if key in user:
+            raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
+                             f"train.py passes its own AdamW and learning-rate schedule "
+                             f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
+    flags = {"train_micro_batch_size_per_gpu": "--micro-batch-size",
+             "gradient_accumulation_steps": "--global-batch-size",
+             "train_batch_size": "--global-batch-size", "gradient_clipping": "--clip-grad"}
+    for key, flag in flags.items():
+        if key in user and user[key] != ours[key]:
+            raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
+                             f"{flag} (which gives {ours[key]}); make them agree or drop the key")
+    for key in ("bf16", "fp16"):
+        enabled = user.get(key, {}).get("enabled", False)
+        if enabled != ours[key]["enabled"]:
+            raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: {key}.enabled={enabled} "
+                             f"contradicts --{key} being {'on' if ours[key]['enabled'] else 'off'}")
+    stage = user.get("zero_optimization", {}).get("stage")
+    if cfg.zero_stage is not None and stage is not None and stage != cfg.zero_stage:
+        raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: zero_optimization.stage={stage} "
+                         f"contradicts --zero-stage {cfg.zero_stage}")
+
+
+def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
+    """Build the model under deepspeed.zero.Init: each layer's parameters are
+    partitioned over the data-parallel group as soon as the layer is built,
+    so no rank ever holds the full model.
+
+    GPT initializes each piece after it is built, when zero.Init has already
+    partitioned (emptied) it, so that init does nothing here; we redo it one
+    module at a time on gathered weights. Only init_weights draws random
+    numbers (GPT._build), so the RNG stream, and the weights, are those of
+    build_model.
+
+    With tensor parallelism GPT slices each layer's full weight right after
+    initializing it, which needs whole weights, so that case is built outside
+    zero.Init: each rank then holds its 1/T slices plus one full layer at a
+    time, never the full model, and deepspeed.initialize partitions the
+    slices over the data-parallel group.
+    """
+    if parallel.tp_size() > 1:
+        return build_model(cfg, torch.device("cpu"))
+    mcfg = model_config(cfg, torch.device(ds.get_accelerator().device_name()))
+    torch.manual_seed(cfg.seed)
+    with ds.zero.Init(data_parallel_group=parallel.dp_group(), config_dict_or_path=ds_config):
+        model = GPT(mcfg)
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if params:
+            with ds.zero.GatheredParameters(params, modifier_rank=0):  # Linear/Embedding/LayerNorm
+                init_weights(module, mcfg)
+    return model
+
+
+class Schedule(torch.optim.lr_scheduler.LRScheduler):
+    """learning_rate(step) as a torch scheduler, for DeepSpeed to step and
+    checkpoint. It sets the value itself (LambdaLR's lr * factor would be off
+    by an ulp, enough to drift from the plain path over many steps)."""
+
+    def __init__(self, optimizer, cfg: TrainConfig):
+        self.cfg = cfg
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [learning_rate(self.last_epoch, self.cfg)] * len(self.optimizer.param_groups)
+
+
+def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
+    """Model + our AdamW + our schedule -> a DeepSpeed engine, resumed from
+    --load if there is a checkpoint. Returns (engine, iteration, consumed)."""
+    ds = import_deepspeed(device)
+    check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
+    ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    mpu = DeepSpeedMPU() if parallel.tp_size() > 1 else None
+    config = deepspeed_config(cfg, parallel.dp_size(), accum)
+    stage = config["zero_optimization"]["stage"]
+    model = build_model_zero3(cfg, ds, config) if stage == 3 else build_model(cfg, device)
+    if cfg.recompute_activations:
+        # DeepSpeed's recomputation; optionally each TP rank keeps 1/T of the saved inputs.
+        ds.checkpointing.configure(DeepSpeedMPU(), partition_activations=cfg.partition_activations)
+        model.checkpoint_fn = ds.checkpointing.checkpoint
+    optimizer = build_optimizer(model, cfg)
+    # A callable: DeepSpeed builds the scheduler on its own (ZeRO-wrapped)
+    # optimizer, whose param groups are the ones that reach the update.
+    schedule = lambda opt: Schedule(opt, cfg)
+    engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                    config=config, mpu=mpu)
+    if engine.dp_world_size != parallel.dp_size():
+        raise RuntimeError(f"DeepSpeed shards over {engine.dp_world_size} ranks but the data-parallel "
+                           f"size is {parallel.dp_size()} (world / T): the mpu was not applied")
+    iteration, consumed = load_deepspeed_checkpoint(cfg, engine, log) if cfg.load else (0, 0)
+    return engine, iteration, consumed
+
+
+def clips_itself(engine, cfg: TrainConfig) -> bool:
+    """Whether train.py, not DeepSpeed, clips gradients (see deepspeed_config)."""
+    return engine.zero_optimization_stage() == 0 and not (cfg.bf16 or cfg.fp16)
+
+
+def deepspeed_train_step(engine, batches, cfg: TrainConfig, device):
+    """One optimizer step over the accumulated micro-batches, the DeepSpeed way:
+    engine.backward scales each micro-batch's loss by 1/accumulation itself
+    (our plain path divides explicitly), averages gradients over the
+    data-parallel group, and engine.step only updates (with clipping) on the
+    last micro-batch. Returns (loss averaged like train_step's, grad norm,
+    whether the weights were updated)."""
+    total = torch.zeros((), device=device)
+    grad_norm = None
+    for i, batch in enumerate(batches):
+        batch = to_device(batch, device)
+        loss = engine(batch["tokens"], position_ids=batch["position_ids"],
+                      labels=batch["labels"], loss_mask=batch["loss_mask"])
+        engine.backward(loss)
+        if i == len(batches) - 1 and clips_itself(engine, cfg):
+            # Plain fp32 engine (stage 0): we clip the averaged grads ourselves;
+            # see deepspeed_config.
+            max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
+            grad_norm = parallel.clip_grad_norm_([p for p in engine.module.parameters()
+                                                  if p.grad is not None], max_norm)
+        engine.step()
+        total += loss.detach().float() / len(batches)
+    if grad_norm is None:
+        grad_norm = engine.get_global_grad_norm()
+    # DeepSpeed's fp16 path skips an overflowing step itself, deciding over the
+    # model-parallel group (the mpu) as Megatron does.
+    return parallel.all_reduce_mean(total, parallel.dp_group()), float(grad_norm), \
+        engine.was_step_applied()
