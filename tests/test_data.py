@@ -218,6 +218,31 @@ def test_first_epoch_visits_every_document_and_token(tmp_path):
     assert sorted(two.doc_idx[:30].tolist()) == sorted(two.doc_idx[30:].tolist()) == list(range(30))
 
 
+def test_a_run_of_1_1_epochs_reads_every_document_before_any_twice(tmp_path):
+    """Samples are shuffled within their epoch: the first epoch's worth of
+    samples covers every document (a shuffle over both built epochs would
+    leave ~20% unread and repeat others), and the extra 0.1 epoch comes after."""
+    docs = random_docs(200, seed=8)
+    seq_length = 16
+    total = sum(len(d) for d in docs)
+    one_epoch = (total - 1) // seq_length
+    ds = gpt(write_corpus(tmp_path / "c", docs), int(1.1 * one_epoch), seq_length,
+             cache_dir=str(tmp_path / "cache"))
+    assert len(ds.doc_idx) == 400  # two epochs built
+
+    def documents_read(samples):
+        read = set()
+        for i in samples:
+            (pos, _), (end_pos, _) = ds.sample_idx[ds.shuffle_idx[i]], ds.sample_idx[ds.shuffle_idx[i] + 1]
+            read.update(ds.doc_idx[pos:end_pos + 1].tolist())
+        return read
+
+    assert documents_read(range(one_epoch)) == set(range(200))
+    first = -(-total // seq_length)  # samples that start in the first epoch
+    assert sorted(ds.shuffle_idx[:first]) == list(range(first))
+    assert min(ds.shuffle_idx[first:len(ds)]) >= first  # then the second epoch's
+
+
 def test_indices_are_deterministic_and_seed_dependent(tmp_path):
     prefix = write_corpus(tmp_path / "c", random_docs(30, seed=6))
     a = gpt(prefix, 40, 8, seed=1, cache_dir=str(tmp_path / "c1"))
