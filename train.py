@@ -260,11 +260,13 @@ def device_peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
         return cfg.peak_flops
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_FLOPS.items():  # first match wins: specific names come first
-        if key in name:
-            return flops
-    return None
+    return peak_flops_by_name(torch.cuda.get_device_name(device))
+
+
+def peak_flops_by_name(name: str) -> float | None:
+    """PEAK_FLOPS of the first key the device name contains (specific names
+    come first: "H100 PCIe" before "H100"); None for an unknown device."""
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
 class Logger:

@@ -140,10 +140,15 @@ def test_mismatched_shapes_are_a_clear_error():
         kernels.flash_attention(q, q[:, :, :8], q)
 
 
-def test_attention_torch_reference_is_causal_sdpa():
-    q, k, v = [torch.randn(1, 2, 8, 32) for _ in range(3)]
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.testing.assert_close(kernels.attention_torch(q, k, v), ref)
+def test_attention_torch_reference_is_causal_softmax_attention():
+    """The fallback computes softmax(q k^T / sqrt(D) + causal mask) v, written
+    out here in plain matmuls, with its default and with an explicit scale."""
+    q, k, v = [torch.randn(1, 2, 8, 32, dtype=torch.float64) for _ in range(3)]
+    future = torch.ones(8, 8, dtype=torch.bool).triu(1)  # key after query
+    for scale in (None, 0.3):
+        s = q @ k.transpose(-1, -2) * (scale if scale else 32 ** -0.5)
+        ref = s.masked_fill(future, float("-inf")).softmax(-1) @ v
+        torch.testing.assert_close(kernels.attention_torch(q, k, v, sm_scale=scale), ref)
 
 
 # ---------------------------------------------------------------------------

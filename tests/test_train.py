@@ -125,10 +125,16 @@ def test_no_weight_decay_on_biases_and_norms():
 
 
 def test_peak_flops_table():
+    """MFU's denominator: --peak-flops wins; else the GPU's name (as
+    torch.cuda.get_device_name spells it) picks the most specific entry."""
     cfg = config.TrainConfig(preset="tiny")
     assert train.device_peak_flops(cfg, torch.device("cpu")) is None
     cfg.peak_flops = 123e12
     assert train.device_peak_flops(cfg, torch.device("cpu")) == 123e12
+    names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+             "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A10G": 125e12,
+             "Tesla V100-SXM2-32GB": 125e12, "NVIDIA GeForce RTX 4090": 165e12, "Some New GPU": None}
+    assert {name: train.peak_flops_by_name(name) for name in names} == names
 
 
 # ----------------------------------------------------------------------------
