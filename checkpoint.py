@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import parallel
 from config import TrainConfig
-from data import atomic_write, fsync_dir
+from data import atomic_write, fsync_path
 from gpt import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------
@@ -119,15 +119,14 @@ def publish(tmp_dir: str, final_dir: str, pointer: str, pointer_text: str) -> No
     checkpoint_dir() then reads the .old copy."""
     for root, _, files in os.walk(tmp_dir):
         for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(root)
+            fsync_path(os.path.join(root, name))
+        fsync_path(root)
     old = final_dir + ".old"
     if os.path.exists(final_dir):
         shutil.rmtree(old, ignore_errors=True)  # a stale copy from an earlier crash
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
-    fsync_dir(os.path.dirname(final_dir))
+    fsync_path(os.path.dirname(final_dir))
     atomic_write(pointer, lambda f: f.write(pointer_text.encode()))
     shutil.rmtree(old, ignore_errors=True)
 

@@ -247,11 +247,10 @@ class IndexedDatasetBuilder:
         self._idx_tmp = idx_path + ".tmp"
         write_index_file(self._idx_tmp, self._sizes, self._doc_idx, self.dtype)
         for tmp in (self._bin_tmp, self._idx_tmp):  # on disk before either name appears
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_path(tmp)
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(self._idx_tmp, idx_path)  # last: a visible .idx implies its .bin is complete
-        fsync_dir(os.path.dirname(os.path.abspath(idx_path)))
+        fsync_path(os.path.dirname(os.path.abspath(idx_path)))
         self._done = True
 
     def abort(self) -> None:
@@ -402,14 +401,15 @@ def atomic_write(path: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path) or ".")
+        fsync_path(os.path.dirname(path) or ".")
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def fsync_dir(path: str) -> None:
-    """Force a directory's entries (a rename into it, say) to disk (POSIX)."""
+def fsync_path(path: str) -> None:
+    """Force a file's contents, or a directory's entries (a rename into it,
+    say), to disk (POSIX: both open read-only)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
