@@ -20,7 +20,7 @@ One file, read top to bottom:
    parallel layers holding this rank's slice (see GPT._shard_block) before
    the next layer is built, so every T trains the same model from the same
    seed and no rank ever holds the full model. Optional Domino
-   overlap (config.domino_chunks > 1, see GPT._domino_layers) hides the TP
+   overlap (config.domino_chunks > 1, see domino_blocks) hides the TP
    all-reduces behind computation.
 6. Sampling (`filter_logits`, `GPT.generate`), parameter/FLOP accounting
    (`count_parameters`, `flops_per_token`) and Hugging Face GPT-2 import and
@@ -212,14 +212,14 @@ class CausalSelfAttention(nn.Module):
         self.proj.residual_out = True  # gets the scaled init, see init_weights
         self.resid_drop = nn.Dropout(config.hidden_dropout)
 
-    def heads(self, x):
+    def heads(self, x, *deferred):
         """Everything before the output projection: (B, T, C) -> (B, T, C_local).
         Under tensor parallelism qkv is column-parallel with output
         [Q_r | K_r | V_r], so this rank attends with its nh/T heads and
-        C_local = C/T; otherwise C_local = C."""
+        C_local = C/T; otherwise C_local = C. `deferred`: see domino_blocks."""
         B, T, _ = x.shape
         hd = self.config.head_dim
-        qkv = self.qkv(x)                                # (B, T, 3*C_local)
+        qkv = self.qkv(x, *deferred)                     # (B, T, 3*C_local)
         C_local = qkv.shape[-1] // 3
         nh = C_local // hd                               # heads on this rank
         q, k, v = qkv.split(C_local, dim=2)              # 3 x (B, T, C_local)
@@ -242,9 +242,9 @@ class MLP(nn.Module):
         self.proj.residual_out = True
         self.drop = nn.Dropout(config.hidden_dropout)
 
-    def hidden(self, x):
+    def hidden(self, x, *deferred):
         # GPT-2 uses the tanh approximation of GELU (HF calls it "gelu_new").
-        return F.gelu(self.fc(x), approximate="tanh")  # (B, T, F) or (B, T, F/T) under TP
+        return F.gelu(self.fc(x, *deferred), approximate="tanh")  # (B, T, F) or (B, T, F/T) under TP
 
     def forward(self, x):
         return self.drop(self.proj(self.hidden(x)))    # (B, T, C)
@@ -284,6 +284,60 @@ def _finish_branch(pending):
         return None
     reduce, drop = pending
     return drop(reduce.wait())
+
+
+def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int):
+    """The block stack with Domino overlap (Wang et al., DeepSpeed-Domino),
+    tensor parallelism only. x (B, T, C) -> (B, T, C), the same maths as
+    running the blocks one after the other (fp32 agrees to rounding; with
+    dropout > 0 the masks are drawn in another order).
+
+    The micro-batch is split along the batch into chunks (uneven is fine)
+    that are independent until the loss. Each block is two sublayers
+    (attention, MLP), and a chunk's pass through a sublayer is
+
+        enter:  wait for its previous row-parallel all-reduce, residual add,
+                LayerNorm, and the node where backward will wait (see below)
+        body:   column-parallel GEMM ... (heads or GeLU), row-parallel GEMM
+        launch: the row-parallel all-reduce, left in flight
+
+    Forward: chunk i's all-reduce is in flight while the other chunks' bodies
+    run, and is waited for only when chunk i enters its next sublayer.
+
+    Backward runs the graph in reverse, always picking the ready node that
+    was created LAST in forward. The column-parallel layer launches its dX
+    all-reduce and returns without waiting (parallel.DeferredGradAllReduce);
+    the wait is an identity node made when the chunk entered the sublayer.
+    Each chunk therefore enters its sublayer BEFORE the previous chunk
+    launches its row-parallel GEMM: in backward, that GEMM's gradients are
+    computed between this chunk's launch and its wait. With 2 chunks:
+
+        forward   body0 | enter1 | row0 | body1 | enter0' | row1 | body0' ...
+        backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
+
+    tests/test_parallel.py checks this order on two ranks.
+    """
+    chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C)
+    pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
+    sublayers = [(b.ln_1, b.attn.heads, b.attn.proj, b.attn.resid_drop) for b in blocks]
+    sublayers = [s for b, a in zip(blocks, sublayers)
+                 for s in (a, (b.ln_2, b.mlp.hidden, b.mlp.proj, b.mlp.drop))]
+
+    def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
+        chunks[i], h = add_and_norm(sublayers[s][0], chunks[i], _finish_branch(pending[i]))
+        deferred = parallel.DeferredGradAllReduce()
+        return deferred.wait_in_backward(h), deferred
+
+    entered = [enter(0, 0)] + [None] * (len(chunks) - 1)
+    for s, (_, body, row, drop) in enumerate(sublayers):
+        for i in range(len(chunks)):
+            y = body(*entered[i])                     # (b, T, C/T) or (b, T, F/T)
+            if i + 1 < len(chunks):                   # the next chunk enters...
+                entered[i + 1] = enter(i + 1, s)
+            elif s + 1 < len(sublayers):              # ...or the first, the next sublayer
+                entered[0] = enter(0, s + 1)
+            pending[i] = (row.forward_async(y), drop)  # ...before this row GEMM
+    return torch.cat([c + _finish_branch(p) for c, p in zip(chunks, pending)], dim=0)
 
 
 def init_std(config: GPTConfig, residual_out: bool = False) -> float:
@@ -416,8 +470,9 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)  # (T,) broadcasts over B
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, C)
-        if parallel.tp_size() > 1 and min(self.config.domino_chunks, B) > 1:
-            x = self._domino_layers(x)
+        n_chunks = min(self.config.domino_chunks, B)
+        if parallel.tp_size() > 1 and n_chunks > 1:
+            x = domino_blocks(self.blocks, x, n_chunks)
         else:
             for block in self.blocks:
                 if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -434,38 +489,6 @@ class GPT(nn.Module):
             return fused_lm_loss(parallel.copy_to_tensor_parallel_region(h), self.wte.weight,
                                  labels, loss_mask)
         return self.loss(self.lm_head(h), labels, loss_mask)  # (B, T, V_padded[/T]) logits
-
-    def _domino_layers(self, x):
-        """The block stack with Domino overlap (Wang et al., DeepSpeed-Domino).
-
-        The micro-batch is split along the batch into chunks (uneven is fine)
-        that are independent until the loss. Each row-parallel projection's
-        all-reduce is launched asynchronously and waited for only when that
-        chunk's residual stream is next needed, so it runs while the OTHER
-        chunk computes. Per layer, with 2 chunks:
-
-            attn c0 | attn c1 (c0's all-reduce in flight) | mlp c0 (c1's in flight)
-            | mlp c1 (c0's in flight) | next layer attn c0 (c1's MLP all-reduce in flight) ...
-
-        The last MLP all-reduce of a layer is thus waited for inside the next
-        layer. Backward overlap comes from the column-parallel layers
-        (async_grad_allreduce). Mathematically the same as the plain path
-        (fp32 results agree to rounding); with dropout > 0 the random masks
-        are drawn in a different order.
-        """
-        chunks = list(x.tensor_split(min(self.config.domino_chunks, x.shape[0]), dim=0))
-        pending = [None] * len(chunks)  # per chunk: (in-flight all-reduce, its dropout)
-        for block in self.blocks:
-            for i in range(len(chunks)):
-                chunks[i], h = add_and_norm(block.ln_1, chunks[i], _finish_branch(pending[i]))
-                h = block.attn.heads(h)                                      # (b, T, C/T)
-                pending[i] = (block.attn.proj.forward_async(h), block.attn.resid_drop)
-            for i in range(len(chunks)):
-                chunks[i], h = add_and_norm(block.ln_2, chunks[i], _finish_branch(pending[i]))
-                h = block.mlp.hidden(h)                                      # (b, T, F/T)
-                pending[i] = (block.mlp.proj.forward_async(h), block.mlp.drop)
-        last = [c if p is None else c + _finish_branch(p) for c, p in zip(chunks, pending)]
-        return torch.cat(last, dim=0)
 
     def lm_head(self, x):
         """Output projection tied to the token embedding: (B, T, C) -> (B, T, V_padded).

@@ -33,9 +33,11 @@ the same TP rank. With W=8, T=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
 Domino (DeepSpeed-Domino, Wang et al. 2024) hides these all-reduces behind
 computation: RowParallelLinear.forward_async launches g's all-reduce in the
 background (PendingAllReduce.wait() collects it), so gpt.py can compute one
-micro-batch chunk while another chunk's result is on the wire; and
-ColumnParallelLinear(async_grad_allreduce=True) overlaps f's backward
-all-reduce with the weight-gradient GEMM.
+micro-batch chunk while another chunk's result is on the wire. In backward,
+ColumnParallelLinear(async_grad_allreduce=True) launches f's all-reduce
+before its weight-gradient GEMM; given a DeferredGradAllReduce it does not
+even wait for it, and the wait happens in a later autograd node, so another
+chunk's backward runs while the gradient is on the wire.
 
 Initialization: every parallel layer first builds its FULL master weight with
 the given init_method (the same on every rank when all ranks seed the RNG
@@ -307,6 +309,49 @@ class _ReduceFromTensorParallelRegionAsync(torch.autograd.Function):
         return grad, None
 
 
+class DeferredGradAllReduce:
+    """Where a column-parallel layer's backward all-reduce (f's dX) is waited
+    for, when that should happen later than the layer's own backward (Domino).
+
+    wait_in_backward(h) returns h through an identity autograd node whose
+    BACKWARD waits for the all-reduce; pass the result and this object to the
+    ColumnParallelLinear, whose backward launches the all-reduce and leaves
+    the handle here. Nothing reads the gradient before that wait: it flows
+    from the layer straight into the identity node.
+
+    Why a separate node: autograd runs the ready node created LAST in forward
+    first. The identity node is created early (before another chunk's GEMMs
+    in forward), so in backward those GEMMs run between the launch and the
+    wait. gpt.domino_blocks chooses that order.
+    """
+
+    def __init__(self):
+        self.handle = None
+
+    def wait_in_backward(self, h: torch.Tensor) -> torch.Tensor:
+        return _WaitForGradAllReduce.apply(h, self)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+
+class _WaitForGradAllReduce(torch.autograd.Function):
+    """forward y = x; backward: wait for the deferred all-reduce that is
+    summing grad in place, then dx = grad (now the sum over the TP group)."""
+
+    @staticmethod
+    def forward(ctx, x, deferred: DeferredGradAllReduce):
+        ctx.deferred = deferred
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.deferred.wait()
+        return grad, None
+
+
 class PendingAllReduce:
     """An all-reduce in flight. wait() blocks until the sum has landed and
     returns it (plus the replicated bias, added once after the sum)."""
@@ -452,9 +497,14 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                deferred: DeferredGradAllReduce | None = None) -> torch.Tensor:
+        """deferred (async_grad_allreduce only): x came from
+        deferred.wait_in_backward, where backward waits for dX's all-reduce."""
+        if deferred is not None and not self.async_grad_allreduce:
+            raise ValueError("a DeferredGradAllReduce needs async_grad_allreduce=True")
         if self.async_grad_allreduce and tp_size() > 1:
-            y = _ColumnParallelLinearAsyncGrad.apply(x, self.weight, self.bias)
+            y = _ColumnParallelLinearAsyncGrad.apply(x, self.weight, self.bias, deferred)
         else:
             x = copy_to_tensor_parallel_region(x)       # (..., in)
             y = F.linear(x, self.weight, self.bias)     # (..., out/T)
@@ -476,7 +526,9 @@ class _ColumnParallelLinearAsyncGrad(torch.autograd.Function):
 
     Backward needs dX = sum_r dY_r W_r (all-reduced) and dW_r = dY_r^T X.
     The all-reduce of dX is launched asynchronously BEFORE the dW GEMM, so the
-    network moves dX while the GEMM runs; we wait only before returning dX.
+    network moves dX while the GEMM runs; we wait before returning dX
+    (Megatron), or, given a DeferredGradAllReduce, not at all: its identity
+    node waits later, after other chunks' GEMMs (DeepSpeed-Domino).
     On GPU this relies on CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware
     queue, kernels start in launch order, so the NCCL kernel (on its own
     stream) is already running when the GEMM is queued instead of waiting
@@ -484,9 +536,9 @@ class _ColumnParallelLinearAsyncGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, deferred):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.deferred = bias is not None, deferred
         return F.linear(x, weight, bias)                        # (..., out/T)
 
     @staticmethod
@@ -507,9 +559,11 @@ class _ColumnParallelLinearAsyncGrad(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)                       # (N, in)
         grad_weight = (g2d.t() @ x2d).to(weight.dtype)                   # overlaps the all-reduce
         grad_bias = g2d.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
-        if handle is not None:
+        if ctx.deferred is not None:
+            ctx.deferred.handle = handle   # waited for in _WaitForGradAllReduce
+        elif handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias
+        return grad_input, grad_weight, grad_bias, None
 
 
 class RowParallelLinear(nn.Module):

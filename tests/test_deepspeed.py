@@ -121,6 +121,7 @@ def worker(out: str, plan: str) -> None:
         export_and_eval(out, ck("z3"), "export_z3", [])
     elif plan == "tp":  # 4 processes: T=2, D=2
         tp = ["--tensor-model-parallel-size", "2"]
+        worker_run(out, "tp2_ddp_domino", [*tp, "--domino"])  # plain DDP over D, no DeepSpeed
         worker_run(out, "tp2_z1", ["--deepspeed", "--zero-stage", "1", *tp])
         worker_run(out, "tp2_z3", ["--deepspeed", "--zero-stage", "3", "--save", ck("tp2_z3"), *tp])
         worker_run(out, "tp2_z1_partitioned", ["--deepspeed", "--zero-stage", "1", "--recompute-activations",
@@ -205,6 +206,16 @@ def test_tensor_parallel_zero_matches_ddp(runs, stage):
     for a, b in zip(ref, got, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+
+
+def test_plain_ddp_with_tensor_parallel_domino_matches_ddp(runs):
+    """Without DeepSpeed: T=2 (Domino, 2 chunks of 1) x D=2 under torch DDP
+    == T=1 x D=2 DDP, step for step."""
+    ref, got = metrics(runs, "ddp"), metrics(runs, "tp2_ddp_domino")
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
 
 
 @pytest.mark.parametrize("run,ref", [("z1_recompute", "z1"), ("tp2_z1_partitioned", "tp2_z1"),

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel
 
@@ -501,6 +502,127 @@ def test_domino_overlap_matches_plain_tensor_parallel():
     run_on_ranks(_check_domino_matches_plain_tensor_parallel)
 
 
+class _OverlapRecorder(TorchDispatchMode):
+    """Logs, in order, every TP all-reduce launch and wait and every GEMM of
+    one Domino chunk. The chunk is told apart by its token count: the batch
+    (3, 5) splits into chunks of 2 and 1 rows, 10 and 5 tokens, a size no
+    weight of the model has."""
+
+    CHUNK_OF_TOKENS = {10: 0, 5: 1}
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            dims = {d for a in args if isinstance(a, torch.Tensor) for d in a.shape}
+            for tokens, chunk in self.CHUNK_OF_TOKENS.items():
+                if tokens in dims:
+                    self.events.append(("gemm", chunk, None))
+        return func(*args, **(kwargs or {}))
+
+    def all_reduce(self, real):
+        """A stand-in for dist.all_reduce that logs each chunk's launch and wait."""
+        def recorded(tensor, *args, async_op=False, **kwargs):
+            chunk = self.CHUNK_OF_TOKENS.get(tensor.numel() // tensor.shape[-1])
+            work = real(tensor, *args, async_op=async_op, **kwargs)
+            if chunk is None or not async_op:
+                return work
+            launch = object()  # this all-reduce's identity
+            self.events.append(("launch", chunk, launch))
+            return SimpleNamespace(wait=lambda: (self.events.append(("wait", None, launch)),
+                                                 work.wait()))
+        return recorded
+
+
+def _unhidden_all_reduces(events) -> list:
+    """The launches, but the last, with no GEMM of ANOTHER chunk before their
+    first wait: an all-reduce that nothing overlapped."""
+    waits = {}
+    for k, (kind, _, launch) in enumerate(events):
+        if kind == "wait":
+            waits.setdefault(launch, k)
+    launches = [(k, chunk, launch) for k, (kind, chunk, launch) in enumerate(events)
+                if kind == "launch"]
+    assert launches and all(launch in waits for *_, launch in launches), "every all-reduce is waited for"
+    unhidden = []
+    for k, chunk, launch in launches[:-1]:
+        between = events[k + 1:waits[launch]]
+        if not any(kind == "gemm" and c != chunk for kind, c, _ in between):
+            unhidden.append(k)
+    return unhidden
+
+
+def _record_domino_order(serialize: bool):
+    """(forward events, backward events) of one Domino micro-batch on this rank."""
+    model = _build_gpt(2, domino_chunks=2)
+    ids = torch.randint(0, 100, (3, 6), generator=torch.Generator().manual_seed(0))
+    recorder = _OverlapRecorder()
+    real_all_reduce, real_owned = dist.all_reduce, parallel._all_reduce_owned
+
+    def launch_and_wait_at_once(out, async_op=False):  # what a serialized version does
+        work = real_owned(out, async_op)
+        if work is not None:
+            work.wait()
+        return work
+
+    dist.all_reduce = recorder.all_reduce(real_all_reduce)
+    if serialize:
+        parallel._all_reduce_owned = launch_and_wait_at_once
+    try:
+        with recorder:
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
+            forward = list(recorder.events)
+            loss.backward()
+    finally:
+        dist.all_reduce, parallel._all_reduce_owned = real_all_reduce, real_owned
+    return forward, recorder.events[len(forward):]
+
+
+def _check_domino_overlaps_every_all_reduce():
+    forward, backward = _record_domino_order(serialize=False)
+    # 2 layers x 2 sublayers x 2 chunks all-reduces each way.
+    assert sum(kind == "launch" for kind, *_ in forward) == 8
+    assert sum(kind == "launch" for kind, *_ in backward) == 8
+    assert _unhidden_all_reduces(forward) == [], forward
+    assert _unhidden_all_reduces(backward) == [], backward
+    # The check has teeth: waiting right after each launch fails it both ways.
+    forward, backward = _record_domino_order(serialize=True)
+    assert len(_unhidden_all_reduces(forward)) == 7
+    assert len(_unhidden_all_reduces(backward)) == 7
+
+
+@pytest.mark.slow
+def test_domino_runs_another_chunks_gemms_while_each_all_reduce_is_in_flight():
+    """Domino's point, checked from the order of operations on 2 ranks: in
+    forward and in backward, between the launch of every chunk's all-reduce
+    (but the last) and its wait, a GEMM of the other chunk runs."""
+    run_on_ranks(_check_domino_overlaps_every_all_reduce)
+
+
+def _check_dropout_keeps_replicated_parameters_identical():
+    """Dropout under TP: every TP rank draws the same masks for the replicated
+    residual stream (same seed, same draws in the same order, Domino or not),
+    so the parameters every rank holds in full stay bitwise equal."""
+    for chunks in (1, 2):
+        model = _build_gpt(2, hidden_dropout=0.2, attention_dropout=0.2, domino_chunks=chunks)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        _train_losses(model, steps=4)
+        for name, p in model.named_parameters():
+            assert not torch.equal(p, before[name]), f"{name} never trained"
+            if getattr(p, "tensor_model_parallel", False):
+                continue  # a shard: it differs by design
+            mine = p.detach().contiguous()
+            theirs = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(theirs, mine)
+            assert torch.equal(theirs[0], theirs[1]), f"{name} differs across TP ranks ({chunks} chunks)"
+
+
+def test_dropout_keeps_replicated_parameters_identical_across_tp_ranks():
+    run_on_ranks(_check_dropout_keeps_replicated_parameters_identical)
+
+
 def _check_triton_kernels_under_tensor_parallel():
     # head dim 32 (the kernels' smallest); at T=2 each rank runs its one head
     shape = dict(hidden_size=64, num_attention_heads=2)
@@ -522,10 +644,21 @@ def test_triton_kernels_under_tensor_parallel_and_domino():
     run_on_ranks(_check_triton_kernels_under_tensor_parallel)
 
 
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: 1.0 for a zeroed tensor, 0.5 for a halved one."""
+    assert b.norm() > 0
+    return ((a - b).norm() / b.norm()).item()
+
+
 def _check_domino_under_bf16_autocast():
     """train.py --bf16 runs the model under torch.autocast: the async-grad
-    column layer's backward then sees bf16 grads and fp32 saved tensors."""
+    column layer's backward then sees bf16 grads and fp32 saved tensors.
+    Domino and plain TP round differently (the weight-gradient GEMMs sum
+    over chunks), each about 0.5% from fp32; measured here, Domino is
+    <= 0.35% from plain TP in every gradient."""
     x, y, mask = _batch(0)
+    fp32 = _build_gpt(2)
+    fp32(x, labels=y, loss_mask=mask).backward()
     runs = []
     for chunks in (1, 2):
         model = _build_gpt(2, domino_chunks=chunks)
@@ -534,11 +667,11 @@ def _check_domino_under_bf16_autocast():
         loss.backward()
         runs.append((loss.detach(), _full_grads(model)))
     (loss_plain, grads_plain), (loss_domino, grads_domino) = runs
-    assert_close(loss_domino, loss_plain, tol=1e-2, what="bf16 domino loss")
-    for name, g in grads_plain.items():
+    assert_close(loss_domino, loss_plain, tol=1e-4, what="bf16 domino loss")
+    for name, want in _full_grads(fp32).items():
         assert grads_domino[name].dtype == torch.float32, name  # fp32 master grads
-        torch.testing.assert_close(grads_domino[name], g, rtol=5e-2, atol=2e-3,
-                                   msg=lambda m: f"bf16 domino grad of {name}: {m}")
+        assert _relative_error(grads_domino[name], grads_plain[name]) < 1e-2, name
+        assert _relative_error(grads_domino[name], want) < 2e-2, name
 
 
 @pytest.mark.slow

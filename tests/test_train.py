@@ -166,6 +166,19 @@ def test_two_process_ddp_matches_one_process(corpus, tmp_path):
     assert one[0] != one[-1]  # the model did train
 
 
+def test_compile_trains_the_same_model(corpus, tmp_path):
+    """--compile (torch.compile, Inductor's C++ backend on CPU) follows the
+    eager run's losses; fusion changes only the rounding."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "4", "--eval-interval", "0"]
+    run_train([*common, "--metrics-file", str(tmp_path / "eager.jsonl")])
+    inductor = tmp_path / "inductor"  # where Inductor writes the code it generates
+    run_train([*common, "--compile", "--metrics-file", str(tmp_path / "compiled.jsonl")],
+              env={"TORCHINDUCTOR_CACHE_DIR": str(inductor)})
+    np.testing.assert_allclose(losses(tmp_path / "compiled.jsonl"), losses(tmp_path / "eager.jsonl"),
+                               rtol=1e-4)
+    assert list(inductor.rglob("*.py")), "torch.compile generated no code"
+
+
 def test_resume_is_bit_identical(corpus, tmp_path):
     common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8"]
     run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
