@@ -1,7 +1,7 @@
 """Checkpoints: train.py's own (Megatron's layout), DeepSpeed's, and weight export.
 
   - plain: SAVE/iter_0000100/model_optim_rng.pt + latest_checkpointed_iteration.txt,
-    full (unsharded) model and optimizer states, so any T and DP size loads them;
+    full (unsharded) model and optimizer states, so any TP and DP size loads them;
   - DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
     published the same way, so DeepSpeed's tools (zero_to_fp32) read it;
   - export: consolidated fp32 weights of either kind, as a plain checkpoint or
@@ -92,7 +92,7 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
     elsewhere. Only the first data-parallel replica takes part: the others
     hold the same values. (Gathering everything on every rank would put the
     whole model and AdamW state, 16 bytes a parameter, on each GPU: 24 GB at
-    1.5B parameters and T=2.)"""
+    1.5B parameters and tp=2.)"""
     if parallel.dp_rank() != 0:
         return None, None
     params = dict(model.named_parameters())
@@ -236,7 +236,7 @@ DS_META = "trainer_state.json"
 
 def tensor_parallel_layout(model: torch.nn.Module) -> dict:
     """{name: [partition_dim, partition_stride]} of every TP-sharded parameter:
-    what an export needs to merge the shards of any T."""
+    what an export needs to merge the shards of any tp."""
     return {name: [p.partition_dim, p.partition_stride] for name, p in model.named_parameters()
             if getattr(p, "tensor_model_parallel", False)}
 
@@ -313,7 +313,7 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, log) -> tuple[int, int]:
 
 def consolidated_weights(path: str) -> tuple[dict, dict]:
     """Full fp32 weights and trainer_state of the DeepSpeed checkpoint in
-    `path`, for any ZeRO stage and any T, with no process group.
+    `path`, for any ZeRO stage and any tp, with no process group.
 
     Per TP rank r, DeepSpeed's zero_to_fp32 merges the data-parallel
     partitions (fp32 master weights) of that rank's files; it refuses several
@@ -341,14 +341,14 @@ def consolidated_weights(path: str) -> tuple[dict, dict]:
 
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     """Write the consolidated fp32 weights of a checkpoint (train.py's own, or
-    DeepSpeed's from any ZeRO stage and T) as
+    DeepSpeed's from any ZeRO stage and TP size) as
     fmt="plain": the project's checkpoint layout (OUT/iter_N/model_optim_rng.pt
                  + latest_checkpointed_iteration.txt), weights only: resume
                  it with --load OUT --no-load-optim (any layout, with or
                  without --deepspeed);
     fmt="hf":    a Hugging Face GPT-2 directory (GPT.to_hf)."""
     if parallel.tp_size() > 1:
-        raise RuntimeError("export_weights builds a T=1 model: call it outside a tensor-parallel job")
+        raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
     plain = find_checkpoint(checkpoint)
     if plain:  # train.py's own checkpoint: already full weights
         state = torch.load(plain, map_location="cpu", weights_only=False)
@@ -361,7 +361,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
         state = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                  "rng": client["rng"], "config": client["config"]}
         model_config = meta["model_config"]
-    model = GPT(GPTConfig(**model_config))  # T=1, on CPU
+    model = GPT(GPTConfig(**model_config))  # tp=1, on CPU
     model.load_full_state_dict(full)
     if fmt == "hf":
         model.to_hf(out)

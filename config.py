@@ -111,7 +111,7 @@ FLAG_HELP = {
     "attention_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
     "layernorm_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
     "recompute_activations": "activation checkpointing: recompute each block in backward",
-    "tensor_model_parallel_size": "T: ranks that split every layer (consecutive ranks, one node)",
+    "tensor_model_parallel_size": "tp: ranks that split every layer (consecutive ranks, one node)",
     "domino": "overlap tensor-parallel all-reduces with compute (DeepSpeed-Domino)",
     "domino_chunks": "micro-batch chunks that --domino interleaves",
     "micro_batch_size": "samples per rank per forward/backward",

@@ -6,23 +6,24 @@ One file, read top to bottom:
    tests and CPU runs. Field names follow Megatron-LM's flags
    (--num-layers, --hidden-size, --num-attention-heads, ...).
 2. Plug-in seams: `self_attention(...)` holds the attention math and
-   `make_layernorm(...)` builds every LayerNorm. kernels.py adds other
-   implementations ("triton") by extending ATTENTION_IMPLS / LAYERNORM_IMPLS
-   and these two functions; nothing else in the model needs to change.
+   `make_layernorm(...)` builds every LayerNorm. Their "triton" branches
+   call kernels.py; another implementation is one more name in
+   ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there, and nothing
+   else in the model needs to change.
 3. The model: token + learned absolute position embeddings, a stack of
    pre-LayerNorm transformer blocks (causal self-attention, tanh-GELU MLP),
    a final LayerNorm and an LM head tied to the token embedding.
 4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
    code that initializes a full master weight and keeps its own slice.
 5. Tensor parallelism (Megatron-style, see parallel.py): when the model is
-   built after parallel.initialize(T) with T > 1, each layer is built and
-   initialized exactly as for T=1, then its big matmuls are swapped for
+   built after parallel.initialize(tp) with tp > 1, each layer is built and
+   initialized exactly as for tp=1, then its big matmuls are swapped for
    parallel layers holding this rank's slice (see GPT._shard_block) before
-   the next layer is built, so every T trains the same model from the same
+   the next layer is built, so every tp trains the same model from the same
    seed and no rank ever holds the full model. Optional Domino
    overlap (config.domino_chunks > 1, see domino_blocks) hides the TP
    all-reduces behind computation.
-6. Sampling (`filter_logits`, `GPT.generate`), parameter/FLOP accounting
+6. Sampling (`filter_logits`, `generate`), parameter/FLOP accounting
    (`count_parameters`, `flops_per_token`) and Hugging Face GPT-2 import and
    export against a local directory (`hf_to_ours`, `ours_to_hf`).
 
@@ -53,7 +54,8 @@ from loss import fused_lm_loss
 # -----------------------------------------------------------------------------
 # Config
 
-# Implementations the seams below understand. kernels.py extends these.
+# Implementations the seams below understand (self_attention, make_layernorm,
+# GPT.forward's loss).
 ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.py (FlashAttention-2)
 LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.py (fused LayerNorm)
 LOSS_IMPLS = ("fused", "full")         # "fused": loss.py (head + loss in chunks)
@@ -119,8 +121,10 @@ class GPTConfig:
             raise ValueError(f"unknown layernorm_impl {self.layernorm_impl!r}; "
                              f"choose one of {list(LAYERNORM_IMPLS)}")
         if self.attention_impl == "triton":
-            if self.hidden_size // self.num_attention_heads not in (32, 64, 128):
-                raise ValueError(f"attention_impl='triton' supports head dims 32, 64 and 128, not "
+            import kernels  # imports without triton; the kernels own their head dims
+            if self.hidden_size // self.num_attention_heads not in kernels.SUPPORTED_HEAD_DIMS:
+                raise ValueError(f"attention_impl='triton' supports head dims "
+                                 f"{kernels.SUPPORTED_HEAD_DIMS}, not "
                                  f"{self.hidden_size // self.num_attention_heads}; change "
                                  f"hidden_size/num_attention_heads or use attention_impl='torch'")
             if self.attention_dropout > 0:
@@ -215,8 +219,8 @@ class CausalSelfAttention(nn.Module):
     def heads(self, x, *deferred):
         """Everything before the output projection: (B, T, C) -> (B, T, C_local).
         Under tensor parallelism qkv is column-parallel with output
-        [Q_r | K_r | V_r], so this rank attends with its nh/T heads and
-        C_local = C/T; otherwise C_local = C. `deferred`: see domino_blocks."""
+        [Q_r | K_r | V_r], so this rank attends with its nh/tp heads and
+        C_local = C/tp; otherwise C_local = C. `deferred`: see domino_blocks."""
         B, T, _ = x.shape
         hd = self.config.head_dim
         qkv = self.qkv(x, *deferred)                     # (B, T, 3*C_local)
@@ -244,7 +248,7 @@ class MLP(nn.Module):
 
     def hidden(self, x, *deferred):
         # GPT-2 uses the tanh approximation of GELU (HF calls it "gelu_new").
-        return F.gelu(self.fc(x, *deferred), approximate="tanh")  # (B, T, F) or (B, T, F/T) under TP
+        return F.gelu(self.fc(x, *deferred), approximate="tanh")  # (B, T, F) or (B, T, F/tp) under TP
 
     def forward(self, x):
         return self.drop(self.proj(self.hidden(x)))    # (B, T, C)
@@ -331,7 +335,7 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int):
     entered = [enter(0, 0)] + [None] * (len(chunks) - 1)
     for s, (_, body, row, drop) in enumerate(sublayers):
         for i in range(len(chunks)):
-            y = body(*entered[i])                     # (b, T, C/T) or (b, T, F/T)
+            y = body(*entered[i])                     # (b, T, C/tp) or (b, T, F/tp)
             if i + 1 < len(chunks):                   # the next chunk enters...
                 entered[i + 1] = enter(i + 1, s)
             elif s + 1 < len(sublayers):              # ...or the first, the next sublayer
@@ -397,7 +401,7 @@ class GPT(nn.Module):
         """make() a piece and give it GPT-2's init. Only init_weights draws
         random numbers (the constructors' own default init runs on a forked,
         discarded RNG), so the weights depend on the seed and the order of the
-        pieces alone: the same for every T, and the same when DeepSpeed's
+        pieces alone: the same for every tp, and the same when DeepSpeed's
         zero.Init re-runs init_weights module by module (train.py)."""
         with torch.random.fork_rng(devices=[]):
             module = make()
@@ -421,7 +425,7 @@ class GPT(nn.Module):
             mlp.proj     RowParallelLinear
             LayerNorms, wpe, row-parallel biases: replicated
 
-        Parameter names are unchanged, so full_state_dict() has T=1's keys.
+        Parameter names are unchanged, so full_state_dict() has tp=1's keys.
         """
         domino = self.config.domino_chunks > 1
         Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
@@ -444,22 +448,13 @@ class GPT(nn.Module):
                 f"sequence length {T} exceeds max_position_embeddings "
                 f"({self.config.max_position_embeddings}); use a shorter --seq-length or a "
                 f"model with more positions")
-        if torch.compiler.is_compiling():
-            return  # .tolist() would break the compiled graph
-        if input_ids.is_cuda and getattr(self, "_ids_checked_on_gpu", False):
+        if torch.compiler.is_compiling() or (
+                input_ids.is_cuda and getattr(self, "_ids_checked_on_gpu", False)):
             return
-        checks = [("input_ids", input_ids, self.config.padded_vocab_size),
-                  ("position_ids", position_ids, self.config.max_position_embeddings),
-                  ("labels", labels, self.config.padded_vocab_size)]
-        checks = [c for c in checks if c[1] is not None and c[1].numel() > 0]
-        if not checks:
-            return
-        bounds = torch.stack([m.long() for _, t, _ in checks for m in t.aminmax()]).tolist()
-        for j, (name, _, limit) in enumerate(checks):
-            lo, hi = bounds[2 * j], bounds[2 * j + 1]
-            if lo < 0 or hi >= limit:
-                raise ValueError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; "
-                                 f"check the tokenizer / vocab_size and the data")
+        fix = "check the tokenizer / vocab_size and the data"
+        parallel.check_ids([("input_ids", input_ids, self.config.padded_vocab_size, fix),
+                            ("position_ids", position_ids, self.config.max_position_embeddings, fix),
+                            ("labels", labels, self.config.padded_vocab_size, fix)])
         self._ids_checked_on_gpu = input_ids.is_cuda
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None):
@@ -488,18 +483,18 @@ class GPT(nn.Module):
         if self.config.loss_impl == "fused":  # the logits are never materialized whole
             return fused_lm_loss(parallel.copy_to_tensor_parallel_region(h), self.wte.weight,
                                  labels, loss_mask)
-        return self.loss(self.lm_head(h), labels, loss_mask)  # (B, T, V_padded[/T]) logits
+        return self.loss(self.lm_head(h), labels, loss_mask)  # (B, T, V_padded[/tp]) logits
 
     def lm_head(self, x):
         """Output projection tied to the token embedding: (B, T, C) -> (B, T, V_padded).
         Under TP, x goes through f and each rank multiplies by its vocab rows:
-        (B, T, V_padded/T), the logits of the vocab range it owns."""
+        (B, T, V_padded/tp), the logits of the vocab range it owns."""
         return F.linear(parallel.copy_to_tensor_parallel_region(x), self.wte.weight)
 
     @staticmethod
     def loss(logits, labels, loss_mask=None):
         """sum(token_loss * loss_mask) / sum(loss_mask), computed in fp32.
-        Under TP, logits is this rank's vocab shard (B, T, V/T) and the
+        Under TP, logits is this rank's vocab shard (B, T, V/tp) and the
         per-token loss is computed without gathering the vocab."""
         token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten()  # (B*T,)
         if loss_mask is None:
@@ -530,46 +525,6 @@ class GPT(nn.Module):
         every key must match). Loads a save from any tensor-parallel size."""
         parallel.load_full_state_dict(self, sd)
 
-    # -- sampling ---------------------------------------------------------------
-
-    @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None,
-                 eos_token_id: int | None = None, generator: torch.Generator | None = None):
-        """Autoregressively extend input_ids (B, T) by up to max_new_tokens.
-
-        temperature 0 means greedy. Only real token ids (< vocab_size) are ever
-        produced. Rows that emitted eos_token_id keep emitting it; generation
-        stops early once every row has. Runs in eval mode (restored after).
-        No KV cache: each step re-runs the (cropped) context, which is simple
-        and fast enough for a training codebase's samples.
-        """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        was_training = self.training
-        self.eval()
-        try:
-            ids = input_ids
-            finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-            for _ in range(max_new_tokens):
-                context = ids[:, -self.config.max_position_embeddings:]  # crop to model's window
-                logits = self(context)[:, -1, :self.config.vocab_size].float()  # (B, V) no pad ids
-                if temperature == 0:
-                    next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-                else:
-                    logits = filter_logits(logits / temperature, top_k, top_p)
-                    probs = F.softmax(logits, dim=-1)
-                    next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
-                if eos_token_id is not None:
-                    next_id = next_id.masked_fill(finished[:, None], eos_token_id)
-                    finished |= next_id[:, 0] == eos_token_id
-                ids = torch.cat([ids, next_id], dim=1)
-                if eos_token_id is not None and bool(finished.all()):
-                    break
-            return ids
-        finally:
-            self.train(was_training)
-
     # -- Hugging Face interop -----------------------------------------------------
 
     @classmethod
@@ -598,7 +553,46 @@ class GPT(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Sampling filters
+# Sampling
+
+
+@torch.no_grad()
+def generate(model: GPT, input_ids, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | None = None, generator: torch.Generator | None = None):
+    """Autoregressively extend input_ids (B, T) by up to max_new_tokens.
+
+    temperature 0 means greedy. Only real token ids (< vocab_size) are ever
+    produced. Rows that emitted eos_token_id keep emitting it; generation
+    stops early once every row has. Runs in eval mode (restored after).
+    No KV cache: each step re-runs the (cropped) context, which is simple
+    and fast enough for a training codebase's samples.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    was_training = model.training
+    model.eval()
+    try:
+        ids = input_ids
+        finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        for _ in range(max_new_tokens):
+            context = ids[:, -model.config.max_position_embeddings:]  # crop to model's window
+            logits = model(context)[:, -1, :model.config.vocab_size].float()  # (B, V) no pad ids
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = filter_logits(logits / temperature, top_k, top_p)
+                probs = F.softmax(logits, dim=-1)
+                next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            if eos_token_id is not None:
+                next_id = next_id.masked_fill(finished[:, None], eos_token_id)
+                finished |= next_id[:, 0] == eos_token_id
+            ids = torch.cat([ids, next_id], dim=1)
+            if eos_token_id is not None and bool(finished.all()):
+                break
+        return ids
+    finally:
+        model.train(was_training)
 
 
 def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):

@@ -1,12 +1,12 @@
 """Megatron-style tensor parallelism, in small readable pieces.
 
 Tensor parallelism (TP) splits every big matrix of a transformer layer across
-the T ranks of a tensor-parallel group (Shoeybi et al., "Megatron-LM", 2019):
+the tp ranks of a tensor-parallel group (Shoeybi et al., "Megatron-LM", 2019):
 
     MLP:        Y = GeLU(X A) B       A split by COLUMNS, B split by ROWS
     attention:  heads split across ranks (QKV by columns, output proj by rows)
 
-so each rank holds 1/T of the weights and does 1/T of the FLOPs. A
+so each rank holds 1/tp of the weights and does 1/tp of the FLOPs. A
 column-parallel layer followed by a row-parallel layer needs exactly two
 communication operators, which Megatron calls f and g:
 
@@ -24,10 +24,10 @@ The embedding is split by vocabulary (VocabParallelEmbedding) and the loss is
 computed on vocab-sharded logits without ever gathering them
 (vocab_parallel_cross_entropy).
 
-Layout of ranks (torchrun world of W = D * T ranks): tensor-parallel groups
+Layout of ranks (torchrun world of W = dp * tp ranks): tensor-parallel groups
 are CONSECUTIVE ranks, so they live inside one node where the interconnect is
 fastest (TP communicates every layer); data-parallel groups are the ranks with
-the same TP rank. With W=8, T=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
+the same TP rank. With W=8, tp=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
 [0,2,4,6] [1,3,5,7].
 
 Domino (DeepSpeed-Domino, Wang et al. 2024) hides these all-reduces behind
@@ -42,7 +42,7 @@ chunk's backward runs while the gradient is on the wire.
 Initialization: every parallel layer first builds its FULL master weight with
 the given init_method (the same on every rank when all ranks seed the RNG
 identically), then keeps only its own slice. So the model is the same for any
-T; the cost is one full weight per layer held temporarily, fine for GPT-2
+tp; the cost is one full weight per layer held temporarily, fine for GPT-2
 sizes.
 
 The process-group handles below are the project's only global state (plus
@@ -74,38 +74,38 @@ def initialize(tensor_model_parallel_size: int = 1) -> None:
     """Build the tensor- and data-parallel groups from the torchrun world.
 
     Must be called on every rank (new_group is collective). Without an
-    initialized torch.distributed and T=1 this sets up a single-rank world.
+    initialized torch.distributed and tp=1 this sets up a single-rank world.
     """
     global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
-    T = tensor_model_parallel_size
-    if not isinstance(T, int) or T < 1:
-        raise ValueError(f"tensor_model_parallel_size must be a positive int, got {T!r}")
+    tp = tensor_model_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_model_parallel_size must be a positive int, got {tp!r}")
     if not (dist.is_available() and dist.is_initialized()):
-        if T != 1:
+        if tp != 1:
             raise ValueError(
-                f"tensor_model_parallel_size={T} needs torch.distributed: launch with "
-                f"`torchrun --nproc_per_node {T} ...` and call "
+                f"tensor_model_parallel_size={tp} needs torch.distributed: launch with "
+                f"`torchrun --nproc_per_node {tp} ...` and call "
                 "torch.distributed.init_process_group() before parallel.initialize()")
         _TP_GROUP = _DP_GROUP = None
         _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK = 1, 0, 1, 0
         _INITIALIZED = True
         return
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % T != 0:
+    if world % tp != 0:
         raise ValueError(
-            f"tensor_model_parallel_size={T} does not divide the world size {world}: "
-            f"launch a multiple of {T} processes or pick a T that divides {world}")
+            f"tensor_model_parallel_size={tp} does not divide the world size {world}: "
+            f"launch a multiple of {tp} processes or pick a size that divides {world}")
     # Every rank must create every group, in the same order.
-    for start in range(0, world, T):                 # TP: consecutive ranks
-        group = dist.new_group(list(range(start, start + T)))
-        if start <= rank < start + T:
+    for start in range(0, world, tp):                 # TP: consecutive ranks
+        group = dist.new_group(list(range(start, start + tp)))
+        if start <= rank < start + tp:
             _TP_GROUP = group
-    for tp_r in range(T):                            # DP: same TP rank
-        group = dist.new_group(list(range(tp_r, world, T)))
-        if rank % T == tp_r:
+    for tp_r in range(tp):                            # DP: same TP rank
+        group = dist.new_group(list(range(tp_r, world, tp)))
+        if rank % tp == tp_r:
             _DP_GROUP = group
-    _TP_SIZE, _TP_RANK = T, rank % T
-    _DP_SIZE, _DP_RANK = world // T, rank // T
+    _TP_SIZE, _TP_RANK = tp, rank % tp
+    _DP_SIZE, _DP_RANK = world // tp, rank // tp
     _INITIALIZED = True
 
 
@@ -159,7 +159,7 @@ def dp_size() -> int:
 
 
 def check_divisible(config, tp: int | None = None) -> None:
-    """Raise ValueError unless T divides every quantity that gets split."""
+    """Raise ValueError unless tp divides every quantity that gets split."""
     tp = tp_size() if tp is None else tp
     ffn = config.ffn_hidden_size or 4 * config.hidden_size
     quantities = {
@@ -172,7 +172,7 @@ def check_divisible(config, tp: int | None = None) -> None:
         if value % tp != 0:
             raise ValueError(
                 f"tensor_model_parallel_size={tp} must divide {name}={value}: "
-                f"pick a T that divides {value} or change {name}")
+                f"pick a tensor_model_parallel_size that divides {value} or change {name}")
 
 
 @contextlib.contextmanager
@@ -224,7 +224,7 @@ def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """This rank's 1/T slice of the last dim (a copy, so it frees the rest)."""
+    """This rank's 1/tp slice of the last dim (a copy, so it frees the rest)."""
     chunk = x.shape[-1] // tp_size()
     return x[..., tp_rank() * chunk:(tp_rank() + 1) * chunk].contiguous()
 
@@ -243,7 +243,7 @@ def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     """f: forward y = x (every rank already has x); backward dx = sum_r dy_r,
-    because x fed all T shards and each contributes a partial gradient."""
+    because x fed all tp shards and each contributes a partial gradient."""
 
     @staticmethod
     def forward(ctx, x):
@@ -268,7 +268,7 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
 
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """forward y = [x_0 | x_1 | ... | x_{T-1}] along the last dim; backward
+    """forward y = [x_0 | x_1 | ... | x_{tp-1}] along the last dim; backward
     dx_r = dy[..., r-th slice]."""
 
     @staticmethod
@@ -282,7 +282,7 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
     """forward y_r = x[..., r-th slice] of the last dim; backward
-    dx = [dy_0 | ... | dy_{T-1}] (all-gather)."""
+    dx = [dy_0 | ... | dy_{tp-1}] (all-gather)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -368,7 +368,7 @@ class PendingAllReduce:
         return self._out if self._bias is None else self._out + self._bias
 
 
-# With T=1 every operator is the identity and adds no autograd node at all.
+# With tp=1 every operator is the identity and adds no autograd node at all.
 
 def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return x if tp_size() == 1 else _CopyToTensorParallelRegion.apply(x)
@@ -473,9 +473,9 @@ def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its OUTPUT dim: rank r holds the rows
-    A_r (out/T, in) and computes Y_r = X A_r^T + b_r. The input goes through f
+    A_r (out/tp, in) and computes Y_r = X A_r^T + b_r. The input goes through f
     (identity forward, all-reduce of dX backward). The output stays sharded
-    (..., out/T) unless gather_output=True."""
+    (..., out/tp) unless gather_output=True."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, stride: int = 1,
@@ -507,7 +507,7 @@ class ColumnParallelLinear(nn.Module):
             y = _ColumnParallelLinearAsyncGrad.apply(x, self.weight, self.bias, deferred)
         else:
             x = copy_to_tensor_parallel_region(x)       # (..., in)
-            y = F.linear(x, self.weight, self.bias)     # (..., out/T)
+            y = F.linear(x, self.weight, self.bias)     # (..., out/tp)
         return gather_from_tensor_parallel_region(y) if self.gather_output else y
 
     @classmethod
@@ -539,7 +539,7 @@ class _ColumnParallelLinearAsyncGrad(torch.autograd.Function):
     def forward(ctx, x, weight, bias, deferred):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.deferred = bias is not None, deferred
-        return F.linear(x, weight, bias)                        # (..., out/T)
+        return F.linear(x, weight, bias)                        # (..., out/tp)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -555,7 +555,7 @@ class _ColumnParallelLinearAsyncGrad(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_input = (grad_out @ weight.to(dtype)).to(x.dtype).contiguous()  # (..., in) partial
             handle = _all_reduce_owned(grad_input, async_op=True)
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/T)
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/tp)
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)                       # (N, in)
         grad_weight = (g2d.t() @ x2d).to(weight.dtype)                   # overlaps the all-reduce
         grad_bias = g2d.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
@@ -568,7 +568,7 @@ class _ColumnParallelLinearAsyncGrad(torch.autograd.Function):
 
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its INPUT dim: rank r holds the columns
-    A_r (out, in/T) and computes the partial product X_r A_r^T; g sums the
+    A_r (out, in/tp) and computes the partial product X_r A_r^T; g sums the
     partials over ranks. The bias is replicated and added once, after the sum.
     input_is_parallel=False first scatters a full input (..., in)."""
 
@@ -584,7 +584,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x)    # (..., in) -> (..., in/T)
+            x = scatter_to_tensor_parallel_region(x)    # (..., in) -> (..., in/tp)
         y = reduce_from_tensor_parallel_region(F.linear(x, self.weight))  # (..., out)
         return y if self.bias is None else y + self.bias
 
@@ -618,7 +618,7 @@ def _from_linear(cls, linear: nn.Linear, **kwargs):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows (the vocabulary) are split into T contiguous ranges.
+    """Embedding whose rows (the vocabulary) are split into tp contiguous ranges.
     Rank r looks up the ids it owns, outputs zeros for the others, and g sums
     over ranks, so every id gets exactly its one row."""
 
@@ -635,9 +635,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # Each rank sees only its own rows, so an out-of-range id would
-        # otherwise silently embed to zeros instead of failing.
-        _check_id_range(ids, self.num_embeddings, "token ids",
-                        "check the tokenizer vocab against padded_vocab_size")
+        # otherwise silently embed to zeros instead of failing. (Not on a GPU,
+        # where it costs a sync per call: GPT and train.py check before.)
+        if not ids.is_cuda:
+            check_ids([("token ids", ids, self.num_embeddings,
+                        "check the tokenizer vocab against padded_vocab_size")])
         if tp_size() == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)      # (B, T)
@@ -671,7 +673,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target):
         logits_dtype = logits.dtype
-        logits = logits.float()                                   # (..., V/T) fp32
+        logits = logits.float()                                   # (..., V/tp) fp32
         local_vocab = logits.shape[-1]
         start = tp_rank() * local_vocab
         # Max over the full vocab for a stable softmax.
@@ -684,7 +686,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
-        exp = logits.exp()                                        # (..., V/T)
+        exp = logits.exp()                                        # (..., V/tp)
         sum_exp = exp.sum(dim=-1)                                 # (...)
         if tp_size() > 1:
             both = torch.stack([target_logit, sum_exp])           # one all-reduce
@@ -707,26 +709,33 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-token fp32 loss (...) from logits sharded over the vocab (..., V/T)
-    and full target ids (...). With T=1 this is F.cross_entropy."""
+    """Per-token fp32 loss (...) from logits sharded over the vocab (..., V/tp)
+    and full target ids (...). With tp=1 this is F.cross_entropy."""
     if tp_size() == 1:  # F.cross_entropy checks the range itself
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                target.reshape(-1), reduction="none")
         return loss.view(target.shape)
     # No rank sees the whole vocab, so an out-of-range target would silently
     # get a loss of log(sum exp) (no rank owns it) instead of an error.
-    _check_id_range(target, logits.shape[-1] * tp_size(), "target ids",
-                    "check the labels against padded_vocab_size")
+    if not target.is_cuda:  # as in VocabParallelEmbedding.forward
+        check_ids([("target ids", target, logits.shape[-1] * tp_size(),
+                    "check the labels against padded_vocab_size")])
     return _VocabParallelCrossEntropy.apply(logits, target)
 
 
-def _check_id_range(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
-    """Raise ValueError unless every id is in [0, limit). One host sync."""
-    if ids.numel() == 0 or torch.compiler.is_compiling():
+def check_ids(checks) -> None:
+    """The one id-range check: checks = [(name, ids, limit, fix), ...]; raise a
+    ValueError naming the first `ids` with a value outside [0, limit), and the
+    fix. Empty or None ids pass. All bounds are read with ONE host read: free on
+    CPU tensors, a sync on a GPU, so the training loop checks each batch on
+    the host (train.check_batch) and the model only its first GPU call."""
+    checks = [c for c in checks if c[1] is not None and c[1].numel() > 0]
+    if not checks or torch.compiler.is_compiling():  # .tolist() would break the graph
         return
-    lo, hi = torch.stack(list(ids.aminmax())).tolist()
-    if lo < 0 or hi >= limit:
-        raise ValueError(f"{what} must be in [0, {limit}), got range [{lo}, {hi}]: {fix}")
+    bounds = torch.stack([m.long() for _, ids, _, _ in checks for m in ids.aminmax()]).tolist()
+    for (name, _, limit, fix), lo, hi in zip(checks, bounds[::2], bounds[1::2]):
+        if lo < 0 or hi >= limit:
+            raise ValueError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
 
 
 # --------------------------------------------------------------------------
@@ -751,7 +760,7 @@ def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
 
 def full_state_dict(module: nn.Module) -> dict:
     """module.state_dict() with every sharded parameter gathered to its full
-    tensor: the same keys and shapes for any T. Collective over the TP group."""
+    tensor: the same keys and shapes for any tp. Collective over the TP group."""
     params = dict(module.named_parameters())
     return {name: gather_like(params[name], t) if name in params else t
             for name, t in module.state_dict().items()}
@@ -759,7 +768,7 @@ def full_state_dict(module: nn.Module) -> dict:
 
 def load_full_state_dict(module: nn.Module, sd: dict) -> None:
     """Inverse of full_state_dict: slice each full tensor the way this rank's
-    parameter is split, then load strictly (any T can load any T's save)."""
+    parameter is split, then load strictly (any tp can load any tp's save)."""
     params = dict(module.named_parameters())
     module.load_state_dict({name: shard_like(params[name], t) if name in params else t
                             for name, t in sd.items()}, strict=True)

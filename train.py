@@ -35,7 +35,7 @@ import zero
 from config import (TrainConfig, build_model, build_optimizer, gradient_accumulation_steps,
                     learning_rate, parse_args)
 from data import to_device
-from gpt import GPT, GPTConfig, count_parameters, flops_per_token
+from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from prepare import TokenizerUnavailableError, load_tokenizer
 
 EOD_TOKEN = 50256  # GPT-2's <|endoftext|>
@@ -137,14 +137,11 @@ def check_batch(batch: dict, config: GPTConfig) -> dict:
     """Token ids and positions must index the embeddings. Checked here, on the
     host, where it is cheap: on a GPU an out-of-range id fails as an opaque
     device-side assert, and checking there costs a host sync per step."""
-    for name, limit in (("tokens", config.padded_vocab_size), ("labels", config.padded_vocab_size),
-                        ("position_ids", config.max_position_embeddings)):
-        ids = batch[name]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-            what = ("the data's tokenizer against the model's vocabulary" if name != "position_ids"
-                    else "--seq-length against --max-position-embeddings")
-            raise ValueError(f"batch {name} must lie in [0, {limit}), got values in "
-                             f"[{int(ids.min())}, {int(ids.max())}]; check {what}")
+    vocab = "check the data's tokenizer against the model's vocabulary"
+    parallel.check_ids([
+        (f"batch {name}", batch[name], config.padded_vocab_size, vocab) for name in ("tokens", "labels")
+    ] + [("batch position_ids", batch["position_ids"], config.max_position_embeddings,
+          "check --seq-length against --max-position-embeddings")])
     return batch
 
 
@@ -379,7 +376,7 @@ def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
     enc = load_tokenizer()  # TokenizerUnavailableError says how to seed TIKTOKEN_CACHE_DIR
     ids = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # same on every tensor-parallel rank
-    out = model.generate(ids, max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=200,
+    out = generate(model, ids, max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=200,
                          eos_token_id=EOD_TOKEN, generator=gen)
     return enc.decode([t for t in out[0].tolist() if t < EOD_TOKEN])
 

@@ -154,7 +154,7 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
 
     With tensor parallelism GPT slices each layer's full weight right after
     initializing it, which needs whole weights, so that case is built outside
-    zero.Init: each rank then holds its 1/T slices plus one full layer at a
+    zero.Init: each rank then holds its 1/tp slices plus one full layer at a
     time, never the full model, and deepspeed.initialize partitions the
     slices over the data-parallel group.
     """
@@ -196,7 +196,7 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
     stage = config["zero_optimization"]["stage"]
     model = build_model_zero3(cfg, ds, config) if stage == 3 else build_model(cfg, device)
     if cfg.recompute_activations:
-        # DeepSpeed's recomputation; optionally each TP rank keeps 1/T of the saved inputs.
+        # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
         ds.checkpointing.configure(DeepSpeedMPU(), partition_activations=cfg.partition_activations)
         model.checkpoint_fn = ds.checkpointing.checkpoint
     optimizer = build_optimizer(model, cfg)
@@ -207,7 +207,7 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
                                     config=config, mpu=mpu)
     if engine.dp_world_size != parallel.dp_size():
         raise RuntimeError(f"DeepSpeed shards over {engine.dp_world_size} ranks but the data-parallel "
-                           f"size is {parallel.dp_size()} (world / T): the mpu was not applied")
+                           f"size is {parallel.dp_size()} (world / tp): the mpu was not applied")
     iteration, consumed = load_deepspeed_checkpoint(cfg, engine, log) if cfg.load else (0, 0)
     return engine, iteration, consumed
 

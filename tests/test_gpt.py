@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gpt import (GPT, GPTConfig, PRESETS, count_parameters, filter_logits,
+from gpt import (GPT, GPTConfig, PRESETS, count_parameters, filter_logits, generate,
                  flops_per_token, hf_to_ours, ours_to_hf)
 
 # A small vocabulary padded up, so padding is exercised without 50k-row embeddings.
@@ -284,11 +284,11 @@ def test_generate_never_samples_padding_and_greedy_is_deterministic():
         model.wte.weight[100:] = 5.0
     prompt = tokens(T=4)
     assert model(prompt)[:, -1].argmax(-1).min() >= 100  # padding would win if allowed
-    greedy = model.generate(prompt, 8, temperature=0)
-    assert torch.equal(greedy, model.generate(prompt, 8, temperature=0))
+    greedy = generate(model, prompt, 8, temperature=0)
+    assert torch.equal(greedy, generate(model, prompt, 8, temperature=0))
     assert greedy.shape == (2, 12) and torch.equal(greedy[:, :4], prompt)
     rng = torch.Generator().manual_seed(0)
-    sampled = model.generate(prompt, 20, temperature=2.0, generator=rng)
+    sampled = generate(model, prompt, 20, temperature=2.0, generator=rng)
     assert sampled.max() < 100
     # Greedy's first token is the argmax over the real vocabulary.
     assert torch.equal(greedy[:, 4], model(prompt)[:, -1, :100].argmax(-1))
@@ -296,7 +296,7 @@ def test_generate_never_samples_padding_and_greedy_is_deterministic():
 
 def test_generate_crops_long_context_and_restores_mode():
     model = tiny_model().train()
-    out = model.generate(tokens(T=64), 3, temperature=0)  # grows past 64 positions
+    out = generate(model, tokens(T=64), 3, temperature=0)  # grows past 64 positions
     assert out.shape == (2, 67) and model.training
 
 
@@ -307,6 +307,6 @@ def test_generate_stops_when_every_row_emits_eos():
         model.ln_f.weight.zero_()
         model.ln_f.bias.fill_(1.0)
         model.wte.weight[eos] = 1.0
-    out = model.generate(tokens(T=4), 10, temperature=1.0, eos_token_id=eos,
+    out = generate(model, tokens(T=4), 10, temperature=1.0, eos_token_id=eos,
                          generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 5) and torch.all(out[:, -1] == eos)

@@ -240,7 +240,7 @@ def _check_vocab_parallel():
     assert_close(_gathered_grad(emb.weight), ref.weight.grad, what="embedding grad")
 
     for bad in (torch.tensor([[0, 10]]), torch.tensor([[-1, 3]])):
-        with pytest.raises(ValueError, match=r"token ids must be in \[0, 10\)"):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, 10\)"):
             emb(bad)
 
     # Cross entropy on vocab-sharded logits, including large logits (stability).

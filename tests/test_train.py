@@ -102,6 +102,21 @@ def test_global_batch_must_divide():
         config.gradient_accumulation_steps(cfg, dp_size=2)
 
 
+def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
+    """An id the embeddings cannot index is named, with what to check, before
+    the model sees it (on a GPU it would be an opaque device-side assert)."""
+    mcfg = config.model_config(config.parse_args(["--preset", "tiny", "--seq-length", "8"]))
+    batch = {"tokens": torch.zeros(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long),
+             "position_ids": torch.arange(8).expand(2, 8)}
+    assert train.check_batch(batch, mcfg) is batch
+    bad_labels = {**batch, "labels": torch.full((2, 8), mcfg.padded_vocab_size)}
+    with pytest.raises(ValueError, match=r"batch labels must lie in \[0, \d+\).*tokenizer"):
+        train.check_batch(bad_labels, mcfg)
+    bad_positions = {**batch, "position_ids": torch.arange(8).expand(2, 8) + mcfg.max_position_embeddings}
+    with pytest.raises(ValueError, match="batch position_ids.*--max-position-embeddings"):
+        train.check_batch(bad_positions, mcfg)
+
+
 def test_learning_rate_warmup_then_cosine_to_min():
     cfg = config.TrainConfig(preset="tiny", lr=1.0, min_lr=0.1, lr_warmup_iters=10, train_iters=110)
     lrs = [config.learning_rate(i, cfg) for i in range(120)]
