@@ -8,6 +8,7 @@ starting torch + DeepSpeed per configuration would dominate the runtime. Each
 launch writes JSON-lines metrics and checkpoints under OUT_DIR; the tests read
 them back. CPU + gloo, fp32, a tiny GPT.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -90,6 +91,34 @@ def allow_deepspeed_fp16_on_any_cpu() -> None:
     CPU_Accelerator.is_fp16_supported = lambda self: True
 
 
+@contextlib.contextmanager
+def inf_gradient_on_rank_0_at_iteration(iteration: int):
+    """Models built meanwhile get an inf in wte's gradient on rank 0 only, in
+    the first micro-batch of `iteration` (2 micro-batches per iteration)."""
+    import torch.distributed as dist
+    real_build = zero.build_model
+
+    def build(cfg, device):
+        model = real_build(cfg, device)
+        micro_batches = []
+
+        def poison(grad):
+            micro_batches.append(1)
+            if dist.get_rank() == 0 and len(micro_batches) == 2 * (iteration - 1) + 1:
+                grad = grad.clone()
+                grad[0, 0] = float("inf")
+            return grad
+
+        model.wte.weight.register_hook(poison)
+        return model
+
+    zero.build_model = build
+    try:
+        yield
+    finally:
+        zero.build_model = real_build
+
+
 def worker(out: str, plan: str) -> None:
     import torch.distributed as dist
     allow_deepspeed_fp16_on_any_cpu()
@@ -118,6 +147,9 @@ def worker(out: str, plan: str) -> None:
                                 ("z1_fp16", ["--zero-stage", "1", "--fp16"])):
             worker_run(out, name, ["--deepspeed", *precision, "--train-iters", "6",
                                    "--lr-decay-iters", str(STEPS)])
+        with inf_gradient_on_rank_0_at_iteration(2):
+            worker_run(out, "z1_fp16_overflow", ["--deepspeed", "--zero-stage", "1", "--fp16",
+                                                 "--train-iters", "4", "--lr-decay-iters", str(STEPS)])
         export_and_eval(out, ck("z3"), "export_z3", [])
     elif plan == "tp":  # 4 processes: T=2, D=2
         tp = ["--tensor-model-parallel-size", "2"]
@@ -216,6 +248,18 @@ def test_plain_ddp_with_tensor_parallel_domino_matches_ddp(runs):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
     assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_deepspeed(runs):
+    """An inf in one rank's fp16 gradient: DeepSpeed's loss scaler skips that
+    step on every rank (and lowers the scale), train.py counts the skip, and
+    training goes on with finite losses."""
+    got = metrics(runs, "z1_fp16_overflow")
+    assert [m["skipped_iterations"] for m in got] == [0, 1, 0, 0]
+    assert all(np.isfinite(m["loss"]) for m in got)
+    clean = metrics(runs, "z1_fp16")  # the same run without the inf
+    assert got[0]["loss"] == clean[0]["loss"] and got[1]["loss"] == clean[1]["loss"]
+    assert got[2]["loss"] != clean[2]["loss"]  # iteration 2's update did not happen
 
 
 @pytest.mark.parametrize("run,ref", [("z1_recompute", "z1"), ("tp2_z1_partitioned", "tp2_z1"),
