@@ -206,11 +206,13 @@ def test_resume_is_bit_identical(corpus, tmp_path):
     assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 9))
 
 
-@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
-def test_mixed_precision_trains(corpus, tmp_path, precision):
-    """bf16 autocast, and fp16 autocast with dynamic loss scaling, on CPU."""
+@pytest.mark.parametrize("precision,tp", [("--bf16", 1), ("--fp16", 1), ("--fp16", 2)])
+def test_mixed_precision_trains(corpus, tmp_path, precision, tp):
+    """bf16 autocast, and fp16 autocast with dynamic loss scaling, on CPU;
+    fp16 also at tp=2, where both ranks must make the same skip decisions."""
     run_train([*TINY, "--data-path", corpus, "--train-iters", "6", precision,
-               "--metrics-file", str(tmp_path / "m.jsonl")])
+               "--tensor-model-parallel-size", str(tp), "--metrics-file", str(tmp_path / "m.jsonl")],
+              nproc=tp)
     values = losses(tmp_path / "m.jsonl")
     assert all(math.isfinite(v) for v in values) and values[-1] < values[0]
 
