@@ -241,6 +241,17 @@ def tensor_parallel_layout(model: torch.nn.Module) -> dict:
             if getattr(p, "tensor_model_parallel", False)}
 
 
+def universal_checkpoint_info(model: GPT) -> dict:
+    """What DeepSpeed's ds_to_universal needs to convert a checkpoint: how
+    each parameter is split across tensor-parallel ranks. At tp=1 nothing is,
+    and the version alone says so. At tp > 1 the strided QKV split has no
+    description here yet, so none is written and ds_to_universal refuses the
+    checkpoint (it says the info is missing) instead of merging QKV wrongly."""
+    if parallel.tp_size() > 1:
+        return {}
+    return {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+
+
 def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed: int,
                               log) -> None:
     """engine.save_checkpoint under a temporary tag, renamed into place by rank
@@ -252,7 +263,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     what = f"saving checkpoint {iteration} to {cfg.save}"
     on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
-                    "config": dataclasses.asdict(cfg)}
+                    "config": dataclasses.asdict(cfg), **universal_checkpoint_info(engine.module)}
     on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
                                                  save_latest=False), what)
     meta = {"iteration": iteration, "consumed_samples": consumed,
@@ -301,7 +312,7 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, log) -> tuple[int, int]:
                 f"{cfg.load} --export-to NEW --export-format plain`, then --load NEW "
                 f"--no-load-optim (fresh optimizer states), or convert the optimizer states with "
                 f"DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal; "
-                f"data-parallel changes only)")
+                f"checkpoints written at tensor-parallel size 1)")
     load_optim = not cfg.no_load_optim
     _, client = engine.load_checkpoint(cfg.load, tag=os.path.basename(tag_dir),
                                        load_optimizer_states=load_optim,

@@ -184,6 +184,16 @@ class Schedule(torch.optim.lr_scheduler.LRScheduler):
     def get_lr(self) -> list[float]:
         return [learning_rate(self.last_epoch, self.cfg)] * len(self.optimizer.param_groups)
 
+    def state_dict(self) -> dict:
+        """Plain data only (the step count and last lrs): a pickled TrainConfig
+        would make the checkpoint unreadable without this code on the path,
+        and DeepSpeed's own tools (zero_to_fp32.py, ds_to_universal) unpickle it.
+        The schedule itself comes from the flags of the run that loads it."""
+        return {k: v for k, v in super().state_dict().items() if k != "cfg"}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if k != "cfg"})
+
 
 def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
     """Model + our AdamW + our schedule -> a DeepSpeed engine, resumed from
