@@ -149,7 +149,10 @@ FLAG_HELP = {
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Megatron-style flags -> TrainConfig. Flag `--foo-bar` fills field `foo_bar`."""
-    p = argparse.ArgumentParser(prog="train.py", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False, as in Megatron: a prefix such as --recompute must not
+    # silently mean --recompute-activations (nor --init mean --initial-loss-scale).
+    p = argparse.ArgumentParser(prog="train.py", description=USAGE, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

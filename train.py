@@ -80,7 +80,10 @@ def init_distributed(cfg: TrainConfig) -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend)
     elif cfg.deepspeed and not dist.is_initialized():
-        # DeepSpeed always needs a process group, even for one process.
+        # DeepSpeed always needs a process group, even for one process, and
+        # reads the launcher's variables: set what a 1-process launch would.
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     parallel.initialize(cfg.tensor_model_parallel_size)
     return Dist(rank, world, local_rank, device)

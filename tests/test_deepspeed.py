@@ -392,6 +392,22 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
 # Single-process checks (no launch)
 # ----------------------------------------------------------------------------
 
+def test_deepspeed_runs_as_one_process_without_a_launcher(runs, tmp_path):
+    """`python train.py ... --deepspeed` with no torchrun or deepspeed launcher
+    is one process; DeepSpeed still finds the variables it asserts on."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    metrics_file = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *COMMON,
+                           "--data-path", os.path.join(runs, "corpus_text_document"),
+                           "--micro-batch-size", "4", "--train-iters", "2", "--eval-interval", "0",
+                           "--deepspeed", "--zero-stage", "1", "--metrics-file", str(metrics_file)],
+                          cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)["iteration"] for line in open(metrics_file)] == [1, 2]
+
+
 def test_config_is_generated_from_flags():
     cfg = config.parse_args(["--preset", "tiny", "--deepspeed", "--zero-stage", "2",
                             "--micro-batch-size", "3", "--clip-grad", "0.5", "--bf16",

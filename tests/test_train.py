@@ -95,6 +95,17 @@ def test_bad_flags_are_clear_errors(argv, message):
         config.model_config(config.parse_args(argv))
 
 
+@pytest.mark.parametrize("prefix", ["--recompute", "--init"])
+def test_a_prefix_of_a_flag_is_not_that_flag(prefix, capsys):
+    """Megatron turns argparse's abbreviations off; so do we: a typo or a
+    shortened flag is an error, not silently --recompute-activations or
+    --initial-loss-scale."""
+    with pytest.raises(SystemExit):
+        config.parse_args(["--preset", "tiny", prefix, "1"] if prefix == "--init" else
+                          ["--preset", "tiny", prefix])
+    assert f"unrecognized arguments: {prefix}" in capsys.readouterr().err
+
+
 def test_global_batch_must_divide():
     cfg = config.TrainConfig(preset="tiny", micro_batch_size=4, global_batch_size=20)
     assert config.gradient_accumulation_steps(cfg, dp_size=1) == 5
