@@ -323,9 +323,8 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int):
     """
     chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C)
     pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
-    sublayers = [(b.ln_1, b.attn.heads, b.attn.proj, b.attn.resid_drop) for b in blocks]
-    sublayers = [s for b, a in zip(blocks, sublayers)
-                 for s in (a, (b.ln_2, b.mlp.hidden, b.mlp.proj, b.mlp.drop))]
+    sublayers = [s for b in blocks for s in ((b.ln_1, b.attn.heads, b.attn.proj, b.attn.resid_drop),
+                                             (b.ln_2, b.mlp.hidden, b.mlp.proj, b.mlp.drop))]
 
     def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
         chunks[i], h = add_and_norm(sublayers[s][0], chunks[i], _finish_branch(pending[i]))
