@@ -34,9 +34,13 @@ Output is atomic: files are written under temporary names and renamed only
 when complete, so an error or Ctrl-C leaves no .bin/.idx behind.
 """
 import argparse
+import bz2
 import glob
+import gzip
+import hashlib
 import importlib.util
 import json
+import lzma
 import os
 import re
 import sys
@@ -53,6 +57,7 @@ from data import IndexedDataset, IndexedDatasetBuilder, best_dtype
 EOD = 50256                 # GPT-2's <|endoftext|>, appended after every document
 VOCAB_SIZE = 50257          # true GPT-2 vocabulary (tokens ids 0..50256)
 TEXT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl")
+COMPRESSED = {".gz": b"\x1f\x8b", ".xz": b"\xfd7zXZ\x00", ".bz2": b"BZh", ".zst": b"\x28\xb5\x2f\xfd"}
 JSON_EXTENSIONS = (".json", ".jsonl")
 DEFAULT_OUTPUT_PREFIX = "data/shakespeare"
 
@@ -81,6 +86,38 @@ def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer"):
             "copy /path/tiktoken here and set TIKTOKEN_CACHE_DIR to it") from e
 
 
+# GPT-2's BPE as Megatron names it: gpt2-vocab.json (token -> id) and
+# gpt2-merges.txt. A digest of their content (key order and the "#version"
+# line aside) tells GPT-2's own files from any other tokenizer's.
+GPT2_VOCAB_SHA256 = "855ec41a9d90094ebb1189ee8082e915505cf2dfe0691a4f39da9c020f9476b2"
+GPT2_MERGES_SHA256 = "04e3597d7996f292ca9b8b7285ca4d58a6ae171ac47d73fc7140ceb0c7a6bbc0"
+
+
+def check_gpt2_bpe_files(vocab_file: str | None, merge_file: str | None) -> None:
+    """--vocab-file / --merge-file, where given, must be GPT-2's: the data is
+    tokenized with tiktoken's r50k_base, which is exactly that BPE."""
+    def digest(path, flag, read):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return read(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{flag} {path}: cannot read it ({e})") from None
+
+    other = "this project tokenizes with GPT-2's BPE only (gpt2-vocab.json / gpt2-merges.txt)"
+    if vocab_file:
+        vocab = digest(vocab_file, "--vocab-file", json.load)
+        if hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest() != GPT2_VOCAB_SHA256:
+            size = len(vocab) if isinstance(vocab, dict) else "not a dict of"
+            raise ValueError(f"--vocab-file {vocab_file} is not GPT-2's vocabulary ({size} entries; "
+                             f"GPT-2 has {VOCAB_SIZE}): {other}")
+    if merge_file:
+        merges = digest(merge_file, "--merge-file", lambda f: [
+            line for line in f.read().splitlines() if line and not line.startswith("#version")])
+        if hashlib.sha256("\n".join(merges).encode()).hexdigest() != GPT2_MERGES_SHA256:
+            raise ValueError(f"--merge-file {merge_file} is not GPT-2's merges ({len(merges)} merges; "
+                             f"GPT-2 has 50000): {other}")
+
+
 # ----------------------------------------------------------------------------
 # Input files
 
@@ -90,7 +127,7 @@ def _has_glob(pattern: str) -> bool:
 
 def _files_under(directory: str) -> list[str]:
     found = sorted(os.path.join(root, f) for root, _, files in os.walk(directory)
-                   for f in files if f.lower().endswith(TEXT_EXTENSIONS))  # sorted: walk order is arbitrary
+                   for f in files if uncompressed_name(f).endswith(TEXT_EXTENSIONS))  # sorted: walk order is arbitrary
     if not found:
         raise FileNotFoundError(f"--input directory {directory} contains no {'/'.join(TEXT_EXTENSIONS)} files; "
                                 "point --input at the files, or at a directory that holds some")
@@ -119,6 +156,34 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
 # ----------------------------------------------------------------------------
 # Documents
 
+def uncompressed_name(path: str) -> str:
+    """data.jsonl.xz -> data.jsonl (lower case): what decides JSON or text."""
+    name = path.lower()
+    return os.path.splitext(name)[0] if os.path.splitext(name)[1] in COMPRESSED else name
+
+
+def compression(path: str) -> str | None:
+    """.gz, .xz, .bz2 or .zst by the file's first bytes (whatever its name), or None."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return next((ext for ext, magic in COMPRESSED.items() if head.startswith(magic)), None)
+
+
+def open_text(path: str):
+    """A text file, or a gzip/xz/bz2 (and, where Python has zstd, zstd) one,
+    decompressed as it is read."""
+    kind = compression(path)
+    opener = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, None: open}.get(kind)
+    if opener is None:  # .zst: in the standard library from Python 3.14
+        try:
+            from compression import zstd
+            opener = zstd.open
+        except ImportError:
+            raise ValueError(f"{path} is zstd-compressed and this Python cannot read zstd; "
+                             f"decompress it first (zstd -d {path})") from None
+    return opener(path, "rt", encoding="utf-8", newline="")
+
+
 def _not_utf8(path: str, e: UnicodeDecodeError) -> ValueError:
     return ValueError(f"{path} is not valid UTF-8 ({e}); convert it first, e.g. iconv -f LATIN1 -t UTF-8")
 
@@ -132,7 +197,7 @@ def iter_json_documents(path: str, key: str) -> Iterator[str]:
 
 
 def _json_lines(path: str, key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -154,7 +219,7 @@ def _json_lines(path: str, key: str) -> Iterator[str]:
 def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
     """A plain text file as one document, or one per line / blank-line-separated paragraph."""
     try:
-        with open(path, encoding="utf-8", newline="") as f:  # newline="": keep the text byte-exact
+        with open_text(path) as f:  # newline="": keep the text byte-exact
             text = f.read()
     except UnicodeDecodeError as e:
         raise _not_utf8(path, e) from None
@@ -170,7 +235,7 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
 
 def iter_documents(files: list[str], json_key: str = "text", text_split: str = "file") -> Iterator[str]:
     for path in files:
-        if path.lower().endswith(JSON_EXTENSIONS):
+        if uncompressed_name(path).endswith(JSON_EXTENSIONS):
             yield from iter_json_documents(path, json_key)
         else:
             yield from iter_text_documents(path, text_split)
@@ -447,8 +512,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "boundaries); --no-append-eod disables it")
     p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"],
                    help="only GPT-2 BPE (tiktoken r50k_base)")
-    p.add_argument("--vocab-file", help="ignored (Megatron compatibility): the GPT-2 vocabulary is built in")
-    p.add_argument("--merge-file", help="ignored (Megatron compatibility): the GPT-2 merges are built in")
+    p.add_argument("--vocab-file", "--vocab", dest="vocab_file",
+                   help="GPT-2's gpt2-vocab.json (checked; tokenization uses tiktoken's identical r50k_base)")
+    p.add_argument("--merge-file", help="GPT-2's gpt2-merges.txt (checked, as --vocab-file)")
+    p.add_argument("--dataset-impl", "--data-impl", dest="dataset_impl", default="mmap", choices=["mmap"],
+                   help="Megatron's .bin/.idx format (the only one)")
     p.add_argument("--text-split", default="file", choices=["file", "line", "paragraph"],
                    help="plain text files: one document per file (default), per non-empty line, "
                         "or per blank-line-separated paragraph")
@@ -460,9 +528,26 @@ def build_parser() -> argparse.ArgumentParser:
 def build_merge_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prepare.py merge",
                                 description="Concatenate Megatron .bin/.idx datasets into one.")
-    p.add_argument("--input", nargs="+", required=True, help="dataset prefixes (without .bin/.idx), in order")
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--input", nargs="+",
+                        help="dataset prefixes (without .bin/.idx), in order; or one directory: "
+                             "every prefix in it, sorted by name (Megatron-LM's merge_datasets.py)")
+    inputs.add_argument("--datasets", nargs="+", dest="input",
+                        help="the same as --input PREFIX ... (BigScience's merge_preprocessed_data.py)")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx (named exactly as given)")
     return p
+
+
+def prefixes_in(directory: str) -> list[str]:
+    """Every PREFIX in a directory that holds PREFIX.bin and PREFIX.idx, sorted."""
+    names = os.listdir(directory)
+    stems = sorted({os.path.splitext(n)[0] for n in names if n.endswith((".bin", ".idx"))})
+    unpaired = [s for s in stems if not {s + ".bin", s + ".idx"} <= set(names)]
+    if unpaired:
+        raise ValueError(f"merge --input {directory}: {unpaired[0]} has a .bin or a .idx but not both")
+    if not stems:
+        raise ValueError(f"merge --input {directory}: the directory holds no .bin/.idx datasets")
+    return [os.path.join(directory, s) for s in stems]
 
 
 def main(argv: list[str] | None = None) -> PrepareStats:
@@ -470,11 +555,11 @@ def main(argv: list[str] | None = None) -> PrepareStats:
     try:
         if argv[:1] == ["merge"]:
             args = build_merge_parser().parse_args(argv[1:])
-            stats = merge(args.input, args.output_prefix)
+            one_dir = len(args.input) == 1 and os.path.isdir(args.input[0])
+            stats = merge(prefixes_in(args.input[0]) if one_dir else args.input, args.output_prefix)
         else:
             args = build_parser().parse_args(argv)
-            if args.vocab_file or args.merge_file:
-                print("note: --vocab-file/--merge-file are ignored; GPT-2 BPE comes from tiktoken (r50k_base)")
+            check_gpt2_bpe_files(args.vocab_file, args.merge_file)
             stats = prepare(args.input, args.output_prefix, args.json_key, args.workers, args.append_eod,
                             args.text_split, args.tokenizer_type, args.log_interval)
     except (ValueError, OSError, TokenizerUnavailableError) as e:
