@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from gpt import GPT, GPTConfig, PRESETS
+from gpt import GPT, GPTConfig, PRESETS, pad_vocab_size
 
 USAGE = """Pretrain a GPT on Megatron-format token data.
 
@@ -34,6 +36,8 @@ class TrainConfig:
     ffn_hidden_size: int | None = None
     seq_length: int = 1024
     max_position_embeddings: int | None = None
+    init_method_std: float | None = None  # None: the model's 0.02
+    make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     attention_impl: str | None = None   # None: triton on CUDA, torch on CPU
@@ -41,17 +45,26 @@ class TrainConfig:
     recompute_activations: bool = False
     # parallelism
     tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1  # accepted for Megatron recipes; only 1
+    distributed_backend: str | None = None  # nccl | gloo; None: nccl on GPUs, gloo on CPU
+    ddp_impl: str = "torch"                  # torch | local: both mean torch DDP here
     domino: bool = False
     domino_chunks: int = 2
     # batch
     micro_batch_size: int = 4
     global_batch_size: int | None = None  # None: micro batch x data-parallel size
-    # optimizer and schedule
-    train_iters: int = 1000
+    rampup_batch_size: list[int] | None = None  # START INCREMENT SAMPLES (with --train-samples)
+    # optimizer and schedule: counted in iterations, or with --train-samples in samples
+    train_iters: int = 1000               # with --train-samples: computed from it
+    train_samples: int | None = None
+    optimizer: str = "adam"               # AdamW (Megatron's "adam" is AdamW too)
     lr: float = 6e-4
     min_lr: float = 0.0
     lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_fraction: float | None = None  # of the decay span; instead of the two above
     lr_decay_iters: int | None = None     # None: train_iters
+    lr_decay_samples: int | None = None   # None: train_samples
     lr_decay_style: str = "cosine"        # cosine | linear | constant
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -65,6 +78,10 @@ class TrainConfig:
     compile: bool = False
     # data
     data_path: list[str] = field(default_factory=lambda: ["data/shakespeare_text_document"])
+    data_impl: str = "mmap"               # Megatron's only format in use; the only one here
+    tokenizer_type: str = "GPT2BPETokenizer"
+    vocab_file: str | None = None         # if given: checked to be GPT-2's BPE vocabulary
+    merge_file: str | None = None         # if given: checked to be GPT-2's BPE merges
     split: str = "969,30,1"
     data_cache_path: str | None = None
     reset_position_ids: bool = False
@@ -76,6 +93,7 @@ class TrainConfig:
     log_interval: int = 10
     metrics_file: str | None = None
     tensorboard_dir: str | None = None
+    tensorboard_queue_size: int = 1000
     peak_flops: float | None = None       # per device; None: look up the GPU name
     # checkpoints
     save: str | None = None
@@ -83,6 +101,8 @@ class TrainConfig:
     save_interval: int | None = None
     exit_interval: int | None = None
     no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False                 # weights only; iteration, samples, schedule from 0
     # end-of-run sample
     sample_prompt: str = "ROMEO:"
     sample_tokens: int = 64
@@ -105,7 +125,24 @@ FLAG_HELP = {
     "preset": "model size: " + ", ".join(PRESETS) + "; the model flags below override it",
     "num_layers": "transformer layers", "hidden_size": "model width",
     "num_attention_heads": "attention heads", "ffn_hidden_size": "MLP width (default 4 x hidden)",
-    "seq_length": "tokens per sample", "max_position_embeddings": "learned positions (default: preset's, at least --seq-length)",
+    "seq_length": "tokens per sample",
+    "init_method_std": "std of the normal weight init (default 0.02)",
+    "make_vocab_size_divisible_by": "pad the embedding rows to a multiple of this (TP size must divide the result)",
+    "pipeline_model_parallel_size": "accepted for Megatron recipes: only 1 (no pipeline parallelism)",
+    "distributed_backend": "nccl | gloo (default: nccl on GPUs, gloo on CPU)",
+    "ddp_impl": "torch | local: both are torch DDP here",
+    "rampup_batch_size": "grow the global batch from START by INCREMENT over SAMPLES samples (needs --train-samples)",
+    "train_samples": "train on this many samples instead of --train-iters (schedule counted in samples)",
+    "optimizer": "adam (AdamW)",
+    "lr_warmup_samples": "linear warmup samples (with --train-samples)",
+    "lr_decay_samples": "decay samples (default: --train-samples)",
+    "lr_warmup_fraction": "warmup as a fraction of the decay span, instead of --lr-warmup-iters/-samples",
+    "data_impl": "mmap (Megatron's .bin/.idx; alias --dataset-impl)",
+    "tokenizer_type": "GPT2BPETokenizer (the only one)",
+    "vocab_file": "GPT-2's gpt2-vocab.json, checked if given", "merge_file": "GPT-2's gpt2-merges.txt, checked if given",
+    "tensorboard_queue_size": "TensorBoard events buffered before a write",
+    "no_load_rng": "do not restore the RNG states from --load",
+    "finetune": "start from --load's weights: iteration, samples, optimizer and schedule from zero", "max_position_embeddings": "learned positions (default: preset's, at least --seq-length)",
     "hidden_dropout": "dropout on embeddings and residual branches",
     "attention_dropout": "dropout on attention probabilities",
     "attention_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
@@ -147,11 +184,32 @@ FLAG_HELP = {
     "seed": "random seed (the same on every rank)",
 }
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Megatron-style flags -> TrainConfig. Flag `--foo-bar` fills field `foo_bar`."""
+ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Coming from Megatron")
+    (("--checkpoint-activations", "--deepspeed-activation-checkpointing"),
+     dict(dest="recompute_activations", action="store_true")),
+    (("--dataset-impl",), dict(dest="data_impl")),
+    (("--use-flash-attn",), dict(dest="attention_impl", action="store_const", const="triton")),
+    (("--DDP-impl",), dict(dest="ddp_impl")),
+    (("--vocab",), dict(dest="vocab_file")),
+    (("--deepspeed_config",), dict(dest="deepspeed_config")),  # DeepSpeed's own spelling
+]
+# Megatron's TensorBoard switches: what they ask for is always logged here
+# (batch size, validation loss and perplexity), or not measured (timers).
+TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
+                        "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+                        "--log-world-size-to-tensorboard", "--log-learning-rate-to-tensorboard",
+                        "--log-loss-scale-to-tensorboard")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per TrainConfig field (`--foo-bar` fills `foo_bar`), plus the
+    aliases above. Every default is SUPPRESS, so the parsed namespace holds
+    exactly the flags on the command line: a --deepspeed_config JSON may fill
+    the others, and only these may contradict it."""
     # allow_abbrev=False, as in Megatron: a prefix such as --recompute must not
     # silently mean --recompute-activations (nor --init mean --initial-loss-scale).
     p = argparse.ArgumentParser(prog="train.py", description=USAGE, allow_abbrev=False,
+                                argument_default=argparse.SUPPRESS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
@@ -159,36 +217,175 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         default = getattr(defaults, f.name)
         help = FLAG_HELP.get(f.name, "")
         if f.type == "bool":
-            p.add_argument(flag, action="store_true", default=default, help=help)
+            p.add_argument(flag, action="store_true", help=help)
         elif f.name == "data_path":
-            p.add_argument(flag, nargs="+", default=default, help=help + " (default: %(default)s)")
+            p.add_argument(flag, nargs="+", help=f"{help} (default: {default})")
+        elif f.name == "rampup_batch_size":
+            p.add_argument(flag, nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), help=help)
         else:
             kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-            p.add_argument(flag, type=kind, default=default, help=help + " (default: %(default)s)")
-    p.add_argument("--checkpoint-activations", dest="recompute_activations", action="store_true",
-                   help="alias of --recompute-activations (older Megatron name)")
-    p.add_argument("--deepspeed_config", dest="deepspeed_config", help=argparse.SUPPRESS)  # DeepSpeed's spelling
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    del args.local_rank  # the deepspeed launcher passes it; torchrun's LOCAL_RANK is what we read
-    cfg = TrainConfig(**vars(args))
-    validate(cfg)
+            p.add_argument(flag, type=kind, help=f"{help} (default: {default})".replace("%", "%%"))
+    for names, kwargs in ALIASES:
+        p.add_argument(*names, **kwargs, help=argparse.SUPPRESS)
+    for name in TENSORBOARD_SWITCHES:
+        p.add_argument(name, action="store_true", dest="tensorboard_switch", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Megatron-style flags (and a --deepspeed_config JSON) -> a checked TrainConfig."""
+    given = vars(build_parser().parse_args(argv))
+    # The deepspeed launcher passes --local_rank (torchrun's LOCAL_RANK is what
+    # we read); the TensorBoard switches are accepted and need nothing.
+    for launcher_only in ("local_rank", "tensorboard_switch"):
+        given.pop(launcher_only, None)
+    cfg = TrainConfig(**given)
+    if cfg.deepspeed_config:
+        cfg = fill_from_deepspeed_json(cfg, set(given))
+    validate(cfg, set(given))
     return cfg
 
 
-def validate(cfg: TrainConfig) -> None:
+# A --deepspeed_config value that one of our flags also sets: JSON key path ->
+# (TrainConfig field, flag, JSON value -> field value).
+DEEPSPEED_JSON_FLAGS = {
+    ("train_micro_batch_size_per_gpu",): ("micro_batch_size", "--micro-batch-size", int),
+    ("train_batch_size",): ("global_batch_size", "--global-batch-size", int),
+    ("gradient_clipping",): ("clip_grad", "--clip-grad", float),
+    ("bf16", "enabled"): ("bf16", "--bf16", bool),
+    ("fp16", "enabled"): ("fp16", "--fp16", bool),
+    ("fp16", "initial_scale_power"): ("initial_loss_scale", "--initial-loss-scale", lambda p: 2.0 ** p),
+    ("zero_optimization", "stage"): ("zero_stage", "--zero-stage", int),
+}
+
+
+def read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path}: not valid JSON ({e})") from None
+
+
+def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+    """A JSON value fills the flag it corresponds to when the command line left
+    that flag unset; a flag on the command line must agree with it (else an
+    error names both: never silently one of them). "auto" (Hugging Face's
+    placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed as they
+    are (zero.deepspeed_config)."""
+    user = read_json(cfg.deepspeed_config, "--deepspeed_config")
+    precision_given = bool({"bf16", "fp16"} & given)  # then both bf16 and fp16 are decided
+    updates = {}
+    for path, (name, flag, convert) in DEEPSPEED_JSON_FLAGS.items():
+        raw = user
+        for key in path:
+            raw = raw.get(key) if isinstance(raw, dict) else None
+        if raw is None or raw == "auto":
+            continue
+        value = convert(raw)
+        decided = name in given or (name in ("bf16", "fp16") and precision_given)
+        if not decided:
+            updates[name] = value
+        elif getattr(cfg, name) != value:
+            shown = flag if isinstance(value, bool) and getattr(cfg, name) else \
+                (f"{flag} being off" if isinstance(value, bool) else f"{flag} {getattr(cfg, name):g}")
+            raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}={raw} "
+                             f"contradicts {shown}; make them agree or drop one of them")
+    gas = user.get("gradient_accumulation_steps")
+    if gas not in (None, "auto") and "global_batch_size" not in given | set(updates):
+        # global batch = micro batch x data-parallel size x accumulation steps
+        dp = max(1, int(os.environ.get("WORLD_SIZE", 1)) // cfg.tensor_model_parallel_size)
+        updates["global_batch_size"] = updates.get("micro_batch_size", cfg.micro_batch_size) * dp * gas
+    return dataclasses.replace(cfg, **updates)
+
+
+def validate(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
+    """Reject what cannot run, in one line that says what to do instead.
+    `given`: the flags on the command line (some checks are about those)."""
     if cfg.bf16 and cfg.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive: pick one")
     if cfg.lr_decay_style not in ("cosine", "linear", "constant"):
         raise ValueError(f"--lr-decay-style {cfg.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.min_lr > cfg.lr:
         raise ValueError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
+    validate_megatron_flags(cfg)
+    validate_schedule(cfg, given)
     validate_deepspeed(cfg)
+    if cfg.finetune and not cfg.load:
+        raise ValueError("--finetune needs --load CHECKPOINT (the weights to start from)")
     if cfg.export_from:
         return  # an export reads the model from the checkpoint
     if cfg.preset is None and cfg.num_layers is None:
         raise ValueError("give a model: --preset NAME (one of " + ", ".join(PRESETS) +
                          ") or --num-layers/--hidden-size/--num-attention-heads")
+
+
+def validate_megatron_flags(cfg: TrainConfig) -> None:
+    """Megatron flags with one possible value here, or a few: say what to use."""
+    if cfg.pipeline_model_parallel_size != 1:
+        raise ValueError(f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: "
+                         f"pipeline parallelism is not supported; use 1, and split the model with "
+                         f"--tensor-model-parallel-size and/or --deepspeed --zero-stage 3")
+    if cfg.distributed_backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"--distributed-backend {cfg.distributed_backend}: use nccl (GPUs) or gloo (CPU)")
+    if cfg.distributed_backend is not None and \
+            (cfg.distributed_backend == "nccl") != torch.cuda.is_available():
+        raise ValueError(f"--distributed-backend {cfg.distributed_backend} on a machine "
+                         f"{'with' if torch.cuda.is_available() else 'without'} GPUs: use "
+                         f"{'nccl' if torch.cuda.is_available() else 'gloo'}, or drop the flag")
+    if cfg.ddp_impl not in ("torch", "local"):
+        raise ValueError(f"--DDP-impl {cfg.ddp_impl}: use torch (local is accepted and means the same)")
+    if cfg.optimizer not in ("adam", "adamw"):
+        raise ValueError(f"--optimizer {cfg.optimizer}: only adam (AdamW, decoupled weight decay, "
+                         f"as Megatron's adam) is supported")
+    if cfg.data_impl != "mmap":
+        raise ValueError(f"--data-impl {cfg.data_impl}: only mmap (Megatron's .bin/.idx) is "
+                         f"supported; rebuild the data with prepare.py (or preprocess_data.py "
+                         f"--dataset-impl mmap)")
+    if cfg.make_vocab_size_divisible_by < 1:
+        raise ValueError("--make-vocab-size-divisible-by must be >= 1")
+    check_gpt2_bpe(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
+
+
+def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
+    """Iteration-based or sample-based (--train-samples), never a mix (as in Megatron)."""
+    counterpart = {"lr_warmup_samples": "lr_warmup_iters", "lr_decay_samples": "lr_decay_iters"}
+    if cfg.train_samples is None:
+        if cfg.rampup_batch_size:
+            raise ValueError("--rampup-batch-size needs --train-samples (sample-based training, "
+                             "as in Megatron) instead of --train-iters")
+        mode, wrong = "--train-iters", {f: counterpart[f] for f in counterpart if f in given}
+    else:
+        if "train_iters" in given:
+            raise ValueError("give --train-iters or --train-samples, not both")
+        mode, wrong = "--train-samples", {i: s for s, i in counterpart.items() if i in given}
+    for flag, instead in wrong.items():
+        raise ValueError(f"--{flag.replace('_', '-')} does not go with {mode}: use "
+                         f"--{instead.replace('_', '-')}")
+    if cfg.lr_warmup_fraction is not None and {"lr_warmup_iters", "lr_warmup_samples"} & given:
+        raise ValueError("--lr-warmup-fraction replaces --lr-warmup-iters/--lr-warmup-samples: give one")
+    if cfg.lr_warmup_fraction is not None and not 0 <= cfg.lr_warmup_fraction <= 1:
+        raise ValueError(f"--lr-warmup-fraction {cfg.lr_warmup_fraction} must lie in [0, 1]")
+    if cfg.rampup_batch_size:
+        start, increment, _ = cfg.rampup_batch_size
+        final = cfg.global_batch_size
+        if final is None or not 0 < start <= final or increment <= 0 or (final - start) % increment:
+            raise ValueError(f"--rampup-batch-size {start} {increment} ...: needs --global-batch-size "
+                             f"G with 0 < START <= G and G - START a multiple of INCREMENT "
+                             f"(got G={final})")
+
+
+def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None, merge_file: str | None) -> None:
+    """Megatron recipes name the tokenizer and its files; the data here is
+    always GPT-2's BPE (prepare.py), so the files, if given, must be GPT-2's."""
+    from prepare import check_gpt2_bpe_files  # the tokenizer's home
+    if tokenizer_type != "GPT2BPETokenizer":
+        raise ValueError(f"--tokenizer-type {tokenizer_type}: only GPT2BPETokenizer (GPT-2's BPE, "
+                         f"50257 tokens) is supported")
+    check_gpt2_bpe_files(vocab_file, merge_file)
 
 
 def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTConfig:
@@ -199,7 +396,11 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     """
     overrides = {k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-        "max_position_embeddings") if getattr(cfg, k) is not None}
+        "max_position_embeddings", "init_method_std") if getattr(cfg, k) is not None}
+    # Padded to a multiple of --make-vocab-size-divisible-by alone (Megatron
+    # multiplies it by the TP size): the embedding's shape, and so every
+    # checkpoint, stays the same for any layout; a TP size must divide it.
+    overrides["padded_vocab_size"] = pad_vocab_size(GPTConfig.vocab_size, cfg.make_vocab_size_divisible_by)
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                      activation_checkpointing=cfg.recompute_activations)
     default_impl = "triton" if device is not None and device.type == "cuda" else "torch"
@@ -241,17 +442,20 @@ def validate_deepspeed(cfg: TrainConfig) -> None:
 # 2. What the flags describe: batch split, model, optimizer, schedule
 # ----------------------------------------------------------------------------
 
-def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int) -> int:
-    """global batch = micro batch x data-parallel size x accumulation steps."""
+def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: int | None = None) -> int:
+    """global batch = micro batch x data-parallel size x accumulation steps.
+    global_batch: this step's (it ramps with --rampup-batch-size); default
+    --global-batch-size."""
     per_step = cfg.micro_batch_size * dp_size
-    gbs = cfg.global_batch_size or per_step
+    gbs = global_batch or cfg.global_batch_size or per_step
     if gbs % per_step != 0:
+        flag = "--rampup-batch-size START and INCREMENT, and --global-batch-size," \
+            if cfg.rampup_batch_size else "--global-batch-size"
         raise ValueError(
-            f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+            f"{flag} {gbs} is not divisible by --micro-batch-size "
             f"{cfg.micro_batch_size} x data-parallel size {dp_size} = {per_step}; "
             f"use a multiple of {per_step}")
     return gbs // per_step
-
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
@@ -281,16 +485,62 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def learning_rate(it: int, cfg: TrainConfig) -> float:
-    """Linear warmup to --lr, then cosine/linear decay to --min-lr, then constant."""
-    if it < cfg.lr_warmup_iters:
-        return cfg.lr * (it + 1) / cfg.lr_warmup_iters
-    decay_iters = cfg.lr_decay_iters or cfg.train_iters
-    if cfg.lr_decay_style == "constant" or it >= decay_iters:
+def lr_span(cfg: TrainConfig) -> tuple[float, int]:
+    """(warmup, decay end) of the schedule, in iterations or, with
+    --train-samples, in samples (as Megatron counts them)."""
+    if cfg.train_samples is None:
+        warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
+    else:
+        warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
+    if cfg.lr_warmup_fraction is not None:
+        warmup = cfg.lr_warmup_fraction * decay
+    return warmup, decay
+
+
+def learning_rate(done: int, cfg: TrainConfig, step: int = 1) -> float:
+    """Linear warmup to --lr, then cosine/linear decay to --min-lr, then constant.
+
+    done: iterations before this step (step=1); with --train-samples, samples
+    consumed before it (step = this step's global batch). The two agree when
+    the batch is constant: --train-samples N x B is --train-iters N."""
+    warmup, decay = lr_span(cfg)
+    if done < warmup:
+        return cfg.lr * min(1.0, (done + step) / warmup)
+    if cfg.lr_decay_style == "constant" or done >= decay:
         return cfg.lr if cfg.lr_decay_style == "constant" else cfg.min_lr
-    progress = (it - cfg.lr_warmup_iters) / max(1, decay_iters - cfg.lr_warmup_iters)
+    progress = (done - warmup) / max(1, decay - warmup)
     if cfg.lr_decay_style == "cosine":
         coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
         coeff = 1.0 - progress
     return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:
+    """The global batch of the step after `consumed` samples. With
+    --rampup-batch-size START INCREMENT SAMPLES it grows from START by
+    INCREMENT in equal sample intervals until SAMPLES have been consumed, then
+    stays at --global-batch-size (Megatron's ramp-up, used by GPT-3)."""
+    final = cfg.global_batch_size or cfg.micro_batch_size * dp_size
+    if not cfg.rampup_batch_size:
+        return final
+    start, increment, ramp_samples = cfg.rampup_batch_size
+    if consumed > ramp_samples or final == start:
+        return final
+    samples_per_increment = ramp_samples / ((final - start) // increment)
+    return start + int(consumed / samples_per_increment) * increment
+
+
+def with_run_length(cfg: TrainConfig, dp_size: int) -> TrainConfig:
+    """With --train-samples, --train-iters becomes the number of whole steps
+    that fit: the run stops before a step would pass --train-samples."""
+    if cfg.train_samples is None:
+        return cfg
+    iterations, consumed = 0, 0
+    while consumed + global_batch_at(consumed, cfg, dp_size) <= cfg.train_samples:
+        consumed += global_batch_at(consumed, cfg, dp_size)
+        iterations += 1
+    if iterations == 0:
+        raise ValueError(f"--train-samples {cfg.train_samples} is less than one global batch "
+                         f"({global_batch_at(0, cfg, dp_size)})")
+    return dataclasses.replace(cfg, train_iters=iterations)
