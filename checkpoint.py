@@ -206,25 +206,78 @@ def find_checkpoint(load_dir: str) -> str | None:
     return path
 
 
+def checkpoint_kind(path: str) -> str | None:
+    """"plain" (train.py's own), "deepspeed", or None: what --load holds."""
+    if os.path.exists(os.path.join(path, LATEST)):
+        return "plain"
+    if os.path.exists(os.path.join(path, DS_LATEST)):
+        return "deepspeed"
+    return None
+
+
+def weights_only(cfg: TrainConfig) -> bool:
+    """--no-load-optim and --finetune load the weights alone, from a
+    checkpoint of either kind and any layout."""
+    return cfg.no_load_optim or cfg.finetune
+
+
+def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int]:
+    """(iteration, consumed samples) to continue from, after the weights (and
+    maybe more) of `state` were loaded; restores its RNG unless told not to.
+    --finetune starts a new run from the weights: iteration, samples and the
+    learning-rate schedule begin at zero."""
+    if cfg.finetune:
+        log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
+            f"starting at iteration 0")
+        return 0, 0
+    if not cfg.no_load_rng and state.get("rng"):
+        set_rng_state(state["rng"])
+    log(f"loaded checkpoint {path} (iteration {state['iteration']}"
+        f"{', weights only' if cfg.no_load_optim else ''})")
+    return state["iteration"], state["consumed_samples"]
+
+
 def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
-    """Restore everything; returns (iteration, consumed_samples). (0, 0) if none."""
-    path = find_checkpoint(cfg.load) if cfg.load else None
-    if path is None:
+    """Restore everything (or, with --no-load-optim / --finetune, the weights,
+    from a checkpoint of either kind); returns (iteration, consumed_samples),
+    (0, 0) if --load holds no checkpoint."""
+    kind = checkpoint_kind(cfg.load) if cfg.load else None
+    if kind is None:
         if cfg.load:
             log(f"no checkpoint in {cfg.load}; starting from scratch")
         return 0, 0
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state["optimizer"] is None and not cfg.no_load_optim:
-        raise ValueError(f"{path} holds weights only (an --export-to plain export): "
+    if kind == "deepspeed" and not weights_only(cfg):
+        raise ValueError(f"--load {cfg.load} holds a DeepSpeed checkpoint: resume it with --deepspeed "
+                         f"(its layout), or start from its weights with --no-load-optim (fresh "
+                         f"optimizer states) or --finetune (a new run)")
+    weights, state = read_weights(cfg.load)
+    if state.get("optimizer") is None and not weights_only(cfg):
+        raise ValueError(f"--load {cfg.load} holds weights only (an --export-to plain export): "
                          f"add --no-load-optim to start fresh optimizer states from it")
-    model.load_full_state_dict(state["model"])
-    if not cfg.no_load_optim:
+    model.load_full_state_dict(weights)
+    if not weights_only(cfg):
         load_full_optimizer_state(model, optimizer, state["optimizer"])
         if scaler and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
-    set_rng_state(state["rng"])
-    log(f"loaded checkpoint {path} (iteration {state['iteration']})")
-    return state["iteration"], state["consumed_samples"]
+    return start_position(cfg, state, cfg.load, log)
+
+
+def read_weights(path: str) -> tuple[dict, dict]:
+    """(full fp32 weights, the rest of the state: iteration, consumed_samples,
+    rng, config, model_config, and for plain checkpoints optimizer and scaler)
+    of the checkpoint in `path`: train.py's own, or DeepSpeed's from any ZeRO
+    stage and tensor-parallel size. Needs no process group."""
+    plain = find_checkpoint(path)
+    if plain:  # already full weights
+        state = torch.load(plain, map_location="cpu", weights_only=False)
+        return state.pop("model"), state
+    weights, meta = consolidated_weights(path)
+    tag_dir, _ = read_deepspeed_checkpoint(path)
+    client = torch.load(glob.glob(os.path.join(tag_dir, "*mp_rank_00_model_states.pt"))[0],
+                        map_location="cpu", weights_only=False)
+    return weights, {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
+                     "rng": client["rng"], "config": client["config"],
+                     "model_config": meta["model_config"]}
 
 
 # ----------------------------------------------------------------------------
@@ -297,9 +350,8 @@ def read_deepspeed_checkpoint(path: str) -> tuple[str, dict]:
 
 
 def load_deepspeed_checkpoint(cfg: TrainConfig, engine, log) -> tuple[int, int]:
-    if not os.path.exists(os.path.join(cfg.load, DS_LATEST)):
-        log(f"no DeepSpeed checkpoint in {cfg.load}; starting from scratch")
-        return 0, 0
+    """Resume everything from the DeepSpeed checkpoint in --load, written with
+    this run's layout. (Weights only, from any checkpoint: zero.init_deepspeed.)"""
     tag_dir, meta = read_deepspeed_checkpoint(cfg.load)
     layout = {"data-parallel": (meta["data_parallel_size"], parallel.dp_size()),
               "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.tp_size())}
@@ -308,18 +360,13 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, log) -> tuple[int, int]:
             raise ValueError(
                 f"{tag_dir} was written with {name} size {saved}, this run has {now}: ZeRO and "
                 f"tensor-parallel shards only fit the layout they were written with. Relaunch with "
-                f"the old layout, or continue from the weights: `python train.py --export-from "
-                f"{cfg.load} --export-to NEW --export-format plain`, then --load NEW "
-                f"--no-load-optim (fresh optimizer states), or convert the optimizer states with "
+                f"the old layout, or continue from its weights with fresh optimizer states "
+                f"(add --no-load-optim: any layout loads them), or convert the optimizer states with "
                 f"DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal; "
                 f"checkpoints written at tensor-parallel size 1)")
-    load_optim = not cfg.no_load_optim
     _, client = engine.load_checkpoint(cfg.load, tag=os.path.basename(tag_dir),
-                                       load_optimizer_states=load_optim,
-                                       load_lr_scheduler_states=load_optim)
-    set_rng_state(client["rng"])
-    log(f"loaded checkpoint {tag_dir} (iteration {client['iteration']})")
-    return client["iteration"], client["consumed_samples"]
+                                       load_optimizer_states=True, load_lr_scheduler_states=False)
+    return start_position(cfg, client, tag_dir, log)
 
 
 def consolidated_weights(path: str) -> tuple[dict, dict]:
@@ -360,18 +407,8 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="hf":    a Hugging Face GPT-2 directory (GPT.to_hf)."""
     if parallel.tp_size() > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
-    plain = find_checkpoint(checkpoint)
-    if plain:  # train.py's own checkpoint: already full weights
-        state = torch.load(plain, map_location="cpu", weights_only=False)
-        full, model_config = state["model"], state["model_config"]
-    else:
-        full, meta = consolidated_weights(checkpoint)
-        tag_dir, _ = read_deepspeed_checkpoint(checkpoint)
-        client = torch.load(glob.glob(os.path.join(tag_dir, "*mp_rank_00_model_states.pt"))[0],
-                            map_location="cpu", weights_only=False)
-        state = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
-                 "rng": client["rng"], "config": client["config"]}
-        model_config = meta["model_config"]
+    full, state = read_weights(checkpoint)
+    model_config = state["model_config"]
     model = GPT(GPTConfig(**model_config))  # tp=1, on CPU
     model.load_full_state_dict(full)
     if fmt == "hf":

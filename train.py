@@ -32,8 +32,8 @@ import checkpoint
 import data as data_lib
 import parallel
 import zero
-from config import (TrainConfig, build_model, build_optimizer, gradient_accumulation_steps,
-                    learning_rate, parse_args)
+from config import (TrainConfig, build_model, build_optimizer, global_batch_at,
+                    gradient_accumulation_steps, learning_rate, parse_args, with_run_length)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from prepare import TokenizerUnavailableError, load_tokenizer
@@ -76,7 +76,7 @@ def init_distributed(cfg: TrainConfig) -> Dist:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = cfg.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend)
     elif cfg.deepspeed and not dist.is_initialized():
@@ -109,7 +109,8 @@ def eval_consumed(iteration: int, cfg: TrainConfig, global_batch: int) -> int:
 
 def build_datasets(cfg: TrainConfig, global_batch: int):
     # The test split is left for offline evaluation; training reads train and valid.
-    num_samples = (cfg.train_iters * global_batch, eval_runs(cfg) * cfg.eval_iters * global_batch, 0)
+    train_samples = cfg.train_samples or cfg.train_iters * global_batch
+    num_samples = (train_samples, eval_runs(cfg) * cfg.eval_iters * global_batch, 0)
     # Rank 0 builds the index arrays and caches them on disk; the others wait and
     # then load that cache instead of all computing the same arrays at once.
     first = not dist.is_initialized() or dist.get_rank() == 0
@@ -283,7 +284,7 @@ class Logger:
             self.file = open(cfg.metrics_file, "a" if resume else "w")
         if cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(cfg.tensorboard_dir)
+            self.tb = SummaryWriter(cfg.tensorboard_dir, max_queue=cfg.tensorboard_queue_size)
 
     def print(self, msg: str) -> None:
         if self.enabled:
@@ -299,8 +300,10 @@ class Logger:
             parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
         if metrics.get("skipped_iterations"):
             parts.append(f"skipped {metrics['skipped_iterations']} (non-finite grads)")
+        if metrics.get("batch_size") is not None:
+            parts.append(f"batch {metrics['batch_size']}")
         if "val_loss" in metrics:
-            parts.append(f"val loss {metrics['val_loss']:.4f}")
+            parts.append(f"val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f})")
         print(" | ".join(parts), flush=True)
         if self.file:
             self.file.write(json.dumps(metrics) + "\n")
@@ -308,8 +311,8 @@ class Logger:
         if self.tb:
             for k, v in metrics.items():
                 if k != "iteration" and v is not None:
-                    self.tb.add_scalar(f"train/{k}" if k != "val_loss" else "valid/loss", v,
-                                       metrics["iteration"])
+                    name = {"val_loss": "valid/loss", "val_ppl": "valid/ppl"}.get(k, f"train/{k}")
+                    self.tb.add_scalar(name, v, metrics["iteration"])
 
     def close(self) -> None:
         if self.file:
@@ -399,9 +402,18 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg: TrainConfig, env: Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
+    cfg = with_run_length(cfg, parallel.dp_size())  # --train-samples -> iterations
+    # The final global batch (evaluation uses it); with --rampup-batch-size a
+    # step's own batch is global_batch_at(consumed), checked here for all steps.
     accum = gradient_accumulation_steps(cfg, parallel.dp_size())
     global_batch = cfg.micro_batch_size * parallel.dp_size() * accum
+    if cfg.rampup_batch_size:
+        start, increment, _ = cfg.rampup_batch_size
+        for gbs in range(start, global_batch, increment):
+            gradient_accumulation_steps(cfg, parallel.dp_size(), gbs)
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
+    if cfg.domino and parallel.tp_size() == 1:
+        logger.print("--domino has nothing to overlap at tensor-parallel size 1: it is off")
     if env.device.type == "cuda" and not (cfg.bf16 or cfg.fp16):
         # Plain fp32 matmuls run on CUDA cores at a fraction of the tensor
         # cores' speed; TF32 keeps fp32 storage and range with a 10-bit
@@ -413,7 +425,7 @@ def train(cfg: TrainConfig, env: Dist) -> None:
     if cfg.deepspeed:  # zero.py: DeepSpeed owns the optimizer step and checkpoints
         model, iteration, consumed = zero.init_deepspeed(cfg, env.device, accum, logger.print)
         raw_model = model.module
-        step = lambda batches, lr: zero.deepspeed_train_step(model, batches, cfg, env.device)
+        step = lambda batches, lr: zero.deepspeed_train_step(model, batches, cfg, env.device, lr)
         save = lambda it, consumed: checkpoint.save_deepspeed_checkpoint(cfg, model, it, consumed,
                                                                          logger.print)
     else:
@@ -431,6 +443,10 @@ def train(cfg: TrainConfig, env: Dist) -> None:
         step = lambda batches, lr: train_step(model, optimizer, scaler, batches, cfg, env.device, lr)
         save = lambda it, consumed: checkpoint.save_checkpoint(cfg, raw_model, optimizer, scaler, it,
                                                                consumed, logger.print)
+    if iteration > cfg.train_iters:
+        raise ValueError(f"--load {cfg.load} is at iteration {iteration}, past this run's end "
+                         f"(--train-iters/--train-samples: {cfg.train_iters} iterations): raise it to "
+                         f"continue that run, or add --finetune to start a new run from its weights")
     train_ds, valid_ds, _ = build_datasets(cfg, global_batch)
     train_iter = data_iterator(train_ds, cfg, consumed)
 
@@ -439,7 +455,8 @@ def train(cfg: TrainConfig, env: Dist) -> None:
     peak = device_peak_flops(cfg, env.device)
     logger.print(f"model: {count_parameters(raw_model.config):,} parameters | world {env.world_size} = "
                  f"TP {parallel.tp_size()} x DP {parallel.dp_size()} | global batch {global_batch} "
-                 f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation | "
+                 f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation"
+                 f"{' (ramped up from %d)' % cfg.rampup_batch_size[0] if cfg.rampup_batch_size else ''} | "
                  f"device {env.device}")
 
     # Within an iteration the host waits for the GPU once, to read the
@@ -453,13 +470,15 @@ def train(cfg: TrainConfig, env: Dist) -> None:
     last_saved = iteration
     skipped = 0  # steps not applied since the last log: non-finite gradients (fp16 overflow)
     while iteration < cfg.train_iters:
-        lr = learning_rate(iteration, cfg)
-        batches = [check_batch(next(train_iter), mcfg) for _ in range(accum)]
+        batch_size = global_batch_at(consumed, cfg, parallel.dp_size())
+        lr = learning_rate(consumed, cfg, batch_size) if cfg.train_samples else learning_rate(iteration, cfg)
+        micro_batches = gradient_accumulation_steps(cfg, parallel.dp_size(), batch_size)
+        batches = [check_batch(next(train_iter), mcfg) for _ in range(micro_batches)]
         loss, grad_norm, stepped = step(batches, lr)
         skipped += not stepped
         iteration += 1
-        consumed += global_batch
-        tokens_since += global_batch * cfg.seq_length
+        consumed += batch_size
+        tokens_since += batch_size * cfg.seq_length
         pending_losses.append((iteration, loss))
         last = iteration == cfg.train_iters
         eval_now = valid_ds is not None and cfg.eval_interval > 0 and (
@@ -483,10 +502,12 @@ def train(cfg: TrainConfig, env: Dist) -> None:
             metrics = {"iteration": iteration, "loss": loss_value, "lr": lr,
                        "grad_norm": float(grad_norm), "tokens_per_sec": tps,
                        "mfu": flops_tok * tps / (peak * env.world_size) if peak else None,
-                       "skipped_iterations": skipped}
+                       "skipped_iterations": skipped, "batch_size": batch_size,
+                       "consumed_samples": consumed}
             if eval_now:
                 metrics["val_loss"] = evaluate(model, valid_ds, cfg, env.device,
                                                eval_consumed(iteration, cfg, global_batch), accum)
+                metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 20.0))
             logger.log(metrics)
             t0, tokens_since, skipped = time.time(), 0, 0
         if save_now:

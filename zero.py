@@ -3,7 +3,6 @@ AdamW and schedule; its training step. Its checkpoints are in checkpoint.py.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -11,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from checkpoint import load_deepspeed_checkpoint
-from config import TrainConfig, build_model, build_optimizer, learning_rate, model_config
+import checkpoint
+from config import TrainConfig, build_model, build_optimizer, model_config, read_json
 from data import to_device
 from gpt import GPT, init_weights
 
@@ -90,9 +89,8 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
         "fp16": {"enabled": cfg.fp16, "initial_scale_power": int(math.log2(cfg.initial_loss_scale))},
     }
     user = {}
-    if cfg.deepspeed_config:
-        with open(cfg.deepspeed_config) as f:
-            user = json.load(f)
+    if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)
+        user = read_json(cfg.deepspeed_config, "--deepspeed_config")
         check_deepspeed_config(user, ours, cfg)
     config = {**user, **ours}
     zero = dict(user.get("zero_optimization", {}))
@@ -117,28 +115,18 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
 
 
 def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
-    """A value in the JSON that contradicts a flag is an error, never silently one of them."""
+    """What config.fill_from_deepspeed_json could not settle: sections train.py
+    owns, and the batch split, which depends on the data-parallel size."""
     for key in ("optimizer", "scheduler"):
         if key in user:
             raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
                              f"train.py passes its own AdamW and learning-rate schedule "
                              f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
-    flags = {"train_micro_batch_size_per_gpu": "--micro-batch-size",
-             "gradient_accumulation_steps": "--global-batch-size",
-             "train_batch_size": "--global-batch-size", "gradient_clipping": "--clip-grad"}
-    for key, flag in flags.items():
-        if key in user and user[key] != ours[key]:
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        if user.get(key, "auto") not in ("auto", ours[key]):
             raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
-                             f"{flag} (which gives {ours[key]}); make them agree or drop the key")
-    for key in ("bf16", "fp16"):
-        enabled = user.get(key, {}).get("enabled", False)
-        if enabled != ours[key]["enabled"]:
-            raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: {key}.enabled={enabled} "
-                             f"contradicts --{key} being {'on' if ours[key]['enabled'] else 'off'}")
-    stage = user.get("zero_optimization", {}).get("stage")
-    if cfg.zero_stage is not None and stage is not None and stage != cfg.zero_stage:
-        raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: zero_optimization.stage={stage} "
-                         f"contradicts --zero-stage {cfg.zero_stage}")
+                             f"the batch flags (--micro-batch-size x data-parallel size x accumulation "
+                             f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")
 
 
 def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
@@ -172,32 +160,38 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
     return model
 
 
-class Schedule(torch.optim.lr_scheduler.LRScheduler):
-    """learning_rate(step) as a torch scheduler, for DeepSpeed to step and
-    checkpoint. It sets the value itself (LambdaLR's lr * factor would be off
-    by an ulp, enough to drift from the plain path over many steps)."""
-
-    def __init__(self, optimizer, cfg: TrainConfig):
-        self.cfg = cfg
-        super().__init__(optimizer)
-
-    def get_lr(self) -> list[float]:
-        return [learning_rate(self.last_epoch, self.cfg)] * len(self.optimizer.param_groups)
-
-    def state_dict(self) -> dict:
-        """Plain data only (the step count and last lrs): a pickled TrainConfig
-        would make the checkpoint unreadable without this code on the path,
-        and DeepSpeed's own tools (zero_to_fp32.py, ds_to_universal) unpickle it.
-        The schedule itself comes from the flags of the run that loads it."""
-        return {k: v for k, v in super().state_dict().items() if k != "cfg"}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict({k: v for k, v in state.items() if k != "cfg"})
+def load_weights(model: GPT, weights: dict) -> None:
+    """Full weights into a model that DeepSpeed has not wrapped yet. Under
+    ZeRO-3 (built under zero.Init, tp=1) each parameter is a partition:
+    gather one module's at a time, copy, and let DeepSpeed re-partition."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        model.load_full_state_dict(weights)
+        return
+    import deepspeed
+    seen = set()
+    for prefix, module in model.named_modules():
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for _, p in params)
+        if params:
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+                with torch.no_grad():
+                    for name, p in params:
+                        p.copy_(weights[f"{prefix}.{name}" if prefix else name])
 
 
 def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
-    """Model + our AdamW + our schedule -> a DeepSpeed engine, resumed from
-    --load if there is a checkpoint. Returns (engine, iteration, consumed)."""
+    """Model + our AdamW -> a DeepSpeed engine, resumed from --load if it
+    holds a checkpoint. Returns (engine, iteration, consumed).
+
+    A full resume reads DeepSpeed's own checkpoint (this layout only). With
+    --no-load-optim or --finetune the weights alone come from a checkpoint
+    of either kind and any layout, loaded before deepspeed.initialize: ZeRO
+    copies its fp32 master weights from the model there."""
+    kind = checkpoint.checkpoint_kind(cfg.load) if cfg.load else None
+    if kind == "plain" and not checkpoint.weights_only(cfg):
+        raise ValueError(f"--load {cfg.load} holds a plain train.py checkpoint: resume it without "
+                         f"--deepspeed, or start DeepSpeed from its weights with --no-load-optim "
+                         f"(fresh optimizer states) or --finetune (a new run)")
     ds = import_deepspeed(device)
     check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
     ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
@@ -205,21 +199,27 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
     config = deepspeed_config(cfg, parallel.dp_size(), accum)
     stage = config["zero_optimization"]["stage"]
     model = build_model_zero3(cfg, ds, config) if stage == 3 else build_model(cfg, device)
+    if kind and checkpoint.weights_only(cfg):
+        weights, state = checkpoint.read_weights(cfg.load)
+        load_weights(model, weights)
     if cfg.recompute_activations:
         # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
         ds.checkpointing.configure(DeepSpeedMPU(), partition_activations=cfg.partition_activations)
         model.checkpoint_fn = ds.checkpointing.checkpoint
     optimizer = build_optimizer(model, cfg)
-    # A callable: DeepSpeed builds the scheduler on its own (ZeRO-wrapped)
-    # optimizer, whose param groups are the ones that reach the update.
-    schedule = lambda opt: Schedule(opt, cfg)
-    engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                    config=config, mpu=mpu)
+    # No lr_scheduler: deepspeed_train_step sets each step's learning rate, as
+    # the plain path does (the schedule may count samples and the batch ramp).
+    engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     if engine.dp_world_size != parallel.dp_size():
         raise RuntimeError(f"DeepSpeed shards over {engine.dp_world_size} ranks but the data-parallel "
                            f"size is {parallel.dp_size()} (world / tp): the mpu was not applied")
-    iteration, consumed = load_deepspeed_checkpoint(cfg, engine, log) if cfg.load else (0, 0)
-    return engine, iteration, consumed
+    if kind and checkpoint.weights_only(cfg):
+        return engine, *checkpoint.start_position(cfg, state, cfg.load, log)
+    if kind == "deepspeed":
+        return engine, *checkpoint.load_deepspeed_checkpoint(cfg, engine, log)
+    if cfg.load:
+        log(f"no checkpoint in {cfg.load}; starting from scratch")
+    return engine, 0, 0
 
 
 def clips_itself(engine, cfg: TrainConfig) -> bool:
@@ -227,21 +227,32 @@ def clips_itself(engine, cfg: TrainConfig) -> bool:
     return engine.zero_optimization_stage() == 0 and not (cfg.bf16 or cfg.fp16)
 
 
-def deepspeed_train_step(engine, batches, cfg: TrainConfig, device):
+def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
     """One optimizer step over the accumulated micro-batches, the DeepSpeed way:
     engine.backward scales each micro-batch's loss by 1/accumulation itself
     (our plain path divides explicitly), averages gradients over the
     data-parallel group, and engine.step only updates (with clipping) on the
     last micro-batch. Returns (loss averaged like train_step's, grad norm,
-    whether the weights were updated)."""
+    whether the weights were updated).
+
+    The step's batch may differ from the last one (--rampup-batch-size):
+    DeepSpeed's accumulation count follows it, and which micro-batch ends the
+    step is said explicitly rather than counted from the start of the run."""
+    global_batch = len(batches) * cfg.micro_batch_size * parallel.dp_size()
+    if engine.train_batch_size() != global_batch:
+        engine.set_train_batch_size(global_batch)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
     total = torch.zeros((), device=device)
     grad_norm = None
     for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
         batch = to_device(batch, device)
         loss = engine(batch["tokens"], position_ids=batch["position_ids"],
                       labels=batch["labels"], loss_mask=batch["loss_mask"])
         engine.backward(loss)
-        if i == len(batches) - 1 and clips_itself(engine, cfg):
+        if last and clips_itself(engine, cfg):
             # Plain fp32 engine (stage 0): we clip the averaged grads ourselves;
             # see deepspeed_config.
             max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
