@@ -126,7 +126,7 @@ def worker(out: str, plan: str) -> None:
     rank = dist.get_rank()
     ck = lambda name: os.path.join(out, "ckpt_" + name)
     if plan == "dp":  # 2 processes: T=1, D=2
-        worker_run(out, "ddp", [])
+        worker_run(out, "ddp", ["--save", ck("ddp"), "--save-interval", str(RESUME_AT)])
         for stage in (0, 1, 2, 3):
             save = ["--save", ck(f"z{stage}"), "--save-interval", str(RESUME_AT)] if stage else []
             worker_run(out, f"z{stage}", ["--deepspeed", "--zero-stage", str(stage), *save])
@@ -139,6 +139,20 @@ def worker(out: str, plan: str) -> None:
             dist.barrier()
             worker_run(out, f"z{stage}_resume", ["--deepspeed", "--zero-stage", str(stage),
                                                  "--load", ck(f"z{stage}_resume")])
+        # Weights only (--no-load-optim), from a checkpoint of the other kind:
+        # iteration 15 of the DDP run and of the ZeRO-2 run, 3 more steps each.
+        if rank == 0:
+            shutil.copytree(os.path.join(ck("ddp"), f"iter_{RESUME_AT:07d}"),
+                            os.path.join(ck("ddp15"), f"iter_{RESUME_AT:07d}"))
+            with open(os.path.join(ck("ddp15"), checkpoint.LATEST), "w") as f:
+                f.write(str(RESUME_AT))
+        dist.barrier()
+        weights = ["--no-load-optim", "--train-iters", str(RESUME_AT + 3), "--lr-decay-iters", str(STEPS)]
+        worker_run(out, "ddp_weights", ["--load", ck("ddp15"), *weights])
+        worker_run(out, "z3_from_plain", ["--deepspeed", "--zero-stage", "3", "--load", ck("ddp15"), *weights])
+        worker_run(out, "ddp_from_z2", ["--load", ck("z2_resume"), *weights])
+        worker_run(out, "z1_finetune", ["--deepspeed", "--zero-stage", "1", "--load", ck("ddp15"),
+                                        "--finetune", "--train-iters", "3", "--lr-decay-iters", str(STEPS)])
         worker_run(out, "z1_recompute", ["--deepspeed", "--zero-stage", "1", "--recompute-activations",
                                          "--train-iters", "6", "--lr-decay-iters", str(STEPS)])
         worker_run(out, "z2_offload", ["--deepspeed", "--zero-stage", "2", "--zero-offload-optimizer",
@@ -228,6 +242,44 @@ def test_zero_resume_is_bit_identical(runs, stage):
     assert [m["iteration"] for m in resumed] == list(range(RESUME_AT + 1, STEPS + 1))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full[RESUME_AT:]]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full[RESUME_AT:]]
+
+
+@pytest.mark.parametrize("run", ["z3_from_plain", "ddp_from_z2"])
+def test_no_load_optim_loads_the_weights_of_a_checkpoint_of_the_other_kind(runs, run):
+    """--load CKPT --no-load-optim takes the weights of a plain checkpoint into
+    a DeepSpeed run (here ZeRO-3, loaded before DeepSpeed partitions them) and
+    those of a DeepSpeed checkpoint into a plain run, and continues from its
+    iteration: the same steps as a plain run from the plain checkpoint."""
+    ref, got = metrics(runs, "ddp_weights"), metrics(runs, run)
+    assert [m["iteration"] for m in got] == [m["iteration"] for m in ref] == [16, 17, 18]
+    assert [m["consumed_samples"] for m in got] == [8 * i for i in (16, 17, 18)]
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert a["lr"] == b["lr"]
+    continued = metrics(runs, "ddp")[RESUME_AT:RESUME_AT + 3]  # the same run, AdamW state and all
+    assert [m["lr"] for m in got] == [m["lr"] for m in continued]  # the schedule goes on
+    assert ref[0]["loss"] == pytest.approx(continued[0]["loss"], abs=1e-6)  # the same weights ...
+    assert ref[1]["loss"] != pytest.approx(continued[1]["loss"], abs=1e-5)  # ... fresh AdamW moments
+
+
+def test_finetune_starts_a_new_run_from_the_weights(runs):
+    """--finetune (Megatron's): the weights of iteration 15, then iteration,
+    samples and the schedule from zero; here a plain checkpoint into DeepSpeed."""
+    got, fresh = metrics(runs, "z1_finetune"), metrics(runs, "z1")
+    assert [m["iteration"] for m in got] == [1, 2, 3]
+    assert [m["consumed_samples"] for m in got] == [8, 16, 24]
+    assert [m["lr"] for m in got] == [m["lr"] for m in fresh[:3]]  # warmup from the start
+    assert got[0]["loss"] < fresh[0]["loss"] - 1.0  # trained weights, not a fresh init
+
+
+def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs):
+    """Resuming everything needs the same kind: otherwise one error says what to add."""
+    cfg = config.parse_args(COMMON + ["--load", os.path.join(runs, "ckpt_z2")])
+    with pytest.raises(ValueError, match="holds a DeepSpeed checkpoint: resume it with --deepspeed .*--no-load-optim"):
+        checkpoint.load_checkpoint(cfg, None, None, None, print)
+    cfg = config.parse_args(COMMON + ["--deepspeed", "--load", os.path.join(runs, "ckpt_ddp")])
+    with pytest.raises(ValueError, match="holds a plain train.py checkpoint: resume it without --deepspeed"):
+        zero.init_deepspeed(cfg, torch.device("cpu"), 1, print)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

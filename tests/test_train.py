@@ -217,6 +217,44 @@ def test_resume_is_bit_identical(corpus, tmp_path):
     assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 9))
 
 
+def test_a_shorter_run_from_a_checkpoint_needs_finetune(corpus, tmp_path):
+    """A checkpoint past this run's end is an error that names the cause and
+    --finetune; with --finetune the weights start a new run at iteration 0."""
+    common = [*TINY, "--data-path", corpus, "--global-batch-size", "8"]
+    ckpt = str(tmp_path / "ckpt")
+    run_train([*common, "--train-iters", "6", "--save", ckpt, "--metrics-file", str(tmp_path / "a.jsonl")])
+    proc = run_train([*common, "--train-iters", "3", "--load", ckpt], check=False)
+    assert proc.returncode != 0
+    assert "--load " + ckpt + " is at iteration 6, past this run's end" in proc.stderr
+    assert "add --finetune" in proc.stderr
+    run_train([*common, "--train-iters", "3", "--load", ckpt, "--finetune", "--no-load-rng",
+               "--metrics-file", str(tmp_path / "b.jsonl")])
+    tuned, first = read_metrics(tmp_path / "b.jsonl"), read_metrics(tmp_path / "a.jsonl")
+    assert [m["iteration"] for m in tuned] == [1, 2, 3] and tuned[0]["consumed_samples"] == 8
+    assert tuned[0]["lr"] == first[0]["lr"]  # the schedule starts again
+    assert tuned[0]["loss"] < first[0]["loss"] - 0.5  # from the trained weights
+
+
+def test_batch_ramp_resumes_exactly_mid_ramp(corpus, tmp_path):
+    """--rampup-batch-size 4 4 24 up to --global-batch-size 16, sample-based:
+    batches 4, 4, 8, 12, 16 ... as Megatron ramps them, and a run stopped and
+    resumed in the middle of the ramp repeats the uninterrupted one exactly."""
+    common = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2", "--lr", "3e-3",
+              "--eval-interval", "0", "--log-interval", "1", "--sample-tokens", "0", "--seed", "7",
+              "--data-path", corpus, "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "24",
+              "--train-samples", "80", "--lr-warmup-samples", "16"]
+    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
+    full = read_metrics(tmp_path / "full.jsonl")
+    assert [m["batch_size"] for m in full] == [4, 4, 8, 12, 16, 16, 16]
+    assert full[-1]["consumed_samples"] == 76  # one more step of 16 would pass 80
+    ckpt = str(tmp_path / "ckpt")
+    run_train([*common, "--save", ckpt, "--exit-interval", "3", "--metrics-file", str(tmp_path / "part.jsonl")])
+    run_train([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
+    part = read_metrics(tmp_path / "part.jsonl")
+    assert [(m["loss"], m["lr"], m["batch_size"]) for m in part] == \
+        [(m["loss"], m["lr"], m["batch_size"]) for m in full]
+
+
 @pytest.mark.parametrize("precision,tp", [("--bf16", 1), ("--fp16", 1), ("--fp16", 2)])
 def test_mixed_precision_trains(corpus, tmp_path, precision, tp):
     """bf16 autocast, and fp16 autocast with dynamic loss scaling, on CPU;
