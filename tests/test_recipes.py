@@ -208,6 +208,19 @@ def test_compressed_jsonl_is_read_directly(tmp_path, compress):
     assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 20
 
 
+def test_a_compressed_input_python_cannot_read_is_named(tmp_path):
+    """zstd is in the standard library only from Python 3.14: before that, one
+    line says what the file is and how to decompress it (not "convert it with iconv")."""
+    path = tmp_path / "corpus.jsonl.zst"
+    path.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(range(200)))
+    import importlib.util
+    if importlib.util.find_spec("compression") is not None:
+        pytest.skip("this Python reads zstd")
+    proc = run_prepare("--input", str(path), "--output-prefix", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"{path} is zstd-compressed and this Python cannot read zstd; decompress it first" in proc.stderr
+
+
 def test_merge_accepts_megatron_and_bigscience_forms(tmp_path):
     import data as data_lib
     parts = tmp_path / "parts"

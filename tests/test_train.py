@@ -171,10 +171,14 @@ def test_loss_falls_and_metrics_are_logged(corpus, tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "30", "--eval-interval", "10",
                       "--metrics-file", str(metrics), "--tensorboard-dir", str(tmp_path / "tb"),
-                      "--sample-tokens", "8"])
+                      "--sample-tokens", "8", "--domino"])
     rows = read_metrics(metrics)
     assert [r["iteration"] for r in rows] == list(range(1, 31))
-    assert set(rows[0]) >= {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"}
+    assert set(rows[0]) >= {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu",
+                            "batch_size", "consumed_samples"}
+    assert "val_ppl" in rows[9] and rows[9]["val_ppl"] == pytest.approx(math.exp(rows[9]["val_loss"]))
+    # --domino at tensor-parallel size 1 has nothing to overlap: said once, not silently ignored
+    assert proc.stdout.count("--domino has nothing to overlap at tensor-parallel size 1") == 1
     assert all(r["tokens_per_sec"] > 0 and r["mfu"] is None for r in rows)  # no MFU on CPU
     assert [r["iteration"] for r in rows if "val_loss" in r] == [10, 20, 30]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
