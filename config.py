@@ -290,8 +290,8 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
         if not decided:
             updates[name] = value
         elif getattr(cfg, name) != value:
-            shown = flag if isinstance(value, bool) and getattr(cfg, name) else \
-                (f"{flag} being off" if isinstance(value, bool) else f"{flag} {getattr(cfg, name):g}")
+            now = getattr(cfg, name)
+            shown = (flag if now else f"{flag} being off") if isinstance(value, bool) else f"{flag} {now:g}"
             raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}={raw} "
                              f"contradicts {shown}; make them agree or drop one of them")
     gas = user.get("gradient_accumulation_steps")

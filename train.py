@@ -453,10 +453,10 @@ def train(cfg: TrainConfig, env: Dist) -> None:
     mcfg = raw_model.config
     flops_tok = flops_per_token(mcfg, cfg.seq_length)
     peak = device_peak_flops(cfg, env.device)
+    ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
     logger.print(f"model: {count_parameters(raw_model.config):,} parameters | world {env.world_size} = "
                  f"TP {parallel.tp_size()} x DP {parallel.dp_size()} | global batch {global_batch} "
-                 f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation"
-                 f"{' (ramped up from %d)' % cfg.rampup_batch_size[0] if cfg.rampup_batch_size else ''} | "
+                 f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
 
     # Within an iteration the host waits for the GPU once, to read the
