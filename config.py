@@ -42,6 +42,7 @@ class TrainConfig:
     attention_dropout: float = 0.0
     attention_impl: str | None = None   # None: triton on CUDA, torch on CPU
     layernorm_impl: str | None = None
+    loss_impl: str = "fused"              # fused (loss.py, no full logits) | full
     recompute_activations: bool = False
     # parallelism
     tensor_model_parallel_size: int = 1
@@ -147,6 +148,8 @@ FLAG_HELP = {
     "attention_dropout": "dropout on attention probabilities",
     "attention_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
     "layernorm_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
+    "loss_impl": "fused: LM head + cross-entropy in chunks, never the full fp32 logits (loss.py); "
+                 "full: the logits, then the loss (for comparison)",
     "recompute_activations": "activation checkpointing: recompute each block in backward",
     "tensor_model_parallel_size": "tp: ranks that split every layer (consecutive ranks, one node)",
     "domino": "overlap tensor-parallel all-reduces with compute (DeepSpeed-Domino)",
@@ -402,7 +405,7 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     # checkpoint, stays the same for any layout; a TP size must divide it.
     overrides["padded_vocab_size"] = pad_vocab_size(GPTConfig.vocab_size, cfg.make_vocab_size_divisible_by)
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-                     activation_checkpointing=cfg.recompute_activations)
+                     activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl)
     default_impl = "triton" if device is not None and device.type == "cuda" else "torch"
     overrides["attention_impl"] = cfg.attention_impl or default_impl
     overrides["layernorm_impl"] = cfg.layernorm_impl or default_impl
@@ -473,16 +476,16 @@ def param_ndim(p: torch.nn.Parameter) -> int:
     return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
     """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay."""
     decay = [p for p in model.parameters() if p.requires_grad and param_ndim(p) >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and param_ndim(p) < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    if next(model.parameters()).is_cuda:
-        kwargs["fused"] = True
-    return torch.optim.AdamW(groups, **kwargs)
+    # fused: one kernel for all tensors, and it can skip a step on the device
+    # (train.optimizer_step), on CUDA and CPU alike.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps, fused=fused)
 
 
 def lr_span(cfg: TrainConfig) -> tuple[float, int]:

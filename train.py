@@ -171,7 +171,8 @@ def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: 
     """One optimizer step over `len(batches)` accumulated micro-batches.
 
     Returns (loss averaged over micro-batches and data-parallel ranks, grad
-    norm, whether the weights were updated).
+    norm, whether the step was skipped: 1.0 or 0.0), all on the device: the
+    host never waits for the GPU here (the loop reads them at log intervals).
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -190,42 +191,73 @@ def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: 
             loss = loss / len(batches)
             (scaler.scale(loss) if scaler else loss).backward()
         total += loss.detach()
-    if scaler:
-        scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
+    if scaler:
+        scaler.unscale_(params)
     max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
     grad_norm = parallel.clip_grad_norm_(params, max_norm)
-    stepped = optimizer_step(optimizer, scaler, grad_norm)
-    return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, stepped
+    skipped = optimizer_step(optimizer, scaler, grad_norm)
+    return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, skipped
 
 
-def optimizer_step(optimizer, scaler, grad_norm: torch.Tensor) -> bool:
-    """Update the weights unless the gradient norm is inf or NaN; returns
-    whether it did.
+def optimizer_step(optimizer, scaler, grad_norm: torch.Tensor) -> torch.Tensor:
+    """Update the weights unless the gradient norm is inf or NaN, decided on
+    the device; returns found_inf (1.0 if the step was skipped, else 0.0).
 
     The decision must be the same on every rank. grad_norm is the norm of the
     whole model's gradients, all-reduced over the tensor-parallel group (and
     the gradients are already averaged over data parallelism), so an inf in
-    one rank's shard makes it inf everywhere. GradScaler alone would decide
-    from each rank's own shard: the rank with the inf would skip and halve
-    its scale while its partner stepped, and replicated weights would drift
-    apart (Megatron all-reduces found_inf over the model-parallel group for
-    the same reason). Without a scaler (fp32, bf16) a non-finite gradient
-    would turn every weight into NaN while the loss still looked fine.
+    one rank's shard makes it inf everywhere. (A rank deciding from its own
+    shard would skip while its partner stepped, and replicated weights would
+    drift apart; Megatron all-reduces found_inf over the model-parallel group
+    for the same reason.) Without loss scaling (fp32, bf16) a non-finite
+    gradient would turn every weight into NaN while the loss still looked fine.
 
-    Reading the norm costs one host sync per step, as in Megatron."""
-    finite = math.isfinite(grad_norm.item())
-    if scaler is None:
-        if finite:
-            optimizer.step()
-        return finite
-    if finite:
-        scaler.step(optimizer)  # its own check finds nothing: every shard is finite
-        scaler.update()
-    else:  # back off as GradScaler would, on every rank alike
-        scaler.update(scaler.get_scale() * scaler.get_backoff_factor())  # also ends its step
-        scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
-    return finite
+    Reading the norm on the host would stall the GPU queue every step. Fused
+    AdamW takes the flag as a tensor instead (as GradScaler hands it over):
+    when it is 1 the kernel leaves weights, moments and step count alone."""
+    found_inf = (~torch.isfinite(grad_norm)).float()
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    optimizer.step()
+    del optimizer.grad_scale, optimizer.found_inf
+    if scaler:
+        scaler.update(found_inf)
+    return found_inf
+
+
+class LossScaler:
+    """Dynamic loss scaling for --fp16 (Micikevicius et al., 2018), kept on
+    the device: the loss is multiplied by `scale` before backward so that
+    small gradients survive fp16, the gradients are divided by it after. On
+    a non-finite step the scale halves; after `growth_interval` finite steps
+    in a row it doubles. Unlike torch's GradScaler, the caller decides what
+    is non-finite (the whole model's gradient norm, the same on every rank).
+    The state dict has GradScaler's keys, so either one's checkpoints load."""
+
+    def __init__(self, init_scale: float, device: torch.device, growth_interval: int = 2000):
+        self.scale_ = torch.full((), init_scale, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.growth_interval = growth_interval
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_
+
+    def unscale_(self, params: list) -> None:
+        torch._foreach_mul_([p.grad for p in params], self.scale_.reciprocal())
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        grow = (self.growth_tracker + 1 >= self.growth_interval) & (found_inf == 0)
+        factor = torch.where(found_inf > 0, 0.5, torch.where(grow, 2.0, 1.0))
+        self.scale_.mul_(factor)
+        self.growth_tracker.copy_(torch.where((found_inf > 0) | grow, 0, self.growth_tracker + 1))
+
+    def state_dict(self) -> dict:  # a host read: at checkpoints only
+        return {"scale": self.scale_.item(), "_growth_tracker": int(self.growth_tracker.item()),
+                "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": self.growth_interval}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale_.fill_(state["scale"])
+        self.growth_tracker.fill_(state["_growth_tracker"])
 
 
 @torch.no_grad()
@@ -247,11 +279,28 @@ def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int
 # 4. Logging and MFU
 # ----------------------------------------------------------------------------
 
-# Dense bf16 tensor-core peak FLOP/s per device, from the vendors' data sheets.
+# Dense (no sparsity) 16-bit tensor-core peak FLOP/s per device, bf16 with
+# fp32 accumulation, as training runs. Keys are matched against
+# torch.cuda.get_device_name(), most specific first; a GPU not listed gets no
+# MFU (pass --peak-flops) rather than a guess. Sources: NVIDIA's data sheets
+# (sparse figure / 2), and the architecture whitepapers for GeForce cards,
+# whose fp32-accumulate rate is half their fp16-accumulate one.
 PEAK_FLOPS = {
-    "H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-    "GH200": 989e12, "A100": 312e12, "A10G": 125e12, "A10": 125e12, "L40S": 362e12,
-    "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12,
+    "H200 NVL": 835e12,     # H200 data sheet: 1,671 TFLOPS sparse (NVL)
+    "H200": 989e12,         # H200 data sheet: 1,979 TFLOPS sparse (SXM)
+    "GH200": 989e12,        # GH200 data sheet: 1,979 TFLOPS sparse
+    "H100 NVL": 835e12,     # H100 data sheet: 1,671 TFLOPS sparse (NVL, per GPU)
+    "H100 PCIe": 756e12,    # H100 data sheet: 1,513 TFLOPS sparse (PCIe)
+    "H100": 989e12,         # H100 data sheet: 1,979 TFLOPS sparse (SXM; "H100 80GB HBM3")
+    "A100": 312e12,         # A100 data sheet: 312 dense (SXM and PCIe)
+    "L40S": 362e12,         # L40S data sheet: 733 TFLOPS sparse
+    "L40": 181e12,          # L40 data sheet: 362 TFLOPS sparse
+    "L4": 121e12,           # L4 data sheet: 242 TFLOPS sparse
+    "A10": 125e12,          # A10 data sheet: 250 TFLOPS sparse (not A10G: AWS gives no bf16 rate)
+    "RTX 4090": 82.6e12,    # Ada whitepaper: 165.2 with fp16 accumulate, 82.6 with fp32
+    "RTX 3090": 35.6e12,    # GA102 whitepaper: 71 with fp16 accumulate, 35.6 with fp32
+    "V100-SXM2": 125e12,    # V100 data sheet: fp16 (no bf16), SXM2
+    "V100-PCIE": 112e12,    # V100 data sheet: fp16 (no bf16), PCIe
 }
 
 
@@ -267,6 +316,8 @@ def device_peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
 def peak_flops_by_name(name: str) -> float | None:
     """PEAK_FLOPS of the first key the device name contains (specific names
     come first: "H100 PCIe" before "H100"); None for an unknown device."""
+    if "A10G" in name:  # "A10" is in its name, but not its tensor rate
+        return None
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
@@ -346,7 +397,9 @@ class Preemption:
 
     def agreed(self) -> bool:
         """True on every rank, at the same iteration, once any rank got SIGTERM."""
-        vote = torch.tensor([float(self.requested)], device=self.device)
+        # torch.full fills on the device; torch.tensor would copy from pageable
+        # host memory, which waits for the GPU.
+        vote = torch.full((1,), float(self.requested), device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         if self.device.type != "cuda":
@@ -431,7 +484,7 @@ def train(cfg: TrainConfig, env: Dist) -> None:
     else:
         raw_model = build_model(cfg, env.device)
         optimizer = build_optimizer(raw_model, cfg)
-        scaler = torch.amp.GradScaler(env.device.type, init_scale=cfg.initial_loss_scale) if cfg.fp16 else None
+        scaler = LossScaler(cfg.initial_loss_scale, env.device) if cfg.fp16 else None
         iteration, consumed = checkpoint.load_checkpoint(cfg, raw_model, optimizer, scaler,
                                                           logger.print)
         model = raw_model
@@ -453,16 +506,19 @@ def train(cfg: TrainConfig, env: Dist) -> None:
     mcfg = raw_model.config
     flops_tok = flops_per_token(mcfg, cfg.seq_length)
     peak = device_peak_flops(cfg, env.device)
+    if peak is None and env.device.type == "cuda":
+        logger.print(f"MFU: unknown, {torch.cuda.get_device_name(env.device)!r} is not in "
+                     f"train.PEAK_FLOPS; pass --peak-flops (dense bf16 FLOP/s of one GPU)")
     ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
     logger.print(f"model: {count_parameters(raw_model.config):,} parameters | world {env.world_size} = "
                  f"TP {parallel.tp_size()} x DP {parallel.dp_size()} | global batch {global_batch} "
                  f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
 
-    # Within an iteration the host waits for the GPU once, to read the
-    # gradient norm before the optimizer step (optimizer_step); the losses are
-    # read only at log intervals, evaluations and saves (check_losses), and
-    # the preemption vote a step late (Preemption).
+    # Within an iteration the host never waits for the GPU: the step's skip
+    # decision stays on the device (optimizer_step); the losses, grad norm
+    # and skip count are read only at log intervals, evaluations and saves
+    # (check_losses), and the preemption vote a step late (Preemption).
     preempt = Preemption(env.device)
     pending_losses = []  # (iteration, loss on device) since the last check
     first_iteration = iteration + 1
@@ -474,8 +530,8 @@ def train(cfg: TrainConfig, env: Dist) -> None:
         lr = learning_rate(consumed, cfg, batch_size) if cfg.train_samples else learning_rate(iteration, cfg)
         micro_batches = gradient_accumulation_steps(cfg, parallel.dp_size(), batch_size)
         batches = [check_batch(next(train_iter), mcfg) for _ in range(micro_batches)]
-        loss, grad_norm, stepped = step(batches, lr)
-        skipped += not stepped
+        loss, grad_norm, skipped_now = step(batches, lr)
+        skipped = skipped + skipped_now  # a device tensor: read at the next log
         iteration += 1
         consumed += batch_size
         tokens_since += batch_size * cfg.seq_length
@@ -502,7 +558,7 @@ def train(cfg: TrainConfig, env: Dist) -> None:
             metrics = {"iteration": iteration, "loss": loss_value, "lr": lr,
                        "grad_norm": float(grad_norm), "tokens_per_sec": tps,
                        "mfu": flops_tok * tps / (peak * env.world_size) if peak else None,
-                       "skipped_iterations": skipped, "batch_size": batch_size,
+                       "skipped_iterations": int(skipped), "batch_size": batch_size,
                        "consumed_samples": consumed}
             if eval_now:
                 metrics["val_loss"] = evaluate(model, valid_ds, cfg, env.device,

@@ -206,7 +206,11 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
         # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
         ds.checkpointing.configure(DeepSpeedMPU(), partition_activations=cfg.partition_activations)
         model.checkpoint_fn = ds.checkpointing.checkpoint
-    optimizer = build_optimizer(model, cfg)
+    # DeepSpeed steps the optimizer itself (its own skip on fp16 overflow). On
+    # CPU it gets torch's default AdamW: with the fused CPU kernel a resumed
+    # ZeRO-2 run reports grad norms that differ from the uninterrupted run's in
+    # the last bit (the losses do not), and resume here is bit-exact.
+    optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
     # No lr_scheduler: deepspeed_train_step sets each step's learning rate, as
     # the plain path does (the schedule may count samples and the batch ramp).
     engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
@@ -264,5 +268,6 @@ def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
         grad_norm = engine.get_global_grad_norm()
     # DeepSpeed's fp16 path skips an overflowing step itself, deciding over the
     # model-parallel group (the mpu) as Megatron does.
+    # (DeepSpeed reads its norm and overflow flag on the host itself.)
     return parallel.all_reduce_mean(total, parallel.dp_group()), float(grad_norm), \
-        engine.was_step_applied()
+        float(not engine.was_step_applied())

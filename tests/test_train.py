@@ -82,6 +82,8 @@ def test_megatron_flags_fill_typed_config():
     assert cfg.data_path == ["0.3", "A", "0.7", "B"]
     mcfg = config.model_config(cfg)
     assert mcfg.max_position_embeddings >= 64 and mcfg.activation_checkpointing
+    assert mcfg.loss_impl == "fused"  # the default; the full-logits path is one flag away
+    assert config.model_config(config.parse_args(["--preset", "tiny", "--loss-impl", "full"])).loss_impl == "full"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -158,8 +160,12 @@ def test_peak_flops_table():
     cfg.peak_flops = 123e12
     assert train.device_peak_flops(cfg, torch.device("cpu")) == 123e12
     names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-             "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A10G": 125e12,
-             "Tesla V100-SXM2-32GB": 125e12, "NVIDIA GeForce RTX 4090": 165e12, "Some New GPU": None}
+             "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
+             "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12,
+             "NVIDIA L4": 121e12, "NVIDIA A10": 125e12, "Tesla V100-SXM2-32GB": 125e12,
+             "Tesla V100-PCIE-16GB": 112e12, "NVIDIA GeForce RTX 4090": 82.6e12,
+             # no published bf16 rate, or not listed: unknown, never a guess
+             "NVIDIA A10G": None, "Some New GPU": None}
     assert {name: train.peak_flops_by_name(name) for name in names} == names
 
 
@@ -339,6 +345,76 @@ def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpu
         assert torch.equal(value, saved[0]["model"][name]), name  # iteration 2 was skipped
     assert not torch.equal(saved[2]["model"]["wte.weight"], saved[1]["model"]["wte.weight"])
     assert [r["skipped_iterations"] for r in read_metrics(metrics)] == [0, 1, 0]
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Records every read of a tensor's value into Python (each one, on a GPU,
+    makes the host wait for everything queued before it)."""
+    READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_training_step_never_reads_a_tensor_on_the_host(precision, monkeypatch):
+    """train_step, including a skipped step (an inf gradient) and the fp16
+    loss scaler's update, keeps every decision on the device: the host can
+    queue the next step while the GPU works on this one. (On a GPU,
+    test_gpu_training_steps_never_synchronize checks the same with CUDA's
+    own sync detector.)"""
+    cfg = config.parse_args(["--preset", "tiny", "--seq-length", "16", "--micro-batch-size", "2",
+                             *(["--fp16"] if precision == "fp16" else [])])
+    model = config.build_model(cfg, torch.device("cpu"))
+    optimizer = config.build_optimizer(model, cfg)
+    scaler = train.LossScaler(2.0 ** 8, torch.device("cpu")) if cfg.fp16 else None
+    batch = {"tokens": torch.randint(0, 1000, (2, 16)), "labels": torch.randint(0, 1000, (2, 16)),
+             "position_ids": torch.arange(16).expand(2, 16), "loss_mask": torch.ones(2, 16)}
+    # The id-range checks read CPU tensors by design (free there); on a GPU the
+    # model checks only its first call and train.check_batch checks the batch on the host.
+    import parallel
+    monkeypatch.setattr(parallel, "check_ids", lambda checks: None)
+    poison = model.wte.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    with HostReads() as host:
+        _, _, skipped_inf = train.train_step(model, optimizer, scaler, [batch, batch], cfg,
+                                             torch.device("cpu"), 1e-3)
+        poison.remove()
+        before = [p.detach().clone() for p in model.parameters()]
+        _, _, skipped_ok = train.train_step(model, optimizer, scaler, [batch], cfg, torch.device("cpu"), 1e-3)
+    assert host.reads == []
+    assert (skipped_inf.item(), skipped_ok.item()) == (1.0, 0.0)
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # it stepped
+    if scaler:
+        assert scaler.state_dict()["scale"] == 2.0 ** 7  # halved once, by the skipped step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_training_steps_never_synchronize():
+    """CUDA's sync debug mode raises on any host-device synchronization: the
+    steps between log intervals (bf16 and fp16, Triton kernels) have none."""
+    device = torch.device("cuda")
+    for precision in ("--bf16", "--fp16"):
+        cfg = config.parse_args(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4", precision])
+        model = config.build_model(cfg, device)
+        optimizer = config.build_optimizer(model, cfg)
+        scaler = train.LossScaler(2.0 ** 8, device) if cfg.fp16 else None
+        batch = {k: v.pin_memory() for k, v in {
+            "tokens": torch.randint(0, 1000, (4, 64)), "labels": torch.randint(0, 1000, (4, 64)),
+            "position_ids": torch.arange(64).expand(4, 64).contiguous(), "loss_mask": torch.ones(4, 64)}.items()}
+        train.train_step(model, optimizer, scaler, [batch], cfg, device, 1e-3)  # first call: checks, autotune
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                train.train_step(model, optimizer, scaler, [batch, batch], cfg, device, 1e-3)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
