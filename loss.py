@@ -46,10 +46,14 @@ try:
 except ImportError:
     HAS_TRITON = False
 
-# Logits per chunk (tokens x local vocab): 2**28 is 512 MiB in bf16, e.g.
-# 5336 tokens of GPT-2's 50304-row vocabulary. Larger chunks make larger,
-# slightly more efficient matmuls; smaller ones save memory.
-CHUNK_LOGITS = 2 ** 28
+# Logits per chunk (tokens x local vocab), by device. Larger chunks make
+# larger, slightly more efficient matmuls; smaller ones save memory. On CUDA
+# the Triton row passes work in place, so a chunk costs its logits alone:
+# 2**28 is 512 MiB in bf16, 5336 tokens of GPT-2's 50304-row vocabulary.
+# Elsewhere the row passes are torch ops that make fp32 copies of the chunk,
+# so it is smaller: 2**24 (64 MiB a copy, 333 tokens) cuts the head + loss
+# peak 12x against the full logits at the same speed (bench/RESULTS.md).
+CHUNK_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
 
 
 # ---------------------------------------------------------------------------
@@ -163,7 +167,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h_c)
         dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
-        chunk = max(1, CHUNK_LOGITS // vocab_local)
+        chunk = max(1, CHUNK_LOGITS.get(h.device.type, CHUNK_LOGITS["cpu"]) // vocab_local)
         for start in range(0, n_tokens, chunk):
             rows = slice(start, min(start + chunk, n_tokens))
             z = h_c[rows] @ w_c.t()                                  # (n, V_local)

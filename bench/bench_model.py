@@ -107,7 +107,7 @@ def nanogpt_worker(args) -> None:
     import importlib.util
     import torch
     from gpt import GPTConfig, flops_per_token
-    from train import PEAK_FLOPS
+    from train import peak_flops_by_name
     if not os.path.exists(NANOGPT):
         sys.exit(f"{NANOGPT} is missing; see this script's docstring")
     spec = importlib.util.spec_from_file_location("nanogpt_model", NANOGPT)
@@ -146,8 +146,7 @@ def nanogpt_worker(args) -> None:
     torch.cuda.synchronize()
     tok_s = B * T * args.iters / (time.time() - t0)
     name = torch.cuda.get_device_name()
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else next(
-        (f for k, f in PEAK_FLOPS.items() if k in name), None)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops_by_name(name)
     flops = flops_per_token(ours, T) * tok_s
     print(json.dumps({"tokens_per_sec": tok_s, "mfu": flops / peak if peak else None,
                       "first_step": first}))
