@@ -49,6 +49,7 @@ class TrainConfig:
     pipeline_model_parallel_size: int = 1  # accepted for Megatron recipes; only 1
     distributed_backend: str | None = None  # nccl | gloo; None: nccl on GPUs, gloo on CPU
     ddp_impl: str = "torch"                  # torch | local: both mean torch DDP here
+    distributed_timeout_minutes: float = 10.0  # a collective waiting longer is an error (Megatron's default)
     domino: bool = False
     domino_chunks: int = 2
     # batch
@@ -132,6 +133,7 @@ FLAG_HELP = {
     "pipeline_model_parallel_size": "accepted for Megatron recipes: only 1 (no pipeline parallelism)",
     "distributed_backend": "nccl | gloo (default: nccl on GPUs, gloo on CPU)",
     "ddp_impl": "torch | local: both are torch DDP here",
+    "distributed_timeout_minutes": "process-group timeout: a collective (or the start-up) waiting longer fails",
     "rampup_batch_size": "grow the global batch from START by INCREMENT over SAMPLES samples (needs --train-samples)",
     "train_samples": "train on this many samples instead of --train-iters (schedule counted in samples)",
     "optimizer": "adam (AdamW)",

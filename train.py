@@ -16,6 +16,7 @@ weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -77,8 +78,9 @@ def init_distributed(cfg: TrainConfig) -> Dist:
     else:
         device = torch.device("cpu")
     backend = cfg.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(minutes=cfg.distributed_timeout_minutes)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timeout, **elastic_store(rank, world, timeout))
     elif cfg.deepspeed and not dist.is_initialized():
         # DeepSpeed always needs a process group, even for one process, and
         # reads the launcher's variables: set what a 1-process launch would.
@@ -87,6 +89,26 @@ def init_distributed(cfg: TrainConfig) -> Dist:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     parallel.initialize(cfg.tensor_model_parallel_size)
     return Dist(rank, world, local_rank, device)
+
+
+def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
+    """init_process_group's store under torchrun, with its keys prefixed by
+    the restart count.
+
+    torchrun's agent hosts one key-value store for all the attempts of a
+    job (TORCHELASTIC_USE_AGENT_STORE), and the workers exchange their
+    addresses through it. After a restart (--max-restarts) the new workers
+    would read the dead attempt's keys and try to connect to ranks that no
+    longer exist: gloo then hangs in connectFullMesh or is refused, and NCCL
+    reads a stale unique id. A prefix per attempt keeps each attempt's keys
+    apart. Elsewhere (the deepspeed launcher, plain env://) nothing changes."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"/train.py/attempt_{attempt}", store),
+            "rank": rank, "world_size": world}
 
 
 # ----------------------------------------------------------------------------

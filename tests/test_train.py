@@ -417,6 +417,48 @@ def test_gpu_training_steps_never_synchronize():
             torch.cuda.set_sync_debug_mode("default")
 
 
+KILL_RANK_1_AFTER_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import checkpoint, train
+real_save = checkpoint.save_checkpoint
+
+def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log):
+    real_save(cfg, model, optimizer, scaler, iteration, consumed, log)
+    marker = {marker!r}
+    if iteration == {iteration} and os.environ["RANK"] == "1" and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # a dead node: no handler runs
+
+checkpoint.save_checkpoint = save_then_die
+train.main(sys.argv[1:])
+"""
+
+
+def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, tmp_path):
+    """A worker killed (SIGKILL) after the iteration-4 checkpoint, under
+    torchrun --max-restarts 2: the restarted workers meet again (each attempt
+    rendezvous under its own store prefix), resume from that checkpoint, and
+    the losses equal an uninterrupted run's bit for bit."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8",
+              "--eval-interval", "0"]
+    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
+    script = tmp_path / "killer.py"
+    script.write_text(KILL_RANK_1_AFTER_SAVE.format(root=ROOT, marker=str(tmp_path / "killed"), iteration=4))
+    ckpt = str(tmp_path / "ckpt")
+    args = [*common, "--save", ckpt, "--load", ckpt, "--save-interval", "2",
+            "--metrics-file", str(tmp_path / "restarted.jsonl")]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "--max-restarts=2", str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert (tmp_path / "killed").exists()  # it did die once
+    assert "loaded checkpoint" in proc.stdout and "(iteration 4)" in proc.stdout
+    restarted = read_metrics(tmp_path / "restarted.jsonl")
+    assert [m["iteration"] for m in restarted] == list(range(1, 9))
+    assert [m["loss"] for m in restarted] == losses(tmp_path / "full.jsonl")
+
+
 def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
