@@ -151,6 +151,21 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     return final
 
 
+def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
+    """--keep-last-checkpoints K: once iteration `current` is published (the
+    `latest` pointer has moved to it), delete all but the K newest of it and
+    the checkpoints before it. Later iterations (left by another run in the
+    same directory) are never touched, nor is anything not named iter_NNNNNNN."""
+    if not keep:
+        return
+    iterations = sorted(int(name[5:]) for name in os.listdir(save_dir)
+                        if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit()
+                        and int(name[5:]) <= current)
+    for iteration in iterations[:-keep]:
+        shutil.rmtree(os.path.join(save_dir, f"iter_{iteration:07d}"))
+        log(f"removed checkpoint iter_{iteration:07d} (--keep-last-checkpoints {keep})")
+
+
 def on_every_rank(fn, what: str) -> None:
     """Run fn() on this rank, then agree with every rank on whether all of
     them succeeded. A rank whose part failed raises its own error; the others
@@ -190,6 +205,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
             "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(model.config),
         }
         log(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
+        remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
     on_every_rank(write, f"saving checkpoint {iteration} to {cfg.save}")
 
@@ -332,6 +348,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
             atomic_write(os.path.join(tmp, DS_META), lambda f: f.write(text.encode()))
             publish(tmp, final, os.path.join(cfg.save, DS_LATEST), tag)
             log(f"saved checkpoint {final}")
+            remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
     on_every_rank(publish_on_first, what)
 

@@ -102,6 +102,7 @@ class TrainConfig:
     load: str | None = None
     save_interval: int | None = None
     exit_interval: int | None = None
+    keep_last_checkpoints: int | None = None  # None: keep all
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False                 # weights only; iteration, samples, schedule from 0
@@ -179,6 +180,7 @@ FLAG_HELP = {
     "save_interval": "save every N steps (and at the end, on SIGTERM and at --exit-interval)",
     "exit_interval": "save and stop after every N steps",
     "no_load_optim": "load weights only (fresh optimizer)",
+    "keep_last_checkpoints": "after each save, delete all but the newest K checkpoints (default: keep all)",
     "sample_prompt": "prompt of the sample printed at the end", "sample_tokens": "its length; 0 disables",
     "deepspeed": "train through DeepSpeed ZeRO", "zero_stage": "ZeRO stage 0-3 (default 1)",
     "deepspeed_config": "DeepSpeed's JSON config; values must agree with these flags",
@@ -319,6 +321,8 @@ def validate(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
     validate_megatron_flags(cfg)
     validate_schedule(cfg, given)
     validate_deepspeed(cfg)
+    if cfg.keep_last_checkpoints is not None and cfg.keep_last_checkpoints < 1:
+        raise ValueError(f"--keep-last-checkpoints {cfg.keep_last_checkpoints}: keep at least 1")
     if cfg.finetune and not cfg.load:
         raise ValueError("--finetune needs --load CHECKPOINT (the weights to start from)")
     if cfg.export_from:

@@ -153,6 +153,9 @@ def worker(out: str, plan: str) -> None:
         worker_run(out, "ddp_from_z2", ["--load", ck("z2_resume"), *weights])
         worker_run(out, "z1_finetune", ["--deepspeed", "--zero-stage", "1", "--load", ck("ddp15"),
                                         "--finetune", "--train-iters", "3", "--lr-decay-iters", str(STEPS)])
+        worker_run(out, "z1_keep", ["--deepspeed", "--zero-stage", "1", "--train-iters", "4",
+                                    "--save", ck("z1_keep"), "--save-interval", "1",
+                                    "--keep-last-checkpoints", "2"])
         worker_run(out, "z1_recompute", ["--deepspeed", "--zero-stage", "1", "--recompute-activations",
                                          "--train-iters", "6", "--lr-decay-iters", str(STEPS)])
         worker_run(out, "z2_offload", ["--deepspeed", "--zero-stage", "2", "--zero-offload-optimizer",
@@ -280,6 +283,12 @@ def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs)
     cfg = config.parse_args(COMMON + ["--deepspeed", "--load", os.path.join(runs, "ckpt_ddp")])
     with pytest.raises(ValueError, match="holds a plain train.py checkpoint: resume it without --deepspeed"):
         zero.init_deepspeed(cfg, torch.device("cpu"), 1, print)
+
+
+def test_keep_last_checkpoints_works_for_deepspeed_checkpoints(runs):
+    saved = os.path.join(runs, "ckpt_z1_keep")
+    assert sorted(n for n in os.listdir(saved) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
+    assert open(os.path.join(saved, "latest")).read() == "iter_0000004"
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -459,6 +459,19 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, tmp_path)
     assert [m["loss"] for m in restarted] == losses(tmp_path / "full.jsonl")
 
 
+def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_path):
+    """--keep-last-checkpoints 2 with a save every step: the two newest remain
+    and `latest` names the newest. A later iteration left by another run,
+    and anything not named like a checkpoint, are not touched."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000009").mkdir(parents=True)
+    (ckpt / "notes").mkdir()
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--eval-interval", "0",
+                "--save", str(ckpt), "--save-interval", "1", "--keep-last-checkpoints", "2"])
+    assert sorted(os.listdir(ckpt)) == sorted([checkpoint.LATEST, "iter_0000004", "iter_0000005", "iter_0000009", "notes"])
+    assert open(ckpt / checkpoint.LATEST).read() == "5"
+
+
 def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
