@@ -21,6 +21,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -133,19 +134,30 @@ def build_datasets(cfg: TrainConfig, global_batch: int):
     # The test split is left for offline evaluation; training reads train and valid.
     train_samples = cfg.train_samples or cfg.train_iters * global_batch
     num_samples = (train_samples, eval_runs(cfg) * cfg.eval_iters * global_batch, 0)
-    # Rank 0 builds the index arrays and caches them on disk; the others wait and
-    # then load that cache instead of all computing the same arrays at once.
-    first = not dist.is_initialized() or dist.get_rank() == 0
-    if not first:
-        dist.barrier()
-    datasets = data_lib.build_train_valid_test_datasets(
+    build = lambda: data_lib.build_train_valid_test_datasets(
         data_path=cfg.data_path, split=cfg.split, num_samples=num_samples,
         seq_length=cfg.seq_length, seed=cfg.seed, cache_dir=cfg.data_cache_path,
         eod_token=EOD_TOKEN, reset_position_ids=cfg.reset_position_ids,
         eod_mask_loss=cfg.eod_mask_loss)
-    if first and dist.is_initialized():
-        dist.barrier()
-    return datasets
+    if not dist.is_initialized():
+        return build()
+    # Rank 0 builds the index arrays and caches them on disk; the others then
+    # load that cache instead of all computing the same arrays at once. If
+    # rank 0 cannot (bad data), the others raise its error instead of crashing
+    # in a collective that rank 0 never joins.
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            datasets = build()
+        except (ValueError, FileNotFoundError) as e:
+            outcome = [(type(e).__name__, str(e))]
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        kind, message = outcome[0]
+        raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}[kind](message)
+    return datasets if dist.get_rank() == 0 else build()
 
 
 def data_iterator(dataset, cfg: TrainConfig, consumed_samples: int):
@@ -463,6 +475,42 @@ def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        run(argv)
+    except (ValueError, FileNotFoundError) as e:
+        if not raised_by_this_project(e):
+            raise  # unexpected: keep the traceback
+        exit_with_usage_error(e)
+
+
+def raised_by_this_project(e: BaseException) -> bool:
+    """Whether one of this project's own checks raised e (a `raise` in a file
+    beside train.py): a mistake in the flags, the data or the checkpoint,
+    whose message already says what to do. Errors from torch, DeepSpeed or
+    anything else are bugs to debug, with their traceback."""
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here
+
+
+def exit_with_usage_error(e: Exception) -> None:
+    """One line from rank 0, exit status 2, no traceback from every rank.
+
+    Usually every rank hits the same check; the launcher (torchrun, deepspeed)
+    stops the others as soon as rank 0 exits, so they wait a moment first. A
+    rank still alive after that failed alone, and says so itself."""
+    rank = int(os.environ.get("RANK", "0"))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Preemption's handler would keep it alive
+    if rank != 0:
+        time.sleep(3)
+    where = "" if rank == 0 else f" (rank {rank})"
+    print(f"train.py: error{where}: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def run(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     if cfg.export_from:
         checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)

@@ -472,6 +472,25 @@ def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_pa
     assert open(ckpt / checkpoint.LATEST).read() == "5"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--lr-decay-style", "exp"], "train.py: error: --lr-decay-style 'exp': use cosine, linear or constant\n"),
+    (["--load", "{corpus}"], ""),  # after the process group exists: not a checkpoint, so none loads
+    (["--data-path", "/nonexistent/corpus_text_document"], "train.py: error: /nonexistent/corpus_text_document"),
+])
+def test_a_user_mistake_is_one_line_from_rank_0(corpus, flags, message):
+    """A bad flag (checked before the process group) or bad data (after it):
+    one line, from rank 0, exit status 2 from the ranks, and no traceback
+    through this project's code from any rank."""
+    flags = [f.format(corpus=os.path.dirname(corpus)) for f in flags]
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", *flags], nproc=2, check=False)
+    if not message:  # a directory without a checkpoint: training starts from scratch, and says so
+        assert proc.returncode == 0 and "no checkpoint in" in proc.stdout
+        return
+    assert proc.returncode != 0
+    assert proc.stderr.count("train.py: error") == 1 and message in proc.stderr, proc.stderr[-3000:]
+    assert 'train.py", line' not in proc.stderr  # no traceback through our code
+
+
 def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
