@@ -423,25 +423,37 @@ sys.path.insert(0, {root!r})
 import checkpoint, train
 real_save = checkpoint.save_checkpoint
 
-def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log):
-    real_save(cfg, model, optimizer, scaler, iteration, consumed, log)
+real_ds_save = checkpoint.save_deepspeed_checkpoint
+
+def die_after(iteration):
     marker = {marker!r}
     if iteration == {iteration} and os.environ["RANK"] == "1" and not os.path.exists(marker):
         open(marker, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)  # a dead node: no handler runs
 
+def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log):
+    real_save(cfg, model, optimizer, scaler, iteration, consumed, log)
+    die_after(iteration)
+
+def ds_save_then_die(cfg, engine, iteration, consumed, log):
+    real_ds_save(cfg, engine, iteration, consumed, log)
+    die_after(iteration)
+
 checkpoint.save_checkpoint = save_then_die
+checkpoint.save_deepspeed_checkpoint = ds_save_then_die
 train.main(sys.argv[1:])
 """
 
 
-def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, tmp_path):
+@pytest.mark.parametrize("engine", [[], ["--deepspeed", "--zero-stage", "2"]], ids=["ddp", "zero2"])
+def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, tmp_path, engine):
     """A worker killed (SIGKILL) after the iteration-4 checkpoint, under
     torchrun --max-restarts 2: the restarted workers meet again (each attempt
     rendezvous under its own store prefix), resume from that checkpoint, and
-    the losses equal an uninterrupted run's bit for bit."""
+    the losses equal an uninterrupted run's bit for bit (plain DDP, and
+    DeepSpeed ZeRO-2 with its own checkpoints)."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8",
-              "--eval-interval", "0"]
+              "--eval-interval", "0", *engine]
     run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
     script = tmp_path / "killer.py"
     script.write_text(KILL_RANK_1_AFTER_SAVE.format(root=ROOT, marker=str(tmp_path / "killed"), iteration=4))
