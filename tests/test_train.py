@@ -503,6 +503,28 @@ def test_a_user_mistake_is_one_line_from_rank_0(corpus, flags, message):
     assert 'train.py", line' not in proc.stderr  # no traceback through our code
 
 
+@pytest.mark.parametrize("nodelist, head", [("gpu[07-09,12],cpu3", "gpu07"), ("node5", "node5"),
+                                            ("a-1,a-2", "a-1")])
+def test_slurm_script_runs_one_torchrun_per_node_meeting_at_the_first(nodelist, head):
+    """slurm.sh, given the variables Slurm sets (DRY_RUN=1 prints the command):
+    srun starts one torchrun per node, all rendezvousing at the node list's
+    first host, and train.py gets the script's arguments unchanged."""
+    import shlex
+    env = {**os.environ, "SLURM_JOB_NODELIST": nodelist, "SLURM_NNODES": "4", "SLURM_JOB_ID": "4242",
+           "SLURM_GPUS_ON_NODE": "8", "DRY_RUN": "1"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "slurm.sh"), "--preset", "124M", "--data-path", "a b"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cmd = shlex.split(proc.stdout)
+    assert cmd[:6] == ["srun", "--nodes", "4", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
+    launcher = cmd[6:cmd.index("train.py")]
+    assert launcher[:3] == ["python", "-m", "torch.distributed.run"]
+    flags = dict(zip(launcher[3::2], launcher[4::2]))
+    assert flags == {"--nnodes": "4", "--nproc_per_node": "8", "--rdzv-backend": "c10d",
+                     "--rdzv-endpoint": f"{head}:29500", "--rdzv-id": "4242", "--max-restarts": "0"}
+    assert cmd[cmd.index("train.py") + 1:] == ["--preset", "124M", "--data-path", "a b"]
+
+
 def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
