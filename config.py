@@ -128,7 +128,7 @@ FLAG_HELP = {
     "preset": "model size: " + ", ".join(PRESETS) + "; the model flags below override it",
     "num_layers": "transformer layers", "hidden_size": "model width",
     "num_attention_heads": "attention heads", "ffn_hidden_size": "MLP width (default 4 x hidden)",
-    "seq_length": "tokens per sample",
+    "seq_length": "tokens per sample", "max_position_embeddings": "learned positions (default: preset's, at least --seq-length)",
     "init_method_std": "std of the normal weight init (default 0.02)",
     "make_vocab_size_divisible_by": "pad the embedding rows to a multiple of this (TP size must divide the result)",
     "pipeline_model_parallel_size": "accepted for Megatron recipes: only 1 (no pipeline parallelism)",
@@ -146,7 +146,7 @@ FLAG_HELP = {
     "vocab_file": "GPT-2's gpt2-vocab.json, checked if given", "merge_file": "GPT-2's gpt2-merges.txt, checked if given",
     "tensorboard_queue_size": "TensorBoard events buffered before a write",
     "no_load_rng": "do not restore the RNG states from --load",
-    "finetune": "start from --load's weights: iteration, samples, optimizer and schedule from zero", "max_position_embeddings": "learned positions (default: preset's, at least --seq-length)",
+    "finetune": "start from --load's weights: iteration, samples, optimizer and schedule from zero",
     "hidden_dropout": "dropout on embeddings and residual branches",
     "attention_dropout": "dropout on attention probabilities",
     "attention_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
@@ -356,6 +356,7 @@ def validate_megatron_flags(cfg: TrainConfig) -> None:
                          f"--dataset-impl mmap)")
     if cfg.make_vocab_size_divisible_by < 1:
         raise ValueError("--make-vocab-size-divisible-by must be >= 1")
+    from prepare import check_gpt2_bpe  # the tokenizer's home
     check_gpt2_bpe(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
 
 
@@ -385,16 +386,6 @@ def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
             raise ValueError(f"--rampup-batch-size {start} {increment} ...: needs --global-batch-size "
                              f"G with 0 < START <= G and G - START a multiple of INCREMENT "
                              f"(got G={final})")
-
-
-def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None, merge_file: str | None) -> None:
-    """Megatron recipes name the tokenizer and its files; the data here is
-    always GPT-2's BPE (prepare.py), so the files, if given, must be GPT-2's."""
-    from prepare import check_gpt2_bpe_files  # the tokenizer's home
-    if tokenizer_type != "GPT2BPETokenizer":
-        raise ValueError(f"--tokenizer-type {tokenizer_type}: only GPT2BPETokenizer (GPT-2's BPE, "
-                         f"50257 tokens) is supported")
-    check_gpt2_bpe_files(vocab_file, merge_file)
 
 
 def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTConfig:
@@ -546,10 +537,9 @@ def with_run_length(cfg: TrainConfig, dp_size: int) -> TrainConfig:
     if cfg.train_samples is None:
         return cfg
     iterations, consumed = 0, 0
-    while consumed + global_batch_at(consumed, cfg, dp_size) <= cfg.train_samples:
-        consumed += global_batch_at(consumed, cfg, dp_size)
+    while consumed + (batch := global_batch_at(consumed, cfg, dp_size)) <= cfg.train_samples:
+        consumed += batch
         iterations += 1
     if iterations == 0:
-        raise ValueError(f"--train-samples {cfg.train_samples} is less than one global batch "
-                         f"({global_batch_at(0, cfg, dp_size)})")
+        raise ValueError(f"--train-samples {cfg.train_samples} is less than one global batch ({batch})")
     return dataclasses.replace(cfg, train_iters=iterations)

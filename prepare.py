@@ -71,8 +71,7 @@ class TokenizerUnavailableError(RuntimeError):
 
 def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer"):
     """GPT-2 BPE via tiktoken; explains how to fix the usual offline failure."""
-    if tokenizer_type != "GPT2BPETokenizer":
-        raise ValueError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer (GPT-2 BPE)")
+    check_gpt2_bpe(tokenizer_type)
     import tiktoken
     try:
         return tiktoken.get_encoding("r50k_base")
@@ -93,9 +92,14 @@ GPT2_VOCAB_SHA256 = "855ec41a9d90094ebb1189ee8082e915505cf2dfe0691a4f39da9c020f9
 GPT2_MERGES_SHA256 = "04e3597d7996f292ca9b8b7285ca4d58a6ae171ac47d73fc7140ceb0c7a6bbc0"
 
 
-def check_gpt2_bpe_files(vocab_file: str | None, merge_file: str | None) -> None:
-    """--vocab-file / --merge-file, where given, must be GPT-2's: the data is
+def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
+                   merge_file: str | None = None) -> None:
+    """Megatron recipes name the tokenizer and its files: the tokenizer must be
+    GPT2BPETokenizer and the files, where given, GPT-2's. The data is
     tokenized with tiktoken's r50k_base, which is exactly that BPE."""
+    if tokenizer_type != "GPT2BPETokenizer":
+        raise ValueError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
+                         f"(GPT-2's BPE, {VOCAB_SIZE} tokens)")
     def digest(path, flag, read):
         try:
             with open(path, encoding="utf-8") as f:
@@ -559,7 +563,7 @@ def main(argv: list[str] | None = None) -> PrepareStats:
             stats = merge(prefixes_in(args.input[0]) if one_dir else args.input, args.output_prefix)
         else:
             args = build_parser().parse_args(argv)
-            check_gpt2_bpe_files(args.vocab_file, args.merge_file)
+            check_gpt2_bpe(args.tokenizer_type, args.vocab_file, args.merge_file)
             stats = prepare(args.input, args.output_prefix, args.json_key, args.workers, args.append_eod,
                             args.text_split, args.tokenizer_type, args.log_interval)
     except (ValueError, OSError, TokenizerUnavailableError) as e:

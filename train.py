@@ -145,15 +145,15 @@ def build_datasets(cfg: TrainConfig, global_batch: int):
     # load that cache instead of all computing the same arrays at once. If
     # rank 0 cannot (bad data), the others raise its error instead of crashing
     # in a collective that rank 0 never joins.
-    outcome = [None]
+    outcome, error = [None], None
     if dist.get_rank() == 0:
         try:
             datasets = build()
         except (ValueError, FileNotFoundError) as e:
-            outcome = [(type(e).__name__, str(e))]
-            dist.broadcast_object_list(outcome, src=0)
-            raise
+            outcome, error = [(type(e).__name__, str(e))], e
     dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
     if outcome[0] is not None:
         kind, message = outcome[0]
         raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}[kind](message)

@@ -152,12 +152,20 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
     torch.manual_seed(cfg.seed)
     with ds.zero.Init(data_parallel_group=parallel.dp_group(), config_dict_or_path=ds_config):
         model = GPT(mcfg)
-    for module in model.modules():
+    each_module_gathered(model, ds, lambda _, module: init_weights(module, mcfg))
+    return model
+
+
+def each_module_gathered(model: GPT, ds, fn) -> None:
+    """ZeRO-3 (zero.Init): fn(name, module) for every module that owns
+    parameters (Linear/Embedding/LayerNorm), with those gathered whole, one
+    module at a time; what fn writes on rank 0 is what every rank's
+    partition keeps."""
+    for prefix, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         if params:
-            with ds.zero.GatheredParameters(params, modifier_rank=0):  # Linear/Embedding/LayerNorm
-                init_weights(module, mcfg)
-    return model
+            with ds.zero.GatheredParameters(params, modifier_rank=0):
+                fn(prefix, module)
 
 
 def load_weights(model: GPT, weights: dict) -> None:
@@ -167,16 +175,14 @@ def load_weights(model: GPT, weights: dict) -> None:
     if not any(hasattr(p, "ds_id") for p in model.parameters()):
         model.load_full_state_dict(weights)
         return
+
+    @torch.no_grad()
+    def copy(prefix, module):
+        for name, p in module.named_parameters(recurse=False):
+            p.copy_(weights[f"{prefix}.{name}" if prefix else name])
+
     import deepspeed
-    seen = set()
-    for prefix, module in model.named_modules():
-        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for _, p in params)
-        if params:
-            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
-                with torch.no_grad():
-                    for name, p in params:
-                        p.copy_(weights[f"{prefix}.{name}" if prefix else name])
+    each_module_gathered(model, deepspeed, copy)
 
 
 def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
