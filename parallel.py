@@ -51,6 +51,7 @@ the benchmarking-only skip_communication flag).
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Callable, Iterable
 
 import torch
@@ -70,11 +71,14 @@ _DP_SIZE, _DP_RANK = 1, 0
 _SKIP_COMMUNICATION = False  # benchmarking switch, see skip_communication()
 
 
-def initialize(tensor_model_parallel_size: int = 1) -> None:
+def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None) -> None:
     """Build the tensor- and data-parallel groups from the torchrun world.
 
     Must be called on every rank (new_group is collective). Without an
     initialized torch.distributed and tp=1 this sets up a single-rank world.
+    `timeout` bounds every collective on these groups: pass the one given to
+    init_process_group, because new_group does not inherit it (it falls back
+    to torch's 30-minute default, and a dead peer would hang DDP that long).
     """
     global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
     tp = tensor_model_parallel_size
@@ -97,11 +101,11 @@ def initialize(tensor_model_parallel_size: int = 1) -> None:
             f"launch a multiple of {tp} processes or pick a size that divides {world}")
     # Every rank must create every group, in the same order.
     for start in range(0, world, tp):                 # TP: consecutive ranks
-        group = dist.new_group(list(range(start, start + tp)))
+        group = dist.new_group(list(range(start, start + tp)), timeout=timeout)
         if start <= rank < start + tp:
             _TP_GROUP = group
     for tp_r in range(tp):                            # DP: same TP rank
-        group = dist.new_group(list(range(tp_r, world, tp)))
+        group = dist.new_group(list(range(tp_r, world, tp)), timeout=timeout)
         if rank % tp == tp_r:
             _DP_GROUP = group
     _TP_SIZE, _TP_RANK = tp, rank % tp

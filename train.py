@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -88,7 +89,7 @@ def init_distributed(cfg: TrainConfig) -> Dist:
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    parallel.initialize(cfg.tensor_model_parallel_size)
+    parallel.initialize(cfg.tensor_model_parallel_size, timeout)
     return Dist(rank, world, local_rank, device)
 
 
@@ -481,6 +482,10 @@ def main(argv: list[str] | None = None) -> None:
         if not raised_by_this_project(e):
             raise  # unexpected: keep the traceback
         exit_with_usage_error(e)
+    except RuntimeError as e:  # gloo's and torch.distributed's errors are RuntimeErrors
+        if not is_collective_failure(e):
+            raise
+        exit_with_collective_failure(e)
 
 
 def raised_by_this_project(e: BaseException) -> bool:
@@ -488,11 +493,12 @@ def raised_by_this_project(e: BaseException) -> bool:
     beside train.py): a mistake in the flags, the data or the checkpoint,
     whose message already says what to do. Errors from torch, DeepSpeed or
     anything else are bugs to debug, with their traceback."""
-    tb = e.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here
+    return in_this_project(traceback.extract_tb(e.__traceback__)[-1].filename)
+
+
+def in_this_project(filename: str) -> bool:
+    """Whether a source file is one of this project's (beside train.py)."""
+    return os.path.dirname(os.path.abspath(filename)) == os.path.dirname(os.path.abspath(__file__))
 
 
 def exit_with_usage_error(e: Exception) -> None:
@@ -508,6 +514,32 @@ def exit_with_usage_error(e: Exception) -> None:
     where = "" if rank == 0 else f" (rank {rank})"
     print(f"train.py: error{where}: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def is_collective_failure(e: RuntimeError) -> bool:
+    """A collective or the store that gave up on a peer: the process-group
+    timeout (--distributed-timeout-minutes) ran out, or the peer's socket
+    closed because it died. gloo raises a plain RuntimeError for both."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))
+
+
+def exit_with_collective_failure(e: RuntimeError) -> None:
+    """Keep the traceback, then end with one line that says which collective
+    gave up (the line of this project that waited on it) and what it means."""
+    traceback.print_exc()
+    ours = [f for f in traceback.extract_tb(e.__traceback__) if in_this_project(f.filename)]
+    what, where = "a collective", ""
+    if ours:
+        frame = ours[-1]
+        where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name} (`{frame.line}`)"
+        if "backward" in frame.line:  # DDP and ZeRO reduce gradients from autograd hooks
+            what = "the gradient all-reduce (run inside backward)"
+    print(f"train.py: error (rank {os.environ.get('RANK', '0')}): {what} failed{where}: "
+          f"{str(e).splitlines()[0]}. Another rank stopped answering or died; its own log says "
+          f"why. --distributed-timeout-minutes sets how long a collective waits.", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def run(argv: list[str] | None = None) -> None:

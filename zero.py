@@ -201,7 +201,9 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
     ds = import_deepspeed(device)
     check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
     ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    mpu = DeepSpeedMPU() if parallel.tp_size() > 1 else None
+    # The mpu hands ZeRO our groups, at any tp: without it DeepSpeed clones the
+    # world with new_group, which drops --distributed-timeout-minutes.
+    mpu = DeepSpeedMPU()
     config = deepspeed_config(cfg, parallel.dp_size(), accum)
     stage = config["zero_optimization"]["stage"]
     model = build_model_zero3(cfg, ds, config) if stage == 3 else build_model(cfg, device)

@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -469,6 +470,57 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, tmp_path,
     restarted = read_metrics(tmp_path / "restarted.jsonl")
     assert [m["iteration"] for m in restarted] == list(range(1, 9))
     assert [m["loss"] for m in restarted] == losses(tmp_path / "full.jsonl")
+
+
+RANK_1_STOPS_ANSWERING = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import train, zero
+calls = []
+
+def silent_at_step_3(real_step):
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 and os.environ["RANK"] == "1":
+            time.sleep(600)  # alive but silent: a hung GPU, a stuck file system
+        return real_step(*args, **kwargs)
+    return step
+
+train.train_step = silent_at_step_3(train.train_step)
+zero.deepspeed_train_step = silent_at_step_3(zero.deepspeed_train_step)
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("engine", [[], ["--deepspeed", "--zero-stage", "2"]], ids=["ddp", "zero2"])
+def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp_path, engine):
+    """Rank 1 stops answering at iteration 3. With --distributed-timeout-minutes
+    0.05 (3 s), rank 0's gradient all-reduce gives up after 3 s, and it says
+    which collective failed, where, and why, in one line after the traceback;
+    torchrun then stops the silent rank. Every group must carry the timeout:
+    new_group does not inherit init_process_group's, and DDP on our
+    data-parallel group, or ZeRO on the world clone DeepSpeed makes without an
+    mpu, used to wait out the silent rank (torch's default is 30 minutes)."""
+    script = tmp_path / "silent.py"
+    script.write_text(RANK_1_STOPS_ANSWERING.format(root=ROOT))
+    args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8",
+            "--eval-interval", "0", "--distributed-timeout-minutes", "0.05", *engine]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    # 3 s of timeout, torchrun's 30 s grace for the silent rank, and start-up: far from 600 s
+    assert elapsed < 150, elapsed
+    last = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error")]
+    assert len(last) == 1, proc.stderr[-4000:]
+    where = r"zero\.py:\d+ in deepspeed_train_step \(`engine\.backward\(loss\)`\)" if engine else \
+        r"train\.py:\d+ in train_step \(`\(scaler\.scale\(loss\) if scaler else loss\)\.backward\(\)`\)"
+    assert re.match(r"train\.py: error \(rank 0\): the gradient all-reduce \(run inside backward\) "
+                    f"failed at {where}: ", last[0]), last[0]
+    assert "Timed out waiting 3000ms" in last[0]
+    assert "--distributed-timeout-minutes" in last[0]
 
 
 def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_path):
