@@ -697,6 +697,40 @@ def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layout
     np.testing.assert_allclose([r["grad_norm"] for r in t2], [r["grad_norm"] for r in t1], rtol=1e-4)
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
+    """Two torchrun agents on this machine stand in for two nodes of 2 processes,
+    meeting by c10d rendezvous (the multi-node launch of README and slurm.sh).
+    torchrun numbers ranks node by node, so each TP=2 group lies inside one
+    agent: the losses equal one agent's 4-process run, and only global rank 0
+    prints, writes the metrics and writes TensorBoard."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "4", "--global-batch-size", "8",
+              "--micro-batch-size", "4", "--tensor-model-parallel-size", "2", "--eval-interval", "0"]
+    run_train([*common, "--metrics-file", str(tmp_path / "one_agent.jsonl")], nproc=4)
+    port = free_port()
+    args = [*common, "--metrics-file", str(tmp_path / "two_agents.jsonl"),
+            "--tensorboard-dir", str(tmp_path / "tb")]
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=two-nodes", os.path.join(ROOT, "train.py"), *args],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for node in (0, 1)]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    for agent, (out, err) in zip(agents, outputs):
+        assert agent.returncode == 0, out[-2000:] + err[-4000:]
+    assert losses(tmp_path / "two_agents.jsonl") == losses(tmp_path / "one_agent.jsonl")
+    printed = [sum(l.startswith("iter ") for l in out.splitlines()) for out, _ in outputs]
+    assert sorted(printed) == [0, 4]  # one agent hosts global rank 0, which alone prints
+    assert len(glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))) == 1
+
+
 def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path):
     """--export-from a train.py checkpoint --export-format hf: a GPT-2 directory
     that loads back (here and in transformers) with the trained weights."""
