@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,17 +50,38 @@ def peak_bandwidth(device_name: str, override: float | None) -> float | None:
     return None
 
 
-def bench_ms(fn, warmup: int, rep: int) -> float:
-    """Median milliseconds per call (triton's do_bench flushes L2 between runs)."""
+def bench_ms(fn, warmup: int, rep: int, device: str = "cuda") -> float:
+    """Median milliseconds per call (triton's do_bench flushes L2 between runs).
+    On CPU (--smoke) a plain clock over three calls: the figures only show
+    that every path runs."""
+    if device == "cpu":
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return sorted(times)[1]
     import triton.testing
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def fmt(x: float) -> str:
+    """A figure for the tables: whole numbers, or three digits when small (--smoke)."""
+    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.3g}"
+
+
+def sm_count(device: str) -> int:
+    """Streaming multiprocessors; kernels.py launches as if there were 1 under the interpreter."""
+    return 1 if device == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def copy_bandwidth_tbs(args) -> float:
     """A large device-to-device copy, bytes read + written: the practical ceiling."""
-    src = torch.empty(2 ** 28, device="cuda", dtype=torch.float32).normal_()  # 1 GiB
+    n = 2 ** 20 if args.smoke else 2 ** 28  # 1 GiB on a GPU
+    src = torch.empty(n, device=args.device, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), args.warmup, args.rep)
+    ms = bench_ms(lambda: dst.copy_(src), args.warmup, args.rep, args.device)
     return 2 * src.numel() * 4 / ms / 1e9
 
 
@@ -74,28 +96,31 @@ def attention_flops(B: int, H: int, T: int, D: int, kind: str) -> float:
 
 def sdpa_flash(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    if q.device.type == "cpu":  # --smoke: CPU has no flash backend
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def model_layout_inputs(B, H, T, D, dtype=torch.bfloat16):
+def model_layout_inputs(B, H, T, D, dtype=torch.bfloat16, device="cuda"):
     """q, k, v as views of a (B, T, 3*H*D) projection; do as the gradient of
     the model's (B, T, H*D) reshape of the output."""
-    qkv = torch.randn(B, T, 3 * H * D, device="cuda", dtype=dtype, requires_grad=True)
+    qkv = torch.randn(B, T, 3 * H * D, device=device, dtype=dtype, requires_grad=True)
     q, k, v = [t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2)]
-    do = torch.randn(B, T, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+    do = torch.randn(B, T, H, D, device=device, dtype=dtype).transpose(1, 2)
     return qkv, q, k, v, do
 
 
 def time_attention(fn, qkv, q, k, v, do, kind: str, args) -> float:
     if kind == "fwd":
         with torch.no_grad():
-            return bench_ms(lambda: fn(q, k, v), args.warmup, args.rep)
+            return bench_ms(lambda: fn(q, k, v), args.warmup, args.rep, args.device)
     if kind == "bwd":
         o = fn(q, k, v)
         return bench_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
-                        args.warmup, args.rep)
-    return bench_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), args.warmup, args.rep)
+                        args.warmup, args.rep, args.device)
+    return bench_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), args.warmup, args.rep,
+                    args.device)
 
 
 def autotune_snapshot() -> dict:
@@ -124,7 +149,7 @@ def bench_attention(args) -> list[str]:
     for D in args.head_dims:
         for T in args.seq_lens:
             B, H = max(1, args.tokens // T), args.hidden // D
-            qkv, q, k, v, do = model_layout_inputs(B, H, T, D)
+            qkv, q, k, v, do = model_layout_inputs(B, H, T, D, args.dtype, args.device)
             o = kernels.flash_attention(q, k, v)
             torch.autograd.grad(o, (q, k, v), do)  # tunes (once) outside the timing
             for name, per_key in autotune_snapshot().items():
@@ -137,7 +162,7 @@ def bench_attention(args) -> list[str]:
                 flops = attention_flops(B, H, T, D, kind)
                 ours, ref = (flops / time_attention(fn, qkv, q, k, v, do, kind, args) / 1e9
                              for fn in (kernels.flash_attention, sdpa_flash))
-                cells += [f"{ours:.0f}", f"{ref:.0f}", f"{ours / ref:.2f}"]
+                cells += [fmt(ours), fmt(ref), f"{ours / ref:.2f}"]
             rows.append(f"| {T} | {D} | {B} x {H} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
             del qkv, q, k, v, do, o
@@ -152,7 +177,7 @@ def bench_attention(args) -> list[str]:
     return rows
 
 
-def layer_norm_bytes(impl: str, kind: str, M: int, N: int) -> int:
+def layer_norm_bytes(impl: str, kind: str, M: int, N: int, device: str = "cuda") -> int:
     """Bytes a LayerNorm of M rows of N bf16 values must move. Forward: read
     x, write y and the fp32 mean and rstd per row. Backward: read x, dy, mean,
     rstd; write dx; for ours also the fp32 dW/dB partial sums each program
@@ -164,8 +189,7 @@ def layer_norm_bytes(impl: str, kind: str, M: int, N: int) -> int:
     total = 3 * act + 8 * M
     if impl == "ours":
         block_n, rows, _ = kernels._layer_norm_config(N)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        programs = min(-(-M // rows), 4 * sms)        # as kernels._ln_backward
+        programs = min(-(-M // rows), 4 * sm_count(device))  # as kernels._ln_backward
         total += 2 * (2 * programs * N * 4)           # dW, dB partials: written, then read
     return total
 
@@ -178,26 +202,26 @@ def bench_layer_norm(args, peak_tbs: float | None, copy_tbs: float) -> list[str]
     print("\n".join(rows), flush=True)
     for N in args.ln_hidden:
         M = args.ln_elements // N
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w32, b32 = (torch.randn(N, device="cuda", requires_grad=True) for _ in range(2))
-        w16, b16 = (t.detach().to(torch.bfloat16).requires_grad_() for t in (w32, b32))
+        x = torch.randn(M, N, device=args.device, dtype=args.dtype, requires_grad=True)
+        dy = torch.randn(M, N, device=args.device, dtype=args.dtype)
+        w32, b32 = (torch.randn(N, device=args.device, requires_grad=True) for _ in range(2))
+        w16, b16 = (t.detach().to(args.dtype).requires_grad_() for t in (w32, b32))
         fns = {"ours": lambda: kernels.layer_norm(x, w32, b32),          # the model's fp32 weights
                "torch": lambda: F.layer_norm(x, (N,), w16, b16)}         # weights cast beforehand
         params = {"ours": (x, w32, b32), "torch": (x, w16, b16)}
         gbs = {}
         for name, fn in fns.items():
-            ms = bench_ms(fn, args.warmup, args.rep)
-            gbs[name, "fwd"] = layer_norm_bytes(name, "fwd", M, N) / ms / 1e6
+            ms = bench_ms(fn, args.warmup, args.rep, args.device)
+            gbs[name, "fwd"] = layer_norm_bytes(name, "fwd", M, N, args.device) / ms / 1e6
             y = fn()
             ms = bench_ms(lambda: torch.autograd.grad(y, params[name], dy, retain_graph=True),
-                          args.warmup, args.rep)
-            gbs[name, "bwd"] = layer_norm_bytes(name, "bwd", M, N) / ms / 1e6
+                          args.warmup, args.rep, args.device)
+            gbs[name, "bwd"] = layer_norm_bytes(name, "bwd", M, N, args.device) / ms / 1e6
         f, b = gbs["ours", "fwd"], gbs["ours", "bwd"]
         pct = "n/a" if peak_tbs is None else f"{f / (10 * peak_tbs):.0f}% / {b / (10 * peak_tbs):.0f}%"
-        rows.append(f"| {N} | {M} | {f:.0f} | {gbs['torch', 'fwd']:.0f} | {b:.0f} | "
-                    f"{gbs['torch', 'bwd']:.0f} | {pct} | {f / (10 * copy_tbs):.0f}% / "
-                    f"{b / (10 * copy_tbs):.0f}% |")
+        rows.append(f"| {N} | {M} | {fmt(f)} | {fmt(gbs['torch', 'fwd'])} | {fmt(b)} | "
+                    f"{fmt(gbs['torch', 'bwd'])} | {pct} | {fmt(f / (10 * copy_tbs))}% / "
+                    f"{fmt(b / (10 * copy_tbs))}% |")
         print(rows[-1], flush=True)
     return rows
 
@@ -265,11 +289,12 @@ def bench_add_layer_norm(args) -> list[str]:
     print("\n".join(rows), flush=True)
     M = args.ln_rows
     for N in args.ln_hidden:
-        x = torch.randn(M, N, device="cuda", requires_grad=True)                       # stream, fp32
-        r = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # branch
-        w = torch.randn(N, device="cuda", requires_grad=True)
-        b = torch.randn(N, device="cuda", requires_grad=True)
-        ds, dy = torch.randn(M, N, device="cuda"), torch.randn(M, N, device="cuda")
+        dev = args.device
+        x = torch.randn(M, N, device=dev, requires_grad=True)                       # stream, fp32
+        r = torch.randn(M, N, device=dev, dtype=args.dtype, requires_grad=True)     # branch
+        w = torch.randn(N, device=dev, requires_grad=True)
+        b = torch.randn(N, device=dev, requires_grad=True)
+        ds, dy = torch.randn(M, N, device=dev), torch.randn(M, N, device=dev)
         variants = {
             "fused": lambda: kernels.add_layer_norm(x, r, w, b),
             "triton": lambda: (lambda s: (s, kernels.layer_norm(s, w, b)))(x + r),
@@ -277,9 +302,9 @@ def bench_add_layer_norm(args) -> list[str]:
         }
         fwd, both = [], []
         for fn in variants.values():
-            fwd.append(1e3 * bench_ms(fn, args.warmup, args.rep))
+            fwd.append(1e3 * bench_ms(fn, args.warmup, args.rep, dev))
             both.append(1e3 * bench_ms(
-                lambda: torch.autograd.grad(fn(), (x, r, w, b), (ds, dy)), args.warmup, args.rep))
+                lambda: torch.autograd.grad(fn(), (x, r, w, b), (ds, dy)), args.warmup, args.rep, dev))
         rows.append(f"| {N} | " + " | ".join(f"{t:.0f}" for t in fwd + both) + " |")
         print(rows[-1], flush=True)
     return rows
@@ -300,17 +325,27 @@ def main():
     p.add_argument("--warmup", type=int, default=25, help="ms of warmup per measurement")
     p.add_argument("--rep", type=int, default=100, help="ms of timed runs per measurement")
     p.add_argument("--autotune-log", default=None, help="write every autotune timing here (JSON)")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, Triton interpreter (TRITON_INTERPRET=1), tiny shapes, fp32: checks that "
+                        "every path of this script runs before it meets a GPU")
     args = p.parse_args()
-
-    if not torch.cuda.is_available():
+    args.device, args.dtype = "cuda", torch.bfloat16
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        # The interpreter computes bf16 dots in numpy, without bf16: fp32 there.
+        args.device, args.dtype = "cpu", torch.float32
+        args.seq_lens, args.head_dims, args.tokens, args.hidden = [64], [32], 64, 64
+        args.ln_hidden, args.ln_elements, args.ln_rows = [128], 4096, 32
+    elif not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
                  "the kernels' correctness tests run on CPU: pytest tests/test_kernels.py")
     import triton
-    name = torch.cuda.get_device_name()
+    name = "CPU (Triton interpreter, --smoke)" if args.smoke else torch.cuda.get_device_name()
     peak = peak_bandwidth(name, args.peak_bw)
     copy_tbs = copy_bandwidth_tbs(args)
     print(f"## Kernel benchmarks on {name} (torch {torch.__version__}, triton {triton.__version__})\n")
-    print(f"device-to-device copy: {copy_tbs:.2f} TB/s (read + write); "
+    print(f"device-to-device copy: {copy_tbs:.3g} TB/s (read + write); "
           f"peak {peak or 'unknown'} TB/s\n")
     if args.only in (None, "attention"):
         print(f"### Causal attention, bf16, TFLOP/s (B*T={args.tokens}, H*D={args.hidden}; "

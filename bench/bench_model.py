@@ -67,8 +67,9 @@ def run_train(args, preset: str, variant: str, micro_batch: int, corpus: str, wo
            "--data-path", corpus, "--split", "1,0,0", "--seq-length", str(args.seq_length),
            "--micro-batch-size", str(micro_batch), "--train-iters", str(args.iters),
            "--log-interval", str(args.log_interval), "--eval-interval", "0", "--sample-tokens", "0",
-           "--lr", "6e-4", "--lr-warmup-iters", "10", "--bf16", "--metrics-file", metrics,
-           *VARIANTS[variant]]
+           "--lr", "6e-4", "--lr-warmup-iters", "10", "--metrics-file", metrics, *VARIANTS[variant]]
+    # --smoke: fp32 on CPU, and head dim 32, which the Triton kernels have (tiny's is 16)
+    cmd += ["--num-attention-heads", "2"] if args.smoke else ["--bf16"]
     if args.peak_tflops:
         cmd += ["--peak-flops", str(args.peak_tflops * 1e12)]
     start = time.time()
@@ -165,23 +166,30 @@ def main():
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s")
     p.add_argument("--nanogpt-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, fp32, the tiny preset, 4 iterations, triton (interpreted: "
+                        "TRITON_INTERPRET=1) and torch variants: checks that the script runs")
     args = p.parse_args()
     if args.nanogpt_worker:
         args.micro_batch_size = args.micro_batch_size[0]
         return nanogpt_worker(args)
 
     import torch
-    if not torch.cuda.is_available():
+    if args.smoke:
+        args.models, args.micro_batch_size, args.seq_length = ["tiny"], [2], 32
+        args.iters, args.log_interval = 4, 1
+        args.variants = [v for v in args.variants if v in ("triton", "torch")]
+    elif not torch.cuda.is_available():
         sys.exit("bench_model.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_model_")
     os.makedirs(workdir, exist_ok=True)
     corpus = args.corpus or os.path.join(workdir, "random_text_document")
     if not os.path.exists(corpus + ".idx"):
         needed = max(args.micro_batch_size) * (args.seq_length + 1) * (args.iters + 10)
-        write_random_corpus(corpus, max(needed, 2 ** 22))
-    print(f"## Training step through train.py on {torch.cuda.get_device_name()}, seq "
-          f"{args.seq_length}, bf16 autocast, fused AdamW, {args.iters} iterations "
-          f"(median of log intervals 2+)\n")
+        write_random_corpus(corpus, max(needed, 2 ** 16 if args.smoke else 2 ** 22))
+    where = "CPU, fp32 (--smoke)" if args.smoke else f"{torch.cuda.get_device_name()}, bf16 autocast"
+    print(f"## Training step through train.py on {where}, seq {args.seq_length}, fused AdamW, "
+          f"{args.iters} iterations (median of log intervals 2+)\n")
     print("| model | variant | micro-batch | tokens/s | MFU | first step s | run s |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for preset in args.models:

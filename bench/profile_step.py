@@ -46,52 +46,62 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
     p.add_argument("--top", type=int, default=20, help="kernels listed individually")
     p.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, fp32, the tiny preset (Triton kernels interpreted: TRITON_INTERPRET=1), "
+                        "CPU op times instead of kernels: checks that the script runs")
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    if args.smoke:
+        args.preset, args.micro_batch_size, args.seq_length, args.steps = "tiny", 2, 32, 1
+    elif not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA GPU")
+    dev = "cpu" if args.smoke else "cuda"
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
     import parallel
     from gpt import GPT, GPTConfig
     from torch.profiler import ProfilerActivity, profile
     parallel.initialize(1)
+    tiny = dict(num_attention_heads=2) if args.smoke else {}  # head dim 32, which the kernels have
     config = GPTConfig.from_preset(args.preset, attention_impl=args.impl, layernorm_impl=args.impl,
-                                   max_position_embeddings=max(1024, args.seq_length))
-    model = GPT(config).cuda()
+                                   max_position_embeddings=max(1024, args.seq_length), **tiny)
+    model = GPT(config).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     B, T = args.micro_batch_size, args.seq_length
-    tokens = torch.randint(0, 50257, (B, T + 1), device="cuda")
+    tokens = torch.randint(0, 50257, (B, T + 1), device=dev)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
             loss = model(tokens[:, :-1], labels=tokens[:, 1:])
         loss.backward()
         parallel.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
+    for _ in range(1 if args.smoke else 3):  # warm-up: compile, autotune, allocate
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
-        torch.cuda.synchronize()
+        sync()
         wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
     if args.trace:
         prof.export_chrome_trace(args.trace)
 
-    kernels = {}
+    kernels = {}  # on CPU (--smoke): the ops' own CPU time
+    kind = torch.autograd.DeviceType.CUDA if dev == "cuda" else torch.autograd.DeviceType.CPU
     for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", 0) or 0
-        if us > 0 and evt.device_type == torch.autograd.DeviceType.CUDA:
+        us = (getattr(evt, "self_device_time_total", 0) if dev == "cuda" else evt.self_cpu_time_total) or 0
+        if us > 0 and evt.device_type == kind:
             kernels[evt.key] = kernels.get(evt.key, 0) + us / 1e3 / args.steps  # ms per step
     busy = sum(kernels.values())
     by_cat = {}
     for name, ms in kernels.items():
         by_cat[category(name)] = by_cat.get(category(name), 0) + ms
-    print(f"## Profile: GPT {args.preset}, {args.impl} kernels, micro-batch {B}, seq {T}, bf16, "
-          f"on {torch.cuda.get_device_name()}\n")
+    where = "CPU, fp32 (--smoke)" if args.smoke else f"bf16, on {torch.cuda.get_device_name()}"
+    print(f"## Profile: GPT {args.preset}, {args.impl} kernels, micro-batch {B}, seq {T}, {where}\n")
     print(f"step wall time {wall_ms:.1f} ms, kernels {busy:.1f} ms, GPU idle "
           f"{max(wall_ms - busy, 0):.1f} ms ({100 * max(wall_ms - busy, 0) / wall_ms:.0f}%)\n")
     print("| category | ms per step | % of kernel time |\n|---|---|---|")

@@ -3,6 +3,7 @@
 # log to OUT_DIR, and a failing stage does not stop the others.
 #
 #   bash bench/run_gpu.sh OUT_DIR                       # every stage
+#   bash bench/run_gpu.sh --smoke OUT_DIR               # the same on CPU, tiny shapes (CI runs it)
 #   STAGES="tests kernels" bash bench/run_gpu.sh OUT_DIR
 #   MODEL_ARGS="--models 124M --variants triton torch" STAGES=model bash bench/run_gpu.sh OUT_DIR
 #
@@ -13,15 +14,27 @@
 #   profile    bench/profile_step.py, 124M and 350M         -> profile.md
 #   model      bench/bench_model.py through train.py (MODEL_ARGS) -> model.md
 #   firststep  train.py's first step with an empty, then a warm Triton cache -> firststep.log
-# STAGE_TIMEOUT (seconds, default 420) bounds each stage.
+# STAGE_TIMEOUT (seconds, default 420) bounds each stage. At the end every
+# log is gathered into OUT_DIR/RESULTS.md, ready to paste into bench/RESULTS.md.
+#
+# --smoke runs every stage on CPU in about two minutes: the Triton kernels in
+# the interpreter, tiny shapes, fp32 (each script's --smoke). Its figures mean
+# nothing; it shows that the script works before it first meets a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: bash bench/run_gpu.sh OUT_DIR}
+SMOKE=""
+if [ "${1:-}" = "--smoke" ]; then
+    SMOKE="--smoke"
+    shift
+    export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
+fi
+OUT=${1:?usage: bash bench/run_gpu.sh [--smoke] OUT_DIR}
 mkdir -p "$OUT"
 STAGES=${STAGES:-env tests kernels profile model firststep}
 LIMIT=${STAGE_TIMEOUT:-420}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 SMOKE
 WORK=$(mktemp -d)
+FAILED=0
 
 stage() {  # stage NAME LOG "COMMAND": run COMMAND under the time limit, log and time it
     local name=$1 log=$2 cmd=$3
@@ -30,11 +43,17 @@ stage() {  # stage NAME LOG "COMMAND": run COMMAND under the time limit, log and
     echo "== $name: $cmd" | tee -a "$OUT/$log"
     timeout "$LIMIT" bash -c "$cmd" >> "$OUT/$log" 2>&1
     local rc=$?
+    [ $rc -eq 0 ] || FAILED=1
     echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$log"
 }
 
 env_report() {
     date -u
+    if [ -n "$SMOKE" ]; then
+        echo "smoke run on CPU: $(nproc) cores, TRITON_INTERPRET=1"
+        python -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__)"
+        return
+    fi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
     python -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__, '|', torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
 }
@@ -43,23 +62,35 @@ first_step() {  # the first training step, autotuning included, cold and then wa
     export TRITON_CACHE_DIR="$WORK/triton-cache-first-step"
     rm -rf "$TRITON_CACHE_DIR"
     python bench/bench_model.py --models 124M --variants triton --micro-batch-size 16 \
-        --iters 3 --log-interval 1 --workdir "$WORK/first" | sed 's/^/cold cache: /'
+        --iters 3 --log-interval 1 --workdir "$WORK/first" $SMOKE | sed 's/^/cold cache: /'
     python bench/bench_model.py --models 124M --variants triton --micro-batch-size 16 \
-        --iters 3 --log-interval 1 --workdir "$WORK/first" | sed 's/^/warm cache: /'
+        --iters 3 --log-interval 1 --workdir "$WORK/first" $SMOKE | sed 's/^/warm cache: /'
 }
 
 profile_all() {
-    python bench/profile_step.py --preset 124M --impl triton
+    python bench/profile_step.py --preset 124M --impl triton $SMOKE
+    [ -n "$SMOKE" ] && return  # the smoke shape is the same for every preset
     python bench/profile_step.py --preset 124M --impl torch
     python bench/profile_step.py --preset 350M --impl triton
+}
+
+collect() {  # every stage's log in one file, in stage order
+    echo "# bench/run_gpu.sh $SMOKE results"
+    for log in env.txt tests.log kernels.md profile.md model.md firststep.log; do
+        [ -f "$OUT/$log" ] || continue
+        printf '\n## %s\n\n' "$log"
+        if [ "$log" = tests.log ]; then tail -n 15 "$OUT/$log"; else cat "$OUT/$log"; fi
+    done
 }
 
 export OUT WORK
 export -f env_report first_step profile_all
 stage env env.txt env_report
 stage tests tests.log "python -m pytest -p no:cacheprovider -m gpu tests/ -q -rfEs"
-stage kernels kernels.md "python bench/bench_kernels.py --autotune-log $OUT/autotune.json"
+stage kernels kernels.md "python bench/bench_kernels.py --autotune-log $OUT/autotune.json $SMOKE"
 stage profile profile.md profile_all
-stage model model.md "python bench/bench_model.py --workdir $WORK/model ${MODEL_ARGS:-}"
+stage model model.md "python bench/bench_model.py --workdir $WORK/model ${MODEL_ARGS:-} $SMOKE"
 stage firststep firststep.log first_step
+collect > "$OUT/RESULTS.md"
 rm -rf "$WORK"
+exit $FAILED

@@ -1,0 +1,29 @@
+"""bench/run_gpu.sh, the one command a GPU session runs, works before it meets a GPU.
+
+Its --smoke mode runs every stage on CPU (Triton interpreter, tiny shapes);
+the figures mean nothing, but every table must come out filled.
+"""
+import os
+import re
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_run_gpu_smoke_fills_every_table_of_one_results_file(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", "bench/run_gpu.sh", "--smoke", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ("env", "tests", "kernels", "profile", "model", "firststep"):
+        assert re.search(rf"== {stage}: exit 0 after \d+ s", proc.stdout), stage
+    results = (out / "RESULTS.md").read_text()
+    assert "torch 2." in results and "triton" in results           # the versions
+    assert re.search(r"\d+ skipped", results)                      # the GPU tests, collected
+    assert re.search(r"\| 64 \| 32 \| 1 x 2 \|( [\d.e+-]+ \|){9}", results)  # attention row
+    assert re.search(r"\| 128 \| 32 \|( [\d.e+-]+ \|){4}", results)        # LayerNorm row
+    assert "| attention |" in results and "| LayerNorm |" in results      # the profile
+    for variant in ("triton", "torch"):                                   # the model rows
+        assert re.search(rf"\| tiny \| {variant} \| 2 \| [\d,]+ \| n/a \| [\d.]+ \|", results), variant
+    assert re.search(r"cold cache: \| tiny \| triton", results)
+    assert re.search(r"warm cache: \| tiny \| triton", results)
