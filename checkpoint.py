@@ -152,10 +152,17 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
 
 
 def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
-    """--keep-last-checkpoints K: once iteration `current` is published (the
-    `latest` pointer has moved to it), delete all but the K newest of it and
-    the checkpoints before it. Later iterations (left by another run in the
-    same directory) are never touched, nor is anything not named iter_NNNNNNN."""
+    """Once iteration `current` is published (the `latest` pointer has moved
+    to it), and only then: delete the leftovers of saves that never
+    completed (iter_N.tmp, from a rank that died mid-save; one job saves at a
+    time, so none is in progress), and with --keep-last-checkpoints K all
+    but the K newest of `current` and the checkpoints before it. Later
+    iterations (left by another run in the same directory) are never
+    touched, nor is anything else not named iter_NNNNNNN."""
+    for name in sorted(os.listdir(save_dir)):
+        if name.startswith("iter_") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            log(f"removed {name}, the leftover of a save that did not complete")
     if not keep:
         return
     iterations = sorted(int(name[5:]) for name in os.listdir(save_dir)

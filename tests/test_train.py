@@ -577,7 +577,7 @@ def test_slurm_script_runs_one_torchrun_per_node_meeting_at_the_first(nodelist, 
     assert cmd[cmd.index("train.py") + 1:] == ["--preset", "124M", "--data-path", "a b"]
 
 
-def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch):
+def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch, capsys):
     ckpt = str(tmp_path / "ckpt")
     args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
     real_save = torch.save
@@ -598,10 +598,13 @@ def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypat
     assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
     state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
     assert state["iteration"] == 2 and state["consumed_samples"] == 8
-    # and the run resumes from it
-    train.main([*args, "--load", ckpt])
-    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "4"
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000004.tmp"))  # the half-written save
+    # The run resumes from iteration 2. It saves at 3 and stops (not at 4 again,
+    # whose save would overwrite the leftover): publishing 3 removes the leftover.
+    train.main([*args, "--load", ckpt, "--save-interval", "3", "--exit-interval", "3"])
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "3"
     assert not glob.glob(os.path.join(ckpt, "*.tmp"))
+    assert "removed iter_0000004.tmp, the leftover of a save that did not complete" in capsys.readouterr().out
 
 
 def test_resaving_an_iteration_never_leaves_latest_dangling(tmp_path, monkeypatch):
