@@ -552,3 +552,39 @@ def test_every_kernel_compiles_for_h100_quick():
                  "layer_norm_fwd", "layer_norm_bwd"):
         assert f"| {name} |" in out.stdout, f"{name} missing from:\n{out.stdout}"
     assert "OK: every kernel has a config that compiles and fits sm_90" in out.stdout
+
+
+def test_layer_norm_output_in_the_autocast_dtype_leaves_training_unchanged(monkeypatch):
+    """Under bf16 autocast TritonLayerNorm hands on its output already in bf16
+    (on a GPU the kernel writes it narrow: half the bytes, no cast kernel).
+    Every LayerNorm in the model feeds a matmul that autocast would cast to
+    bf16 anyway, so five training steps give the same losses, bit for bit, as
+    the output left in fp32 (the path before); the residual stream stays fp32."""
+    import parallel
+    from gpt import GPT, GPTConfig
+    parallel.initialize(1)
+    config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=2, max_position_embeddings=32,
+                       vocab_size=500, padded_vocab_size=512, layernorm_impl="triton")
+    tokens = torch.randint(0, 500, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def train_five_steps():
+        torch.manual_seed(0)
+        model = GPT(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out_dtypes, losses = set(), []
+        model.ln_f.register_forward_hook(lambda m, i, o: out_dtypes.add(o.dtype))
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, out_dtypes
+
+    narrow, dtypes = train_five_steps()
+    assert dtypes == {torch.bfloat16}
+    monkeypatch.setattr(kernels, "_autocast_dtype", lambda x: None)  # the fp32 output of before
+    wide, dtypes = train_five_steps()
+    assert dtypes == {torch.float32}
+    assert narrow == wide
