@@ -208,6 +208,15 @@ TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tens
                         "--log-loss-scale-to-tensorboard")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, a value of the wrong type) are
+    ValueErrors: train.main prints them once, from rank 0. argparse itself
+    would print usage and exit on every rank of the launch."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (train.py --help lists the flags)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field (`--foo-bar` fills `foo_bar`), plus the
     aliases above. Every default is SUPPRESS, so the parsed namespace holds
@@ -215,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     the others, and only these may contradict it."""
     # allow_abbrev=False, as in Megatron: a prefix such as --recompute must not
     # silently mean --recompute-activations (nor --init mean --initial-loss-scale).
-    p = argparse.ArgumentParser(prog="train.py", description=USAGE, allow_abbrev=False,
+    p = ArgumentParser(prog="train.py", description=USAGE, allow_abbrev=False,
                                 argument_default=argparse.SUPPRESS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
