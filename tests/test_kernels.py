@@ -6,6 +6,7 @@ Every kernel result is compared with a float64 PyTorch reference; the
 tolerance scales with the dtype and with the size of the reference values.
 Tests marked `gpu` run the compiled kernels at realistic sizes.
 """
+import json
 import os
 import subprocess
 import sys
@@ -588,3 +589,49 @@ def test_layer_norm_output_in_the_autocast_dtype_leaves_training_unchanged(monke
     wide, dtypes = train_five_steps()
     assert dtypes == {torch.float32}
     assert narrow == wide
+
+
+# ---------------------------------------------------------------------------
+# autotune results persist across runs
+
+AUTOTUNE_PROBE = """
+import json, sys, torch, triton
+sys.path.insert(0, {root!r})
+import kernels
+hits = []
+triton.knobs.autotuning.listener = lambda **kw: hits.append(kw["cache_hit"])
+qkv = torch.randn(4, 1024, 3, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+q, k, v = qkv.unbind(2)
+kernels.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).sum().backward()
+print(json.dumps(hits))
+"""
+
+
+def test_compiled_attention_autotunes_once_per_key_and_keeps_it_on_disk():
+    """On a GPU each attention launcher is a triton.autotune keyed by the T
+    bucket, head dim, mask and dot precision, whose results Triton writes
+    beside the compiled kernels (cache_results), so that a second run's first
+    step reads them instead of timing every config again. Built here without
+    the interpreter, as on a GPU (building needs no device)."""
+    probe = ("import json, kernels; print(json.dumps({n: [l.cache_results, l.keys] "
+             "for n, l in kernels._LAUNCHERS.items()}))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=120, check=True).stdout
+    launchers = json.loads(out.strip().splitlines()[-1])
+    assert set(launchers) == {"fwd", "dkdv", "dq"}
+    for name, (cache_results, keys) in launchers.items():
+        assert cache_results is True, name
+        assert {"T_BUCKET", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"} <= set(keys), name
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_a_second_run_reuses_the_first_runs_autotune_results(tmp_path):
+    """Two processes share a Triton cache: the first times the configs (some
+    autotune misses), the second finds every result on disk (only hits)."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", AUTOTUNE_PROBE.format(root=ROOT)], cwd=ROOT,
+                                      env=env, capture_output=True, text=True, timeout=600,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert False in runs[0]
+    assert runs[1] and all(runs[1])
