@@ -28,6 +28,7 @@ rather than in the tests: the interpreter's bf16/fp16 arithmetic is not
 faithful, so inputs are upcast to fp32 before launch and results cast back;
 and autotuning needs a real driver, so a single fixed config is used.
 """
+import functools
 import inspect
 import math
 import os
@@ -414,18 +415,32 @@ if HAS_TRITON:
 # ---------------------------------------------------------------------------
 _FIXED_ATTN = dict(BLOCK_M=16, BLOCK_N=16)
 
-# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: few enough
-# that autotuning the first step stays cheap. The forward and dQ kernels step
-# through the diagonal with BLOCK_N-sized key blocks, so BLOCK_M % BLOCK_N ==
-# 0; the dK/dV kernel steps with BLOCK_M-sized query blocks, so BLOCK_N %
-# BLOCK_M == 0. 128-row tiles are what FlashAttention-2 uses on Hopper.
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim:
+# few enough that autotuning the first step stays cheap, and none that spills
+# registers for 16-bit inputs (bench/check_compile.py, sm_90, fails if one
+# does). The forward and dQ kernels step through the diagonal with
+# BLOCK_N-sized key blocks, so BLOCK_M % BLOCK_N == 0; the dK/dV kernel steps
+# with BLOCK_M-sized query blocks, so BLOCK_N % BLOCK_M == 0. 128-row tiles
+# are what FlashAttention-2 uses on Hopper.
 ATTN_CONFIGS = {
+    # head dims 32 and 64
     "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
             (64, 64, 4, 3), (64, 64, 4, 4)],
-    "dkdv": [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2),
-             (32, 64, 4, 3), (64, 64, 4, 3)],
+    "dkdv": [(32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)],
     "dq": [(128, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3),
            (64, 64, 4, 3), (128, 128, 8, 2)],
+}
+# Head dim 128 doubles the accumulators: the configs above that spilled there
+# (fwd 128x64 with 4 warps; dK/dV with 128-wide key blocks on 4 warps, or
+# 64x128 on 8; dQ 128x32 and 128x128) give way to 8-warp or shallower ones
+# that compile without spills.
+ATTN_CONFIGS_D128 = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+            (64, 64, 4, 3), (64, 64, 4, 4)],
+    "dkdv": [(32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 8, 3), (64, 64, 8, 2),
+             (32, 64, 8, 3), (32, 64, 4, 2)],
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 8, 3),
+           (64, 32, 4, 3), (64, 64, 4, 3)],
 }
 # KERNELS_AUTOTUNE=wide (read at import) searches every tile shape x warps x
 # stages instead: slow to tune, for finding a new GPU's best configs.
@@ -434,39 +449,53 @@ _WIDE_SHAPES = {"fwd": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)],
                 "dq": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]}
 
 
+def _attn_tiles(kernel: str, head_dim: int) -> list:
+    """The candidate tiles of `kernel` at one head dim (see ATTN_CONFIGS)."""
+    return (ATTN_CONFIGS_D128 if head_dim == 128 else ATTN_CONFIGS)[kernel]
+
+
 def _attn_configs(kernel: str, wide: bool = False):
+    """Every candidate of `kernel`, for all head dims: autotune gets them all,
+    and _prune_attn_configs keeps the ones for the head dim at hand."""
     if wide:
         tiles = [(bm, bn, w, s) for bm, bn in _WIDE_SHAPES[kernel] for w in (4, 8)
                  for s in (2, 3, 4, 5)]
     else:
-        tiles = ATTN_CONFIGS[kernel]
+        tiles = list(dict.fromkeys(ATTN_CONFIGS[kernel] + ATTN_CONFIGS_D128[kernel]))
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in tiles]
 
 
-def _keep_attn_config(config, dtype) -> bool:
-    """fp32 inputs (only without autocast) take 4 bytes an element: keep the
-    small tiles, which fit in shared memory and registers, instead of
-    compiling configs that do not or that spill (bench/check_compile.py)."""
-    if dtype != torch.float32:
-        return True
-    return config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] <= 64 * 64 and config.num_stages <= 3
+def _keep_attn_config(config, kernel: str, head_dim: int, dtype, wide: bool = False) -> bool:
+    """Whether autotune times `config` for this head dim and input dtype.
+
+    16-bit inputs: the head dim's own candidates (all of them in wide mode).
+    fp32 inputs (only without autocast) take 4 bytes an element: the small
+    tiles of ATTN_CONFIGS, which fit in shared memory; they still spill at
+    head dim >= 64 (every fp32 config does), one reason fp32 runs use TF32."""
+    tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    if dtype == torch.float32:
+        return tile in ATTN_CONFIGS[kernel] and tile[0] * tile[1] <= 64 * 64 and tile[3] <= 3
+    return wide or tile in _attn_tiles(kernel, head_dim)
 
 
-def _prune_attn_configs(configs, named_args, **kwargs):
-    """triton.autotune's early_config_prune hook: the configs worth timing for q's dtype."""
-    kept = [c for c in configs if _keep_attn_config(c, named_args["Q"].dtype)]
+def _prune_attn_configs(kernel: str, wide: bool, configs, named_args, **kwargs):
+    """triton.autotune's early_config_prune hook: the configs worth timing
+    for q's head dim and dtype."""
+    q = named_args["Q"]
+    kept = [c for c in configs if _keep_attn_config(c, kernel, q.shape[-1], q.dtype, wide)]
     return kept or configs[:1]
 
 
-def _autotune_kwargs() -> dict:
+def _autotune_kwargs(kernel: str, wide: bool) -> dict:
     """Tune once per (T bucket, head dim, causal, dot precision; Triton adds
     the dtypes) and, where this Triton can, keep the result on disk next to the
     compiled kernels (~/.triton/cache, or TRITON_CACHE_DIR), keyed by the GPU
     target, the Triton version and the kernel source: the first step of a
-    second run reuses it instead of re-timing every config."""
+    second run reuses it instead of re-timing every config. Only the
+    candidates for the head dim and dtype at hand are timed (_keep_attn_config)."""
     kw = dict(key=["T_BUCKET", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"],
-              prune_configs_by={"early_config_prune": _prune_attn_configs})
+              prune_configs_by={"early_config_prune": functools.partial(_prune_attn_configs, kernel, wide)})
     if "cache_results" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
         kw["cache_results"] = True
     return kw
@@ -482,7 +511,7 @@ def _build_launchers():
     # inside them), not per exact T: generate() grows T by one token per step,
     # and re-benchmarking all configs for every new length takes seconds.
     wide = os.environ.get("KERNELS_AUTOTUNE", "").lower() == "wide"
-    return {name: triton.autotune(_attn_configs(name, wide), **_autotune_kwargs())(fn)
+    return {name: triton.autotune(_attn_configs(name, wide), **_autotune_kwargs(name, wide))(fn)
             for name, fn in kernels.items()}
 
 

@@ -23,9 +23,11 @@ typed and specialised as the launchers in kernels.py call them (see KERNELS).
 A config over the shared-memory limit "does not fit": triton.autotune skips
 it at run time, so that is fine as long as at least one config fits for every
 (kernel, shape, dtype). The script exits non-zero, naming the combination,
-when one has no fitting config, when a compile fails for a reason other than
-resources, or when kernels.py has a `*_kernel` function with no entry in
-KERNELS below. It says nothing about speed: that needs a GPU
+when one has no fitting config, when a 16-bit attention config that autotune
+keeps spills registers or has a ptxas performance warning (fp32 attention
+spills in every config at head dim >= 64, and is reported, not failed), when
+a compile fails for a reason other than resources, or when kernels.py has a
+`*_kernel` function with no entry in KERNELS below. It says nothing about speed: that needs a GPU
 (bench/bench_kernels.py).
 
     python bench/check_compile.py                 # everything for H100: 549 compiles, ~55 min on 2 cores
@@ -203,7 +205,7 @@ def attention_configs(kernel_name):
     import torch
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     return lambda c: from_autotune([cfg for cfg in kernels._attn_configs(kernel_name)
-                                    if kernels._keep_attn_config(cfg, dtypes[c["dtype"]])])
+                                    if kernels._keep_attn_config(cfg, kernel_name, c["D"], dtypes[c["dtype"]])])
 
 
 KERNELS = [
@@ -445,6 +447,12 @@ def summarise(records, opts) -> list:
                 problems.append(f"{r['kernel']} {r['case']} [{r['config']}] failed to compile: {r['why']}")
         if not fits:
             problems.append(f"{key[0]} {key[1]}: no config fits the sm_{opts.arch} limits")
+        if key[0].startswith("attn_") and "fp32" not in key[1]:
+            # 16-bit attention is what models train with: every config that
+            # autotune may pick must run without spills or serialized wgmma
+            problems += [f"{r['kernel']} {r['case']} [{r['config']}]: autotune keeps it, but it "
+                         f"{'spills ' + str(r['spill']) + ' B' if r['spill'] else 'has ptxas warnings'}: "
+                         f"drop it from kernels.ATTN_CONFIGS(_D128)" for r in built if r["spill"] or r["warnings"]]
 
     if too_big:
         print("\nConfigs that do not fit (triton.autotune skips them on the GPU):")
