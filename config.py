@@ -119,6 +119,12 @@ class TrainConfig:
     export_from: str | None = None
     export_to: str | None = None
     export_format: str = "plain"           # plain | hf
+    # zero-shot evaluation of a checkpoint (evaluate.py; Megatron's tasks/zeroshot_gpt)
+    task: str | None = None                # WIKITEXT103 | LAMBADA
+    valid_data: str | None = None          # the task's file: raw WikiText, or LAMBADA JSON lines
+    overlapping_eval: int | None = None    # WikiText window stride in tokens; None: --seq-length
+    strict_lambada: bool = False           # target: the whole last word, not its last BPE token
+    hf: str | None = None                  # evaluate a Hugging Face GPT-2 directory instead of --load
     # misc
     seed: int = 1234
 
@@ -189,6 +195,11 @@ FLAG_HELP = {
     "export_from": "export the weights of this checkpoint (plain or DeepSpeed), then exit",
     "export_to": "where the export goes", "export_format": "plain (train.py checkpoint) | hf (Hugging Face GPT-2)",
     "seed": "random seed (the same on every rank)",
+    "task": "evaluate.py: WIKITEXT103 (perplexity) | LAMBADA (cloze accuracy)",
+    "valid_data": "evaluate.py: the task's file (raw wiki.test.tokens, or LAMBADA JSON lines with \"text\")",
+    "overlapping_eval": "evaluate.py, WIKITEXT103: windows advance by this many tokens; only those are scored",
+    "strict_lambada": "evaluate.py, LAMBADA: the target is the whole last word (split on whitespace)",
+    "hf": "evaluate.py: a Hugging Face GPT-2 directory to evaluate instead of --load",
 }
 
 ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Coming from Megatron")
@@ -214,17 +225,17 @@ class ArgumentParser(argparse.ArgumentParser):
     would print usage and exit on every rank of the launch."""
 
     def error(self, message: str):
-        raise ValueError(f"{message} (train.py --help lists the flags)")
+        raise ValueError(f"{message} ({self.prog} --help lists the flags)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "train.py", usage: str = USAGE) -> argparse.ArgumentParser:
     """One flag per TrainConfig field (`--foo-bar` fills `foo_bar`), plus the
     aliases above. Every default is SUPPRESS, so the parsed namespace holds
     exactly the flags on the command line: a --deepspeed_config JSON may fill
     the others, and only these may contradict it."""
     # allow_abbrev=False, as in Megatron: a prefix such as --recompute must not
     # silently mean --recompute-activations (nor --init mean --initial-loss-scale).
-    p = ArgumentParser(prog="train.py", description=USAGE, allow_abbrev=False,
+    p = ArgumentParser(prog=prog, description=usage, allow_abbrev=False,
                                 argument_default=argparse.SUPPRESS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
@@ -249,9 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
+def parse_args(argv: list[str] | None = None, prog: str = "train.py", usage: str = USAGE) -> TrainConfig:
     """Megatron-style flags (and a --deepspeed_config JSON) -> a checked TrainConfig."""
-    given = vars(build_parser().parse_args(argv))
+    given = vars(build_parser(prog, usage).parse_args(argv))
     # The deepspeed launcher passes --local_rank (torchrun's LOCAL_RANK is what
     # we read); the TensorBoard switches are accepted and need nothing.
     for launcher_only in ("local_rank", "tensorboard_switch"):
@@ -259,7 +270,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     cfg = TrainConfig(**given)
     if cfg.deepspeed_config:
         cfg = fill_from_deepspeed_json(cfg, set(given))
-    validate(cfg, set(given))
+    evaluating = prog == "evaluate.py"
+    if evaluating:
+        validate_evaluation(cfg)
+    elif EVAL_FLAGS & set(given):
+        flags = ", ".join("--" + f.replace("_", "-") for f in sorted(EVAL_FLAGS & set(given)))
+        raise ValueError(f"{flags}: evaluate.py's flags; run evaluate.py to evaluate a checkpoint")
+    validate(cfg, set(given), evaluating)
     return cfg
 
 
@@ -318,9 +335,10 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     return dataclasses.replace(cfg, **updates)
 
 
-def validate(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
+def validate(cfg: TrainConfig, given: set[str] = frozenset(), evaluating: bool = False) -> None:
     """Reject what cannot run, in one line that says what to do instead.
-    `given`: the flags on the command line (some checks are about those)."""
+    `given`: the flags on the command line (some checks are about those);
+    evaluating: for evaluate.py, whose model comes from the checkpoint."""
     if cfg.bf16 and cfg.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive: pick one")
     if cfg.lr_decay_style not in ("cosine", "linear", "constant"):
@@ -336,9 +354,35 @@ def validate(cfg: TrainConfig, given: set[str] = frozenset()) -> None:
         raise ValueError("--finetune needs --load CHECKPOINT (the weights to start from)")
     if cfg.export_from:
         return  # an export reads the model from the checkpoint
+    if evaluating:
+        return  # evaluate.py reads the model from the checkpoint
     if cfg.preset is None and cfg.num_layers is None:
         raise ValueError("give a model: --preset NAME (one of " + ", ".join(PRESETS) +
                          ") or --num-layers/--hidden-size/--num-attention-heads")
+
+
+EVAL_TASKS = ("WIKITEXT103", "LAMBADA")
+EVAL_FLAGS = {"task", "valid_data", "overlapping_eval", "strict_lambada", "hf"}  # evaluate.py's alone
+
+
+def validate_evaluation(cfg: TrainConfig) -> None:
+    """evaluate.py's flags: one task, one file, one model."""
+    if cfg.task is None:
+        raise ValueError(f"evaluate.py needs --task: {' or '.join(EVAL_TASKS)}")
+    if cfg.task not in EVAL_TASKS:
+        raise ValueError(f"--task {cfg.task}: use one of {', '.join(EVAL_TASKS)}")
+    if not cfg.valid_data:
+        raise ValueError(f"--task {cfg.task} needs --valid-data FILE (the task's data)")
+    if bool(cfg.load) == bool(cfg.hf):
+        raise ValueError("evaluate.py needs a model: --load CHECKPOINT (plain or DeepSpeed) "
+                         "or --hf DIRECTORY (Hugging Face GPT-2), one of them")
+    if cfg.overlapping_eval is not None and not 0 < cfg.overlapping_eval <= cfg.seq_length:
+        raise ValueError(f"--overlapping-eval {cfg.overlapping_eval} must lie in [1, --seq-length "
+                         f"{cfg.seq_length}]")
+    if cfg.overlapping_eval is not None and cfg.task != "WIKITEXT103":
+        raise ValueError("--overlapping-eval is for --task WIKITEXT103")
+    if cfg.strict_lambada and cfg.task != "LAMBADA":
+        raise ValueError("--strict-lambada is for --task LAMBADA")
 
 
 def validate_megatron_flags(cfg: TrainConfig) -> None:

@@ -475,17 +475,19 @@ def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
     return enc.decode([t for t in out[0].tolist() if t < EOD_TOKEN])
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, entry=None, prog: str = "train.py") -> None:
+    """Run entry(argv) (default: train.py's run) and turn a user's mistake
+    into one line from rank 0, prefixed by prog (evaluate.py shares this)."""
     try:
-        run(argv)
+        (entry or run)(argv)
     except (ValueError, FileNotFoundError) as e:
         if not raised_by_this_project(e):
             raise  # unexpected: keep the traceback
-        exit_with_usage_error(e)
+        exit_with_usage_error(e, prog)
     except RuntimeError as e:  # gloo's and torch.distributed's errors are RuntimeErrors
         if not is_collective_failure(e):
             raise
-        exit_with_collective_failure(e)
+        exit_with_collective_failure(e, prog)
 
 
 def raised_by_this_project(e: BaseException) -> bool:
@@ -501,7 +503,7 @@ def in_this_project(filename: str) -> bool:
     return os.path.dirname(os.path.abspath(filename)) == os.path.dirname(os.path.abspath(__file__))
 
 
-def exit_with_usage_error(e: Exception) -> None:
+def exit_with_usage_error(e: Exception, prog: str = "train.py") -> None:
     """One line from rank 0, exit status 2, no traceback from every rank.
 
     Usually every rank hits the same check; the launcher (torchrun, deepspeed)
@@ -512,7 +514,7 @@ def exit_with_usage_error(e: Exception) -> None:
     if rank != 0:
         time.sleep(3)
     where = "" if rank == 0 else f" (rank {rank})"
-    print(f"train.py: error{where}: {e}", file=sys.stderr, flush=True)
+    print(f"{prog}: error{where}: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -525,7 +527,7 @@ def is_collective_failure(e: RuntimeError) -> bool:
         s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))
 
 
-def exit_with_collective_failure(e: RuntimeError) -> None:
+def exit_with_collective_failure(e: RuntimeError, prog: str = "train.py") -> None:
     """Keep the traceback, then end with one line that says which collective
     gave up (the line of this project that waited on it) and what it means."""
     traceback.print_exc()
@@ -536,7 +538,7 @@ def exit_with_collective_failure(e: RuntimeError) -> None:
         where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name} (`{frame.line}`)"
         if "backward" in frame.line:  # DDP and ZeRO reduce gradients from autograd hooks
             what = "the gradient all-reduce (run inside backward)"
-    print(f"train.py: error (rank {os.environ.get('RANK', '0')}): {what} failed{where}: "
+    print(f"{prog}: error (rank {os.environ.get('RANK', '0')}): {what} failed{where}: "
           f"{str(e).splitlines()[0]}. Another rank stopped answering or died; its own log says "
           f"why. --distributed-timeout-minutes sets how long a collective waits.", file=sys.stderr, flush=True)
     sys.exit(1)

