@@ -660,9 +660,11 @@ def test_dropout_keeps_replicated_parameters_identical_across_tp_ranks():
     run_on_ranks(_check_dropout_keeps_replicated_parameters_identical)
 
 
-def _check_triton_kernels_under_tensor_parallel():
-    # head dim 32 (the kernels' smallest); at T=2 each rank runs its one head
-    shape = dict(hidden_size=64, num_attention_heads=2)
+def _check_triton_kernels_under_tensor_parallel(options):
+    # head dim 32 (the kernels' smallest); at T=2 each rank runs its one head,
+    # or with every option on its 2 query heads sharing 1 key/value head
+    shape = dict(hidden_size=64, num_attention_heads=2) if not options else \
+        dict(hidden_size=128, num_attention_heads=4, **options)
     want = _forward_backward(_build_gpt(1, **shape))
     for chunks in (1, 2):  # plain TP, then Domino (every residual add fused into a LayerNorm)
         model = _build_gpt(2, attention_impl="triton", layernorm_impl="triton",
@@ -672,13 +674,14 @@ def _check_triton_kernels_under_tensor_parallel():
 
 
 @pytest.mark.slow
-def test_triton_kernels_under_tensor_parallel_and_domino():
+@MODEL_OPTIONS
+def test_triton_kernels_under_tensor_parallel_and_domino(options):
     """The Triton kernels (interpreted on CPU here) at T=2, plain and with
     Domino chunks, reproduce the T=1 torch-kernel model."""
     import kernels
     if not kernels.triton_usable("cpu"):
         pytest.skip("needs triton with TRITON_INTERPRET=1 (set by conftest.py without a GPU)")
-    run_on_ranks(_check_triton_kernels_under_tensor_parallel)
+    run_on_ranks(_check_triton_kernels_under_tensor_parallel, options)
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
