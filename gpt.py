@@ -1,18 +1,23 @@
-"""The GPT-2 model: config, architecture, initialization, sampling, HF interop.
+"""The GPT model: config, architecture, initialization, sampling, accounting.
 
 One file, read top to bottom:
 
-1. GPTConfig + PRESETS: the GPT-2 sizes (124M ... 1.5B) plus tiny ones for
-   tests and CPU runs. Field names follow Megatron-LM's flags
-   (--num-layers, --hidden-size, --num-attention-heads, ...).
+1. GPTConfig + PRESETS: the GPT-2 sizes (124M ... 1.5B), tiny ones for
+   tests and CPU runs, and Llama-shaped ones. Field names follow Megatron-LM's
+   flags (--num-layers, --hidden-size, --num-attention-heads, ...).
 2. Plug-in seams: `self_attention(...)` holds the attention math and
-   `make_layernorm(...)` builds every LayerNorm. Their "triton" branches
+   `make_layernorm(...)` builds every norm. Their "triton" branches
    call kernels.py; another implementation is one more name in
    ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there, and nothing
    else in the model needs to change.
-3. The model: token + learned absolute position embeddings, a stack of
-   pre-LayerNorm transformer blocks (causal self-attention, tanh-GELU MLP),
-   a final LayerNorm and an LM head tied to the token embedding.
+3. The model: by default GPT-2's: token + learned absolute position
+   embeddings, a stack of pre-LayerNorm transformer blocks (causal
+   self-attention, tanh-GELU MLP), a final LayerNorm and an LM head tied to
+   the token embedding. Each architecture option is decided in one place:
+   rope (rope_angles/apply_rope, called from CausalSelfAttention.heads),
+   RMSNorm (make_layernorm), SwiGLU (MLP), grouped-query attention
+   (CausalSelfAttention, self_attention), no linear biases (the two
+   modules' constructors), an untied head (GPT.output_weight).
 4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
    code that initializes a full master weight and keeps its own slice.
 5. Tensor parallelism (Megatron-style, see parallel.py): when the model is
@@ -23,9 +28,9 @@ One file, read top to bottom:
    seed and no rank ever holds the full model. Optional Domino
    overlap (config.domino_chunks > 1, see domino_blocks) hides the TP
    all-reduces behind computation.
-6. Sampling (`filter_logits`, `generate`), parameter/FLOP accounting
-   (`count_parameters`, `flops_per_token`) and Hugging Face GPT-2 import and
-   export against a local directory (`hf_to_ours`, `ours_to_hf`).
+6. Sampling (`filter_logits`, `generate`) and parameter/FLOP accounting
+   (`count_parameters`, `flops_per_token`). Hugging Face GPT-2 and Llama
+   import and export live in hf.py (GPT.from_hf, GPT.to_hf).
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
 GPT-2's 50257 tokens; a multiple of 128, Megatron's
@@ -36,9 +41,7 @@ never produced by the tokenizer and are never sampled.
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,7 +51,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import parallel
-from data import atomic_write
 from loss import fused_lm_loss
 
 # -----------------------------------------------------------------------------
@@ -660,27 +662,17 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, path: str, padded_vocab_size: int | None = None, **overrides) -> "GPT":
-        """Load a Hugging Face GPT-2 checkpoint from a local directory
-        (config.json + model.safetensors or pytorch_model.bin)."""
-        config = config_from_hf(_read_hf_config(path), padded_vocab_size, **overrides)
-        model = cls(config)
-        model.load_full_state_dict(hf_to_ours(_read_hf_weights(path), config))
-        return model
+        """Load a Hugging Face GPT-2 or Llama checkpoint from a local directory
+        (config.json + model.safetensors or pytorch_model.bin); see hf.py."""
+        import hf  # hf.py imports this module, so the import stays one way
+        return hf.from_hf(path, padded_vocab_size, **overrides)
 
     def to_hf(self, path: str) -> None:
-        """Write config.json + model.safetensors (pytorch_model.bin if the
-        safetensors package is missing) that transformers'
-        GPT2LMHeadModel.from_pretrained(path) loads. Files appear atomically."""
-        os.makedirs(path, exist_ok=True)
-        sd = ours_to_hf(self.full_state_dict(), self.config)
-        try:
-            from safetensors.torch import save
-            atomic_write(os.path.join(path, "model.safetensors"),
-                         lambda f: f.write(save(sd, metadata={"format": "pt"})))
-        except ImportError:
-            atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
-        text = json.dumps(config_to_hf(self.config), indent=2)
-        atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
+        """Write a directory that transformers loads: GPT2LMHeadModel for the
+        GPT-2 options, LlamaForCausalLM for Llama's (see hf.py). Collective
+        under tensor parallelism (the weights are gathered)."""
+        import hf
+        hf.to_hf(self, path)
 
 
 # -----------------------------------------------------------------------------
@@ -792,124 +784,3 @@ def flops_per_token(config: GPTConfig, seq_length: int) -> int:
     H, L = config.hidden_size, config.num_layers
     n = count_parameters(config, exclude_embeddings=True) + H * config.padded_vocab_size
     return 6 * n + 12 * L * H * seq_length
-
-
-# -----------------------------------------------------------------------------
-# Hugging Face GPT-2 checkpoint conversion
-#
-# HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,attn.c_attn,
-# attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
-# (in, out), the transpose of nn.Linear's (out, in).
-
-_HF_RENAMES = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-               "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
-_HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
-    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-    "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "add_cross_attention": False,
-}
-
-
-def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"HF activation_function {act!r} is not supported; this GPT uses "
-                         f"tanh-approximate GELU ('gelu_new')")
-    for key, want in _HF_UNSUPPORTED.items():
-        if hf.get(key, want) != want:
-            raise ValueError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
-    vocab = hf.get("vocab_size", 50257)
-    return GPTConfig(
-        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
-        vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        init_method_std=hf.get("initializer_range", 0.02), **overrides)
-
-
-def config_to_hf(config: GPTConfig) -> dict:
-    eos = min(50256, config.vocab_size - 1)
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
-        "n_embd": config.hidden_size, "n_layer": config.num_layers,
-        "n_head": config.num_attention_heads,
-        "n_inner": config.ffn_hidden_size,
-        "activation_function": "gelu_new",
-        "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
-        "attn_pdrop": config.attention_dropout,
-        "layer_norm_epsilon": config.layernorm_epsilon,
-        "initializer_range": config.init_method_std,
-        "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": True,
-    }
-
-
-def _is_conv1d_weight(name: str) -> bool:
-    return name.endswith(".weight") and any(f".{k}." in name for k in _HF_RENAMES)
-
-
-def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte."""
-    out = {}
-    for name, t in sd.items():
-        name = name.removeprefix("transformer.")
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # HF's causal-mask buffers, not weights
-        if name == "lm_head.weight":
-            if not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
-                raise ValueError("HF lm_head.weight differs from wte.weight; only tied "
-                                 "embeddings are supported")
-            continue
-        if _is_conv1d_weight(name):
-            t = t.t()
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{old}.", f".{new}.")
-        if name.startswith("h."):
-            name = "blocks." + name[2:]
-        out[name] = t.contiguous()
-    wte = out.get("wte.weight")
-    if wte is None or wte.shape[0] != config.vocab_size:
-        raise ValueError(f"HF wte.weight missing or not {config.vocab_size} rows")
-    # Padding rows are zero: their logits are 0 and they are never sampled.
-    out["wte.weight"] = torch.cat([wte, wte.new_zeros(config.padded_vocab_size - wte.shape[0],
-                                                      wte.shape[1])])
-    return out
-
-
-def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF GPT-2's (lm_head omitted: HF re-ties it to wte)."""
-    out = {}
-    for name, t in sd.items():
-        if name == "wte.weight":
-            t = t[:config.vocab_size]  # drop the padding rows
-        if name.startswith("blocks."):
-            name = "h." + name[len("blocks."):]
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{new}.", f".{old}.")
-        if _is_conv1d_weight(name):
-            t = t.t()
-        out["transformer." + name] = t.detach().cpu().contiguous().clone()
-    return out
-
-
-def _read_hf_config(path: str) -> dict:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found; from_hf needs a local directory "
-                                f"written by save_pretrained (no hub downloads)")
-    with open(cfg_path) as f:
-        return json.load(f)
-
-
-def _read_hf_weights(path: str) -> dict:
-    st, index, binf = (os.path.join(path, n) for n in
-                       ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
-    if os.path.isfile(st) or os.path.isfile(index):
-        from safetensors.torch import load_file
-        if os.path.isfile(st):
-            return load_file(st)
-        with open(index) as f:  # sharded checkpoint: merge the shards
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for s in shards for k, v in load_file(os.path.join(path, s)).items()}
-    if os.path.isfile(binf):
-        return torch.load(binf, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
