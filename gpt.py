@@ -211,6 +211,11 @@ PRESETS = {
     # Llama's shape (Touvron et al. 2023): every architecture option on.
     "llama-tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                        ffn_hidden_size=176, max_position_embeddings=64, **LLAMA_OPTIONS),
+    # GPT-2 124M's width and parameter count (125M): the untied head's 38.6M
+    # are paid for with 8 layers instead of 12; SwiGLU's three matrices at
+    # ffn 1920 cost about what GPT-2's two at 4 x 768 do.
+    "llama-124M": dict(num_layers=8, hidden_size=768, num_attention_heads=12, num_query_groups=4,
+                       ffn_hidden_size=1920, **LLAMA_OPTIONS),
 }
 
 

@@ -314,3 +314,10 @@ def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(
     assert not (tmp_path / "out").exists()  # refused before writing anything
     assert hf.hf_architecture(model().config) == "gpt2"
     assert hf.hf_architecture(model(**LLAMA).config) == "llama"
+
+
+def test_llama_124m_preset_matches_gpt2_124m_in_width_and_parameters():
+    llama, gpt2 = GPTConfig.from_preset("llama-124M"), GPTConfig.from_preset("124M")
+    assert {k: getattr(llama, k) for k in LLAMA_OPTIONS} == LLAMA_OPTIONS and llama.num_query_groups == 4
+    assert llama.hidden_size == gpt2.hidden_size
+    assert abs(count_parameters(llama) / count_parameters(gpt2) - 1) < 0.01
