@@ -596,13 +596,14 @@ class GPT(nn.Module):
         if parallel.tp_size() > 1 and n_chunks > 1:
             x = domino_blocks(self.blocks, x, n_chunks, rope)
         else:
-            extra = () if rope is None else (rope,)
             for block in self.blocks:
                 if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
                     # Keep only the block's input; recompute its activations in backward.
-                    x = self.checkpoint_fn(block, x, *extra)
+                    # The RoPE angles (no grad) ride in a closure, not as an input:
+                    # DeepSpeed's --partition-activations would split every input.
+                    x = self.checkpoint_fn(functools.partial(block, rope=rope), x)
                 else:
-                    x = block(x, *extra)
+                    x = block(x, rope)
         h = self.ln_f(x)                                             # (B, T, C)
         if labels is None:
             # Under TP: all-gather the full logits (B*T*V per rank; fine for

@@ -184,6 +184,9 @@ def worker(out: str, plan: str) -> None:
                                                "--partition-activations", "--train-iters", "6",
                                                "--lr-decay-iters", str(STEPS), *tp])
         worker_run(out, "tp2_z3_llama", ["--deepspeed", "--zero-stage", "3", *tp, *LLAMA])
+        worker_run(out, "tp2_z3_llama_partitioned", ["--deepspeed", "--zero-stage", "3", "--recompute-activations",
+                                                     "--partition-activations", "--train-iters", "6",
+                                                     "--lr-decay-iters", str(STEPS), *tp, *LLAMA])
         export_and_eval(out, ck("tp2_z3"), "export_tp2", tp)
     dist.barrier()
     dist.destroy_process_group()
@@ -344,7 +347,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_deepspeed(run
 
 
 @pytest.mark.parametrize("run,ref", [("z1_recompute", "z1"), ("tp2_z1_partitioned", "tp2_z1"),
-                                     ("z2_offload", "z2")])
+                                     ("z2_offload", "z2"),
+                                     ("tp2_z3_llama_partitioned", "tp2_z3_llama")])  # RoPE angles too
 def test_memory_saving_options_change_nothing_but_memory(runs, run, ref):
     """--recompute-activations through DeepSpeed's checkpointing (and, under
     TP, --partition-activations), and --zero-offload-optimizer (optimizer
