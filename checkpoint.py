@@ -428,7 +428,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
                  + latest_checkpointed_iteration.txt), weights only: resume
                  it with --load OUT --no-load-optim (any layout, with or
                  without --deepspeed);
-    fmt="hf":    a Hugging Face GPT-2 directory (GPT.to_hf)."""
+    fmt="hf":    a Hugging Face GPT-2 or Llama directory (GPT.to_hf, hf.py)."""
     if parallel.tp_size() > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
     full, state = read_weights(checkpoint)

@@ -44,6 +44,16 @@ class TrainConfig:
     layernorm_impl: str | None = None
     loss_impl: str = "fused"              # fused (loss.py, no full logits) | full
     recompute_activations: bool = False
+    # architecture options (None / off: the preset's, GPT-2's by default)
+    position_embedding_type: str | None = None  # learned_absolute | rope
+    rotary_base: float | None = None
+    rotary_percent: float | None = None
+    normalization: str | None = None            # LayerNorm | RMSNorm
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    disable_bias_linear: bool = False
+    group_query_attention: bool = False
+    num_query_groups: int | None = None
     # parallelism
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1  # accepted for Megatron recipes; only 1
@@ -160,6 +170,16 @@ FLAG_HELP = {
     "loss_impl": "fused: LM head + cross-entropy in chunks, never the full fp32 logits (loss.py); "
                  "full: the logits, then the loss (for comparison)",
     "recompute_activations": "activation checkpointing: recompute each block in backward",
+    "position_embedding_type": "learned_absolute | rope (default: the preset's, learned_absolute)",
+    "rotary_base": "RoPE base theta (default 10000)",
+    "rotary_percent": "fraction of each head's dims that RoPE rotates (default 1.0)",
+    "normalization": "LayerNorm | RMSNorm (default: the preset's, LayerNorm)",
+    "swiglu": "gated SiLU MLP (three matrices); --ffn-hidden-size keeps its meaning",
+    "untie_embeddings_and_output_weights": "an LM head of its own instead of the token embedding",
+    "disable_bias_linear": "no biases in the linear layers",
+    "group_query_attention": "grouped-query attention: needs --num-query-groups",
+    "num_query_groups": "key/value heads under --group-query-attention; divides the heads "
+                        "(and is divisible by --tensor-model-parallel-size)",
     "tensor_model_parallel_size": "tp: ranks that split every layer (consecutive ranks, one node)",
     "domino": "overlap tensor-parallel all-reduces with compute (DeepSpeed-Domino)",
     "domino_chunks": "micro-batch chunks that --domino interleaves",
@@ -346,6 +366,7 @@ def validate(cfg: TrainConfig, given: set[str] = frozenset(), evaluating: bool =
     if cfg.min_lr > cfg.lr:
         raise ValueError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
     validate_megatron_flags(cfg)
+    validate_architecture(cfg)
     validate_schedule(cfg, given)
     validate_deepspeed(cfg)
     if cfg.keep_last_checkpoints is not None and cfg.keep_last_checkpoints < 1:
@@ -413,6 +434,17 @@ def validate_megatron_flags(cfg: TrainConfig) -> None:
     check_gpt2_bpe(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
 
 
+def validate_architecture(cfg: TrainConfig) -> None:
+    """The flags that go in pairs (GPTConfig checks the values themselves)."""
+    if cfg.num_query_groups is not None and not cfg.group_query_attention:
+        raise ValueError("--num-query-groups needs --group-query-attention")
+    if cfg.group_query_attention and cfg.num_query_groups is None:
+        raise ValueError("--group-query-attention needs --num-query-groups G (the key/value heads)")
+    rope_flags = cfg.rotary_base is not None or cfg.rotary_percent is not None
+    if rope_flags and cfg.position_embedding_type == "learned_absolute":
+        raise ValueError("--rotary-base/--rotary-percent need --position-embedding-type rope")
+
+
 def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
     """Iteration-based or sample-based (--train-samples), never a mix (as in Megatron)."""
     counterpart = {"lr_warmup_samples": "lr_warmup_iters", "lr_decay_samples": "lr_decay_iters"}
@@ -449,7 +481,11 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     """
     overrides = {k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-        "max_position_embeddings", "init_method_std") if getattr(cfg, k) is not None}
+        "max_position_embeddings", "init_method_std", "position_embedding_type", "rotary_base",
+        "rotary_percent", "normalization", "num_query_groups") if getattr(cfg, k) is not None}
+    # switches turn an option on; off means the preset's choice
+    overrides.update({k: True for k in ("swiglu", "untie_embeddings_and_output_weights",
+                                        "disable_bias_linear") if getattr(cfg, k)})
     # Padded to a multiple of --make-vocab-size-divisible-by alone (Megatron
     # multiplies it by the TP size): the embedding's shape, and so every
     # checkpoint, stays the same for any layout; a TP size must divide it.

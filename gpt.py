@@ -1,18 +1,23 @@
-"""The GPT-2 model: config, architecture, initialization, sampling, HF interop.
+"""The GPT model: config, architecture, initialization, sampling, accounting.
 
 One file, read top to bottom:
 
-1. GPTConfig + PRESETS: the GPT-2 sizes (124M ... 1.5B) plus tiny ones for
-   tests and CPU runs. Field names follow Megatron-LM's flags
-   (--num-layers, --hidden-size, --num-attention-heads, ...).
+1. GPTConfig + PRESETS: the GPT-2 sizes (124M ... 1.5B), tiny ones for
+   tests and CPU runs, and Llama-shaped ones. Field names follow Megatron-LM's
+   flags (--num-layers, --hidden-size, --num-attention-heads, ...).
 2. Plug-in seams: `self_attention(...)` holds the attention math and
-   `make_layernorm(...)` builds every LayerNorm. Their "triton" branches
+   `make_layernorm(...)` builds every norm. Their "triton" branches
    call kernels.py; another implementation is one more name in
    ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there, and nothing
    else in the model needs to change.
-3. The model: token + learned absolute position embeddings, a stack of
-   pre-LayerNorm transformer blocks (causal self-attention, tanh-GELU MLP),
-   a final LayerNorm and an LM head tied to the token embedding.
+3. The model: by default GPT-2's: token + learned absolute position
+   embeddings, a stack of pre-LayerNorm transformer blocks (causal
+   self-attention, tanh-GELU MLP), a final LayerNorm and an LM head tied to
+   the token embedding. Each architecture option is decided in one place:
+   rope (rope_angles/apply_rope, called from CausalSelfAttention.heads),
+   RMSNorm (make_layernorm), SwiGLU (MLP), grouped-query attention
+   (CausalSelfAttention, self_attention), no linear biases (the two
+   modules' constructors), an untied head (GPT.output_weight).
 4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
    code that initializes a full master weight and keeps its own slice.
 5. Tensor parallelism (Megatron-style, see parallel.py): when the model is
@@ -23,9 +28,9 @@ One file, read top to bottom:
    seed and no rank ever holds the full model. Optional Domino
    overlap (config.domino_chunks > 1, see domino_blocks) hides the TP
    all-reduces behind computation.
-6. Sampling (`filter_logits`, `generate`), parameter/FLOP accounting
-   (`count_parameters`, `flops_per_token`) and Hugging Face GPT-2 import and
-   export against a local directory (`hf_to_ours`, `ours_to_hf`).
+6. Sampling (`filter_logits`, `generate`) and parameter/FLOP accounting
+   (`count_parameters`, `flops_per_token`). Hugging Face GPT-2 and Llama
+   import and export live in hf.py (GPT.from_hf, GPT.to_hf).
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
 GPT-2's 50257 tokens; a multiple of 128, Megatron's
@@ -36,9 +41,7 @@ never produced by the tokenizer and are never sampled.
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,7 +51,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import parallel
-from data import atomic_write
 from loss import fused_lm_loss
 
 # -----------------------------------------------------------------------------
@@ -59,6 +61,8 @@ from loss import fused_lm_loss
 ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.py (FlashAttention-2)
 LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.py (fused LayerNorm)
 LOSS_IMPLS = ("fused", "full")         # "fused": loss.py (head + loss in chunks)
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 @dataclass
@@ -84,6 +88,16 @@ class GPTConfig:
     # chunks along the batch and overlap one chunk's all-reduces with another
     # chunk's compute. 1 = off. Ignored when tensor_model_parallel_size is 1.
     domino_chunks: int = 1
+    # Architecture options (Megatron's flags). The defaults are GPT-2; all of
+    # them on (rope, RMSNorm, swiglu, untied, no bias, GQA) is Llama's shape.
+    position_embedding_type: str = "learned_absolute"  # or "rope": rotary q, k; no wpe
+    rotary_base: float = 10000.0       # RoPE's theta
+    rotary_percent: float = 1.0        # fraction of each head's dims that rotate
+    normalization: str = "LayerNorm"   # or "RMSNorm" (no mean, no bias)
+    swiglu: bool = False               # MLP = proj(silu(gate(x)) * up(x)), each ffn wide
+    untie_embeddings_and_output_weights: bool = False  # own LM head, not wte
+    disable_bias_linear: bool = False  # no biases in the linear layers
+    num_query_groups: int | None = None  # grouped-query attention: key/value heads; None = one per head
 
     def __post_init__(self):
         positive = ("num_layers", "hidden_size", "num_attention_heads",
@@ -120,6 +134,7 @@ class GPTConfig:
         if self.layernorm_impl not in LAYERNORM_IMPLS:
             raise ValueError(f"unknown layernorm_impl {self.layernorm_impl!r}; "
                              f"choose one of {list(LAYERNORM_IMPLS)}")
+        self._check_architecture()
         if self.attention_impl == "triton":
             import kernels  # imports without triton; the kernels own their head dims
             if self.hidden_size // self.num_attention_heads not in kernels.SUPPORTED_HEAD_DIMS:
@@ -130,6 +145,38 @@ class GPTConfig:
             if self.attention_dropout > 0:
                 raise ValueError("attention_impl='triton' has no attention dropout; set "
                                  "attention_dropout=0 or use attention_impl='torch'")
+
+    def _check_architecture(self) -> None:
+        """The architecture options; each error names the flag to change."""
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"unknown position_embedding_type {self.position_embedding_type!r} "
+                             f"(--position-embedding-type); choose one of {list(POSITION_EMBEDDING_TYPES)}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"unknown normalization {self.normalization!r} (--normalization); "
+                             f"choose one of {list(NORMALIZATIONS)}")
+        if self.rotary_base <= 0:
+            raise ValueError(f"rotary_base must be > 0 (--rotary-base), got {self.rotary_base}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must lie in (0, 1] (--rotary-percent), "
+                             f"got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim == 0 or self.rotary_dim % 2):
+            raise ValueError(f"RoPE rotates pairs of dims, but --rotary-percent {self.rotary_percent} "
+                             f"of head dim {self.head_dim} is {self.rotary_dim}: pick a "
+                             f"--rotary-percent that gives an even number of dims")
+        G = self.num_query_groups
+        if G is not None and (not isinstance(G, int) or G <= 0 or self.num_attention_heads % G):
+            raise ValueError(f"num_query_groups ({G!r}, --num-query-groups) must be a positive "
+                             f"int that divides num_attention_heads ({self.num_attention_heads})")
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads: num_query_groups under GQA, else one per query head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones), as Megatron counts them."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def ffn(self) -> int:
@@ -147,6 +194,11 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+# rope + RMSNorm + SwiGLU + untied head + no linear biases (Llama's options;
+# a Llama preset adds num_query_groups for GQA).
+LLAMA_OPTIONS = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                     untie_embeddings_and_output_weights=True, disable_bias_linear=True)
+
 PRESETS = {
     # GPT-2 family (Radford et al. 2019); all use 1024 positions.
     "124M": dict(num_layers=12, hidden_size=768, num_attention_heads=12),
@@ -156,6 +208,14 @@ PRESETS = {
     # Small shapes: unit tests, and the default run on a laptop CPU.
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, max_position_embeddings=64),
     "cpu": dict(num_layers=4, hidden_size=256, num_attention_heads=4, max_position_embeddings=256),
+    # Llama's shape (Touvron et al. 2023): every architecture option on.
+    "llama-tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=176, max_position_embeddings=64, **LLAMA_OPTIONS),
+    # GPT-2 124M's width and parameter count (125M): the untied head's 38.6M
+    # are paid for with 8 layers instead of 12; SwiGLU's three matrices at
+    # ffn 1920 cost about what GPT-2's two at 4 x 768 do.
+    "llama-124M": dict(num_layers=8, hidden_size=768, num_attention_heads=12, num_query_groups=4,
+                       ffn_hidden_size=1920, **LLAMA_OPTIONS),
 }
 
 
@@ -169,7 +229,9 @@ def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 
 
 def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, training: bool = False):
-    """Causal softmax attention. q, k, v: (B, nh, T, hd) -> (B, nh, T, hd).
+    """Causal softmax attention. q: (B, nh, T, hd), k, v: (B, G, T, hd) ->
+    (B, nh, T, hd). G < nh is grouped-query attention: query head h reads
+    key/value head h // (nh/G).
 
     Scale is 1/sqrt(hd). This is the one place the attention kernel is
     chosen; add a branch here for a new impl (and list it in ATTENTION_IMPLS).
@@ -177,7 +239,8 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
     if impl == "torch":
         # Dropout on the attention probabilities only while training.
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
+            q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True,
+            enable_gqa=k.shape[1] != q.shape[1])
     if impl == "triton":
         if training and dropout_p > 0:  # GPTConfig refuses this too; guard direct callers
             raise ValueError("attention_impl='triton' has no attention dropout; "
@@ -190,12 +253,16 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
 
 
 def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
-    """Every LayerNorm in the model is built here (weight and bias, eps from config)."""
+    """Every normalization in the model is built here: config.normalization
+    picks LayerNorm (weight and bias) or RMSNorm (weight only), eps from config."""
+    rms = config.normalization == "RMSNorm"
     if config.layernorm_impl == "torch":
-        return nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
+        norm = nn.RMSNorm if rms else nn.LayerNorm
+        return norm(hidden, eps=config.layernorm_epsilon)
     if config.layernorm_impl == "triton":
         import kernels
-        return kernels.TritonLayerNorm(hidden, eps=config.layernorm_epsilon)
+        norm = kernels.TritonRMSNorm if rms else kernels.TritonLayerNorm
+        return norm(hidden, eps=config.layernorm_epsilon)
     raise ValueError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
                      f"choose one of {list(LAYERNORM_IMPLS)}")
 
@@ -204,51 +271,88 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
 # Model
 
 
+def rope_angles(config: GPTConfig, position_ids):
+    """RoPE's rotation angles (Su et al., RoFormer): position p turns dim pair
+    i by p * base^(-2i/R), R = config.rotary_dim. position_ids (T,) -> (T, R/2),
+    or (B, T) -> (B, 1, T, R/2), fp32; they broadcast over (B, nh, T, .)."""
+    R = config.rotary_dim
+    inv_freq = 1.0 / config.rotary_base ** (
+        torch.arange(0, R, 2, device=position_ids.device).float() / R)  # (R/2,)
+    angles = position_ids.float()[..., None] * inv_freq                  # (..., T, R/2)
+    return angles if position_ids.dim() == 1 else angles[:, None]
+
+
+def apply_rope(x, angles):
+    """Rotate the first R dims of every head of x (B, nh, T, hd) by `angles`
+    (see rope_angles). Dim i pairs with dim i + R/2 (GPT-NeoX's and HF
+    Llama's "rotate half" layout, so HF q/k weights need no permutation);
+    dims past R pass through (rotary_percent < 1)."""
+    R = 2 * angles.shape[-1]
+    x1, x2, rest = x.split([R // 2, R // 2, x.shape[-1] - R], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([rotated, rest], dim=-1)            # (B, nh, T, hd)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        H = config.hidden_size
+        H, bias = config.hidden_size, not config.disable_bias_linear
+        kv = config.num_kv_heads * config.head_dim  # K (and V) width: < H under GQA
         # One matmul for Q, K and V; output layout [Q | K | V], each head-major
         # (head 0's hd columns, then head 1's, ...), the same as HF's c_attn.
-        self.qkv = nn.Linear(H, 3 * H)
-        self.proj = nn.Linear(H, H)
+        self.qkv = nn.Linear(H, H + 2 * kv, bias=bias)
+        self.proj = nn.Linear(H, H, bias=bias)
         self.proj.residual_out = True  # gets the scaled init, see init_weights
         self.resid_drop = nn.Dropout(config.hidden_dropout)
 
-    def heads(self, x, *deferred):
+    def heads(self, x, *deferred, rope=None):
         """Everything before the output projection: (B, T, C) -> (B, T, C_local).
         Under tensor parallelism qkv is column-parallel with output
-        [Q_r | K_r | V_r], so this rank attends with its nh/tp heads and
-        C_local = C/tp; otherwise C_local = C. `deferred`: see domino_blocks."""
+        [Q_r | K_r | V_r], so this rank attends with its nh/tp query heads
+        (and G/tp key/value heads) and C_local = C/tp; otherwise C_local = C.
+        rope: rope_angles(...) or None. `deferred`: see domino_blocks."""
         B, T, _ = x.shape
-        hd = self.config.head_dim
-        qkv = self.qkv(x, *deferred)                     # (B, T, 3*C_local)
-        C_local = qkv.shape[-1] // 3
-        nh = C_local // hd                               # heads on this rank
-        q, k, v = qkv.split(C_local, dim=2)              # 3 x (B, T, C_local)
+        cfg = self.config
+        hd = cfg.head_dim
+        qkv = self.qkv(x, *deferred)                     # (B, T, (nh + 2G) * hd / tp)
+        tp = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * hd // qkv.shape[-1]
+        nh, G = cfg.num_attention_heads // tp, cfg.num_kv_heads // tp  # heads on this rank
+        q, k, v = qkv.split([nh * hd, G * hd, G * hd], dim=2)
         q = q.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
-        k = k.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
-        v = v.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
-        y = self_attention(q, k, v, self.config.attention_impl,
-                           self.config.attention_dropout, self.training)  # (B, nh, T, hd)
-        return y.transpose(1, 2).contiguous().view(B, T, C_local)  # (B, T, C_local)
+        k = k.view(B, T, G, hd).transpose(1, 2)          # (B, G, T, hd)
+        v = v.view(B, T, G, hd).transpose(1, 2)          # (B, G, T, hd)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        y = self_attention(q, k, v, cfg.attention_impl,
+                           cfg.attention_dropout, self.training)  # (B, nh, T, hd)
+        return y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, C_local)
 
-    def forward(self, x):
-        return self.resid_drop(self.proj(self.heads(x)))  # (B, T, C)
+    def forward(self, x, rope=None):
+        return self.resid_drop(self.proj(self.heads(x, rope=rope)))  # (B, T, C)
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(config.hidden_size, config.ffn)
-        self.proj = nn.Linear(config.ffn, config.hidden_size)
+        bias, self.swiglu = not config.disable_bias_linear, config.swiglu
+        # SwiGLU: fc's output is [gate | up], each ffn wide (under TP, stride
+        # 2: rank r holds [gate_r | up_r], matching columns of both).
+        fc_out = 2 * config.ffn if config.swiglu else config.ffn
+        self.fc = nn.Linear(config.hidden_size, fc_out, bias=bias)
+        self.proj = nn.Linear(config.ffn, config.hidden_size, bias=bias)
         self.proj.residual_out = True
         self.drop = nn.Dropout(config.hidden_dropout)
 
     def hidden(self, x, *deferred):
+        """(B, T, C) -> (B, T, F), or (B, T, F/tp) under TP."""
+        h = self.fc(x, *deferred)
+        if self.swiglu:  # Shazeer, "GLU Variants Improve Transformer"
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
         # GPT-2 uses the tanh approximation of GELU (HF calls it "gelu_new").
-        return F.gelu(self.fc(x, *deferred), approximate="tanh")  # (B, T, F) or (B, T, F/tp) under TP
+        return F.gelu(h, approximate="tanh")
 
     def forward(self, x):
         return self.drop(self.proj(self.hidden(x)))    # (B, T, C)
@@ -264,8 +368,8 @@ class Block(nn.Module):
         self.ln_2 = make_layernorm(config, config.hidden_size)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x)))  # x += attn(...); h = ln_2(x)
+    def forward(self, x, rope=None):
+        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope))  # x += attn(...); h = ln_2(x)
         return x + self.mlp(h)
 
 
@@ -290,7 +394,7 @@ def _finish_branch(pending):
     return drop(reduce.wait())
 
 
-def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int):
+def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
     """The block stack with Domino overlap (Wang et al., DeepSpeed-Domino),
     tensor parallelism only. x (B, T, C) -> (B, T, C), the same maths as
     running the blocks one after the other (fp32 agrees to rounding; with
@@ -319,12 +423,16 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int):
         forward   body0 | enter1 | row0 | body1 | enter0' | row1 | body0' ...
         backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
 
-    tests/test_parallel.py checks this order on two ranks.
+    tests/test_parallel.py checks this order on two ranks. rope: the RoPE
+    angles (see rope_angles), split with the batch when they are per sample.
     """
     chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C)
     pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
-    sublayers = [s for b in blocks for s in ((b.ln_1, b.attn.heads, b.attn.proj, b.attn.resid_drop),
-                                             (b.ln_2, b.mlp.hidden, b.mlp.proj, b.mlp.drop))]
+    per_sample = rope is not None and rope.dim() == 4  # (B, 1, T, R/2)
+    ropes = rope.tensor_split(n_chunks, dim=0) if per_sample else [rope] * len(chunks)
+    sublayers = [s for b in blocks for s in (
+        (b.ln_1, lambda h, d, i, b=b: b.attn.heads(h, d, rope=ropes[i]), b.attn.proj, b.attn.resid_drop),
+        (b.ln_2, lambda h, d, i, b=b: b.mlp.hidden(h, d), b.mlp.proj, b.mlp.drop))]
 
     def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
         chunks[i], h = add_and_norm(sublayers[s][0], chunks[i], _finish_branch(pending[i]))
@@ -334,7 +442,7 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int):
     entered = [enter(0, 0)] + [None] * (len(chunks) - 1)
     for s, (_, body, row, drop) in enumerate(sublayers):
         for i in range(len(chunks)):
-            y = body(*entered[i])                     # (b, T, C/tp) or (b, T, F/tp)
+            y = body(*entered[i], i)                  # (b, T, C/tp) or (b, T, F/tp)
             if i + 1 < len(chunks):                   # the next chunk enters...
                 entered[i + 1] = enter(i + 1, s)
             elif s + 1 < len(sublayers):              # ...or the first, the next sublayer
@@ -354,7 +462,7 @@ def init_std(config: GPTConfig, residual_out: bool = False) -> float:
 def init_weights(module: nn.Module, config: GPTConfig) -> None:
     """GPT-2 initialization of `module` and all its submodules, in place.
 
-    Linear/Embedding weights ~ N(0, std), biases 0, LayerNorm weight 1 bias 0;
+    Linear/Embedding weights ~ N(0, std), biases 0, norm weights 1 (biases 0);
     Linears marked `residual_out = True` use the scaled std (see init_std).
     """
     for m in module.modules():
@@ -368,6 +476,8 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.RMSNorm):
+            nn.init.ones_(m.weight)
 
 
 class GPT(nn.Module):
@@ -386,7 +496,8 @@ class GPT(nn.Module):
         self.wte = self._build(lambda: nn.Embedding(config.padded_vocab_size, config.hidden_size))
         if tp:
             self.wte = parallel.VocabParallelEmbedding.from_embedding(self.wte)
-        self.wpe = self._build(lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size))
+        if config.position_embedding_type == "learned_absolute":  # rope: positions act in attention
+            self.wpe = self._build(lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size))
         self.drop = nn.Dropout(config.hidden_dropout)
         self.blocks = nn.ModuleList()
         for _ in range(config.num_layers):
@@ -395,6 +506,11 @@ class GPT(nn.Module):
                 self._shard_block(block)
             self.blocks.append(block)
         self.ln_f = self._build(lambda: make_layernorm(config, config.hidden_size))
+        if config.untie_embeddings_and_output_weights:  # else the head is wte (see lm_head)
+            self.output_layer = self._build(
+                lambda: nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False))
+            if tp:  # vocab-parallel like wte: rank r owns the logits of its vocab rows
+                self.output_layer = parallel.ColumnParallelLinear.from_linear(self.output_layer)
 
     def _build(self, make: Callable[[], nn.Module]) -> nn.Module:
         """make() a piece and give it GPT-2's init. Only init_weights draws
@@ -418,19 +534,25 @@ class GPT(nn.Module):
         keeping this rank's slice of the full weight just initialized:
 
             wte          VocabParallelEmbedding (vocab rows split; tied head)
-            attn.qkv     ColumnParallelLinear, stride 3: rank r gets [Q_r|K_r|V_r]
+            attn.qkv     ColumnParallelLinear, strided: rank r gets [Q_r|K_r|V_r]
             attn.proj    RowParallelLinear
-            mlp.fc       ColumnParallelLinear
+            mlp.fc       ColumnParallelLinear (SwiGLU: stride 2, [gate_r|up_r])
             mlp.proj     RowParallelLinear
-            LayerNorms, wpe, row-parallel biases: replicated
+            output_layer ColumnParallelLinear (untied head; vocab rows split)
+            norms, wpe, row-parallel biases: replicated
 
         Parameter names are unchanged, so full_state_dict() has tp=1's keys.
         """
-        domino = self.config.domino_chunks > 1
+        cfg = self.config
+        domino = cfg.domino_chunks > 1
         Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
-        block.attn.qkv = Column.from_linear(block.attn.qkv, stride=3, async_grad_allreduce=domino)
+        kv = cfg.num_kv_heads * cfg.head_dim
+        # GQA: K and V are narrower than Q, so the three blocks are named by size
+        qkv_stride = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
+        block.attn.qkv = Column.from_linear(block.attn.qkv, stride=qkv_stride, async_grad_allreduce=domino)
         block.attn.proj = Row.from_linear(block.attn.proj)
-        block.mlp.fc = Column.from_linear(block.mlp.fc, async_grad_allreduce=domino)
+        block.mlp.fc = Column.from_linear(block.mlp.fc, stride=2 if cfg.swiglu else 1,
+                                          async_grad_allreduce=domino)
         block.mlp.proj = Row.from_linear(block.mlp.proj)
 
     # -- forward --------------------------------------------------------------
@@ -463,32 +585,48 @@ class GPT(nn.Module):
         self._check_inputs(input_ids, position_ids, labels)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)  # (T,) broadcasts over B
-        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, C)
+        x = self.wte(input_ids)                                      # (B, T, C)
+        rope = None
+        if self.config.position_embedding_type == "rope":
+            rope = rope_angles(self.config, position_ids)            # (T, R/2) or (B, 1, T, R/2)
+        else:
+            x = x + self.wpe(position_ids)
+        x = self.drop(x)
         n_chunks = min(self.config.domino_chunks, B)
         if parallel.tp_size() > 1 and n_chunks > 1:
-            x = domino_blocks(self.blocks, x, n_chunks)
+            x = domino_blocks(self.blocks, x, n_chunks, rope)
         else:
             for block in self.blocks:
                 if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
                     # Keep only the block's input; recompute its activations in backward.
-                    x = self.checkpoint_fn(block, x)
+                    # The RoPE angles (no grad) ride in a closure, not as an input:
+                    # DeepSpeed's --partition-activations would split every input.
+                    x = self.checkpoint_fn(functools.partial(block, rope=rope), x)
                 else:
-                    x = block(x)
+                    x = block(x, rope)
         h = self.ln_f(x)                                             # (B, T, C)
         if labels is None:
             # Under TP: all-gather the full logits (B*T*V per rank; fine for
             # eval and generation). The training loss below never gathers them.
             return parallel.gather_from_tensor_parallel_region(self.lm_head(h))
         if self.config.loss_impl == "fused":  # the logits are never materialized whole
-            return fused_lm_loss(parallel.copy_to_tensor_parallel_region(h), self.wte.weight,
+            return fused_lm_loss(parallel.copy_to_tensor_parallel_region(h), self.output_weight,
                                  labels, loss_mask)
         return self.loss(self.lm_head(h), labels, loss_mask)  # (B, T, V_padded[/tp]) logits
 
+    @property
+    def output_weight(self):
+        """The LM head's (V_padded[/tp], C) weight: the token embedding's (tied,
+        GPT-2) or output_layer's (--untie-embeddings-and-output-weights)."""
+        if self.config.untie_embeddings_and_output_weights:
+            return self.output_layer.weight
+        return self.wte.weight
+
     def lm_head(self, x):
-        """Output projection tied to the token embedding: (B, T, C) -> (B, T, V_padded).
-        Under TP, x goes through f and each rank multiplies by its vocab rows:
-        (B, T, V_padded/tp), the logits of the vocab range it owns."""
-        return F.linear(parallel.copy_to_tensor_parallel_region(x), self.wte.weight)
+        """Output projection: (B, T, C) -> (B, T, V_padded). Under TP, x goes
+        through f and each rank multiplies by its vocab rows: (B, T,
+        V_padded/tp), the logits of the vocab range it owns."""
+        return F.linear(parallel.copy_to_tensor_parallel_region(x), self.output_weight)
 
     @staticmethod
     def loss(logits, labels, loss_mask=None):
@@ -505,12 +643,14 @@ class GPT(nn.Module):
     # -- bookkeeping ------------------------------------------------------------
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameters in this module (the tied head counted once, as part of wte);
+        """Parameters in this module (a tied head counted once, as part of wte);
         under tensor parallelism, this rank's shards (count_parameters gives the full model).
-        exclude_embeddings drops wte and wpe (Kaplan et al.'s non-embedding N)."""
+        exclude_embeddings drops wte, wpe and an untied output_layer (Kaplan
+        et al.'s non-embedding N)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            n -= self.wte.weight.numel() + self.wpe.weight.numel()
+            tables = ("wte", "wpe", "output_layer")
+            n -= sum(getattr(self, t).weight.numel() for t in tables if hasattr(self, t))
         return n
 
     def full_state_dict(self) -> dict:
@@ -528,27 +668,17 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, path: str, padded_vocab_size: int | None = None, **overrides) -> "GPT":
-        """Load a Hugging Face GPT-2 checkpoint from a local directory
-        (config.json + model.safetensors or pytorch_model.bin)."""
-        config = config_from_hf(_read_hf_config(path), padded_vocab_size, **overrides)
-        model = cls(config)
-        model.load_full_state_dict(hf_to_ours(_read_hf_weights(path), config))
-        return model
+        """Load a Hugging Face GPT-2 or Llama checkpoint from a local directory
+        (config.json + model.safetensors or pytorch_model.bin); see hf.py."""
+        import hf  # hf.py imports this module, so the import stays one way
+        return hf.from_hf(path, padded_vocab_size, **overrides)
 
     def to_hf(self, path: str) -> None:
-        """Write config.json + model.safetensors (pytorch_model.bin if the
-        safetensors package is missing) that transformers'
-        GPT2LMHeadModel.from_pretrained(path) loads. Files appear atomically."""
-        os.makedirs(path, exist_ok=True)
-        sd = ours_to_hf(self.full_state_dict(), self.config)
-        try:
-            from safetensors.torch import save
-            atomic_write(os.path.join(path, "model.safetensors"),
-                         lambda f: f.write(save(sd, metadata={"format": "pt"})))
-        except ImportError:
-            atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
-        text = json.dumps(config_to_hf(self.config), indent=2)
-        atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
+        """Write a directory that transformers loads: GPT2LMHeadModel for the
+        GPT-2 options, LlamaForCausalLM for Llama's (see hf.py). Collective
+        under tensor parallelism (the weights are gathered)."""
+        import hf
+        hf.to_hf(self, path)
 
 
 # -----------------------------------------------------------------------------
@@ -625,15 +755,21 @@ def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
 def count_parameters(config: GPTConfig, exclude_embeddings: bool = False) -> int:
     """Same number as GPT(config).num_parameters(...), from the config alone."""
     H, Fh, L = config.hidden_size, config.ffn, config.num_layers
-    per_layer = (2 * H                 # ln_1
-                 + 3 * H * H + 3 * H   # qkv
-                 + H * H + H           # attn.proj
-                 + 2 * H               # ln_2
-                 + H * Fh + Fh         # mlp.fc
-                 + Fh * H + H)         # mlp.proj
-    n = L * per_layer + 2 * H          # + ln_f
+    b = 0 if config.disable_bias_linear else 1          # a bias per output feature
+    norm = H if config.normalization == "RMSNorm" else 2 * H
+    qkv = H + 2 * config.num_kv_heads * config.head_dim  # GQA: narrower K and V
+    fc = 2 * Fh if config.swiglu else Fh                 # SwiGLU: gate and up
+    per_layer = (norm                  # ln_1
+                 + (H + b) * qkv       # qkv
+                 + (H + b) * H         # attn.proj
+                 + norm                # ln_2
+                 + (H + b) * fc        # mlp.fc
+                 + (Fh + b) * H)       # mlp.proj
+    n = L * per_layer + norm           # + ln_f
     if not exclude_embeddings:
-        n += (config.padded_vocab_size + config.max_position_embeddings) * H
+        heads = 2 if config.untie_embeddings_and_output_weights else 1  # wte (+ output_layer)
+        positions = config.max_position_embeddings if config.position_embedding_type == "learned_absolute" else 0
+        n += (heads * config.padded_vocab_size + positions) * H
     return n
 
 
@@ -643,9 +779,10 @@ def flops_per_token(config: GPTConfig, seq_length: int) -> int:
         6 * N  +  12 * num_layers * hidden_size * seq_length
 
     N = non-embedding parameters + hidden_size * padded_vocab_size: every
-    weight matmul costs 2 FLOPs per weight forward and 4 backward; the tied LM
-    head is a real matmul, so its weight counts once, while embedding lookups
-    are free. The second term is attention's two T x T matmuls (Q K^T and
+    weight matmul costs 2 FLOPs per weight forward and 4 backward; the LM head
+    (tied or untied) is one real matmul, so its weight counts once, while
+    embedding lookups are free. SwiGLU's third matrix and GQA's narrower K, V
+    are in N (count_parameters). The second term is attention's two T x T matmuls (Q K^T and
     P V): 2 * 2 * T * H forward per layer, times 3 for backward. The causal
     half is not subtracted (the PaLM / nanoGPT convention), so MFU computed
     from this is comparable with theirs.
@@ -653,124 +790,3 @@ def flops_per_token(config: GPTConfig, seq_length: int) -> int:
     H, L = config.hidden_size, config.num_layers
     n = count_parameters(config, exclude_embeddings=True) + H * config.padded_vocab_size
     return 6 * n + 12 * L * H * seq_length
-
-
-# -----------------------------------------------------------------------------
-# Hugging Face GPT-2 checkpoint conversion
-#
-# HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,attn.c_attn,
-# attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
-# (in, out), the transpose of nn.Linear's (out, in).
-
-_HF_RENAMES = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-               "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
-_HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
-    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-    "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "add_cross_attention": False,
-}
-
-
-def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"HF activation_function {act!r} is not supported; this GPT uses "
-                         f"tanh-approximate GELU ('gelu_new')")
-    for key, want in _HF_UNSUPPORTED.items():
-        if hf.get(key, want) != want:
-            raise ValueError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
-    vocab = hf.get("vocab_size", 50257)
-    return GPTConfig(
-        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
-        vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        init_method_std=hf.get("initializer_range", 0.02), **overrides)
-
-
-def config_to_hf(config: GPTConfig) -> dict:
-    eos = min(50256, config.vocab_size - 1)
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
-        "n_embd": config.hidden_size, "n_layer": config.num_layers,
-        "n_head": config.num_attention_heads,
-        "n_inner": config.ffn_hidden_size,
-        "activation_function": "gelu_new",
-        "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
-        "attn_pdrop": config.attention_dropout,
-        "layer_norm_epsilon": config.layernorm_epsilon,
-        "initializer_range": config.init_method_std,
-        "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": True,
-    }
-
-
-def _is_conv1d_weight(name: str) -> bool:
-    return name.endswith(".weight") and any(f".{k}." in name for k in _HF_RENAMES)
-
-
-def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte."""
-    out = {}
-    for name, t in sd.items():
-        name = name.removeprefix("transformer.")
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # HF's causal-mask buffers, not weights
-        if name == "lm_head.weight":
-            if not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
-                raise ValueError("HF lm_head.weight differs from wte.weight; only tied "
-                                 "embeddings are supported")
-            continue
-        if _is_conv1d_weight(name):
-            t = t.t()
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{old}.", f".{new}.")
-        if name.startswith("h."):
-            name = "blocks." + name[2:]
-        out[name] = t.contiguous()
-    wte = out.get("wte.weight")
-    if wte is None or wte.shape[0] != config.vocab_size:
-        raise ValueError(f"HF wte.weight missing or not {config.vocab_size} rows")
-    # Padding rows are zero: their logits are 0 and they are never sampled.
-    out["wte.weight"] = torch.cat([wte, wte.new_zeros(config.padded_vocab_size - wte.shape[0],
-                                                      wte.shape[1])])
-    return out
-
-
-def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF GPT-2's (lm_head omitted: HF re-ties it to wte)."""
-    out = {}
-    for name, t in sd.items():
-        if name == "wte.weight":
-            t = t[:config.vocab_size]  # drop the padding rows
-        if name.startswith("blocks."):
-            name = "h." + name[len("blocks."):]
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{new}.", f".{old}.")
-        if _is_conv1d_weight(name):
-            t = t.t()
-        out["transformer." + name] = t.detach().cpu().contiguous().clone()
-    return out
-
-
-def _read_hf_config(path: str) -> dict:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found; from_hf needs a local directory "
-                                f"written by save_pretrained (no hub downloads)")
-    with open(cfg_path) as f:
-        return json.load(f)
-
-
-def _read_hf_weights(path: str) -> dict:
-    st, index, binf = (os.path.join(path, n) for n in
-                       ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
-    if os.path.isfile(st) or os.path.isfile(index):
-        from safetensors.torch import load_file
-        if os.path.isfile(st):
-            return load_file(st)
-        with open(index) as f:  # sharded checkpoint: merge the shards
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for s in shards for k, v in load_file(os.path.join(path, s)).items()}
-    if os.path.isfile(binf):
-        return torch.load(binf, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")

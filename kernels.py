@@ -92,14 +92,17 @@ def require_triton(device_or_tensor) -> None:
 # ---------------------------------------------------------------------------
 # 2. Attention kernels
 #
-# q, k, v, o, do and the gradients are (B, H, T, D) tensors with any strides
-# whose last dim is contiguous: the model passes q, k, v as transposed views
-# of its fused QKV projection, (B, T, 3, H, D) in memory, and the kernels read
-# them in place instead of copying. Program (i, bh) works on head bh = b*H + h,
-# whose row t starts at b*stride_b + h*stride_h + t*stride_t. q, k and v share
-# one set of strides; o and the gradients dq, dk, dv share another ((B, T, H,
-# D) in memory, so the model's transpose back to (B, T, C) is free); do has
-# its own. lse and delta are (B*H, T) fp32.
+# q, o, do and dq are (B, H, T, D) tensors, k, v, dk and dv (B, G, T, D),
+# with any strides whose last dim is contiguous: the model passes q, k, v as
+# transposed views of its fused QKV projection, (B, T, 3, H, D) in memory,
+# and the kernels read them in place instead of copying. Program (i, bh)
+# works on head bh = b*H + h, whose row t starts at b*stride_b + h*stride_h +
+# t*stride_t. Grouped-query attention (G < H key/value heads, GROUP = H/G):
+# query head h reads key/value head h // GROUP in place (_kv_head), never a
+# per-query-head copy, and dK, dV sum over the GROUP query heads that read
+# them. k and v share one set of strides, q its own; o and the gradients
+# ((B, T, H, D) in memory, so the model's transpose back to (B, T, C) is
+# free) theirs; do its own. lse and delta are (B*H, T) fp32.
 # Scores are kept in base 2: s2 = (q.k) * sm_scale * log2(e), and
 # lse2 = max + log2(sum exp2(s2 - max)), so that p = exp2(s2 - lse2).
 # T_BUCKET (next power of two >= T) is unused by the maths: it is only the
@@ -126,6 +129,12 @@ if HAS_TRITON:
         """Offset of head bh = b*H + h in a tensor with these strides (int64:
         B*H*T*D can exceed 2**31)."""
         return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+
+    @triton.jit
+    def _kv_head(bh, H, GROUP):
+        """The key/value head b*G + h // GROUP that query head bh = b*H + h
+        reads (G = H / GROUP; GROUP = 1 is plain multi-head attention)."""
+        return (bh // H) * (H // GROUP) + (bh % H) // GROUP
 
     @triton.jit
     def _heavy_first(BLOCK: tl.constexpr):
@@ -162,7 +171,8 @@ if HAS_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _attn_fwd_kernel(Q, K, V, O, LSE, T, H, stride_qb, stride_qh, stride_qt,
+    def _attn_fwd_kernel(Q, K, V, O, LSE, T, H, GROUP, stride_qb, stride_qh, stride_qt,
+                         stride_kb, stride_kh, stride_kt,
                          stride_ob, stride_oh, stride_ot, qk_scale, T_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -170,25 +180,26 @@ if HAS_TRITON:
         """One program = one block of BLOCK_M queries of one (batch, head)."""
         start_m = _heavy_first(BLOCK_M)
         bh = tl.program_id(1)
-        qkv_base = _head_base(bh, H, stride_qb, stride_qh)
+        q_base = _head_base(bh, H, stride_qb, stride_qh)
+        kv_base = _head_base(_kv_head(bh, H, GROUP), H // GROUP, stride_kb, stride_kh)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, qkv_base, offs_m, T, stride_qt, HEAD_DIM)  # (BM, D)
+        q = _load_rows(Q, q_base, offs_m, T, stride_qt, HEAD_DIM)  # (BM, D)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                # running denominator
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)      # running numerator @ V
         if CAUSAL:
             # stage 1: key blocks entirely left of the diagonal, no mask needed
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, qkv_base, stride_qt, offs_m,
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_kt, offs_m,
                                             T, qk_scale, 0, start_m, HEAD_DIM, BLOCK_N, False,
                                             True, DOT_PRECISION)
             # stage 2: the diagonal blocks; key blocks right of them are skipped
             hi = tl.minimum(start_m + BLOCK_M, T)
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, qkv_base, stride_qt, offs_m,
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_kt, offs_m,
                                             T, qk_scale, start_m, hi, HEAD_DIM, BLOCK_N, True,
                                             True, DOT_PRECISION)
         else:
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, qkv_base, stride_qt, offs_m,
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_kt, offs_m,
                                             T, qk_scale, 0, T, HEAD_DIM, BLOCK_N, True, False,
                                             DOT_PRECISION)
         o = acc / l_i[:, None]
@@ -234,41 +245,46 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H,
-                              stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
-                              stride_dot, stride_gb, stride_gh, stride_gt,
+    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP,
+                              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                              stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
                               sm_scale, qk_scale, T_BUCKET,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
-        """One program = one block of BLOCK_N keys; it alone writes their dK, dV
-        (no atomics), looping over every query block that can see them.
-        Program 0 has the most query blocks to visit: heavy blocks start first."""
+        """One program = one block of BLOCK_N keys of one (batch, key/value
+        head); it alone writes their dK, dV (no atomics), looping over the
+        GROUP query heads that read them and every query block that can see
+        them. Program 0 has the most query blocks to visit: heavy blocks start first."""
         start_n = tl.program_id(0) * BLOCK_N
-        bh = tl.program_id(1)
-        qkv_base = _head_base(bh, H, stride_qb, stride_qh)
-        do_base = _head_base(bh, H, stride_dob, stride_doh)
-        row_base = bh.to(tl.int64) * T
+        bkv = tl.program_id(1)                   # b*G + g
+        G = H // GROUP
+        kv_base = _head_base(bkv, G, stride_kb, stride_kh)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, qkv_base, offs_n, T, stride_qt, HEAD_DIM)  # (BN, D)
-        v = _load_rows(V, qkv_base, offs_n, T, stride_qt, HEAD_DIM)  # (BN, D)
+        k = _load_rows(K, kv_base, offs_n, T, stride_kt, HEAD_DIM)  # (BN, D)
+        v = _load_rows(V, kv_base, offs_n, T, stride_kt, HEAD_DIM)  # (BN, D)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        if CAUSAL:
-            # diagonal query blocks (masked), then every query block below them
-            mid = tl.minimum(start_n + BLOCK_N, T)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, qkv_base, stride_qt,
-                                          do_base, stride_dot, row_base, offs_n, T, qk_scale,
-                                          start_n, mid, HEAD_DIM, BLOCK_M, True, DOT_PRECISION)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, qkv_base, stride_qt,
-                                          do_base, stride_dot, row_base, offs_n, T, qk_scale,
-                                          mid, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
-        else:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, qkv_base, stride_qt,
-                                          do_base, stride_dot, row_base, offs_n, T, qk_scale,
-                                          0, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
+        for j in range(0, GROUP):                # the query heads sharing this K, V
+            bh = (bkv // G) * H + (bkv % G) * GROUP + j
+            q_base = _head_base(bh, H, stride_qb, stride_qh)
+            do_base = _head_base(bh, H, stride_dob, stride_doh)
+            row_base = bh.to(tl.int64) * T
+            if CAUSAL:
+                # diagonal query blocks (masked), then every query block below them
+                mid = tl.minimum(start_n + BLOCK_N, T)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt,
+                                              do_base, stride_dot, row_base, offs_n, T, qk_scale,
+                                              start_n, mid, HEAD_DIM, BLOCK_M, True, DOT_PRECISION)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt,
+                                              do_base, stride_dot, row_base, offs_n, T, qk_scale,
+                                              mid, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
+            else:
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt,
+                                              do_base, stride_dot, row_base, offs_n, T, qk_scale,
+                                              0, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
         # s = sm_scale * q.k, so dK picks up the scale once, here
-        g_base = _head_base(bh, H, stride_gb, stride_gh)
+        g_base = _head_base(bkv, G, stride_gb, stride_gh)
         _store_rows(DK, g_base, offs_n, T, stride_gt, dk * sm_scale, HEAD_DIM)
         _store_rows(DV, g_base, offs_n, T, stride_gt, dv, HEAD_DIM)
 
@@ -295,9 +311,9 @@ if HAS_TRITON:
         return dq
 
     @triton.jit
-    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, H,
-                            stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
-                            stride_dot, stride_gb, stride_gh, stride_gt,
+    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, H, GROUP,
+                            stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                            stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
                             sm_scale, qk_scale, T_BUCKET,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -305,25 +321,26 @@ if HAS_TRITON:
         """One program = one block of BLOCK_M queries; it alone writes their dQ."""
         start_m = _heavy_first(BLOCK_M)
         bh = tl.program_id(1)
-        qkv_base = _head_base(bh, H, stride_qb, stride_qh)
+        q_base = _head_base(bh, H, stride_qb, stride_qh)
+        kv_base = _head_base(_kv_head(bh, H, GROUP), H // GROUP, stride_kb, stride_kh)
         row_base = bh.to(tl.int64) * T
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, qkv_base, offs_m, T, stride_qt, HEAD_DIM)                    # (BM, D)
+        q = _load_rows(Q, q_base, offs_m, T, stride_qt, HEAD_DIM)                      # (BM, D)
         do = _load_rows(DO, _head_base(bh, H, stride_dob, stride_doh), offs_m, T, stride_dot,
                         HEAD_DIM)                                                        # (BM, D)
         lse = tl.load(LSE + row_base + offs_m, mask=offs_m < T, other=float("inf"))
         delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < T, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, qkv_base, stride_qt, offs_m, T,
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_kt, offs_m, T,
                                     qk_scale, 0, start_m, HEAD_DIM, BLOCK_N, False, True,
                                     DOT_PRECISION)
             hi = tl.minimum(start_m + BLOCK_M, T)
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, qkv_base, stride_qt, offs_m, T,
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_kt, offs_m, T,
                                     qk_scale, start_m, hi, HEAD_DIM, BLOCK_N, True, True,
                                     DOT_PRECISION)
         else:
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, qkv_base, stride_qt, offs_m, T,
+            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_kt, offs_m, T,
                                     qk_scale, 0, T, HEAD_DIM, BLOCK_N, True, False,
                                     DOT_PRECISION)
         _store_rows(DQ, _head_base(bh, H, stride_gb, stride_gh), offs_m, T, stride_gt,
@@ -337,10 +354,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _layer_norm_fwd_kernel(X, RES, W, B, Y, SUM, MEAN, RSTD, M, N, eps,
-                               HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
+                               HAS_RESIDUAL: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr,
                                BLOCK_N: tl.constexpr):
         """One program = a tile of ROWS whole rows (ROWS=1 for wide rows):
         y = (x - mean) * rstd * w + b, statistics in fp32.
+        RMS (RMSNorm, Zhang & Sennrich 2019): no mean and no bias,
+        y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps); MEAN, B unused.
         HAS_RESIDUAL: first s = x + res (the pre-LN block's residual add),
         written to SUM, then y = LayerNorm(s). Unfused, one kernel writes s
         and the next reads it back; here it is written once and normalized
@@ -357,19 +376,23 @@ if HAS_TRITON:
             s = x.to(SUM.dtype.element_ty)
             tl.store(SUM + offs, s, mask=mask)
             x = s.to(tl.float32)
-        mean = tl.sum(x, 1) / N                                  # (R,)
-        xc = tl.where(mask, x - mean[:, None], 0.0)  # padded columns must not add to the variance
+        if RMS:
+            xc = x                                               # padded columns are 0
+        else:
+            mean = tl.sum(x, 1) / N                              # (R,)
+            xc = tl.where(mask, x - mean[:, None], 0.0)  # padded columns must not add to the variance
+            tl.store(MEAN + rows, mean, mask=rows < M)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / N + eps)       # (R,)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-        b = tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = xc * rstd[:, None] * w[None, :] + b[None, :]
+        y = xc * rstd[:, None] * w[None, :]
+        if not RMS:
+            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(MEAN + rows, mean, mask=rows < M)
         tl.store(RSTD + rows, rstd, mask=rows < M)
 
     @triton.jit
     def _layer_norm_bwd_kernel(X, W, DY, DSUM, DX, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, M, N,
-                               HAS_DSUM: tl.constexpr, ROWS: tl.constexpr,
+                               HAS_DSUM: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr,
                                BLOCK_N: tl.constexpr):
         """Program p handles row tiles p, p+G, p+2G, ... (G = number of programs).
         dx is finished per row; dW and dB are sums over rows, so each program
@@ -377,7 +400,8 @@ if HAS_TRITON:
         buffer, summed afterwards. No atomics, and the result is deterministic.
         HAS_DSUM (fused residual add): s = x + res also flowed on along the
         residual stream, so its gradient DSUM is added to dx here; the sum is
-        then the gradient of both x and res."""
+        then the gradient of both x and res. RMS: xhat = x * rstd has no
+        mean term, so dx loses its mean(w*dy) term, and there is no dB."""
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_N)
@@ -390,21 +414,27 @@ if HAS_TRITON:
             offs = rows[:, None].to(tl.int64) * N + cols[None, :]
             x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(MEAN + rows, mask=rows < M, other=0.0)
             rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            if RMS:
+                xhat = x * rstd[:, None]                            # padded columns are 0
+            else:
+                mean = tl.load(MEAN + rows, mask=rows < M, other=0.0)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             wdy = w[None, :] * dy
-            # dx = rstd * (w*dy - mean(w*dy) - xhat * mean(w*dy*xhat))
+            # dx = rstd * (w*dy - mean(w*dy) - xhat * mean(w*dy*xhat)); RMS: no mean(w*dy)
             c1 = tl.sum(xhat * wdy, 1) / N                          # (R,)
-            c2 = tl.sum(wdy, 1) / N                                 # (R,)
-            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+            if not RMS:
+                dx -= (tl.sum(wdy, 1) / N)[:, None] * rstd[:, None]
             if HAS_DSUM:
                 dx += tl.load(DSUM + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
             dw += tl.sum(dy * xhat, 0)
-            db += tl.sum(dy, 0)
+            if not RMS:
+                db += tl.sum(dy, 0)
         tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
-        tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
+        if not RMS:
+            tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
 
 
 # ---------------------------------------------------------------------------
@@ -533,9 +563,12 @@ def _launch_attn(name: str, num_rows: int, bh: int, *args, **constexprs):
 # 5. autograd wrappers and public API
 # ---------------------------------------------------------------------------
 def _check_attention_inputs(q, k, v):
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"flash_attention expects q, k, v of the same shape (B, H, T, D); "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = q.shape if q.dim() == 4 else (None,) * 4
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2:]) != (B, (T, D)) \
+            or H % k.shape[1] != 0:
+        raise ValueError(f"flash_attention expects q (B, H, T, D) and k, v (B, G, T, D) with G "
+                         f"dividing H (G < H: grouped-query attention); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"flash_attention supports head dims {SUPPORTED_HEAD_DIMS}, got "
                          f"D={q.shape[-1]}; change hidden_size/num_attention_heads or use "
@@ -592,15 +625,15 @@ class FlashAttentionFunction(torch.autograd.Function):
         if INTERPRET:  # the interpreter's half-precision maths is unreliable: compute in fp32
             q, k, v = q.float(), k.float(), v.float()
         q, k, v = _rows_last(q), _rows_last(k), _rows_last(v)
-        if not q.stride() == k.stride() == v.stride():  # the kernels take one set for all three
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if k.stride() != v.stride():  # the kernels take one set of strides for both
+            k, v = k.contiguous(), v.contiguous()
         B, H, T, D = q.shape
         o = _empty_bthd(q)
-        _check_int32_offsets(T, q, o)
+        _check_int32_offsets(T, q, k, o)
         lse = torch.empty((B * H, T), device=q.device, dtype=torch.float32)
-        _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, *_bhtd_strides(q), *_bhtd_strides(o),
-                     sm_scale * LOG2E, HEAD_DIM=D, CAUSAL=causal,
-                     DOT_PRECISION=_dot_precision(q.dtype))
+        _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, H // k.shape[1], *_bhtd_strides(q),
+                     *_bhtd_strides(k), *_bhtd_strides(o), sm_scale * LOG2E, HEAD_DIM=D,
+                     CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.sm_scale, ctx.in_dtype = causal, sm_scale, in_dtype
         return o.to(in_dtype)
@@ -616,12 +649,15 @@ class FlashAttentionFunction(torch.autograd.Function):
         grid = (triton.cdiv(T, block), B * H)
         _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *_bhtd_strides(o),
                                           *_bhtd_strides(do), HEAD_DIM=D, BLOCK_M=block)
-        dq, dk, dv = _empty_bthd(q), _empty_bthd(q), _empty_bthd(q)  # strides: o's
+        dq, dk, dv = _empty_bthd(q), _empty_bthd(k), _empty_bthd(k)  # strides: o's layout
         consts = dict(HEAD_DIM=D, CAUSAL=ctx.causal, DOT_PRECISION=_dot_precision(q.dtype))
-        strides = (T, H, *_bhtd_strides(q), *_bhtd_strides(do), *_bhtd_strides(dq))
+        G = k.shape[1]  # key/value heads: one dK/dV program row per (batch, kv head)
+        inputs = (T, H, H // G, *_bhtd_strides(q), *_bhtd_strides(k), *_bhtd_strides(do))
         scales = (ctx.sm_scale, ctx.sm_scale * LOG2E)
-        _launch_attn("dkdv", T, B * H, q, k, v, do, lse, delta, dk, dv, *strides, *scales, **consts)
-        _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *strides, *scales, **consts)
+        _launch_attn("dkdv", T, B * G, q, k, v, do, lse, delta, dk, dv, *inputs,
+                     *_bhtd_strides(dk), *scales, **consts)
+        _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *inputs,
+                     *_bhtd_strides(dq), *scales, **consts)
         dt = ctx.in_dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None
 
@@ -629,7 +665,9 @@ class FlashAttentionFunction(torch.autograd.Function):
 def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None):
     """Fused attention softmax(q k^T * sm_scale + causal mask) v.
 
-    q, k, v: (B, H, T, D) tensors, same dtype (fp32/fp16/bf16), D in {32, 64, 128};
+    q: (B, H, T, D), k, v: (B, G, T, D) tensors, same dtype (fp32/fp16/bf16),
+    D in {32, 64, 128}; G < H is grouped-query attention (query head h
+    attends with key/value head h // (H/G), read in place);
     accumulation is fp32. sm_scale defaults to 1/sqrt(D). Returns (B, H, T, D).
     Differentiable (FlashAttention-2 backward, recomputing probabilities)."""
     _check_attention_inputs(q, k, v)
@@ -640,7 +678,8 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None)
 
 def attention_torch(q, k, v, causal: bool = True, sm_scale: float | None = None):
     """Reference / fallback: PyTorch's scaled_dot_product_attention, same signature."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 _MAX_LN_BYTES = 65536  # one row must fit in a program's registers/shared memory
@@ -661,9 +700,12 @@ def _ln_forward(x2, res2, weight, bias, eps, out_dtype=None):
     """Launch the forward kernel on (M, N) rows. With res2, s = x2 + res2 is
     computed first (in the promoted dtype, like torch's `+`) and normalized.
     y is written in out_dtype (default: the dtype of what is normalized).
-    Returns y, s (None without res2), mean, rstd and the launch config."""
+    bias None: RMSNorm (no mean, no bias). Returns y, s (None without
+    res2), mean, rstd and the launch config."""
     M, N = x2.shape
-    weight, bias = weight.contiguous(), bias.contiguous()
+    rms = bias is None
+    weight = weight.contiguous()
+    bias = weight if rms else bias.contiguous()  # RMS: an unused stand-in
     s = None
     if res2 is not None:
         s = torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
@@ -674,15 +716,15 @@ def _ln_forward(x2, res2, weight, bias, eps, out_dtype=None):
     # without a residual, x2 stands in for the unused RES and SUM pointers
     _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
         x2, x2 if res2 is None else res2, weight, bias, y, x2 if s is None else s, mean, rstd,
-        M, N, eps, HAS_RESIDUAL=res2 is not None, ROWS=rows, BLOCK_N=block_n,
+        M, N, eps, HAS_RESIDUAL=res2 is not None, RMS=rms, ROWS=rows, BLOCK_N=block_n,
         num_warps=num_warps)
     return y, s, mean, rstd, (block_n, rows, num_warps)
 
 
-def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, config):
-    """Launch the backward kernel: returns dx (in x2's dtype), dw, db. x2 is
-    the normalized input (s for the fused add); dsum2, if given, is the
-    gradient that reached s along the residual stream."""
+def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, config, rms=False):
+    """Launch the backward kernel: returns dx (in x2's dtype), dw, db (None
+    for RMSNorm). x2 is the normalized input (s for the fused add); dsum2, if
+    given, is the gradient that reached s along the residual stream."""
     M, N = x2.shape
     dx = torch.empty_like(x2)
     block_n, rows, num_warps = config
@@ -694,9 +736,10 @@ def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, config):
     db_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
     _layer_norm_bwd_kernel[(programs,)](x2, weight, dy2, dy2 if dsum2 is None else dsum2, dx,
                                         mean, rstd, dw_partial, db_partial, M, N,
-                                        HAS_DSUM=dsum2 is not None, ROWS=rows,
+                                        HAS_DSUM=dsum2 is not None, RMS=rms, ROWS=rows,
                                         BLOCK_N=block_n, num_warps=num_warps)
-    return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
+    db = None if rms else db_partial.sum(0).to(weight.dtype)
+    return dx, dw_partial.sum(0).to(weight.dtype), db
 
 
 def _kernel_dtype(out_dtype):
@@ -713,24 +756,27 @@ def _rows(t, upcast: bool):
 
 
 class LayerNormFunction(torch.autograd.Function):
+    """y = LayerNorm(x), or RMSNorm(x) when bias is None."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, out_dtype):
         x2 = _rows(x, INTERPRET)
         y, _, mean, rstd, config = _ln_forward(x2, None, weight, bias, eps, _kernel_dtype(out_dtype))
         ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.in_dtype, ctx.config = x.dtype, config
+        ctx.in_dtype, ctx.config, ctx.rms = x.dtype, config, bias is None
         return y.reshape(x.shape).to(out_dtype or x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _ln_backward(x2, weight, mean, rstd, _rows(dy, INTERPRET), None, ctx.config)
+        dx, dw, db = _ln_backward(x2, weight, mean, rstd, _rows(dy, INTERPRET), None, ctx.config,
+                                  rms=ctx.rms)
         return dx.reshape(dy.shape).to(ctx.in_dtype), dw, db, None, None
 
 
 class AddLayerNormFunction(torch.autograd.Function):
-    """(s, y) = (x + residual, LayerNorm(x + residual)) in one kernel.
+    """(s, y) = (x + residual, LayerNorm(x + residual)) in one kernel
+    (RMSNorm when bias is None).
     Backward: s feeds both the LayerNorm and the rest of the residual
     stream, so ds_total = ds + LayerNorm-backward(dy), and since s = x +
     residual, that is the gradient of x and of residual alike."""
@@ -741,14 +787,14 @@ class AddLayerNormFunction(torch.autograd.Function):
         x2, r2 = _rows(x, INTERPRET), _rows(residual, INTERPRET)
         y, s, mean, rstd, config = _ln_forward(x2, r2, weight, bias, eps, _kernel_dtype(out_dtype))
         ctx.save_for_backward(s, weight, mean, rstd)
-        ctx.dtypes, ctx.config = (x.dtype, residual.dtype, sum_dtype), config
+        ctx.dtypes, ctx.config, ctx.rms = (x.dtype, residual.dtype, sum_dtype), config, bias is None
         return s.reshape(x.shape).to(sum_dtype), y.reshape(x.shape).to(out_dtype or sum_dtype)
 
     @staticmethod
     def backward(ctx, ds, dy):
         s2, weight, mean, rstd = ctx.saved_tensors
         dsum, dw, db = _ln_backward(s2, weight, mean, rstd, _rows(dy, INTERPRET),
-                                    _rows(ds, INTERPRET), ctx.config)
+                                    _rows(ds, INTERPRET), ctx.config, rms=ctx.rms)
         dsum = dsum.reshape(dy.shape)
         x_dtype, res_dtype, _ = ctx.dtypes
         return dsum.to(x_dtype), dsum.to(res_dtype), dw, db, None, None
@@ -756,9 +802,9 @@ class AddLayerNormFunction(torch.autograd.Function):
 
 def _check_layer_norm_inputs(x, weight, bias):
     N = x.shape[-1]
-    if weight.shape != (N,) or bias.shape != (N,):
+    if weight.shape != (N,) or (bias is not None and bias.shape != (N,)):
         raise ValueError(f"layer_norm: weight and bias must have shape ({N},), got "
-                         f"{tuple(weight.shape)} and {tuple(bias.shape)}")
+                         f"{tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
     if N * 4 > _MAX_LN_BYTES:
         raise ValueError(f"layer_norm: hidden size {N} too large for the one-row-per-program "
                          f"kernel (max {_MAX_LN_BYTES // 4}); use layernorm_impl='torch'")
@@ -793,6 +839,24 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
     return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps), out_dtype)
 
 
+def rms_norm(x, weight, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
+    """Fused RMSNorm over the last dim of x: x / sqrt(mean(x^2) + eps) * weight.
+    The LayerNorm kernels with their RMS switch; statistics in fp32."""
+    _check_layer_norm_inputs(x, weight, None)
+    return LayerNormFunction.apply(x, weight, None, float(eps), out_dtype)
+
+
+def add_rms_norm(x, residual, weight, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
+    """Fused residual add + RMSNorm: (s, rms_norm(s)) for s = x + residual
+    (see add_layer_norm)."""
+    return add_layer_norm(x, residual, weight, None, eps, out_dtype)
+
+
+def rms_norm_torch(x, weight, eps: float = 1e-5):
+    """Reference / fallback: F.rms_norm over the last dim, same signature."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 def layer_norm_torch(x, weight, bias, eps: float = 1e-5):
     """Reference / fallback: F.layer_norm over the last dim, same signature."""
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
@@ -825,6 +889,23 @@ class TritonLayerNorm(torch.nn.LayerNorm):
         if residual is None:
             return layer_norm(x, self.weight, self.bias, self.eps, out_dtype)
         return add_layer_norm(x, residual, self.weight, self.bias, self.eps, out_dtype)
+
+
+class TritonRMSNorm(torch.nn.RMSNorm):
+    """Drop-in nn.RMSNorm (same parameter, state_dict key and init) whose
+    forward runs the fused Triton kernel, residual add included (see
+    TritonLayerNorm.forward, which this mirrors)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
+
+    fuses_residual_add = True  # gpt.add_and_norm checks this
+
+    def forward(self, x, residual=None):
+        out_dtype = _autocast_dtype(x)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, out_dtype)
+        return add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
 
 
 def _autocast_dtype(x) -> torch.dtype | None:

@@ -168,6 +168,8 @@ def check_divisible(config, tp: int | None = None) -> None:
     ffn = config.ffn_hidden_size or 4 * config.hidden_size
     quantities = {
         "num_attention_heads": config.num_attention_heads,
+        # grouped-query attention: each rank keeps whole key/value heads
+        "num_query_groups": getattr(config, "num_query_groups", None) or config.num_attention_heads,
         "hidden_size": config.hidden_size,
         "ffn_hidden_size": ffn,
         "padded_vocab_size": config.padded_vocab_size,
@@ -397,29 +399,42 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
 # Sharding full tensors and rebuilding them
 # --------------------------------------------------------------------------
 
+def _blocks(full_size: int, stride) -> list[int]:
+    """Block sizes along the split dim: `stride` equal blocks (an int, e.g. 3
+    for [Q | K | V]), or the sizes themselves (a sequence, e.g. [Q | K | V]
+    with fewer K/V heads under grouped-query attention)."""
+    if isinstance(stride, int):
+        return [full_size // stride] * stride
+    return [int(s) for s in stride]
+
+
 def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int,
-                 stride: int = 1) -> torch.Tensor:
+                 stride=1) -> torch.Tensor:
     """Rank's slice of `full` along `dim`.
 
     stride > 1: `full` is made of `stride` blocks along dim (e.g. [Q | K | V]);
     each block is split across ranks, and rank r keeps the r-th piece of every
     block, concatenated ([Q_r | K_r | V_r]), so each rank has whole heads.
+    stride may also list unequal block sizes (see _blocks).
     """
-    if full.shape[dim] % (stride * world) != 0:
+    sizes = _blocks(full.shape[dim], stride)
+    if sum(sizes) != full.shape[dim] or any(s % world for s in sizes):
         raise ValueError(f"dim {dim} of size {full.shape[dim]} cannot be split into "
-                         f"{stride} block(s) x {world} rank(s)")
-    blocks = full.chunk(stride, dim=dim)
+                         f"block(s) {sizes} x {world} rank(s)")
+    blocks = full.split(sizes, dim=dim)
     return torch.cat([b.chunk(world, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 
 
-def merge_shards(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+def merge_shards(shards: list[torch.Tensor], dim: int, stride=1) -> torch.Tensor:
     """Inverse of shard_tensor: rebuild the full tensor from every rank's shard."""
-    per_rank_blocks = [s.chunk(stride, dim=dim) for s in shards]  # [rank][block]
-    blocks = [torch.cat([rb[b] for rb in per_rank_blocks], dim=dim) for b in range(stride)]
+    world = len(shards)
+    local = [s // world for s in _blocks(shards[0].shape[dim] * world, stride)]
+    per_rank_blocks = [s.split(local, dim=dim) for s in shards]  # [rank][block]
+    blocks = [torch.cat([rb[b] for rb in per_rank_blocks], dim=dim) for b in range(len(local))]
     return torch.cat(blocks, dim=dim)
 
 
-def gather_tensor(shard: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
+def gather_tensor(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor:
     """All-gather a sharded parameter (or grad) over the TP group into the full
     tensor on every rank (for checkpoints and tests). Collective."""
     if tp_size() == 1:
@@ -430,7 +445,7 @@ def gather_tensor(shard: torch.Tensor, dim: int, stride: int = 1) -> torch.Tenso
     return merge_shards(shards, dim, stride)
 
 
-def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor | None:
+def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor | None:
     """gather_tensor, but only TP rank 0 receives the full tensor (dist.gather):
     the others return None and never allocate it (checkpoint writes)."""
     if tp_size() == 1:
@@ -442,7 +457,7 @@ def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride: int = 1) -> to
     return merge_shards(shards, dim, stride) if first else None
 
 
-def _mark_sharded(param: nn.Parameter, dim: int, stride: int = 1) -> nn.Parameter:
+def _mark_sharded(param: nn.Parameter, dim: int, stride=1) -> nn.Parameter:
     # DeepSpeed and our clip_grad_norm_ read `tensor_model_parallel`.
     param.tensor_model_parallel = True
     param.partition_dim = dim
@@ -456,7 +471,7 @@ def init_normal(std: float = 0.02) -> Callable[[torch.Tensor], None]:
 
 
 def _sharded_master(shape: tuple[int, ...], init_method, dim: int,
-                    stride: int = 1) -> nn.Parameter:
+                    stride=1) -> nn.Parameter:
     """Build the full master weight with init_method, keep this rank's slice."""
     master = torch.empty(shape)
     with torch.no_grad():
@@ -482,7 +497,7 @@ class ColumnParallelLinear(nn.Module):
     (..., out/tp) unless gather_output=True."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 gather_output: bool = False, stride: int = 1,
+                 gather_output: bool = False, stride=1,
                  init_method: Callable[[torch.Tensor], None] = init_normal(),
                  async_grad_allreduce: bool = False):
         super().__init__()

@@ -137,19 +137,21 @@ def head_dim_cases(opts):
 def layer_norm_fwd_cases(opts):
     """Plain LayerNorm, and the fused residual add (HAS_RESIDUAL) with a
     residual of x's dtype or, under autocast, a bf16 branch output added into
-    an fp32 residual stream."""
+    an fp32 residual stream; each as LayerNorm and as RMSNorm (RMS)."""
     dtypes = [t for t in LN_DTYPES if t in opts.dtypes]
     residuals = {"bf16": (None, "bf16"), "fp32": (None, "fp32", "bf16")}
-    return [{"N": n, "dtype": t, "res": r}
-            for n, t in itertools.product(opts.ln_hidden, dtypes) for r in residuals[t]]
+    return [{"N": n, "dtype": t, "res": r, "rms": rms}
+            for n, t, rms in itertools.product(opts.ln_hidden, dtypes, (False, True))
+            for r in residuals[t]]
 
 
 def layer_norm_bwd_cases(opts):
-    """Plain LayerNorm, and the fused residual add's backward (HAS_DSUM). All
-    tensors are in one dtype: that of the saved sum."""
+    """Plain LayerNorm, and the fused residual add's backward (HAS_DSUM), as
+    LayerNorm and as RMSNorm (RMS). All tensors are in one dtype: that of
+    the saved sum."""
     dtypes = [t for t in LN_DTYPES if t in opts.dtypes]
-    return [{"N": n, "dtype": t, "dsum": d}
-            for n, t, d in itertools.product(opts.ln_hidden, dtypes, (False, True))]
+    return [{"N": n, "dtype": t, "dsum": d, "rms": rms}
+            for n, t, d, rms in itertools.product(opts.ln_hidden, dtypes, (False, True), (False, True))]
 
 
 def loss_cases(opts):
@@ -190,8 +192,11 @@ def layer_norm_config(case):
 # the real ones they are multiples of 16, which Triton specialises on.
 def attention_args(c, grads=()):
     D, t = c["D"], c["dtype"]
+    # K and V (any number of key/value heads: GROUP query heads each) are
+    # views of the same projection as Q
     args = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "LSE": "*fp32", "T": "i32", "H": "i32",
-            "stride_qb": 1024 * 3 * 768, "stride_qh": D, "stride_qt": 3 * 768,
+            "GROUP": "i32", "stride_qb": 1024 * 3 * 768, "stride_qh": D, "stride_qt": 3 * 768,
+            "stride_kb": 1024 * 3 * 768, "stride_kh": D, "stride_kt": 3 * 768,
             "qk_scale": "fp32", "T_BUCKET": 1024}
     if not grads:  # forward: writes O
         return {**args, "O": f"*{t}", "stride_ob": 1024 * 768, "stride_oh": D, "stride_ot": 768}
@@ -224,7 +229,7 @@ KERNELS = [
            lambda c: attention_args(c, grads=("DQ",)),
            attention_constexprs, attention_configs("dq")),
     Kernel("layer_norm_fwd", "_layer_norm_fwd_kernel", layer_norm_fwd_cases,
-           layer_norm_fwd_args, lambda c: {"HAS_RESIDUAL": c["res"] is not None},
+           layer_norm_fwd_args, lambda c: {"HAS_RESIDUAL": c["res"] is not None, "RMS": c["rms"]},
            layer_norm_config),
     # loss.py's row passes over a chunk of logits (bf16 under autocast, fp32
     # without), at GPT-2's 50304-row vocabulary and the block the launcher picks
@@ -241,7 +246,7 @@ KERNELS = [
                       "DSUM": f"*{c['dtype']}", "DX": f"*{c['dtype']}", "MEAN": "*fp32",
                       "RSTD": "*fp32", "DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32",
                       "M": "i32", "N": c["N"]},
-           lambda c: {"HAS_DSUM": c["dsum"]}, layer_norm_config),
+           lambda c: {"HAS_DSUM": c["dsum"], "RMS": c["rms"]}, layer_norm_config),
 ]
 
 
@@ -263,7 +268,8 @@ def case_label(case) -> str:
     shape = f"D={case['D']}" if "D" in case else f"N={case['N']}"
     mask = {True: " causal", False: " non-causal"}.get(case.get("causal"), "")
     fused = f" +res {case['res']}" if case.get("res") else " +dsum" if case.get("dsum") else ""
-    return f"{shape} {case['dtype']}{mask}{fused}"
+    rms = " rms" if case.get("rms") else ""
+    return f"{shape} {case['dtype']}{mask}{fused}{rms}"
 
 
 def config_label(config: Config, metadata=None) -> str:

@@ -35,6 +35,10 @@ COMMON = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
           "--sample-tokens", "0", "--seed", "11", "--split", "90,10,0"]
 
 
+# The Llama-shaped preset: every architecture option on (GPTConfig.LLAMA_OPTIONS + GQA).
+LLAMA = ["--preset", "llama-tiny"]
+
+
 def make_corpus(prefix: str) -> None:
     """Random token documents ending in <|endoftext|>, in the Megatron format."""
     import data as data_lib
@@ -168,6 +172,9 @@ def worker(out: str, plan: str) -> None:
             worker_run(out, "z1_fp16_overflow", ["--deepspeed", "--zero-stage", "1", "--fp16",
                                                  "--train-iters", "4", "--lr-decay-iters", str(STEPS)])
         export_and_eval(out, ck("z3"), "export_z3", [])
+        # Every architecture option on (rope, RMSNorm, SwiGLU, GQA, untied, no bias).
+        worker_run(out, "ddp_llama", LLAMA)
+        worker_run(out, "z3_llama", ["--deepspeed", "--zero-stage", "3", *LLAMA])
     elif plan == "tp":  # 4 processes: T=2, D=2
         tp = ["--tensor-model-parallel-size", "2"]
         worker_run(out, "tp2_ddp_domino", [*tp, "--domino"])  # plain DDP over D, no DeepSpeed
@@ -176,6 +183,10 @@ def worker(out: str, plan: str) -> None:
         worker_run(out, "tp2_z1_partitioned", ["--deepspeed", "--zero-stage", "1", "--recompute-activations",
                                                "--partition-activations", "--train-iters", "6",
                                                "--lr-decay-iters", str(STEPS), *tp])
+        worker_run(out, "tp2_z3_llama", ["--deepspeed", "--zero-stage", "3", *tp, *LLAMA])
+        worker_run(out, "tp2_z3_llama_partitioned", ["--deepspeed", "--zero-stage", "3", "--recompute-activations",
+                                                     "--partition-activations", "--train-iters", "6",
+                                                     "--lr-decay-iters", str(STEPS), *tp, *LLAMA])
         export_and_eval(out, ck("tp2_z3"), "export_tp2", tp)
     dist.barrier()
     dist.destroy_process_group()
@@ -301,6 +312,18 @@ def test_tensor_parallel_zero_matches_ddp(runs, stage):
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
 
 
+@pytest.mark.parametrize("run", ["z3_llama", "tp2_z3_llama"])
+def test_zero3_matches_ddp_with_every_architecture_option(runs, run):
+    """rope + RMSNorm + SwiGLU + GQA + untied head + no biases: ZeRO-3 (with
+    T=1 and with T=2, whose GQA QKV and SwiGLU fc shard by blocks) == DDP."""
+    ref, got = metrics(runs, "ddp_llama"), metrics(runs, run)
+    assert [m["iteration"] for m in got] == list(range(1, STEPS + 1))
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
+
+
 def test_plain_ddp_with_tensor_parallel_domino_matches_ddp(runs):
     """Without DeepSpeed: T=2 (Domino, 2 chunks of 1) x D=2 under torch DDP
     == T=1 x D=2 DDP, step for step."""
@@ -324,7 +347,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_deepspeed(run
 
 
 @pytest.mark.parametrize("run,ref", [("z1_recompute", "z1"), ("tp2_z1_partitioned", "tp2_z1"),
-                                     ("z2_offload", "z2")])
+                                     ("z2_offload", "z2"),
+                                     ("tp2_z3_llama_partitioned", "tp2_z3_llama")])  # RoPE angles too
 def test_memory_saving_options_change_nothing_but_memory(runs, run, ref):
     """--recompute-activations through DeepSpeed's checkpointing (and, under
     TP, --partition-activations), and --zero-offload-optimizer (optimizer

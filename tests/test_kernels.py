@@ -136,9 +136,56 @@ def test_unsupported_head_dim_is_a_clear_error(D):
 
 
 def test_mismatched_shapes_are_a_clear_error():
-    q = torch.randn(1, 2, 16, 32, device=DEVICE)
-    with pytest.raises(ValueError, match="same shape"):
+    q = torch.randn(1, 3, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="k, v \\(B, G, T, D\\)"):
         kernels.flash_attention(q, q[:, :, :8], q)
+    with pytest.raises(ValueError, match="G dividing H"):  # 2 key/value heads for 3 query heads
+        kernels.flash_attention(q, q[:, :2], q[:, :2])
+
+
+# Grouped-query attention: G key/value heads, each read by H/G query heads.
+def attention_reference_gqa(q, k, v, do):
+    q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o64 = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=True)
+    o64.backward(do.double())
+    return o64.detach(), q64.grad, k64.grad, v64.grad
+
+
+@pytest.mark.parametrize("B,H,G,T,D,dtype", [
+    (2, 4, 2, 37, 32, torch.float32),   # 2 query heads per key/value head, ragged T
+    (1, 4, 1, 20, 64, torch.float32),   # multi-query attention: one shared head
+    (1, 6, 2, 33, 32, torch.bfloat16),
+])
+def test_grouped_query_flash_attention_matches_float64_sdpa(B, H, G, T, D, dtype):
+    g = torch.Generator().manual_seed(0)
+    q, do = [torch.randn(B, H, T, D, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    k, v = [torch.randn(B, G, T, D, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    got = run_flash(q, k, v, do)
+    assert got[2].shape == k.shape  # dK, dV: summed over the query heads of each group
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, attention_reference_gqa(q, k, v, do)):
+        assert_close(a, b, dtype, f"GQA {name} (H={H}, G={G}, {dtype})")
+
+
+def test_grouped_query_attention_reads_the_shared_heads_in_place(monkeypatch):
+    """The kernels index key/value head h // (H/G) themselves: K and V reach
+    every launch as the caller's (B, G, T, D) memory, never expanded per
+    query head, and the dK/dV kernel runs one program row per key/value head."""
+    B, H, G, T, D = 2, 4, 2, 20, 32
+    q = torch.randn(B, H, T, D, device=DEVICE, requires_grad=True)
+    kv = torch.randn(B, T, 2 * G * D, device=DEVICE, requires_grad=True)  # as the model's views
+    k, v = [t.view(B, T, G, D).transpose(1, 2) for t in kv.split(G * D, dim=2)]
+    launches = []
+    real_launch = kernels._launch_attn
+
+    def spy(name, num_rows, bh, *args, **kw):
+        launches.append((name, bh, [a.data_ptr() for a in args[1:3]]))
+        return real_launch(name, num_rows, bh, *args, **kw)
+
+    monkeypatch.setattr(kernels, "_launch_attn", spy)
+    kernels.flash_attention(q, k, v).sum().backward()
+    assert [(name, bh) for name, bh, _ in launches] == [("fwd", B * H), ("dkdv", B * G), ("dq", B * H)]
+    for name, _, ptrs in launches:
+        assert ptrs == [k.data_ptr(), v.data_ptr()], name
 
 
 def test_attention_torch_reference_is_causal_softmax_attention():
@@ -335,12 +382,69 @@ def test_cuda_autotuning_is_keyed_by_length_bucket_not_exact_length():
 
 
 # ---------------------------------------------------------------------------
+# RMSNorm: the LayerNorm kernels with their RMS switch (no mean, no bias)
+
+def check_rms_norm(shape, x_dtype, weight_dtype, fused_add, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = shape[-1]
+    x = torch.randn(*shape, generator=g).mul(3).add(1).to(DEVICE, x_dtype).requires_grad_()
+    r = torch.randn(*shape, generator=g).to(DEVICE, x_dtype).requires_grad_()
+    w = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
+    ds, dy = [torch.randn(shape, generator=g).to(DEVICE, x_dtype) for _ in range(2)]
+    x6, r6, w6 = [t.detach().double().requires_grad_() for t in (x, r, w)]
+    s6 = x6 + r6 if fused_add else x6
+    y6 = s6 * torch.rsqrt(s6.pow(2).mean(-1, keepdim=True) + 1e-5) * w6  # the definition
+    if fused_add:
+        s, y = kernels.add_rms_norm(x, r, w, eps=1e-5)
+        torch.autograd.backward([s, y], [ds, dy])
+        torch.autograd.backward([s6, y6], [ds.double(), dy.double()])
+        assert_close(s.detach(), s6.detach(), x_dtype, "s")
+        assert_close(r.grad, r6.grad, x_dtype, "dr")
+    else:
+        y = kernels.rms_norm(x, w, eps=1e-5)
+        y.backward(dy)
+        y6.backward(dy.double())
+    assert_close(y.detach(), y6.detach(), x_dtype, "y")
+    assert_close(x.grad, x6.grad, x_dtype, "dx")
+    assert_close(w.grad, w6.grad, weight_dtype, "dw")
+
+
+@pytest.mark.parametrize("shape,x_dtype,weight_dtype", [
+    ((2, 40, 100), torch.float32, torch.float32),   # N not a power of two
+    ((13, 1000), torch.float32, torch.float32),
+    ((5, 3, 96), torch.bfloat16, torch.float32),    # autocast-like: bf16 rows, fp32 weight
+])
+@pytest.mark.parametrize("fused_add", [False, True], ids=["rms_norm", "add_rms_norm"])
+def test_rms_norm_matches_float64(shape, x_dtype, weight_dtype, fused_add):
+    check_rms_norm(shape, x_dtype, weight_dtype, fused_add)
+
+
+def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
+    torch.manual_seed(0)
+    ref = torch.nn.RMSNorm(48, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        ref.weight.normal_()
+    mod = kernels.TritonRMSNorm(48, eps=1e-5).to(DEVICE)
+    mod.load_state_dict(ref.state_dict())  # same key, so checkpoints are interchangeable
+    x, r = torch.randn(3, 5, 48, device=DEVICE), torch.randn(3, 5, 48, device=DEVICE)
+    torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
+    s, y = mod(x, residual=r)
+    torch.testing.assert_close(y, ref(x + r), rtol=1e-5, atol=1e-5)
+    assert isinstance(mod, torch.nn.RMSNorm) and mod.fuses_residual_add
+
+
+# ---------------------------------------------------------------------------
 # whole model: triton vs torch implementations give the same loss and grads
 
-def test_gpt_tiny_triton_matches_torch():
+# head dim 32 (the kernels support 32/64/128); "llama": RoPE on q, k before
+# the Triton attention, RMSNorm kernels, SwiGLU, 2 query heads sharing 1 K/V head.
+@pytest.mark.parametrize("options", [
+    {}, dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             untie_embeddings_and_output_weights=True, disable_bias_linear=True,
+             num_query_groups=1, rotary_percent=0.5)], ids=["gpt2", "llama"])
+def test_gpt_tiny_triton_matches_torch(options):
     import gpt
-    # 2 heads of 64 -> head dim 32 (the kernels support 32/64/128)
-    overrides = dict(num_layers=2, hidden_size=64, num_attention_heads=2)
+    overrides = dict(num_layers=2, hidden_size=64, num_attention_heads=2, **options)
     torch.manual_seed(0)
     ref_model = gpt.GPT(gpt.GPTConfig.from_preset("tiny", **overrides)).to(DEVICE)
     tri_model = gpt.GPT(gpt.GPTConfig.from_preset(

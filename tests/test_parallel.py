@@ -133,6 +133,22 @@ def test_shard_tensor_with_stride_keeps_whole_qkv_pieces():
         parallel.shard_tensor(torch.zeros(10, 2), 0, 0, 2, stride=3)
 
 
+def test_shard_tensor_with_block_sizes_splits_gqa_qkv_and_swiglu_fc():
+    # GQA: 4 query heads, 2 key/value heads, head dim 1 -> blocks of 4, 2, 2 rows.
+    q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
+    full = torch.cat([q, k, v])
+    shards = [parallel.shard_tensor(full, 0, r, 2, stride=(4, 2, 2)) for r in range(2)]
+    assert torch.equal(shards[1], torch.cat([q[2:], k[1:], v[1:]]))  # query heads 2,3 with kv head 1
+    # checkpoints store the layout as JSON: a list works like the tuple
+    assert torch.equal(parallel.merge_shards(shards, 0, [4, 2, 2]), full)
+    # SwiGLU: [gate | up] with stride 2 gives each rank matching gate and up rows.
+    gate, up = torch.randn(6, 3), torch.randn(6, 3)
+    shard = parallel.shard_tensor(torch.cat([gate, up]), 0, 2, 3, stride=2)
+    assert torch.equal(shard, torch.cat([gate[4:], up[4:]]))
+    with pytest.raises(ValueError, match="cannot be split"):
+        parallel.shard_tensor(full, 0, 0, 4, stride=(4, 2, 2))  # 2 kv heads over 4 ranks
+
+
 # --------------------------------------------------------------------------
 # Parallel linear layers
 # --------------------------------------------------------------------------
@@ -352,11 +368,11 @@ def test_tensor_parallel_needs_torch_distributed():
 
 @pytest.mark.parametrize("field,value,tp", [
     ("num_attention_heads", 12, 8), ("hidden_size", 772, 8), ("ffn_hidden_size", 3074, 4),
-    ("padded_vocab_size", 50257, 2),
+    ("padded_vocab_size", 50257, 2), ("num_query_groups", 2, 4),  # GQA: whole kv heads per rank
 ])
 def test_check_divisible_names_the_quantity(field, value, tp):
     config = SimpleNamespace(num_attention_heads=16, hidden_size=768, ffn_hidden_size=None,
-                             padded_vocab_size=50304)
+                             padded_vocab_size=50304, num_query_groups=None)
     parallel.check_divisible(config, tp)  # the GPT-2 shape is fine
     setattr(config, field, value)
     with pytest.raises(ValueError, match=f"{field}={value}"):
@@ -367,7 +383,12 @@ def test_check_divisible_names_the_quantity(field, value, tp):
 # GPT under tensor parallelism (gpt.py + parallel.py)
 # --------------------------------------------------------------------------
 
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig, LLAMA_OPTIONS  # noqa: E402
+
+# Every architecture option on (issue 15), for the TP and Domino comparisons
+# below: 2 key/value heads (one per rank at T=2), half of each head rotating.
+ALL_OPTIONS = dict(LLAMA_OPTIONS, num_query_groups=2, rotary_percent=0.5)
+MODEL_OPTIONS = pytest.mark.parametrize("options", [{}, ALL_OPTIONS], ids=["gpt2", "all-options"])
 
 
 def _use_layout(tp: int):
@@ -437,69 +458,85 @@ def _assert_same_run(got, want, what, tol=1e-5, grad_atol=1e-7):
     assert_close(norm, norm_ref, tol=tol, what=f"{what}: grad norm")
 
 
-def _check_gpt_tensor_parallel_matches_single_gpu():
+def _check_gpt_tensor_parallel_matches_single_gpu(options):
     # The reference is T=1 with the full-logits loss; T=2 runs the default
     # fused head + loss (loss.py), vocab-parallel.
-    ref = _build_gpt(1, loss_impl="full")
+    def build(tp, **overrides):
+        return _build_gpt(tp, **options, **overrides)
+
+    ref = build(1, loss_impl="full")
     want = _forward_backward(ref)
     ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_losses = _train_losses(_build_gpt(1, loss_impl="full"))
+    ref_losses = _train_losses(build(1, loss_impl="full"))
 
-    tp = _build_gpt(2)
+    tp = build(2)
     # Really sharded: half the heads, half the vocab rows on this rank.
-    assert tp.blocks[0].attn.qkv.weight.shape == (3 * 32 // 2, 32)
+    assert tp.blocks[0].attn.qkv.weight.shape == (ref.blocks[0].attn.qkv.weight.shape[0] // 2, 32)
     assert tp.wte.weight.shape == (64, 32)
+    if options:  # an untied head, vocab-parallel too
+        assert tp.output_layer.weight.shape == (64, 32)
     # Same full model from the same seed, same keys as T=1.
     full = tp.full_state_dict()
     assert full.keys() == ref_sd.keys()
     for k in ref_sd:
         assert torch.equal(full[k], ref_sd[k]), k
     _assert_same_run(_forward_backward(tp), want, "T=2 vs T=1")
-    losses = _train_losses(_build_gpt(2))
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)
+    losses = _train_losses(build(2))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
 
     # Checkpoint written at T=2 loads at T=1 and back at T=2.
-    trained = _build_gpt(2)
+    trained = build(2)
     _train_losses(trained, steps=3)
     x, y, mask = _batch(7)
     with torch.no_grad():
         loss_t2 = trained(x, labels=y, loss_mask=mask)
     saved = trained.full_state_dict()
-    single = _build_gpt(1)
+    single = build(1)
     single.load_full_state_dict(saved)
     with torch.no_grad():
         assert_close(single(x, labels=y, loss_mask=mask), loss_t2, tol=1e-5, what="T=2 -> T=1")
-    back = _build_gpt(2)
+    back = build(2)
     back.load_full_state_dict({k: v.clone() for k, v in single.state_dict().items()})
     with torch.no_grad():
         assert_close(back(x, labels=y, loss_mask=mask), loss_t2, tol=1e-5, what="T=1 -> T=2")
 
 
 @pytest.mark.slow
-def test_gpt_tensor_parallel_matches_single_gpu():
-    run_on_ranks(_check_gpt_tensor_parallel_matches_single_gpu)
+@MODEL_OPTIONS
+def test_gpt_tensor_parallel_matches_single_gpu(options):
+    run_on_ranks(_check_gpt_tensor_parallel_matches_single_gpu, options)
 
 
-def _check_domino_matches_plain_tensor_parallel():
-    plain = _build_gpt(2, loss_impl="full")  # Domino runs the default fused loss
+def _check_domino_matches_plain_tensor_parallel(options):
+    def build(tp, **overrides):
+        return _build_gpt(tp, **options, **overrides)
+
+    plain = build(2, loss_impl="full")  # Domino runs the default fused loss
     want = _forward_backward(plain)
-    plain_losses = _train_losses(_build_gpt(2, loss_impl="full"))
+    plain_losses = _train_losses(build(2, loss_impl="full"))
     for chunks in (2, 3):
-        domino = _build_gpt(2, domino_chunks=chunks)
+        domino = build(2, domino_chunks=chunks)
         assert domino.blocks[0].mlp.fc.async_grad_allreduce
         _assert_same_run(_forward_backward(domino), want, f"domino {chunks} chunks")
-        losses = _train_losses(_build_gpt(2, domino_chunks=chunks))
-        torch.testing.assert_close(losses, plain_losses, rtol=1e-4, atol=0)
+        losses = _train_losses(build(2, domino_chunks=chunks))
+        torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=0)
+    if options:  # per-sample RoPE positions (--reset-position-ids) split with the chunks
+        x, y, mask = _batch(0)
+        positions = torch.stack([torch.arange(8), torch.arange(8) % 5, torch.arange(8) % 3])
+        with torch.no_grad():
+            assert_close(build(2, domino_chunks=3)(x, positions, y, mask), plain(x, positions, y, mask),
+                         tol=1e-5, what="per-sample positions")
     # A micro-batch smaller than the chunk count falls back to the plain path.
     x, y, mask = _batch(0, batch_size=1)
     with torch.no_grad():
-        assert_close(_build_gpt(2, domino_chunks=3)(x, labels=y), plain(x, labels=y),
+        assert_close(build(2, domino_chunks=3)(x, labels=y), plain(x, labels=y),
                      tol=1e-5, what="batch 1 fallback")
 
 
 @pytest.mark.slow
-def test_domino_overlap_matches_plain_tensor_parallel():
-    run_on_ranks(_check_domino_matches_plain_tensor_parallel)
+@MODEL_OPTIONS
+def test_domino_overlap_matches_plain_tensor_parallel(options):
+    run_on_ranks(_check_domino_matches_plain_tensor_parallel, options)
 
 
 class _OverlapRecorder(TorchDispatchMode):
@@ -623,9 +660,11 @@ def test_dropout_keeps_replicated_parameters_identical_across_tp_ranks():
     run_on_ranks(_check_dropout_keeps_replicated_parameters_identical)
 
 
-def _check_triton_kernels_under_tensor_parallel():
-    # head dim 32 (the kernels' smallest); at T=2 each rank runs its one head
-    shape = dict(hidden_size=64, num_attention_heads=2)
+def _check_triton_kernels_under_tensor_parallel(options):
+    # head dim 32 (the kernels' smallest); at T=2 each rank runs its one head,
+    # or with every option on its 2 query heads sharing 1 key/value head
+    shape = dict(hidden_size=64, num_attention_heads=2) if not options else \
+        dict(hidden_size=128, num_attention_heads=4, **options)
     want = _forward_backward(_build_gpt(1, **shape))
     for chunks in (1, 2):  # plain TP, then Domino (every residual add fused into a LayerNorm)
         model = _build_gpt(2, attention_impl="triton", layernorm_impl="triton",
@@ -635,13 +674,14 @@ def _check_triton_kernels_under_tensor_parallel():
 
 
 @pytest.mark.slow
-def test_triton_kernels_under_tensor_parallel_and_domino():
+@MODEL_OPTIONS
+def test_triton_kernels_under_tensor_parallel_and_domino(options):
     """The Triton kernels (interpreted on CPU here) at T=2, plain and with
     Domino chunks, reproduce the T=1 torch-kernel model."""
     import kernels
     if not kernels.triton_usable("cpu"):
         pytest.skip("needs triton with TRITON_INTERPRET=1 (set by conftest.py without a GPU)")
-    run_on_ranks(_check_triton_kernels_under_tensor_parallel)
+    run_on_ranks(_check_triton_kernels_under_tensor_parallel, options)
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -735,16 +735,20 @@ def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
     assert len(glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))) == 1
 
 
-def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path):
-    """--export-from a train.py checkpoint --export-format hf: a GPT-2 directory
-    that loads back (here and in transformers) with the trained weights."""
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
+    """--export-from a train.py checkpoint --export-format hf: a GPT-2 (or,
+    for the Llama-shaped preset, a Llama) directory that loads back with the
+    trained weights."""
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    train.main([*TINY, "--data-path", corpus, "--train-iters", "2", "--save", ckpt])
+    train.main([*TINY, "--preset", preset, "--data-path", corpus, "--train-iters", "2", "--save", ckpt])
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--export-from", ckpt,
                     "--export-to", hf, "--export-format", "hf"], check=True, cwd=ROOT)
     state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
     from gpt import GPT
     exported = GPT.from_hf(hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        assert json.load(f)["model_type"] == {"tiny": "gpt2", "llama-tiny": "llama"}[preset]
     for name, value in exported.state_dict().items():
         torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
 
