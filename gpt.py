@@ -235,7 +235,10 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
 
     Scale is 1/sqrt(hd). This is the one place the attention kernel is
     chosen; add a branch here for a new impl (and list it in ATTENTION_IMPLS).
+    With a KV cache (generate) k and v are longer than q: see cached_attention.
     """
+    if k.shape[2] != q.shape[2]:
+        return cached_attention(q, k, v)
     if impl == "torch":
         # Dropout on the attention probabilities only while training.
         return F.scaled_dot_product_attention(
@@ -250,6 +253,17 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
         # (e.g. a CPU tensor without TRITON_INTERPRET=1).
         return kernels.flash_attention(q, k, v, causal=True)
     raise ValueError(f"unknown attention_impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
+
+
+def cached_attention(q, k, v):
+    """Attention of Tq new queries over Tk >= Tq keys, the last Tq of which
+    are theirs (a KV cache step in generate; usually Tq = 1). Query i sits at
+    position Tk - Tq + i and sees keys 0 .. Tk - Tq + i: the causal mask
+    aligned at the bottom right. SDPA's is_causal (and the Triton kernel)
+    align it at the top left, so the mask is explicit; inference only."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (Tq, Tk)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
@@ -307,12 +321,13 @@ class CausalSelfAttention(nn.Module):
         self.proj.residual_out = True  # gets the scaled init, see init_weights
         self.resid_drop = nn.Dropout(config.hidden_dropout)
 
-    def heads(self, x, *deferred, rope=None):
+    def heads(self, x, *deferred, rope=None, cache=None):
         """Everything before the output projection: (B, T, C) -> (B, T, C_local).
         Under tensor parallelism qkv is column-parallel with output
         [Q_r | K_r | V_r], so this rank attends with its nh/tp query heads
         (and G/tp key/value heads) and C_local = C/tp; otherwise C_local = C.
-        rope: rope_angles(...) or None. `deferred`: see domino_blocks."""
+        rope: rope_angles(...) or None. `deferred`: see domino_blocks.
+        cache: KVCache.extend for this layer (generate), or None."""
         B, T, _ = x.shape
         cfg = self.config
         hd = cfg.head_dim
@@ -325,12 +340,14 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, G, hd).transpose(1, 2)          # (B, G, T, hd)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if cache is not None:
+            k, v = cache(k, v)                           # (B, G, L + T, hd): the prefix's too
         y = self_attention(q, k, v, cfg.attention_impl,
                            cfg.attention_dropout, self.training)  # (B, nh, T, hd)
         return y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, C_local)
 
-    def forward(self, x, rope=None):
-        return self.resid_drop(self.proj(self.heads(x, rope=rope)))  # (B, T, C)
+    def forward(self, x, rope=None, cache=None):
+        return self.resid_drop(self.proj(self.heads(x, rope=rope, cache=cache)))  # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -368,8 +385,8 @@ class Block(nn.Module):
         self.ln_2 = make_layernorm(config, config.hidden_size)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None):
-        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope))  # x += attn(...); h = ln_2(x)
+    def forward(self, x, rope=None, cache=None):
+        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope, cache))  # x += attn(...); h = ln_2(x)
         return x + self.mlp(h)
 
 
@@ -557,13 +574,13 @@ class GPT(nn.Module):
 
     # -- forward --------------------------------------------------------------
 
-    def _check_inputs(self, input_ids, position_ids, labels):
+    def _check_inputs(self, input_ids, position_ids, labels, start: int = 0):
         """Fail loudly on out-of-range ids (an embedding lookup on CUDA would
         otherwise die with an opaque device-side assert). On CPU tensors this
         is free and runs every call. On a GPU it is a host sync, which stalls
         the GPU's queue, so it runs only until one call passes: train.py
         checks every batch on the host instead (train.check_batch)."""
-        T = input_ids.shape[-1]
+        T = start + input_ids.shape[-1]  # start: positions already in a KV cache
         if T > self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence length {T} exceeds max_position_embeddings "
@@ -578,13 +595,15 @@ class GPT(nn.Module):
                             ("labels", labels, self.config.padded_vocab_size, fix)])
         self._ids_checked_on_gpu = input_ids.is_cuda
 
-    def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None):
+    def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
-        the masked mean cross-entropy loss (fp32 scalar)."""
+        the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
+        a KVCache holding the positions before input_ids, which it extends."""
         B, T = input_ids.shape
-        self._check_inputs(input_ids, position_ids, labels)
+        start = kv_cache.length if kv_cache is not None else 0
+        self._check_inputs(input_ids, position_ids, labels, start)
         if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)  # (T,) broadcasts over B
+            position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
         x = self.wte(input_ids)                                      # (B, T, C)
         rope = None
         if self.config.position_embedding_type == "rope":
@@ -593,7 +612,11 @@ class GPT(nn.Module):
             x = x + self.wpe(position_ids)
         x = self.drop(x)
         n_chunks = min(self.config.domino_chunks, B)
-        if parallel.tp_size() > 1 and n_chunks > 1:
+        if kv_cache is not None:  # inference: plain order, each layer reads and extends its cache
+            for i, block in enumerate(self.blocks):
+                x = block(x, rope, functools.partial(kv_cache.extend, i))
+            kv_cache.length += T
+        elif parallel.tp_size() > 1 and n_chunks > 1:
             x = domino_blocks(self.blocks, x, n_chunks, rope)
         else:
             for block in self.blocks:
@@ -685,28 +708,62 @@ class GPT(nn.Module):
 # Sampling
 
 
+class KVCache:
+    """The keys and values of every position generate() has run, per layer,
+    so that each new token costs one position of compute and attention over
+    the cache, not a re-run of the whole prefix. The buffers, (B, G_local,
+    max_len, hd) per layer (G_local: this rank's key/value heads under TP),
+    are allocated at the first call and filled in place."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0    # positions cached, in every layer (GPT.forward advances it)
+        self.buffers = {}  # layer -> (K, V)
+
+    def extend(self, layer: int, k, v):
+        """Write k, v (B, G, T, hd) at positions length .. length + T - 1 of
+        `layer`; return the keys and values of positions 0 .. length + T - 1."""
+        if layer not in self.buffers:
+            B, G, _, hd = k.shape
+            self.buffers[layer] = tuple(t.new_empty(B, G, self.max_len, hd) for t in (k, v))
+        K, V = self.buffers[layer]
+        end = self.length + k.shape[2]
+        K[:, :, self.length:end] = k
+        V[:, :, self.length:end] = v
+        return K[:, :, :end], V[:, :, :end]                # (B, G, end, hd) each
+
+
 @torch.no_grad()
 def generate(model: GPT, input_ids, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | None = None, generator: torch.Generator | None = None):
+             eos_token_id: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True):
     """Autoregressively extend input_ids (B, T) by up to max_new_tokens.
 
     temperature 0 means greedy. Only real token ids (< vocab_size) are ever
     produced. Rows that emitted eos_token_id keep emitting it; generation
     stops early once every row has. Runs in eval mode (restored after).
-    No KV cache: each step re-runs the (cropped) context, which is simple
-    and fast enough for a training codebase's samples.
+    With use_cache the prompt runs once and every new token then runs alone
+    against a KVCache. Once the sequence outgrows the model's positions,
+    each step re-runs the last max_position_embeddings tokens instead (the
+    window slides, so cached keys would sit at the wrong positions).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     was_training = model.training
     model.eval()
+    max_pos = model.config.max_position_embeddings
     try:
-        ids = input_ids
+        ids, unseen = input_ids, input_ids  # unseen: the tokens the cache does not hold yet
+        cache = KVCache(max_pos) if use_cache else None
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         for _ in range(max_new_tokens):
-            context = ids[:, -model.config.max_position_embeddings:]  # crop to model's window
-            logits = model(context)[:, -1, :model.config.vocab_size].float()  # (B, V) no pad ids
+            if cache is not None and cache.length + unseen.shape[1] <= max_pos:
+                logits = model(unseen, kv_cache=cache)
+            else:
+                cache = None
+                logits = model(ids[:, -max_pos:])                  # crop to the model's window
+            logits = logits[:, -1, :model.config.vocab_size].float()  # (B, V) no pad ids
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:
@@ -716,7 +773,7 @@ def generate(model: GPT, input_ids, max_new_tokens: int, temperature: float = 1.
             if eos_token_id is not None:
                 next_id = next_id.masked_fill(finished[:, None], eos_token_id)
                 finished |= next_id[:, 0] == eos_token_id
-            ids = torch.cat([ids, next_id], dim=1)
+            ids, unseen = torch.cat([ids, next_id], dim=1), next_id
             if eos_token_id is not None and bool(finished.all()):
                 break
         return ids

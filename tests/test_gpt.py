@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gpt import (GPT, GPTConfig, PRESETS, count_parameters, filter_logits, generate,
+from gpt import (GPT, GPTConfig, PRESETS, KVCache, count_parameters, filter_logits, generate,
                  flops_per_token)
 from hf import hf_to_ours, ours_to_hf
 
@@ -299,6 +299,28 @@ def test_generate_crops_long_context_and_restores_mode():
     model = tiny_model().train()
     out = generate(model, tokens(T=64), 3, temperature=0)  # grows past 64 positions
     assert out.shape == (2, 67) and model.training
+
+
+@pytest.mark.parametrize("options", [{}, dict(position_embedding_type="rope", num_query_groups=2)],
+                         ids=["gpt2", "rope-gqa"])
+def test_kv_cache_generates_the_same_tokens_as_rerunning_the_prefix(options):
+    """generate() runs the prompt once and then one position per new token
+    against each layer's cached keys and values. Greedy decoding gives the
+    same tokens as re-running the whole prefix every step, token for token,
+    also past the model's 64 positions (where the window slides and
+    generate falls back to re-running it); each cached step's logits equal
+    the full forward's last row."""
+    model = tiny_model(**options)
+    prompt = tokens(T=5)
+    cached = generate(model, prompt, 70, temperature=0)
+    assert torch.equal(cached, generate(model, prompt, 70, temperature=0, use_cache=False))
+    cache = KVCache(64)
+    with torch.no_grad():
+        model(cached[:, :5], kv_cache=cache)
+        for t in range(5, 40):  # one token at a time, as generate does
+            step = model(cached[:, t:t + 1], kv_cache=cache)[:, -1]
+            torch.testing.assert_close(step, model(cached[:, :t + 1])[:, -1], rtol=1e-5, atol=1e-5)
+    assert cache.length == 40
 
 
 def test_generate_stops_when_every_row_emits_eos():

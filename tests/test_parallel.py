@@ -383,7 +383,7 @@ def test_check_divisible_names_the_quantity(field, value, tp):
 # GPT under tensor parallelism (gpt.py + parallel.py)
 # --------------------------------------------------------------------------
 
-from gpt import GPT, GPTConfig, LLAMA_OPTIONS  # noqa: E402
+from gpt import GPT, GPTConfig, LLAMA_OPTIONS, generate  # noqa: E402
 
 # Every architecture option on (issue 15), for the TP and Domino comparisons
 # below: 2 key/value heads (one per rank at T=2), half of each head rotating.
@@ -495,10 +495,14 @@ def _check_gpt_tensor_parallel_matches_single_gpu(options):
     single.load_full_state_dict(saved)
     with torch.no_grad():
         assert_close(single(x, labels=y, loss_mask=mask), loss_t2, tol=1e-5, what="T=2 -> T=1")
+    # greedy, re-running the prefix every step (past the 16 positions too)
+    greedy_t1 = generate(single, x[:, :4], 14, temperature=0, use_cache=False)
     back = build(2)
     back.load_full_state_dict({k: v.clone() for k, v in single.state_dict().items()})
     with torch.no_grad():
         assert_close(back(x, labels=y, loss_mask=mask), loss_t2, tol=1e-5, what="T=1 -> T=2")
+    # With a KV cache at T=2 (each rank caches its own key/value heads): the same tokens
+    assert torch.equal(generate(back, x[:, :4], 14, temperature=0), greedy_t1)
 
 
 @pytest.mark.slow
