@@ -135,6 +135,14 @@ class TrainConfig:
     overlapping_eval: int | None = None    # WikiText window stride in tokens; None: --seq-length
     strict_lambada: bool = False           # target: the whole last word, not its last BPE token
     hf: str | None = None                  # evaluate a Hugging Face GPT-2 directory instead of --load
+    # sampling from a checkpoint (evaluate.py --task GENERATE; Megatron's generate_samples_gpt)
+    sample_input_file: str | None = None   # one prompt a line; None: unconditional
+    sample_output_file: str | None = None  # JSON lines; None: print
+    num_samples: int = 0                   # unconditional samples (without --sample-input-file)
+    out_seq_length: int = 256              # tokens to generate per sample (fewer at <|endoftext|>)
+    temperature: float = 1.0               # 0: greedy
+    top_k: int = 0                         # 0: off
+    top_p: float = 0.0                     # 0: off
     # misc
     seed: int = 1234
 
@@ -215,11 +223,18 @@ FLAG_HELP = {
     "export_from": "export the weights of this checkpoint (plain or DeepSpeed), then exit",
     "export_to": "where the export goes", "export_format": "plain (train.py checkpoint) | hf (Hugging Face GPT-2)",
     "seed": "random seed (the same on every rank)",
-    "task": "evaluate.py: WIKITEXT103 (perplexity) | LAMBADA (cloze accuracy)",
+    "task": "evaluate.py: WIKITEXT103 (perplexity) | LAMBADA (cloze accuracy) | GENERATE (samples)",
     "valid_data": "evaluate.py: the task's file (raw wiki.test.tokens, or LAMBADA JSON lines with \"text\")",
     "overlapping_eval": "evaluate.py, WIKITEXT103: windows advance by this many tokens; only those are scored",
     "strict_lambada": "evaluate.py, LAMBADA: the target is the whole last word (split on whitespace)",
     "hf": "evaluate.py: a Hugging Face GPT-2 directory to evaluate instead of --load",
+    "sample_input_file": "evaluate.py, GENERATE: prompts, one a line (without it: --num-samples unconditional)",
+    "sample_output_file": "evaluate.py, GENERATE: JSON lines {prompt, text, tokens}, in prompt order (default: print)",
+    "num_samples": "evaluate.py, GENERATE: unconditional samples, each from <|endoftext|>",
+    "out_seq_length": "evaluate.py, GENERATE: tokens to generate per sample (fewer if <|endoftext|> comes)",
+    "temperature": "evaluate.py, GENERATE: softmax temperature; 0 is greedy",
+    "top_k": "evaluate.py, GENERATE: sample among the k likeliest tokens; 0 is off (Megatron: --top_k)",
+    "top_p": "evaluate.py, GENERATE: nucleus sampling mass; 0 is off (Megatron: --top_p)",
 }
 
 ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Coming from Megatron")
@@ -230,6 +245,8 @@ ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Co
     (("--DDP-impl",), dict(dest="ddp_impl")),
     (("--vocab",), dict(dest="vocab_file")),
     (("--deepspeed_config",), dict(dest="deepspeed_config")),  # DeepSpeed's own spelling
+    (("--top_k",), dict(dest="top_k", type=int)),              # Megatron's sampling spellings
+    (("--top_p",), dict(dest="top_p", type=float)),
 ]
 # Megatron's TensorBoard switches: what they ask for is always logged here
 # (batch size, validation loss and perplexity), or not measured (timers).
@@ -382,8 +399,10 @@ def validate(cfg: TrainConfig, given: set[str] = frozenset(), evaluating: bool =
                          ") or --num-layers/--hidden-size/--num-attention-heads")
 
 
-EVAL_TASKS = ("WIKITEXT103", "LAMBADA")
-EVAL_FLAGS = {"task", "valid_data", "overlapping_eval", "strict_lambada", "hf"}  # evaluate.py's alone
+EVAL_TASKS = ("WIKITEXT103", "LAMBADA", "GENERATE")
+SAMPLE_FLAGS = {"sample_input_file", "sample_output_file", "num_samples", "out_seq_length",
+                "temperature", "top_k", "top_p"}
+EVAL_FLAGS = {"task", "valid_data", "overlapping_eval", "strict_lambada", "hf", *SAMPLE_FLAGS}  # evaluate.py's alone
 
 
 def validate_evaluation(cfg: TrainConfig) -> None:
@@ -392,7 +411,9 @@ def validate_evaluation(cfg: TrainConfig) -> None:
         raise ValueError(f"evaluate.py needs --task: {' or '.join(EVAL_TASKS)}")
     if cfg.task not in EVAL_TASKS:
         raise ValueError(f"--task {cfg.task}: use one of {', '.join(EVAL_TASKS)}")
-    if not cfg.valid_data:
+    if cfg.task == "GENERATE":
+        validate_sampling(cfg)
+    elif not cfg.valid_data:
         raise ValueError(f"--task {cfg.task} needs --valid-data FILE (the task's data)")
     if bool(cfg.load) == bool(cfg.hf):
         raise ValueError("evaluate.py needs a model: --load CHECKPOINT (plain or DeepSpeed) "
@@ -404,6 +425,18 @@ def validate_evaluation(cfg: TrainConfig) -> None:
         raise ValueError("--overlapping-eval is for --task WIKITEXT103")
     if cfg.strict_lambada and cfg.task != "LAMBADA":
         raise ValueError("--strict-lambada is for --task LAMBADA")
+
+
+def validate_sampling(cfg: TrainConfig) -> None:
+    """--task GENERATE: prompts from a file, or unconditional samples; sane sampling knobs."""
+    if bool(cfg.sample_input_file) == (cfg.num_samples > 0):
+        raise ValueError("--task GENERATE needs --sample-input-file FILE (one prompt a line) or "
+                         "--num-samples N > 0 (unconditional samples), one of them")
+    if cfg.out_seq_length < 1:
+        raise ValueError(f"--out-seq-length {cfg.out_seq_length}: generate at least 1 token")
+    if cfg.temperature < 0 or cfg.top_k < 0 or not 0 <= cfg.top_p <= 1:
+        raise ValueError(f"--temperature {cfg.temperature} (>= 0; 0 is greedy), --top-k {cfg.top_k} "
+                         f"(>= 0; 0 is off), --top-p {cfg.top_p} (in [0, 1]; 0 is off)")
 
 
 def validate_megatron_flags(cfg: TrainConfig) -> None:

@@ -1,9 +1,13 @@
-r"""Zero-shot evaluation of a checkpoint: WikiText-103 perplexity, LAMBADA accuracy.
+r"""Zero-shot evaluation of a checkpoint (WikiText-103 perplexity, LAMBADA
+accuracy), and samples from it.
 
     torchrun --nproc_per_node N evaluate.py --task WIKITEXT103 --valid-data wiki.test.tokens \
         --load CKPT [--tensor-model-parallel-size T] [--overlapping-eval 32] [--seq-length 1024]
     torchrun --nproc_per_node N evaluate.py --task LAMBADA --valid-data lambada_test.jsonl \
         --load CKPT [--strict-lambada]
+    torchrun --nproc_per_node N evaluate.py --task GENERATE --load CKPT \
+        (--sample-input-file prompts.txt | --num-samples 8) [--sample-output-file out.jsonl] \
+        [--out-seq-length 256] [--temperature 0.8] [--top_k 50] [--top_p 0.9] [--seed 1]
 
 The model is --load's (train.py's own checkpoints or DeepSpeed's, any ZeRO
 stage, written at any tensor-parallel size) or --hf's (a Hugging Face GPT-2
@@ -15,6 +19,7 @@ The tasks follow Megatron's tasks/zeroshot_gpt, so the numbers compare.
   2. The model, from any checkpoint, in this run's layout.
   3. Scoring: one forward per micro-batch, sums all-reduced over data parallelism.
   4. The two tasks and their reports.
+  5. Samples: greedy or sampled continuations with a KV cache (gpt.generate).
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import checkpoint
 import parallel
 import train
 from config import TrainConfig, model_config, parse_args
-from gpt import GPT, GPTConfig
+from gpt import GPT, GPTConfig, generate
 from prepare import load_tokenizer
 
 # ----------------------------------------------------------------------------
@@ -47,16 +52,16 @@ class Example:
     scored: int
 
 
-def read_text(path: str) -> str:
+def read_text(path: str, flag: str = "--valid-data") -> str:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--valid-data {path}: no such file")
+        raise FileNotFoundError(f"{flag} {path}: no such file")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"--valid-data {path}: not UTF-8 text ({e})") from None
+        raise ValueError(f"{flag} {path}: not UTF-8 text ({e})") from None
     if not text.strip():
-        raise ValueError(f"--valid-data {path}: the file is empty")
+        raise ValueError(f"{flag} {path}: the file is empty")
     return text
 
 
@@ -180,7 +185,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
 def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
     """Model flags are not needed; given, they must describe the checkpoint's
     model (a wrong --preset is a mistake worth naming)."""
-    if mcfg.max_position_embeddings < cfg.seq_length:
+    if mcfg.max_position_embeddings < cfg.seq_length and cfg.task != "GENERATE":  # samples slide
         raise ValueError(f"--seq-length {cfg.seq_length} exceeds the model's "
                          f"{mcfg.max_position_embeddings} positions: pass --seq-length "
                          f"{mcfg.max_position_embeddings} or less")
@@ -285,6 +290,8 @@ TASKS = {"WIKITEXT103": (wikitext103, wikitext103_results), "LAMBADA": (lambada,
 def evaluate(cfg: TrainConfig, env: train.Dist) -> dict:
     """Run --task in an initialized world (tests call it repeatedly in one
     world); print the results and write them (rank 0), and return them."""
+    if cfg.task == "GENERATE":
+        return write_samples(cfg, sample(cfg, env), env)
     read, summarize = TASKS[cfg.task]
     examples, data = read(cfg, load_tokenizer(cfg.tokenizer_type))  # data mistakes before the model loads
     model = load_model(cfg, env.device)
@@ -296,6 +303,58 @@ def evaluate(cfg: TrainConfig, env: train.Dist) -> dict:
             with open(cfg.metrics_file, "w") as f:
                 f.write(json.dumps(results) + "\n")
     return results
+
+
+# ----------------------------------------------------------------------------
+# 5. Samples
+# ----------------------------------------------------------------------------
+
+def read_prompts(cfg: TrainConfig) -> list[str]:
+    """--sample-input-file's lines (blank ones kept: an unconditional sample),
+    or --num-samples empty prompts."""
+    if not cfg.sample_input_file:
+        return [""] * cfg.num_samples
+    return read_text(cfg.sample_input_file, "--sample-input-file").rstrip("\n").split("\n")
+
+
+def sample(cfg: TrainConfig, env: train.Dist) -> list[dict]:
+    """One continuation per prompt, in prompt order. Data-parallel ranks take
+    every D-th prompt; prompt i samples with the generator seeded --seed + i
+    on every rank, so the samples depend on the seed alone, not on N or T
+    (the tensor-parallel ranks of a group draw the same tokens)."""
+    enc, prompts = load_tokenizer(cfg.tokenizer_type), read_prompts(cfg)
+    model = load_model(cfg, env.device)
+    mine = {}
+    for i in range(parallel.dp_rank(), len(prompts), parallel.dp_size()):
+        ids = enc.encode_ordinary(prompts[i]) or [train.EOD_TOKEN]  # empty: from <|endoftext|>
+        if len(ids) >= model.config.max_position_embeddings:
+            raise ValueError(f"--sample-input-file line {i + 1}: {len(ids)} tokens, the model sees "
+                             f"{model.config.max_position_embeddings}; shorten the prompt")
+        gen = torch.Generator(device=env.device).manual_seed(cfg.seed + i)
+        with train.autocast(cfg, env.device):
+            out = generate(model, torch.tensor([ids], device=env.device), cfg.out_seq_length,
+                           cfg.temperature, cfg.top_k or None, cfg.top_p or None,
+                           eos_token_id=train.EOD_TOKEN, generator=gen)[0, len(ids):].tolist()
+        new = out[:out.index(train.EOD_TOKEN)] if train.EOD_TOKEN in out else out
+        mine[i] = {"prompt": prompts[i], "text": enc.decode(new), "tokens": new}
+    if parallel.dp_size() > 1:  # every rank's samples, back in prompt order
+        everyone = [None] * parallel.dp_size()
+        dist.all_gather_object(everyone, mine, group=parallel.dp_group())
+        mine = {i: s for part in everyone for i, s in part.items()}
+    return [mine[i] for i in range(len(prompts))]
+
+
+def write_samples(cfg: TrainConfig, samples: list[dict], env: train.Dist) -> list[dict]:
+    """JSON lines {prompt, text, tokens} to --sample-output-file, or printed (rank 0)."""
+    if env.is_main:
+        lines = "".join(json.dumps(s) + "\n" for s in samples)
+        if cfg.sample_output_file:
+            with open(cfg.sample_output_file, "w") as f:
+                f.write(lines)
+            print(f"wrote {len(samples)} samples to {cfg.sample_output_file}", flush=True)
+        else:
+            print(lines, end="", flush=True)
+    return samples
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -27,6 +27,7 @@ TINY = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4", "--
         "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-interval", "0", "--log-interval", "10",
         "--sample-tokens", "0", "--seed", "7"]
 SEQ, STRIDE = 48, 16  # evaluation windows: 48 tokens, advancing by 16 (or by 48: no overlap)
+PROMPTS = ["ROMEO:", "", "But soft, what light through yonder", "Enter"]  # "": unconditional
 
 
 def encoder():
@@ -78,8 +79,10 @@ def files(tmp_path_factory):
     (out / "wiki.test.tokens").write_text(fake_wikitext(lines), encoding="utf-8")
     texts = lambada_texts(lines)
     (out / "lambada_test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (out / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     return {"dir": out, "corpus": corpus, "ckpt": ckpt, "hf": hf, "texts": texts,
-            "wiki": str(out / "wiki.test.tokens"), "lambada": str(out / "lambada_test.jsonl")}
+            "wiki": str(out / "wiki.test.tokens"), "lambada": str(out / "lambada_test.jsonl"),
+            "prompts": str(out / "prompts.txt")}
 
 
 # ----------------------------------------------------------------------------
@@ -127,11 +130,27 @@ def reference_lambada_hits(hf_dir: str, texts: list[str], strict: bool) -> list[
     return hits
 
 
+@torch.no_grad()
+def reference_greedy(hf_dir: str, prompts: list[str], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate from each prompt (an empty one starts
+    from <|endoftext|>): the new tokens, up to <|endoftext|>."""
+    from transformers import GPT2LMHeadModel
+    model, enc = GPT2LMHeadModel.from_pretrained(hf_dir).eval(), encoder()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([enc.encode_ordinary(prompt) or [50256]])
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=50256, pad_token_id=50256)[0, ids.shape[1]:]
+        new = new.tolist()
+        out.append(new[:new.index(50256)] if 50256 in new else new)
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference(files):
     wiki = {stride: reference_perplexity(files["hf"], files["wiki"], SEQ, stride) for stride in (SEQ, STRIDE)}
     hits = {strict: reference_lambada_hits(files["hf"], files["texts"], strict) for strict in (False, True)}
-    return {"wiki": wiki, "hits": hits}
+    return {"wiki": wiki, "hits": hits, "greedy": reference_greedy(files["hf"], PROMPTS, 12)}
 
 
 # ----------------------------------------------------------------------------
@@ -149,16 +168,40 @@ def task_flags(files, task: str) -> list[str]:
                                "--strict-lambada"]}[task]
 
 
-TASKS = ("wiki", "wiki_overlap", "lambada", "lambada_strict")
+TASKS = ("wiki", "wiki_overlap", "lambada", "lambada_strict", "greedy", "sampled")
 
 
-def evaluate_here(files, task: str, model: list[str], tmp_path) -> dict:
-    metrics = tmp_path / f"{task}.json"
-    evaluate.run([*task_flags(files, task), *model, "--metrics-file", str(metrics)])
-    return json.loads(metrics.read_text())
+def sample_flags(files, kind: str, seed: int = 3) -> list[str]:
+    """--task GENERATE over the prompts file: greedy, or sampled with every knob."""
+    common = ["--task", "GENERATE", "--sample-input-file", files["prompts"], "--out-seq-length", "12"]
+    return {"greedy": [*common, "--temperature", "0"],
+            "sampled": [*common, "--temperature", "0.9", "--top_k", "40", "--top_p", "0.95",
+                        "--seed", str(seed)]}[kind]
 
 
-def assert_matches_reference(results: dict, reference, task: str) -> None:
+def evaluate_flags(files, task: str, out_path) -> list[str]:
+    if task in ("greedy", "sampled"):
+        return [*sample_flags(files, task), "--sample-output-file", str(out_path)]
+    return [*task_flags(files, task), "--metrics-file", str(out_path)]
+
+
+def read_results(path):
+    """A task's metrics (one JSON object), or GENERATE's samples (JSON lines)."""
+    lines = [json.loads(line) for line in open(path)]
+    return lines[0] if len(lines) == 1 and "task" in lines[0] else lines
+
+
+def evaluate_here(files, task: str, model: list[str], tmp_path):
+    out = tmp_path / f"{task}.json"
+    evaluate.run([*evaluate_flags(files, task, out), *model])
+    return read_results(out)
+
+
+def assert_matches_reference(results, reference, task: str) -> None:
+    if task in ("greedy", "sampled"):
+        if task == "greedy":
+            assert [s["tokens"] for s in results] == reference["greedy"]
+        return
     if task.startswith("wiki"):
         ppl, scored = reference["wiki"][STRIDE if task == "wiki_overlap" else SEQ]
         assert results["tokens_scored"] == scored == results["num_tokenized_tokens"] - 1
@@ -185,6 +228,22 @@ def test_the_reference_data_has_hits_and_misses(reference):
 @pytest.mark.parametrize("task", TASKS)
 def test_plain_checkpoint_matches_transformers(t1, reference, task):
     assert_matches_reference(t1[task], reference, task)
+
+
+def test_samples_are_reproducible_from_the_seed(files, t1, tmp_path):
+    """Sampling (temperature, top-k, top-p) draws the same tokens again with
+    the same --seed, and others with another; greedy is transformers' greedy
+    (test_plain_checkpoint_matches_transformers[greedy])."""
+    again = tmp_path / "again.jsonl"
+    evaluate.run([*sample_flags(files, "sampled"), "--load", files["ckpt"], "--sample-output-file", str(again)])
+    assert read_results(again) == t1["sampled"]
+    other = tmp_path / "other.jsonl"
+    evaluate.run([*sample_flags(files, "sampled", seed=4), "--load", files["ckpt"],
+                  "--sample-output-file", str(other)])
+    assert [s["tokens"] for s in read_results(other)] != [s["tokens"] for s in t1["sampled"]]
+    assert [s["prompt"] for s in t1["sampled"]] == PROMPTS
+    assert all(len(s["tokens"]) <= 12 for s in t1["greedy"] + t1["sampled"])
+    assert all(s["text"] == encoder().decode(s["tokens"]) for s in t1["sampled"])
 
 
 def test_overlapping_windows_see_more_context(t1):
@@ -218,8 +277,8 @@ def worker(out: str, *model: str) -> None:
     files = json.loads(open(os.path.join(out, "files.json")).read())
     env = None
     for task in TASKS:
-        cfg = config.parse_args([*task_flags(files, task), *model, "--metrics-file",
-                                 os.path.join(out, task + ".json")], prog="evaluate.py")
+        cfg = config.parse_args([*evaluate_flags(files, task, os.path.join(out, task + ".json")), *model],
+                                prog="evaluate.py")
         env = env or train.init_distributed(cfg)
         evaluate.evaluate(cfg, env)
 
@@ -240,8 +299,11 @@ def test_two_ranks_give_the_same_numbers(files, reference, t1, layout, tmp_path)
                   *layout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for task in TASKS:
-        results = json.loads((tmp_path / f"{task}.json").read_text())
+        results = read_results(tmp_path / f"{task}.json")
         assert_matches_reference(results, reference, task)
+        if task in ("greedy", "sampled"):  # the same samples, sampled ones included
+            assert results == t1[task]
+            continue
         for key, value in t1[task].items():  # and every other figure as at T=1, DP=1
             assert results[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
 
