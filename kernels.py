@@ -171,7 +171,7 @@ if HAS_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _attn_fwd_kernel(Q, K, V, O, LSE, T, H, GROUP, stride_qb, stride_qh, stride_qt,
+    def _attn_fwd_kernel(Q, K, V, O, LSE, T, H, GROUP: tl.constexpr, stride_qb, stride_qh, stride_qt,
                          stride_kb, stride_kh, stride_kt,
                          stride_ob, stride_oh, stride_ot, qk_scale, T_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -245,7 +245,7 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP,
+    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP: tl.constexpr,
                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                               stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
                               sm_scale, qk_scale, T_BUCKET,
@@ -311,7 +311,7 @@ if HAS_TRITON:
         return dq
 
     @triton.jit
-    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, H, GROUP,
+    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, H, GROUP: tl.constexpr,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                             stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
                             sm_scale, qk_scale, T_BUCKET,
@@ -467,10 +467,17 @@ ATTN_CONFIGS = {
 ATTN_CONFIGS_D128 = {
     "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
             (64, 64, 4, 3), (64, 64, 4, 4)],
-    "dkdv": [(32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 8, 3), (64, 64, 8, 2),
-             (32, 64, 8, 3), (32, 64, 4, 2)],
+    "dkdv": [(32, 128, 8, 3), (64, 64, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3), (32, 64, 4, 2)],
     "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 8, 3),
            (64, 32, 4, 3), (64, 64, 4, 3)],
+}
+# Grouped-query attention: a dK/dV program loops over the GROUP query heads
+# that read its key/value head, and the loop costs registers. At head dim
+# 128 every dK/dV candidate above spills then; these smaller tiles do not
+# (GROUP 1 and 4). At 32 and 64 only 64x64 on 4 warps does, and is dropped.
+GQA_DKDV_CONFIGS = {
+    64: [(32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
+    128: [(32, 64, 8, 2), (16, 128, 8, 3), (16, 128, 8, 2), (16, 64, 8, 3), (32, 32, 4, 3), (32, 32, 4, 2)],
 }
 # KERNELS_AUTOTUNE=wide (read at import) searches every tile shape x warps x
 # stages instead: slow to tune, for finding a new GPU's best configs.
@@ -479,8 +486,11 @@ _WIDE_SHAPES = {"fwd": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)],
                 "dq": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]}
 
 
-def _attn_tiles(kernel: str, head_dim: int) -> list:
-    """The candidate tiles of `kernel` at one head dim (see ATTN_CONFIGS)."""
+def _attn_tiles(kernel: str, head_dim: int, group: int = 1) -> list:
+    """The candidate tiles of `kernel` at one head dim and GQA group size
+    (see ATTN_CONFIGS and GQA_DKDV_CONFIGS)."""
+    if kernel == "dkdv" and group > 1:
+        return GQA_DKDV_CONFIGS[128 if head_dim == 128 else 64]
     return (ATTN_CONFIGS_D128 if head_dim == 128 else ATTN_CONFIGS)[kernel]
 
 
@@ -491,13 +501,18 @@ def _attn_configs(kernel: str, wide: bool = False):
         tiles = [(bm, bn, w, s) for bm, bn in _WIDE_SHAPES[kernel] for w in (4, 8)
                  for s in (2, 3, 4, 5)]
     else:
-        tiles = list(dict.fromkeys(ATTN_CONFIGS[kernel] + ATTN_CONFIGS_D128[kernel]))
+        tiles = ATTN_CONFIGS[kernel] + ATTN_CONFIGS_D128[kernel]
+        if kernel == "dkdv":
+            tiles += GQA_DKDV_CONFIGS[64] + GQA_DKDV_CONFIGS[128]
+        tiles = list(dict.fromkeys(tiles))
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in tiles]
 
 
-def _keep_attn_config(config, kernel: str, head_dim: int, dtype, wide: bool = False) -> bool:
-    """Whether autotune times `config` for this head dim and input dtype.
+def _keep_attn_config(config, kernel: str, head_dim: int, dtype, group: int = 1,
+                      wide: bool = False) -> bool:
+    """Whether autotune times `config` for this head dim, input dtype and
+    GQA group size.
 
     16-bit inputs: the head dim's own candidates (all of them in wide mode).
     fp32 inputs (only without autocast) take 4 bytes an element: the small
@@ -506,25 +521,25 @@ def _keep_attn_config(config, kernel: str, head_dim: int, dtype, wide: bool = Fa
     tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
     if dtype == torch.float32:
         return tile in ATTN_CONFIGS[kernel] and tile[0] * tile[1] <= 64 * 64 and tile[3] <= 3
-    return wide or tile in _attn_tiles(kernel, head_dim)
+    return wide or tile in _attn_tiles(kernel, head_dim, group)
 
 
 def _prune_attn_configs(kernel: str, wide: bool, configs, named_args, **kwargs):
     """triton.autotune's early_config_prune hook: the configs worth timing
-    for q's head dim and dtype."""
-    q = named_args["Q"]
-    kept = [c for c in configs if _keep_attn_config(c, kernel, q.shape[-1], q.dtype, wide)]
+    for q's head dim and dtype and the GQA group size."""
+    q, group = named_args["Q"], named_args["GROUP"]
+    kept = [c for c in configs if _keep_attn_config(c, kernel, q.shape[-1], q.dtype, group, wide)]
     return kept or configs[:1]
 
 
 def _autotune_kwargs(kernel: str, wide: bool) -> dict:
-    """Tune once per (T bucket, head dim, causal, dot precision; Triton adds
+    """Tune once per (T bucket, head dim, GQA group, causal, dot precision; Triton adds
     the dtypes) and, where this Triton can, keep the result on disk next to the
     compiled kernels (~/.triton/cache, or TRITON_CACHE_DIR), keyed by the GPU
     target, the Triton version and the kernel source: the first step of a
     second run reuses it instead of re-timing every config. Only the
     candidates for the head dim and dtype at hand are timed (_keep_attn_config)."""
-    kw = dict(key=["T_BUCKET", "HEAD_DIM", "CAUSAL", "DOT_PRECISION"],
+    kw = dict(key=["T_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "DOT_PRECISION"],
               prune_configs_by={"early_config_prune": functools.partial(_prune_attn_configs, kernel, wide)})
     if "cache_results" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
         kw["cache_results"] = True

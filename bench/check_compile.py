@@ -126,8 +126,11 @@ def from_autotune(triton_configs) -> list:
 
 
 def attention_cases(opts):
-    return [{"D": d, "dtype": t, "causal": c}
-            for d, t, c in itertools.product(HEAD_DIMS, opts.dtypes, opts.causal)]
+    """Every head dim and dtype, causal; multi-head (GROUP 1, the GPT-2 shape)
+    and grouped-query with 4 query heads a key/value head (16-bit only)."""
+    return [{"D": d, "dtype": t, "causal": c, "group": g}
+            for d, t, c in itertools.product(HEAD_DIMS, opts.dtypes, opts.causal)
+            for g in ((1,) if t == "fp32" else (1, 4))]
 
 
 def head_dim_cases(opts):
@@ -160,7 +163,7 @@ def loss_cases(opts):
 
 def attention_constexprs(case):
     # as FlashAttentionFunction: exact fp32 products for fp32 inputs
-    return {"HEAD_DIM": case["D"], "CAUSAL": case["causal"],
+    return {"HEAD_DIM": case["D"], "CAUSAL": case["causal"], "GROUP": case["group"],
             "DOT_PRECISION": "ieee" if case["dtype"] == "fp32" else "tf32"}
 
 
@@ -195,7 +198,7 @@ def attention_args(c, grads=()):
     # K and V (any number of key/value heads: GROUP query heads each) are
     # views of the same projection as Q
     args = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "LSE": "*fp32", "T": "i32", "H": "i32",
-            "GROUP": "i32", "stride_qb": 1024 * 3 * 768, "stride_qh": D, "stride_qt": 3 * 768,
+            "stride_qb": 1024 * 3 * 768, "stride_qh": D, "stride_qt": 3 * 768,
             "stride_kb": 1024 * 3 * 768, "stride_kh": D, "stride_kt": 3 * 768,
             "qk_scale": "fp32", "T_BUCKET": 1024}
     if not grads:  # forward: writes O
@@ -210,7 +213,8 @@ def attention_configs(kernel_name):
     import torch
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     return lambda c: from_autotune([cfg for cfg in kernels._attn_configs(kernel_name)
-                                    if kernels._keep_attn_config(cfg, kernel_name, c["D"], dtypes[c["dtype"]])])
+                                    if kernels._keep_attn_config(cfg, kernel_name, c["D"], dtypes[c["dtype"]],
+                                                                 c["group"])])
 
 
 KERNELS = [
@@ -269,7 +273,8 @@ def case_label(case) -> str:
     mask = {True: " causal", False: " non-causal"}.get(case.get("causal"), "")
     fused = f" +res {case['res']}" if case.get("res") else " +dsum" if case.get("dsum") else ""
     rms = " rms" if case.get("rms") else ""
-    return f"{shape} {case['dtype']}{mask}{fused}{rms}"
+    gqa = f" gqa{case['group']}" if case.get("group", 1) > 1 else ""
+    return f"{shape} {case['dtype']}{mask}{gqa}{fused}{rms}"
 
 
 def config_label(config: Config, metadata=None) -> str:
@@ -458,7 +463,8 @@ def summarise(records, opts) -> list:
             # autotune may pick must run without spills or serialized wgmma
             problems += [f"{r['kernel']} {r['case']} [{r['config']}]: autotune keeps it, but it "
                          f"{'spills ' + str(r['spill']) + ' B' if r['spill'] else 'has ptxas warnings'}: "
-                         f"drop it from kernels.ATTN_CONFIGS(_D128)" for r in built if r["spill"] or r["warnings"]]
+                         f"drop it from kernels.ATTN_CONFIGS / _D128 / GQA_DKDV_CONFIGS"
+                         for r in built if r["spill"] or r["warnings"]]
 
     if too_big:
         print("\nConfigs that do not fit (triton.autotune skips them on the GPU):")
