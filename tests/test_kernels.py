@@ -110,7 +110,7 @@ def test_flash_attention_reads_the_qkv_projection_in_place(monkeypatch):
         launches.append((name, [a.data_ptr() for a in args if torch.is_tensor(a)]))
         return real_launch(name, num_rows, bh, *args, **kw)
 
-    monkeypatch.setattr(kernels, "_launch_attn", spy)
+    monkeypatch.setattr(kernels.attention, "_launch_attn", spy)
     o = kernels.flash_attention(q, k, v)
     grads = torch.autograd.grad(o, (q, k, v), do)
     assert [name for name, _ in launches] == ["fwd", "dkdv", "dq"]
@@ -181,7 +181,7 @@ def test_grouped_query_attention_reads_the_shared_heads_in_place(monkeypatch):
         launches.append((name, bh, [a.data_ptr() for a in args[1:3]]))
         return real_launch(name, num_rows, bh, *args, **kw)
 
-    monkeypatch.setattr(kernels, "_launch_attn", spy)
+    monkeypatch.setattr(kernels.attention, "_launch_attn", spy)
     kernels.flash_attention(q, k, v).sum().backward()
     assert [(name, bh) for name, bh, _ in launches] == [("fwd", B * H), ("dkdv", B * G), ("dq", B * H)]
     for name, _, ptrs in launches:
