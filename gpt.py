@@ -7,7 +7,7 @@ One file, read top to bottom:
    flags (--num-layers, --hidden-size, --num-attention-heads, ...).
 2. Plug-in seams: `self_attention(...)` holds the attention math and
    `make_layernorm(...)` builds every norm. Their "triton" branches
-   call kernels.py; another implementation is one more name in
+   call kernels/; another implementation is one more name in
    ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there, and nothing
    else in the model needs to change.
 3. The model: by default GPT-2's: token + learned absolute position
@@ -58,8 +58,8 @@ from loss import fused_lm_loss
 
 # Implementations the seams below understand (self_attention, make_layernorm,
 # GPT.forward's loss).
-ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.py (FlashAttention-2)
-LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.py (fused LayerNorm)
+ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels/attention.py (FlashAttention-2)
+LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels/norm.py (fused LayerNorm)
 LOSS_IMPLS = ("fused", "full")         # "fused": loss.py (head + loss in chunks)
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")

@@ -3,7 +3,7 @@
 Runs before any test module is imported, which matters for two environment
 variables that must be set before the libraries that read them are imported:
 
-* TRITON_INTERPRET=1 lets the Triton kernels in kernels.py run on CPU tensors
+* TRITON_INTERPRET=1 lets the Triton kernels in kernels/ run on CPU tensors
   (only set when there is no CUDA device: on a GPU the real kernels run).
 * TIKTOKEN_CACHE_DIR points tiktoken at a pre-seeded GPT-2 BPE cache when one
   sits beside the checkout (offline machines, CI).

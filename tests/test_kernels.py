@@ -1,4 +1,4 @@
-"""Tests for kernels.py: Triton FlashAttention-2 and fused LayerNorm.
+"""Tests for kernels/: Triton FlashAttention-2 and fused LayerNorm / RMSNorm.
 
 Without a GPU, conftest.py sets TRITON_INTERPRET=1 so the very same kernels
 run on CPU tensors through Triton's interpreter (slow, hence tiny shapes).
@@ -104,13 +104,13 @@ def test_flash_attention_reads_the_qkv_projection_in_place(monkeypatch):
     q, k, v = [t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2)]
     do = torch.randn(B, T, H, D, device=DEVICE).transpose(1, 2)
     launches = []
-    real_launch = kernels._launch_attn
+    real_launch = kernels.attention._launch_attn
 
     def spy(name, num_rows, bh, *args, **kw):
         launches.append((name, [a.data_ptr() for a in args if torch.is_tensor(a)]))
         return real_launch(name, num_rows, bh, *args, **kw)
 
-    monkeypatch.setattr(kernels, "_launch_attn", spy)
+    monkeypatch.setattr(kernels.attention, "_launch_attn", spy)
     o = kernels.flash_attention(q, k, v)
     grads = torch.autograd.grad(o, (q, k, v), do)
     assert [name for name, _ in launches] == ["fwd", "dkdv", "dq"]
@@ -175,13 +175,13 @@ def test_grouped_query_attention_reads_the_shared_heads_in_place(monkeypatch):
     kv = torch.randn(B, T, 2 * G * D, device=DEVICE, requires_grad=True)  # as the model's views
     k, v = [t.view(B, T, G, D).transpose(1, 2) for t in kv.split(G * D, dim=2)]
     launches = []
-    real_launch = kernels._launch_attn
+    real_launch = kernels.attention._launch_attn
 
     def spy(name, num_rows, bh, *args, **kw):
         launches.append((name, bh, [a.data_ptr() for a in args[1:3]]))
         return real_launch(name, num_rows, bh, *args, **kw)
 
-    monkeypatch.setattr(kernels, "_launch_attn", spy)
+    monkeypatch.setattr(kernels.attention, "_launch_attn", spy)
     kernels.flash_attention(q, k, v).sum().backward()
     assert [(name, bh) for name, bh, _ in launches] == [("fwd", B * H), ("dkdv", B * G), ("dq", B * H)]
     for name, _, ptrs in launches:
@@ -377,7 +377,7 @@ def test_cuda_autotuning_is_keyed_by_length_bucket_and_kept_on_disk():
     interpreter, as on a GPU (building needs no device)."""
     code = (
         "import kernels\n"
-        "for name, launcher in kernels._LAUNCHERS.items():\n"
+        "for name, launcher in kernels.attention._LAUNCHERS.items():\n"
         "    print(name, launcher.keys, launcher.cache_results)\n"
     )
     out = _run_clean(code)
@@ -645,7 +645,7 @@ def test_every_kernel_compiles_for_h100_quick():
     and the bundled ptxas to a cubin, no device needed, with its worst-case
     config (largest tiles, most pipeline stages; smaller configs only if that
     one does not fit), bf16, and checks shared memory against H100's limit.
-    It runs in a subprocess because this process imported kernels.py with
+    It runs in a subprocess because this process imported kernels with
     TRITON_INTERPRET=1, which makes the kernels uncompilable."""
     try:
         import triton
@@ -695,7 +695,7 @@ def test_layer_norm_output_in_the_autocast_dtype_leaves_training_unchanged(monke
 
     narrow, dtypes = train_five_steps()
     assert dtypes == {torch.bfloat16}
-    monkeypatch.setattr(kernels, "_autocast_dtype", lambda x: None)  # the fp32 output of before
+    monkeypatch.setattr(kernels.norm, "_autocast_dtype", lambda x: None)  # the fp32 output of before
     wide, dtypes = train_five_steps()
     assert dtypes == {torch.float32}
     assert narrow == wide
