@@ -19,7 +19,11 @@ results cast back; and autotuning needs a real driver, so a single fixed
 config is used.
 """
 # The public API, as `import kernels; kernels.flash_attention(...)`.
-from kernels.runtime import HAS_TRITON, INTERPRET, require_triton, triton_usable  # noqa: F401
-from kernels.attention import SUPPORTED_HEAD_DIMS, attention_torch, flash_attention  # noqa: F401
-from kernels.norm import (TritonLayerNorm, TritonRMSNorm, add_layer_norm, add_rms_norm,  # noqa: F401
+from kernels.runtime import HAS_TRITON, INTERPRET, require_triton, triton_usable
+from kernels.attention import SUPPORTED_HEAD_DIMS, attention_torch, flash_attention
+from kernels.norm import (TritonLayerNorm, TritonRMSNorm, add_layer_norm, add_rms_norm,
                           layer_norm, layer_norm_torch, rms_norm, rms_norm_torch)
+
+__all__ = ["HAS_TRITON", "INTERPRET", "require_triton", "triton_usable", "SUPPORTED_HEAD_DIMS",
+           "attention_torch", "flash_attention", "TritonLayerNorm", "TritonRMSNorm", "add_layer_norm",
+           "add_rms_norm", "layer_norm", "layer_norm_torch", "rms_norm", "rms_norm_torch"]
