@@ -19,7 +19,7 @@ The tasks follow Megatron's tasks/zeroshot_gpt, so the numbers compare.
   2. The model, from any checkpoint, in this run's layout.
   3. Scoring: one forward per micro-batch, sums all-reduced over data parallelism.
   4. The two tasks and their reports.
-  5. Samples: greedy or sampled continuations with a KV cache (gpt.generate).
+  5. Samples: greedy or sampled continuations with a KV cache (sampling.py).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ import checkpoint
 import parallel
 import train
 from config import TrainConfig, model_config, parse_args
-from gpt import GPT, GPTConfig, generate
+from gpt import GPT, GPTConfig
+from sampling import generate
 from prepare import load_tokenizer
 
 # ----------------------------------------------------------------------------

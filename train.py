@@ -38,7 +38,8 @@ import zero
 from config import (TrainConfig, build_model, build_optimizer, global_batch_at,
                     gradient_accumulation_steps, learning_rate, parse_args, with_run_length)
 from data import to_device
-from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
+from gpt import GPT, GPTConfig, count_parameters, flops_per_token
+from sampling import generate
 from prepare import TokenizerUnavailableError, load_tokenizer
 
 EOD_TOKEN = 50256  # GPT-2's <|endoftext|>

@@ -1,4 +1,4 @@
-"""Sampling speed with and without the KV cache (gpt.generate, greedy).
+"""Sampling speed with and without the KV cache (sampling.generate, greedy).
 
     python bench/bench_generate.py                         # preset cpu, 16-token prompt, 200 new tokens
     python bench/bench_generate.py --preset 124M --new-tokens 500 --device cuda
@@ -28,7 +28,8 @@ def main():
     args = p.parse_args()
 
     import parallel
-    from gpt import GPT, GPTConfig, generate
+    from gpt import GPT, GPTConfig
+    from sampling import generate
     parallel.initialize(1)
     torch.manual_seed(0)
     config = GPTConfig.from_preset(args.preset)

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from gpt import (GPT, GPTConfig, PRESETS, KVCache, count_parameters, filter_logits, generate,
-                 flops_per_token)
+from gpt import GPT, GPTConfig, PRESETS, count_parameters, flops_per_token
 from hf import hf_to_ours, ours_to_hf
+from sampling import KVCache, filter_logits, generate
 
 # A small vocabulary padded up, so padding is exercised without 50k-row embeddings.
 SMALL = dict(vocab_size=100, padded_vocab_size=128)

@@ -229,7 +229,7 @@ def test_every_option_trains_with_activation_checkpointing_and_generates():
     ckpt(x, labels=y).backward()
     for (n, a), b in zip(ref.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=n)
-    from gpt import generate
+    from sampling import generate
     out = generate(ckpt, x[:, :4], max_new_tokens=5, temperature=0)
     assert out.shape == (2, 9) and int(out.max()) < 100
     assert math.isfinite(ckpt(x, labels=y).item())

@@ -383,7 +383,8 @@ def test_check_divisible_names_the_quantity(field, value, tp):
 # GPT under tensor parallelism (gpt.py + parallel.py)
 # --------------------------------------------------------------------------
 
-from gpt import GPT, GPTConfig, LLAMA_OPTIONS, generate  # noqa: E402
+from gpt import GPT, GPTConfig, LLAMA_OPTIONS  # noqa: E402
+from sampling import generate  # noqa: E402
 
 # Every architecture option on (issue 15), for the TP and Domino comparisons
 # below: 2 key/value heads (one per rank at T=2), half of each head rotating.
