@@ -272,8 +272,11 @@ def test_hugging_face_directory_is_a_model_too(files, reference, tmp_path):
 
 
 def worker(out: str, *model: str) -> None:
-    """Under torchrun: the four evaluations in one world (one launch per layout)."""
+    """Under torchrun: every evaluation in one world (one launch per layout),
+    which ends as evaluate.run ends it: gloo's threads torn down at exit
+    with the group still alive can abort the process."""
     import config
+    import torch.distributed as dist
     files = json.loads(open(os.path.join(out, "files.json")).read())
     env = None
     for task in TASKS:
@@ -281,6 +284,8 @@ def worker(out: str, *model: str) -> None:
                                 prog="evaluate.py")
         env = env or train.init_distributed(cfg)
         evaluate.evaluate(cfg, env)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def launch(out, nproc: int, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
