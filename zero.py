@@ -212,7 +212,7 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
         load_weights(model, weights)
     if cfg.recompute_activations:
         # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
-        ds.checkpointing.configure(DeepSpeedMPU(), partition_activations=cfg.partition_activations)
+        ds.checkpointing.configure(mpu, partition_activations=cfg.partition_activations)
         model.checkpoint_fn = ds.checkpointing.checkpoint
     # DeepSpeed steps the optimizer itself (its own skip on fp16 overflow). On
     # CPU it gets torch's default AdamW: with the fused CPU kernel a resumed

@@ -351,10 +351,8 @@ def _attn_configs(kernel: str, wide: bool = False):
         tiles = [(bm, bn, w, s) for bm, bn in _WIDE_SHAPES[kernel] for w in (4, 8)
                  for s in (2, 3, 4, 5)]
     else:
-        tiles = ATTN_CONFIGS[kernel] + ATTN_CONFIGS_D128[kernel]
-        if kernel == "dkdv":
-            tiles += GQA_DKDV_CONFIGS[64] + GQA_DKDV_CONFIGS[128]
-        tiles = list(dict.fromkeys(tiles))
+        tiles = list(dict.fromkeys(t for head_dim in (64, 128) for group in (1, 2)
+                                   for t in _attn_tiles(kernel, head_dim, group)))
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in tiles]
 

@@ -9,6 +9,7 @@ variables that must be set before the libraries that read them are imported:
   sits beside the checkout (offline machines, CI).
 """
 import os
+import socket
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,3 +30,11 @@ if not _has_cuda():
 _shared_cache = os.path.join(os.path.dirname(ROOT), "shared", "tiktoken")
 if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(_shared_cache):
     os.environ["TIKTOKEN_CACHE_DIR"] = _shared_cache
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launcher's rendezvous
+    (tests: `from conftest import free_port`)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import config  # noqa: E402
 import zero  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 STEPS, RESUME_AT = 30, 15
 # Global batch 8 = micro-batch 2 x D=2 x 2 accumulation steps; clipping at 0.05
@@ -562,10 +563,7 @@ def test_deepspeed_launcher_runs_train_py(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"  # the launcher picks its accelerator at import
-    import socket
-    with socket.socket() as sock:  # a free port for the launcher's rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # for the launcher's rendezvous
     proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(port),
                            os.path.join(ROOT, "train.py"), *COMMON, "--train-iters", "2",
                            "--data-path", prefix, "--deepspeed", "--zero-stage", "1"],

@@ -16,6 +16,7 @@ import torch
 
 import config
 import zero
+from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2_FILES = os.path.join(os.path.dirname(ROOT), "shared", "gpt2")
@@ -249,13 +250,6 @@ def test_merge_accepts_megatron_and_bigscience_forms(tmp_path):
 # script name and the port change, plus on CPU --fp16 -> --bf16 under
 # DeepSpeed (its CPU accelerator has no fp16; in ds_config.json, fp16's
 # "enabled": true -> false) and nccl -> gloo.
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_recipe(cmd: str, cwd) -> subprocess.CompletedProcess:

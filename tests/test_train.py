@@ -21,6 +21,7 @@ import checkpoint
 import config
 import data as data_lib
 import train
+from conftest import free_port
 from gpt import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -699,13 +700,6 @@ def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layout
     assert [r["iteration"] for r in t2] == list(range(1, 9))
     np.testing.assert_allclose([r["loss"] for r in t2], [r["loss"] for r in t1], rtol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in t2], [r["grad_norm"] for r in t1], rtol=1e-4)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
