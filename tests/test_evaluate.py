@@ -381,6 +381,23 @@ def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, caps
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("content, message", [(None, "{path}: no such file"), ("", "{path}: the file is empty"),
+                                              ("ROMEO:\n" + "la " * 70 + "\n", "line 2: 71 tokens, the model sees 64")])
+def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message):
+    """--task GENERATE: a missing or empty --sample-input-file, or a prompt the
+    model's positions cannot hold, is one line naming the file or line."""
+    path = tmp_path / "prompts.txt"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit:
+        train.main([*sample_flags({"prompts": str(path)}, "greedy"), "--load", files["ckpt"]],
+                   entry=evaluate.run, prog="evaluate.py")
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("evaluate.py: error: --sample-input-file " + message.format(path=path)), err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("content, message", [("", "the file is empty"),
                                               (" \n \n", "the file is empty"),
                                               ("x", "the text is shorter than two tokens")])
@@ -398,6 +415,11 @@ def test_bad_wikitext_file(files, tmp_path, content, message):
     (["--task", "LAMBADA", "--valid-data", "x"], "needs a model: --load"),
     (["--task", "LAMBADA", "--valid-data", "x", "--load", "c", "--overlapping-eval", "4"], "WIKITEXT103"),
     (["--task", "WIKITEXT103", "--valid-data", "x", "--load", "c", "--overlapping-eval", "0"], "lie in"),
+    (["--task", "GENERATE", "--load", "c"], "needs --sample-input-file FILE (one prompt a line) or --num-samples"),
+    (["--task", "GENERATE", "--load", "c", "--sample-input-file", "p", "--num-samples", "2"], "one of them"),
+    (["--task", "GENERATE", "--load", "c", "--num-samples", "2", "--out-seq-length", "0"],
+     "--out-seq-length 0: generate at least 1 token"),
+    (["--task", "GENERATE", "--load", "c", "--num-samples", "2", "--top_p", "1.5"], "--top-p 1.5 (in [0, 1]"),
 ])
 def test_bad_flags(flags, message):
     import config
