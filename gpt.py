@@ -20,7 +20,7 @@ One file, read top to bottom:
    modules' constructors), an untied head (GPT.output_weight).
 4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
    code that initializes a full master weight and keeps its own slice.
-5. Tensor parallelism (Megatron-style, see parallel.py): when the model is
+5. Tensor parallelism (Megatron-style, see parallel/): when the model is
    built after parallel.initialize(tp) with tp > 1, each layer is built and
    initialized exactly as for tp=1, then its big matmuls are swapped for
    parallel layers holding this rank's slice (see GPT._shard_block) before

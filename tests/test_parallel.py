@@ -380,7 +380,7 @@ def test_check_divisible_names_the_quantity(field, value, tp):
 
 
 # --------------------------------------------------------------------------
-# GPT under tensor parallelism (gpt.py + parallel.py)
+# GPT under tensor parallelism (gpt.py + parallel/)
 # --------------------------------------------------------------------------
 
 from gpt import GPT, GPTConfig, LLAMA_OPTIONS  # noqa: E402
@@ -601,7 +601,7 @@ def _record_domino_order(serialize: bool):
     model = _build_gpt(2, domino_chunks=2)
     ids = torch.randint(0, 100, (3, 6), generator=torch.Generator().manual_seed(0))
     recorder = _OverlapRecorder()
-    real_all_reduce, real_owned = dist.all_reduce, parallel._all_reduce_owned
+    real_all_reduce, real_owned = dist.all_reduce, parallel.groups._all_reduce_owned
 
     def launch_and_wait_at_once(out, async_op=False):  # what a serialized version does
         work = real_owned(out, async_op)
@@ -611,14 +611,14 @@ def _record_domino_order(serialize: bool):
 
     dist.all_reduce = recorder.all_reduce(real_all_reduce)
     if serialize:
-        parallel._all_reduce_owned = launch_and_wait_at_once
+        parallel.groups._all_reduce_owned = launch_and_wait_at_once
     try:
         with recorder:
             loss = model(ids[:, :-1], labels=ids[:, 1:])
             forward = list(recorder.events)
             loss.backward()
     finally:
-        dist.all_reduce, parallel._all_reduce_owned = real_all_reduce, real_owned
+        dist.all_reduce, parallel.groups._all_reduce_owned = real_all_reduce, real_owned
     return forward, recorder.events[len(forward):]
 
 
