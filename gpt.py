@@ -40,6 +40,7 @@ never produced by the tokenizer and are never sampled.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -88,6 +89,10 @@ class GPTConfig:
     # chunks along the batch and overlap one chunk's all-reduces with another
     # chunk's compute. 1 = off. Ignored when tensor_model_parallel_size is 1.
     domino_chunks: int = 1
+    # Sequence parallelism (tensor parallelism only; ignored when
+    # tensor_model_parallel_size is 1): LayerNorms, dropouts and residual adds
+    # run on T/tp of the tokens on each rank. See parallel/__init__.py.
+    sequence_parallel: bool = False
     # Architecture options (Megatron's flags). The defaults are GPT-2; all of
     # them on (rope, RMSNorm, swiglu, untied, no bias, GQA) is Llama's shape.
     position_embedding_type: str = "learned_absolute"  # or "rope": rotary q, k; no wpe
@@ -308,6 +313,23 @@ def apply_rope(x, angles):
     return torch.cat([rotated, rest], dim=-1)            # (B, nh, T, hd)
 
 
+class Dropout(nn.Dropout):
+    """nn.Dropout, drawing its mask from this rank's own RNG stream when the
+    values differ from rank to rank: under sequence parallelism each rank
+    holds other tokens (per_rank=True). Without it the tensor-parallel ranks
+    hold the same replicated values and must drop the same elements, so they
+    draw from the shared stream. See parallel/rng.py."""
+
+    def __init__(self, p: float, per_rank: bool = False):
+        super().__init__(p)
+        self.per_rank = per_rank
+
+    def forward(self, x):
+        own_mask = self.per_rank and self.training and self.p > 0 and parallel.tp_size() > 1
+        with parallel.fork_rng_if(own_mask):
+            return super().forward(x)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -319,7 +341,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(H, H + 2 * kv, bias=bias)
         self.proj = nn.Linear(H, H, bias=bias)
         self.proj.residual_out = True  # gets the scaled init, see init_weights
-        self.resid_drop = nn.Dropout(config.hidden_dropout)
+        self.resid_drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def heads(self, x, *deferred, rope=None, cache=None):
         """Everything before the output projection: (B, T, C) -> (B, T, C_local).
@@ -327,11 +349,13 @@ class CausalSelfAttention(nn.Module):
         [Q_r | K_r | V_r], so this rank attends with its nh/tp query heads
         (and G/tp key/value heads) and C_local = C/tp; otherwise C_local = C.
         rope: rope_angles(...) or None. `deferred`: see domino_blocks.
-        cache: KVCache.extend for this layer (generate), or None."""
-        B, T, _ = x.shape
+        cache: KVCache.extend for this layer (generate), or None.
+        Under sequence parallelism x holds this rank's T/tp tokens; qkv
+        gathers all T of them (attention needs every key)."""
         cfg = self.config
         hd = cfg.head_dim
         qkv = self.qkv(x, *deferred)                     # (B, T, (nh + 2G) * hd / tp)
+        B, T, _ = qkv.shape
         tp = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * hd // qkv.shape[-1]
         nh, G = cfg.num_attention_heads // tp, cfg.num_kv_heads // tp  # heads on this rank
         q, k, v = qkv.split([nh * hd, G * hd, G * hd], dim=2)
@@ -342,8 +366,12 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:
             k, v = cache(k, v)                           # (B, G, L + T, hd): the prefix's too
-        y = self_attention(q, k, v, cfg.attention_impl,
-                           cfg.attention_dropout, self.training)  # (B, nh, T, hd)
+        # Each TP rank holds other heads, so attention dropout draws this
+        # rank's own mask (parallel/rng.py); the shared stream would repeat it.
+        own_mask = self.training and cfg.attention_dropout > 0 and tp > 1
+        with parallel.fork_rng_if(own_mask):
+            y = self_attention(q, k, v, cfg.attention_impl,
+                               cfg.attention_dropout, self.training)  # (B, nh, T, hd)
         return y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, C_local)
 
     def forward(self, x, rope=None, cache=None):
@@ -360,7 +388,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.hidden_size, fc_out, bias=bias)
         self.proj = nn.Linear(config.ffn, config.hidden_size, bias=bias)
         self.proj.residual_out = True
-        self.drop = nn.Dropout(config.hidden_dropout)
+        self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def hidden(self, x, *deferred):
         """(B, T, C) -> (B, T, F), or (B, T, F/tp) under TP."""
@@ -507,15 +535,17 @@ class GPT(nn.Module):
         tp = parallel.tp_size() > 1
         if tp:
             self._check_tensor_parallel_config()
+        self.sequence_parallel = tp and config.sequence_parallel  # False while generating
         # Built one piece at a time, each initialized (and under tensor
         # parallelism sliced) before the next exists: a rank never holds more
         # than its slices plus one full layer. See _build.
         self.wte = self._build(lambda: nn.Embedding(config.padded_vocab_size, config.hidden_size))
         if tp:
-            self.wte = parallel.VocabParallelEmbedding.from_embedding(self.wte)
+            self.wte = parallel.VocabParallelEmbedding.from_embedding(
+                self.wte, sequence_parallel=config.sequence_parallel)
         if config.position_embedding_type == "learned_absolute":  # rope: positions act in attention
             self.wpe = self._build(lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size))
-        self.drop = nn.Dropout(config.hidden_dropout)
+        self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
         self.blocks = nn.ModuleList()
         for _ in range(config.num_layers):
             block = self._build(lambda: Block(config))
@@ -528,6 +558,8 @@ class GPT(nn.Module):
                 lambda: nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False))
             if tp:  # vocab-parallel like wte: rank r owns the logits of its vocab rows
                 self.output_layer = parallel.ColumnParallelLinear.from_linear(self.output_layer)
+        if tp and config.sequence_parallel:  # norms and biases see T/tp tokens: sum their grads
+            parallel.sum_sequence_parallel_grads(self)
 
     def _build(self, make: Callable[[], nn.Module]) -> nn.Module:
         """make() a piece and give it GPT-2's init. Only init_weights draws
@@ -558,19 +590,23 @@ class GPT(nn.Module):
             output_layer ColumnParallelLinear (untied head; vocab rows split)
             norms, wpe, row-parallel biases: replicated
 
+        With sequence_parallel the column-parallel layers all-gather their
+        input's tokens and the row-parallel ones reduce-scatter their output.
+
         Parameter names are unchanged, so full_state_dict() has tp=1's keys.
         """
         cfg = self.config
-        domino = cfg.domino_chunks > 1
+        domino, sp = cfg.domino_chunks > 1, cfg.sequence_parallel
         Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
         kv = cfg.num_kv_heads * cfg.head_dim
         # GQA: K and V are narrower than Q, so the three blocks are named by size
         qkv_stride = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
-        block.attn.qkv = Column.from_linear(block.attn.qkv, stride=qkv_stride, async_grad_allreduce=domino)
-        block.attn.proj = Row.from_linear(block.attn.proj)
+        block.attn.qkv = Column.from_linear(block.attn.qkv, stride=qkv_stride, async_grad_allreduce=domino,
+                                            sequence_parallel=sp)
+        block.attn.proj = Row.from_linear(block.attn.proj, sequence_parallel=sp)
         block.mlp.fc = Column.from_linear(block.mlp.fc, stride=2 if cfg.swiglu else 1,
-                                          async_grad_allreduce=domino)
-        block.mlp.proj = Row.from_linear(block.mlp.proj)
+                                          async_grad_allreduce=domino, sequence_parallel=sp)
+        block.mlp.proj = Row.from_linear(block.mlp.proj, sequence_parallel=sp)
 
     # -- forward --------------------------------------------------------------
 
@@ -580,6 +616,11 @@ class GPT(nn.Module):
         is free and runs every call. On a GPU it is a host sync, which stalls
         the GPU's queue, so it runs only until one call passes: train.py
         checks every batch on the host instead (train.check_batch)."""
+        if self.sequence_parallel and input_ids.shape[-1] % parallel.tp_size():
+            raise ValueError(
+                f"sequence parallelism splits each sequence over the {parallel.tp_size()} "
+                f"tensor-parallel ranks, but it has {input_ids.shape[-1]} tokens: use a "
+                f"--seq-length divisible by {parallel.tp_size()}")
         T = start + input_ids.shape[-1]  # start: positions already in a KV cache
         if T > self.config.max_position_embeddings:
             raise ValueError(
@@ -598,44 +639,74 @@ class GPT(nn.Module):
     def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
         the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
-        a sampling.KVCache holding the positions before input_ids, which it extends."""
+        a sampling.KVCache holding the positions before input_ids, which it extends.
+        Under sequence parallelism the blocks hold this rank's T/tp tokens
+        (B, T/tp, C); the LM head sees all T again."""
+        if kv_cache is not None and self.sequence_parallel:
+            with self._sequence_parallel_off():
+                return self.forward(input_ids, position_ids, labels, loss_mask, kv_cache)
         B, T = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0
         self._check_inputs(input_ids, position_ids, labels, start)
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
-        x = self.wte(input_ids)                                      # (B, T, C)
-        rope = None
-        if self.config.position_embedding_type == "rope":
-            rope = rope_angles(self.config, position_ids)            # (T, R/2) or (B, 1, T, R/2)
-        else:
-            x = x + self.wpe(position_ids)
-        x = self.drop(x)
-        n_chunks = min(self.config.domino_chunks, B)
-        if kv_cache is not None:  # inference: plain order, each layer reads and extends its cache
-            for i, block in enumerate(self.blocks):
-                x = block(x, rope, functools.partial(kv_cache.extend, i))
+        x, rope = self._embed(input_ids, position_ids)               # (B, T[/tp], C)
+        x = self._run_blocks(x, rope, kv_cache)
+        if kv_cache is not None:
             kv_cache.length += T
-        elif parallel.tp_size() > 1 and n_chunks > 1:
-            x = domino_blocks(self.blocks, x, n_chunks, rope)
-        else:
-            for block in self.blocks:
-                if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                    # Keep only the block's input; recompute its activations in backward.
-                    # The RoPE angles (no grad) ride in a closure, not as an input:
-                    # DeepSpeed's --partition-activations would split every input.
-                    x = self.checkpoint_fn(functools.partial(block, rope=rope), x)
-                else:
-                    x = block(x, rope)
-        h = self.ln_f(x)                                             # (B, T, C)
+        h = self.head_input(self.ln_f(x))                            # (B, T, C)
         if labels is None:
             # Under TP: all-gather the full logits (B*T*V per rank; fine for
             # eval and generation). The training loss below never gathers them.
-            return parallel.gather_from_tensor_parallel_region(self.lm_head(h))
+            return parallel.gather_from_tensor_parallel_region(F.linear(h, self.output_weight))
         if self.config.loss_impl == "fused":  # the logits are never materialized whole
-            return fused_lm_loss(parallel.copy_to_tensor_parallel_region(h), self.output_weight,
-                                 labels, loss_mask)
-        return self.loss(self.lm_head(h), labels, loss_mask)  # (B, T, V_padded[/tp]) logits
+            return fused_lm_loss(h, self.output_weight, labels, loss_mask)
+        return self.loss(F.linear(h, self.output_weight), labels, loss_mask)  # (B, T, V_padded[/tp]) logits
+
+    def _embed(self, input_ids, position_ids):
+        """Token (+ learned position) embeddings, dropout -> (x, RoPE angles or None).
+        Under sequence parallelism the vocab-parallel embedding reduce-scatters
+        (B, T/tp, C), and those tokens add their own positions' embeddings."""
+        x = self.wte(input_ids)                                      # (B, T[/tp], C)
+        if self.config.position_embedding_type == "rope":  # in attention, which sees all T
+            return self.drop(x), rope_angles(self.config, position_ids)  # (T, R/2) or (B, 1, T, R/2)
+        if self.sequence_parallel:
+            s, r = position_ids.shape[-1] // parallel.tp_size(), parallel.tp_rank()
+            position_ids = position_ids[..., r * s:(r + 1) * s]     # this rank's tokens
+        return self.drop(x + self.wpe(position_ids)), None
+
+    def _run_blocks(self, x, rope, kv_cache):
+        if kv_cache is not None:  # inference: plain order, each layer reads and extends its cache
+            for i, block in enumerate(self.blocks):
+                x = block(x, rope, functools.partial(kv_cache.extend, i))
+            return x
+        n_chunks = min(self.config.domino_chunks, x.shape[0])
+        if parallel.tp_size() > 1 and n_chunks > 1:
+            return domino_blocks(self.blocks, x, n_chunks, rope)
+        for block in self.blocks:
+            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Keep only the block's input; recompute its activations in backward
+                # (replaying the per-rank dropout stream too, see checkpoint_with_rng).
+                # The RoPE angles (no grad) ride in a closure, not as an input:
+                # DeepSpeed's --partition-activations would split every input.
+                x = parallel.checkpoint_with_rng(self.checkpoint_fn, functools.partial(block, rope=rope), x)
+            else:
+                x = block(x, rope)
+        return x
+
+    @contextlib.contextmanager
+    def _sequence_parallel_off(self):
+        """Generation runs every token on every rank: a KV-cache step has one
+        token, which cannot be split over the TP ranks. The layers' sequence
+        parallelism is off meanwhile (the weights are the same either way)."""
+        modules = [m for m in self.modules() if getattr(m, "sequence_parallel", False)]
+        for m in modules:
+            m.sequence_parallel = False
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.sequence_parallel = True
 
     @property
     def output_weight(self):
@@ -645,11 +716,16 @@ class GPT(nn.Module):
             return self.output_layer.weight
         return self.wte.weight
 
-    def lm_head(self, x):
-        """Output projection: (B, T, C) -> (B, T, V_padded). Under TP, x goes
-        through f and each rank multiplies by its vocab rows: (B, T,
-        V_padded/tp), the logits of the vocab range it owns."""
-        return F.linear(parallel.copy_to_tensor_parallel_region(x), self.output_weight)
+    def head_input(self, h):
+        """The final LayerNorm's output entering the vocab-parallel LM head,
+        (B, T, C). Under TP it goes through f, and each rank multiplies it by
+        its vocab rows, getting the logits of the vocab range it owns. Under
+        sequence parallelism h holds this rank's tokens (B, T/tp, C) and is
+        all-gathered instead: the gather's backward reduce-scatter does f's
+        sum of the ranks' partial gradients."""
+        if self.sequence_parallel:
+            return parallel.gather_from_sequence_parallel_region(h)
+        return parallel.copy_to_tensor_parallel_region(h)
 
     @staticmethod
     def loss(logits, labels, loss_mask=None):

@@ -32,12 +32,32 @@ the same TP rank. With W=8, tp=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
 
 Domino (DeepSpeed-Domino, Wang et al. 2024) hides these all-reduces behind
 computation: RowParallelLinear.forward_async launches g's all-reduce in the
-background (PendingAllReduce.wait() collects it), so gpt.py can compute one
+background (PendingReduce.wait() collects it), so gpt.py can compute one
 micro-batch chunk while another chunk's result is on the wire. In backward,
 ColumnParallelLinear(async_grad_allreduce=True) launches f's all-reduce
 before its weight-gradient GEMM; given a DeferredGradAllReduce it does not
 even wait for it, and the wait happens in a later autograd node, so another
 chunk's backward runs while the gradient is on the wire.
+
+Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models", 2022). Outside the f ... g pairs, tensor
+parallelism leaves work replicated: every rank runs the same LayerNorms,
+dropouts and residual adds on the same (B, T, C) activations, and keeps
+them for backward. Sequence parallelism splits THOSE along the sequence:
+rank r holds tokens [r T/tp, (r+1) T/tp). The all-reduce g becomes a
+reduce-scatter (each rank keeps the sum for its tokens only), and f becomes
+an all-gather (the column-parallel layer needs every token):
+
+    x_r --LN--> --all-gather--> [X A_r] --GeLU--> [. B_r] --reduce-scatter--> y_r
+
+An all-reduce IS a reduce-scatter followed by an all-gather, so the bytes on
+the wire are the same as without it; what changes is that the activations
+outside the f ... g regions are 1/tp as large. Backward swaps the two
+(mappings.py). Two consequences the code must handle: replicated parameters
+(norms, row-parallel biases) see only their rank's tokens, so their
+gradients are summed over the TP group (grads.sum_sequence_parallel_grads);
+and dropout in the split region must draw a different mask on each rank, from
+a per-rank RNG stream (rng.py).
 
 Initialization: every parallel layer first builds its FULL master weight with
 the given init_method (the same on every rank when all ranks seed the RNG
@@ -47,36 +67,47 @@ sizes.
 
 Where each piece lives:
 
-    groups.py         process groups, raw collectives, divisibility checks
+    groups.py         process groups, raw collectives (also along the
+                      sequence), divisibility checks
     mappings.py       the communication operators: f, g, gathers/scatters,
-                      Domino's asynchronous ones
+                      sequence parallelism's, Domino's asynchronous ones
+    rng.py            the per-rank random stream for dropout, and activation
+                      checkpointing that replays it
     layers.py         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     sharding.py       slicing full tensors into shards and back; full state dicts
     cross_entropy.py  the loss on vocab-sharded logits
-    grads.py          the global gradient norm and clipping
+    grads.py          the global gradient norm and clipping; summing the
+                      sequence-parallel gradients
 
 `import parallel` gives all of them; gpt.py, train.py and the tests use
 `parallel.X` and never need to know which file X lives in.
 """
 
 from .cross_entropy import check_ids, vocab_parallel_cross_entropy
-from .grads import clip_grad_norm_
-from .groups import (all_reduce, all_reduce_mean, check_divisible, destroy, dp_group, dp_rank,
-                     dp_size, initialize, skip_communication, tp_group, tp_rank, tp_size)
+from .grads import clip_grad_norm_, sum_sequence_parallel_grads
+from .groups import (all_gather_sequence, all_reduce, all_reduce_mean, check_divisible, destroy,
+                     dp_group, dp_rank, dp_size, initialize, reduce_scatter_sequence,
+                     skip_communication, tp_group, tp_rank, tp_size)
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      init_normal)
-from .mappings import (DeferredGradAllReduce, PendingAllReduce, copy_to_tensor_parallel_region,
-                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+from .mappings import (DeferredGradAllReduce, PendingReduce, copy_to_tensor_parallel_region,
+                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+                       reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
+from .rng import checkpoint_with_rng, fork_rng_if, get_rng_tracker, model_parallel_seed
 from .sharding import (full_state_dict, gather_like, gather_tensor, gather_tensor_to_first,
                        load_full_state_dict, merge_shards, shard_like, shard_tensor)
 
 __all__ = [
     "initialize", "destroy", "tp_group", "tp_rank", "tp_size", "dp_group", "dp_rank", "dp_size",
     "check_divisible", "skip_communication", "all_reduce", "all_reduce_mean",
+    "all_gather_sequence", "reduce_scatter_sequence",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
-    "DeferredGradAllReduce", "PendingAllReduce",
+    "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+    "DeferredGradAllReduce", "PendingReduce",
+    "get_rng_tracker", "model_parallel_seed", "fork_rng_if", "checkpoint_with_rng",
+    "sum_sequence_parallel_grads",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "init_normal",
     "shard_tensor", "merge_shards", "gather_tensor", "gather_tensor_to_first",
     "gather_like", "shard_like", "full_state_dict", "load_full_state_dict",

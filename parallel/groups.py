@@ -192,3 +192,59 @@ def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x, group=tp_group())
     return torch.cat(parts, dim=-1)
+
+
+# --------------------------------------------------------------------------
+# Sequence-parallel collectives: along dim 1, the sequence, of (B, T, ...).
+#
+# Why the model keeps (B, T, C) rather than Megatron's (T, B, C): the rest of
+# the model, and its path without sequence parallelism, keep nanoGPT's
+# batch-first layout untouched. The price is one rearranging copy per
+# collective, because rank r's tokens x[:, r*s:(r+1)*s] are not contiguous
+# when B > 1 and the collectives move contiguous buffers. Megatron puts the
+# sequence first so that each rank's slice is one contiguous block.
+# --------------------------------------------------------------------------
+
+class PendingSequenceGather:
+    """An all-gather along the sequence, maybe still in flight: every rank's
+    (B, T/tp, ...) slice, joined in rank order by wait() into (B, T, ...)."""
+
+    def __init__(self, x: torch.Tensor, async_op: bool = False):
+        x = x.contiguous()
+        self._buffer = x.new_empty((tp_size(), *x.shape))     # (tp, B, T/tp, ...): rank r's at [r]
+        self._handle = None
+        if _SKIP_COMMUNICATION:  # benchmarking only: the right shape, wrong values
+            self._buffer.copy_(x.expand_as(self._buffer))
+        else:  # the collective sees the ranks' pieces stacked along dim 0
+            self._handle = dist.all_gather_single(self._buffer.flatten(0, 1), x, group=tp_group(),
+                                                  async_op=async_op)
+
+    def wait(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        tp, B, s = self._buffer.shape[:3]
+        # (tp, B, s, ...) -> (B, tp, s, ...) -> (B, tp*s, ...): a copy unless B == 1
+        return self._buffer.movedim(0, 1).reshape(B, tp * s, *self._buffer.shape[3:])
+
+
+def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """(B, T/tp, ...) on every rank -> (B, T, ...), the slices in rank order."""
+    return PendingSequenceGather(x).wait()
+
+
+def reduce_scatter_sequence(x: torch.Tensor, async_op: bool = False):
+    """Sum x (B, T, ...) over the TP group and keep this rank's slice of the
+    sequence, (B, T/tp, ...), in a new tensor. With async_op=True returns
+    (tensor, work handle or None); the tensor holds the sum after wait()."""
+    B, T, tp = x.shape[0], x.shape[1], tp_size()
+    if T % tp != 0:
+        raise ValueError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
+    parts = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
+    out = parts.new_empty(parts.shape[1:])                                     # (B, T/tp, ...)
+    handle = None
+    if _SKIP_COMMUNICATION:
+        out.copy_(parts[tp_rank()])
+    else:
+        handle = dist.reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group(), async_op=async_op)
+    return (out, handle) if async_op else out

@@ -1,11 +1,13 @@
 """The communication operators (autograd.Functions) of tensor parallelism:
-Megatron's f and g, gather/scatter along the hidden dim, and Domino's
+Megatron's f and g, gather/scatter along the hidden dim, sequence
+parallelism's all-gather and reduce-scatter along the sequence, and Domino's
 asynchronous variants. See parallel/__init__.py for the picture."""
 from __future__ import annotations
 
 import torch
 
-from .groups import _gather_last_dim, _split_last_dim, all_reduce, tp_size
+from .groups import (_gather_last_dim, _split_last_dim, all_gather_sequence, all_reduce,
+                     reduce_scatter_sequence, tp_size)
 
 # --------------------------------------------------------------------------
 # Communication operators (autograd.Functions)
@@ -80,8 +82,9 @@ class _ReduceFromTensorParallelRegionAsync(torch.autograd.Function):
 
 
 class DeferredGradAllReduce:
-    """Where a column-parallel layer's backward all-reduce (f's dX) is waited
-    for, when that should happen later than the layer's own backward (Domino).
+    """Where a column-parallel layer's backward all-reduce (f's dX; under
+    sequence parallelism the reduce-scatter of dX) is waited for, when that
+    should happen later than the layer's own backward (Domino).
 
     wait_in_backward(h) returns h through an identity autograd node whose
     BACKWARD waits for the all-reduce; pass the result and this object to the
@@ -122,20 +125,87 @@ class _WaitForGradAllReduce(torch.autograd.Function):
         return grad, None
 
 
-class PendingAllReduce:
-    """An all-reduce in flight. wait() blocks until the sum has landed and
-    returns it (plus the replicated bias, added once after the sum)."""
+class _ReducedScatteredToSequenceParallelRegion(torch.autograd.Function):
+    """Domino under sequence parallelism: forward returns `reduced`, the
+    reduce-scatter of `partial` that ran in the background; backward, like
+    _ReduceScatterToSequenceParallelRegion, all-gathers the gradient.
 
-    def __init__(self, partial: torch.Tensor, bias: torch.Tensor | None):
-        handles: list = []
-        self._out = _ReduceFromTensorParallelRegionAsync.apply(partial, handles)
-        self._handle, self._bias = handles[0], bias
+    Unlike the all-reduce, the reduce-scatter is put into the graph only
+    AFTER it has landed: gloo finishes it with a copy_ into the output on its
+    own thread, and had that output already been this node's, autograd would
+    record the copy and cut the gradient's way back to `partial` (NCCL writes
+    in place, but the tests run gloo)."""
+
+    @staticmethod
+    def forward(ctx, partial, reduced):
+        return reduced.view_as(reduced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad), None
+
+
+class PendingReduce:
+    """A row-parallel layer's reduction in flight: g's all-reduce, or under
+    sequence parallelism the reduce-scatter to this rank's tokens. wait()
+    blocks until the sum has landed and returns it (plus the replicated bias,
+    added once after the sum)."""
+
+    def __init__(self, partial: torch.Tensor, bias: torch.Tensor | None,
+                 sequence_parallel: bool = False):
+        self._partial, self._bias, self._sequence_parallel = partial, bias, sequence_parallel
+        if sequence_parallel:
+            self._out, self._handle = reduce_scatter_sequence(partial.detach(), async_op=True)
+        else:
+            handles: list = []
+            self._out = _ReduceFromTensorParallelRegionAsync.apply(partial, handles)
+            self._handle = handles[0]
 
     def wait(self) -> torch.Tensor:
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
+        if self._sequence_parallel and self._partial is not None:
+            self._out = _ReducedScatteredToSequenceParallelRegion.apply(self._partial, self._out)
+            self._partial = None
         return self._out if self._bias is None else self._out + self._bias
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Into the tensor-parallel region from the sequence-parallel one (before
+    a column-parallel layer, and before the LM head):
+        forward   y = [x_0; x_1; ...; x_{tp-1}]   all-gather along the sequence
+        backward  dx_r = (sum_q dy_q)[r-th slice]  reduce-scatter
+    y feeds this rank's shard of a tensor-parallel layer, so each rank's dy
+    is only a partial gradient (as in f's backward); the reduce-scatter sums
+    the partials and hands each rank the gradient of its own tokens."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return all_gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad)
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Out of the tensor-parallel region into the sequence-parallel one
+    (after a row-parallel layer, and after the vocab-parallel embedding):
+        forward   y_r = (sum_q x_q)[r-th slice]    reduce-scatter along the sequence
+        backward  dx = [dy_0; ...; dy_{tp-1}]      all-gather
+    g's all-reduce with each rank keeping only its tokens: the same bytes on
+    the wire (an all-reduce is a reduce-scatter then an all-gather), and
+    what follows (dropout, residual add, LayerNorm) runs on T/tp tokens.
+    Every partial x_q fed every slice, so its gradient is all of dy."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad)
 
 
 # With tp=1 every operator is the identity and adds no autograd node at all.
@@ -157,3 +227,13 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"cannot split last dim {x.shape[-1]} across "
                          f"tensor_model_parallel_size={tp_size()} ranks")
     return x if tp_size() == 1 else _ScatterToTensorParallelRegion.apply(x)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """(B, T/tp, ...) -> (B, T, ...); see _GatherFromSequenceParallelRegion."""
+    return x if tp_size() == 1 else _GatherFromSequenceParallelRegion.apply(x)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, ...) partial sums -> (B, T/tp, ...); see _ReduceScatterToSequenceParallelRegion."""
+    return x if tp_size() == 1 else _ReduceScatterToSequenceParallelRegion.apply(x)

@@ -401,6 +401,7 @@ def _use_layout(tp: int):
 def _build_gpt(tp: int, **overrides) -> GPT:
     _use_layout(tp)
     torch.manual_seed(0)  # same seed on every rank, as train.py does
+    parallel.model_parallel_seed(0)  # and the per-TP-rank dropout stream
     shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4,
                  max_position_embeddings=16, vocab_size=100, padded_vocab_size=128)
     return GPT(GPTConfig(**{**shape, **overrides}))
@@ -542,6 +543,35 @@ def _check_domino_matches_plain_tensor_parallel(options):
 @MODEL_OPTIONS
 def test_domino_overlap_matches_plain_tensor_parallel(options):
     run_on_ranks(_check_domino_matches_plain_tensor_parallel, options)
+
+
+def _check_sequence_parallel_matches_single_gpu(options, tp):
+    def build(tp, **overrides):
+        return _build_gpt(tp, **options, **overrides)
+
+    want = _forward_backward(build(1, loss_impl="full"))
+    ref_losses = _train_losses(build(1, loss_impl="full"))
+    for chunks in (1, 2, 3):  # plain sequence parallelism, then with Domino
+        model = build(tp, sequence_parallel=True, domino_chunks=chunks)
+        assert model.wte.sequence_parallel and model.blocks[0].mlp.proj.sequence_parallel
+        assert model.blocks[0].ln_1.weight.sequence_parallel  # its grad is summed over T
+        what = f"T={tp} sequence parallel, {chunks} chunk(s) vs T=1"
+        _assert_same_run(_forward_backward(model), want, what)
+        losses = _train_losses(build(tp, sequence_parallel=True, domino_chunks=chunks))
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,options", [(2, {}), (2, ALL_OPTIONS), (4, {})],
+                         ids=["T=2-gpt2", "T=2-all-options", "T=4-gpt2"])
+def test_sequence_parallel_matches_single_gpu(tp, options):
+    """Sequence parallelism, alone and with Domino (2 and 3 chunks), equals
+    the single-device model in fp32: logits, loss, every gradient (the
+    norms' weights and the row-parallel biases, summed over the sequence
+    slices, included), the clipped norm, and 20 AdamW steps. Every rank
+    compares its own replicated gradients, so a rank that kept only its
+    tokens' share fails."""
+    run_on_ranks(_check_sequence_parallel_matches_single_gpu, options, tp, world_size=tp)
 
 
 class _OverlapRecorder(TorchDispatchMode):
