@@ -383,6 +383,7 @@ def test_check_divisible_names_the_quantity(field, value, tp):
 # GPT under tensor parallelism (gpt.py + parallel/)
 # --------------------------------------------------------------------------
 
+import gpt  # noqa: E402
 from gpt import GPT, GPTConfig, LLAMA_OPTIONS  # noqa: E402
 from sampling import generate  # noqa: E402
 
@@ -676,9 +677,12 @@ def test_domino_runs_another_chunks_gemms_while_each_all_reduce_is_in_flight():
 def _check_dropout_keeps_replicated_parameters_identical():
     """Dropout under TP: every TP rank draws the same masks for the replicated
     residual stream (same seed, same draws in the same order, Domino or not),
-    so the parameters every rank holds in full stay bitwise equal."""
-    for chunks in (1, 2):
-        model = _build_gpt(2, hidden_dropout=0.2, attention_dropout=0.2, domino_chunks=chunks)
+    so the parameters every rank holds in full stay bitwise equal. Under
+    sequence parallelism the ranks draw different masks for their different
+    tokens, and the summed gradients keep the replicas equal all the same."""
+    for chunks, sp in ((1, False), (2, False), (1, True), (2, True)):
+        model = _build_gpt(2, hidden_dropout=0.2, attention_dropout=0.2, domino_chunks=chunks,
+                           sequence_parallel=sp)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         _train_losses(model, steps=4)
         for name, p in model.named_parameters():
@@ -688,11 +692,83 @@ def _check_dropout_keeps_replicated_parameters_identical():
             mine = p.detach().contiguous()
             theirs = [torch.empty_like(mine) for _ in range(2)]
             dist.all_gather(theirs, mine)
-            assert torch.equal(theirs[0], theirs[1]), f"{name} differs across TP ranks ({chunks} chunks)"
+            assert torch.equal(theirs[0], theirs[1]), \
+                f"{name} differs across TP ranks ({chunks} chunks, sequence parallel {sp})"
 
 
 def test_dropout_keeps_replicated_parameters_identical_across_tp_ranks():
     run_on_ranks(_check_dropout_keeps_replicated_parameters_identical)
+
+
+def _dropout_masks(model, x):
+    """{module name: where its output is zero} of every hidden dropout in one forward."""
+    masks, hooks = {}, []
+
+    def record(name):
+        def hook(module, inputs, out):
+            masks[name] = out == 0   # (returns None: the output stays as it is)
+        return hook
+    for name, m in model.named_modules():
+        if isinstance(m, gpt.Dropout):
+            hooks.append(m.register_forward_hook(record(name)))
+    model(x)
+    for h in hooks:
+        h.remove()
+    return masks
+
+
+def _check_per_rank_dropout_streams():
+    x, y, mask = _batch(0)
+    # Under SP each rank drops other elements of its own tokens (the shared
+    # stream would give both ranks the same mask); without SP the replicated
+    # stream needs the same mask on every rank.
+    for sp in (True, False):
+        model = _build_gpt(2, hidden_dropout=0.5, sequence_parallel=sp).train()
+        masks = _dropout_masks(model, x)
+        assert len(masks) == 5  # embedding + 2 per block
+        for name, m in masks.items():
+            both = [torch.empty_like(m) for _ in range(2)]
+            dist.all_gather(both, m.contiguous())
+            assert torch.equal(both[0], both[1]) != sp, f"{name}: sequence parallel {sp}"
+    # Attention dropout (each rank: other heads) draws from the per-rank
+    # stream under any TP: the shared stream does not move, the tracked one does.
+    model = _build_gpt(2, attention_dropout=0.5).train()
+    shared, tracked = torch.get_rng_state(), parallel.get_rng_tracker().get_states()
+    model(x)
+    assert torch.equal(torch.get_rng_state(), shared)
+    after = parallel.get_rng_tracker().get_states()
+    assert not torch.equal(after["model-parallel-rng"]["cpu"], tracked["model-parallel-rng"]["cpu"])
+    # Reproducible from the seed: the same seed, the same run; another seed, another.
+    def losses(seed):
+        model = _build_gpt(2, hidden_dropout=0.3, attention_dropout=0.3, sequence_parallel=True)
+        parallel.model_parallel_seed(seed)
+        return _train_losses(model.train(), steps=3)
+    assert losses(0) == losses(0)
+    assert losses(0) != losses(1)
+
+
+def test_dropout_masks_differ_across_tp_ranks_under_sequence_parallel_and_replay_from_the_seed():
+    run_on_ranks(_check_per_rank_dropout_streams)
+
+
+def _check_checkpointing_replays_per_rank_dropout():
+    """Activation checkpointing recomputes each block in backward; the per-rank
+    dropout must draw the same masks again, or the gradients are those of
+    another network. Same seed, with and without checkpointing: same grads."""
+    x, y, mask = _batch(0)
+    grads = []
+    for checkpointing in (False, True):
+        model = _build_gpt(2, hidden_dropout=0.3, attention_dropout=0.3, sequence_parallel=True,
+                           activation_checkpointing=checkpointing).train()
+        model(x, labels=y, loss_mask=mask).backward()
+        grads.append(_full_grads(model))
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-8,
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_activation_checkpointing_replays_the_per_rank_dropout_masks():
+    run_on_ranks(_check_checkpointing_replays_per_rank_dropout)
 
 
 def _check_triton_kernels_under_tensor_parallel(options):
@@ -701,18 +777,22 @@ def _check_triton_kernels_under_tensor_parallel(options):
     shape = dict(hidden_size=64, num_attention_heads=2) if not options else \
         dict(hidden_size=128, num_attention_heads=4, **options)
     want = _forward_backward(_build_gpt(1, **shape))
-    for chunks in (1, 2):  # plain TP, then Domino (every residual add fused into a LayerNorm)
+    # plain TP, then Domino (every residual add fused into a LayerNorm), then
+    # Domino under sequence parallelism (the kernels see T/2 tokens or all T)
+    for chunks, sp in ((1, False), (2, False), (2, True)):
         model = _build_gpt(2, attention_impl="triton", layernorm_impl="triton",
-                           domino_chunks=chunks, **shape)
-        _assert_same_run(_forward_backward(model), want, f"triton T=2, {chunks} chunk(s)",
+                           domino_chunks=chunks, sequence_parallel=sp, **shape)
+        _assert_same_run(_forward_backward(model), want,
+                         f"triton T=2, {chunks} chunk(s), sequence parallel {sp}",
                          tol=1e-4, grad_atol=1e-6)
 
 
 @pytest.mark.slow
 @MODEL_OPTIONS
 def test_triton_kernels_under_tensor_parallel_and_domino(options):
-    """The Triton kernels (interpreted on CPU here) at T=2, plain and with
-    Domino chunks, reproduce the T=1 torch-kernel model."""
+    """The Triton kernels (interpreted on CPU here) at T=2, plain, with
+    Domino chunks, and with Domino under sequence parallelism, reproduce the
+    T=1 torch-kernel model."""
     import kernels
     if not kernels.triton_usable("cpu"):
         pytest.skip("needs triton with TRITON_INTERPRET=1 (set by conftest.py without a GPU)")
