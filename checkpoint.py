@@ -41,19 +41,27 @@ LATEST = "latest_checkpointed_iteration.txt"
 
 
 def rng_state() -> dict:
+    """The generators' states: the shared ones (every rank draws the same
+    stream, so one rank's stand for all) and every TP rank's own dropout
+    stream (parallel/rng.py). Collective over the TP group: call it on every rank."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
+             "torch": torch.get_rng_state(),
+             "tracker": parallel.rng_tracker_states_of_every_tp_rank()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, log=print) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    tracker = state.get("tracker")  # absent from checkpoints older than the tracker
+    if tracker and not parallel.set_rng_tracker_states_of_every_tp_rank(tracker):
+        log(f"the per-rank dropout streams were saved at tensor-parallel size {len(tracker)}; "
+            f"at {parallel.tp_size()} they start afresh from --seed")
 
 
 def load_full_optimizer_state(model: GPT, optimizer, saved: dict) -> None:
@@ -200,6 +208,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
     """Gather the full states on global rank 0 and write them there (log:
     where to say so). Every rank calls it: the gathering is collective."""
     model_sd, optim_sd = states_for_writer(model, optimizer)
+    rng = rng_state()  # collective too
 
     def write():
         if model_sd is None:
@@ -208,7 +217,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
             "model": model_sd, "optimizer": optim_sd,
             "scaler": scaler.state_dict() if scaler else None,
             "iteration": iteration, "consumed_samples": consumed_samples,
-            "rng": rng_state(),  # rank 0's; all ranks share the seed stream
+            "rng": rng,
             "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(model.config),
         }
         log(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
@@ -254,7 +263,7 @@ def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, 
             f"starting at iteration 0")
         return 0, 0
     if not cfg.no_load_rng and state.get("rng"):
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"], log)
     log(f"loaded checkpoint {path} (iteration {state['iteration']}"
         f"{', weights only' if cfg.no_load_optim else ''})")
     return state["iteration"], state["consumed_samples"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import parallel
 from gpt import GPT, GPTConfig, PRESETS, pad_vocab_size
 
 USAGE = """Pretrain a GPT on Megatron-format token data.
@@ -62,6 +63,7 @@ class TrainConfig:
     distributed_timeout_minutes: float = 10.0  # a collective waiting longer is an error (Megatron's default)
     domino: bool = False
     domino_chunks: int = 2
+    sequence_parallel: bool = False
     # batch
     micro_batch_size: int = 4
     global_batch_size: int | None = None  # None: micro batch x data-parallel size
@@ -191,6 +193,9 @@ FLAG_HELP = {
     "tensor_model_parallel_size": "tp: ranks that split every layer (consecutive ranks, one node)",
     "domino": "overlap tensor-parallel all-reduces with compute (DeepSpeed-Domino)",
     "domino_chunks": "micro-batch chunks that --domino interleaves",
+    "sequence_parallel": "split LayerNorms, dropouts and residual adds along the sequence over the "
+                         "tensor-parallel ranks (activation memory / tp); needs "
+                         "--tensor-model-parallel-size > 1",
     "micro_batch_size": "samples per rank per forward/backward",
     "global_batch_size": "samples per optimizer step = micro batch x data-parallel size x accumulation",
     "train_iters": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate",
@@ -386,6 +391,7 @@ def validate(cfg: TrainConfig, given: set[str] = frozenset(), evaluating: bool =
     validate_architecture(cfg)
     validate_schedule(cfg, given)
     validate_deepspeed(cfg)
+    validate_sequence_parallel(cfg)
     if cfg.keep_last_checkpoints is not None and cfg.keep_last_checkpoints < 1:
         raise ValueError(f"--keep-last-checkpoints {cfg.keep_last_checkpoints}: keep at least 1")
     if cfg.finetune and not cfg.load:
@@ -524,7 +530,8 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     # checkpoint, stays the same for any layout; a TP size must divide it.
     overrides["padded_vocab_size"] = pad_vocab_size(GPTConfig.vocab_size, cfg.make_vocab_size_divisible_by)
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-                     activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl)
+                     activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl,
+                     sequence_parallel=cfg.sequence_parallel)
     default_impl = "triton" if device is not None and device.type == "cuda" else "torch"
     overrides["attention_impl"] = cfg.attention_impl or default_impl
     overrides["layernorm_impl"] = cfg.layernorm_impl or default_impl
@@ -538,6 +545,17 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
         raise ValueError(f"--seq-length {cfg.seq_length} exceeds --max-position-embeddings "
                          f"{mcfg.max_position_embeddings}")
     return mcfg
+
+
+def validate_sequence_parallel(cfg: TrainConfig) -> None:
+    tp = cfg.tensor_model_parallel_size
+    if cfg.sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel splits each sequence over the tensor-parallel ranks: "
+                         "it needs --tensor-model-parallel-size > 1")
+    if cfg.sequence_parallel and cfg.seq_length % tp:
+        raise ValueError(f"--sequence-parallel splits each sequence over the {tp} tensor-parallel "
+                         f"ranks: --seq-length {cfg.seq_length} must be divisible by "
+                         f"--tensor-model-parallel-size {tp}")
 
 
 def validate_deepspeed(cfg: TrainConfig) -> None:
@@ -586,7 +604,10 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
         mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
     # Same seed on every rank: every rank builds the same full model (tensor-
     # parallel ranks keep their slice), so data-parallel replicas start equal.
+    # Dropout over values that differ across TP ranks draws from a second
+    # stream, seeded per TP rank (parallel/rng.py).
     torch.manual_seed(cfg.seed)
+    parallel.model_parallel_seed(cfg.seed)
     return GPT(mcfg).to(device)
 
 

@@ -169,7 +169,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
     runtime = dict(attention_impl=cfg.attention_impl or default_impl,
                    layernorm_impl=cfg.layernorm_impl or default_impl,
                    hidden_dropout=0.0, attention_dropout=0.0, activation_checkpointing=False,
-                   domino_chunks=cfg.domino_chunks if cfg.domino else 1)
+                   domino_chunks=cfg.domino_chunks if cfg.domino else 1, sequence_parallel=False)
     if cfg.hf:
         model = GPT.from_hf(cfg.hf, **runtime)
     else:

@@ -150,6 +150,7 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
         return build_model(cfg, torch.device("cpu"))
     mcfg = model_config(cfg, torch.device(ds.get_accelerator().device_name()))
     torch.manual_seed(cfg.seed)
+    parallel.model_parallel_seed(cfg.seed)
     with ds.zero.Init(data_parallel_group=parallel.dp_group(), config_dict_or_path=ds_config):
         model = GPT(mcfg)
     each_module_gathered(model, ds, lambda _, module: init_weights(module, mcfg))

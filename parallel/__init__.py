@@ -94,7 +94,8 @@ from .mappings import (DeferredGradAllReduce, PendingReduce, copy_to_tensor_para
                        gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
-from .rng import checkpoint_with_rng, fork_rng_if, get_rng_tracker, model_parallel_seed
+from .rng import (checkpoint_with_rng, fork_rng_if, get_rng_tracker, model_parallel_seed,
+                  rng_tracker_states_of_every_tp_rank, set_rng_tracker_states_of_every_tp_rank)
 from .sharding import (full_state_dict, gather_like, gather_tensor, gather_tensor_to_first,
                        load_full_state_dict, merge_shards, shard_like, shard_tensor)
 
@@ -107,6 +108,7 @@ __all__ = [
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "DeferredGradAllReduce", "PendingReduce",
     "get_rng_tracker", "model_parallel_seed", "fork_rng_if", "checkpoint_with_rng",
+    "rng_tracker_states_of_every_tp_rank", "set_rng_tracker_states_of_every_tp_rank",
     "sum_sequence_parallel_grads",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "init_normal",
     "shard_tensor", "merge_shards", "gather_tensor", "gather_tensor_to_first",

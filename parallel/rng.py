@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
-from .groups import tp_rank
+from .groups import tp_group, tp_rank, tp_size
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Megatron's offset: the tensor-parallel stream of rank r is seeded seed + 2718 + r.
@@ -94,6 +95,26 @@ def model_parallel_seed(seed: int) -> None:
     after parallel.initialize(), next to torch.manual_seed(seed)."""
     _TRACKER.set_states({})
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank())
+
+
+def rng_tracker_states_of_every_tp_rank() -> list[dict]:
+    """Every TP rank's tracker states, in TP-rank order, for a checkpoint.
+    Collective over the TP group."""
+    mine = _TRACKER.get_states()
+    if tp_size() == 1:
+        return [mine]
+    everyone = [None] * tp_size()
+    dist.all_gather_object(everyone, mine, group=tp_group())
+    return everyone
+
+
+def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
+    """Inverse: this rank takes its own. False (and nothing changes) when
+    they were saved at another TP size, whose streams do not map onto ours."""
+    if len(states) != tp_size():
+        return False
+    _TRACKER.set_states(states[tp_rank()])
+    return True
 
 
 def fork_rng_if(per_rank: bool):

@@ -550,14 +550,20 @@ def _check_sequence_parallel_matches_single_gpu(options, tp):
     def build(tp, **overrides):
         return _build_gpt(tp, **options, **overrides)
 
-    want = _forward_backward(build(1, loss_impl="full"))
+    single = build(1, loss_impl="full")
+    want = _forward_backward(single)
     ref_losses = _train_losses(build(1, loss_impl="full"))
+    x = _batch(0)[0]
+    greedy = generate(single, x[:, :4], 6, temperature=0)
     for chunks in (1, 2, 3):  # plain sequence parallelism, then with Domino
         model = build(tp, sequence_parallel=True, domino_chunks=chunks)
         assert model.wte.sequence_parallel and model.blocks[0].mlp.proj.sequence_parallel
         assert model.blocks[0].ln_1.weight.sequence_parallel  # its grad is summed over T
         what = f"T={tp} sequence parallel, {chunks} chunk(s) vs T=1"
         _assert_same_run(_forward_backward(model), want, what)
+        # generation (one token at a time: no sequence to split) runs it whole
+        assert torch.equal(generate(model, x[:, :4], 6, temperature=0), greedy), what
+        assert model.blocks[0].attn.qkv.sequence_parallel  # and switches it back on
         losses = _train_losses(build(tp, sequence_parallel=True, domino_chunks=chunks))
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
 

@@ -688,18 +688,38 @@ def test_readme_main_command(tmp_path):
 
 def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layouts(corpus, tmp_path):
     """README's `--tensor-model-parallel-size 2 --domino` run trains the same model
-    as one process, and its checkpoint resumes at T=1 on the same loss curve."""
+    as one process, and its checkpoint resumes under --sequence-parallel on
+    the same loss curve (a checkpoint does not depend on the layout)."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "4",
               "--micro-batch-size", "4"]  # batch 4 splits into Domino chunks 2+2
     run_train([*common, "--metrics-file", str(tmp_path / "t1.jsonl")])
     ckpt = str(tmp_path / "ckpt")
     run_train([*common, "--tensor-model-parallel-size", "2", "--domino", "--save", ckpt,
                "--exit-interval", "4", "--metrics-file", str(tmp_path / "t2.jsonl")], nproc=2)
-    run_train([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "t2.jsonl")])
+    run_train([*common, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--load", ckpt,
+               "--metrics-file", str(tmp_path / "t2.jsonl")], nproc=2)
     t1, t2 = read_metrics(tmp_path / "t1.jsonl"), read_metrics(tmp_path / "t2.jsonl")
     assert [r["iteration"] for r in t2] == list(range(1, 9))
     np.testing.assert_allclose([r["loss"] for r in t2], [r["loss"] for r in t1], rtol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in t2], [r["grad_norm"] for r in t1], rtol=1e-4)
+    np.testing.assert_allclose([r["val_loss"] for r in t2 if "val_loss" in r],
+                               [r["val_loss"] for r in t1 if "val_loss" in r], rtol=1e-5)
+
+
+def test_sequence_parallel_with_dropout_resumes_bit_identically(corpus, tmp_path):
+    """Under --sequence-parallel each TP rank draws its dropout masks from its
+    own stream (parallel/rng.py); a checkpoint keeps every rank's stream, so
+    a resumed run draws the masks the uninterrupted run drew."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "4",
+              "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
+    ckpt = str(tmp_path / "ckpt")
+    run_train([*common, "--save", ckpt, "--exit-interval", "3",
+               "--metrics-file", str(tmp_path / "part.jsonl")], nproc=2)
+    run_train([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")], nproc=2)
+    assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 7))
+    assert losses(tmp_path / "part.jsonl") == losses(tmp_path / "full.jsonl")  # exact, not close
 
 
 def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
