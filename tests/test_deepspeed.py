@@ -188,6 +188,14 @@ def worker(out: str, plan: str) -> None:
         worker_run(out, "tp2_z3_llama_partitioned", ["--deepspeed", "--zero-stage", "3", "--recompute-activations",
                                                      "--partition-activations", "--train-iters", "6",
                                                      "--lr-decay-iters", str(STEPS), *tp, *LLAMA])
+        # Sequence parallelism with dropout (per-TP-rank masks): DDP, ZeRO-1, ZeRO-3,
+        # and ZeRO-1 with DeepSpeed's activation checkpointing (which must replay the masks).
+        sp = [*tp, "--sequence-parallel", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+        worker_run(out, "tp2_ddp_sp", sp)
+        worker_run(out, "tp2_z1_sp", ["--deepspeed", "--zero-stage", "1", *sp])
+        worker_run(out, "tp2_z3_sp", ["--deepspeed", "--zero-stage", "3", *sp])
+        worker_run(out, "tp2_z1_sp_recompute", ["--deepspeed", "--zero-stage", "1", "--recompute-activations",
+                                                "--train-iters", "6", "--lr-decay-iters", str(STEPS), *sp])
         export_and_eval(out, ck("tp2_z3"), "export_tp2", tp)
     dist.barrier()
     dist.destroy_process_group()
@@ -335,6 +343,19 @@ def test_plain_ddp_with_tensor_parallel_domino_matches_ddp(runs):
     assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
 
 
+@pytest.mark.parametrize("run", ["tp2_z1_sp", "tp2_z3_sp"])
+def test_zero_with_sequence_parallel_matches_ddp_with_sequence_parallel(runs, run):
+    """T=2 x D=2 under --sequence-parallel, with dropout: ZeRO-1 and ZeRO-3 ==
+    torch DDP, step for step (the norms' gradients summed over the sequence
+    halves by hooks that every engine honours, the same per-rank masks)."""
+    ref, got = metrics(runs, "tp2_ddp_sp"), metrics(runs, run)
+    assert [m["iteration"] for m in got] == list(range(1, STEPS + 1))
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
+
+
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_deepspeed(runs):
     """An inf in one rank's fp16 gradient: DeepSpeed's loss scaler skips that
     step on every rank (and lowers the scale), train.py counts the skip, and
@@ -349,7 +370,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_deepspeed(run
 
 @pytest.mark.parametrize("run,ref", [("z1_recompute", "z1"), ("tp2_z1_partitioned", "tp2_z1"),
                                      ("z2_offload", "z2"),
-                                     ("tp2_z3_llama_partitioned", "tp2_z3_llama")])  # RoPE angles too
+                                     ("tp2_z3_llama_partitioned", "tp2_z3_llama"),  # RoPE angles too
+                                     ("tp2_z1_sp_recompute", "tp2_z1_sp")])  # per-rank dropout replayed
 def test_memory_saving_options_change_nothing_but_memory(runs, run, ref):
     """--recompute-activations through DeepSpeed's checkpointing (and, under
     TP, --partition-activations), and --zero-offload-optimizer (optimizer

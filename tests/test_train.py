@@ -93,6 +93,11 @@ def test_megatron_flags_fill_typed_config():
     (["--preset", "tiny", "--lr-decay-style", "exp"], "cosine, linear or constant"),
     ([], "--preset"),
     (["--preset", "tiny", "--seq-length", "4096", "--max-position-embeddings", "64"], "exceeds"),
+    (["--preset", "tiny", "--sequence-parallel"], "needs --tensor-model-parallel-size > 1"),
+    (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "30"],
+     "--seq-length 30 must be divisible by --tensor-model-parallel-size 4"),
+    (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "2", "--deepspeed",
+      "--recompute-activations", "--partition-activations"], "drop --partition-activations"),
 ])
 def test_bad_flags_are_clear_errors(argv, message):
     with pytest.raises(ValueError, match=message):
