@@ -325,9 +325,13 @@ class Dropout(nn.Dropout):
         self.per_rank = per_rank
 
     def forward(self, x):
-        own_mask = self.per_rank and self.training and self.p > 0 and parallel.tp_size() > 1
-        with parallel.fork_rng_if(own_mask):
-            return super().forward(x)
+        if not self.training or self.p == 0:
+            return x
+        with parallel.fork_rng_if(self.per_rank and parallel.tp_size() > 1):
+            # native_dropout keeps a 1-byte bool mask for backward on every
+            # device, as F.dropout does on CUDA (on CPU F.dropout keeps the
+            # mask in x's dtype), so CPU measures GPU's activation memory.
+            return torch.native_dropout(x, self.p, True)[0]
 
 
 class CausalSelfAttention(nn.Module):

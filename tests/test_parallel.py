@@ -6,6 +6,7 @@ rank's traceback.
 """
 import datetime
 import os
+import sys
 import tempfile
 from types import SimpleNamespace
 
@@ -678,6 +679,29 @@ def test_domino_runs_another_chunks_gemms_while_each_all_reduce_is_in_flight():
     forward and in backward, between the launch of every chunk's all-reduce
     (but the last) and its wait, a GEMM of the other chunk runs."""
     run_on_ranks(_check_domino_overlaps_every_all_reduce)
+
+
+def _check_saved_activations_follow_the_paper():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from activation_memory import formula, layer_activation_bytes
+    _use_layout(2)
+    s, b, h = 64, 2, 128
+    measured = {}
+    for sp in (False, True):
+        config = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=2, max_position_embeddings=s,
+                           vocab_size=100, padded_vocab_size=128, hidden_dropout=0.1, sequence_parallel=sp)
+        measured[sp] = layer_activation_bytes(config, s, b)
+        # the rest: LayerNorm statistics and attention's logsumexp, fp32 per token
+        assert 1 <= measured[sp] / formula(s, b, h, 2, sp) < 1.03, (sp, measured[sp])
+    assert measured[False] / measured[True] > 1.25  # 22 / 17 at T=2
+
+
+def test_sequence_parallel_saves_what_the_paper_says():
+    """The bytes autograd keeps for one layer (bench/activation_memory.py)
+    follow Korthikanti et al.: s*b*h*(10 + 24/T) without sequence
+    parallelism, s*b*h*34/T with it, at T=2. A column-parallel layer that
+    kept its gathered input, or a dropout keeping a 16-bit mask, fails."""
+    run_on_ranks(_check_saved_activations_follow_the_paper)
 
 
 def _check_dropout_keeps_replicated_parameters_identical():
