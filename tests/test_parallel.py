@@ -553,7 +553,8 @@ def _check_sequence_parallel_matches_single_gpu(options, tp):
 
     single = build(1, loss_impl="full")
     want = _forward_backward(single)
-    ref_losses = _train_losses(build(1, loss_impl="full"))
+    trained_single = build(1, loss_impl="full")
+    ref_losses = _train_losses(trained_single)
     x = _batch(0)[0]
     greedy = generate(single, x[:, :4], 6, temperature=0)
     for chunks in (1, 2, 3):  # plain sequence parallelism, then with Domino
@@ -567,6 +568,19 @@ def _check_sequence_parallel_matches_single_gpu(options, tp):
         assert model.blocks[0].attn.qkv.sequence_parallel  # and switches it back on
         losses = _train_losses(build(tp, sequence_parallel=True, domino_chunks=chunks))
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
+    # Checkpoints hold full weights: T=1's trained weights load under sequence
+    # parallelism, and back at T=1 from there, with the same loss.
+    x, y, mask = _batch(7)
+    with torch.no_grad():
+        _use_layout(1)  # the layout a model runs in is the one it was built in
+        want_loss = trained_single(x, labels=y, loss_mask=mask)
+        sp = build(tp, sequence_parallel=True)
+        sp.load_full_state_dict({k: v.clone() for k, v in trained_single.state_dict().items()})
+        assert_close(sp(x, labels=y, loss_mask=mask), want_loss, tol=1e-5, what="T=1 -> SP")
+        saved = sp.full_state_dict()
+        back = build(1)
+        back.load_full_state_dict(saved)
+        assert_close(back(x, labels=y, loss_mask=mask), want_loss, tol=1e-5, what="SP -> T=1")
 
 
 @pytest.mark.slow
