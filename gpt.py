@@ -472,10 +472,19 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
         forward   body0 | enter1 | row0 | body1 | enter0' | row1 | body0' ...
         backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
 
+    Under sequence parallelism (x holds this rank's T/tp tokens) each
+    all-reduce is a reduce-scatter, in flight the same way, and entering a
+    sublayer also launches the all-gather of the chunk's LayerNorm output,
+    which the column-parallel GEMM waits for: the previous chunk's row GEMM
+    runs meanwhile. In backward the dX reduce-scatter is deferred like the
+    all-reduce; the all-gathers of a row-parallel layer's dY are not (its
+    GEMMs need them at once).
+
     tests/test_parallel.py checks this order on two ranks. rope: the RoPE
     angles (see rope_angles), split with the batch when they are per sample.
     """
-    chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C)
+    chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C), under SP (b, T/tp, C)
+    sequence_parallel = blocks[0].attn.qkv.sequence_parallel
     pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
     per_sample = rope is not None and rope.dim() == 4  # (B, 1, T, R/2)
     ropes = rope.tensor_split(n_chunks, dim=0) if per_sample else [rope] * len(chunks)
@@ -486,6 +495,8 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
     def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
         chunks[i], h = add_and_norm(sublayers[s][0], chunks[i], _finish_branch(pending[i]))
         deferred = parallel.DeferredGradAllReduce()
+        if sequence_parallel:  # h holds this rank's tokens: start gathering them all now
+            deferred.gather_input(h)
         return deferred.wait_in_backward(h), deferred
 
     entered = [enter(0, 0)] + [None] * (len(chunks) - 1)

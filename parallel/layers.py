@@ -123,7 +123,12 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, deferred, sequence_parallel):
         ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
         ctx.has_bias, ctx.deferred, ctx.sequence_parallel = bias is not None, deferred, sequence_parallel
-        total = all_gather_sequence(x) if sequence_parallel else x   # (B, T, in)
+        total = x
+        if sequence_parallel:                                   # -> (B, T, in)
+            launched = deferred.gathered_input if deferred is not None else None
+            total = launched.wait() if launched is not None else all_gather_sequence(x)
+            if deferred is not None:
+                deferred.gathered_input = None
         return F.linear(total, weight, bias)                    # (..., out/tp)
 
     @staticmethod

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .groups import (_gather_last_dim, _split_last_dim, all_gather_sequence, all_reduce,
-                     reduce_scatter_sequence, tp_size)
+from .groups import (PendingSequenceGather, _gather_last_dim, _split_last_dim, all_gather_sequence,
+                     all_reduce, reduce_scatter_sequence, tp_size)
 
 # --------------------------------------------------------------------------
 # Communication operators (autograd.Functions)
@@ -96,13 +96,23 @@ class DeferredGradAllReduce:
     first. The identity node is created early (before another chunk's GEMMs
     in forward), so in backward those GEMMs run between the launch and the
     wait. gpt.domino_blocks chooses that order.
+
+    Under sequence parallelism the layer's forward needs its input's tokens
+    all-gathered first: gather_input(h) launches that all-gather at once,
+    and the layer waits for it only when it runs, so the GEMMs issued in
+    between (another chunk's) hide it.
     """
 
     def __init__(self):
         self.handle = None
+        self.gathered_input = None   # a PendingSequenceGather, or None
 
     def wait_in_backward(self, h: torch.Tensor) -> torch.Tensor:
         return _WaitForGradAllReduce.apply(h, self)
+
+    def gather_input(self, h: torch.Tensor) -> None:
+        """Launch the all-gather of h's tokens (B, T/tp, C) for the layer's forward."""
+        self.gathered_input = PendingSequenceGather(h.detach(), async_op=True)
 
     def wait(self) -> None:
         if self.handle is not None:

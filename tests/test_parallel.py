@@ -597,63 +597,73 @@ def test_sequence_parallel_matches_single_gpu(tp, options):
 
 
 class _OverlapRecorder(TorchDispatchMode):
-    """Logs, in order, every TP all-reduce launch and wait and every GEMM of
+    """Logs, in order, every TP collective launch and wait and every GEMM of
     one Domino chunk. The chunk is told apart by its token count: the batch
     (3, 5) splits into chunks of 2 and 1 rows, 10 and 5 tokens, a size no
-    weight of the model has."""
+    weight of the model has. Under sequence parallelism the collectives move
+    each rank's tokens and the GEMMs see all of them: comm_chunks maps those."""
 
-    CHUNK_OF_TOKENS = {10: 0, 5: 1}
-
-    def __init__(self):
+    def __init__(self, gemm_chunks=None, comm_chunks=None):
         super().__init__()
+        self.gemm_chunks = gemm_chunks or {10: 0, 5: 1}
+        self.comm_chunks = comm_chunks or self.gemm_chunks
         self.events = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             dims = {d for a in args if isinstance(a, torch.Tensor) for d in a.shape}
-            for tokens, chunk in self.CHUNK_OF_TOKENS.items():
+            for tokens, chunk in self.gemm_chunks.items():
                 if tokens in dims:
                     self.events.append(("gemm", chunk, None))
         return func(*args, **(kwargs or {}))
 
-    def all_reduce(self, real):
-        """A stand-in for dist.all_reduce that logs each chunk's launch and wait."""
-        def recorded(tensor, *args, async_op=False, **kwargs):
-            chunk = self.CHUNK_OF_TOKENS.get(tensor.numel() // tensor.shape[-1])
-            work = real(tensor, *args, async_op=async_op, **kwargs)
-            if chunk is None or not async_op:
+    def collective(self, real, name, chunk_tensor):
+        """A stand-in for a dist collective that logs each chunk's launch and
+        wait (the chunk read from chunk_tensor(*args)), and each synchronous call."""
+        def recorded(*args, async_op=False, **kwargs):
+            t = chunk_tensor(*args)
+            chunk = self.comm_chunks.get(t.numel() // t.shape[-1])
+            work = real(*args, async_op=async_op, **kwargs)
+            if chunk is None:
                 return work
-            launch = object()  # this all-reduce's identity
+            if not async_op:
+                self.events.append(("sync", chunk, name))
+                return work
+            launch = (name, object())  # this collective's identity
             self.events.append(("launch", chunk, launch))
             return SimpleNamespace(wait=lambda: (self.events.append(("wait", None, launch)),
                                                  work.wait()))
         return recorded
 
 
-def _unhidden_all_reduces(events) -> list:
-    """The launches, but the last, with no GEMM of ANOTHER chunk before their
-    first wait: an all-reduce that nothing overlapped."""
+def _unhidden_all_reduces(events, name="all_reduce", other_chunk=True) -> list:
+    """The launches of `name`, but the last, with no GEMM of ANOTHER chunk
+    (other_chunk=False: of any chunk) before their first wait: a collective
+    that nothing overlapped."""
     waits = {}
     for k, (kind, _, launch) in enumerate(events):
         if kind == "wait":
             waits.setdefault(launch, k)
     launches = [(k, chunk, launch) for k, (kind, chunk, launch) in enumerate(events)
-                if kind == "launch"]
-    assert launches and all(launch in waits for *_, launch in launches), "every all-reduce is waited for"
+                if kind == "launch" and launch[0] == name]
+    assert launches and all(launch in waits for *_, launch in launches), "every launch is waited for"
     unhidden = []
     for k, chunk, launch in launches[:-1]:
         between = events[k + 1:waits[launch]]
-        if not any(kind == "gemm" and c != chunk for kind, c, _ in between):
+        if not any(kind == "gemm" and (c != chunk or not other_chunk) for kind, c, _ in between):
             unhidden.append(k)
     return unhidden
 
 
-def _record_domino_order(serialize: bool):
+def _record_domino_order(serialize: bool, sequence_parallel: bool = False):
     """(forward events, backward events) of one Domino micro-batch on this rank."""
-    model = _build_gpt(2, domino_chunks=2)
-    ids = torch.randint(0, 100, (3, 6), generator=torch.Generator().manual_seed(0))
-    recorder = _OverlapRecorder()
-    real_all_reduce, real_owned = dist.all_reduce, parallel.groups._all_reduce_owned
+    model = _build_gpt(2, domino_chunks=2, sequence_parallel=sequence_parallel)
+    # sequence parallel: 12 tokens a row, so the chunks' GEMMs see 24 and 12
+    # tokens and their collectives carry 12 and 6 (the weights: 16, 32, 48, 64)
+    ids = torch.randint(0, 100, (3, 13 if sequence_parallel else 6), generator=torch.Generator().manual_seed(0))
+    recorder = _OverlapRecorder({24: 0, 12: 1}, {12: 0, 6: 1}) if sequence_parallel else _OverlapRecorder()
+    real = dist.all_reduce, dist.all_gather_single, dist.reduce_scatter_single
+    real_owned = parallel.groups._all_reduce_owned
 
     def launch_and_wait_at_once(out, async_op=False):  # what a serialized version does
         work = real_owned(out, async_op)
@@ -661,7 +671,9 @@ def _record_domino_order(serialize: bool):
             work.wait()
         return work
 
-    dist.all_reduce = recorder.all_reduce(real_all_reduce)
+    dist.all_reduce = recorder.collective(real[0], "all_reduce", lambda t, *a: t)
+    dist.all_gather_single = recorder.collective(real[1], "all_gather", lambda out, inp, *a: inp)
+    dist.reduce_scatter_single = recorder.collective(real[2], "reduce_scatter", lambda out, inp, *a: out)
     if serialize:
         parallel.groups._all_reduce_owned = launch_and_wait_at_once
     try:
@@ -670,7 +682,8 @@ def _record_domino_order(serialize: bool):
             forward = list(recorder.events)
             loss.backward()
     finally:
-        dist.all_reduce, parallel.groups._all_reduce_owned = real_all_reduce, real_owned
+        dist.all_reduce, dist.all_gather_single, dist.reduce_scatter_single = real
+        parallel.groups._all_reduce_owned = real_owned
     return forward, recorder.events[len(forward):]
 
 
@@ -685,13 +698,29 @@ def _check_domino_overlaps_every_all_reduce():
     forward, backward = _record_domino_order(serialize=True)
     assert len(_unhidden_all_reduces(forward)) == 7
     assert len(_unhidden_all_reduces(backward)) == 7
+    # Under sequence parallelism: forward, each reduce-scatter runs while the
+    # other chunk computes, and so does each all-gather but the very first
+    # (nothing precedes it); backward, each dX reduce-scatter likewise, and
+    # each re-gather of a column layer's input tokens runs beside its dX GEMM.
+    forward, backward = _record_domino_order(serialize=False, sequence_parallel=True)
+    launched = [launch[0] for kind, _, launch in forward if kind == "launch"]
+    assert launched.count("reduce_scatter") == 8 and launched.count("all_gather") == 8
+    assert _unhidden_all_reduces(forward, "reduce_scatter") == [], forward
+    first_gather = next(k for k, (kind, _, launch) in enumerate(forward) if kind == "launch")
+    assert _unhidden_all_reduces(forward, "all_gather") == [first_gather], forward
+    assert not any(kind == "sync" for kind, *_ in forward)
+    assert _unhidden_all_reduces(backward, "reduce_scatter") == [], backward
+    assert _unhidden_all_reduces(backward, "all_gather", other_chunk=False) == [], backward
+    # ...while the all-gather of a row-parallel layer's dY is synchronous (its GEMMs need it)
+    assert sum(kind == "sync" for kind, *_ in backward) == 8
 
 
 @pytest.mark.slow
 def test_domino_runs_another_chunks_gemms_while_each_all_reduce_is_in_flight():
     """Domino's point, checked from the order of operations on 2 ranks: in
     forward and in backward, between the launch of every chunk's all-reduce
-    (but the last) and its wait, a GEMM of the other chunk runs."""
+    (but the last) and its wait, a GEMM of the other chunk runs; under
+    sequence parallelism, the same for its reduce-scatters and all-gathers."""
     run_on_ranks(_check_domino_overlaps_every_all_reduce)
 
 
