@@ -23,7 +23,7 @@ One file, read top to bottom:
 5. Tensor parallelism (Megatron-style, see parallel/): when the model is
    built after parallel.initialize(tp) with tp > 1, each layer is built and
    initialized exactly as for tp=1, then its big matmuls are swapped for
-   parallel layers holding this rank's slice (see GPT._shard_block) before
+   parallel layers holding this rank's slice (see shard_block) before
    the next layer is built, so every tp trains the same model from the same
    seed and no rank ever holds the full model. Optional Domino
    overlap (config.domino_chunks > 1, see domino_blocks) hides the TP
@@ -40,7 +40,6 @@ never produced by the tokenizer and are never sampled.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -435,80 +434,56 @@ def add_and_norm(ln: nn.Module, x, branch):
     return x, ln(x)
 
 
-def _finish_branch(pending):
-    """dropout(all-reduced branch output), waiting for the all-reduce only now."""
-    if pending is None:
-        return None
-    reduce, drop = pending
-    return drop(reduce.wait())
-
-
 def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
-    """The block stack with Domino overlap (Wang et al., DeepSpeed-Domino),
-    tensor parallelism only. x (B, T, C) -> (B, T, C), the same maths as
-    running the blocks one after the other (fp32 agrees to rounding; with
-    dropout > 0 the masks are drawn in another order).
-
-    The micro-batch is split along the batch into chunks (uneven is fine)
-    that are independent until the loss. Each block is two sublayers
-    (attention, MLP), and a chunk's pass through a sublayer is
-
-        enter:  wait for its previous row-parallel all-reduce, residual add,
-                LayerNorm, and the node where backward will wait (see below)
-        body:   column-parallel GEMM ... (heads or GeLU), row-parallel GEMM
-        launch: the row-parallel all-reduce, left in flight
-
-    Forward: chunk i's all-reduce is in flight while the other chunks' bodies
-    run, and is waited for only when chunk i enters its next sublayer.
-
-    Backward runs the graph in reverse, always picking the ready node that
-    was created LAST in forward. The column-parallel layer launches its dX
-    all-reduce and returns without waiting (parallel.DeferredGradAllReduce);
-    the wait is an identity node made when the chunk entered the sublayer.
-    Each chunk therefore enters its sublayer BEFORE the previous chunk
-    launches its row-parallel GEMM: in backward, that GEMM's gradients are
-    computed between this chunk's launch and its wait. With 2 chunks:
-
-        forward   body0 | enter1 | row0 | body1 | enter0' | row1 | body0' ...
-        backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
-
-    Under sequence parallelism (x holds this rank's T/tp tokens) each
-    all-reduce is a reduce-scatter, in flight the same way, and entering a
-    sublayer also launches the all-gather of the chunk's LayerNorm output,
-    which the column-parallel GEMM waits for: the previous chunk's row GEMM
-    runs meanwhile. In backward the dX reduce-scatter is deferred like the
-    all-reduce; the all-gathers of a row-parallel layer's dY are not (its
-    GEMMs need them at once).
-
-    tests/test_parallel.py checks this order on two ranks. rope: the RoPE
-    angles (see rope_angles), split with the batch when they are per sample.
-    """
+    """The block stack with Domino overlap (tensor parallelism only; the
+    schedule and why it hides communication: parallel/domino.py). x (B, T, C)
+    -> (B, T, C), the same maths as running the blocks one after the other
+    (fp32 agrees to rounding; with dropout > 0 the masks are drawn in another
+    order). The micro-batch is split along the batch into n_chunks chunks
+    (uneven is fine), independent until the loss. Each block is two
+    sublayers for the schedule: attention (ln_1, heads, proj, resid_drop) and
+    MLP (ln_2, hidden, proj, drop). rope: the RoPE angles (see rope_angles),
+    split with the batch when they are per sample."""
     chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C), under SP (b, T/tp, C)
-    sequence_parallel = blocks[0].attn.qkv.sequence_parallel
-    pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
     per_sample = rope is not None and rope.dim() == 4  # (B, 1, T, R/2)
     ropes = rope.tensor_split(n_chunks, dim=0) if per_sample else [rope] * len(chunks)
     sublayers = [s for b in blocks for s in (
-        (b.ln_1, lambda h, d, i, b=b: b.attn.heads(h, d, rope=ropes[i]), b.attn.proj, b.attn.resid_drop),
-        (b.ln_2, lambda h, d, i, b=b: b.mlp.hidden(h, d), b.mlp.proj, b.mlp.drop))]
+        parallel.Sublayer(b.ln_1, lambda h, d, i, b=b: b.attn.heads(h, d, rope=ropes[i]),
+                          b.attn.proj, b.attn.resid_drop),
+        parallel.Sublayer(b.ln_2, lambda h, d, i, b=b: b.mlp.hidden(h, d), b.mlp.proj, b.mlp.drop))]
+    outputs = parallel.domino(sublayers, chunks, add_and_norm,
+                              sequence_parallel=blocks[0].attn.qkv.sequence_parallel)
+    return torch.cat(outputs, dim=0)
 
-    def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
-        chunks[i], h = add_and_norm(sublayers[s][0], chunks[i], _finish_branch(pending[i]))
-        deferred = parallel.DeferredGradAllReduce()
-        if sequence_parallel:  # h holds this rank's tokens: start gathering them all now
-            deferred.gather_input(h)
-        return deferred.wait_in_backward(h), deferred
 
-    entered = [enter(0, 0)] + [None] * (len(chunks) - 1)
-    for s, (_, body, row, drop) in enumerate(sublayers):
-        for i in range(len(chunks)):
-            y = body(*entered[i], i)                  # (b, T, C/tp) or (b, T, F/tp)
-            if i + 1 < len(chunks):                   # the next chunk enters...
-                entered[i + 1] = enter(i + 1, s)
-            elif s + 1 < len(sublayers):              # ...or the first, the next sublayer
-                entered[0] = enter(0, s + 1)
-            pending[i] = (row.forward_async(y), drop)  # ...before this row GEMM
-    return torch.cat([c + _finish_branch(p) for c, p in zip(chunks, pending)], dim=0)
+def shard_block(block: Block, cfg: GPTConfig) -> None:
+    """Swap a block's big matmuls for Megatron's parallel layers, each
+    keeping this rank's slice of the full weight just initialized:
+
+        wte          VocabParallelEmbedding (vocab rows split; tied head)
+        attn.qkv     ColumnParallelLinear, strided: rank r gets [Q_r|K_r|V_r]
+        attn.proj    RowParallelLinear
+        mlp.fc       ColumnParallelLinear (SwiGLU: stride 2, [gate_r|up_r])
+        mlp.proj     RowParallelLinear
+        output_layer ColumnParallelLinear (untied head; vocab rows split)
+        norms, wpe, row-parallel biases: replicated
+
+    With sequence_parallel the column-parallel layers all-gather their
+    input's tokens and the row-parallel ones reduce-scatter their output.
+
+    Parameter names are unchanged, so full_state_dict() has tp=1's keys.
+    """
+    domino, sp = cfg.domino_chunks > 1, cfg.sequence_parallel
+    Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
+    kv = cfg.num_kv_heads * cfg.head_dim
+    # GQA: K and V are narrower than Q, so the three blocks are named by size
+    qkv_stride = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
+    block.attn.qkv = Column.from_linear(block.attn.qkv, stride=qkv_stride, async_grad_allreduce=domino,
+                                        sequence_parallel=sp)
+    block.attn.proj = Row.from_linear(block.attn.proj, sequence_parallel=sp)
+    block.mlp.fc = Column.from_linear(block.mlp.fc, stride=2 if cfg.swiglu else 1,
+                                      async_grad_allreduce=domino, sequence_parallel=sp)
+    block.mlp.proj = Row.from_linear(block.mlp.proj, sequence_parallel=sp)
 
 
 def init_std(config: GPTConfig, residual_out: bool = False) -> float:
@@ -549,7 +524,10 @@ class GPT(nn.Module):
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
         tp = parallel.tp_size() > 1
         if tp:
-            self._check_tensor_parallel_config()
+            if config.domino_chunks > 1 and config.activation_checkpointing:
+                raise ValueError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
+                                 "turn one of them off")
+            parallel.check_divisible(config)
         self.sequence_parallel = tp and config.sequence_parallel  # False while generating
         # Built one piece at a time, each initialized (and under tensor
         # parallelism sliced) before the next exists: a rank never holds more
@@ -565,7 +543,7 @@ class GPT(nn.Module):
         for _ in range(config.num_layers):
             block = self._build(lambda: Block(config))
             if tp:
-                self._shard_block(block)
+                shard_block(block, config)
             self.blocks.append(block)
         self.ln_f = self._build(lambda: make_layernorm(config, config.hidden_size))
         if config.untie_embeddings_and_output_weights:  # else the head is wte (see lm_head)
@@ -586,42 +564,6 @@ class GPT(nn.Module):
             module = make()
         init_weights(module, self.config)
         return module
-
-    def _check_tensor_parallel_config(self) -> None:
-        if self.config.domino_chunks > 1 and self.config.activation_checkpointing:
-            raise ValueError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
-                             "turn one of them off")
-        parallel.check_divisible(self.config)
-
-    def _shard_block(self, block: "Block") -> None:
-        """Swap a block's big matmuls for Megatron's parallel layers, each
-        keeping this rank's slice of the full weight just initialized:
-
-            wte          VocabParallelEmbedding (vocab rows split; tied head)
-            attn.qkv     ColumnParallelLinear, strided: rank r gets [Q_r|K_r|V_r]
-            attn.proj    RowParallelLinear
-            mlp.fc       ColumnParallelLinear (SwiGLU: stride 2, [gate_r|up_r])
-            mlp.proj     RowParallelLinear
-            output_layer ColumnParallelLinear (untied head; vocab rows split)
-            norms, wpe, row-parallel biases: replicated
-
-        With sequence_parallel the column-parallel layers all-gather their
-        input's tokens and the row-parallel ones reduce-scatter their output.
-
-        Parameter names are unchanged, so full_state_dict() has tp=1's keys.
-        """
-        cfg = self.config
-        domino, sp = cfg.domino_chunks > 1, cfg.sequence_parallel
-        Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
-        kv = cfg.num_kv_heads * cfg.head_dim
-        # GQA: K and V are narrower than Q, so the three blocks are named by size
-        qkv_stride = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
-        block.attn.qkv = Column.from_linear(block.attn.qkv, stride=qkv_stride, async_grad_allreduce=domino,
-                                            sequence_parallel=sp)
-        block.attn.proj = Row.from_linear(block.attn.proj, sequence_parallel=sp)
-        block.mlp.fc = Column.from_linear(block.mlp.fc, stride=2 if cfg.swiglu else 1,
-                                          async_grad_allreduce=domino, sequence_parallel=sp)
-        block.mlp.proj = Row.from_linear(block.mlp.proj, sequence_parallel=sp)
 
     # -- forward --------------------------------------------------------------
 
@@ -658,7 +600,7 @@ class GPT(nn.Module):
         Under sequence parallelism the blocks hold this rank's T/tp tokens
         (B, T/tp, C); the LM head sees all T again."""
         if kv_cache is not None and self.sequence_parallel:
-            with self._sequence_parallel_off():
+            with parallel.sequence_parallel_off(self):
                 return self.forward(input_ids, position_ids, labels, loss_mask, kv_cache)
         B, T = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0
@@ -708,20 +650,6 @@ class GPT(nn.Module):
             else:
                 x = block(x, rope)
         return x
-
-    @contextlib.contextmanager
-    def _sequence_parallel_off(self):
-        """Generation runs every token on every rank: a KV-cache step has one
-        token, which cannot be split over the TP ranks. The layers' sequence
-        parallelism is off meanwhile (the weights are the same either way)."""
-        modules = [m for m in self.modules() if getattr(m, "sequence_parallel", False)]
-        for m in modules:
-            m.sequence_parallel = False
-        try:
-            yield
-        finally:
-            for m in modules:
-                m.sequence_parallel = True
 
     @property
     def output_weight(self):

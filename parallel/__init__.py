@@ -32,7 +32,7 @@ the same TP rank. With W=8, tp=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
 
 Domino (DeepSpeed-Domino, Wang et al. 2024) hides these all-reduces behind
 computation: RowParallelLinear.forward_async launches g's all-reduce in the
-background (PendingReduce.wait() collects it), so gpt.py can compute one
+background (PendingReduce.wait() collects it), so domino.py can compute one
 micro-batch chunk while another chunk's result is on the wire. In backward,
 ColumnParallelLinear(async_grad_allreduce=True) launches f's all-reduce
 before its weight-gradient GEMM; given a DeferredGradAllReduce it does not
@@ -73,6 +73,8 @@ Where each piece lives:
                       sequence parallelism's, Domino's asynchronous ones
     rng.py            the per-rank random stream for dropout, and activation
                       checkpointing that replays it
+    domino.py         Domino's schedule: chunks interleaved so that one
+                      chunk's communication runs while another computes
     layers.py         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     sharding.py       slicing full tensors into shards and back; full state dicts
     cross_entropy.py  the loss on vocab-sharded logits
@@ -84,12 +86,13 @@ Where each piece lives:
 """
 
 from .cross_entropy import check_ids, vocab_parallel_cross_entropy
+from .domino import Sublayer, domino
 from .grads import clip_grad_norm_, sum_sequence_parallel_grads
 from .groups import (all_gather_sequence, all_reduce, all_reduce_mean, check_divisible, destroy,
                      dp_group, dp_rank, dp_size, initialize, reduce_scatter_sequence,
                      skip_communication, tp_group, tp_rank, tp_size)
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     init_normal)
+                     init_normal, sequence_parallel_off)
 from .mappings import (DeferredGradAllReduce, PendingReduce, copy_to_tensor_parallel_region,
                        gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
@@ -109,8 +112,9 @@ __all__ = [
     "DeferredGradAllReduce", "PendingReduce",
     "get_rng_tracker", "model_parallel_seed", "fork_rng_if", "checkpoint_with_rng",
     "rng_tracker_states_of_every_tp_rank", "set_rng_tracker_states_of_every_tp_rank",
-    "sum_sequence_parallel_grads",
+    "sum_sequence_parallel_grads", "domino", "Sublayer",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "init_normal",
+    "sequence_parallel_off",
     "shard_tensor", "merge_shards", "gather_tensor", "gather_tensor_to_first",
     "gather_like", "shard_like", "full_state_dict", "load_full_state_dict",
     "vocab_parallel_cross_entropy", "check_ids", "clip_grad_norm_",

@@ -2,6 +2,7 @@
 VocabParallelEmbedding. Each builds its full master weight, keeps its slice."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -272,3 +273,18 @@ class VocabParallelEmbedding(nn.Module):
         return (f"{self.num_embeddings}, {self.embedding_dim}, "
                 f"local rows [{self.vocab_start}, {self.vocab_end}), "
                 f"sequence_parallel={self.sequence_parallel}")
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(module: nn.Module):
+    """Run `module` with its layers' sequence parallelism switched off, then
+    back on. Generation needs it: a KV-cache step has one token, which
+    cannot be split over the TP ranks (the weights are the same either way)."""
+    switched = [m for m in module.modules() if getattr(m, "sequence_parallel", False)]
+    for m in switched:
+        m.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.sequence_parallel = True

@@ -95,7 +95,7 @@ class DeferredGradAllReduce:
     Why a separate node: autograd runs the ready node created LAST in forward
     first. The identity node is created early (before another chunk's GEMMs
     in forward), so in backward those GEMMs run between the launch and the
-    wait. gpt.domino_blocks chooses that order.
+    wait. parallel/domino.py chooses that order.
 
     Under sequence parallelism the layer's forward needs its input's tokens
     all-gathered first: gather_input(h) launches that all-gather at once,

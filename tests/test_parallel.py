@@ -925,20 +925,20 @@ def _check_construction_never_holds_the_full_model():
     import gc
     from gpt import Block
     alive_full_blocks = []
-    real_shard = GPT._shard_block
+    real_shard = gpt.shard_block
 
-    def spy(self, block):
+    def spy(block, config):
         gc.collect()
         full = [b for b in gc.get_objects()
                 if isinstance(b, Block) and isinstance(b.attn.qkv, torch.nn.Linear)]
         alive_full_blocks.append(len(full))
-        return real_shard(self, block)
+        return real_shard(block, config)
 
-    GPT._shard_block = spy
+    gpt.shard_block = spy
     try:
         model = _build_gpt(2)
     finally:
-        GPT._shard_block = real_shard
+        gpt.shard_block = real_shard
     assert alive_full_blocks == [1] * len(model.blocks)
     assert all(isinstance(b.attn.qkv, parallel.ColumnParallelLinear) for b in model.blocks)
 
