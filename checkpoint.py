@@ -60,8 +60,8 @@ def set_rng_state(state: dict, log=print) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     tracker = state.get("tracker")  # absent from checkpoints older than the tracker
     if tracker and not parallel.set_rng_tracker_states_of_every_tp_rank(tracker):
-        log(f"the per-rank dropout streams were saved at tensor-parallel size {len(tracker)}; "
-            f"at {parallel.tp_size()} they start afresh from --seed")
+        log(f"the per-TP-rank dropout streams were saved at tensor-parallel size {len(tracker)} "
+            f"or on another device; they start afresh from --seed")
 
 
 def load_full_optimizer_state(model: GPT, optimizer, saved: dict) -> None:

@@ -458,7 +458,8 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
 
 def shard_block(block: Block, cfg: GPTConfig) -> None:
     """Swap a block's big matmuls for Megatron's parallel layers, each
-    keeping this rank's slice of the full weight just initialized:
+    keeping this rank's slice of the full weight just initialized. The
+    model's layout (wte and output_layer are swapped by GPT.__init__):
 
         wte          VocabParallelEmbedding (vocab rows split; tied head)
         attn.qkv     ColumnParallelLinear, strided: rank r gets [Q_r|K_r|V_r]

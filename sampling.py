@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import parallel
 from gpt import GPT
 
 
@@ -61,28 +62,31 @@ def generate(model: GPT, input_ids, max_new_tokens: int, temperature: float = 1.
     model.eval()
     max_pos = model.config.max_position_embeddings
     try:
-        ids, unseen = input_ids, input_ids  # unseen: the tokens the cache does not hold yet
-        cache = KVCache(max_pos) if use_cache else None
-        finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        for _ in range(max_new_tokens):
-            if cache is not None and cache.length + unseen.shape[1] <= max_pos:
-                logits = model(unseen, kv_cache=cache)
-            else:
-                cache = None
-                logits = model(ids[:, -max_pos:])                  # crop to the model's window
-            logits = logits[:, -1, :model.config.vocab_size].float()  # (B, V) no pad ids
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
-                logits = filter_logits(logits / temperature, top_k, top_p)
-                probs = F.softmax(logits, dim=-1)
-                next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
-            if eos_token_id is not None:
-                next_id = next_id.masked_fill(finished[:, None], eos_token_id)
-                finished |= next_id[:, 0] == eos_token_id
-            ids, unseen = torch.cat([ids, next_id], dim=1), next_id
-            if eos_token_id is not None and bool(finished.all()):
-                break
+        # Every token runs on every rank: a sequence growing one token at a
+        # time cannot be split over the TP ranks by sequence parallelism.
+        with parallel.sequence_parallel_off(model):
+            ids, unseen = input_ids, input_ids  # unseen: the tokens the cache does not hold yet
+            cache = KVCache(max_pos) if use_cache else None
+            finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            for _ in range(max_new_tokens):
+                if cache is not None and cache.length + unseen.shape[1] <= max_pos:
+                    logits = model(unseen, kv_cache=cache)
+                else:
+                    cache = None
+                    logits = model(ids[:, -max_pos:])                  # crop to the model's window
+                logits = logits[:, -1, :model.config.vocab_size].float()  # (B, V) no pad ids
+                if temperature == 0:
+                    next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+                else:
+                    logits = filter_logits(logits / temperature, top_k, top_p)
+                    probs = F.softmax(logits, dim=-1)
+                    next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                if eos_token_id is not None:
+                    next_id = next_id.masked_fill(finished[:, None], eos_token_id)
+                    finished |= next_id[:, 0] == eos_token_id
+                ids, unseen = torch.cat([ids, next_id], dim=1), next_id
+                if eos_token_id is not None and bool(finished.all()):
+                    break
         return ids
     finally:
         model.train(was_training)

@@ -67,8 +67,8 @@ def init_distributed(cfg: TrainConfig) -> Dist:
     Without torchrun this is a single process. nccl drives GPUs; gloo runs the
     same code on CPU so that every distributed path can be tested anywhere.
     """
-    if cfg.domino:
-        # One hardware queue: kernels start in launch order, so an all-reduce
+    if cfg.domino or cfg.sequence_parallel:
+        # One hardware queue: kernels start in launch order, so a collective
         # launched before a GEMM really runs beside it (see parallel/layers.py). Read
         # when the CUDA context is created, so set it before touching the GPU.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

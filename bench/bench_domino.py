@@ -29,7 +29,7 @@ import sys
 import time
 
 # One hardware queue: kernels start in launch order, so an all-reduce launched
-# before a GEMM really runs beside it (see parallel/layers.py, _ColumnParallelLinearAsyncGrad).
+# before a GEMM really runs beside it (see parallel/layers.py, _ColumnParallelLinearFunction).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 import torch  # noqa: E402

@@ -35,7 +35,7 @@ computation: RowParallelLinear.forward_async launches g's all-reduce in the
 background (PendingReduce.wait() collects it), so domino.py can compute one
 micro-batch chunk while another chunk's result is on the wire. In backward,
 ColumnParallelLinear(async_grad_allreduce=True) launches f's all-reduce
-before its weight-gradient GEMM; given a DeferredGradAllReduce it does not
+before its weight-gradient GEMM; given a DeferredCollectives it does not
 even wait for it, and the wait happens in a later autograd node, so another
 chunk's backward runs while the gradient is on the wire.
 
@@ -93,7 +93,7 @@ from .groups import (all_gather_sequence, all_reduce, all_reduce_mean, check_div
                      skip_communication, tp_group, tp_rank, tp_size)
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      init_normal, sequence_parallel_off)
-from .mappings import (DeferredGradAllReduce, PendingReduce, copy_to_tensor_parallel_region,
+from .mappings import (DeferredCollectives, PendingReduce, copy_to_tensor_parallel_region,
                        gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
@@ -109,7 +109,7 @@ __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "gather_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "DeferredGradAllReduce", "PendingReduce",
+    "DeferredCollectives", "PendingReduce",
     "get_rng_tracker", "model_parallel_seed", "fork_rng_if", "checkpoint_with_rng",
     "rng_tracker_states_of_every_tp_rank", "set_rng_tracker_states_of_every_tp_rank",
     "sum_sequence_parallel_grads", "domino", "Sublayer",

@@ -15,7 +15,7 @@ run, and is waited for only when chunk i enters its next sublayer.
 
 Backward runs the graph in reverse, always picking the ready node that was
 created LAST in forward. The column-parallel layer launches its dX
-all-reduce and returns without waiting (DeferredGradAllReduce); the wait is
+all-reduce and returns without waiting (DeferredCollectives); the wait is
 an identity node made when the chunk entered the sublayer. Each chunk
 therefore enters its sublayer BEFORE the previous chunk launches its
 row-parallel GEMM: in backward, that GEMM's gradients are computed between
@@ -41,7 +41,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn as nn
 
-from .mappings import DeferredGradAllReduce
+from .mappings import DeferredCollectives
 
 
 class Sublayer(NamedTuple):
@@ -70,7 +70,7 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
 
     def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
         chunks[i], h = add_and_norm(sublayers[s].norm, chunks[i], _finish_branch(pending[i]))
-        deferred = DeferredGradAllReduce()
+        deferred = DeferredCollectives()
         if sequence_parallel:  # h holds this rank's tokens: start gathering them all now
             deferred.gather_input(h)
         return deferred.wait_in_backward(h), deferred

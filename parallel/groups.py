@@ -134,11 +134,12 @@ def check_divisible(config, tp: int | None = None) -> None:
 
 @contextlib.contextmanager
 def skip_communication():
-    """Make the f/g (and Domino) activation/gradient all-reduces no-ops
-    (results become WRONG). Benchmarking only: measures the step time of the
-    same compute without that communication. The small per-token all-reduces
-    of vocab_parallel_cross_entropy, clip_grad_norm_'s norm all-reduce and
-    the all-gathers still run."""
+    """Make the f/g (and Domino) activation/gradient all-reduces, sequence
+    parallelism's all-gathers and reduce-scatters and its gradient sums
+    no-ops (results become WRONG). Benchmarking only: measures the step time
+    of the same compute without that communication. The small per-token
+    all-reduces of vocab_parallel_cross_entropy, clip_grad_norm_'s norm
+    all-reduce and the hidden-dim all-gathers still run."""
     global _SKIP_COMMUNICATION
     previous, _SKIP_COMMUNICATION = _SKIP_COMMUNICATION, True
     try:

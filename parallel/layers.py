@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from . import groups
 from .cross_entropy import check_ids
 from .groups import PendingSequenceGather, all_gather_sequence, reduce_scatter_sequence, tp_rank, tp_size
-from .mappings import (DeferredGradAllReduce, PendingReduce, copy_to_tensor_parallel_region,
-                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+from .mappings import (DeferredCollectives, PendingReduce, copy_to_tensor_parallel_region,
+                       gather_from_tensor_parallel_region, in_autocast_dtype,
+                       reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 from .sharding import _mark_sharded, shard_tensor
 
@@ -75,11 +76,11 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor,
-                deferred: DeferredGradAllReduce | None = None) -> torch.Tensor:
+                deferred: DeferredCollectives | None = None) -> torch.Tensor:
         """deferred (async_grad_allreduce only): x came from
         deferred.wait_in_backward, where backward waits for dX's all-reduce."""
         if deferred is not None and not self.async_grad_allreduce:
-            raise ValueError("a DeferredGradAllReduce needs async_grad_allreduce=True")
+            raise ValueError("a DeferredCollectives needs async_grad_allreduce=True")
         if self.sequence_parallel or (self.async_grad_allreduce and tp_size() > 1):
             y = _ColumnParallelLinearFunction.apply(x, self.weight, self.bias, deferred,
                                                     self.sequence_parallel)
@@ -107,7 +108,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
     dX (under sequence parallelism: its reduce-scatter to each rank's tokens)
     is launched asynchronously BEFORE the dW GEMM, so the network moves dX
     while the GEMM runs; we wait before returning dX (Megatron), or, given a
-    DeferredGradAllReduce, not at all: its identity node waits later, after
+    DeferredCollectives, not at all: its identity node waits later, after
     other chunks' GEMMs (DeepSpeed-Domino).
     On GPU this relies on CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware
     queue, kernels start in launch order, so the NCCL kernel (on its own
@@ -122,6 +123,9 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, deferred, sequence_parallel):
+        ctx.input_dtype = x.dtype
+        if sequence_parallel:
+            x = in_autocast_dtype(x)                            # keep and move 16 bits
         ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
         ctx.has_bias, ctx.deferred, ctx.sequence_parallel = bias is not None, deferred, sequence_parallel
         total = x
@@ -145,7 +149,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         gather = PendingSequenceGather(x, async_op=True) if ctx.sequence_parallel else None
         grad_input = handle = None
         if ctx.needs_input_grad[0]:
-            grad_input = (grad_out @ weight.to(dtype)).to(x.dtype)       # (..., in) partial
+            grad_input = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)  # (..., in) partial
             if ctx.sequence_parallel:                                    # -> (B, T/tp, in)
                 grad_input, handle = reduce_scatter_sequence(grad_input, async_op=True)
             else:
@@ -157,7 +161,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         grad_weight = (g2d.t() @ x2d).to(weight.dtype)                   # overlaps the reduction
         grad_bias = g2d.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
         if ctx.deferred is not None:
-            ctx.deferred.handle = handle   # waited for in _WaitForGradAllReduce
+            ctx.deferred.handle = handle   # waited for in _WaitForDeferredGrad
         elif handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None

@@ -81,14 +81,28 @@ class _ReduceFromTensorParallelRegionAsync(torch.autograd.Function):
         return grad, None
 
 
-class DeferredGradAllReduce:
-    """Where a column-parallel layer's backward all-reduce (f's dX; under
-    sequence parallelism the reduce-scatter of dX) is waited for, when that
-    should happen later than the layer's own backward (Domino).
+def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x cast to the autocast dtype when autocast is on (else x): what a
+    column-parallel GEMM would cast it to anyway. Under sequence parallelism
+    its input is all-gathered and kept for backward, and a torch LayerNorm's
+    output is fp32 under autocast: cast first, and both move and keep half
+    the bytes (s*b*h*34/T assumes 16-bit activations)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
 
-    wait_in_backward(h) returns h through an identity autograd node whose
-    BACKWARD waits for the all-reduce; pass the result and this object to the
-    ColumnParallelLinear, whose backward launches the all-reduce and leaves
+
+class DeferredCollectives:
+    """A column-parallel layer's collectives that Domino runs in the
+    background for one chunk: the reduction of dX in backward (f's
+    all-reduce; under sequence parallelism the reduce-scatter to each rank's
+    tokens) and, under sequence parallelism, the all-gather of its input in
+    forward.
+
+    dX: wait_in_backward(h) returns h through an identity autograd node whose
+    BACKWARD waits for the reduction; pass the result and this object to the
+    ColumnParallelLinear, whose backward launches the reduction and leaves
     the handle here. Nothing reads the gradient before that wait: it flows
     from the layer straight into the identity node.
 
@@ -97,10 +111,9 @@ class DeferredGradAllReduce:
     in forward), so in backward those GEMMs run between the launch and the
     wait. parallel/domino.py chooses that order.
 
-    Under sequence parallelism the layer's forward needs its input's tokens
-    all-gathered first: gather_input(h) launches that all-gather at once,
-    and the layer waits for it only when it runs, so the GEMMs issued in
-    between (another chunk's) hide it.
+    Input: gather_input(h) launches the all-gather of h's tokens at once,
+    and the layer's forward waits for it only when it runs, so the GEMMs
+    issued in between (another chunk's) hide it.
     """
 
     def __init__(self):
@@ -108,11 +121,11 @@ class DeferredGradAllReduce:
         self.gathered_input = None   # a PendingSequenceGather, or None
 
     def wait_in_backward(self, h: torch.Tensor) -> torch.Tensor:
-        return _WaitForGradAllReduce.apply(h, self)
+        return _WaitForDeferredGrad.apply(h, self)
 
     def gather_input(self, h: torch.Tensor) -> None:
         """Launch the all-gather of h's tokens (B, T/tp, C) for the layer's forward."""
-        self.gathered_input = PendingSequenceGather(h.detach(), async_op=True)
+        self.gathered_input = PendingSequenceGather(in_autocast_dtype(h.detach()), async_op=True)
 
     def wait(self) -> None:
         if self.handle is not None:
@@ -120,12 +133,13 @@ class DeferredGradAllReduce:
             self.handle = None
 
 
-class _WaitForGradAllReduce(torch.autograd.Function):
-    """forward y = x; backward: wait for the deferred all-reduce that is
-    summing grad in place, then dx = grad (now the sum over the TP group)."""
+class _WaitForDeferredGrad(torch.autograd.Function):
+    """forward y = x; backward: wait for the deferred reduction that is
+    filling grad (the all-reduce sums it in place; the reduce-scatter writes
+    the tensor the layer returned), then dx = grad, now summed over the TP group."""
 
     @staticmethod
-    def forward(ctx, x, deferred: DeferredGradAllReduce):
+    def forward(ctx, x, deferred: DeferredCollectives):
         ctx.deferred = deferred
         return x.view_as(x)
 
@@ -135,7 +149,7 @@ class _WaitForGradAllReduce(torch.autograd.Function):
         return grad, None
 
 
-class _ReducedScatteredToSequenceParallelRegion(torch.autograd.Function):
+class _AlreadyReduceScattered(torch.autograd.Function):
     """Domino under sequence parallelism: forward returns `reduced`, the
     reduce-scatter of `partial` that ran in the background; backward, like
     _ReduceScatterToSequenceParallelRegion, all-gathers the gradient.
@@ -176,7 +190,7 @@ class PendingReduce:
             self._handle.wait()
             self._handle = None
         if self._sequence_parallel and self._partial is not None:
-            self._out = _ReducedScatteredToSequenceParallelRegion.apply(self._partial, self._out)
+            self._out = _AlreadyReduceScattered.apply(self._partial, self._out)
             self._partial = None
         return self._out if self._bias is None else self._out + self._bias
 

@@ -55,10 +55,12 @@ class RNGTracker:
 
     def add(self, name: str, seed: int) -> None:
         """Start the stream `name` from `seed` (the default stream is untouched)."""
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            self._states[name] = _current_state()
+        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+        if torch.cuda.is_available():  # this process's GPU only
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+                torch.cuda.manual_seed(seed)
+                state["cuda"] = torch.cuda.get_rng_state()
+        self._states[name] = state
 
     def get_states(self) -> dict:
         return {name: dict(state) for name, state in self._states.items()}
@@ -110,8 +112,10 @@ def rng_tracker_states_of_every_tp_rank() -> list[dict]:
 
 def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     """Inverse: this rank takes its own. False (and nothing changes) when
-    they were saved at another TP size, whose streams do not map onto ours."""
-    if len(states) != tp_size():
+    they were saved at another TP size, whose streams do not map onto ours,
+    or on other devices (a CPU run's streams hold no GPU state)."""
+    if len(states) != tp_size() or any(s.keys() != _current_state().keys()
+                                       for s in states[tp_rank()].values()):
         return False
     _TRACKER.set_states(states[tp_rank()])
     return True

@@ -563,8 +563,10 @@ def _check_sequence_parallel_matches_single_gpu(options, tp):
         assert model.blocks[0].ln_1.weight.sequence_parallel  # its grad is summed over T
         what = f"T={tp} sequence parallel, {chunks} chunk(s) vs T=1"
         _assert_same_run(_forward_backward(model), want, what)
-        # generation (one token at a time: no sequence to split) runs it whole
+        # generation (one token at a time: no sequence to split) runs it whole,
+        # with the KV cache and without (re-running the prefix of odd lengths)
         assert torch.equal(generate(model, x[:, :4], 6, temperature=0), greedy), what
+        assert torch.equal(generate(model, x[:, :4], 6, temperature=0, use_cache=False), greedy), what
         assert model.blocks[0].attn.qkv.sequence_parallel  # and switches it back on
         losses = _train_losses(build(tp, sequence_parallel=True, domino_chunks=chunks))
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
@@ -880,7 +882,8 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _check_domino_under_bf16_autocast():
     """train.py --bf16 runs the model under torch.autocast: the async-grad
-    column layer's backward then sees bf16 grads and fp32 saved tensors.
+    column layer's backward then sees bf16 grads and fp32 saved tensors
+    (under sequence parallelism, bf16 ones).
     Domino and plain TP round differently (the weight-gradient GEMMs sum
     over chunks), each about 0.5% from fp32; measured here, Domino is
     <= 0.35% from plain TP in every gradient."""
@@ -900,6 +903,31 @@ def _check_domino_under_bf16_autocast():
         assert grads_domino[name].dtype == torch.float32, name  # fp32 master grads
         assert _relative_error(grads_domino[name], grads_plain[name]) < 1e-2, name
         assert _relative_error(grads_domino[name], want) < 2e-2, name
+    # Sequence parallelism (alone, and with Domino) under autocast: the same
+    # training signal, and every layer gathers (and keeps) 16-bit inputs,
+    # though a torch LayerNorm hands it fp32.
+    gathered, real_gather = [], dist.all_gather_single
+
+    def recording_gather(out, inp, *args, **kwargs):
+        gathered.append(inp.dtype)
+        return real_gather(out, inp, *args, **kwargs)
+    for chunks in (1, 2):
+        model = _build_gpt(2, domino_chunks=chunks, sequence_parallel=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, labels=y, loss_mask=mask)
+            dist.all_gather_single = recording_gather
+            try:
+                model.blocks[0](torch.randn(3, 4, 32)) if chunks == 1 else \
+                    gpt.domino_blocks(model.blocks, torch.randn(3, 4, 32), 2)
+            finally:
+                dist.all_gather_single = real_gather
+        loss.backward()
+        assert_close(loss.detach(), loss_plain, tol=1e-2, what=f"bf16 SP loss, {chunks} chunk(s)")
+        for name, grad in _full_grads(model).items():
+            assert grad.dtype == torch.float32, name
+            assert _relative_error(grad, grads_plain[name]) < 2e-2, (chunks, name)
+    assert len(gathered) == 2 + 2 * 2 * 2, gathered  # one block: 2 sublayers; Domino: 2 blocks x 2 x 2 chunks
+    assert set(gathered) == {torch.bfloat16}, gathered
 
 
 @pytest.mark.slow

@@ -3,11 +3,13 @@
 Most tests launch train.py the way users do (`torchrun ... train.py FLAGS`) on a
 tiny model and read back the JSON-lines metrics it writes.
 """
+import dataclasses
 import glob
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -693,22 +695,27 @@ def test_readme_main_command(tmp_path):
 
 def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layouts(corpus, tmp_path):
     """README's `--tensor-model-parallel-size 2 --domino` run trains the same model
-    as one process, and its checkpoint resumes under --sequence-parallel on
-    the same loss curve (a checkpoint does not depend on the layout)."""
+    as one process, and its checkpoint resumes at T=1, and at T=2 under
+    --sequence-parallel, on the same loss curve (a checkpoint does not
+    depend on the layout)."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "4",
               "--micro-batch-size", "4"]  # batch 4 splits into Domino chunks 2+2
     run_train([*common, "--metrics-file", str(tmp_path / "t1.jsonl")])
     ckpt = str(tmp_path / "ckpt")
     run_train([*common, "--tensor-model-parallel-size", "2", "--domino", "--save", ckpt,
                "--exit-interval", "4", "--metrics-file", str(tmp_path / "t2.jsonl")], nproc=2)
+    shutil.copyfile(tmp_path / "t2.jsonl", tmp_path / "sp.jsonl")
+    run_train([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "t2.jsonl")])
     run_train([*common, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--load", ckpt,
-               "--metrics-file", str(tmp_path / "t2.jsonl")], nproc=2)
-    t1, t2 = read_metrics(tmp_path / "t1.jsonl"), read_metrics(tmp_path / "t2.jsonl")
-    assert [r["iteration"] for r in t2] == list(range(1, 9))
-    np.testing.assert_allclose([r["loss"] for r in t2], [r["loss"] for r in t1], rtol=1e-5)
-    np.testing.assert_allclose([r["grad_norm"] for r in t2], [r["grad_norm"] for r in t1], rtol=1e-4)
-    np.testing.assert_allclose([r["val_loss"] for r in t2 if "val_loss" in r],
-                               [r["val_loss"] for r in t1 if "val_loss" in r], rtol=1e-5)
+               "--metrics-file", str(tmp_path / "sp.jsonl")], nproc=2)
+    t1 = read_metrics(tmp_path / "t1.jsonl")
+    for resumed in ("t2.jsonl", "sp.jsonl"):  # at T=1, and at T=2 under sequence parallelism
+        got = read_metrics(tmp_path / resumed)
+        assert [r["iteration"] for r in got] == list(range(1, 9))
+        np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in t1], rtol=1e-5)
+        np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in t1], rtol=1e-4)
+        np.testing.assert_allclose([r["val_loss"] for r in got if "val_loss" in r],
+                                   [r["val_loss"] for r in t1 if "val_loss" in r], rtol=1e-5)
 
 
 def test_sequence_parallel_with_dropout_resumes_bit_identically(corpus, tmp_path):
@@ -783,8 +790,8 @@ def test_offline_tokenizer_skips_the_sample_but_not_the_run(corpus, tmp_path):
 
 def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
     """Domino's overlap relies on kernels starting in launch order on GPU, so
-    --domino sets CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA starts (unless the
-    user chose a value)."""
+    --domino (and --sequence-parallel) sets CUDA_DEVICE_MAX_CONNECTIONS=1
+    before CUDA starts (unless the user chose a value)."""
     import parallel
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so teardown restores the original
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
@@ -795,3 +802,9 @@ def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
     train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    # --sequence-parallel overlaps its backward collectives with GEMMs the same way
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    cfg = dataclasses.replace(config.parse_args(["--preset", "tiny"]), sequence_parallel=True)
+    train.init_distributed(cfg)  # (tp=1 here: only the environment is under test)
+    parallel.destroy()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
