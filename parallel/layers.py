@@ -144,7 +144,8 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         # backward runs outside autocast. So do the GEMMs in grad_out's dtype,
         # as autograd does for an autocast F.linear, and cast each gradient
         # back to its input's dtype (dX before the all-reduce, exactly like
-        # the plain f path, which all-reduces the fp32 gradient).
+        # the plain f path, which all-reduces the fp32 gradient). Under
+        # sequence parallelism x was saved in the autocast dtype already.
         dtype = grad_out.dtype
         gather = PendingSequenceGather(x, async_op=True) if ctx.sequence_parallel else None
         grad_input = handle = None
