@@ -242,6 +242,13 @@ def metrics(out, name):
         return [json.loads(line) for line in f]
 
 
+def assert_same_steps(ref, got):
+    """The same training, step for step: loss to 1e-5, gradient norm to 1e-4 relative."""
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+
+
 pytestmark = pytest.mark.slow
 
 
@@ -316,9 +323,7 @@ def test_tensor_parallel_zero_matches_ddp(runs, stage):
     """T=2 x D=2 with ZeRO sharding over D only == T=1 x D=2 DDP: the same
     losses, and DeepSpeed's gradient norm counts each TP shard once."""
     ref, got = metrics(runs, "ddp"), metrics(runs, f"tp2_z{stage}")
-    for a, b in zip(ref, got, strict=True):
-        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert_same_steps(ref, got)
 
 
 @pytest.mark.parametrize("run", ["z3_llama", "tp2_z3_llama"])
@@ -327,9 +332,7 @@ def test_zero3_matches_ddp_with_every_architecture_option(runs, run):
     T=1 and with T=2, whose GQA QKV and SwiGLU fc shard by blocks) == DDP."""
     ref, got = metrics(runs, "ddp_llama"), metrics(runs, run)
     assert [m["iteration"] for m in got] == list(range(1, STEPS + 1))
-    for a, b in zip(ref, got, strict=True):
-        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert_same_steps(ref, got)
     assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
 
 
@@ -337,9 +340,7 @@ def test_plain_ddp_with_tensor_parallel_domino_matches_ddp(runs):
     """Without DeepSpeed: T=2 (Domino, 2 chunks of 1) x D=2 under torch DDP
     == T=1 x D=2 DDP, step for step."""
     ref, got = metrics(runs, "ddp"), metrics(runs, "tp2_ddp_domino")
-    for a, b in zip(ref, got, strict=True):
-        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert_same_steps(ref, got)
     assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
 
 
@@ -350,9 +351,7 @@ def test_zero_with_sequence_parallel_matches_ddp_with_sequence_parallel(runs, ru
     halves by hooks that every engine honours, the same per-rank masks)."""
     ref, got = metrics(runs, "tp2_ddp_sp"), metrics(runs, run)
     assert [m["iteration"] for m in got] == list(range(1, STEPS + 1))
-    for a, b in zip(ref, got, strict=True):
-        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert_same_steps(ref, got)
     assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
 
 
