@@ -548,15 +548,17 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
 
 
 def validate_sequence_parallel(cfg: TrainConfig) -> None:
+    if not cfg.sequence_parallel:
+        return
     tp = cfg.tensor_model_parallel_size
-    if cfg.sequence_parallel and tp == 1:
+    if tp == 1:
         raise ValueError("--sequence-parallel splits each sequence over the tensor-parallel ranks: "
                          "it needs --tensor-model-parallel-size > 1")
-    if cfg.sequence_parallel and cfg.partition_activations:
+    if cfg.partition_activations:
         raise ValueError("--partition-activations splits each checkpointed block input over the "
                          "tensor-parallel ranks, which --sequence-parallel already does (and there "
                          "the inputs differ from rank to rank): drop --partition-activations")
-    if cfg.sequence_parallel and cfg.seq_length % tp:
+    if cfg.seq_length % tp:
         raise ValueError(f"--sequence-parallel splits each sequence over the {tp} tensor-parallel "
                          f"ranks: --seq-length {cfg.seq_length} must be divisible by "
                          f"--tensor-model-parallel-size {tp}")

@@ -529,7 +529,7 @@ class GPT(nn.Module):
                 raise ValueError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
                                  "turn one of them off")
             parallel.check_divisible(config)
-        self.sequence_parallel = tp and config.sequence_parallel  # False while generating
+        self.sequence_parallel = tp and config.sequence_parallel  # off while generating
         # Built one piece at a time, each initialized (and under tensor
         # parallelism sliced) before the next exists: a rank never holds more
         # than its slices plus one full layer. See _build.
@@ -547,12 +547,12 @@ class GPT(nn.Module):
                 shard_block(block, config)
             self.blocks.append(block)
         self.ln_f = self._build(lambda: make_layernorm(config, config.hidden_size))
-        if config.untie_embeddings_and_output_weights:  # else the head is wte (see lm_head)
+        if config.untie_embeddings_and_output_weights:  # else the head is wte (see output_weight)
             self.output_layer = self._build(
                 lambda: nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False))
             if tp:  # vocab-parallel like wte: rank r owns the logits of its vocab rows
                 self.output_layer = parallel.ColumnParallelLinear.from_linear(self.output_layer)
-        if tp and config.sequence_parallel:  # norms and biases see T/tp tokens: sum their grads
+        if self.sequence_parallel:  # norms and biases see T/tp tokens: sum their grads
             parallel.sum_sequence_parallel_grads(self)
 
     def _build(self, make: Callable[[], nn.Module]) -> nn.Module:
@@ -578,7 +578,8 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence parallelism splits each sequence over the {parallel.tp_size()} "
                 f"tensor-parallel ranks, but it has {input_ids.shape[-1]} tokens: use a "
-                f"--seq-length divisible by {parallel.tp_size()}")
+                f"--seq-length divisible by {parallel.tp_size()} (generation runs under "
+                f"parallel.sequence_parallel_off, as sampling.generate does)")
         T = start + input_ids.shape[-1]  # start: positions already in a KV cache
         if T > self.config.max_position_embeddings:
             raise ValueError(
@@ -599,10 +600,8 @@ class GPT(nn.Module):
         the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
         a sampling.KVCache holding the positions before input_ids, which it extends.
         Under sequence parallelism the blocks hold this rank's T/tp tokens
-        (B, T/tp, C); the LM head sees all T again."""
-        if kv_cache is not None and self.sequence_parallel:
-            with parallel.sequence_parallel_off(self):
-                return self.forward(input_ids, position_ids, labels, loss_mask, kv_cache)
+        (B, T/tp, C); the LM head sees all T again. generate() switches it
+        off (parallel.sequence_parallel_off): one new token cannot be split."""
         B, T = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0
         self._check_inputs(input_ids, position_ids, labels, start)
