@@ -12,12 +12,14 @@ walks the tokens in chunks. For each chunk it
   2. takes each row's max, sum of exp and target logit in fp32 (the log-sum-
      exp, lse), with one pass over z,
   3. overwrites z with its gradient (softmax(z) - onehot(target)) * w_i,
+     kept in units of the largest weight so that it fits fp16 (see below),
   4. turns that into the input gradient dh = dz W and adds dz^T h to dW,
 
 and then frees z. The loss gradient is computed during the forward pass,
 which is possible because the loss is a weighted sum of the per-token losses,
 sum_i w_i * loss_i (w_i = loss_mask_i / sum(loss_mask), or 1/N): backward
-only scales the stored dh and dW by the incoming scalar gradient. No chunk
+only scales the stored dh and dW by the incoming scalar gradient (under
+--fp16, the loss scale), in fp32. No chunk
 keeps logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
 
 Tensor parallelism (Megatron's vocab-parallel cross-entropy): W is this
@@ -156,7 +158,16 @@ def row_grad_(z, labels, lse, weight, vocab_start: int, triton_kernels: bool | N
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """loss = sum_i w_i * (lse_i - z_i[target_i]) with z = h W^T, in chunks;
-    returns the fp32 scalar and keeps only dh (like h) and dW (fp32, like W)."""
+    returns the fp32 scalar and keeps only dh (like h) and dW (fp32, like W).
+
+    The gradients are made in forward, before backward's incoming gradient
+    (under --fp16, the loss scale) is known, so they are kept in units of
+    w_max = max_i w_i: each logit gradient (w_i / w_max) * (softmax - onehot)
+    lies in [-1, 1], and backward multiplies by grad_loss * w_max in fp32.
+    With the weights themselves (1/N: 5e-4 at 2048 tokens) an fp16 logit
+    gradient of a token with probability 1e-5 would be 5e-9, below fp16's
+    smallest value, and flush to zero; and grad_loss (the loss scale, 65536)
+    cast to fp16 would be inf."""
 
     @staticmethod
     def forward(ctx, h, weight, labels, token_weight, compute_dtype, need_grads):
@@ -167,6 +178,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h_c)
         dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
+        w_max = token_weight.max().clamp(min=torch.finfo(torch.float32).tiny)  # all masked: w = 0
+        unit_weight = token_weight / w_max                           # in [0, 1]
         chunk = max(1, CHUNK_LOGITS.get(h.device.type, CHUNK_LOGITS["cpu"]) // vocab_local)
         for start in range(0, n_tokens, chunk):
             rows = slice(start, min(start + chunk, n_tokens))
@@ -175,20 +188,20 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             loss += (token_weight[rows] * (lse - z_target)).sum()
             if not need_grads:  # evaluation: the loss alone
                 continue
-            row_grad_(z, labels[rows], lse, token_weight[rows], vocab_start)  # z is now dz
+            row_grad_(z, labels[rows], lse, unit_weight[rows], vocab_start)  # z is now dz / w_max
             torch.mm(z, w_c, out=dh[rows])                           # (n, C), partial under TP
             dw += (z.t() @ h_c[rows]).float()                        # (V_local, C)
             del z
-        ctx.save_for_backward(dh, dw)
+        ctx.save_for_backward(dh, dw, w_max)
         ctx.dtypes = h.dtype, weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dh, dw = ctx.saved_tensors
+        dh, dw, w_max = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return ((dh * grad_loss.to(dh.dtype)).to(h_dtype), (dw * grad_loss).to(w_dtype),
-                None, None, None, None)
+        scale = grad_loss.float() * w_max                            # fp32: 65536 is inf in fp16
+        return (dh.float() * scale).to(h_dtype), (dw * scale).to(w_dtype), None, None, None, None
 
 
 def _log_sum_exp(z, labels, vocab_start: int):

@@ -10,6 +10,7 @@ conftest.py without a GPU); on a GPU the model tests use them directly.
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import loss as loss_lib
 import parallel
@@ -88,15 +89,63 @@ def test_no_grad_evaluation_computes_only_the_loss():
     torch.testing.assert_close(value, full_reference(h, weight, labels), rtol=1e-5, atol=0)
 
 
+class MatmulDtypes(TorchDispatchMode):
+    """Records the dtypes of every matrix multiply that runs inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.seen |= {a.dtype for a in args if torch.is_tensor(a)}
+        return func(*args, **(kwargs or {}))
+
+
 def test_under_bf16_autocast_the_matmuls_are_bf16_and_the_loss_fp32():
     h, weight, labels = problem(C=64, V=512)
     with torch.autocast(h.device.type, dtype=torch.bfloat16):
-        got = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels)
+        with MatmulDtypes() as matmuls:
+            got = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels)
         want = loss_and_grads(full_reference, h, weight, labels)
+    assert matmuls.seen == {torch.bfloat16}
     assert got[0].dtype == torch.float32 and got[1].dtype == h.dtype and got[2].dtype == weight.dtype
     for name, a, b in zip(("loss", "dh", "dW"), got, want):
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() <= 2e-2 * scale, name
+
+
+def test_fp16_gradients_are_as_close_to_fp32_as_the_full_logits_path():
+    """--fp16 at GPT-2's vocabulary with the default loss scale (2^16) and
+    512 tokens: most softmax entries are far below fp16's smallest value
+    once weighted by 1/512, and the scale itself does not fit fp16. The
+    fused loss keeps its gradients in units of the largest token weight and
+    scales in fp32, so it is as close to the fp32 gradients as the full
+    logits are (which get the loss scale before anything is fp16), also on
+    the embedding rows of tokens that are never a target."""
+    V, scale = 50304, 2.0 ** 16
+    h, weight, labels = problem(N=512, C=64, V=V)
+    weight = weight * 0.25                                       # logits of a few units
+    labels = labels.clamp(max=50256)
+
+    def in_fp16(fn):
+        def scaled_loss(*args):
+            with torch.autocast(h.device.type, dtype=torch.float16):
+                return fn(*args) * scale
+        return scaled_loss
+
+    want = loss_and_grads(full_reference, h, weight, labels)      # fp32
+    fused = loss_and_grads(in_fp16(loss_lib.fused_lm_loss), h, weight, labels)
+    full = loss_and_grads(in_fp16(full_reference), h, weight, labels)
+    untargeted = torch.ones(V, dtype=torch.bool, device=h.device)
+    untargeted[labels] = False
+
+    def error(got, ref, rows=slice(None)):
+        return ((got[rows] / scale - ref[rows]).norm() / ref[rows].norm()).item()
+    for name, i in (("dh", 1), ("dW", 2)):
+        assert torch.isfinite(fused[i]).all(), name
+        assert error(fused[i], want[i]) <= 1.5 * error(full[i], want[i]), name
+    assert error(fused[2], want[2], untargeted) <= 1.5 * error(full[2], want[2], untargeted)
 
 
 # ---------------------------------------------------------------------------
