@@ -39,7 +39,11 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     Sharded grads: every rank's squares count. Replicated grads (LayerNorms,
     row-parallel biases) are identical on all TP ranks (under sequence
     parallelism after sum_sequence_parallel_grads), so only TP rank 0
-    counts them. Grads are assumed already averaged over data parallelism.
+    counts them. The other ranks add theirs times 0: nothing if finite,
+    but 0 * inf is NaN, so an inf or NaN in any rank's copy makes the norm
+    non-finite everywhere and every rank skips the step (Megatron all-reduces
+    a found_inf flag over the model-parallel group for the same reason).
+    Grads are assumed already averaged over data parallelism.
     Like torch.nn.utils.clip_grad_norm_: scales by max_norm / (norm + 1e-6)
     when that is < 1, and returns the norm. A non-finite norm leaves the grads
     untouched and is returned as is: the caller decides (e.g. skip the step).
@@ -50,8 +54,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     device = params[0].grad.device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if getattr(p, "tensor_model_parallel", False) or tp_rank() == 0:
-            sq += p.grad.detach().float().pow(2).sum()
+        counted = getattr(p, "tensor_model_parallel", False) or tp_rank() == 0
+        sq += p.grad.detach().float().pow(2).sum() * (1.0 if counted else 0.0)
     if tp_size() > 1:
         dist.all_reduce(sq, group=tp_group())
     total_norm = sq.sqrt()

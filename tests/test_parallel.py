@@ -979,25 +979,27 @@ def test_construction_never_holds_the_full_model():
 # A non-finite gradient under tensor parallelism
 # --------------------------------------------------------------------------
 
-def _check_non_finite_grad_skips_the_step_on_every_rank(precision):
-    """An inf in ONE rank's gradient shard: every rank skips that step (and
-    under fp16 halves its loss scale), so the ranks stay in lockstep: equal
-    scales, and replicated weights bitwise equal across the TP group."""
+def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
+    """An inf in ONE rank's gradient of a shard, or of its copy of a
+    replicated parameter (which the norm counts on TP rank 0 only): every
+    rank skips that step (and under fp16 halves its loss scale), so the
+    ranks stay in lockstep: equal scales, and replicated weights bitwise
+    equal across the TP group."""
     import config
     import train
     cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", *precision])
     model = _build_gpt(2)
     optimizer = config.build_optimizer(model, cfg)
     scaler = train.LossScaler(2.0 ** 10, torch.device("cpu")) if cfg.fp16 else None
-    shard = model.blocks[0].mlp.fc.weight
-    assert shard.tensor_model_parallel
+    param = model.get_parameter(poisoned)
+    assert getattr(param, "tensor_model_parallel", False) == (poisoned == "blocks.0.mlp.fc.weight")
     poison = []  # on rank 1 only, while it holds True
 
     def inject_inf(p):
         if poison and dist.get_rank() == 1:
             p.grad.view(-1)[0] = float("inf")
 
-    shard.register_post_accumulate_grad_hook(inject_inf)
+    param.register_post_accumulate_grad_hook(inject_inf)
 
     def step(i):
         x, y, mask = _batch(i)
@@ -1025,9 +1027,12 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision):
             assert torch.equal(copies[0], copies[1]), n
 
 
-@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"], []], ids=["fp16", "bf16", "fp32"])
-def test_non_finite_grad_skips_the_step_on_every_rank(precision):
-    run_on_ranks(_check_non_finite_grad_skips_the_step_on_every_rank, precision)
+@pytest.mark.parametrize("precision, poisoned", [
+    (["--fp16"], "blocks.0.mlp.fc.weight"), (["--bf16"], "blocks.0.mlp.fc.weight"),
+    ([], "blocks.0.mlp.fc.weight"), ([], "blocks.0.ln_1.weight")],
+    ids=["fp16", "bf16", "fp32", "fp32-replicated"])
+def test_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
+    run_on_ranks(_check_non_finite_grad_skips_the_step_on_every_rank, precision, poisoned)
 
 
 def _check_checkpoint_states_are_assembled_on_the_writer_only(tp):
