@@ -37,7 +37,10 @@ from gpt import GPT, GPTConfig
 # atomically after that. A crash at any point leaves the previous checkpoint
 # and the pointer to it intact.
 
-LATEST = "latest_checkpointed_iteration.txt"
+LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
+PLAIN_FILE = "model_optim_rng.pt"
+DS_LATEST = "latest"  # DeepSpeed's own pointer file name, so its tools work on our checkpoints
+DS_META = "trainer_state.json"
 
 
 def rng_state() -> dict:
@@ -115,15 +118,16 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
     return model_sd, {"state": optim, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
-def publish(tmp_dir: str, final_dir: str, pointer: str, pointer_text: str) -> None:
-    """Move a completely written checkpoint directory into place, then point
-    the `latest` file at it. Every file and directory is forced to disk
-    before the rename that makes it visible, so a crash or a power loss at
-    any moment leaves either the old checkpoint and pointer or the new ones.
+def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
+    """Move a completely written checkpoint directory into place, then make
+    it the directory's latest (point_at). Every file and directory is forced
+    to disk before the rename that makes it visible, so a crash or a power
+    loss at any moment leaves either the old checkpoint and pointer or the
+    new ones.
 
     Re-saving an iteration that exists: the old copy is renamed to
     final_dir.old until the new one is in place; if a crash lands between
-    the two renames, `latest` may name a directory that is missing, and
+    the two renames, the pointer may name a directory that is missing, and
     checkpoint_dir() then reads the .old copy."""
     for root, _, files in os.walk(tmp_dir):
         for name in files:
@@ -135,8 +139,25 @@ def publish(tmp_dir: str, final_dir: str, pointer: str, pointer_text: str) -> No
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
     fsync_path(os.path.dirname(final_dir))
-    atomic_write(pointer, lambda f: f.write(pointer_text.encode()))
+    point_at(os.path.dirname(final_dir), kind, iteration)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def point_at(save_dir: str, kind: str, iteration: int) -> None:
+    """Make iteration the latest checkpoint of save_dir. Both kinds write
+    Megatron's pointer, the one --load reads first; a DeepSpeed save also
+    writes DeepSpeed's `latest` (its own tools, zero_to_fp32, read that).
+    After a plain save DeepSpeed's pointer would name an older checkpoint
+    than the directory's latest (or, with --keep-last-checkpoints, a deleted
+    one), so it goes, before Megatron's pointer moves: a crash in between
+    leaves Megatron's naming the previous complete checkpoint."""
+    ds_pointer = os.path.join(save_dir, DS_LATEST)
+    if kind == "plain" and os.path.exists(ds_pointer):
+        os.remove(ds_pointer)
+        fsync_path(save_dir)
+    atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(str(iteration).encode()))
+    if kind == "deepspeed":
+        atomic_write(ds_pointer, lambda f: f.write(f"iter_{iteration:07d}".encode()))
 
 
 def checkpoint_dir(save_dir: str, tag: str) -> str:
@@ -154,8 +175,8 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    torch.save(state, os.path.join(tmp, "model_optim_rng.pt"))
-    publish(tmp, final, os.path.join(save_dir, LATEST), str(state["iteration"]))
+    torch.save(state, os.path.join(tmp, PLAIN_FILE))
+    publish(tmp, final, "plain", state["iteration"])
     return final
 
 
@@ -226,25 +247,74 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
     on_every_rank(write, f"saving checkpoint {iteration} to {cfg.save}")
 
 
-def find_checkpoint(load_dir: str) -> str | None:
-    latest = os.path.join(load_dir, LATEST)
-    if not os.path.exists(latest):
+@dataclasses.dataclass
+class Found:
+    """A complete checkpoint in a --load directory."""
+    kind: str       # "plain" (train.py's own) or "deepspeed"
+    iteration: int
+    path: str       # its directory, SAVE/iter_0000100
+
+
+def latest_checkpoint(load_dir: str) -> Found | None:
+    """The latest checkpoint in load_dir, of either kind, or None if there is none.
+
+    Megatron's pointer names it (see point_at). DeepSpeed's `latest` alone
+    (a checkpoint copied by hand, say) is read too. If the two name different
+    iterations (a crash between a DeepSpeed save's two pointer writes, or a
+    directory where plain and DeepSpeed runs took turns before both kinds
+    wrote Megatron's pointer), the newer one wins. The kind is what the
+    directory holds, so a plain pointer never reads a DeepSpeed save as plain."""
+    named = []
+    if os.path.exists(os.path.join(load_dir, LATEST)):
+        with open(os.path.join(load_dir, LATEST)) as f:
+            iteration = int(f.read().strip())
+        named.append((iteration, checkpoint_dir(load_dir, f"iter_{iteration:07d}"), LATEST))
+    if os.path.exists(os.path.join(load_dir, DS_LATEST)):
+        with open(os.path.join(load_dir, DS_LATEST)) as f:
+            tag_dir = checkpoint_dir(load_dir, f.read().strip())
+        named.append((read_deepspeed_meta(tag_dir, DS_LATEST)["iteration"], tag_dir, DS_LATEST))
+    if not named:
         return None
-    with open(latest) as f:
-        iteration = int(f.read().strip())
-    path = os.path.join(checkpoint_dir(load_dir, f"iter_{iteration:07d}"), "model_optim_rng.pt")
+    iteration, path, pointer = max(named, key=lambda n: n[0])
+    if os.path.exists(os.path.join(path, PLAIN_FILE)):
+        return Found("plain", iteration, path)
+    if os.path.exists(os.path.join(path, DS_META)):
+        return Found("deepspeed", iteration, path)
+    raise FileNotFoundError(f"{os.path.join(load_dir, pointer)} names iteration {iteration}, but "
+                            f"{path} holds no checkpoint (neither {PLAIN_FILE} nor {DS_META})")
+
+
+def read_deepspeed_meta(tag_dir: str, pointer: str = DS_LATEST) -> dict:
+    """trainer_state.json of a DeepSpeed checkpoint written by train.py."""
+    path = os.path.join(tag_dir, DS_META)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{latest} points at iteration {iteration} but {path} is missing")
-    return path
+        raise FileNotFoundError(f"{pointer} names {tag_dir}, which has no {DS_META}: not a complete "
+                                f"checkpoint written by train.py")
+    with open(path) as f:
+        return json.load(f)
 
 
-def checkpoint_kind(path: str) -> str | None:
-    """"plain" (train.py's own), "deepspeed", or None: what --load holds."""
-    if os.path.exists(os.path.join(path, LATEST)):
-        return "plain"
-    if os.path.exists(os.path.join(path, DS_LATEST)):
-        return "deepspeed"
-    return None
+def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
+    """The one decision about --load, for the plain and the DeepSpeed path:
+    the checkpoint it holds (None: start from scratch, and say so), refused
+    where this run cannot take what it would take from it. Resuming
+    everything (optimizer, loss scaler, RNG) needs a checkpoint of the
+    run's own kind; --no-load-optim and --finetune take the weights alone,
+    from either kind and any layout."""
+    found = latest_checkpoint(cfg.load) if cfg.load else None
+    if found is None:
+        if cfg.load:
+            log(f"no checkpoint in {cfg.load}; starting from scratch")
+        return None
+    if weights_only(cfg) or (found.kind == "deepspeed") == cfg.deepspeed:
+        return found
+    if cfg.deepspeed:
+        raise ValueError(f"--load {cfg.load} holds a plain train.py checkpoint: resume it without "
+                         f"--deepspeed, or start DeepSpeed from its weights with --no-load-optim "
+                         f"(fresh optimizer states) or --finetune (a new run)")
+    raise ValueError(f"--load {cfg.load} holds a DeepSpeed checkpoint: resume it with --deepspeed "
+                     f"(its layout), or start from its weights with --no-load-optim (fresh "
+                     f"optimizer states) or --finetune (a new run)")
 
 
 def weights_only(cfg: TrainConfig) -> bool:
@@ -273,16 +343,10 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
     """Restore everything (or, with --no-load-optim / --finetune, the weights,
     from a checkpoint of either kind); returns (iteration, consumed_samples),
     (0, 0) if --load holds no checkpoint."""
-    kind = checkpoint_kind(cfg.load) if cfg.load else None
-    if kind is None:
-        if cfg.load:
-            log(f"no checkpoint in {cfg.load}; starting from scratch")
+    found = checkpoint_to_load(cfg, log)
+    if found is None:
         return 0, 0
-    if kind == "deepspeed" and not weights_only(cfg):
-        raise ValueError(f"--load {cfg.load} holds a DeepSpeed checkpoint: resume it with --deepspeed "
-                         f"(its layout), or start from its weights with --no-load-optim (fresh "
-                         f"optimizer states) or --finetune (a new run)")
-    weights, state = read_weights(cfg.load)
+    weights, state = read_weights(found)
     if state.get("optimizer") is None and not weights_only(cfg):
         raise ValueError(f"--load {cfg.load} holds weights only (an --export-to plain export): "
                          f"add --no-load-optim to start fresh optimizer states from it")
@@ -291,21 +355,19 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
         load_full_optimizer_state(model, optimizer, state["optimizer"])
         if scaler and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
-    return start_position(cfg, state, cfg.load, log)
+    return start_position(cfg, state, found.path, log)
 
 
-def read_weights(path: str) -> tuple[dict, dict]:
+def read_weights(found: Found) -> tuple[dict, dict]:
     """(full fp32 weights, the rest of the state: iteration, consumed_samples,
     rng, config, model_config, and for plain checkpoints optimizer and scaler)
-    of the checkpoint in `path`: train.py's own, or DeepSpeed's from any ZeRO
-    stage and tensor-parallel size. Needs no process group."""
-    plain = find_checkpoint(path)
-    if plain:  # already full weights
-        state = torch.load(plain, map_location="cpu", weights_only=False)
+    of a checkpoint: train.py's own, or DeepSpeed's from any ZeRO stage and
+    tensor-parallel size. Needs no process group."""
+    if found.kind == "plain":  # already full weights
+        state = torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu", weights_only=False)
         return state.pop("model"), state
-    weights, meta = consolidated_weights(path)
-    tag_dir, _ = read_deepspeed_checkpoint(path)
-    client = torch.load(glob.glob(os.path.join(tag_dir, "*mp_rank_00_model_states.pt"))[0],
+    weights, meta = consolidated_weights(found.path)
+    client = torch.load(glob.glob(os.path.join(found.path, "*mp_rank_00_model_states.pt"))[0],
                         map_location="cpu", weights_only=False)
     return weights, {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                      "rng": client["rng"], "config": client["config"],
@@ -316,8 +378,6 @@ def read_weights(path: str) -> tuple[dict, dict]:
 # 2. DeepSpeed's checkpoints (--deepspeed), and weight export from either kind
 # ----------------------------------------------------------------------------
 
-DS_LATEST = "latest"  # DeepSpeed's own pointer file name, so its tools work on our checkpoints
-DS_META = "trainer_state.json"
 
 def tensor_parallel_layout(model: torch.nn.Module) -> dict:
     """{name: [partition_dim, partition_stride]} of every TP-sharded parameter:
@@ -362,62 +422,50 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
         if first:
             text = json.dumps(meta, indent=1)
             atomic_write(os.path.join(tmp, DS_META), lambda f: f.write(text.encode()))
-            publish(tmp, final, os.path.join(cfg.save, DS_LATEST), tag)
+            publish(tmp, final, "deepspeed", iteration)
             log(f"saved checkpoint {final}")
             remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
     on_every_rank(publish_on_first, what)
 
 
-def read_deepspeed_checkpoint(path: str) -> tuple[str, dict]:
-    """(tag directory, trainer_state.json) of the checkpoint `latest` points at."""
-    latest = os.path.join(path, DS_LATEST)
-    if not os.path.exists(latest):
-        hint = " (a plain checkpoint: load it without --deepspeed)" \
-            if os.path.exists(os.path.join(path, LATEST)) else ""
-        raise FileNotFoundError(f"no DeepSpeed checkpoint in {path}: {latest} is missing{hint}")
-    with open(latest) as f:
-        tag_dir = checkpoint_dir(path, f.read().strip())
-    with open(os.path.join(tag_dir, DS_META)) as f:
-        return tag_dir, json.load(f)
-
-
-def load_deepspeed_checkpoint(cfg: TrainConfig, engine, log) -> tuple[int, int]:
-    """Resume everything from the DeepSpeed checkpoint in --load, written with
+def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tuple[int, int]:
+    """Resume everything from the DeepSpeed checkpoint `found`, written with
     this run's layout. (Weights only, from any checkpoint: zero.init_deepspeed.)"""
-    tag_dir, meta = read_deepspeed_checkpoint(cfg.load)
+    meta = read_deepspeed_meta(found.path)
     layout = {"data-parallel": (meta["data_parallel_size"], parallel.dp_size()),
               "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.tp_size())}
     for name, (saved, now) in layout.items():
         if saved != now and (name == "tensor-parallel" or meta["zero_stage"] > 0):
             raise ValueError(
-                f"{tag_dir} was written with {name} size {saved}, this run has {now}: ZeRO and "
+                f"{found.path} was written with {name} size {saved}, this run has {now}: ZeRO and "
                 f"tensor-parallel shards only fit the layout they were written with. Relaunch with "
                 f"the old layout, or continue from its weights with fresh optimizer states "
                 f"(add --no-load-optim: any layout loads them), or convert the optimizer states with "
                 f"DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal; "
                 f"checkpoints written at tensor-parallel size 1)")
-    _, client = engine.load_checkpoint(cfg.load, tag=os.path.basename(tag_dir),
+    _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
                                        load_optimizer_states=True, load_lr_scheduler_states=False)
-    return start_position(cfg, client, tag_dir, log)
+    return start_position(cfg, client, found.path, log)
 
 
-def consolidated_weights(path: str) -> tuple[dict, dict]:
+def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
     """Full fp32 weights and trainer_state of the DeepSpeed checkpoint in
-    `path`, for any ZeRO stage and any tp, with no process group.
+    tag_dir, for any ZeRO stage and any tp, with no process group.
 
     Per TP rank r, DeepSpeed's zero_to_fp32 merges the data-parallel
     partitions (fp32 master weights) of that rank's files; it refuses several
-    TP ranks at once, so each rank's files are shown to it alone. The TP
-    shards are then concatenated along their split dimension."""
+    TP ranks at once, so each rank's files are shown to it alone. Stage 0
+    has no partitions (stage0_master_weights). The TP shards are then
+    concatenated along their split dimension."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    tag_dir, meta = read_deepspeed_checkpoint(path)
+    meta = read_deepspeed_meta(tag_dir)
     shards = []
     for r in range(meta["tensor_model_parallel_size"]):
         files = sorted(glob.glob(os.path.join(tag_dir, f"*mp_rank_{r:02d}_*.pt")))
-        if meta["zero_stage"] == 0:  # no ZeRO partitions: the module's own state dict
-            module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-            shards.append({k: v.float() for k, v in module.items()})
+        if meta["zero_stage"] == 0:
+            shards.append(stage0_master_weights(torch.load(files[0], map_location="cpu",
+                                                           weights_only=False)))
             continue
         with tempfile.TemporaryDirectory() as tmp:
             os.makedirs(os.path.join(tmp, "rank"))
@@ -430,6 +478,27 @@ def consolidated_weights(path: str) -> tuple[dict, dict]:
     return full, meta
 
 
+def stage0_master_weights(model_states: dict) -> dict:
+    """The fp32 weights of one stage-0 model-states file. In fp32 they are
+    the module's state dict. Under --bf16/--fp16 the module holds 16-bit
+    copies, and the fp32 masters are the optimizer's fp32_groups: one list
+    per param group, in build_optimizer's order (matrices, then vectors,
+    each in the module's order)."""
+    module = model_states["module"]
+    groups = (model_states.get("optimizer") or {}).get("fp32_groups")
+    if groups is None:
+        return {name: t.float() for name, t in module.items()}
+    names = [[n for n, t in module.items() if t.dim() >= 2], [n for n, t in module.items() if t.dim() < 2]]
+    masters = {}
+    for group_names, tensors in zip(names, groups, strict=True):
+        for name, t in zip(group_names, tensors, strict=True):
+            if t.shape != module[name].shape:
+                raise ValueError(f"stage-0 checkpoint: fp32 master of {name} has shape "
+                                 f"{tuple(t.shape)}, the module's {tuple(module[name].shape)}")
+            masters[name] = t
+    return masters
+
+
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     """Write the consolidated fp32 weights of a checkpoint (train.py's own, or
     DeepSpeed's from any ZeRO stage and TP size) as
@@ -440,7 +509,11 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (GPT.to_hf, hf.py)."""
     if parallel.tp_size() > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
-    full, state = read_weights(checkpoint)
+    found = latest_checkpoint(checkpoint)
+    if found is None:
+        raise FileNotFoundError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
+                                f"{LATEST} nor DeepSpeed's {DS_LATEST})")
+    full, state = read_weights(found)
     model_config = state["model_config"]
     model = GPT(GPTConfig(**model_config))  # tp=1, on CPU
     model.load_full_state_dict(full)

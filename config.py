@@ -345,13 +345,27 @@ def read_json(path: str, what: str) -> dict:
         raise ValueError(f"{what} {path}: not valid JSON ({e})") from None
 
 
+def read_deepspeed_json(path: str) -> dict:
+    """The --deepspeed_config JSON, with DeepSpeed's older spelling of the bf16
+    section ("bfloat16", which DeepSpeed still reads, after "bf16") renamed
+    to "bf16": read as written, it would be silently overridden by the "bf16"
+    section deepspeed_config writes, and the run would train in fp32."""
+    user = read_json(path, "--deepspeed_config")
+    if "bfloat16" in user:
+        if "bf16" in user and user["bf16"] != user["bfloat16"]:
+            raise ValueError(f"--deepspeed_config {path}: \"bf16\" and \"bfloat16\" (its older "
+                             f"name) disagree; keep one of them")
+        user["bf16"] = user.pop("bfloat16")
+    return user
+
+
 def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     """A JSON value fills the flag it corresponds to when the command line left
     that flag unset; a flag on the command line must agree with it (else an
     error names both: never silently one of them). "auto" (Hugging Face's
     placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed as they
     are (zero.deepspeed_config)."""
-    user = read_json(cfg.deepspeed_config, "--deepspeed_config")
+    user = read_deepspeed_json(cfg.deepspeed_config)
     precision_given = bool({"bf16", "fp16"} & given)  # then both bf16 and fp16 are decided
     updates = {}
     for path, (name, flag, convert) in DEEPSPEED_JSON_FLAGS.items():
@@ -604,8 +618,10 @@ def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: in
     return gbs // per_step
 
 
-def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
-    mcfg = model_config(cfg, device)
+def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
+    """The run's model on `device`, with the kernels chosen for `kernels_for`
+    (default: device; ZeRO-3 under TP builds on the host what runs on a GPU)."""
+    mcfg = model_config(cfg, kernels_for or device)
     if cfg.domino:
         mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
     # Same seed on every rank: every rank builds the same full model (tensor-

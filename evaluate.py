@@ -173,10 +173,11 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
     if cfg.hf:
         model = GPT.from_hf(cfg.hf, **runtime)
     else:
-        if checkpoint.checkpoint_kind(cfg.load) is None:
+        found = checkpoint.latest_checkpoint(cfg.load)
+        if found is None:
             raise FileNotFoundError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
                                     f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")
-        weights, state = checkpoint.read_weights(cfg.load)
+        weights, state = checkpoint.read_weights(found)
         model = GPT(GPTConfig(**{**state["model_config"], **runtime}))
         model.load_full_state_dict(weights)
     check_model_flags(cfg, model.config)

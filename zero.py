@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import parallel
 import checkpoint
-from config import TrainConfig, build_model, build_optimizer, model_config, read_json
+from config import TrainConfig, build_model, build_optimizer, model_config, read_deepspeed_json
 from data import to_device
 from gpt import GPT, init_weights
 
@@ -90,7 +90,7 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     }
     user = {}
     if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)
-        user = read_json(cfg.deepspeed_config, "--deepspeed_config")
+        user = read_deepspeed_json(cfg.deepspeed_config)
         check_deepspeed_config(user, ours, cfg)
     config = {**user, **ours}
     zero = dict(user.get("zero_optimization", {}))
@@ -122,6 +122,12 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
             raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
                              f"train.py passes its own AdamW and learning-rate schedule "
                              f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
+    writer = (user.get("checkpoint") or {}).get("writer") or {}
+    if cfg.save and (writer.get("decoupled") or (user.get("datastates") or {}).get("enabled")):
+        raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
+                         f"(checkpoint.writer.decoupled, datastates) returns before the files are on "
+                         f"disk, and train.py would point `latest` at a checkpoint still being "
+                         f"written; remove it (saves are written synchronously, then published)")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         if user.get(key, "auto") not in ("auto", ours[key]):
             raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
@@ -146,9 +152,10 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
     time, never the full model, and deepspeed.initialize partitions the
     slices over the data-parallel group.
     """
+    device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
     if parallel.tp_size() > 1:
-        return build_model(cfg, torch.device("cpu"))
-    mcfg = model_config(cfg, torch.device(ds.get_accelerator().device_name()))
+        return build_model(cfg, torch.device("cpu"), kernels_for=device)
+    mcfg = model_config(cfg, device)
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
     with ds.zero.Init(data_parallel_group=parallel.dp_group(), config_dict_or_path=ds_config):
@@ -194,11 +201,7 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
     --no-load-optim or --finetune the weights alone come from a checkpoint
     of either kind and any layout, loaded before deepspeed.initialize: ZeRO
     copies its fp32 master weights from the model there."""
-    kind = checkpoint.checkpoint_kind(cfg.load) if cfg.load else None
-    if kind == "plain" and not checkpoint.weights_only(cfg):
-        raise ValueError(f"--load {cfg.load} holds a plain train.py checkpoint: resume it without "
-                         f"--deepspeed, or start DeepSpeed from its weights with --no-load-optim "
-                         f"(fresh optimizer states) or --finetune (a new run)")
+    found = checkpoint.checkpoint_to_load(cfg, log)
     ds = import_deepspeed(device)
     check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
     ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
@@ -208,8 +211,9 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
     config = deepspeed_config(cfg, parallel.dp_size(), accum)
     stage = config["zero_optimization"]["stage"]
     model = build_model_zero3(cfg, ds, config) if stage == 3 else build_model(cfg, device)
-    if kind and checkpoint.weights_only(cfg):
-        weights, state = checkpoint.read_weights(cfg.load)
+    weights_only = found is not None and checkpoint.weights_only(cfg)
+    if weights_only:
+        weights, state = checkpoint.read_weights(found)
         load_weights(model, weights)
     if cfg.recompute_activations:
         # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
@@ -226,12 +230,10 @@ def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
     if engine.dp_world_size != parallel.dp_size():
         raise RuntimeError(f"DeepSpeed shards over {engine.dp_world_size} ranks but the data-parallel "
                            f"size is {parallel.dp_size()} (world / tp): the mpu was not applied")
-    if kind and checkpoint.weights_only(cfg):
-        return engine, *checkpoint.start_position(cfg, state, cfg.load, log)
-    if kind == "deepspeed":
-        return engine, *checkpoint.load_deepspeed_checkpoint(cfg, engine, log)
-    if cfg.load:
-        log(f"no checkpoint in {cfg.load}; starting from scratch")
+    if weights_only:
+        return engine, *checkpoint.start_position(cfg, state, found.path, log)
+    if found is not None:
+        return engine, *checkpoint.load_deepspeed_checkpoint(cfg, engine, found, log)
     return engine, 0, 0
 
 

@@ -166,9 +166,11 @@ def worker(out: str, plan: str) -> None:
         worker_run(out, "z2_offload", ["--deepspeed", "--zero-stage", "2", "--zero-offload-optimizer",
                                        "--train-iters", "6", "--lr-decay-iters", str(STEPS)])
         for name, precision in (("z2_bf16", ["--zero-stage", "2", "--bf16"]),
-                                ("z1_fp16", ["--zero-stage", "1", "--fp16"])):
+                                ("z1_fp16", ["--zero-stage", "1", "--fp16"]),
+                                ("z0_bf16", ["--zero-stage", "0", "--bf16", "--save", ck("z0_bf16")])):
             worker_run(out, name, ["--deepspeed", *precision, "--train-iters", "6",
                                    "--lr-decay-iters", str(STEPS)])
+        mixed_kinds_in_one_directory(out, ck("mixed"))
         with inf_gradient_on_rank_0_at_iteration(2):
             worker_run(out, "z1_fp16_overflow", ["--deepspeed", "--zero-stage", "1", "--fp16",
                                                  "--train-iters", "4", "--lr-decay-iters", str(STEPS)])
@@ -199,6 +201,34 @@ def worker(out: str, plan: str) -> None:
         export_and_eval(out, ck("tp2_z3"), "export_tp2", tp)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def mixed_kinds_in_one_directory(out: str, ckpt: str) -> None:
+    """Plain and DeepSpeed runs taking turns in one --save/--load directory,
+    each with --keep-last-checkpoints 1; rank 0 notes what the directory
+    holds after each save (OUT/mixed.json)."""
+    import torch.distributed as dist
+    seen = {}
+
+    def note(when):
+        if dist.get_rank() == 0:
+            found = checkpoint.latest_checkpoint(ckpt)
+            seen[when] = {"files": sorted(os.listdir(ckpt)), "kind": found.kind,
+                          "iteration": found.iteration}
+    same = ["--save", ckpt, "--load", ckpt, "--keep-last-checkpoints", "1"]
+    worker_run(out, "mixed_plain", [*same, "--train-iters", "2"])
+    note("plain 2")
+    worker_run(out, "mixed_ds", ["--deepspeed", "--zero-stage", "1", "--no-load-optim", *same,
+                                 "--train-iters", "4"])
+    note("deepspeed 4")
+    worker_run(out, "mixed_ds_resume", ["--deepspeed", "--zero-stage", "1", "--load", ckpt,
+                                        "--train-iters", "5"])
+    worker_run(out, "mixed_plain_again", ["--no-load-optim", *same, "--train-iters", "6"])
+    note("plain 6")
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "mixed.json"), "w") as f:
+            json.dump(seen, f)
+    dist.barrier()
 
 
 def export_and_eval(out, saved, name, extra):
@@ -413,6 +443,67 @@ def test_hf_export_loads_in_transformers(runs):
     with torch.no_grad():
         assert torch.allclose(hf(ids).logits, ours(ids)[..., :50257], atol=1e-4)
     assert state["optimizer"] is None and state["iteration"] == STEPS  # weights only
+
+
+def test_plain_and_deepspeed_saves_in_one_directory_always_read_the_latest(runs):
+    """A plain run saves 2; a DeepSpeed run (--no-load-optim) in the same
+    --save/--load directory trains to 4; a DeepSpeed resume continues from 4;
+    a plain run (--no-load-optim) trains to 6. Each load reads the latest
+    save, whatever its kind, and --keep-last-checkpoints 1 never leaves a
+    pointer naming a deleted checkpoint: Megatron's pointer always names the
+    latest, DeepSpeed's exists while the latest is DeepSpeed's."""
+    with open(os.path.join(runs, "mixed.json")) as f:
+        seen = json.load(f)
+    tools = ["zero_to_fp32.py", "zero_to_torch.py"]  # DeepSpeed's, written beside its checkpoints
+    assert seen == {
+        "plain 2": {"files": ["iter_0000002", checkpoint.LATEST], "kind": "plain", "iteration": 2},
+        "deepspeed 4": {"files": ["iter_0000004", "latest", checkpoint.LATEST, *tools],
+                        "kind": "deepspeed", "iteration": 4},
+        "plain 6": {"files": ["iter_0000006", checkpoint.LATEST, *tools], "kind": "plain",
+                    "iteration": 6}}
+    for run, iterations in (("mixed_ds", [3, 4]), ("mixed_ds_resume", [5]), ("mixed_plain_again", [5, 6])):
+        assert [m["iteration"] for m in metrics(runs, run)] == iterations, run
+    # both continue from iteration 4's weights, whatever kind of run reads them
+    ds = metrics(runs, "mixed_ds_resume")[0]
+    assert ds["loss"] == pytest.approx(metrics(runs, "mixed_plain_again")[0]["loss"], abs=1e-6)
+
+
+def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp_path):
+    """A directory written before both kinds wrote Megatron's pointer (or a
+    crash between a DeepSpeed save's two pointer writes): Megatron's pointer
+    names a plain iteration 2, DeepSpeed's names iteration 4. The newer
+    one is read, for resume, export and evaluation alike (latest_checkpoint)."""
+    save = str(tmp_path)
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2})
+    os.makedirs(os.path.join(save, "iter_0000004"))
+    with open(os.path.join(save, "iter_0000004", checkpoint.DS_META), "w") as f:
+        json.dump({"iteration": 4}, f)
+    with open(os.path.join(save, checkpoint.DS_LATEST), "w") as f:
+        f.write("iter_0000004")
+    found = checkpoint.latest_checkpoint(save)
+    assert (found.kind, found.iteration) == ("deepspeed", 4)
+    with open(os.path.join(save, checkpoint.LATEST), "w") as f:
+        f.write("6")  # Megatron's pointer names a checkpoint that is gone: said, not skipped
+    with pytest.raises(FileNotFoundError, match=r"latest_checkpointed_iteration.txt names iteration 6"):
+        checkpoint.latest_checkpoint(save)
+
+
+def test_export_of_a_16_bit_stage_0_checkpoint_is_its_fp32_master_weights(runs, tmp_path):
+    """ZeRO stage 0 under --bf16 keeps fp32 master weights in its optimizer
+    and 16-bit copies in the module. The export (and so evaluate.py,
+    --finetune and --no-load-optim) reads the masters: each exported tensor
+    is one of them, bit for bit, and rounds to the module's 16-bit copy."""
+    checkpoint.export_weights(os.path.join(runs, "ckpt_z0_bf16"), str(tmp_path / "export"), "plain")
+    exported = torch.load(tmp_path / "export" / "iter_0000006" / "model_optim_rng.pt",
+                          weights_only=False)["model"]
+    states = torch.load(os.path.join(runs, "ckpt_z0_bf16", "iter_0000006", "mp_rank_00_model_states.pt"),
+                        weights_only=False)
+    masters = [t for group in states["optimizer"]["fp32_groups"] for t in group]
+    assert exported.keys() == states["module"].keys()
+    for name, weight in exported.items():
+        assert weight.dtype == torch.float32 and any(torch.equal(weight, m) for m in masters), name
+        assert torch.equal(weight.to(torch.bfloat16), states["module"][name]), name
+    assert any(not torch.equal(w, states["module"][n].float()) for n, w in exported.items())
 
 
 def deepspeed_tool(args: list[str], cwd: str) -> None:

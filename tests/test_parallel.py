@@ -975,6 +975,32 @@ def test_construction_never_holds_the_full_model():
     run_on_ranks(_check_construction_never_holds_the_full_model)
 
 
+def _check_zero3_builds_the_kernels_of_its_accelerator():
+    """ZeRO-3 under TP builds the model on the host, one layer at a time;
+    the kernels are still chosen for the device it will run on (here a
+    GPU, as DeepSpeed's accelerator reports it): Triton, not torch's."""
+    import config
+    import zero
+    _use_layout(2)
+    cfg = config.parse_args(["--preset", "tiny", "--num-attention-heads", "2", "--deepspeed",
+                             "--zero-stage", "3", "--tensor-model-parallel-size", "2"])
+
+    class GPUAccelerator:
+        device_name = staticmethod(lambda: "cuda")
+
+    class DeepSpeed:
+        get_accelerator = staticmethod(lambda: GPUAccelerator)
+
+    model = zero.build_model_zero3(cfg, DeepSpeed, {})
+    assert (model.config.attention_impl, model.config.layernorm_impl) == ("triton", "triton")
+    assert isinstance(model.blocks[0].attn.qkv, parallel.ColumnParallelLinear)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_zero3_under_tensor_parallelism_builds_the_kernels_of_its_accelerator():
+    run_on_ranks(_check_zero3_builds_the_kernels_of_its_accelerator)
+
+
 # --------------------------------------------------------------------------
 # A non-finite gradient under tensor parallelism
 # --------------------------------------------------------------------------

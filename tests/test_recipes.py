@@ -80,6 +80,33 @@ def test_json_auto_values_and_accumulation_steps(tmp_path, monkeypatch):
     assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.clip_grad) == (2, 2 * 2 * 3, 1.0)
 
 
+def test_deepspeeds_older_bfloat16_section_means_bf16(tmp_path):
+    """DeepSpeed still reads "bfloat16": {"enabled": true} (after "bf16"):
+    it turns --bf16 on, and DeepSpeed gets it as the "bf16" section, so the
+    run trains in bf16 instead of silently in fp32."""
+    path = write_json(tmp_path, {"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 1}})
+    cfg = parse("--deepspeed", "--deepspeed_config", path)
+    assert cfg.bf16 and not cfg.fp16
+    ds = zero.deepspeed_config(cfg, dp_size=1, accum=1)
+    assert ds["bf16"] == {"enabled": True} and "bfloat16" not in ds
+    with pytest.raises(ValueError, match="bf16.enabled=True contradicts --bf16 being off"):
+        parse("--deepspeed", "--deepspeed_config", path, "--fp16")
+    both = write_json(tmp_path, {"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})
+    with pytest.raises(ValueError, match='"bf16" and "bfloat16" .* disagree'):
+        parse("--deepspeed", "--deepspeed_config", both)
+
+
+@pytest.mark.parametrize("content", [{"checkpoint": {"writer": {"decoupled": True}}},
+                                     {"datastates": {"enabled": True}}])
+def test_an_asynchronous_checkpoint_writer_is_refused(tmp_path, content):
+    """train.py points `latest` at a checkpoint once engine.save_checkpoint
+    returns; a writer that returns before the files are on disk would make
+    it point at a half-written one."""
+    cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, content), "--save", str(tmp_path))
+    with pytest.raises(ValueError, match="asynchronous checkpoint writer"):
+        zero.deepspeed_config(cfg, dp_size=1, accum=1)
+
+
 def test_a_missing_or_broken_json_is_named(tmp_path):
     with pytest.raises(ValueError, match="--deepspeed_config .*nope.json: no such file"):
         parse("--deepspeed", "--deepspeed_config", str(tmp_path / "nope.json"))

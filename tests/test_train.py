@@ -634,10 +634,12 @@ def test_resaving_an_iteration_never_leaves_latest_dangling(tmp_path, monkeypatc
         checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "second"})
     monkeypatch.setattr(os, "replace", real_replace)
     assert not os.path.exists(os.path.join(save, "iter_0000002"))  # what `latest` names
-    path = checkpoint.find_checkpoint(save)
-    assert torch.load(path, weights_only=False)["weights"] == "first"
+    def saved_weights():
+        path = os.path.join(checkpoint.latest_checkpoint(save).path, checkpoint.PLAIN_FILE)
+        return torch.load(path, weights_only=False)["weights"]
+    assert saved_weights() == "first"
     checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "third"})
-    assert torch.load(checkpoint.find_checkpoint(save), weights_only=False)["weights"] == "third"
+    assert saved_weights() == "third"
     assert sorted(os.listdir(save)) == ["iter_0000002", checkpoint.LATEST]
 
 
