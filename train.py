@@ -21,9 +21,11 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -94,24 +96,59 @@ def init_distributed(cfg: TrainConfig) -> Dist:
     return Dist(rank, world, local_rank, device)
 
 
-def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
-    """init_process_group's store under torchrun, with its keys prefixed by
-    the restart count.
+ATTEMPT_STORE_KEY = "/train.py/attempt_store"
 
-    torchrun's agent hosts one key-value store for all the attempts of a
-    job (TORCHELASTIC_USE_AGENT_STORE), and the workers exchange their
-    addresses through it. After a restart (--max-restarts) the new workers
-    would read the dead attempt's keys and try to connect to ranks that no
-    longer exist: gloo then hangs in connectFullMesh or is refused, and NCCL
-    reads a stale unique id. A prefix per attempt keeps each attempt's keys
-    apart. Elsewhere (the deepspeed launcher, plain env://) nothing changes."""
+
+def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
+    """init_process_group's store under torchrun: a new one for each attempt.
+
+    torchrun's agents host one key-value store for all the attempts of a job
+    (TORCHELASTIC_USE_AGENT_STORE), and the workers exchange their addresses
+    through it. After a restart (--max-restarts) the new workers would read
+    the dead attempt's keys and connect to ranks that no longer exist (gloo
+    hangs or is refused, NCCL reads a stale unique id). A key prefix per
+    attempt would need a number that every node agrees on, and torchrun
+    gives none: TORCHELASTIC_RESTART_COUNT counts the restarts of that node's
+    own agent, and a node whose worker was healthy restarts it without
+    counting. So rank 0 starts a store of its own for each attempt (as
+    torchrun does with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and publishes
+    its address with a fresh nonce; the other ranks use it once it answers
+    with that nonce, which a dead attempt's address cannot. Elsewhere (the
+    deepspeed launcher, plain env://) nothing changes."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"/train.py/attempt_{attempt}", store),
-            "rank": rank, "world_size": world}
+    host = os.environ["MASTER_ADDR"]  # the node of global rank 0, whose agent hosts this store
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        store.set("nonce", nonce)
+        agent.set(ATTEMPT_STORE_KEY, f"{host} {store.port} {nonce}")
+    else:
+        store = join_attempt_store(agent, world, timeout)
+    return {"store": store, "rank": rank, "world_size": world}
+
+
+def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
+    """The store rank 0 started for this attempt (see elastic_store). The key
+    may still hold a dead attempt's address, which refuses connections: read
+    it again until the address answers with its own nonce."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        host, port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()  # cheap, quiet refusal
+            store = dist.TCPStore(host, int(port), world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=30))
+            if store.get("nonce").decode() == nonce:
+                store.set_timeout(timeout)
+                return store
+        except (OSError, RuntimeError):  # refused, or not a store (a port reused since)
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no store of this attempt within "
+                               f"{timeout.total_seconds():.0f} s (--distributed-timeout-minutes)")
+        time.sleep(0.2)
 
 
 # ----------------------------------------------------------------------------

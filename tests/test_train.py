@@ -479,6 +479,65 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, tmp_path,
     assert [m["loss"] for m in restarted] == losses(tmp_path / "full.jsonl")
 
 
+RANK_1_DIES_WHILE_RANK_0_IS_BUSY = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+import checkpoint, train
+with open({starts!r}, "a") as f:  # the attempt as this node's agent counts it
+    f.write(os.environ["RANK"] + " " + os.environ["TORCHELASTIC_RESTART_COUNT"] + "\\n")
+first_attempt = not os.path.exists({marker!r})
+real_save, real_step, steps = checkpoint.save_checkpoint, train.train_step, []
+
+def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log):
+    real_save(cfg, model, optimizer, scaler, iteration, consumed, log)
+    if first_attempt and iteration == 4 and os.environ["RANK"] == "1":
+        open({marker!r}, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # a dead node: no handler runs
+
+def busy_step(*args, **kwargs):  # rank 0 computes step 5, not yet talking to rank 1
+    steps.append(1)
+    if first_attempt and len(steps) == 5 and os.environ["RANK"] == "0":
+        time.sleep(10)
+    return real_step(*args, **kwargs)
+
+checkpoint.save_checkpoint, train.train_step = save_then_die, busy_step
+train.main(sys.argv[1:])
+"""
+
+
+def test_two_nodes_restart_together_when_only_one_agent_counts_the_restart(corpus, tmp_path):
+    """Two torchrun agents (two nodes of one worker), --max-restarts 2. Node 1's
+    worker dies after the iteration-4 save while node 0's is busy in step 5:
+    node 1's agent counts a restart, node 0's agent restarts its healthy
+    worker through the membership change and does not, so their
+    TORCHELASTIC_RESTART_COUNT differ (recorded). The new workers still meet
+    (rank 0's fresh store for the attempt), resume from iteration 4 and end
+    on the uninterrupted run's losses, bit for bit."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8",
+              "--eval-interval", "0", "--distributed-timeout-minutes", "1"]
+    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
+    script, starts = tmp_path / "node.py", tmp_path / "starts.txt"
+    script.write_text(RANK_1_DIES_WHILE_RANK_0_IS_BUSY.format(
+        root=ROOT, starts=str(starts), marker=str(tmp_path / "killed")))
+    ckpt = str(tmp_path / "ckpt")
+    port = free_port()
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=restart", "--max-restarts=2", str(script), *common, "--save", ckpt, "--load", ckpt,
+         "--save-interval", "2", "--metrics-file", str(tmp_path / "restarted.jsonl")],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    outputs = [agent.communicate(timeout=400) for agent in agents]
+    for agent, (out, err) in zip(agents, outputs):
+        assert agent.returncode == 0, out[-2000:] + err[-4000:]
+    assert sorted(starts.read_text().split("\n")[:-1]) == ["0 0", "0 0", "1 0", "1 1"]
+    assert "(iteration 4)" in outputs[0][0] + outputs[1][0]
+    restarted = read_metrics(tmp_path / "restarted.jsonl")
+    assert [m["iteration"] for m in restarted] == list(range(1, 9))
+    assert [m["loss"] for m in restarted] == losses(tmp_path / "full.jsonl")
+
+
 RANK_1_STOPS_ANSWERING = """
 import os, sys, time
 sys.path.insert(0, {root!r})
