@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import config  # noqa: E402
 import zero  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import deepspeed_launcher, free_port  # noqa: E402
 
 STEPS, RESUME_AT = 30, 15
 # Global batch 8 = micro-batch 2 x D=2 x 2 accumulation steps; clipping at 0.05
@@ -666,17 +666,13 @@ if __name__ == "__main__" and sys.argv[1] == "worker":
 
 def test_deepspeed_launcher_runs_train_py(tmp_path):
     """`deepspeed --num_gpus 2 train.py ...` (it passes --local_rank) works like torchrun."""
-    import shutil as sh
-    launcher = sh.which("deepspeed")
-    if launcher is None:
-        pytest.skip("the deepspeed launcher is not on PATH")
     prefix = str(tmp_path / "corpus_text_document")
     make_corpus(prefix)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"  # the launcher picks its accelerator at import
     port = free_port()  # for the launcher's rendezvous
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(port),
+    proc = subprocess.run([*deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(port),
                            os.path.join(ROOT, "train.py"), *COMMON, "--train-iters", "2",
                            "--data-path", prefix, "--deepspeed", "--zero-stage", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

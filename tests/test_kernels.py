@@ -495,11 +495,7 @@ def test_train_py_runs_the_triton_path(tmp_path):
 # ---------------------------------------------------------------------------
 # GPU: compiled kernels at training sizes
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("T", [1000, 4096, 16000])  # 1k, 4k, 16k; two of them ragged
@@ -519,14 +515,12 @@ def test_gpu_attention_long_sequences(T, D, dtype):
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_attention_ragged_length_other_dtypes(dtype):
     check_attention(2, 3, 1000, 64, dtype)  # 1000: not a multiple of any block size
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_fp32_attention_uses_tf32_only_when_torch_does():
     """fp32 inputs: exact IEEE dots by default (matches float64 to 1e-4);
     with torch.set_float32_matmul_precision("high") the kernels use TF32 like
@@ -547,14 +541,12 @@ def test_gpu_fp32_attention_uses_tf32_only_when_torch_does():
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("N", [768, 1024, 1600, 2048, 4096, 8192])
 def test_gpu_layer_norm_wide(N):
     check_layer_norm((4096, N), torch.bfloat16, torch.float32)
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("N", [768, 1024, 1600, 2048, 4096, 8192])
 def test_gpu_add_layer_norm_autocast_dtypes(N):
     # fp32 residual stream + bf16 branch output: the dtypes under bf16 autocast
@@ -562,7 +554,6 @@ def test_gpu_add_layer_norm_autocast_dtypes(N):
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_layer_norm_writes_the_autocast_dtype_with_the_same_rounding():
     """Under autocast TritonLayerNorm writes its output in bf16: what the next
     matmul would have made of the fp32 output. Not bit for bit: the bf16-out
@@ -603,7 +594,6 @@ def _zipf_batches(steps, B, T, vocab=2000, seed=0):
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_gpt2_124m_trains_with_triton_kernels_like_torch():
     """GPT-2 124M at seq 1024, 50 AdamW steps under bf16 autocast: the default
     CUDA path (Triton attention and LayerNorm, fused residual adds, bf16
@@ -718,7 +708,6 @@ print(json.dumps(hits))
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_a_second_run_reuses_the_first_runs_autotune_results(tmp_path):
     """Two processes share a Triton cache: the first times the configs (some
     autotune misses), the second finds every result on disk (only hits)."""

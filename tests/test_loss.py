@@ -204,11 +204,7 @@ def test_unknown_loss_impl_is_a_clear_error():
         GPTConfig.from_preset("tiny", loss_impl="chunky")
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.gpu
-@gpu
 def test_gpu_fused_loss_follows_full_logits_in_a_quarter_of_the_memory():
     """GPT-2 124M's head at micro-batch 8, seq 1024, under bf16 autocast (the
     Triton row kernels): the same loss and gradients to bf16 rounding, and at

@@ -402,7 +402,7 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(precision, monkeypatch
         assert scaler.state_dict()["scale"] == 2.0 ** 7  # halved once, by the skipped step
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_gpu_training_steps_never_synchronize():
     """CUDA's sync debug mode raises on any host-device synchronization: the
     steps between log intervals (bf16 and fp16, Triton kernels) have none."""
