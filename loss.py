@@ -32,7 +32,8 @@ all-reduces in backward.
 
 The row passes of steps 2 and 3 are Triton kernels on CUDA (one read of the
 logits for the statistics, one read and one in-place write for the
-gradient); elsewhere the same maths runs as torch ops on the chunk.
+gradient); elsewhere the same maths runs as torch ops, in place on the chunk
+(chunk_lse_and_grad_).
 `loss_impl="full"` in GPTConfig keeps the unfused path (full logits, then
 parallel.vocab_parallel_cross_entropy) for comparison.
 """
@@ -52,9 +53,9 @@ except ImportError:
 # larger, slightly more efficient matmuls; smaller ones save memory. On CUDA
 # the Triton row passes work in place, so a chunk costs its logits alone:
 # 2**28 is 512 MiB in bf16, 5336 tokens of GPT-2's 50304-row vocabulary.
-# Elsewhere the row passes are torch ops that make fp32 copies of the chunk,
-# so it is smaller: 2**24 (64 MiB a copy, 333 tokens) cuts the head + loss
-# peak 12x against the full logits at the same speed (bench/RESULTS.md).
+# Elsewhere the row passes are torch ops, in place on fp32 chunks (16-bit
+# ones get an fp32 copy); 2**24 (64 MiB, 333 tokens) cuts the head + loss
+# peak several-fold against the full logits and runs faster (bench/RESULTS.md).
 CHUNK_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
 
 
@@ -120,36 +121,54 @@ def _block_v(V: int, z) -> int:
     return 64 if z.device.type == "cpu" else min(4096, triton.next_power_of_2(V))
 
 
-def row_stats(z, labels, vocab_start: int, triton_kernels: bool | None = None):
-    """(max, sum(exp(z - max)), target logit or 0) per row of z, all fp32 (n,)."""
-    n, V = z.shape
+def chunk_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = True,
+                        triton_kernels: bool | None = None):
+    """One chunk's loss statistics, and its gradient in place.
+
+    z: the chunk's logits (n, V_local), this rank's vocab slice; labels (n,):
+    full-vocabulary ids; weight (n,) fp32: each token's weight in the loss.
+    Returns (lse, target logit), fp32 (n,), over the full vocabulary (under TP
+    the rows' statistics are combined across the slices). With need_grads, z
+    is overwritten by weight * (softmax(z) - onehot(labels)); without, z is
+    left holding scratch values."""
     if _use_triton(z, triton_kernels):
-        out = [torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3)]
-        _row_stats_kernel[(n,)](z, labels, *out, V, z.stride(0), vocab_start,
-                                BLOCK_V=_block_v(V, z))
-        return tuple(out)
-    zf = z.float()
-    row_max = zf.max(dim=-1).values
-    sum_exp = (zf - row_max[:, None]).exp().sum(dim=-1)
-    local = labels - vocab_start
-    here = (local >= 0) & (local < V)
-    z_t = zf.gather(1, local.clamp(0, V - 1)[:, None]).squeeze(1)
-    return row_max, sum_exp, torch.where(here, z_t, torch.zeros_like(z_t))
+        n, V = z.shape
+        stats = [torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3)]
+        _row_stats_kernel[(n,)](z, labels, *stats, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))
+        lse, z_target = _over_the_vocabulary(*stats)
+        if need_grads:
+            _row_grad_kernel[(n,)](z, labels, lse, weight, V, z.stride(0), vocab_start,
+                                   BLOCK_V=_block_v(V, z))
+        return lse, z_target
+    # The same maths as torch ops, exp in place: three passes over the chunk,
+    # no chunk-sized temporary (a copy only when z is 16-bit, for fp32 maths).
+    zf = z if z.dtype == torch.float32 else z.float()
+    local = (labels - vocab_start).clamp(0, z.shape[1] - 1)[:, None]  # (n, 1)
+    here = ((labels >= vocab_start) & (labels < vocab_start + z.shape[1])).float()
+    row_max = zf.amax(dim=-1)
+    z_target = zf.gather(1, local).squeeze(1) * here
+    sum_exp = zf.sub_(row_max[:, None]).exp_().sum(dim=-1)    # zf is now exp(z - row_max)
+    lse, z_target = _over_the_vocabulary(row_max, sum_exp, z_target)
+    if need_grads:
+        zf.mul_((weight * (row_max - lse).exp())[:, None])     # weight * softmax(z)
+        zf.scatter_add_(1, local, -(weight * here)[:, None])   # - weight * onehot
+        if zf is not z:
+            z.copy_(zf)
+    return lse, z_target
 
 
-def row_grad_(z, labels, lse, weight, vocab_start: int, triton_kernels: bool | None = None) -> None:
-    """z <- weight * (softmax(z) - onehot(labels)), in place, given each row's lse."""
-    n, V = z.shape
-    if _use_triton(z, triton_kernels):
-        _row_grad_kernel[(n,)](z, labels, lse, weight, V, z.stride(0), vocab_start,
-                               BLOCK_V=_block_v(V, z))
-        return
-    p = (z.float() - lse[:, None]).exp_()
-    local = labels - vocab_start
-    here = (local >= 0) & (local < V)
-    rows = torch.arange(n, device=z.device)[here]
-    p[rows, local[here]] -= 1.0
-    z.copy_(p.mul_(weight[:, None]))
+def _over_the_vocabulary(row_max, sum_exp, z_target):
+    """(lse, target logit) per row from this rank's slice's max, sum of
+    exp(z - max) and target logit (0 where another slice holds the target):
+    under TP the slices' statistics are combined, as in Megatron's
+    vocab-parallel cross-entropy."""
+    if parallel.tp_size() > 1:
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=parallel.tp_group())
+        both = torch.stack([sum_exp * (row_max - global_max).exp(), z_target])  # one all-reduce
+        dist.all_reduce(both, group=parallel.tp_group())
+        row_max, (sum_exp, z_target) = global_max, both
+    return row_max + sum_exp.log(), z_target
 
 
 # ---------------------------------------------------------------------------
@@ -184,13 +203,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n_tokens, chunk):
             rows = slice(start, min(start + chunk, n_tokens))
             z = h_c[rows] @ w_c.t()                                  # (n, V_local)
-            lse, z_target = _log_sum_exp(z, labels[rows], vocab_start)
+            lse, z_target = chunk_lse_and_grad_(z, labels[rows], unit_weight[rows], vocab_start,
+                                                need_grads)           # z is now dz / w_max
             loss += (token_weight[rows] * (lse - z_target)).sum()
             if not need_grads:  # evaluation: the loss alone
                 continue
-            row_grad_(z, labels[rows], lse, unit_weight[rows], vocab_start)  # z is now dz / w_max
             torch.mm(z, w_c, out=dh[rows])                           # (n, C), partial under TP
-            dw += (z.t() @ h_c[rows]).float()                        # (V_local, C)
+            if z.dtype == torch.float32:
+                dw.addmm_(z.t(), h_c[rows])                          # (V_local, C)
+            else:
+                dw += z.t() @ h_c[rows]
             del z
         ctx.save_for_backward(dh, dw, w_max)
         ctx.dtypes = h.dtype, weight.dtype
@@ -202,19 +224,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         scale = grad_loss.float() * w_max                            # fp32: 65536 is inf in fp16
         return (dh.float() * scale).to(h_dtype), (dw * scale).to(w_dtype), None, None, None, None
-
-
-def _log_sum_exp(z, labels, vocab_start: int):
-    """(lse, target logit) per row of the chunk, over the full vocabulary:
-    under TP the rows' statistics are combined across the vocab slices."""
-    row_max, sum_exp, z_target = row_stats(z, labels, vocab_start)
-    if parallel.tp_size() > 1:
-        global_max = row_max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=parallel.tp_group())
-        both = torch.stack([sum_exp * (row_max - global_max).exp(), z_target])  # one all-reduce
-        dist.all_reduce(both, group=parallel.tp_group())
-        row_max, (sum_exp, z_target) = global_max, both
-    return row_max + sum_exp.log(), z_target
 
 
 def token_weights(labels, loss_mask=None):

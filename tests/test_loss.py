@@ -153,23 +153,36 @@ def test_fp16_gradients_are_as_close_to_fp32_as_the_full_logits_path():
 
 
 @pytest.mark.parametrize("vocab_start", [0, 100])  # a vocab slice: some targets are elsewhere
-def test_row_kernels_match_the_torch_row_maths(vocab_start):
+@pytest.mark.parametrize("need_grads", [True, False])
+def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
+    """The Triton row kernels (interpreted on CPU) and the in-place torch ops
+    give the same lse, target logit and, overwriting the chunk, gradient."""
     if not (loss_lib.HAS_TRITON and (DEVICE == "cuda" or _interpreting())):
         pytest.skip("needs triton, and TRITON_INTERPRET=1 on CPU (set by conftest.py)")
     g = torch.Generator().manual_seed(0)
     z = (4 * torch.randn(9, 203, generator=g)).to(DEVICE)          # 203: a ragged last block
     labels = torch.randint(0, 400, (9,), generator=g).to(DEVICE)
     weight = torch.rand(9, generator=g).to(DEVICE)
-    stats = [loss_lib.row_stats(z, labels, vocab_start, triton_kernels=t) for t in (True, False)]
-    for name, a, b in zip(("max", "sum exp", "target logit"), *stats):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    lse = stats[1][0] + stats[1][1].log()
-    grads = []
+    results = []
     for use_triton in (True, False):
         dz = z.clone()
-        loss_lib.row_grad_(dz, labels, lse, weight, vocab_start, triton_kernels=use_triton)
-        grads.append(dz)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+        lse, target = loss_lib.chunk_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
+                                                   triton_kernels=use_triton)
+        results.append((lse, target, dz))
+    (lse, target, dz), (lse_t, target_t, dz_t) = results
+    local = labels - vocab_start
+    here = (local >= 0) & (local < z.shape[1])
+    want_lse = torch.logsumexp(z, dim=-1)
+    want_target = torch.where(here, z.gather(1, local.clamp(0, 202)[:, None]).squeeze(1), 0.0)
+    for got in (lse, lse_t):
+        torch.testing.assert_close(got, want_lse, rtol=1e-5, atol=1e-6)
+    for got in (target, target_t):
+        torch.testing.assert_close(got, want_target, rtol=1e-6, atol=0)
+    if need_grads:
+        want_dz = weight[:, None] * (torch.softmax(z, dim=-1) -
+                                     torch.nn.functional.one_hot(local.clamp(0, 202), 203) * here[:, None])
+        for got in (dz, dz_t):
+            torch.testing.assert_close(got, want_dz, rtol=1e-5, atol=1e-7)
 
 
 def _interpreting() -> bool:
