@@ -1,0 +1,80 @@
+"""Training speed on CPU against nanoGPT at the same shape: wall time of
+iterations 11-60 and the peak resident memory, the two run interleaved.
+
+    git clone https://github.com/karpathy/nanoGPT bench/ref/nanoGPT   # git-ignored
+    python prepare.py                                                  # the default corpus
+    python bench/bench_cpu_nanogpt.py --rounds 2 [--batch 8]
+
+Shape: 4 layers, 256 wide, 4 heads, block 256, fp32, no dropout, 2 threads
+(nanoGPT's `--device=cpu --compile=False --dtype=float32`), both on the
+tokens of data/shakespeare_text_document.bin (nanoGPT reads the same uint16
+stream as its train.bin). train.py runs its defaults, then without linear
+biases (nanoGPT has none), then also with --loss-impl full.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {"train.py": [], "--disable-bias-linear": ["--disable-bias-linear"],
+            "--disable-bias-linear --loss-impl full": ["--disable-bias-linear", "--loss-impl", "full"]}
+
+
+def timed(cmd, cwd) -> tuple[str, int]:
+    """(stdout, peak RSS in bytes) of one run, with 2 threads."""
+    proc = subprocess.run(["/usr/bin/time", "-f", "peak-rss-kb %M", *cmd], cwd=cwd, capture_output=True,
+                          text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    return proc.stdout, int(re.search(r"peak-rss-kb (\d+)", proc.stderr).group(1)) * 1024
+
+
+def nanogpt(args, work) -> tuple[float, int]:
+    out, rss = timed([sys.executable, "train.py", "--dataset=bench", "--device=cpu", "--compile=False",
+                      "--dtype=float32", "--n_layer=4", "--n_head=4", "--n_embd=256", "--block_size=256",
+                      f"--batch_size={args.batch}", "--gradient_accumulation_steps=1", "--dropout=0.0",
+                      "--max_iters=60", "--lr_decay_iters=60", "--eval_interval=100000", "--eval_iters=1",
+                      "--log_interval=1", "--always_save_checkpoint=False", f"--out_dir={work}"], args.nanogpt)
+    ms = {int(i): float(t) for i, t in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", out)}
+    return sum(ms[i] for i in range(11, 61)) / 1e3, rss
+
+
+def ours(args, work, flags) -> tuple[float, int]:
+    metrics = os.path.join(work, "metrics.jsonl")
+    _, rss = timed([sys.executable, "train.py", "--preset", "cpu", "--data-path", args.data,
+                    "--seq-length", "256", "--micro-batch-size", str(args.batch), "--global-batch-size",
+                    str(args.batch), "--train-iters", "60", "--eval-interval", "0", "--log-interval", "1",
+                    "--sample-tokens", "0", "--metrics-file", metrics, *flags], ROOT)
+    rows = [json.loads(line) for line in open(metrics)]
+    tokens = args.batch * 256
+    return sum(tokens / r["tokens_per_sec"] for r in rows if 11 <= r["iteration"] <= 60), rss
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nanogpt", default=os.path.join(ROOT, "bench", "ref", "nanoGPT"))
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "shakespeare_text_document"))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    data_dir = os.path.join(args.nanogpt, "data", "bench")
+    os.makedirs(data_dir, exist_ok=True)
+    for split in ("train", "val"):  # nanoGPT reads data/bench/{train,val}.bin
+        link = os.path.join(data_dir, f"{split}.bin")
+        if not os.path.exists(link):
+            os.symlink(os.path.abspath(args.data + ".bin"), link)
+    print(f"| round | run | iterations 11-60 (s) | vs nanoGPT | peak RSS (GB) |\n|---|---|---|---|---|")
+    for r in range(1, args.rounds + 1):
+        with tempfile.TemporaryDirectory() as work:
+            base, rss = nanogpt(args, work)
+            print(f"| {r} | nanoGPT | {base:.1f} | 1.00x | {rss / 1e9:.2f} |", flush=True)
+            for name, flags in VARIANTS.items():
+                seconds, rss = ours(args, work, flags)
+                print(f"| {r} | {name} | {seconds:.1f} | {seconds / base:.2f}x | {rss / 1e9:.2f} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
