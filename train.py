@@ -42,7 +42,7 @@ from config import (TrainConfig, build_model, build_optimizer, global_batch_at,
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token
 from sampling import generate
-from prepare import TokenizerUnavailableError, load_tokenizer
+from prepare import load_tokenizer
 
 EOD_TOKEN = 50256  # GPT-2's <|endoftext|>
 
@@ -505,7 +505,7 @@ def check_losses(pending: list, logger: Logger, last_saved: int) -> float:
 
 
 def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
-    enc = load_tokenizer()  # TokenizerUnavailableError says how to seed TIKTOKEN_CACHE_DIR
+    enc = load_tokenizer()  # FileNotFoundError if requirements.txt's BPE package is missing
     ids = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # same on every tensor-parallel rank
     out = generate(model, ids, max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=200,
@@ -719,7 +719,7 @@ def train(cfg: TrainConfig, env: Dist) -> None:
         try:
             text = sample_text(raw_model, cfg, env.device)
             logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
-        except TokenizerUnavailableError as e:  # training is done and saved: just say why
+        except FileNotFoundError as e:  # no BPE package: training is done and saved, just say why
             logger.print(f"no sample printed: {e}")
     logger.close()
     if cfg.deepspeed:

@@ -27,10 +27,6 @@ from multiprocessing import Pool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-_shared_cache = os.path.join(os.path.dirname(ROOT), "shared", "tiktoken")  # offline BPE cache, as in tests
-if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(_shared_cache):
-    os.environ["TIKTOKEN_CACHE_DIR"] = _shared_cache
-
 import prepare  # noqa: E402
 
 
@@ -42,7 +38,7 @@ def corpus(megabytes: float) -> list[str]:
 
 
 def _count_chunk(docs: list[str]) -> int:
-    enc = prepare.load_tokenizer()  # cached by tiktoken after the first call in each process
+    enc = prepare.load_tokenizer()  # built once in each process, then cached
     return sum(len(enc.encode_ordinary(d)) for d in docs)
 
 

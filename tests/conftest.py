@@ -1,12 +1,10 @@
 """Shared test setup.
 
-Runs before any test module is imported, which matters for two environment
-variables that must be set before the libraries that read them are imported:
-
-* TRITON_INTERPRET=1 lets the Triton kernels in kernels/ run on CPU tensors
-  (only set when there is no CUDA device: on a GPU the real kernels run).
-* TIKTOKEN_CACHE_DIR points tiktoken at a pre-seeded GPT-2 BPE cache when one
-  sits beside the checkout (offline machines, CI).
+Runs before any test module is imported, which matters for TRITON_INTERPRET=1:
+it lets the Triton kernels in kernels/ run on CPU tensors, and Triton reads it
+at import (only set when there is no CUDA device: on a GPU the real kernels
+run). The GPT-2 tokenizer needs no setup: prepare.load_tokenizer builds it
+from files that requirements.txt installs.
 """
 import os
 import socket
@@ -28,10 +26,6 @@ def _has_cuda() -> bool:
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-_shared_cache = os.path.join(os.path.dirname(ROOT), "shared", "tiktoken")
-if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(_shared_cache):
-    os.environ["TIKTOKEN_CACHE_DIR"] = _shared_cache
 
 
 def pytest_collection_modifyitems(config, items):

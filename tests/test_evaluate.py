@@ -21,6 +21,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import evaluate  # noqa: E402
+import prepare  # noqa: E402
 import train  # noqa: E402
 
 TINY = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4", "--lr", "3e-3",
@@ -31,8 +32,7 @@ PROMPTS = ["ROMEO:", "", "But soft, what light through yonder", "Enter"]  # "": 
 
 
 def encoder():
-    import tiktoken
-    return tiktoken.get_encoding("r50k_base")
+    return prepare.load_tokenizer()
 
 
 def play_lines() -> list[str]:

