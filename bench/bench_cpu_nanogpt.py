@@ -65,7 +65,7 @@ def main():
         link = os.path.join(data_dir, f"{split}.bin")
         if not os.path.exists(link):
             os.symlink(os.path.abspath(args.data + ".bin"), link)
-    print(f"| round | run | iterations 11-60 (s) | vs nanoGPT | peak RSS (GB) |\n|---|---|---|---|---|")
+    print("| round | run | iterations 11-60 (s) | vs nanoGPT | peak RSS (GB) |\n|---|---|---|---|---|")
     for r in range(1, args.rounds + 1):
         with tempfile.TemporaryDirectory() as work:
             base, rss = nanogpt(args, work)

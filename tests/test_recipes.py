@@ -276,7 +276,10 @@ def test_merge_accepts_megatron_and_bigscience_forms(tmp_path):
 
 
 def run_recipe(cmd: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    """A recipe's shell command as pasted; `python` and `deepspeed` are this
+    Python's (its bin/ first on PATH, as in an activated environment)."""
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "PATH": path}
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"  # the deepspeed launcher picks its accelerator at import
     proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
@@ -288,8 +291,6 @@ def run_recipe(cmd: str, cwd) -> subprocess.CompletedProcess:
 def bigscience(tmp_path_factory):
     """A working directory as the README leaves it: GPT-2's vocab and merges,
     and my-gpt2_text_document.bin/.idx made by its preprocessing command."""
-    if shutil.which("deepspeed") is None:
-        pytest.skip("the deepspeed launcher is not on PATH")
     work = tmp_path_factory.mktemp("bigscience")
     shutil.copy(GPT2_VOCAB, work / "gpt2-vocab.json")
     shutil.copy(GPT2_MERGES, work / "gpt2-merges.txt")
