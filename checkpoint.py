@@ -46,7 +46,7 @@ DS_META = "trainer_state.json"
 def rng_state() -> dict:
     """The generators' states: the shared ones (every rank draws the same
     stream, so one rank's stand for all) and every TP rank's own dropout
-    stream (parallel/rng.py). Collective over the TP group: call it on every rank."""
+    stream (parallel.py, section 5). Collective over the TP group: call it on every rank."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state(),
              "tracker": parallel.rng_tracker_states_of_every_tp_rank()}

@@ -627,7 +627,7 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     # Same seed on every rank: every rank builds the same full model (tensor-
     # parallel ranks keep their slice), so data-parallel replicas start equal.
     # Dropout over values that differ across TP ranks draws from a second
-    # stream, seeded per TP rank (parallel/rng.py).
+    # stream, seeded per TP rank (parallel.py, section 5).
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
     return GPT(mcfg).to(device)

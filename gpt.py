@@ -20,7 +20,7 @@ One file, read top to bottom:
    modules' constructors), an untied head (GPT.output_weight).
 4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
    code that initializes a full master weight and keeps its own slice.
-5. Tensor parallelism (Megatron-style, see parallel/): when the model is
+5. Tensor parallelism (Megatron-style, see parallel.py): when the model is
    built after parallel.initialize(tp) with tp > 1, each layer is built and
    initialized exactly as for tp=1, then its big matmuls are swapped for
    parallel layers holding this rank's slice (see shard_block) before
@@ -90,7 +90,7 @@ class GPTConfig:
     domino_chunks: int = 1
     # Sequence parallelism (tensor parallelism only; ignored when
     # tensor_model_parallel_size is 1): LayerNorms, dropouts and residual adds
-    # run on T/tp of the tokens on each rank. See parallel/__init__.py.
+    # run on T/tp of the tokens on each rank. See parallel.py.
     sequence_parallel: bool = False
     # Architecture options (Megatron's flags). The defaults are GPT-2; all of
     # them on (rope, RMSNorm, swiglu, untied, no bias, GQA) is Llama's shape.
@@ -317,7 +317,7 @@ class Dropout(nn.Dropout):
     values differ from rank to rank: under sequence parallelism each rank
     holds other tokens (per_rank=True). Without it the tensor-parallel ranks
     hold the same replicated values and must drop the same elements, so they
-    draw from the shared stream. See parallel/rng.py."""
+    draw from the shared stream. See parallel.py, section 5."""
 
     def __init__(self, p: float, per_rank: bool = False):
         super().__init__(p)
@@ -370,7 +370,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache(k, v)                           # (B, G, L + T, hd): the prefix's too
         # Each TP rank holds other heads, so attention dropout draws this
-        # rank's own mask (parallel/rng.py); the shared stream would repeat it.
+        # rank's own mask (parallel.py, section 5); the shared stream would repeat it.
         own_mask = self.training and cfg.attention_dropout > 0 and tp > 1
         with parallel.fork_rng_if(own_mask):
             y = self_attention(q, k, v, cfg.attention_impl,
@@ -436,7 +436,7 @@ def add_and_norm(ln: nn.Module, x, branch):
 
 def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
     """The block stack with Domino overlap (tensor parallelism only; the
-    schedule and why it hides communication: parallel/domino.py). x (B, T, C)
+    schedule and why it hides communication: parallel.domino). x (B, T, C)
     -> (B, T, C), the same maths as running the blocks one after the other
     (fp32 agrees to rounding; with dropout > 0 the masks are drawn in another
     order). The micro-batch is split along the batch into n_chunks chunks

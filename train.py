@@ -6,7 +6,7 @@ r"""Pretrain a GPT on Megatron-format token data.
 
 The training loop, top to bottom:
   1. Distributed setup from torchrun's environment (nccl on GPU, gloo on CPU),
-     tensor- and data-parallel groups (parallel/groups.py).
+     tensor- and data-parallel groups (parallel.py).
   2. Data: datasets and a data-parallel sampler that resumes exactly.
   3. The step: gradient accumulation, mixed precision, clipping.
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
@@ -71,7 +71,7 @@ def init_distributed(cfg: TrainConfig) -> Dist:
     """
     if cfg.domino or cfg.sequence_parallel:
         # One hardware queue: kernels start in launch order, so a collective
-        # launched before a GEMM really runs beside it (see parallel/layers.py). Read
+        # launched before a GEMM really runs beside it (see parallel._ColumnParallelLinearFunction). Read
         # when the CUDA context is created, so set it before touching the GPU.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     rank = int(os.environ.get("RANK", 0))

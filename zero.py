@@ -58,7 +58,7 @@ def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
 
 
 class DeepSpeedMPU:
-    """The "model parallel unit" DeepSpeed asks for, backed by parallel/'s
+    """The "model parallel unit" DeepSpeed asks for, backed by parallel.py's
     groups: ZeRO then shards over the data-parallel group only, and its
     gradient norm counts tensor-parallel shards (params marked
     `tensor_model_parallel`) once per TP rank and replicated params once."""

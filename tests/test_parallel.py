@@ -91,15 +91,6 @@ def _check_comm_ops():
     y.backward(dy)
     assert_close(x.grad, dy[:, 3 * r:3 * r + 3], what="gather backward")
 
-    # scatter along the last dim: forward keeps my slice, backward gathers.
-    full = torch.arange(24.0).view(6, 4).t()  # (4, 6), non-contiguous
-    x = full.clone().t().contiguous().t().requires_grad_()
-    y = parallel.scatter_to_tensor_parallel_region(x)
-    assert_close(y, full[:, 3 * r:3 * r + 3], what="scatter forward")
-    dys = [torch.full((4, 3), 1.0 + k) for k in range(2)]
-    y.backward(dys[r])
-    assert_close(x.grad, torch.cat(dys, dim=-1), what="scatter backward")
-
 
 def test_communication_operators_forward_and_backward():
     run_on_ranks(_check_comm_ops)
@@ -111,8 +102,7 @@ def test_operators_are_free_identities_with_one_rank():
         x = torch.randn(3, 4).t()
         for op in (parallel.copy_to_tensor_parallel_region,
                    parallel.reduce_from_tensor_parallel_region,
-                   parallel.gather_from_tensor_parallel_region,
-                   parallel.scatter_to_tensor_parallel_region):
+                   parallel.gather_from_tensor_parallel_region):
             assert op(x) is x, op.__name__  # no copy, no autograd node
     finally:
         parallel.destroy()
@@ -198,13 +188,6 @@ def _check_linear_pair():
     assert_close(_gathered_grad(row.weight), proj.weight.grad, what="proj weight grad")
     assert_close(row.bias.grad, proj.bias.grad, what="proj bias grad")
 
-    # gather_output / input_is_parallel=False: full tensors in and out.
-    col_full = parallel.ColumnParallelLinear.from_linear(fc, gather_output=True)
-    row_full = parallel.RowParallelLinear.from_linear(proj, input_is_parallel=False)
-    h = fc(x)
-    assert_close(col_full(x), h, what="gather_output")
-    assert_close(row_full(h), proj(h), what="input_is_parallel=False")
-
 
 def test_column_row_pair_matches_plain_linears():
     run_on_ranks(_check_linear_pair)
@@ -226,8 +209,6 @@ def _check_qkv_stride():
                  what="strided shard = [Q_r | K_r | V_r]")
     assert_close(parallel.gather_tensor(col.weight, 0, stride=3), qkv.weight, what="regather")
     assert col.weight.partition_stride == 3
-    with pytest.raises(ValueError, match="stride"):
-        parallel.ColumnParallelLinear(H, 3 * H, stride=3, gather_output=True)
 
 
 def test_strided_column_split_gives_each_rank_its_q_k_v_heads():
@@ -381,7 +362,7 @@ def test_check_divisible_names_the_quantity(field, value, tp):
 
 
 # --------------------------------------------------------------------------
-# GPT under tensor parallelism (gpt.py + parallel/)
+# GPT under tensor parallelism (gpt.py + parallel.py)
 # --------------------------------------------------------------------------
 
 import gpt  # noqa: E402
@@ -665,7 +646,7 @@ def _record_domino_order(serialize: bool, sequence_parallel: bool = False):
     ids = torch.randint(0, 100, (3, 13 if sequence_parallel else 6), generator=torch.Generator().manual_seed(0))
     recorder = _OverlapRecorder({24: 0, 12: 1}, {12: 0, 6: 1}) if sequence_parallel else _OverlapRecorder()
     real = dist.all_reduce, dist.all_gather_single, dist.reduce_scatter_single
-    real_owned = parallel.groups._all_reduce_owned
+    real_owned = parallel._all_reduce_owned
 
     def launch_and_wait_at_once(out, async_op=False):  # what a serialized version does
         work = real_owned(out, async_op)
@@ -677,7 +658,7 @@ def _record_domino_order(serialize: bool, sequence_parallel: bool = False):
     dist.all_gather_single = recorder.collective(real[1], "all_gather", lambda out, inp, *a: inp)
     dist.reduce_scatter_single = recorder.collective(real[2], "reduce_scatter", lambda out, inp, *a: out)
     if serialize:
-        parallel.groups._all_reduce_owned = launch_and_wait_at_once
+        parallel._all_reduce_owned = launch_and_wait_at_once
     try:
         with recorder:
             loss = model(ids[:, :-1], labels=ids[:, 1:])
@@ -685,7 +666,7 @@ def _record_domino_order(serialize: bool, sequence_parallel: bool = False):
             loss.backward()
     finally:
         dist.all_reduce, dist.all_gather_single, dist.reduce_scatter_single = real
-        parallel.groups._all_reduce_owned = real_owned
+        parallel._all_reduce_owned = real_owned
     return forward, recorder.events[len(forward):]
 
 

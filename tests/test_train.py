@@ -781,7 +781,7 @@ def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layout
 
 def test_sequence_parallel_with_dropout_resumes_bit_identically(corpus, tmp_path):
     """Under --sequence-parallel each TP rank draws its dropout masks from its
-    own stream (parallel/rng.py); a checkpoint keeps every rank's stream, so
+    own stream (parallel.py, section 5); a checkpoint keeps every rank's stream, so
     a resumed run draws the masks the uninterrupted run drew."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "4",
               "--tensor-model-parallel-size", "2", "--sequence-parallel",

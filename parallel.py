@@ -1,0 +1,1283 @@
+"""Megatron-style tensor parallelism, in small readable pieces.
+
+Tensor parallelism (TP) splits every big matrix of a transformer layer across
+the tp ranks of a tensor-parallel group (Shoeybi et al., "Megatron-LM", 2019):
+
+    MLP:        Y = GeLU(X A) B       A split by COLUMNS, B split by ROWS
+    attention:  heads split across ranks (QKV by columns, output proj by rows)
+
+so each rank holds 1/tp of the weights and does 1/tp of the FLOPs. A
+column-parallel layer followed by a row-parallel layer needs exactly two
+communication operators, which Megatron calls f and g:
+
+    f = copy_to_tensor_parallel_region       forward: identity   backward: all-reduce
+    g = reduce_from_tensor_parallel_region   forward: all-reduce backward: identity
+
+    X --f--> [X A_r] --GeLU--> [. B_r] --g--> Y      (r = this rank's shard)
+
+Every rank sees the full X; rank r computes the partial product with its
+column block A_r and row block B_r; g sums the partial products. In backward,
+f sums the partial gradients w.r.t. X. That is one all-reduce per block
+forward and one backward.
+
+The embedding is split by vocabulary (VocabParallelEmbedding) and the loss is
+computed on vocab-sharded logits without ever gathering them
+(vocab_parallel_cross_entropy).
+
+Layout of ranks (torchrun world of W = dp * tp ranks): tensor-parallel groups
+are CONSECUTIVE ranks, so they live inside one node where the interconnect is
+fastest (TP communicates every layer); data-parallel groups are the ranks with
+the same TP rank. With W=8, tp=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
+[0,2,4,6] [1,3,5,7].
+
+Domino (DeepSpeed-Domino, Wang et al. 2024) hides these all-reduces behind
+computation: RowParallelLinear.forward_async launches g's all-reduce in the
+background (PendingReduce.wait() collects it), so domino() can compute one
+micro-batch chunk while another chunk's result is on the wire. In backward,
+ColumnParallelLinear(async_grad_allreduce=True) launches f's all-reduce
+before its weight-gradient GEMM; given a DeferredCollectives it does not
+even wait for it, and the wait happens in a later autograd node, so another
+chunk's backward runs while the gradient is on the wire.
+
+Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models", 2022). Outside the f ... g pairs, tensor
+parallelism leaves work replicated: every rank runs the same LayerNorms,
+dropouts and residual adds on the same (B, T, C) activations, and keeps
+them for backward. Sequence parallelism splits THOSE along the sequence:
+rank r holds tokens [r T/tp, (r+1) T/tp). The all-reduce g becomes a
+reduce-scatter (each rank keeps the sum for its tokens only), and f becomes
+an all-gather (the column-parallel layer needs every token):
+
+    x_r --LN--> --all-gather--> [X A_r] --GeLU--> [. B_r] --reduce-scatter--> y_r
+
+An all-reduce IS a reduce-scatter followed by an all-gather, so the bytes on
+the wire are the same as without it; what changes is that the activations
+outside the f ... g regions are 1/tp as large. Backward swaps the two
+(section 2). Two consequences the code must handle: replicated parameters
+(norms, row-parallel biases) see only their rank's tokens, so their
+gradients are summed over the TP group (sum_sequence_parallel_grads);
+and dropout in the split region must draw a different mask on each rank, from
+a per-rank RNG stream (section 5).
+
+Initialization: every parallel layer first builds its FULL master weight with
+the given init_method (the same on every rank when all ranks seed the RNG
+identically), then keeps only its own slice. So the model is the same for any
+tp; the cost is one full weight per layer held temporarily, fine for GPT-2
+sizes.
+
+Sections:
+
+    1. process groups, raw collectives (also along the sequence), divisibility checks
+    2. the communication operators: f, g, gathers, sequence parallelism's
+       all-gather and reduce-scatter, Domino's asynchronous ones
+    3. ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    4. Domino's schedule: chunks interleaved so that one chunk's
+       communication runs while another computes
+    5. the per-rank random stream for dropout, and activation checkpointing
+       that replays it
+    6. cross entropy on vocab-sharded logits, and the one id-range check
+    7. summing the sequence-parallel gradients; the global norm and clipping
+    8. slicing full tensors into shards and back; full state dicts
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ============================================================================
+# 1. Process groups and raw collectives
+# ============================================================================
+# The group handles below are the project's only global state (with the RNG
+# tracker of section 5).
+
+_INITIALIZED = False
+_TP_GROUP = None   # None when torch.distributed is not in use (single process)
+_DP_GROUP = None
+_TP_SIZE, _TP_RANK = 1, 0
+_DP_SIZE, _DP_RANK = 1, 0
+
+
+def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None) -> None:
+    """Build the tensor- and data-parallel groups from the torchrun world.
+
+    Must be called on every rank (new_group is collective). Without an
+    initialized torch.distributed and tp=1 this sets up a single-rank world.
+    `timeout` bounds every collective on these groups: pass the one given to
+    init_process_group, because new_group does not inherit it (it falls back
+    to torch's 30-minute default, and a dead peer would hang DDP that long).
+    """
+    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
+    tp = tensor_model_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_model_parallel_size must be a positive int, got {tp!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        if tp != 1:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} needs torch.distributed: launch with "
+                f"`torchrun --nproc_per_node {tp} ...` and call "
+                "torch.distributed.init_process_group() before parallel.initialize()")
+        _TP_GROUP = _DP_GROUP = None
+        _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK = 1, 0, 1, 0
+        _INITIALIZED = True
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp != 0:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide the world size {world}: "
+            f"launch a multiple of {tp} processes or pick a size that divides {world}")
+    # Every rank must create every group, in the same order.
+    for start in range(0, world, tp):                 # TP: consecutive ranks
+        group = dist.new_group(list(range(start, start + tp)), timeout=timeout)
+        if start <= rank < start + tp:
+            _TP_GROUP = group
+    for tp_r in range(tp):                            # DP: same TP rank
+        group = dist.new_group(list(range(tp_r, world, tp)), timeout=timeout)
+        if rank % tp == tp_r:
+            _DP_GROUP = group
+    _TP_SIZE, _TP_RANK = tp, rank % tp
+    _DP_SIZE, _DP_RANK = world // tp, rank // tp
+    _INITIALIZED = True
+
+
+def destroy() -> None:
+    """Forget the groups (the world group itself belongs to the caller)."""
+    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
+    for group in {_TP_GROUP, _DP_GROUP} - {None}:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    _TP_GROUP = _DP_GROUP = None
+    _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK = 1, 0, 1, 0
+    _INITIALIZED = False
+
+
+def _check_initialized() -> None:
+    # A multi-rank job that forgot initialize() would otherwise silently train
+    # as if every rank were alone.
+    if not _INITIALIZED and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
+        raise RuntimeError("call parallel.initialize(tensor_model_parallel_size) first")
+
+
+def tp_group():
+    _check_initialized()
+    return _TP_GROUP
+
+
+def tp_rank() -> int:
+    _check_initialized()
+    return _TP_RANK
+
+
+def tp_size() -> int:
+    _check_initialized()
+    return _TP_SIZE
+
+
+def dp_group():
+    _check_initialized()
+    return _DP_GROUP
+
+
+def dp_rank() -> int:
+    _check_initialized()
+    return _DP_RANK
+
+
+def dp_size() -> int:
+    _check_initialized()
+    return _DP_SIZE
+
+
+def check_divisible(config, tp: int | None = None) -> None:
+    """Raise ValueError unless tp divides every quantity that gets split."""
+    tp = tp_size() if tp is None else tp
+    ffn = config.ffn_hidden_size or 4 * config.hidden_size
+    quantities = {
+        "num_attention_heads": config.num_attention_heads,
+        # grouped-query attention: each rank keeps whole key/value heads
+        "num_query_groups": getattr(config, "num_query_groups", None) or config.num_attention_heads,
+        "hidden_size": config.hidden_size,
+        "ffn_hidden_size": ffn,
+        "padded_vocab_size": config.padded_vocab_size,
+    }
+    for name, value in quantities.items():
+        if value % tp != 0:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} must divide {name}={value}: "
+                f"pick a tensor_model_parallel_size that divides {value} or change {name}")
+
+
+# --------------------------------------------------------------------------
+# Raw collectives on the TP group. They never modify their input in place:
+# autograd may hand the same gradient tensor to several branches (residual
+# adds), so reducing it in place would corrupt the others. .contiguous()
+# matters too: all_reduce on a non-contiguous tensor reduces a temporary copy.
+# --------------------------------------------------------------------------
+
+def _all_reduce_owned(out: torch.Tensor, async_op: bool = False):
+    """In-place sum over the TP group of a contiguous tensor nobody else holds.
+    Returns the work handle (None when synchronous)."""
+    if tp_size() == 1:
+        return None
+    return dist.all_reduce(out, group=tp_group(), async_op=async_op)
+
+
+def all_reduce(x: torch.Tensor, async_op: bool = False):
+    """Sum x over the TP group into a new contiguous tensor.
+    Returns the tensor, or (tensor, work handle or None) with async_op=True;
+    with async_op the tensor holds the sum only after handle.wait()."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    handle = _all_reduce_owned(out, async_op)
+    return (out, handle) if async_op else out
+
+
+def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The mean of x over `group` (a copy; x itself if the group is one rank)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        x /= dist.get_world_size(group)
+    return x
+
+
+def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """This rank's 1/tp slice of the last dim (a copy, so it frees the rest)."""
+    chunk = x.shape[-1] // tp_size()
+    return x[..., tp_rank() * chunk:(tp_rank() + 1) * chunk].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's x along the last dim, in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp_size())]
+    dist.all_gather(parts, x, group=tp_group())
+    return torch.cat(parts, dim=-1)
+
+
+# --------------------------------------------------------------------------
+# Sequence-parallel collectives: along dim 1, the sequence, of (B, T, ...).
+#
+# Why the model keeps (B, T, C) rather than Megatron's (T, B, C): the rest of
+# the model, and its path without sequence parallelism, keep nanoGPT's
+# batch-first layout untouched. The price is one rearranging copy per
+# collective, because rank r's tokens x[:, r*s:(r+1)*s] are not contiguous
+# when B > 1 and the collectives move contiguous buffers. Megatron puts the
+# sequence first so that each rank's slice is one contiguous block.
+# --------------------------------------------------------------------------
+
+class PendingSequenceGather:
+    """An all-gather along the sequence, maybe still in flight: every rank's
+    (B, T/tp, ...) slice, joined in rank order by wait() into (B, T, ...)."""
+
+    def __init__(self, x: torch.Tensor, async_op: bool = False):
+        x = x.contiguous()
+        self._buffer = x.new_empty((tp_size(), *x.shape))     # (tp, B, T/tp, ...): rank r's at [r]
+        # the collective sees the ranks' pieces stacked along dim 0
+        self._handle = dist.all_gather_single(self._buffer.flatten(0, 1), x, group=tp_group(),
+                                              async_op=async_op)
+
+    def wait(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        tp, B, s = self._buffer.shape[:3]
+        # (tp, B, s, ...) -> (B, tp, s, ...) -> (B, tp*s, ...): a copy unless B == 1
+        return self._buffer.movedim(0, 1).reshape(B, tp * s, *self._buffer.shape[3:])
+
+
+def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """(B, T/tp, ...) on every rank -> (B, T, ...), the slices in rank order."""
+    return PendingSequenceGather(x).wait()
+
+
+def reduce_scatter_sequence(x: torch.Tensor, async_op: bool = False):
+    """Sum x (B, T, ...) over the TP group and keep this rank's slice of the
+    sequence, (B, T/tp, ...), in a new tensor. With async_op=True returns
+    (tensor, work handle or None); the tensor holds the sum after wait()."""
+    B, T, tp = x.shape[0], x.shape[1], tp_size()
+    if T % tp != 0:
+        raise ValueError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
+    parts = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
+    out = parts.new_empty(parts.shape[1:])                                     # (B, T/tp, ...)
+    handle = dist.reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group(), async_op=async_op)
+    return (out, handle) if async_op else out
+
+
+# ============================================================================
+# 2. The communication operators: f, g, sequence parallelism's, Domino's
+# ============================================================================
+# autograd.Functions: Megatron's f and g, the gather along the hidden dim,
+# sequence parallelism's all-gather and reduce-scatter along the sequence, and
+# Domino's asynchronous variants. See the module docstring for the picture.
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: forward y = x (every rank already has x); backward dx = sum_r dy_r,
+    because x fed all tp shards and each contributes a partial gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad)
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: forward y = sum_r x_r (partial products -> full result); backward
+    dx_r = dy, the sum passes the same gradient to every summand."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    """forward y = [x_0 | x_1 | ... | x_{tp-1}] along the last dim; backward
+    dx_r = dy[..., r-th slice]."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_last_dim(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad)
+
+
+class _ReduceFromTensorParallelRegionAsync(torch.autograd.Function):
+    """g with the all-reduce left running in the background (Domino): forward
+    launches y = sum_r x_r and appends the work handle to `handles`; y may be
+    read only after handle.wait(). Backward: identity, like g."""
+
+    @staticmethod
+    def forward(ctx, x, handles: list):
+        out, handle = all_reduce(x, async_op=True)
+        handles.append(handle)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x cast to the autocast dtype when autocast is on (else x): what a
+    column-parallel GEMM would cast it to anyway. Under sequence parallelism
+    its input is all-gathered and kept for backward, and a torch LayerNorm's
+    output is fp32 under autocast: cast first, and both move and keep half
+    the bytes (s*b*h*34/T assumes 16-bit activations)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
+class DeferredCollectives:
+    """A column-parallel layer's collectives that Domino runs in the
+    background for one chunk: the reduction of dX in backward (f's
+    all-reduce; under sequence parallelism the reduce-scatter to each rank's
+    tokens) and, under sequence parallelism, the all-gather of its input in
+    forward.
+
+    dX: wait_in_backward(h) returns h through an identity autograd node whose
+    BACKWARD waits for the reduction; pass the result and this object to the
+    ColumnParallelLinear, whose backward launches the reduction and leaves
+    the handle here. Nothing reads the gradient before that wait: it flows
+    from the layer straight into the identity node.
+
+    Why a separate node: autograd runs the ready node created LAST in forward
+    first. The identity node is created early (before another chunk's GEMMs
+    in forward), so in backward those GEMMs run between the launch and the
+    wait. domino() (section 4) chooses that order.
+
+    Input: gather_input(h) launches the all-gather of h's tokens at once,
+    and the layer's forward waits for it only when it runs, so the GEMMs
+    issued in between (another chunk's) hide it.
+    """
+
+    def __init__(self):
+        self.handle = None
+        self.gathered_input = None   # a PendingSequenceGather, or None
+
+    def wait_in_backward(self, h: torch.Tensor) -> torch.Tensor:
+        return _WaitForDeferredGrad.apply(h, self)
+
+    def gather_input(self, h: torch.Tensor) -> None:
+        """Launch the all-gather of h's tokens (B, T/tp, C) for the layer's forward."""
+        self.gathered_input = PendingSequenceGather(in_autocast_dtype(h.detach()), async_op=True)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+
+class _WaitForDeferredGrad(torch.autograd.Function):
+    """forward y = x; backward: wait for the deferred reduction that is
+    filling grad (the all-reduce sums it in place; the reduce-scatter writes
+    the tensor the layer returned), then dx = grad, now summed over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, deferred: DeferredCollectives):
+        ctx.deferred = deferred
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.deferred.wait()
+        return grad, None
+
+
+class _AlreadyReduceScattered(torch.autograd.Function):
+    """Domino under sequence parallelism: forward returns `reduced`, the
+    reduce-scatter of `partial` that ran in the background; backward, like
+    _ReduceScatterToSequenceParallelRegion, all-gathers the gradient.
+
+    Unlike the all-reduce, the reduce-scatter is put into the graph only
+    AFTER it has landed: gloo finishes it with a copy_ into the output on its
+    own thread, and had that output already been this node's, autograd would
+    record the copy and cut the gradient's way back to `partial` (NCCL writes
+    in place, but the tests run gloo)."""
+
+    @staticmethod
+    def forward(ctx, partial, reduced):
+        return reduced.view_as(reduced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad), None
+
+
+class PendingReduce:
+    """A row-parallel layer's reduction in flight: g's all-reduce, or under
+    sequence parallelism the reduce-scatter to this rank's tokens. wait()
+    blocks until the sum has landed and returns it (plus the replicated bias,
+    added once after the sum)."""
+
+    def __init__(self, partial: torch.Tensor, bias: torch.Tensor | None,
+                 sequence_parallel: bool = False):
+        self._partial, self._bias, self._sequence_parallel = partial, bias, sequence_parallel
+        if sequence_parallel:
+            self._out, self._handle = reduce_scatter_sequence(partial.detach(), async_op=True)
+        else:
+            handles: list = []
+            self._out = _ReduceFromTensorParallelRegionAsync.apply(partial, handles)
+            self._handle = handles[0]
+
+    def wait(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        if self._sequence_parallel and self._partial is not None:
+            self._out = _AlreadyReduceScattered.apply(self._partial, self._out)
+            self._partial = None
+        return self._out if self._bias is None else self._out + self._bias
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Into the tensor-parallel region from the sequence-parallel one (before
+    a column-parallel layer, and before the LM head):
+        forward   y = [x_0; x_1; ...; x_{tp-1}]   all-gather along the sequence
+        backward  dx_r = (sum_q dy_q)[r-th slice]  reduce-scatter
+    y feeds this rank's shard of a tensor-parallel layer, so each rank's dy
+    is only a partial gradient (as in f's backward); the reduce-scatter sums
+    the partials and hands each rank the gradient of its own tokens."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return all_gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad)
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Out of the tensor-parallel region into the sequence-parallel one
+    (after a row-parallel layer, and after the vocab-parallel embedding):
+        forward   y_r = (sum_q x_q)[r-th slice]    reduce-scatter along the sequence
+        backward  dx = [dy_0; ...; dy_{tp-1}]      all-gather
+    g's all-reduce with each rank keeping only its tokens: the same bytes on
+    the wire (an all-reduce is a reduce-scatter then an all-gather), and
+    what follows (dropout, residual add, LayerNorm) runs on T/tp tokens.
+    Every partial x_q fed every slice, so its gradient is all of dy."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad)
+
+
+# With tp=1 every operator is the identity and adds no autograd node at all.
+
+def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return x if tp_size() == 1 else _CopyToTensorParallelRegion.apply(x)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return x if tp_size() == 1 else _ReduceFromTensorParallelRegion.apply(x)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return x if tp_size() == 1 else _GatherFromTensorParallelRegion.apply(x)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """(B, T/tp, ...) -> (B, T, ...); see _GatherFromSequenceParallelRegion."""
+    return x if tp_size() == 1 else _GatherFromSequenceParallelRegion.apply(x)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, ...) partial sums -> (B, T/tp, ...); see _ReduceScatterToSequenceParallelRegion."""
+    return x if tp_size() == 1 else _ReduceScatterToSequenceParallelRegion.apply(x)
+
+
+# ============================================================================
+# 3. Parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+# ============================================================================
+# Megatron's parallel layers. Each builds its full master weight, keeps its slice.
+
+def init_normal(std: float = 0.02) -> Callable[[torch.Tensor], None]:
+    """Megatron's default init_method: N(0, std) on the full master weight."""
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+def _sharded_master(shape: tuple[int, ...], init_method, dim: int,
+                    stride=1) -> nn.Parameter:
+    """Build the full master weight with init_method, keep this rank's slice."""
+    master = torch.empty(shape)
+    with torch.no_grad():
+        init_method(master)
+    shard = shard_tensor(master, dim, tp_rank(), tp_size(), stride)
+    return _mark_sharded(nn.Parameter(shard), dim, stride)
+
+
+def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """A parameter's shape on this rank, also under ZeRO-3, which empties the
+    tensor and keeps its shape in `ds_shape`."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its OUTPUT dim: rank r holds the rows
+    A_r (out/tp, in) and computes Y_r = X A_r^T + b_r. The input goes through f
+    (identity forward, all-reduce of dX backward). The output stays sharded
+    (..., out/tp).
+
+    sequence_parallel=True: the input is this rank's slice of the sequence
+    (B, T/tp, in), all-gathered to (B, T, in) before the GEMM, and dX is
+    reduce-scattered back to (B, T/tp, in): the gather replaces f."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 stride=1, init_method: Callable[[torch.Tensor], None] = init_normal(),
+                 async_grad_allreduce: bool = False, sequence_parallel: bool = False):
+        super().__init__()
+        # True: f's backward all-reduce overlaps the weight-gradient GEMM
+        # (see _ColumnParallelLinearFunction). Same maths either way.
+        self.async_grad_allreduce = async_grad_allreduce
+        self.sequence_parallel = sequence_parallel and tp_size() > 1
+        self.in_features, self.out_features, self.stride = in_features, out_features, stride
+        self.weight = _sharded_master((out_features, in_features), init_method, 0, stride)
+        if bias:
+            # Megatron initializes biases to zero.
+            self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // tp_size())), 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor,
+                deferred: DeferredCollectives | None = None) -> torch.Tensor:
+        """deferred (async_grad_allreduce only): x came from
+        deferred.wait_in_backward, where backward waits for dX's all-reduce."""
+        if deferred is not None and not self.async_grad_allreduce:
+            raise ValueError("a DeferredCollectives needs async_grad_allreduce=True")
+        if self.sequence_parallel or (self.async_grad_allreduce and tp_size() > 1):
+            return _ColumnParallelLinearFunction.apply(x, self.weight, self.bias, deferred,
+                                                       self.sequence_parallel)
+        x = copy_to_tensor_parallel_region(x)           # (..., in)
+        return F.linear(x, self.weight, self.bias)      # (..., out/tp)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
+        """Shard an existing full nn.Linear (no random numbers drawn)."""
+        return _from_linear(cls, linear, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {_local_shape(self.weight)[0]}), stride={self.stride}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class _ColumnParallelLinearFunction(torch.autograd.Function):
+    """f (or, under sequence parallelism, the all-gather of the sequence)
+    followed by y = X W_r^T + b_r, with the backward communication overlapped.
+
+    Backward needs dX = sum_r dY_r W_r and dW_r = dY_r^T X. The all-reduce of
+    dX (under sequence parallelism: its reduce-scatter to each rank's tokens)
+    is launched asynchronously BEFORE the dW GEMM, so the network moves dX
+    while the GEMM runs; we wait before returning dX (Megatron), or, given a
+    DeferredCollectives, not at all: its identity node waits later, after
+    other chunks' GEMMs (DeepSpeed-Domino).
+    On GPU this relies on CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware
+    queue, kernels start in launch order, so the NCCL kernel (on its own
+    stream) is already running when the GEMM is queued instead of waiting
+    behind it. Megatron's async_tensor_model_parallel_allreduce does the same.
+
+    Sequence parallelism saves only this rank's slice of X (B, T/tp, in) for
+    backward and all-gathers it again there (launched before the dX GEMM, so
+    that GEMM hides it): the gathered (B, T, in) is never kept, which is what
+    makes the activation memory of the layer's input 1/tp (Korthikanti et al.).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, deferred, sequence_parallel):
+        ctx.input_dtype = x.dtype
+        if sequence_parallel:
+            x = in_autocast_dtype(x)                            # keep and move 16 bits
+        ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
+        ctx.has_bias, ctx.deferred, ctx.sequence_parallel = bias is not None, deferred, sequence_parallel
+        total = x
+        if sequence_parallel:                                   # -> (B, T, in)
+            launched = deferred.gathered_input if deferred is not None else None
+            total = launched.wait() if launched is not None else all_gather_sequence(x)
+            if deferred is not None:
+                deferred.gathered_input = None
+        return F.linear(total, weight, bias)                    # (..., out/tp)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        # Under torch.autocast, forward's F.linear ran in the autocast dtype
+        # (grad_out is e.g. bf16) but x and weight were saved in fp32, and
+        # backward runs outside autocast. So do the GEMMs in grad_out's dtype,
+        # as autograd does for an autocast F.linear, and cast each gradient
+        # back to its input's dtype (dX before the all-reduce, exactly like
+        # the plain f path, which all-reduces the fp32 gradient). Under
+        # sequence parallelism x was saved in the autocast dtype already.
+        dtype = grad_out.dtype
+        gather = PendingSequenceGather(x, async_op=True) if ctx.sequence_parallel else None
+        grad_input = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_input = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)  # (..., in) partial
+            if ctx.sequence_parallel:                                    # -> (B, T/tp, in)
+                grad_input, handle = reduce_scatter_sequence(grad_input, async_op=True)
+            else:
+                grad_input = grad_input.contiguous()
+                handle = _all_reduce_owned(grad_input, async_op=True)
+        total = gather.wait() if gather is not None else x               # (..., in)
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/tp)
+        x2d = total.reshape(-1, total.shape[-1]).to(dtype)               # (N, in)
+        grad_weight = (g2d.t() @ x2d).to(weight.dtype)                   # overlaps the reduction
+        grad_bias = g2d.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
+        if ctx.deferred is not None:
+            ctx.deferred.handle = handle   # waited for in _WaitForDeferredGrad
+        elif handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its INPUT dim: rank r holds the columns
+    A_r (out, in/tp) and computes the partial product X_r A_r^T; g sums the
+    partials over ranks. The bias is replicated and added once, after the sum.
+    The input is already split (..., in/tp): a column-parallel layer's output."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 init_method: Callable[[torch.Tensor], None] = init_normal(),
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        # True: reduce-scatter the sum to this rank's tokens (B, T/tp, out)
+        # instead of all-reducing it (see reduce_scatter_to_sequence_parallel_region).
+        self.sequence_parallel = sequence_parallel and tp_size() > 1
+        self.weight = _sharded_master((out_features, in_features), init_method, 1)
+        # Replicated: every rank holds the full bias and computes the same grad
+        # (under sequence parallelism, a share of it: see sum_sequence_parallel_grads).
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)                          # (B, T, out), this rank's share
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial)  # (B, T/tp, out)
+        else:
+            y = reduce_from_tensor_parallel_region(partial)         # (B, T, out)
+        return y if self.bias is None else y + self.bias
+
+    def forward_async(self, x: torch.Tensor) -> PendingReduce:
+        """Like forward, but the all-reduce (or the
+        reduce-scatter) runs in the background: call .wait() on the result."""
+        return PendingReduce(F.linear(x, self.weight), self.bias, self.sequence_parallel)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
+        """Shard an existing full nn.Linear (no random numbers drawn)."""
+        return _from_linear(cls, linear, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {_local_shape(self.weight)[1]}), "
+                f"out_features={self.out_features}, sequence_parallel={self.sequence_parallel}")
+
+
+def _from_linear(cls, linear: nn.Linear, **kwargs):
+    # init_method copies the existing weight, so the RNG stream is untouched.
+    layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                init_method=lambda w: w.copy_(linear.weight), **kwargs)
+    if linear.bias is not None:
+        with torch.no_grad():
+            if getattr(layer.bias, "tensor_model_parallel", False):
+                layer.bias.copy_(shard_tensor(linear.bias, 0, tp_rank(), tp_size(),
+                                              layer.bias.partition_stride))
+            else:
+                layer.bias.copy_(linear.bias)
+    return layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the vocabulary) are split into tp contiguous ranges.
+    Rank r looks up the ids it owns, outputs zeros for the others, and g sums
+    over ranks, so every id gets exactly its one row. sequence_parallel=True
+    reduce-scatters the sum instead: each rank keeps its tokens (B, T/tp, C)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 init_method: Callable[[torch.Tensor], None] = init_normal(),
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel and tp_size() > 1
+        if num_embeddings % tp_size() != 0:
+            raise ValueError(f"tensor_model_parallel_size={tp_size()} must divide "
+                             f"num_embeddings={num_embeddings} (pad the vocabulary)")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per_rank = num_embeddings // tp_size()
+        self.vocab_start, self.vocab_end = tp_rank() * per_rank, (tp_rank() + 1) * per_rank
+        self.weight = _sharded_master((num_embeddings, embedding_dim), init_method, 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # Each rank sees only its own rows, so an out-of-range id would
+        # otherwise silently embed to zeros instead of failing. (Not on a GPU,
+        # where it costs a sync per call: GPT and train.py check before.)
+        if not ids.is_cuda:
+            check_ids([("token ids", ids, self.num_embeddings,
+                        "check the tokenizer vocab against padded_vocab_size")])
+        if tp_size() == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)      # (B, T)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight)                        # (B, T, C)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out)       # (B, T/tp, C)
+        return reduce_from_tensor_parallel_region(out)
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
+        """Shard an existing full nn.Embedding (no random numbers drawn)."""
+        layer = cls(emb.num_embeddings, emb.embedding_dim,
+                    init_method=lambda w: w.copy_(emb.weight), **kwargs)
+        return layer.to(device=emb.weight.device, dtype=emb.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"local rows [{self.vocab_start}, {self.vocab_end}), "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(module: nn.Module):
+    """Run `module` with its layers' sequence parallelism switched off, then
+    back on. Generation needs it: a KV-cache step has one token, which
+    cannot be split over the TP ranks (the weights are the same either way)."""
+    switched = [m for m in module.modules() if getattr(m, "sequence_parallel", False)]
+    for m in switched:
+        m.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.sequence_parallel = True
+
+
+# ============================================================================
+# 4. Domino's schedule
+# ============================================================================
+#
+# Domino (Wang et al., DeepSpeed-Domino): a schedule that hides tensor
+# parallelism's communication behind computation.
+#
+# The micro-batch is split along the batch into chunks that are independent
+# until the loss. The layer stack is a list of sublayers (a transformer block
+# has two: attention and MLP), and a chunk's pass through a sublayer is
+#
+#     enter:  wait for its previous row-parallel all-reduce, residual add,
+#             LayerNorm, and the node where backward will wait (see below)
+#     body:   column-parallel GEMM ... (heads or GeLU), row-parallel GEMM
+#     launch: the row-parallel all-reduce, left in flight
+#
+# Forward: chunk i's all-reduce is in flight while the other chunks' bodies
+# run, and is waited for only when chunk i enters its next sublayer.
+#
+# Backward runs the graph in reverse, always picking the ready node that was
+# created LAST in forward. The column-parallel layer launches its dX
+# all-reduce and returns without waiting (DeferredCollectives); the wait is
+# an identity node made when the chunk entered the sublayer. Each chunk
+# therefore enters its sublayer BEFORE the previous chunk launches its
+# row-parallel GEMM: in backward, that GEMM's gradients are computed between
+# this chunk's launch and its wait. With 2 chunks:
+#
+#     forward   body0 | enter1 | row0 | body1 | enter0' | row1 | body0' ...
+#     backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
+#
+# Under sequence parallelism (each chunk holds this rank's T/tp tokens) each
+# all-reduce is a reduce-scatter, in flight the same way, and entering a
+# sublayer also launches the all-gather of the chunk's LayerNorm output,
+# which the column-parallel GEMM waits for: the previous chunk's row GEMM runs
+# meanwhile. In backward the dX reduce-scatter is deferred like the
+# all-reduce; the all-gathers of a row-parallel layer's dY are not (its GEMMs
+# need them at once).
+#
+# tests/test_parallel.py records this order on two ranks and checks it.
+
+class Sublayer(NamedTuple):
+    norm: nn.Module   # the LayerNorm that enters it
+    body: Callable    # body(h, deferred, chunk index) -> the row-parallel layer's input
+    row: nn.Module    # the RowParallelLinear that ends it (forward_async)
+    dropout: nn.Module
+
+
+def _finish_branch(pending):
+    """dropout(all-reduced branch output), waiting for the all-reduce only now."""
+    if pending is None:
+        return None
+    reduce, drop = pending
+    return drop(reduce.wait())
+
+
+def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: Callable,
+           sequence_parallel: bool = False) -> list[torch.Tensor]:
+    """Run every chunk (b, T, C) through every sublayer, interleaved as the
+    module docstring says; return the chunks' outputs. add_and_norm(norm, x,
+    branch) -> (x + branch, norm(x + branch)) is the model's residual add and
+    LayerNorm (branch None: no add)."""
+    chunks = list(chunks)
+    pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
+
+    def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
+        chunks[i], h = add_and_norm(sublayers[s].norm, chunks[i], _finish_branch(pending[i]))
+        deferred = DeferredCollectives()
+        if sequence_parallel:  # h holds this rank's tokens: start gathering them all now
+            deferred.gather_input(h)
+        return deferred.wait_in_backward(h), deferred
+
+    entered = [enter(0, 0)] + [None] * (len(chunks) - 1)
+    for s, sublayer in enumerate(sublayers):
+        for i in range(len(chunks)):
+            y = sublayer.body(*entered[i], i)         # (b, T, C/tp) or (b, T, F/tp)
+            if i + 1 < len(chunks):                   # the next chunk enters...
+                entered[i + 1] = enter(i + 1, s)
+            elif s + 1 < len(sublayers):              # ...or the first, the next sublayer
+                entered[0] = enter(0, s + 1)
+            pending[i] = (sublayer.row.forward_async(y), sublayer.dropout)  # ...before this row GEMM
+    return [c + _finish_branch(p) for c, p in zip(chunks, pending)]
+
+
+# ============================================================================
+# 5. A random stream per tensor-parallel rank (Megatron's CUDA RNG tracker idea)
+# ============================================================================
+#
+# Every rank seeds the default generator identically (train.py), so every
+# rank builds the same model and draws the same dropout masks where the
+# tensor-parallel ranks hold the SAME values: the replicated residual stream
+# without sequence parallelism must stay identical on every rank.
+#
+# Some dropouts act on values that differ from rank to rank:
+#   - attention dropout, under any tensor parallelism: each rank holds other heads;
+#   - hidden dropout under sequence parallelism: each rank holds other tokens.
+# With the shared stream those masks would be copies of each other (rank 1's
+# heads dropped exactly where rank 0's are). They draw from a second stream,
+# seeded differently on each tensor-parallel rank:
+#
+#     with parallel.get_rng_tracker().fork():
+#         y = F.dropout(x, p)        # this rank's own mask
+#
+# fork() swaps the default generator's state for the tracked one and back, so
+# the default stream never notices. Activation checkpointing must replay the
+# same masks when it recomputes a block: see checkpoint_with_rng.
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+# Megatron's offset: the tensor-parallel stream of rank r is seeded seed + 2718 + r.
+MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+def _current_state() -> dict:
+    """The default generators' states: the CPU one, and the current GPU's."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():  # call after torch.cuda.set_device (train.py does)
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class RNGTracker:
+    """Named generator states beside the default one; fork(name) draws from one."""
+
+    def __init__(self):
+        self._states: dict[str, dict] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        """Start the stream `name` from `seed` (the default stream is untouched)."""
+        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+        if torch.cuda.is_available():  # this process's GPU only
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+                torch.cuda.manual_seed(seed)
+                state["cuda"] = torch.cuda.get_rng_state()
+        self._states[name] = state
+
+    def get_states(self) -> dict:
+        return {name: dict(state) for name, state in self._states.items()}
+
+    def set_states(self, states: dict) -> None:
+        self._states = {name: dict(state) for name, state in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        """Draw from stream `name` inside the block, then give the default
+        generator back its own state."""
+        if name not in self._states:
+            raise RuntimeError(f"RNG stream {name!r} was never seeded: call "
+                               f"parallel.model_parallel_seed(seed) after parallel.initialize()")
+        outside = _current_state()
+        _set_state(self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = _current_state()
+            _set_state(outside)
+
+
+_TRACKER = RNGTracker()
+
+
+def get_rng_tracker() -> RNGTracker:
+    return _TRACKER
+
+
+def model_parallel_seed(seed: int) -> None:
+    """Seed the tensor-parallel stream: seed + 2718 + this rank's TP rank, so
+    TP ranks differ and data-parallel replicas agree. Call on every rank,
+    after parallel.initialize(), next to torch.manual_seed(seed)."""
+    _TRACKER.set_states({})
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank())
+
+
+def rng_tracker_states_of_every_tp_rank() -> list[dict]:
+    """Every TP rank's tracker states, in TP-rank order, for a checkpoint.
+    Collective over the TP group."""
+    mine = _TRACKER.get_states()
+    if tp_size() == 1:
+        return [mine]
+    everyone = [None] * tp_size()
+    dist.all_gather_object(everyone, mine, group=tp_group())
+    return everyone
+
+
+def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
+    """Inverse: this rank takes its own. False (and nothing changes) when
+    they were saved at another TP size, whose streams do not map onto ours,
+    or on other devices (a CPU run's streams hold no GPU state)."""
+    if len(states) != tp_size() or any(s.keys() != _current_state().keys()
+                                       for s in states[tp_rank()].values()):
+        return False
+    _TRACKER.set_states(states[tp_rank()])
+    return True
+
+
+def fork_rng_if(per_rank: bool):
+    """fork() when `per_rank`, else nothing: the call sites read as one line."""
+    return _TRACKER.fork() if per_rank else contextlib.nullcontext()
+
+
+def checkpoint_with_rng(checkpoint_fn, fn, *args):
+    """checkpoint_fn(fn, *args) (torch's or DeepSpeed's activation
+    checkpointing), made to replay the tracker's streams too.
+
+    Checkpointing recomputes fn in backward, and restores the DEFAULT
+    generator first so that dropout draws the same masks again. It knows
+    nothing of the tracker, whose streams have moved on since: the masks
+    drawn through fork() would differ, and the gradients would be wrong
+    (silently). So remember the tracker's states at the first run, and
+    during the recompute run from them, then put the current ones back.
+    """
+    start = _TRACKER.get_states()
+    runs = []
+
+    def run(*inputs):
+        if not runs:                     # the forward pass
+            runs.append(True)
+            return fn(*inputs)
+        now = _TRACKER.get_states()      # the recompute, in backward
+        _TRACKER.set_states(start)
+        try:
+            return fn(*inputs)
+        finally:
+            _TRACKER.set_states(now)
+    return checkpoint_fn(run, *args)
+
+
+# ============================================================================
+# 6. Cross entropy on vocab-sharded logits, and the one id-range check
+# ============================================================================
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """loss = log(sum_v exp(z_v - m)) - (z_target - m), m = max_v z_v, where
+    the vocab v is spread over ranks. Only per-token scalars are all-reduced
+    (the max, the exp-sum, the target logit), never the (..., V) logits.
+    Backward on the local shard: dz = (softmax(z) - onehot(target)) * dloss."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        logits_dtype = logits.dtype
+        logits = logits.float()                                   # (..., V/tp) fp32
+        local_vocab = logits.shape[-1]
+        start = tp_rank() * local_vocab
+        # Max over the full vocab for a stable softmax.
+        max_logit = logits.max(dim=-1).values                     # (...)
+        if tp_size() > 1:
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group())
+        logits = logits - max_logit.unsqueeze(-1)
+        # The target logit: only the rank that owns the target id contributes.
+        outside = (target < start) | (target >= start + local_vocab)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(outside, 0.0)
+        exp = logits.exp()                                        # (..., V/tp)
+        sum_exp = exp.sum(dim=-1)                                 # (...)
+        if tp_size() > 1:
+            both = torch.stack([target_logit, sum_exp])           # one all-reduce
+            dist.all_reduce(both, group=tp_group())
+            target_logit, sum_exp = both[0], both[1]
+        loss = sum_exp.log() - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        ctx.logits_dtype = logits_dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        onehot_value = (~outside).to(grad.dtype)                  # 1 where we own target
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot_value.unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token fp32 loss (...) from logits sharded over the vocab (..., V/tp)
+    and full target ids (...). With tp=1 this is F.cross_entropy."""
+    if tp_size() == 1:  # F.cross_entropy checks the range itself
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                               target.reshape(-1), reduction="none")
+        return loss.view(target.shape)
+    # No rank sees the whole vocab, so an out-of-range target would silently
+    # get a loss of log(sum exp) (no rank owns it) instead of an error.
+    if not target.is_cuda:  # as in VocabParallelEmbedding.forward
+        check_ids([("target ids", target, logits.shape[-1] * tp_size(),
+                    "check the labels against padded_vocab_size")])
+    return _VocabParallelCrossEntropy.apply(logits, target)
+
+
+def check_ids(checks) -> None:
+    """The one id-range check: checks = [(name, ids, limit, fix), ...]; raise a
+    ValueError naming the first `ids` with a value outside [0, limit), and the
+    fix. Empty or None ids pass. All bounds are read with ONE host read: free on
+    CPU tensors, a sync on a GPU, so the training loop checks each batch on
+    the host (train.check_batch) and the model only its first GPU call."""
+    checks = [c for c in checks if c[1] is not None and c[1].numel() > 0]
+    if not checks or torch.compiler.is_compiling():  # .tolist() would break the graph
+        return
+    bounds = torch.stack([m.long() for _, ids, _, _ in checks for m in ids.aminmax()]).tolist()
+    for (name, _, limit, fix), lo, hi in zip(checks, bounds[::2], bounds[1::2]):
+        if lo < 0 or hi >= limit:
+            raise ValueError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
+
+
+# ============================================================================
+# 7. Gradients: sequence-parallel sums, the global norm, clipping
+# ============================================================================
+
+def sum_sequence_parallel_grads(module: nn.Module) -> None:
+    """Under sequence parallelism every replicated parameter of `module` (the
+    norms' weights and biases, row-parallel biases, learned positions) sees
+    only this rank's T/tp tokens, so its gradient on this rank is a partial
+    sum over tokens: the full gradient is the sum over the TP group. Forget
+    it and each rank trains its own copy on its tokens alone, they drift
+    apart, and nothing fails: the classic silent bug of sequence parallelism.
+
+    A hook on each such parameter sums its gradient over the TP group in
+    backward, before it lands in .grad, so DDP's and every ZeRO stage's own
+    hooks, gradient accumulation and clipping all see the full gradient.
+    (Megatron instead all-reduces them once per step after backward, in one
+    coalesced call; the hooks cost one small all-reduce per parameter per
+    micro-batch, and need no change in any engine.)"""
+    for p in module.parameters():
+        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
+            p.sequence_parallel = True
+            p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to the TRUE global L2 norm of the full (unsharded) model's grads.
+
+    Sharded grads: every rank's squares count. Replicated grads (LayerNorms,
+    row-parallel biases) are identical on all TP ranks (under sequence
+    parallelism after sum_sequence_parallel_grads), so only TP rank 0
+    counts them. The other ranks add theirs times 0: nothing if finite,
+    but 0 * inf is NaN, so an inf or NaN in any rank's copy makes the norm
+    non-finite everywhere and every rank skips the step (Megatron all-reduces
+    a found_inf flag over the model-parallel group for the same reason).
+    Grads are assumed already averaged over data parallelism.
+    Like torch.nn.utils.clip_grad_norm_: scales by max_norm / (norm + 1e-6)
+    when that is < 1, and returns the norm. A non-finite norm leaves the grads
+    untouched and is returned as is: the caller decides (e.g. skip the step).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    device = params[0].grad.device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        counted = getattr(p, "tensor_model_parallel", False) or tp_rank() == 0
+        sq += p.grad.detach().float().pow(2).sum() * (1.0 if counted else 0.0)
+    if tp_size() > 1:
+        dist.all_reduce(sq, group=tp_group())
+    total_norm = sq.sqrt()
+    # Decided on device (no host sync): coef = 1 keeps grads when norm is small
+    # or non-finite.
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total_norm
+
+
+# ============================================================================
+# 8. Shards and full tensors: parameters, optimizer state, state dicts
+# ============================================================================
+
+def _blocks(full_size: int, stride) -> list[int]:
+    """Block sizes along the split dim: `stride` equal blocks (an int, e.g. 3
+    for [Q | K | V]), or the sizes themselves (a sequence, e.g. [Q | K | V]
+    with fewer K/V heads under grouped-query attention)."""
+    if isinstance(stride, int):
+        return [full_size // stride] * stride
+    return [int(s) for s in stride]
+
+
+def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int,
+                 stride=1) -> torch.Tensor:
+    """Rank's slice of `full` along `dim`.
+
+    stride > 1: `full` is made of `stride` blocks along dim (e.g. [Q | K | V]);
+    each block is split across ranks, and rank r keeps the r-th piece of every
+    block, concatenated ([Q_r | K_r | V_r]), so each rank has whole heads.
+    stride may also list unequal block sizes (see _blocks).
+    """
+    sizes = _blocks(full.shape[dim], stride)
+    if sum(sizes) != full.shape[dim] or any(s % world for s in sizes):
+        raise ValueError(f"dim {dim} of size {full.shape[dim]} cannot be split into "
+                         f"block(s) {sizes} x {world} rank(s)")
+    blocks = full.split(sizes, dim=dim)
+    return torch.cat([b.chunk(world, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
+
+
+def merge_shards(shards: list[torch.Tensor], dim: int, stride=1) -> torch.Tensor:
+    """Inverse of shard_tensor: rebuild the full tensor from every rank's shard."""
+    world = len(shards)
+    local = [s // world for s in _blocks(shards[0].shape[dim] * world, stride)]
+    per_rank_blocks = [s.split(local, dim=dim) for s in shards]  # [rank][block]
+    blocks = [torch.cat([rb[b] for rb in per_rank_blocks], dim=dim) for b in range(len(local))]
+    return torch.cat(blocks, dim=dim)
+
+
+def gather_tensor(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor:
+    """All-gather a sharded parameter (or grad) over the TP group into the full
+    tensor on every rank (for checkpoints and tests). Collective."""
+    if tp_size() == 1:
+        return shard
+    shard = shard.contiguous()
+    shards = [torch.empty_like(shard) for _ in range(tp_size())]
+    dist.all_gather(shards, shard, group=tp_group())
+    return merge_shards(shards, dim, stride)
+
+
+def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor | None:
+    """gather_tensor, but only TP rank 0 receives the full tensor (dist.gather):
+    the others return None and never allocate it (checkpoint writes)."""
+    if tp_size() == 1:
+        return shard
+    shard = shard.contiguous()
+    first = tp_rank() == 0
+    shards = [torch.empty_like(shard) for _ in range(tp_size())] if first else None
+    dist.gather(shard, shards, dst=dist.get_global_rank(tp_group(), 0), group=tp_group())
+    return merge_shards(shards, dim, stride) if first else None
+
+
+def _mark_sharded(param: nn.Parameter, dim: int, stride=1) -> nn.Parameter:
+    # DeepSpeed and our clip_grad_norm_ read `tensor_model_parallel`.
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = stride
+    return param
+
+
+# --------------------------------------------------------------------------
+# Layout-independent checkpoints
+# --------------------------------------------------------------------------
+
+def gather_like(param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of `t`, a tensor split the way `param` is (the
+    parameter itself, or optimizer state shaped like it). Collective over the
+    TP group for sharded parameters; replicated ones are returned as they are."""
+    if getattr(param, "tensor_model_parallel", False):
+        return gather_tensor(t, param.partition_dim, param.partition_stride)
+    return t
+
+
+def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """Inverse of gather_like: this rank's slice of `full`, split like `param`."""
+    if getattr(param, "tensor_model_parallel", False):
+        return shard_tensor(full, param.partition_dim, tp_rank(), tp_size(), param.partition_stride)
+    return full
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """module.state_dict() with every sharded parameter gathered to its full
+    tensor: the same keys and shapes for any tp. Collective over the TP group."""
+    params = dict(module.named_parameters())
+    return {name: gather_like(params[name], t) if name in params else t
+            for name, t in module.state_dict().items()}
+
+
+def load_full_state_dict(module: nn.Module, sd: dict) -> None:
+    """Inverse of full_state_dict: slice each full tensor the way this rank's
+    parameter is split, then load strictly (any tp can load any tp's save)."""
+    params = dict(module.named_parameters())
+    module.load_state_dict({name: shard_like(params[name], t) if name in params else t
+                            for name, t in sd.items()}, strict=True)
