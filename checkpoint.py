@@ -506,7 +506,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
                  + latest_checkpointed_iteration.txt), weights only: resume
                  it with --load OUT --no-load-optim (any layout, with or
                  without --deepspeed);
-    fmt="hf":    a Hugging Face GPT-2 or Llama directory (GPT.to_hf, hf.py)."""
+    fmt="hf":    a Hugging Face GPT-2 or Llama directory (hf.to_hf)."""
     if parallel.tp_size() > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
     found = latest_checkpoint(checkpoint)
@@ -518,7 +518,8 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     model = GPT(GPTConfig(**model_config))  # tp=1, on CPU
     model.load_full_state_dict(full)
     if fmt == "hf":
-        model.to_hf(out)
+        import hf  # hf.py imports this module (atomic_write)
+        hf.to_hf(model, out)
         return
     state = {"model": model.full_state_dict(), "optimizer": None, "scaler": None,
              "iteration": state["iteration"], "consumed_samples": state["consumed_samples"],

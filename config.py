@@ -43,7 +43,7 @@ class TrainConfig:
     attention_dropout: float = 0.0
     attention_impl: str | None = None   # None: triton on CUDA, torch on CPU
     layernorm_impl: str | None = None
-    loss_impl: str = "fused"              # fused (loss.py, no full logits) | full
+    loss_impl: str = "fused"              # fused (gpt.fused_lm_loss, no full logits) | full
     recompute_activations: bool = False
     # architecture options (None / off: the preset's, GPT-2's by default)
     position_embedding_type: str | None = None  # learned_absolute | rope
@@ -177,7 +177,7 @@ FLAG_HELP = {
     "attention_dropout": "dropout on attention probabilities",
     "attention_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
     "layernorm_impl": "triton | torch (default: triton on CUDA, torch on CPU)",
-    "loss_impl": "fused: LM head + cross-entropy in chunks, never the full fp32 logits (loss.py); "
+    "loss_impl": "fused: LM head + cross-entropy in chunks, never the full fp32 logits (gpt.fused_lm_loss); "
                  "full: the logits, then the loss (for comparison)",
     "recompute_activations": "activation checkpointing: recompute each block in backward",
     "position_embedding_type": "learned_absolute | rope (default: the preset's, learned_absolute)",

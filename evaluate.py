@@ -19,7 +19,7 @@ The tasks follow Megatron's tasks/zeroshot_gpt, so the numbers compare.
   2. The model, from any checkpoint, in this run's layout.
   3. Scoring: one forward per micro-batch, sums all-reduced over data parallelism.
   4. The two tasks and their reports.
-  5. Samples: greedy or sampled continuations with a KV cache (sampling.py).
+  5. Samples: greedy or sampled continuations with a KV cache (gpt.generate).
 """
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
+import hf
 import parallel
 import train
 from config import TrainConfig, model_config, parse_args
 from gpt import GPT, GPTConfig
-from sampling import generate
+from gpt import generate
 from prepare import load_tokenizer
 
 # ----------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
                    hidden_dropout=0.0, attention_dropout=0.0, activation_checkpointing=False,
                    domino_chunks=cfg.domino_chunks if cfg.domino else 1, sequence_parallel=False)
     if cfg.hf:
-        model = GPT.from_hf(cfg.hf, **runtime)
+        model = hf.from_hf(cfg.hf, **runtime)
     else:
         found = checkpoint.latest_checkpoint(cfg.load)
         if found is None:

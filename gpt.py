@@ -7,7 +7,7 @@ One file, read top to bottom:
    flags (--num-layers, --hidden-size, --num-attention-heads, ...).
 2. Plug-in seams: `self_attention(...)` holds the attention math and
    `make_layernorm(...)` builds every norm. Their "triton" branches
-   call kernels/; another implementation is one more name in
+   call kernels.py; another implementation is one more name in
    ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there, and nothing
    else in the model needs to change.
 3. The model: by default GPT-2's: token + learned absolute position
@@ -28,9 +28,11 @@ One file, read top to bottom:
    seed and no rank ever holds the full model. Optional Domino
    overlap (config.domino_chunks > 1, see domino_blocks) hides the TP
    all-reduces behind computation.
-6. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
-   Generation (the KV cache, `generate`) lives in sampling.py, Hugging Face
-   GPT-2 and Llama import and export in hf.py (GPT.from_hf, GPT.to_hf).
+6. The LM head and the loss, fused over chunks of tokens (`fused_lm_loss`):
+   the (tokens, vocab) logits never exist whole.
+7. Generation: the KV cache and `generate`.
+8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
+Hugging Face GPT-2 and Llama import and export live in hf.py.
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
 GPT-2's 50257 tokens; a multiple of 128, Megatron's
@@ -51,16 +53,16 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import parallel
-from loss import fused_lm_loss
+import kernels
 
 # -----------------------------------------------------------------------------
 # Config
 
 # Implementations the seams below understand (self_attention, make_layernorm,
 # GPT.forward's loss).
-ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels/attention.py (FlashAttention-2)
-LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels/norm.py (fused LayerNorm)
-LOSS_IMPLS = ("fused", "full")         # "fused": loss.py (head + loss in chunks)
+ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.flash_attention (FlashAttention-2)
+LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.TritonLayerNorm (fused LayerNorm)
+LOSS_IMPLS = ("fused", "full")         # "fused": fused_lm_loss (head + loss in chunks)
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -81,7 +83,7 @@ class GPTConfig:
     attention_impl: str = "torch"
     layernorm_impl: str = "torch"
     # "fused": LM head + cross-entropy in chunks, never the full logits
-    # (loss.py); "full": full logits, then the cross-entropy (for comparison)
+    # (fused_lm_loss); "full": full logits, then the cross-entropy (for comparison)
     loss_impl: str = "fused"
     activation_checkpointing: bool = False
     # Domino (tensor parallelism only): split each micro-batch into this many
@@ -140,7 +142,6 @@ class GPTConfig:
                              f"choose one of {list(LAYERNORM_IMPLS)}")
         self._check_architecture()
         if self.attention_impl == "triton":
-            import kernels  # imports without triton; the kernels own their head dims
             if self.hidden_size // self.num_attention_heads not in kernels.SUPPORTED_HEAD_DIMS:
                 raise ValueError(f"attention_impl='triton' supports head dims "
                                  f"{kernels.SUPPORTED_HEAD_DIMS}, not "
@@ -252,7 +253,6 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
         if training and dropout_p > 0:  # GPTConfig refuses this too; guard direct callers
             raise ValueError("attention_impl='triton' has no attention dropout; "
                              "use dropout_p=0 or impl='torch'")
-        import kernels  # imported on demand: triton is optional
         # flash_attention raises a clear error when Triton cannot run here
         # (e.g. a CPU tensor without TRITON_INTERPRET=1).
         return kernels.flash_attention(q, k, v, causal=True)
@@ -278,7 +278,6 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
         norm = nn.RMSNorm if rms else nn.LayerNorm
         return norm(hidden, eps=config.layernorm_epsilon)
     if config.layernorm_impl == "triton":
-        import kernels
         norm = kernels.TritonRMSNorm if rms else kernels.TritonLayerNorm
         return norm(hidden, eps=config.layernorm_epsilon)
     raise ValueError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
@@ -579,7 +578,7 @@ class GPT(nn.Module):
                 f"sequence parallelism splits each sequence over the {parallel.tp_size()} "
                 f"tensor-parallel ranks, but it has {input_ids.shape[-1]} tokens: use a "
                 f"--seq-length divisible by {parallel.tp_size()} (generation runs under "
-                f"parallel.sequence_parallel_off, as sampling.generate does)")
+                f"parallel.sequence_parallel_off, as generate does)")
         T = start + input_ids.shape[-1]  # start: positions already in a KV cache
         if T > self.config.max_position_embeddings:
             raise ValueError(
@@ -598,7 +597,7 @@ class GPT(nn.Module):
     def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
         the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
-        a sampling.KVCache holding the positions before input_ids, which it extends.
+        a KVCache holding the positions before input_ids, which it extends.
         Under sequence parallelism the blocks hold this rank's T/tp tokens
         (B, T/tp, C); the LM head sees all T again. generate() switches it
         off (parallel.sequence_parallel_off): one new token cannot be split."""
@@ -706,21 +705,280 @@ class GPT(nn.Module):
         every key must match). Loads a save from any tensor-parallel size."""
         parallel.load_full_state_dict(self, sd)
 
-    # -- Hugging Face interop -----------------------------------------------------
 
-    @classmethod
-    def from_hf(cls, path: str, padded_vocab_size: int | None = None, **overrides) -> "GPT":
-        """Load a Hugging Face GPT-2 or Llama checkpoint from a local directory
-        (config.json + model.safetensors or pytorch_model.bin); see hf.py."""
-        import hf  # hf.py imports this module, so the import stays one way
-        return hf.from_hf(path, padded_vocab_size, **overrides)
+# -----------------------------------------------------------------------------
+# The LM head and the loss, fused over chunks of tokens
+#
+# The language-model loss: LM head and cross-entropy fused over chunks of
+# tokens, so that the full (tokens, vocab) logits never exist at once.
+#
+# Why: the LM head's output is the largest activation of a GPT step. At GPT-2
+# 124M, micro-batch 8, seq 1024, the logits are 8192 x 50304 values; upcast to
+# fp32 for a stable softmax that is 1.65 GB, plus as much again for their
+# gradient and the softmax kept for backward. The fused loss (the idea of
+# Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy)
+# walks the tokens in chunks. For each chunk it
+#
+#   1. makes the chunk's logits z = h W^T            (n, V) in the matmul dtype,
+#   2. takes each row's max, sum of exp and target logit in fp32 (the log-sum-
+#      exp, lse), with one pass over z,
+#   3. overwrites z with its gradient (softmax(z) - onehot(target)) * w_i,
+#      kept in units of the largest weight so that it fits fp16 (see below),
+#   4. turns that into the input gradient dh = dz W and adds dz^T h to dW,
+#
+# and then frees z. The loss gradient is computed during the forward pass,
+# which is possible because the loss is a weighted sum of the per-token losses,
+# sum_i w_i * loss_i (w_i = loss_mask_i / sum(loss_mask), or 1/N): backward
+# only scales the stored dh and dW by the incoming scalar gradient (under
+# --fp16, the loss scale), in fp32. No chunk
+# keeps logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
+#
+# Tensor parallelism (Megatron's vocab-parallel cross-entropy): W is this
+# rank's slice of the vocabulary, so each rank sees a slice of every row.
+# Step 2 all-reduces the per-row max (MAX) and the rescaled sum of exp and the
+# target logit (SUM) over the tensor-parallel group, exactly as
+# parallel.vocab_parallel_cross_entropy does; dh is then a partial sum, which
+# the f operator in front of the head (copy_to_tensor_parallel_region)
+# all-reduces in backward.
+#
+# The row passes of steps 2 and 3 are Triton kernels on CUDA (one read of the
+# logits for the statistics, one read and one in-place write for the
+# gradient); elsewhere the same maths runs as torch ops, in place on the chunk
+# (chunk_lse_and_grad_).
+# `loss_impl="full"` in GPTConfig keeps the unfused path (full logits, then
+# parallel.vocab_parallel_cross_entropy) for comparison.
 
-    def to_hf(self, path: str) -> None:
-        """Write a directory that transformers loads: GPT2LMHeadModel for the
-        GPT-2 options, LlamaForCausalLM for Llama's (see hf.py). Collective
-        under tensor parallelism (the weights are gathered)."""
-        import hf
-        hf.to_hf(self, path)
+# Logits per chunk (tokens x local vocab), by device. Larger chunks make
+# larger, slightly more efficient matmuls; smaller ones save memory. On CUDA
+# the Triton row passes work in place, so a chunk costs its logits alone:
+# 2**28 is 512 MiB in bf16, 5336 tokens of GPT-2's 50304-row vocabulary.
+# Elsewhere the row passes are torch ops, in place on fp32 chunks (16-bit
+# ones get an fp32 copy); 2**24 (64 MiB, 333 tokens) cuts the head + loss
+# peak several-fold against the full logits and runs faster (bench/RESULTS.md).
+CHUNK_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
+
+
+
+def chunk_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = True,
+                        triton_kernels: bool | None = None):
+    """One chunk's loss statistics, and its gradient in place.
+
+    z: the chunk's logits (n, V_local), this rank's vocab slice; labels (n,):
+    full-vocabulary ids; weight (n,) fp32: each token's weight in the loss.
+    Returns (lse, target logit), fp32 (n,), over the full vocabulary (under TP
+    the rows' statistics are combined across the slices). With need_grads, z
+    is overwritten by weight * (softmax(z) - onehot(labels)); without, z is
+    left holding scratch values."""
+    # The Triton kernels on CUDA only: on CPU they would run through the
+    # interpreter, far too slowly to train (the tests pass triton_kernels=True).
+    if kernels.HAS_TRITON and (z.is_cuda if triton_kernels is None else triton_kernels):
+        lse, z_target = parallel.vocab_parallel_lse(*kernels.loss_row_stats(z, labels, vocab_start))
+        if need_grads:
+            kernels.loss_row_grad_(z, labels, lse, weight, vocab_start)
+        return lse, z_target
+    # The same maths as torch ops, exp in place: three passes over the chunk,
+    # no chunk-sized temporary (a copy only when z is 16-bit, for fp32 maths).
+    zf = z if z.dtype == torch.float32 else z.float()
+    local = (labels - vocab_start).clamp(0, z.shape[1] - 1)[:, None]  # (n, 1)
+    here = ((labels >= vocab_start) & (labels < vocab_start + z.shape[1])).float()
+    row_max = zf.amax(dim=-1)
+    z_target = zf.gather(1, local).squeeze(1) * here
+    sum_exp = zf.sub_(row_max[:, None]).exp_().sum(dim=-1)    # zf is now exp(z - row_max)
+    lse, z_target = parallel.vocab_parallel_lse(row_max, sum_exp, z_target)
+    if need_grads:
+        zf.mul_((weight * (row_max - lse).exp())[:, None])     # weight * softmax(z)
+        zf.scatter_add_(1, local, -(weight * here)[:, None])   # - weight * onehot
+        if zf is not z:
+            z.copy_(zf)
+    return lse, z_target
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """loss = sum_i w_i * (lse_i - z_i[target_i]) with z = h W^T, in chunks;
+    returns the fp32 scalar and keeps only dh (like h) and dW (fp32, like W).
+
+    The gradients are made in forward, before backward's incoming gradient
+    (under --fp16, the loss scale) is known, so they are kept in units of
+    w_max = max_i w_i: each logit gradient (w_i / w_max) * (softmax - onehot)
+    lies in [-1, 1], and backward multiplies by grad_loss * w_max in fp32.
+    With the weights themselves (1/N: 5e-4 at 2048 tokens) an fp16 logit
+    gradient of a token with probability 1e-5 would be 5e-9, below fp16's
+    smallest value, and flush to zero; and grad_loss (the loss scale, 65536)
+    cast to fp16 would be inf."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, token_weight, compute_dtype, need_grads):
+        n_tokens, _ = h.shape
+        vocab_local = weight.shape[0]
+        vocab_start = parallel.tp_rank() * vocab_local
+        h_c, w_c = h.to(compute_dtype), weight.to(compute_dtype)
+        dh = torch.empty_like(h_c)
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        loss = torch.zeros((), device=h.device, dtype=torch.float32)
+        w_max = token_weight.max().clamp(min=torch.finfo(torch.float32).tiny)  # all masked: w = 0
+        unit_weight = token_weight / w_max                           # in [0, 1]
+        chunk = max(1, CHUNK_LOGITS.get(h.device.type, CHUNK_LOGITS["cpu"]) // vocab_local)
+        for start in range(0, n_tokens, chunk):
+            rows = slice(start, min(start + chunk, n_tokens))
+            z = h_c[rows] @ w_c.t()                                  # (n, V_local)
+            lse, z_target = chunk_lse_and_grad_(z, labels[rows], unit_weight[rows], vocab_start,
+                                                need_grads)           # z is now dz / w_max
+            loss += (token_weight[rows] * (lse - z_target)).sum()
+            if not need_grads:  # evaluation: the loss alone
+                continue
+            torch.mm(z, w_c, out=dh[rows])                           # (n, C), partial under TP
+            if z.dtype == torch.float32:
+                dw.addmm_(z.t(), h_c[rows])                          # (V_local, C)
+            else:
+                dw += z.t() @ h_c[rows]
+            del z
+        ctx.save_for_backward(dh, dw, w_max)
+        ctx.dtypes = h.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dh, dw, w_max = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        scale = grad_loss.float() * w_max                            # fp32: 65536 is inf in fp16
+        return (dh.float() * scale).to(h_dtype), (dw * scale).to(w_dtype), None, None, None, None
+
+
+def token_weights(labels, loss_mask=None):
+    """w_i such that the loss is sum_i w_i * loss_i: 1/N for a plain mean, or
+    loss_mask_i / sum(loss_mask) (a fully masked batch gets 0s, not NaN)."""
+    n = labels.numel()
+    if loss_mask is None:
+        return torch.full((n,), 1.0 / n, device=labels.device, dtype=torch.float32)
+    mask = loss_mask.reshape(-1).float()
+    return mask / mask.sum().clamp(min=1.0)
+
+
+def fused_lm_loss(h, weight, labels, loss_mask=None):
+    """The LM head h W^T and the mean (or loss_mask-weighted) cross-entropy in
+    one, without full logits. h: (..., C) final hidden states (already through
+    the f operator under TP); weight: (V_local, C) this rank's vocab rows;
+    labels: (...) full-vocabulary ids. Returns the fp32 scalar loss. Matmuls
+    run in the autocast dtype when autocast is on, else in h's dtype."""
+    kind = h.device.type
+    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+    need_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    with torch.autocast(kind, enabled=False):  # the dtypes are chosen explicitly above
+        return _FusedLinearCrossEntropy.apply(
+            h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
+            token_weights(labels, loss_mask), compute_dtype, need_grads)
+
+
+# -----------------------------------------------------------------------------
+# Generation: a KV cache, top-k / top-p filtering, generate()
+#
+# Generation from a GPT: a KV cache, top-k / top-p filtering, generate().
+#
+#     from gpt import generate
+#     ids = generate(model, prompt_ids, max_new_tokens=100, temperature=0.8, top_k=50)
+#
+# The prompt runs once through GPT.forward(kv_cache=...), which fills each
+# layer's KVCache; every new token then runs alone against the cache. Used by
+# train.py's end-of-run sample and evaluate.py --task GENERATE.
+
+class KVCache:
+    """The keys and values of every position generate() has run, per layer,
+    so that each new token costs one position of compute and attention over
+    the cache, not a re-run of the whole prefix. The buffers, (B, G_local,
+    max_len, hd) per layer (G_local: this rank's key/value heads under TP),
+    are allocated at the first call and filled in place."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0    # positions cached, in every layer (GPT.forward advances it)
+        self.buffers = {}  # layer -> (K, V)
+
+    def extend(self, layer: int, k, v):
+        """Write k, v (B, G, T, hd) at positions length .. length + T - 1 of
+        `layer`; return the keys and values of positions 0 .. length + T - 1."""
+        if layer not in self.buffers:
+            B, G, _, hd = k.shape
+            self.buffers[layer] = tuple(t.new_empty(B, G, self.max_len, hd) for t in (k, v))
+        K, V = self.buffers[layer]
+        end = self.length + k.shape[2]
+        K[:, :, self.length:end] = k
+        V[:, :, self.length:end] = v
+        return K[:, :, :end], V[:, :, :end]                # (B, G, end, hd) each
+
+
+@torch.no_grad()
+def generate(model: GPT, input_ids, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True):
+    """Autoregressively extend input_ids (B, T) by up to max_new_tokens.
+
+    temperature 0 means greedy. Only real token ids (< vocab_size) are ever
+    produced. Rows that emitted eos_token_id keep emitting it; generation
+    stops early once every row has. Runs in eval mode (restored after).
+    With use_cache the prompt runs once and every new token then runs alone
+    against a KVCache. Once the sequence outgrows the model's positions,
+    each step re-runs the last max_position_embeddings tokens instead (the
+    window slides, so cached keys would sit at the wrong positions).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    was_training = model.training
+    model.eval()
+    max_pos = model.config.max_position_embeddings
+    try:
+        # Every token runs on every rank: a sequence growing one token at a
+        # time cannot be split over the TP ranks by sequence parallelism.
+        with parallel.sequence_parallel_off(model):
+            ids, unseen = input_ids, input_ids  # unseen: the tokens the cache does not hold yet
+            cache = KVCache(max_pos) if use_cache else None
+            finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            for _ in range(max_new_tokens):
+                if cache is not None and cache.length + unseen.shape[1] <= max_pos:
+                    logits = model(unseen, kv_cache=cache)
+                else:
+                    cache = None
+                    logits = model(ids[:, -max_pos:])                  # crop to the model's window
+                logits = logits[:, -1, :model.config.vocab_size].float()  # (B, V) no pad ids
+                if temperature == 0:
+                    next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+                else:
+                    logits = filter_logits(logits / temperature, top_k, top_p)
+                    probs = F.softmax(logits, dim=-1)
+                    next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                if eos_token_id is not None:
+                    next_id = next_id.masked_fill(finished[:, None], eos_token_id)
+                    finished |= next_id[:, 0] == eos_token_id
+                ids, unseen = torch.cat([ids, next_id], dim=1), next_id
+                if eos_token_id is not None and bool(finished.all()):
+                    break
+        return ids
+    finally:
+        model.train(was_training)
+
+
+def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
+    """Set logits outside the top-k / nucleus (top-p) set to -inf. logits: (B, V).
+
+    top_p keeps the smallest set of most likely tokens whose cumulative
+    probability reaches top_p; the most likely token is always kept.
+    """
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        probs = F.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+        # A token is dropped once the tokens ahead of it already reach top_p;
+        # mass_before of the top token is 0 < top_p, so it always survives.
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
 
 
 # -----------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Hugging Face checkpoints in and out: GPT-2 and Llama, local directories only.
 
-    GPT.from_hf(dir)   config.json + model.safetensors (or pytorch_model.bin,
-                       or a sharded safetensors index) -> our GPT
-    model.to_hf(dir)   our GPT -> a directory transformers' AutoModelForCausalLM
-                       (GPT2LMHeadModel or LlamaForCausalLM) loads
+    from_hf(dir)         config.json + model.safetensors (or pytorch_model.bin,
+                         or a sharded safetensors index) -> our GPT
+    to_hf(model, dir)    our GPT -> a directory transformers' AutoModelForCausalLM
+                         (GPT2LMHeadModel or LlamaForCausalLM) loads
 
 Which transformers architecture a model maps to is decided in one place,
 hf_architecture(): the default options are GPT-2; rope + RMSNorm + SwiGLU
@@ -12,9 +12,6 @@ those) is Llama. Anything else has no transformers architecture, and the
 export fails naming the flags to change. Both directions drop/add the
 vocabulary padding rows (zeros on import: their logits are 0 and they are
 never sampled).
-
-This module imports gpt.py, never the reverse (gpt.GPT.from_hf/to_hf import
-it when called).
 """
 from __future__ import annotations
 

@@ -1104,6 +1104,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> 
     return _VocabParallelCrossEntropy.apply(logits, target)
 
 
+def vocab_parallel_lse(row_max, sum_exp, z_target):
+    """(lse, target logit) per row from this rank's slice's max, sum of
+    exp(z - max) and target logit (0 where another slice holds the target):
+    under TP the slices' statistics are combined, as in Megatron's
+    vocab-parallel cross-entropy."""
+    if tp_size() > 1:
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group())
+        both = torch.stack([sum_exp * (row_max - global_max).exp(), z_target])  # one all-reduce
+        dist.all_reduce(both, group=tp_group())
+        row_max, (sum_exp, z_target) = global_max, both
+    return row_max + sum_exp.log(), z_target
+
+
 def check_ids(checks) -> None:
     """The one id-range check: checks = [(name, ids, limit, fix), ...]; raise a
     ValueError naming the first `ids` with a value outside [0, limit), and the

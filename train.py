@@ -41,7 +41,7 @@ from config import (TrainConfig, build_model, build_optimizer, global_batch_at,
                     gradient_accumulation_steps, learning_rate, parse_args, with_run_length)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token
-from sampling import generate
+from gpt import generate
 from prepare import load_tokenizer
 
 EOD_TOKEN = 50256  # GPT-2's <|endoftext|>

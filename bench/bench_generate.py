@@ -29,7 +29,7 @@ def main():
 
     import parallel
     from gpt import GPT, GPTConfig
-    from sampling import generate
+    from gpt import generate
     parallel.initialize(1)
     torch.manual_seed(0)
     config = GPTConfig.from_preset(args.preset)

@@ -1,4 +1,4 @@
-"""Benchmark the Triton kernels in kernels/ against PyTorch's on one GPU.
+"""Benchmark the Triton kernels in kernels.py against PyTorch's on one GPU.
 
 Attention: causal, bf16, forward, backward and forward+backward TFLOP/s of
 kernels.flash_attention vs F.scaled_dot_product_attention restricted to its
@@ -72,7 +72,7 @@ def fmt(x: float) -> str:
 
 
 def sm_count(device: str) -> int:
-    """Streaming multiprocessors; kernels/ launches as if there were 1 under the interpreter."""
+    """Streaming multiprocessors; kernels.py launches as if there were 1 under the interpreter."""
     return 1 if device == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
 
 
@@ -129,7 +129,7 @@ def autotune_snapshot() -> dict:
     called after each launch that may have tuned)."""
     import kernels
     out = {}
-    for name, launcher in kernels.attention._LAUNCHERS.items():
+    for name, launcher in kernels._LAUNCHERS.items():
         timings = getattr(launcher, "configs_timings", None) or {}
         best = getattr(launcher, "best_config", None)
         key = next((k for k, v in launcher.cache.items() if v is best), None) if best else None
@@ -188,8 +188,8 @@ def layer_norm_bytes(impl: str, kind: str, M: int, N: int, device: str = "cuda")
         return 2 * act + 8 * M
     total = 3 * act + 8 * M
     if impl == "ours":
-        block_n, rows, _ = kernels.norm._layer_norm_config(N)
-        programs = min(-(-M // rows), 4 * sm_count(device))  # as kernels.norm._ln_backward
+        block_n, rows, _ = kernels._layer_norm_config(N)
+        programs = min(-(-M // rows), 4 * sm_count(device))  # as kernels._ln_backward
         total += 2 * (2 * programs * N * 4)           # dW, dB partials: written, then read
     return total
 
@@ -228,7 +228,7 @@ def bench_layer_norm(args, peak_tbs: float | None, copy_tbs: float) -> list[str]
 
 def sweep_layer_norm(args) -> list[str]:
     """Time the LayerNorm kernels directly over (rows a program, warps) and,
-    for backward, programs per SM, to choose kernels.norm._layer_norm_config."""
+    for backward, programs per SM, to choose kernels._layer_norm_config."""
     import itertools
     import triton
     import kernels
@@ -245,7 +245,7 @@ def sweep_layer_norm(args) -> list[str]:
         mean, rstd = (torch.empty(M, device="cuda") for _ in range(2))
 
         def fwd(rows, warps):
-            kernels.norm._layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
+            kernels._layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
                 x, x, w, b, y, x, mean, rstd, M, N, 1e-5, HAS_RESIDUAL=False, ROWS=rows,
                 BLOCK_N=block_n, num_warps=warps)
 
@@ -253,12 +253,12 @@ def sweep_layer_norm(args) -> list[str]:
             programs = min(triton.cdiv(M, rows), per_sm * sms)
             dw_p = torch.empty((programs, N), device="cuda")
             db_p = torch.empty((programs, N), device="cuda")
-            kernels.norm._layer_norm_bwd_kernel[(programs,)](
+            kernels._layer_norm_bwd_kernel[(programs,)](
                 x, w, dy, dy, dx, mean, rstd, dw_p, db_p, M, N, HAS_DSUM=False, ROWS=rows,
                 BLOCK_N=block_n, num_warps=warps)
             return dw_p.sum(0), db_p.sum(0)
 
-        fwd(*kernels.norm._layer_norm_config(N)[1:])  # mean/rstd for the backward
+        fwd(*kernels._layer_norm_config(N)[1:])  # mean/rstd for the backward
         results = {"fwd": {}, "bwd": {}}
         for rows, warps in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8, 16)):
             if rows * block_n > 32768 or rows * block_n < 32 * warps:
@@ -270,7 +270,7 @@ def sweep_layer_norm(args) -> list[str]:
                 programs = min(triton.cdiv(M, rows), per_sm * sms)
                 nbytes = layer_norm_bytes("torch", "bwd", M, N) + 4 * 2 * programs * N * 4
                 results["bwd"][(rows, warps, per_sm)] = nbytes / ms / 1e6
-        _, cur_rows, cur_warps = kernels.norm._layer_norm_config(N)
+        _, cur_rows, cur_warps = kernels._layer_norm_config(N)
         current = {"fwd": results["fwd"].get((cur_rows, cur_warps)),
                    "bwd": results["bwd"].get((cur_rows, cur_warps, 4))}
         for kind in ("fwd", "bwd"):

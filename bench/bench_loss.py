@@ -1,5 +1,5 @@
 """Peak memory and time of the LM head + loss: the full-logits path vs the
-fused one (loss.py), forward + backward, at GPT-2 124M's head (hidden 768,
+fused one (gpt.fused_lm_loss), forward + backward, at GPT-2 124M's head (hidden 768,
 50304 rows) for micro-batch x seq tokens.
 
     python bench/bench_loss.py                    # CUDA if present (bf16 autocast), else CPU (fp32)
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import loss as loss_lib  # noqa: E402
+import gpt  # noqa: E402
 import parallel  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-PATHS = {"full logits": full_logits_loss, "fused (loss.py)": loss_lib.fused_lm_loss}
+PATHS = {"full logits": full_logits_loss, "fused (gpt.fused_lm_loss)": gpt.fused_lm_loss}
 
 
 def main():

@@ -1,7 +1,7 @@
 """Shared test setup.
 
 Runs before any test module is imported, which matters for TRITON_INTERPRET=1:
-it lets the Triton kernels in kernels/ run on CPU tensors, and Triton reads it
+it lets the Triton kernels in kernels.py run on CPU tensors, and Triton reads it
 at import (only set when there is no CUDA device: on a GPU the real kernels
 run). The GPT-2 tokenizer needs no setup: prepare.load_tokenizer builds it
 from files that requirements.txt installs.

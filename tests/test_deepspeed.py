@@ -431,9 +431,9 @@ def test_export_loads_into_plain_model_with_same_eval_loss(runs, name, run):
 
 def test_hf_export_loads_in_transformers(runs):
     transformers = pytest.importorskip("transformers")
-    from gpt import GPT
+    from hf import from_hf
     hf = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(runs, "export_tp2_hf")).eval()
-    ours = GPT.from_hf(os.path.join(runs, "export_tp2_hf")).eval()
+    ours = from_hf(os.path.join(runs, "export_tp2_hf")).eval()
     state = torch.load(os.path.join(runs, "export_tp2", f"iter_{STEPS:07d}", "model_optim_rng.pt"),
                        weights_only=False)
     for k, v in ours.state_dict().items():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gpt import GPT, GPTConfig, PRESETS, count_parameters, flops_per_token
-from hf import hf_to_ours, ours_to_hf
-from sampling import KVCache, filter_logits, generate
+from hf import from_hf, hf_to_ours, ours_to_hf, to_hf
+from gpt import KVCache, filter_logits, generate
 
 # A small vocabulary padded up, so padding is exercised without 50k-row embeddings.
 SMALL = dict(vocab_size=100, padded_vocab_size=128)
@@ -48,13 +48,13 @@ def random_hf_model():
 
 @pytest.mark.parametrize("safe_serialization", [True, False])
 def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization):
-    hf = random_hf_model()
-    hf.save_pretrained(tmp_path, safe_serialization=safe_serialization)
-    ours = GPT.from_hf(str(tmp_path)).eval()
+    theirs = random_hf_model()
+    theirs.save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    ours = from_hf(str(tmp_path)).eval()
     assert ours.config.vocab_size == 100 and ours.config.padded_vocab_size == 128
     x = tokens(T=32)
     with torch.no_grad():
-        want = hf(x).logits
+        want = theirs(x).logits
         got = ours(x)
     torch.testing.assert_close(got[..., :100], want, atol=1e-5, rtol=1e-5)
     assert torch.all(got[..., 100:] == 0)  # zero padding rows -> zero logits
@@ -67,15 +67,15 @@ def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path):
         for name, p in ours.named_parameters():
             if "ln" in name or name.endswith("bias"):
                 p.normal_(0.0, 0.2)
-    ours.to_hf(str(tmp_path))
-    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+    to_hf(ours, str(tmp_path))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     x = tokens(T=32)
     with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, ours(x)[..., :100], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(theirs(x).logits, ours(x)[..., :100], atol=1e-5, rtol=1e-5)
     # And back again: export -> import is lossless, except that the padding
     # rows (dropped on export) come back as zeros.
-    again = GPT.from_hf(str(tmp_path), padded_vocab_size=128).state_dict()
+    again = from_hf(str(tmp_path), padded_vocab_size=128).state_dict()
     for k, v in ours.state_dict().items():
         if k == "wte.weight":
             again[k], v = again[k][:100], v[:100]
@@ -101,7 +101,7 @@ def test_from_hf_rejects_untied_head_and_missing_dir(tmp_path):
     with pytest.raises(ValueError, match="tied"):
         hf_to_ours(hf, config)
     with pytest.raises(FileNotFoundError, match="config.json"):
-        GPT.from_hf(str(tmp_path / "nope"))
+        from_hf(str(tmp_path / "nope"))
 
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The fused LM head + cross-entropy (loss.py) against the full-logits path.
+"""The fused LM head + cross-entropy (gpt.fused_lm_loss) against the full-logits path.
 
 The full path (F.linear to every logit, then parallel.vocab_parallel_cross_entropy)
 is the reference: the fused loss must give the same loss and the same
@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import loss as loss_lib
+import gpt
+import kernels
 import parallel
 from gpt import GPT, GPTConfig
 
@@ -54,12 +55,12 @@ def problem(N=37, C=24, V=300, seed=0):
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_loss_matches_full_logits_in_fp32(monkeypatch, chunk_tokens, masked):
     h, weight, labels = problem()
-    monkeypatch.setitem(loss_lib.CHUNK_LOGITS, "cpu", chunk_tokens * weight.shape[0])
+    monkeypatch.setitem(gpt.CHUNK_LOGITS, "cpu", chunk_tokens * weight.shape[0])
     mask = None
     if masked:
         mask = (torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) > 0.3).float()
         mask = mask.to(DEVICE)
-    got = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels, mask)
+    got = loss_and_grads(gpt.fused_lm_loss, h, weight, labels, mask)
     want = loss_and_grads(full_reference, h, weight, labels, mask)
     for name, a, b in zip(("loss", "dh", "dW"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
@@ -67,7 +68,7 @@ def test_fused_loss_matches_full_logits_in_fp32(monkeypatch, chunk_tokens, maske
 
 def test_fully_masked_batch_gives_zero_loss_and_zero_grads():
     h, weight, labels = problem()
-    value, dh, dw = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels,
+    value, dh, dw = loss_and_grads(gpt.fused_lm_loss, h, weight, labels,
                                    torch.zeros(labels.shape, device=DEVICE))
     assert value.item() == 0.0 and not dh.any() and not dw.any()
 
@@ -76,8 +77,8 @@ def test_fused_loss_scales_with_the_incoming_gradient():
     """Gradients are made in forward for d(loss) = 1 and scaled in backward:
     a loss scaler (fp16) or a 1/accumulation factor must reach them."""
     h, weight, labels = problem()
-    _, dh1, dw1 = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels)
-    _, dh3, dw3 = loss_and_grads(lambda *a: 3.0 * loss_lib.fused_lm_loss(*a), h, weight, labels)
+    _, dh1, dw1 = loss_and_grads(gpt.fused_lm_loss, h, weight, labels)
+    _, dh3, dw3 = loss_and_grads(lambda *a: 3.0 * gpt.fused_lm_loss(*a), h, weight, labels)
     torch.testing.assert_close(dh3, 3 * dh1)
     torch.testing.assert_close(dw3, 3 * dw1)
 
@@ -85,7 +86,7 @@ def test_fused_loss_scales_with_the_incoming_gradient():
 def test_no_grad_evaluation_computes_only_the_loss():
     h, weight, labels = problem()
     with torch.no_grad():
-        value = loss_lib.fused_lm_loss(h, weight, labels)
+        value = gpt.fused_lm_loss(h, weight, labels)
     torch.testing.assert_close(value, full_reference(h, weight, labels), rtol=1e-5, atol=0)
 
 
@@ -106,7 +107,7 @@ def test_under_bf16_autocast_the_matmuls_are_bf16_and_the_loss_fp32():
     h, weight, labels = problem(C=64, V=512)
     with torch.autocast(h.device.type, dtype=torch.bfloat16):
         with MatmulDtypes() as matmuls:
-            got = loss_and_grads(loss_lib.fused_lm_loss, h, weight, labels)
+            got = loss_and_grads(gpt.fused_lm_loss, h, weight, labels)
         want = loss_and_grads(full_reference, h, weight, labels)
     assert matmuls.seen == {torch.bfloat16}
     assert got[0].dtype == torch.float32 and got[1].dtype == h.dtype and got[2].dtype == weight.dtype
@@ -135,7 +136,7 @@ def test_fp16_gradients_are_as_close_to_fp32_as_the_full_logits_path():
         return scaled_loss
 
     want = loss_and_grads(full_reference, h, weight, labels)      # fp32
-    fused = loss_and_grads(in_fp16(loss_lib.fused_lm_loss), h, weight, labels)
+    fused = loss_and_grads(in_fp16(gpt.fused_lm_loss), h, weight, labels)
     full = loss_and_grads(in_fp16(full_reference), h, weight, labels)
     untargeted = torch.ones(V, dtype=torch.bool, device=h.device)
     untargeted[labels] = False
@@ -157,7 +158,7 @@ def test_fp16_gradients_are_as_close_to_fp32_as_the_full_logits_path():
 def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
     """The Triton row kernels (interpreted on CPU) and the in-place torch ops
     give the same lse, target logit and, overwriting the chunk, gradient."""
-    if not (loss_lib.HAS_TRITON and (DEVICE == "cuda" or _interpreting())):
+    if not (kernels.HAS_TRITON and (DEVICE == "cuda" or kernels.INTERPRET)):
         pytest.skip("needs triton, and TRITON_INTERPRET=1 on CPU (set by conftest.py)")
     g = torch.Generator().manual_seed(0)
     z = (4 * torch.randn(9, 203, generator=g)).to(DEVICE)          # 203: a ragged last block
@@ -166,7 +167,7 @@ def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
     results = []
     for use_triton in (True, False):
         dz = z.clone()
-        lse, target = loss_lib.chunk_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
+        lse, target = gpt.chunk_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
                                                    triton_kernels=use_triton)
         results.append((lse, target, dz))
     (lse, target, dz), (lse_t, target_t, dz_t) = results
@@ -183,11 +184,6 @@ def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
                                      torch.nn.functional.one_hot(local.clamp(0, 202), 203) * here[:, None])
         for got in (dz, dz_t):
             torch.testing.assert_close(got, want_dz, rtol=1e-5, atol=1e-7)
-
-
-def _interpreting() -> bool:
-    import kernels
-    return kernels.INTERPRET
 
 
 # ---------------------------------------------------------------------------
@@ -228,7 +224,7 @@ def test_gpu_fused_loss_follows_full_logits_in_a_quarter_of_the_memory():
     weight = 0.02 * torch.randn(V, C, device="cuda", generator=g)
     labels = torch.randint(0, V, (N,), device="cuda", generator=g)
     results, peaks = [], []
-    for fn in (full_reference, loss_lib.fused_lm_loss):
+    for fn in (full_reference, gpt.fused_lm_loss):
         hh, ww = h.clone().requires_grad_(), weight.clone().requires_grad_()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

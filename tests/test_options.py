@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import config as config_lib
+from hf import from_hf, to_hf
 from gpt import (GPT, GPTConfig, LLAMA_OPTIONS, apply_rope, count_parameters, flops_per_token,
                  rope_angles)
 
@@ -229,7 +230,7 @@ def test_every_option_trains_with_activation_checkpointing_and_generates():
     ckpt(x, labels=y).backward()
     for (n, a), b in zip(ref.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=n)
-    from sampling import generate
+    from gpt import generate
     out = generate(ckpt, x[:, :4], max_new_tokens=5, temperature=0)
     assert out.shape == (2, 9) and int(out.max()) < 100
     assert math.isfinite(ckpt(x, labels=y).item())
@@ -263,7 +264,7 @@ def unpadded(sd: dict, vocab: int) -> dict:
 def test_llama_export_loads_in_transformers_with_the_same_logits(tmp_path, variant):
     transformers = pytest.importorskip("transformers")
     ours = randomized(model(**{**LLAMA, **variant}))
-    ours.to_hf(str(tmp_path))
+    to_hf(ours, str(tmp_path))
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["model_type"] == "llama"
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
@@ -271,7 +272,7 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(tmp_path, varia
     x = tokens(T=32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x)[..., :100], theirs(x).logits, atol=1e-5, rtol=1e-5)
-    back = GPT.from_hf(str(tmp_path), padded_vocab_size=128)
+    back = from_hf(str(tmp_path), padded_vocab_size=128)
     assert back.config == dataclasses.replace(ours.config, ffn_hidden_size=ours.config.ffn)
     want, got = unpadded(ours.state_dict(), 100), back.state_dict()
     for k in want:
@@ -289,7 +290,7 @@ def test_from_hf_reads_a_llama_checkpoint_that_transformers_wrote(tmp_path):
         for p in theirs.parameters():
             p.normal_(0.0, 0.2)
     theirs.save_pretrained(str(tmp_path))
-    ours = GPT.from_hf(str(tmp_path)).eval()
+    ours = from_hf(str(tmp_path)).eval()
     c = ours.config
     assert (c.position_embedding_type, c.normalization, c.swiglu, c.num_query_groups, c.rotary_base,
             c.untie_embeddings_and_output_weights, c.disable_bias_linear, c.ffn) == \
@@ -310,7 +311,7 @@ def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(
     import hf
     m = model(**options)
     with pytest.raises(ValueError, match=flag):
-        m.to_hf(str(tmp_path / "out"))
+        to_hf(m, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # refused before writing anything
     assert hf.hf_architecture(model().config) == "gpt2"
     assert hf.hf_architecture(model(**LLAMA).config) == "llama"

@@ -367,7 +367,7 @@ def test_check_divisible_names_the_quantity(field, value, tp):
 
 import gpt  # noqa: E402
 from gpt import GPT, GPTConfig, LLAMA_OPTIONS  # noqa: E402
-from sampling import generate  # noqa: E402
+from gpt import generate  # noqa: E402
 
 # Every architecture option on (issue 15), for the TP and Domino comparisons
 # below: 2 key/value heads (one per rank at T=2), half of each head rotating.
@@ -445,7 +445,7 @@ def _assert_same_run(got, want, what, tol=1e-5, grad_atol=1e-7):
 
 def _check_gpt_tensor_parallel_matches_single_gpu(options):
     # The reference is T=1 with the full-logits loss; T=2 runs the default
-    # fused head + loss (loss.py), vocab-parallel.
+    # fused head + loss (gpt.fused_lm_loss), vocab-parallel.
     def build(tp, **overrides):
         return _build_gpt(tp, **options, **overrides)
 

@@ -26,6 +26,7 @@ import prepare
 import train
 from conftest import free_port
 from gpt import GPTConfig
+from hf import from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -832,8 +833,7 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--export-from", ckpt,
                     "--export-to", hf, "--export-format", "hf"], check=True, cwd=ROOT)
     state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
-    from gpt import GPT
-    exported = GPT.from_hf(hf)
+    exported = from_hf(hf)
     with open(os.path.join(hf, "config.json")) as f:
         assert json.load(f)["model_type"] == {"tiny": "gpt2", "llama-tiny": "llama"}[preset]
     for name, value in exported.state_dict().items():
