@@ -1,11 +1,15 @@
-"""Checkpoints: train.py's own (Megatron's layout), DeepSpeed's, and weight export.
+"""Checkpoints: train.py's own (Megatron's layout), DeepSpeed's, Hugging
+Face directories, and weight export. Sections:
 
-  - plain: SAVE/iter_0000100/model_optim_rng.pt + latest_checkpointed_iteration.txt,
-    full (unsharded) model and optimizer states, so any TP and DP size loads them;
-  - DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
-    published the same way, so DeepSpeed's tools (zero_to_fp32) read it;
-  - export: consolidated fp32 weights of either kind, as a plain checkpoint or
-    a Hugging Face GPT-2 directory.
+  1. plain: SAVE/iter_0000100/model_optim_rng.pt + latest_checkpointed_iteration.txt,
+     full (unsharded) model and optimizer states, so any TP and DP size
+     loads them; which checkpoint --load reads, and what it may take from it
+  2. DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
+     published the same way, so DeepSpeed's tools (zero_to_fp32) read it;
+     export: consolidated fp32 weights of either kind, as a plain
+     checkpoint or a Hugging Face directory
+  3. Hugging Face GPT-2 and Llama directories in and out (from_hf, to_hf)
+  4. files written atomically (atomic_write, fsync_path)
 Both kinds are written under a temporary name and renamed into place, with
 the `latest` pointer replaced after that (see publish).
 """
@@ -18,15 +22,18 @@ import os
 import random
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import parallel
-from config import TrainConfig
-from data import atomic_write, fsync_path
-from gpt import GPT, GPTConfig
+from gpt import GPT, GPTConfig, pad_vocab_size
+from parallel import UsageError
+
+if TYPE_CHECKING:  # config.py imports data.py, which imports this module
+    from config import TrainConfig
 
 # ----------------------------------------------------------------------------
 # 1. train.py's own checkpoints
@@ -280,7 +287,7 @@ def latest_checkpoint(load_dir: str) -> Found | None:
         return Found("plain", iteration, path)
     if os.path.exists(os.path.join(path, DS_META)):
         return Found("deepspeed", iteration, path)
-    raise FileNotFoundError(f"{os.path.join(load_dir, pointer)} names iteration {iteration}, but "
+    raise UsageError(f"{os.path.join(load_dir, pointer)} names iteration {iteration}, but "
                             f"{path} holds no checkpoint (neither {PLAIN_FILE} nor {DS_META})")
 
 
@@ -288,7 +295,7 @@ def read_deepspeed_meta(tag_dir: str, pointer: str = DS_LATEST) -> dict:
     """trainer_state.json of a DeepSpeed checkpoint written by train.py."""
     path = os.path.join(tag_dir, DS_META)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{pointer} names {tag_dir}, which has no {DS_META}: not a complete "
+        raise UsageError(f"{pointer} names {tag_dir}, which has no {DS_META}: not a complete "
                                 f"checkpoint written by train.py")
     with open(path) as f:
         return json.load(f)
@@ -309,10 +316,10 @@ def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
     if weights_only(cfg) or (found.kind == "deepspeed") == cfg.deepspeed:
         return found
     if cfg.deepspeed:
-        raise ValueError(f"--load {cfg.load} holds a plain train.py checkpoint: resume it without "
+        raise UsageError(f"--load {cfg.load} holds a plain train.py checkpoint: resume it without "
                          f"--deepspeed, or start DeepSpeed from its weights with --no-load-optim "
                          f"(fresh optimizer states) or --finetune (a new run)")
-    raise ValueError(f"--load {cfg.load} holds a DeepSpeed checkpoint: resume it with --deepspeed "
+    raise UsageError(f"--load {cfg.load} holds a DeepSpeed checkpoint: resume it with --deepspeed "
                      f"(its layout), or start from its weights with --no-load-optim (fresh "
                      f"optimizer states) or --finetune (a new run)")
 
@@ -348,7 +355,7 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
         return 0, 0
     weights, state = read_weights(found)
     if state.get("optimizer") is None and not weights_only(cfg):
-        raise ValueError(f"--load {cfg.load} holds weights only (an --export-to plain export): "
+        raise UsageError(f"--load {cfg.load} holds weights only (an --export-to plain export): "
                          f"add --no-load-optim to start fresh optimizer states from it")
     model.load_full_state_dict(weights)
     if not weights_only(cfg):
@@ -437,7 +444,7 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
               "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.tp_size())}
     for name, (saved, now) in layout.items():
         if saved != now and (name == "tensor-parallel" or meta["zero_stage"] > 0):
-            raise ValueError(
+            raise UsageError(
                 f"{found.path} was written with {name} size {saved}, this run has {now}: ZeRO and "
                 f"tensor-parallel shards only fit the layout they were written with. Relaunch with "
                 f"the old layout, or continue from its weights with fresh optimizer states "
@@ -493,7 +500,7 @@ def stage0_master_weights(model_states: dict) -> dict:
     for group_names, tensors in zip(names, groups, strict=True):
         for name, t in zip(group_names, tensors, strict=True):
             if t.shape != module[name].shape:
-                raise ValueError(f"stage-0 checkpoint: fp32 master of {name} has shape "
+                raise UsageError(f"stage-0 checkpoint: fp32 master of {name} has shape "
                                  f"{tuple(t.shape)}, the module's {tuple(module[name].shape)}")
             masters[name] = t
     return masters
@@ -506,22 +513,384 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
                  + latest_checkpointed_iteration.txt), weights only: resume
                  it with --load OUT --no-load-optim (any layout, with or
                  without --deepspeed);
-    fmt="hf":    a Hugging Face GPT-2 or Llama directory (hf.to_hf)."""
+    fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.tp_size() > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
     found = latest_checkpoint(checkpoint)
     if found is None:
-        raise FileNotFoundError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
+        raise UsageError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
                                 f"{LATEST} nor DeepSpeed's {DS_LATEST})")
     full, state = read_weights(found)
     model_config = state["model_config"]
     model = GPT(GPTConfig(**model_config))  # tp=1, on CPU
     model.load_full_state_dict(full)
     if fmt == "hf":
-        import hf  # hf.py imports this module (atomic_write)
-        hf.to_hf(model, out)
+        to_hf(model, out)
         return
     state = {"model": model.full_state_dict(), "optimizer": None, "scaler": None,
              "iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
              "rng": state["rng"], "config": state["config"], "model_config": model_config}
     write_plain_checkpoint(out, state)
+
+
+# ----------------------------------------------------------------------------
+# 3. Hugging Face GPT-2 and Llama directories, in and out
+# ----------------------------------------------------------------------------
+# Hugging Face checkpoints in and out: GPT-2 and Llama, local directories only.
+#
+#     from_hf(dir)         config.json + model.safetensors (or pytorch_model.bin,
+#                          or a sharded safetensors index) -> our GPT
+#     to_hf(model, dir)    our GPT -> a directory transformers' AutoModelForCausalLM
+#                          (GPT2LMHeadModel or LlamaForCausalLM) loads
+#
+# Which transformers architecture a model maps to is decided in one place,
+# hf_architecture(): the default options are GPT-2; rope + RMSNorm + SwiGLU
+# (with or without GQA, biases or a tied head: Llama's config has fields for
+# those) is Llama. Anything else has no transformers architecture, and the
+# export fails naming the flags to change. Both directions drop/add the
+# vocabulary padding rows (zeros on import: their logits are 0 and they are
+# never sampled).
+
+def from_hf(path: str, padded_vocab_size: int | None = None, **overrides) -> GPT:
+    """Our GPT from a local Hugging Face GPT-2 or Llama directory."""
+    hf = _read_hf_config(path)
+    kind = hf.get("model_type", "gpt2")
+    if kind not in ("gpt2", "llama"):
+        raise UsageError(f"HF model_type {kind!r} in {path} is not supported: use a gpt2 or "
+                         f"llama checkpoint")
+    to_config, to_ours = ((config_from_hf, hf_to_ours) if kind == "gpt2"
+                          else (llama_config_from_hf, llama_hf_to_ours))
+    config = to_config(hf, padded_vocab_size, **overrides)
+    model = GPT(config)
+    model.load_full_state_dict(to_ours(_read_hf_weights(path), config))
+    return model
+
+
+def to_hf(model: GPT, path: str) -> None:
+    """Write config.json + model.safetensors (pytorch_model.bin if the
+    safetensors package is missing) for transformers' from_pretrained(path).
+    Files appear atomically. Raises ValueError, naming the flags to change,
+    for a model no transformers architecture expresses."""
+    kind = hf_architecture(model.config)  # before the (collective) gather: fail fast
+    to_config, to_hf_sd = ((config_to_hf, ours_to_hf) if kind == "gpt2"
+                           else (llama_config_to_hf, llama_ours_to_hf))
+    sd = to_hf_sd(model.full_state_dict(), model.config)
+    os.makedirs(path, exist_ok=True)
+    try:
+        from safetensors.torch import save
+        atomic_write(os.path.join(path, "model.safetensors"),
+                     lambda f: f.write(save(sd, metadata={"format": "pt"})))
+    except ImportError:
+        atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
+    text = json.dumps(to_config(model.config), indent=2)
+    atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
+
+
+# What each architecture needs: (holds for this config?, the flag that makes it hold).
+def _gpt2_needs(c: GPTConfig) -> list[tuple[bool, str]]:
+    return [(c.position_embedding_type == "learned_absolute", "--position-embedding-type learned_absolute"),
+            (c.normalization == "LayerNorm", "--normalization LayerNorm"),
+            (not c.swiglu, "no --swiglu"),
+            (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
+            (not c.disable_bias_linear, "no --disable-bias-linear"),
+            (c.num_kv_heads == c.num_attention_heads, "no --group-query-attention")]
+
+
+def _llama_needs(c: GPTConfig) -> list[tuple[bool, str]]:
+    return [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
+            (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
+            (c.normalization == "RMSNorm", "--normalization RMSNorm"),
+            (c.swiglu, "--swiglu")]
+
+
+def hf_architecture(config: GPTConfig) -> str:
+    """"gpt2" or "llama": the transformers architecture that computes exactly
+    this model. Otherwise a ValueError naming the closer one and the flags
+    that would make the model fit it."""
+    missing = {arch: [flag for ok, flag in needs(config) if not ok]
+               for arch, needs in (("gpt2", _gpt2_needs), ("llama", _llama_needs))}
+    for arch, flags in missing.items():
+        if not flags:
+            return arch
+    arch = min(missing, key=lambda a: len(missing[a]))
+    raise UsageError(f"--export-format hf: no transformers architecture computes this model; "
+                     f"the closest, {'GPT-2' if arch == 'gpt2' else 'Llama'}, needs "
+                     f"{', '.join(missing[arch])}: train with that, or use --export-format plain")
+
+
+def _eos(config: GPTConfig) -> int:
+    return min(50256, config.vocab_size - 1)  # GPT-2's <|endoftext|>, the tokenizer here
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face GPT-2 checkpoint conversion
+#
+# HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,attn.c_attn,
+# attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
+# (in, out), the transpose of nn.Linear's (out, in).
+
+_HF_RENAMES = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
+               "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
+_HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
+    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "add_cross_attention": False,
+}
+
+
+def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise UsageError(f"HF activation_function {act!r} is not supported; this GPT uses "
+                         f"tanh-approximate GELU ('gelu_new')")
+    for key, want in _HF_UNSUPPORTED.items():
+        if hf.get(key, want) != want:
+            raise UsageError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
+    vocab = hf.get("vocab_size", 50257)
+    return GPTConfig(
+        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
+        vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
+        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        init_method_std=hf.get("initializer_range", 0.02), **overrides)
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    eos = min(50256, config.vocab_size - 1)
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
+        "n_embd": config.hidden_size, "n_layer": config.num_layers,
+        "n_head": config.num_attention_heads,
+        "n_inner": config.ffn_hidden_size,
+        "activation_function": "gelu_new",
+        "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
+        "attn_pdrop": config.attention_dropout,
+        "layer_norm_epsilon": config.layernorm_epsilon,
+        "initializer_range": config.init_method_std,
+        "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": True,
+    }
+
+
+def _is_conv1d_weight(name: str) -> bool:
+    return name.endswith(".weight") and any(f".{k}." in name for k in _HF_RENAMES)
+
+
+def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
+    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte."""
+    out = {}
+    for name, t in sd.items():
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # HF's causal-mask buffers, not weights
+        if name == "lm_head.weight":
+            if not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
+                raise UsageError("HF lm_head.weight differs from wte.weight; only tied "
+                                 "embeddings are supported")
+            continue
+        if _is_conv1d_weight(name):
+            t = t.t()
+        for old, new in _HF_RENAMES.items():
+            name = name.replace(f".{old}.", f".{new}.")
+        if name.startswith("h."):
+            name = "blocks." + name[2:]
+        out[name] = t.contiguous()
+    wte = out.get("wte.weight")
+    if wte is None or wte.shape[0] != config.vocab_size:
+        raise UsageError(f"HF wte.weight missing or not {config.vocab_size} rows")
+    # Padding rows are zero: their logits are 0 and they are never sampled.
+    out["wte.weight"] = torch.cat([wte, wte.new_zeros(config.padded_vocab_size - wte.shape[0],
+                                                      wte.shape[1])])
+    return out
+
+
+def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
+    """Our state dict -> HF GPT-2's (lm_head omitted: HF re-ties it to wte)."""
+    out = {}
+    for name, t in sd.items():
+        if name == "wte.weight":
+            t = t[:config.vocab_size]  # drop the padding rows
+        if name.startswith("blocks."):
+            name = "h." + name[len("blocks."):]
+        for old, new in _HF_RENAMES.items():
+            name = name.replace(f".{new}.", f".{old}.")
+        if _is_conv1d_weight(name):
+            t = t.t()
+        out["transformer." + name] = t.detach().cpu().contiguous().clone()
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face Llama checkpoint conversion
+#
+# HF names: model.embed_tokens, model.layers.{i}.{input_layernorm,
+# self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj},
+# model.norm, lm_head. Weights are nn.Linear's (out, in), like ours. Our fused
+# qkv is [q_proj | k_proj | v_proj] and our fc is [gate_proj | up_proj], and
+# both sides rotate half-dims apart (apply_rope), so nothing is permuted.
+
+_VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
+
+
+def _llama_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]]:
+    """(our name, HF names, row sizes): each of our tensors is one HF tensor,
+    or (sizes given) the HF tensors stacked along dim 0."""
+    H, Fh = config.hidden_size, config.ffn
+    kv = config.num_kv_heads * config.head_dim
+    table = [("wte.weight", ["model.embed_tokens.weight"], None),
+             ("ln_f.weight", ["model.norm.weight"], None)]
+    if config.untie_embeddings_and_output_weights:
+        table.append(("output_layer.weight", ["lm_head.weight"], None))
+    kinds = ("weight",) if config.disable_bias_linear else ("weight", "bias")
+    for i in range(config.num_layers):
+        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+        table += [(ours + "ln_1.weight", [hf + "input_layernorm.weight"], None),
+                  (ours + "ln_2.weight", [hf + "post_attention_layernorm.weight"], None)]
+        for k in kinds:
+            table += [(ours + f"attn.qkv.{k}", [hf + f"self_attn.{p}_proj.{k}" for p in "qkv"], [H, kv, kv]),
+                      (ours + f"attn.proj.{k}", [hf + f"self_attn.o_proj.{k}"], None),
+                      (ours + f"mlp.fc.{k}", [hf + f"mlp.{p}_proj.{k}" for p in ("gate", "up")], [Fh, Fh]),
+                      (ours + f"mlp.proj.{k}", [hf + f"mlp.down_proj.{k}"], None)]
+    return table
+
+
+def llama_config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UsageError(f"HF hidden_act {hf['hidden_act']!r} is not supported; Llama's MLP here is SwiGLU (silu)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise UsageError(f"HF RoPE scaling {rope_type!r} is not supported; only plain RoPE (rope_type 'default')")
+    H, nh = hf["hidden_size"], hf["num_attention_heads"]
+    if (hf.get("head_dim") or H // nh) != H // nh:
+        raise UsageError(f"HF head_dim {hf['head_dim']} is not hidden_size / num_attention_heads "
+                         f"({H // nh}); this model has no separate head dim")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise UsageError("HF attention_bias and mlp_bias differ; --disable-bias-linear sets both")
+    G, vocab = hf.get("num_key_value_heads") or nh, hf["vocab_size"]
+    return GPTConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=H, num_attention_heads=nh,
+        num_query_groups=None if G == nh else G, ffn_hidden_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"], vocab_size=vocab,
+        padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_method_std=hf.get("initializer_range", 0.02),
+        attention_dropout=hf.get("attention_dropout", 0.0), position_embedding_type="rope",
+        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        normalization="RMSNorm", swiglu=True, disable_bias_linear=not hf.get("attention_bias", False),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), **overrides)
+
+
+def llama_config_to_hf(config: GPTConfig) -> dict:
+    bias, theta = not config.disable_bias_linear, config.rotary_base
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.layernorm_epsilon, "initializer_range": config.init_method_std,
+        # rope_theta for transformers 4.x, rope_parameters for 5.x
+        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": bias, "mlp_bias": bias, "attention_dropout": config.attention_dropout,
+        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+        "bos_token_id": _eos(config), "eos_token_id": _eos(config),
+    }
+
+
+def llama_ours_to_hf(sd: dict, config: GPTConfig) -> dict:
+    """Our state dict -> HF Llama's: split qkv and fc, drop the vocab padding."""
+    out = {}
+    for ours, theirs, sizes in _llama_names(config):
+        t = sd[ours][:config.vocab_size] if ours in _VOCAB_TABLES else sd[ours]
+        parts = t.split(sizes) if sizes else [t]
+        out.update({name: part.detach().cpu().contiguous().clone() for name, part in zip(theirs, parts)})
+    return out
+
+
+def llama_hf_to_ours(sd: dict, config: GPTConfig) -> dict:
+    """HF Llama state dict -> ours: stack q/k/v and gate/up, pad the vocab."""
+    names = _llama_names(config)
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, not a weight
+    if not config.untie_embeddings_and_output_weights:
+        sd.pop("lm_head.weight", None)  # tied: a copy of embed_tokens, if saved at all
+    expected = {n for _, theirs, _ in names for n in theirs}
+    if expected != set(sd):
+        raise UsageError(f"HF Llama weights do not match its config.json: missing "
+                         f"{sorted(expected - set(sd))[:5]}, unexpected {sorted(set(sd) - expected)[:5]}")
+    out = {}
+    for ours, theirs, _ in names:
+        t = torch.cat([sd[n] for n in theirs])
+        out[ours] = _pad_vocab_rows(t, config) if ours in _VOCAB_TABLES else t.contiguous()
+    return out
+
+
+def _pad_vocab_rows(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """(vocab_size, C) -> (padded_vocab_size, C). Padding rows are zero:
+    their logits are 0 and they are never sampled."""
+    if t.shape[0] != config.vocab_size:
+        raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is "
+                         f"{config.vocab_size}")
+    return torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
+
+
+# -----------------------------------------------------------------------------
+# Reading a local directory
+
+
+def _read_hf_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UsageError(f"{cfg_path} not found; from_hf needs a local directory "
+                                f"written by save_pretrained (no hub downloads)")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def _read_hf_weights(path: str) -> dict:
+    st, index, binf = (os.path.join(path, n) for n in
+                       ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
+    if os.path.isfile(st) or os.path.isfile(index):
+        from safetensors.torch import load_file
+        if os.path.isfile(st):
+            return load_file(st)
+        with open(index) as f:  # sharded checkpoint: merge the shards
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return {k: v for s in shards for k, v in load_file(os.path.join(path, s)).items()}
+    if os.path.isfile(binf):
+        return torch.load(binf, map_location="cpu", weights_only=True)
+    raise UsageError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+# ----------------------------------------------------------------------------
+# 4. Files written atomically
+# ----------------------------------------------------------------------------
+
+def atomic_write(path: str, write) -> None:
+    """write(f) into a temporary binary file beside `path`, force it to disk,
+    rename it into place and force the directory entry too: a reader, or the
+    machine after a power loss, finds the old file or the new one, never a
+    torn one. The temporary name is per process, because several ranks may
+    write the same file (GPT.to_hf under tensor parallelism) and must not
+    rename or delete one another's half-written copy. The one atomic write of
+    the project: index caches, checkpoints, exports."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(os.path.dirname(path) or ".")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def fsync_path(path: str) -> None:
+    """Force a file's contents, or a directory's entries (a rename into it,
+    say), to disk (POSIX: both open read-only)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

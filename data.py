@@ -45,6 +45,9 @@ import struct
 import numpy as np
 import torch
 
+from checkpoint import atomic_write, fsync_path
+from parallel import UsageError
+
 # ----------------------------------------------------------------------------
 # 1. Megatron mmap indexed dataset (.bin/.idx)
 
@@ -68,7 +71,7 @@ def _dtype_code(dtype) -> int:
     dtype = np.dtype(dtype)
     if dtype not in _CODE_OF_DTYPE:
         names = ", ".join(np.dtype(t).name for t in _DTYPE_CODES.values())
-        raise ValueError(f"token dtype {dtype.name} cannot be stored in a Megatron .idx file; use one of: {names}")
+        raise UsageError(f"token dtype {dtype.name} cannot be stored in a Megatron .idx file; use one of: {names}")
     return _CODE_OF_DTYPE[dtype]
 
 
@@ -95,7 +98,7 @@ class IndexedDataset(torch.utils.data.Dataset):
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise FileNotFoundError(
+                raise UsageError(
                     f"{path} not found: expected a Megatron .bin/.idx pair at prefix {self.path_prefix!r}. "
                     "Create it with prepare.py (e.g. --output-prefix P --json-key text writes P_text_document.bin/.idx) "
                     "and pass the prefix without the extension")
@@ -110,7 +113,7 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise _corrupt(idx_path, f"not a Megatron mmap index (expected magic {_INDEX_MAGIC!r}, got {header[:9]!r})")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
         if version != _INDEX_VERSION:
-            raise ValueError(f"{idx_path}: index version {version} is not supported (only version {_INDEX_VERSION})")
+            raise UsageError(f"{idx_path}: index version {version} is not supported (only version {_INDEX_VERSION})")
         if code not in _DTYPE_CODES:
             raise _corrupt(idx_path, f"unknown dtype code {code} (valid: {sorted(_DTYPE_CODES)})")
         expected = _HEADER_BYTES + 4 * n_seq + 8 * n_seq + 8 * n_doc
@@ -179,7 +182,7 @@ def write_index_file(idx_path: str, sizes, doc_idx, dtype) -> None:
     """Write a .idx file for sequences of `sizes` tokens (pointers are derived from them)."""
     sizes = np.asarray(sizes, dtype=np.int64)
     if len(sizes) and sizes.max() > np.iinfo(np.int32).max:
-        raise ValueError("a sequence longer than 2**31-1 tokens cannot be indexed; split the document")
+        raise UsageError("a sequence longer than 2**31-1 tokens cannot be indexed; split the document")
     pointers = np.zeros_like(sizes)
     pointers[1:] = np.cumsum(sizes)[:-1] * np.dtype(dtype).itemsize
     with open(idx_path, "wb") as f:
@@ -222,18 +225,18 @@ class IndexedDatasetBuilder:
         if not np.issubdtype(self.dtype, np.integer):
             return
         if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+            raise UsageError(f"token ids must be integers, got dtype {arr.dtype}")
         info = np.iinfo(self.dtype)
         lo, hi = int(arr.min()), int(arr.max())
         if lo < info.min or hi > info.max:
-            raise ValueError(f"token id range [{lo}, {hi}] does not fit dtype {self.dtype.name} "
+            raise UsageError(f"token id range [{lo}, {hi}] does not fit dtype {self.dtype.name} "
                              f"([{info.min}, {info.max}]); build with a wider dtype, e.g. best_dtype(vocab_size)")
 
     def add_index(self, path_prefix: str) -> None:
         """Append every document of an existing PREFIX.bin/.idx (merging shards)."""
         other = IndexedDataset(path_prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"cannot merge {path_prefix} (dtype {other.dtype.name}) into a "
+            raise UsageError(f"cannot merge {path_prefix} (dtype {other.dtype.name}) into a "
                              f"{self.dtype.name} dataset; rebuild both with the same dtype")
         offset = len(self._sizes)
         self._sizes.extend(other.sizes.tolist())
@@ -287,7 +290,7 @@ def parse_split(split: str) -> list[float]:
     except ValueError:
         weights = []
     if not 1 <= len(weights) <= 3 or any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"bad split {split!r}: expected 1-3 non-negative numbers with a positive sum, "
+        raise UsageError(f"bad split {split!r}: expected 1-3 non-negative numbers with a positive sum, "
                          "separated by ',' or '/', e.g. '969,30,1'")
     weights += [0.0] * (3 - len(weights))
     return [w / sum(weights) for w in weights]
@@ -386,37 +389,6 @@ def _cached_arrays(cache_dir: str, stem: str, description: dict, names: tuple, b
     return arrays, False
 
 
-def atomic_write(path: str, write) -> None:
-    """write(f) into a temporary binary file beside `path`, force it to disk,
-    rename it into place and force the directory entry too: a reader, or the
-    machine after a power loss, finds the old file or the new one, never a
-    torn one. The temporary name is per process, because several ranks may
-    write the same file (GPT.to_hf under tensor parallelism) and must not
-    rename or delete one another's half-written copy. The one atomic write of
-    the project: index caches, checkpoints, exports."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_path(os.path.dirname(path) or ".")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def fsync_path(path: str) -> None:
-    """Force a file's contents, or a directory's entries (a rename into it,
-    say), to disk (POSIX: both open read-only)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def default_cache_dir(path_prefix: str) -> str:
     return path_prefix + "-cache"
 
@@ -436,9 +408,9 @@ class GPTDataset(torch.utils.data.Dataset):
                  reset_position_ids: bool = False, eod_mask_loss: bool = False, name: str = "train"):
         documents = np.asarray(documents, dtype=np.int64)
         if seq_length < 1 or num_samples < 1:
-            raise ValueError(f"{name}: need seq_length >= 1 and num_samples >= 1, got {seq_length} and {num_samples}")
+            raise UsageError(f"{name}: need seq_length >= 1 and num_samples >= 1, got {seq_length} and {num_samples}")
         if len(documents) == 0 or int(indexed.sizes[documents].astype(np.int64).sum()) == 0:
-            raise ValueError(f"{name} split of {indexed.path_prefix} has {len(documents)} documents and no tokens; "
+            raise UsageError(f"{name} split of {indexed.path_prefix} has {len(documents)} documents and no tokens; "
                              "add documents or give this split a larger share")
         self.indexed, self.name = indexed, name
         self.num_samples, self.seq_length = num_samples, seq_length
@@ -535,9 +507,9 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __init__(self, datasets: list, weights: list[float], num_samples: int,
                  cache_dir: str | None = None, name: str = "train"):
         if len(datasets) != len(weights) or not datasets:
-            raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
+            raise UsageError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
         if any(w <= 0 for w in weights):
-            raise ValueError(f"blend weights must be positive, got {weights}")
+            raise UsageError(f"blend weights must be positive, got {weights}")
         total = float(sum(weights))
         self.datasets, self.weights, self.num_samples = datasets, [w / total for w in weights], num_samples
         # The blend order depends only on the weights and the length, not on the datasets.
@@ -558,7 +530,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for k, (d, c) in enumerate(zip(self.datasets, counts)):
             if c > len(d):
-                raise ValueError(f"blend needs {c} samples from dataset {k} but it only has {len(d)}; "
+                raise UsageError(f"blend needs {c} samples from dataset {k} but it only has {len(d)}; "
                                  "build it with more samples (weight * num_samples plus a margin)")
 
     def __len__(self) -> int:
@@ -578,15 +550,15 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float]]:
     if len(data_path) == 1:
         return list(data_path), [1.0]
     if len(data_path) == 0 or len(data_path) % 2:
-        raise ValueError(f"bad data path {data_path}: give one prefix, or weight/prefix pairs like "
+        raise UsageError(f"bad data path {data_path}: give one prefix, or weight/prefix pairs like "
                          "['0.3', 'A_text_document', '0.7', 'B_text_document']")
     try:
         weights = [float(w) for w in data_path[0::2]]
     except ValueError:
-        raise ValueError(f"bad data path {data_path}: in a blend every other entry must be a number "
+        raise UsageError(f"bad data path {data_path}: in a blend every other entry must be a number "
                          "(weight, prefix, weight, prefix, ...)") from None
     if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"blend weights {weights} must be non-negative with a positive sum")
+        raise UsageError(f"blend weights {weights} must be non-negative with a positive sum")
     pairs = [(p, w) for p, w in zip(data_path[1::2], weights) if w > 0]
     return [p for p, _ in pairs], [w / sum(weights) for _, w in pairs]
 
@@ -603,7 +575,7 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, num_sample
     prefixes, weights = parse_blend(data_path)
     fractions = parse_split(split)
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
-        raise ValueError(f"num_samples must be 3 non-negative counts (train, valid, test), got {num_samples}")
+        raise UsageError(f"num_samples must be 3 non-negative counts (train, valid, test), got {num_samples}")
     indexed = [IndexedDataset(p) for p in prefixes]
     result = []
     for s, name in enumerate(_SPLIT_NAMES):
@@ -627,7 +599,7 @@ def _split_dataset(ds: IndexedDataset, fractions, s: int, num_samples: int, seq_
     documents = np.arange(bounds[s], bounds[s + 1], dtype=np.int64)
     name = _SPLIT_NAMES[s]
     if len(documents) == 0 or int(ds.sizes[documents].astype(np.int64).sum()) == 0:
-        raise ValueError(f"the {name} split of {ds.path_prefix} gets {len(documents)} of its {len(ds)} documents "
+        raise UsageError(f"the {name} split of {ds.path_prefix} gets {len(documents)} of its {len(ds)} documents "
                          f"and no tokens (split fractions {[round(f, 4) for f in fractions]}), but {num_samples} "
                          f"{name} samples were asked for; add more documents, give {name} a larger share in "
                          "--split, or ask for 0 samples of it")
@@ -649,15 +621,15 @@ class PretrainingSampler:
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int):
         if total_samples <= 0:
-            raise ValueError(f"total_samples must be positive, got {total_samples}")
+            raise UsageError(f"total_samples must be positive, got {total_samples}")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples={consumed_samples} must lie in [0, total_samples={total_samples}]; "
+            raise UsageError(f"consumed_samples={consumed_samples} must lie in [0, total_samples={total_samples}]; "
                              "was the checkpoint made with a larger dataset?")
         if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
+            raise UsageError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
                              f"({data_parallel_size}) must be positive")
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+            raise UsageError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
         self.total_samples, self.consumed_samples = total_samples, consumed_samples
         self.micro_batch_size, self.rank, self.world = micro_batch_size, data_parallel_rank, data_parallel_size
 

@@ -34,13 +34,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
-import hf
 import parallel
-import train
-from config import TrainConfig, model_config, parse_args
+import config
+from config import EVALUATE, TrainConfig, autocast, model_config
 from gpt import GPT, GPTConfig
 from gpt import generate
-from prepare import load_tokenizer
+from parallel import UsageError
+from prepare import EOD, load_tokenizer
 
 # ----------------------------------------------------------------------------
 # 1. Data
@@ -56,14 +56,14 @@ class Example:
 
 def read_text(path: str, flag: str = "--valid-data") -> str:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file")
+        raise UsageError(f"{flag} {path}: no such file")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"{flag} {path}: not UTF-8 text ({e})") from None
+        raise UsageError(f"{flag} {path}: not UTF-8 text ({e})") from None
     if not text.strip():
-        raise ValueError(f"{flag} {path}: the file is empty")
+        raise UsageError(f"{flag} {path}: the file is empty")
     return text
 
 
@@ -133,9 +133,9 @@ def lambada_text(line: str, where: str) -> str:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e.msg}); expected one object with \"text\" per line") from None
+        raise UsageError(f"{where}: not JSON ({e.msg}); expected one object with \"text\" per line") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-        raise ValueError(f"{where}: no \"text\" string in this line; expected one object with "
+        raise UsageError(f"{where}: no \"text\" string in this line; expected one object with "
                          f"\"text\" per line, e.g. {{\"text\": \"... last word\"}}")
     return obj["text"]
 
@@ -148,10 +148,10 @@ def lambada_examples(path: str, enc, strict: bool, seq_length: int) -> list[Exam
         where = f"--valid-data {path}:{lineno}"
         context, target = lambada_split(lambada_text(line, where), enc, strict)
         if not context or not target:
-            raise ValueError(f"{where}: the text is shorter than two tokens (a context and a "
+            raise UsageError(f"{where}: the text is shorter than two tokens (a context and a "
                              f"last word to predict)")
         if len(context) + len(target) - 1 > seq_length:
-            raise ValueError(f"{where}: {len(context) + len(target)} tokens, more than --seq-length "
+            raise UsageError(f"{where}: {len(context) + len(target)} tokens, more than --seq-length "
                              f"{seq_length} + 1; raise --seq-length")
         examples.append(Example(context + target, len(target)))
     return examples
@@ -172,11 +172,11 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
                    hidden_dropout=0.0, attention_dropout=0.0, activation_checkpointing=False,
                    domino_chunks=cfg.domino_chunks if cfg.domino else 1, sequence_parallel=False)
     if cfg.hf:
-        model = hf.from_hf(cfg.hf, **runtime)
+        model = checkpoint.from_hf(cfg.hf, **runtime)
     else:
         found = checkpoint.latest_checkpoint(cfg.load)
         if found is None:
-            raise FileNotFoundError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
+            raise UsageError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
                                     f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")
         weights, state = checkpoint.read_weights(found)
         model = GPT(GPTConfig(**{**state["model_config"], **runtime}))
@@ -189,7 +189,7 @@ def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
     """Model flags are not needed; given, they must describe the checkpoint's
     model (a wrong --preset is a mistake worth naming)."""
     if mcfg.max_position_embeddings < cfg.seq_length and cfg.task != "GENERATE":  # samples slide
-        raise ValueError(f"--seq-length {cfg.seq_length} exceeds the model's "
+        raise UsageError(f"--seq-length {cfg.seq_length} exceeds the model's "
                          f"{mcfg.max_position_embeddings} positions: pass --seq-length "
                          f"{mcfg.max_position_embeddings} or less")
     if cfg.preset is None and cfg.num_layers is None:
@@ -197,7 +197,7 @@ def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
     flags = model_config(cfg)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn"):
         if getattr(flags, name) != getattr(mcfg, name):
-            raise ValueError(f"the model flags give {name}={getattr(flags, name)}, the checkpoint's "
+            raise UsageError(f"the model flags give {name}={getattr(flags, name)}, the checkpoint's "
                              f"model has {getattr(mcfg, name)}: drop the model flags (the checkpoint "
                              f"knows its shape) or fix them")
 
@@ -217,14 +217,14 @@ def score(model: GPT, batch: list[Example], cfg: TrainConfig, device) -> torch.T
     the same. Only the true vocabulary is scored: the padding rows beyond it
     are no tokens (Hugging Face's GPT-2 has none)."""
     n = max(len(e.tokens) for e in batch) - 1
-    tokens = torch.full((len(batch), n + 1), train.EOD_TOKEN, dtype=torch.long)
+    tokens = torch.full((len(batch), n + 1), EOD, dtype=torch.long)
     scored = torch.zeros(len(batch), n, dtype=torch.bool)
     for i, e in enumerate(batch):
         tokens[i, :len(e.tokens)] = torch.tensor(e.tokens)
         scored[i, len(e.tokens) - 1 - e.scored:len(e.tokens) - 1] = True
     tokens, scored = tokens.to(device), scored.to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]                    # (B, n) each
-    with train.autocast(cfg, device):
+    with autocast(cfg, device):
         logits = model(inputs)                                          # (B, n, padded vocab)
     logits = logits[..., :model.config.vocab_size].float()              # (B, n, vocab)
     loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, n)
@@ -256,7 +256,7 @@ def wikitext103(cfg: TrainConfig, enc) -> tuple[list[Example], dict]:
     raw = read_text(cfg.valid_data)
     tokens = enc.encode_ordinary(wikitext_detokenize(raw))
     if len(tokens) < 2:
-        raise ValueError(f"--valid-data {cfg.valid_data}: the text is shorter than two tokens")
+        raise UsageError(f"--valid-data {cfg.valid_data}: the text is shorter than two tokens")
     windows = wikitext_windows(tokens, cfg.seq_length, cfg.overlapping_eval or cfg.seq_length)
     return windows, {"num_tokenized_tokens": len(tokens), "num_original_words": count_original_words(raw),
                      "windows": len(windows)}
@@ -290,7 +290,7 @@ def lambada_results(loss_sum: float, count: int, hits: int, data: dict) -> dict:
 TASKS = {"WIKITEXT103": (wikitext103, wikitext103_results), "LAMBADA": (lambada, lambada_results)}
 
 
-def evaluate(cfg: TrainConfig, env: train.Dist) -> dict:
+def evaluate(cfg: TrainConfig, env: parallel.Dist) -> dict:
     """Run --task in an initialized world (tests call it repeatedly in one
     world); print the results and write them (rank 0), and return them."""
     if cfg.task == "GENERATE":
@@ -320,7 +320,7 @@ def read_prompts(cfg: TrainConfig) -> list[str]:
     return read_text(cfg.sample_input_file, "--sample-input-file").rstrip("\n").split("\n")
 
 
-def sample(cfg: TrainConfig, env: train.Dist) -> list[dict]:
+def sample(cfg: TrainConfig, env: parallel.Dist) -> list[dict]:
     """One continuation per prompt, in prompt order. Data-parallel ranks take
     every D-th prompt; prompt i samples with the generator seeded --seed + i
     on every rank, so the samples depend on the seed alone, not on N or T
@@ -329,16 +329,16 @@ def sample(cfg: TrainConfig, env: train.Dist) -> list[dict]:
     model = load_model(cfg, env.device)
     mine = {}
     for i in range(parallel.dp_rank(), len(prompts), parallel.dp_size()):
-        ids = enc.encode_ordinary(prompts[i]) or [train.EOD_TOKEN]  # empty: from <|endoftext|>
+        ids = enc.encode_ordinary(prompts[i]) or [EOD]  # empty: from <|endoftext|>
         if len(ids) >= model.config.max_position_embeddings:
-            raise ValueError(f"--sample-input-file line {i + 1}: {len(ids)} tokens, the model sees "
+            raise UsageError(f"--sample-input-file line {i + 1}: {len(ids)} tokens, the model sees "
                              f"{model.config.max_position_embeddings}; shorten the prompt")
         gen = torch.Generator(device=env.device).manual_seed(cfg.seed + i)
-        with train.autocast(cfg, env.device):
+        with autocast(cfg, env.device):
             out = generate(model, torch.tensor([ids], device=env.device), cfg.out_seq_length,
                            cfg.temperature, cfg.top_k or None, cfg.top_p or None,
-                           eos_token_id=train.EOD_TOKEN, generator=gen)[0, len(ids):].tolist()
-        new = out[:out.index(train.EOD_TOKEN)] if train.EOD_TOKEN in out else out
+                           eos_token_id=EOD, generator=gen)[0, len(ids):].tolist()
+        new = out[:out.index(EOD)] if EOD in out else out
         mine[i] = {"prompt": prompts[i], "text": enc.decode(new), "tokens": new}
     if parallel.dp_size() > 1:  # every rank's samples, back in prompt order
         everyone = [None] * parallel.dp_size()
@@ -347,7 +347,7 @@ def sample(cfg: TrainConfig, env: train.Dist) -> list[dict]:
     return [mine[i] for i in range(len(prompts))]
 
 
-def write_samples(cfg: TrainConfig, samples: list[dict], env: train.Dist) -> list[dict]:
+def write_samples(cfg: TrainConfig, samples: list[dict], env: parallel.Dist) -> list[dict]:
     """JSON lines {prompt, text, tokens} to --sample-output-file, or printed (rank 0)."""
     if env.is_main:
         lines = "".join(json.dumps(s) + "\n" for s in samples)
@@ -360,13 +360,68 @@ def write_samples(cfg: TrainConfig, samples: list[dict], env: train.Dist) -> lis
     return samples
 
 
+EVAL_TASKS = ("WIKITEXT103", "LAMBADA", "GENERATE")
+
+
+def validate_evaluation(cfg: TrainConfig) -> None:
+    """evaluate.py's flags: one task, one file, one model."""
+    if cfg.task is None:
+        raise UsageError(f"evaluate.py needs --task: {' or '.join(EVAL_TASKS)}")
+    if cfg.task not in EVAL_TASKS:
+        raise UsageError(f"--task {cfg.task}: use one of {', '.join(EVAL_TASKS)}")
+    if cfg.task == "GENERATE":
+        validate_sampling(cfg)
+    elif not cfg.valid_data:
+        raise UsageError(f"--task {cfg.task} needs --valid-data FILE (the task's data)")
+    if bool(cfg.load) == bool(cfg.hf):
+        raise UsageError("evaluate.py needs a model: --load CHECKPOINT (plain or DeepSpeed) "
+                         "or --hf DIRECTORY (Hugging Face GPT-2), one of them")
+    if cfg.overlapping_eval is not None and not 0 < cfg.overlapping_eval <= cfg.seq_length:
+        raise UsageError(f"--overlapping-eval {cfg.overlapping_eval} must lie in [1, --seq-length "
+                         f"{cfg.seq_length}]")
+    if cfg.overlapping_eval is not None and cfg.task != "WIKITEXT103":
+        raise UsageError("--overlapping-eval is for --task WIKITEXT103")
+    if cfg.strict_lambada and cfg.task != "LAMBADA":
+        raise UsageError("--strict-lambada is for --task LAMBADA")
+
+
+def validate_sampling(cfg: TrainConfig) -> None:
+    """--task GENERATE: prompts from a file, or unconditional samples; sane sampling knobs."""
+    if bool(cfg.sample_input_file) == (cfg.num_samples > 0):
+        raise UsageError("--task GENERATE needs --sample-input-file FILE (one prompt a line) or "
+                         "--num-samples N > 0 (unconditional samples), one of them")
+    if cfg.out_seq_length < 1:
+        raise UsageError(f"--out-seq-length {cfg.out_seq_length}: generate at least 1 token")
+    if cfg.temperature < 0 or cfg.top_k < 0 or not 0 <= cfg.top_p <= 1:
+        raise UsageError(f"--temperature {cfg.temperature} (>= 0; 0 is greedy), --top-k {cfg.top_k} "
+                         f"(>= 0; 0 is off), --top-p {cfg.top_p} (in [0, 1]; 0 is off)")
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """evaluate.py's flags (config.TrainConfig's fields for both tools and for
+    evaluate.py), checked."""
+    cfg = config.parse_args(argv, EVALUATE, usage=__doc__)
+    validate_evaluation(cfg)
+    return cfg
+
+
+def init_distributed(cfg: TrainConfig) -> parallel.Dist:
+    return parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.distributed_backend,
+                                     cfg.distributed_timeout_minutes, one_queue=cfg.domino)
+
+
 def run(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv, prog="evaluate.py", usage=__doc__)
-    evaluate(cfg, train.init_distributed(cfg))
+    cfg = parse_args(argv)
+    evaluate(cfg, init_distributed(cfg))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
+def main(argv: list[str] | None = None) -> None:
+    """evaluate.py's command line: a user's mistake is one line from rank 0 (parallel.launch)."""
+    parallel.launch(run, argv, "evaluate.py")
+
+
 if __name__ == "__main__":
-    train.main(entry=run, prog="evaluate.py")
+    main()

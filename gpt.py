@@ -32,7 +32,7 @@ One file, read top to bottom:
    the (tokens, vocab) logits never exist whole.
 7. Generation: the KV cache and `generate`.
 8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
-Hugging Face GPT-2 and Llama import and export live in hf.py.
+Hugging Face GPT-2 and Llama import and export live in checkpoint.py.
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
 GPT-2's 50257 tokens; a multiple of 128, Megatron's
@@ -52,8 +52,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import parallel
 import kernels
+import parallel
+from parallel import UsageError
 
 # -----------------------------------------------------------------------------
 # Config
@@ -111,66 +112,66 @@ class GPTConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+                raise UsageError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
+            raise UsageError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}); pick a head count that divides it")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
-            raise ValueError(
+            raise UsageError(
                 f"ffn_hidden_size must be positive or None, got {self.ffn_hidden_size}")
         if self.padded_vocab_size < self.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"padded_vocab_size ({self.padded_vocab_size}) must be >= vocab_size "
                 f"({self.vocab_size}); use e.g. pad_vocab_size({self.vocab_size}) = "
                 f"{pad_vocab_size(self.vocab_size)}")
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {p}")
+                raise UsageError(f"{name} must be in [0, 1), got {p}")
         if not isinstance(self.domino_chunks, int) or self.domino_chunks < 1:
-            raise ValueError(f"domino_chunks must be an int >= 1 (1 = off), got {self.domino_chunks!r}")
+            raise UsageError(f"domino_chunks must be an int >= 1 (1 = off), got {self.domino_chunks!r}")
         if self.layernorm_epsilon <= 0 or self.init_method_std <= 0:
-            raise ValueError("layernorm_epsilon and init_method_std must be > 0")
+            raise UsageError("layernorm_epsilon and init_method_std must be > 0")
         if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown attention_impl {self.attention_impl!r}; "
+            raise UsageError(f"unknown attention_impl {self.attention_impl!r}; "
                              f"choose one of {list(ATTENTION_IMPLS)}")
         if self.loss_impl not in LOSS_IMPLS:
-            raise ValueError(f"unknown loss_impl {self.loss_impl!r}; choose one of {list(LOSS_IMPLS)}")
+            raise UsageError(f"unknown loss_impl {self.loss_impl!r}; choose one of {list(LOSS_IMPLS)}")
         if self.layernorm_impl not in LAYERNORM_IMPLS:
-            raise ValueError(f"unknown layernorm_impl {self.layernorm_impl!r}; "
+            raise UsageError(f"unknown layernorm_impl {self.layernorm_impl!r}; "
                              f"choose one of {list(LAYERNORM_IMPLS)}")
         self._check_architecture()
         if self.attention_impl == "triton":
             if self.hidden_size // self.num_attention_heads not in kernels.SUPPORTED_HEAD_DIMS:
-                raise ValueError(f"attention_impl='triton' supports head dims "
+                raise UsageError(f"attention_impl='triton' supports head dims "
                                  f"{kernels.SUPPORTED_HEAD_DIMS}, not "
                                  f"{self.hidden_size // self.num_attention_heads}; change "
                                  f"hidden_size/num_attention_heads or use attention_impl='torch'")
             if self.attention_dropout > 0:
-                raise ValueError("attention_impl='triton' has no attention dropout; set "
+                raise UsageError("attention_impl='triton' has no attention dropout; set "
                                  "attention_dropout=0 or use attention_impl='torch'")
 
     def _check_architecture(self) -> None:
         """The architecture options; each error names the flag to change."""
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ValueError(f"unknown position_embedding_type {self.position_embedding_type!r} "
+            raise UsageError(f"unknown position_embedding_type {self.position_embedding_type!r} "
                              f"(--position-embedding-type); choose one of {list(POSITION_EMBEDDING_TYPES)}")
         if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"unknown normalization {self.normalization!r} (--normalization); "
+            raise UsageError(f"unknown normalization {self.normalization!r} (--normalization); "
                              f"choose one of {list(NORMALIZATIONS)}")
         if self.rotary_base <= 0:
-            raise ValueError(f"rotary_base must be > 0 (--rotary-base), got {self.rotary_base}")
+            raise UsageError(f"rotary_base must be > 0 (--rotary-base), got {self.rotary_base}")
         if not 0.0 < self.rotary_percent <= 1.0:
-            raise ValueError(f"rotary_percent must lie in (0, 1] (--rotary-percent), "
+            raise UsageError(f"rotary_percent must lie in (0, 1] (--rotary-percent), "
                              f"got {self.rotary_percent}")
         if self.position_embedding_type == "rope" and (self.rotary_dim == 0 or self.rotary_dim % 2):
-            raise ValueError(f"RoPE rotates pairs of dims, but --rotary-percent {self.rotary_percent} "
+            raise UsageError(f"RoPE rotates pairs of dims, but --rotary-percent {self.rotary_percent} "
                              f"of head dim {self.head_dim} is {self.rotary_dim}: pick a "
                              f"--rotary-percent that gives an even number of dims")
         G = self.num_query_groups
         if G is not None and (not isinstance(G, int) or G <= 0 or self.num_attention_heads % G):
-            raise ValueError(f"num_query_groups ({G!r}, --num-query-groups) must be a positive "
+            raise UsageError(f"num_query_groups ({G!r}, --num-query-groups) must be a positive "
                              f"int that divides num_attention_heads ({self.num_attention_heads})")
 
     @property
@@ -195,7 +196,7 @@ class GPTConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":
         if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; valid presets: {list(PRESETS)}")
+            raise UsageError(f"unknown model preset {name!r}; valid presets: {list(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
 
@@ -251,12 +252,12 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
             enable_gqa=k.shape[1] != q.shape[1])
     if impl == "triton":
         if training and dropout_p > 0:  # GPTConfig refuses this too; guard direct callers
-            raise ValueError("attention_impl='triton' has no attention dropout; "
+            raise UsageError("attention_impl='triton' has no attention dropout; "
                              "use dropout_p=0 or impl='torch'")
         # flash_attention raises a clear error when Triton cannot run here
         # (e.g. a CPU tensor without TRITON_INTERPRET=1).
         return kernels.flash_attention(q, k, v, causal=True)
-    raise ValueError(f"unknown attention_impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
+    raise UsageError(f"unknown attention_impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
 
 
 def cached_attention(q, k, v):
@@ -280,7 +281,7 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
     if config.layernorm_impl == "triton":
         norm = kernels.TritonRMSNorm if rms else kernels.TritonLayerNorm
         return norm(hidden, eps=config.layernorm_epsilon)
-    raise ValueError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
+    raise UsageError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
                      f"choose one of {list(LAYERNORM_IMPLS)}")
 
 
@@ -525,7 +526,7 @@ class GPT(nn.Module):
         tp = parallel.tp_size() > 1
         if tp:
             if config.domino_chunks > 1 and config.activation_checkpointing:
-                raise ValueError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
+                raise UsageError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
                                  "turn one of them off")
             parallel.check_divisible(config)
         self.sequence_parallel = tp and config.sequence_parallel  # off while generating
@@ -574,14 +575,14 @@ class GPT(nn.Module):
         the GPU's queue, so it runs only until one call passes: train.py
         checks every batch on the host instead (train.check_batch)."""
         if self.sequence_parallel and input_ids.shape[-1] % parallel.tp_size():
-            raise ValueError(
+            raise UsageError(
                 f"sequence parallelism splits each sequence over the {parallel.tp_size()} "
                 f"tensor-parallel ranks, but it has {input_ids.shape[-1]} tokens: use a "
                 f"--seq-length divisible by {parallel.tp_size()} (generation runs under "
                 f"parallel.sequence_parallel_off, as generate does)")
         T = start + input_ids.shape[-1]  # start: positions already in a KV cache
         if T > self.config.max_position_embeddings:
-            raise ValueError(
+            raise UsageError(
                 f"sequence length {T} exceeds max_position_embeddings "
                 f"({self.config.max_position_embeddings}); use a shorter --seq-length or a "
                 f"model with more positions")
@@ -827,10 +828,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if not need_grads:  # evaluation: the loss alone
                 continue
             torch.mm(z, w_c, out=dh[rows])                           # (n, C), partial under TP
-            if z.dtype == torch.float32:
-                dw.addmm_(z.t(), h_c[rows])                          # (V_local, C)
-            else:
-                dw += z.t() @ h_c[rows]
+            dw += (z.t() @ h_c[rows]).float()                        # (V_local, C)
             del z
         ctx.save_for_backward(dh, dw, w_max)
         ctx.dtypes = h.dtype, weight.dtype
@@ -922,7 +920,7 @@ def generate(model: GPT, input_ids, max_new_tokens: int, temperature: float = 1.
     window slides, so cached keys would sit at the wrong positions).
     """
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+        raise UsageError(f"temperature must be >= 0, got {temperature}")
     was_training = model.training
     model.eval()
     max_pos = model.config.max_position_embeddings
@@ -965,12 +963,12 @@ def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
     """
     if top_k is not None:
         if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
+            raise UsageError(f"top_k must be >= 1, got {top_k}")
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            raise UsageError(f"top_p must be in (0, 1], got {top_p}")
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
         probs = F.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens

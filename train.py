@@ -4,30 +4,28 @@ r"""Pretrain a GPT on Megatron-format token data.
         --data-path data/shakespeare_text_document --micro-batch-size 8 \
         --global-batch-size 256 --train-iters 5000 --bf16
 
-The training loop, top to bottom:
-  1. Distributed setup from torchrun's environment (nccl on GPU, gloo on CPU),
-     tensor- and data-parallel groups (parallel.py).
+Top to bottom:
+  1. What the flags describe: the model, AdamW, the learning-rate schedule,
+     the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
-  3. The step: gradient accumulation, mixed precision, clipping.
+  3. The step: gradient accumulation, mixed precision, clipping, the skip
+     decision, the fp16 loss scaler; PlainTraining holds them (DeepSpeed's
+     twin: zero.DeepSpeedTraining).
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
-  5. The loop: preemption, loss checks, checkpoints, the final sample.
-Elsewhere: the flags, model, AdamW and schedule (config.py), checkpoints and
-weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
+  5. The loop: preemption, loss checks, checkpoints, the closing sample.
+Elsewhere: the flags (config.py), the launch and the process groups
+(parallel.py), checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO
+(zero.py).
 """
 from __future__ import annotations
 
-import datetime
+import dataclasses
 import json
 import math
 import os
 import signal
-import socket
-import sys
 import time
-import traceback
-import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,118 +35,123 @@ import checkpoint
 import data as data_lib
 import parallel
 import zero
-from config import (TrainConfig, build_model, build_optimizer, global_batch_at,
-                    gradient_accumulation_steps, learning_rate, parse_args, with_run_length)
+from config import TrainConfig, autocast, batch_from_deepspeed_json, model_config, parse_args
 from data import to_device
-from gpt import GPT, GPTConfig, count_parameters, flops_per_token
-from gpt import generate
-from prepare import load_tokenizer
-
-EOD_TOKEN = 50256  # GPT-2's <|endoftext|>
+from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
+from parallel import UsageError
+from prepare import EOD, load_tokenizer
 
 
 # ----------------------------------------------------------------------------
-# 1. Distributed setup
+# 1. What the flags describe: model, AdamW, schedule, batch
 # ----------------------------------------------------------------------------
 
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
+def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: int | None = None) -> int:
+    """global batch = micro batch x data-parallel size x accumulation steps.
+    global_batch: this step's (it ramps with --rampup-batch-size); default
+    --global-batch-size."""
+    per_step = cfg.micro_batch_size * dp_size
+    gbs = global_batch or cfg.global_batch_size or per_step
+    if gbs % per_step != 0:
+        flag = "--rampup-batch-size START and INCREMENT, and --global-batch-size," \
+            if cfg.rampup_batch_size else "--global-batch-size"
+        raise UsageError(
+            f"{flag} {gbs} is not divisible by --micro-batch-size "
+            f"{cfg.micro_batch_size} x data-parallel size {dp_size} = {per_step}; "
+            f"use a multiple of {per_step}")
+    return gbs // per_step
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+
+def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
+    """The run's model on `device`, with the kernels chosen for `kernels_for`
+    (default: device; ZeRO-3 under TP builds on the host what runs on a GPU)."""
+    mcfg = model_config(cfg, kernels_for or device)
+    if cfg.domino:
+        mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
+    # Same seed on every rank: every rank builds the same full model (tensor-
+    # parallel ranks keep their slice), so data-parallel replicas start equal.
+    # Dropout over values that differ across TP ranks draws from a second
+    # stream, seeded per TP rank (parallel.py, section 5).
+    torch.manual_seed(cfg.seed)
+    parallel.model_parallel_seed(cfg.seed)
+    return GPT(mcfg).to(device)
 
 
-def init_distributed(cfg: TrainConfig) -> Dist:
-    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and build the groups.
+def param_ndim(p: torch.nn.Parameter) -> int:
+    # ZeRO-3 swaps p.data for an empty 1-D tensor and keeps the real shape in ds_shape.
+    return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
 
-    Without torchrun this is a single process. nccl drives GPUs; gloo runs the
-    same code on CPU so that every distributed path can be tested anywhere.
-    """
-    if cfg.domino or cfg.sequence_parallel:
-        # One hardware queue: kernels start in launch order, so a collective
-        # launched before a GEMM really runs beside it (see parallel._ColumnParallelLinearFunction). Read
-        # when the CUDA context is created, so set it before touching the GPU.
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
+    """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay."""
+    decay = [p for p in model.parameters() if p.requires_grad and param_ndim(p) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and param_ndim(p) < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # fused: one kernel for all tensors, and it can skip a step on the device
+    # (train.optimizer_step), on CUDA and CPU alike.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps, fused=fused)
+
+
+def lr_span(cfg: TrainConfig) -> tuple[float, int]:
+    """(warmup, decay end) of the schedule, in iterations or, with
+    --train-samples, in samples (as Megatron counts them)."""
+    if cfg.train_samples is None:
+        warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
     else:
-        device = torch.device("cpu")
-    backend = cfg.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = datetime.timedelta(minutes=cfg.distributed_timeout_minutes)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout, **elastic_store(rank, world, timeout))
-    elif cfg.deepspeed and not dist.is_initialized():
-        # DeepSpeed always needs a process group, even for one process, and
-        # reads the launcher's variables: set what a 1-process launch would.
-        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(name, value)
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    parallel.initialize(cfg.tensor_model_parallel_size, timeout)
-    return Dist(rank, world, local_rank, device)
+        warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
+    if cfg.lr_warmup_fraction is not None:
+        warmup = cfg.lr_warmup_fraction * decay
+    return warmup, decay
 
 
-ATTEMPT_STORE_KEY = "/train.py/attempt_store"
+def learning_rate(done: int, cfg: TrainConfig, step: int = 1) -> float:
+    """Linear warmup to --lr, then cosine/linear decay to --min-lr, then constant.
 
-
-def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
-    """init_process_group's store under torchrun: a new one for each attempt.
-
-    torchrun's agents host one key-value store for all the attempts of a job
-    (TORCHELASTIC_USE_AGENT_STORE), and the workers exchange their addresses
-    through it. After a restart (--max-restarts) the new workers would read
-    the dead attempt's keys and connect to ranks that no longer exist (gloo
-    hangs or is refused, NCCL reads a stale unique id). A key prefix per
-    attempt would need a number that every node agrees on, and torchrun
-    gives none: TORCHELASTIC_RESTART_COUNT counts the restarts of that node's
-    own agent, and a node whose worker was healthy restarts it without
-    counting. So rank 0 starts a store of its own for each attempt (as
-    torchrun does with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and publishes
-    its address with a fresh nonce; the other ranks use it once it answers
-    with that nonce, which a dead attempt's address cannot. Elsewhere (the
-    deepspeed launcher, plain env://) nothing changes."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    host = os.environ["MASTER_ADDR"]  # the node of global rank 0, whose agent hosts this store
-    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
-    if rank == 0:
-        store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-        nonce = uuid.uuid4().hex
-        store.set("nonce", nonce)
-        agent.set(ATTEMPT_STORE_KEY, f"{host} {store.port} {nonce}")
+    done: iterations before this step (step=1); with --train-samples, samples
+    consumed before it (step = this step's global batch). The two agree when
+    the batch is constant: --train-samples N x B is --train-iters N."""
+    warmup, decay = lr_span(cfg)
+    if done < warmup:
+        return cfg.lr * min(1.0, (done + step) / warmup)
+    if cfg.lr_decay_style == "constant" or done >= decay:
+        return cfg.lr if cfg.lr_decay_style == "constant" else cfg.min_lr
+    progress = (done - warmup) / max(1, decay - warmup)
+    if cfg.lr_decay_style == "cosine":
+        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
-        store = join_attempt_store(agent, world, timeout)
-    return {"store": store, "rank": rank, "world_size": world}
+        coeff = 1.0 - progress
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
 
 
-def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
-    """The store rank 0 started for this attempt (see elastic_store). The key
-    may still hold a dead attempt's address, which refuses connections: read
-    it again until the address answers with its own nonce."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    while True:
-        host, port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()  # cheap, quiet refusal
-            store = dist.TCPStore(host, int(port), world, is_master=False,
-                                  timeout=datetime.timedelta(seconds=30))
-            if store.get("nonce").decode() == nonce:
-                store.set_timeout(timeout)
-                return store
-        except (OSError, RuntimeError):  # refused, or not a store (a port reused since)
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 published no store of this attempt within "
-                               f"{timeout.total_seconds():.0f} s (--distributed-timeout-minutes)")
-        time.sleep(0.2)
+def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:
+    """The global batch of the step after `consumed` samples. With
+    --rampup-batch-size START INCREMENT SAMPLES it grows from START by
+    INCREMENT in equal sample intervals until SAMPLES have been consumed, then
+    stays at --global-batch-size (Megatron's ramp-up, used by GPT-3)."""
+    final = cfg.global_batch_size or cfg.micro_batch_size * dp_size
+    if not cfg.rampup_batch_size:
+        return final
+    start, increment, ramp_samples = cfg.rampup_batch_size
+    if consumed > ramp_samples or final == start:
+        return final
+    samples_per_increment = ramp_samples / ((final - start) // increment)
+    return start + int(consumed / samples_per_increment) * increment
+
+
+def with_run_length(cfg: TrainConfig, dp_size: int) -> TrainConfig:
+    """With --train-samples, --train-iters becomes the number of whole steps
+    that fit: the run stops before a step would pass --train-samples."""
+    if cfg.train_samples is None:
+        return cfg
+    iterations, consumed = 0, 0
+    while consumed + (batch := global_batch_at(consumed, cfg, dp_size)) <= cfg.train_samples:
+        consumed += batch
+        iterations += 1
+    if iterations == 0:
+        raise UsageError(f"--train-samples {cfg.train_samples} is less than one global batch ({batch})")
+    return dataclasses.replace(cfg, train_iters=iterations)
 
 
 # ----------------------------------------------------------------------------
@@ -170,32 +173,30 @@ def eval_consumed(iteration: int, cfg: TrainConfig, global_batch: int) -> int:
 
 
 def build_datasets(cfg: TrainConfig, global_batch: int):
-    # The test split is left for offline evaluation; training reads train and valid.
+    """(train, valid) datasets for this run's samples. The test split is left
+    for offline evaluation."""
     train_samples = cfg.train_samples or cfg.train_iters * global_batch
     num_samples = (train_samples, eval_runs(cfg) * cfg.eval_iters * global_batch, 0)
-    build = lambda: data_lib.build_train_valid_test_datasets(
+    build = lambda: data_lib.build_train_valid_test_datasets(  # noqa: E731
         data_path=cfg.data_path, split=cfg.split, num_samples=num_samples,
         seq_length=cfg.seq_length, seed=cfg.seed, cache_dir=cfg.data_cache_path,
-        eod_token=EOD_TOKEN, reset_position_ids=cfg.reset_position_ids,
-        eod_mask_loss=cfg.eod_mask_loss)
+        eod_token=EOD, reset_position_ids=cfg.reset_position_ids,
+        eod_mask_loss=cfg.eod_mask_loss)[:2]
     if not dist.is_initialized():
         return build()
     # Rank 0 builds the index arrays and caches them on disk; the others then
     # load that cache instead of all computing the same arrays at once. If
     # rank 0 cannot (bad data), the others raise its error instead of crashing
     # in a collective that rank 0 never joins.
-    outcome, error = [None], None
+    mistake = [None]
     if dist.get_rank() == 0:
         try:
             datasets = build()
-        except (ValueError, FileNotFoundError) as e:
-            outcome, error = [(type(e).__name__, str(e))], e
-    dist.broadcast_object_list(outcome, src=0)
-    if error is not None:
-        raise error
-    if outcome[0] is not None:
-        kind, message = outcome[0]
-        raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}[kind](message)
+        except UsageError as e:
+            mistake = [str(e)]
+    dist.broadcast_object_list(mistake, src=0)
+    if mistake[0] is not None:
+        raise UsageError(mistake[0])
     return datasets if dist.get_rank() == 0 else build()
 
 
@@ -229,16 +230,8 @@ def synchronize(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------
-# 3. The training step
+# 3. The step
 # ----------------------------------------------------------------------------
-
-def autocast(cfg: TrainConfig, device: torch.device):
-    if cfg.bf16:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if cfg.fp16:
-        return torch.autocast(device.type, dtype=torch.float16)
-    return nullcontext()
-
 
 def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: float):
     """One optimizer step over `len(batches)` accumulated micro-batches.
@@ -333,6 +326,39 @@ class LossScaler:
         self.growth_tracker.fill_(state["_growth_tracker"])
 
 
+class PlainTraining:
+    """The model, AdamW and the --fp16 loss scaler of a run without DeepSpeed,
+    loaded from --load and wrapped for --compile and DDP: one optimizer step,
+    and a checkpoint. zero.DeepSpeedTraining has the same shape."""
+
+    def __init__(self, cfg: TrainConfig, env: parallel.Dist, accum: int, log):
+        self.cfg, self.device, self.log = cfg, env.device, log
+        self.raw = build_model(cfg, env.device)
+        self.optimizer = build_optimizer(self.raw, cfg)
+        self.scaler = LossScaler(cfg.initial_loss_scale, env.device) if cfg.fp16 else None
+        self.iteration, self.consumed = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
+                                                                   self.scaler, log)
+        self.model = torch.compile(self.raw) if cfg.compile else self.raw
+        if parallel.dp_size() > 1:
+            self.model = DDP(self.model, process_group=parallel.dp_group(),
+                             device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+
+    def step(self, batches: list, lr: float):
+        """(loss, grad norm, skipped), on the device (see train_step)."""
+        return train_step(self.model, self.optimizer, self.scaler, batches, self.cfg, self.device, lr)
+
+    def save(self, iteration: int, consumed: int) -> None:
+        checkpoint.save_checkpoint(self.cfg, self.raw, self.optimizer, self.scaler, iteration,
+                                   consumed, self.log)
+
+    def close(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------
+# 4. Evaluation, logging, MFU
+# ----------------------------------------------------------------------------
+
 @torch.no_grad()
 def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int) -> float:
     """Mean loss over --eval-iters global batches, averaged over data-parallel ranks."""
@@ -347,10 +373,6 @@ def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.dp_group()).item()
 
-
-# ----------------------------------------------------------------------------
-# 4. Logging and MFU
-# ----------------------------------------------------------------------------
 
 # Dense (no sparsity) 16-bit tensor-core peak FLOP/s per device, bf16 with
 # fp32 accumulation, as training runs. Keys are matched against
@@ -505,107 +527,67 @@ def check_losses(pending: list, logger: Logger, last_saved: int) -> float:
 
 
 def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
-    enc = load_tokenizer()  # FileNotFoundError if requirements.txt's BPE package is missing
+    enc = load_tokenizer()  # a UsageError if requirements.txt's BPE package is missing
     ids = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # same on every tensor-parallel rank
     out = generate(model, ids, max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=200,
-                         eos_token_id=EOD_TOKEN, generator=gen)
-    return enc.decode([t for t in out[0].tolist() if t < EOD_TOKEN])
+                   eos_token_id=EOD, generator=gen)
+    return enc.decode([t for t in out[0].tolist() if t < EOD])
 
 
-def main(argv: list[str] | None = None, entry=None, prog: str = "train.py") -> None:
-    """Run entry(argv) (default: train.py's run) and turn a user's mistake
-    into one line from rank 0, prefixed by prog (evaluate.py shares this)."""
-    try:
-        (entry or run)(argv)
-    except (ValueError, FileNotFoundError) as e:
-        if not raised_by_this_project(e):
-            raise  # unexpected: keep the traceback
-        exit_with_usage_error(e, prog)
-    except RuntimeError as e:  # gloo's and torch.distributed's errors are RuntimeErrors
-        if not is_collective_failure(e):
-            raise
-        exit_with_collective_failure(e, prog)
+class Meter:
+    """Tokens/s, MFU and skipped steps between two log lines, read from the
+    device only then. The first step (compilation, autotuning) is timed and
+    reported on its own, and kept out of the next line's tokens/s."""
+
+    def __init__(self, cfg: TrainConfig, env: parallel.Dist, mcfg: GPTConfig, logger, first: int):
+        self.device, self.world, self.logger, self.first = env.device, env.world_size, logger, first
+        self.flops_per_token = flops_per_token(mcfg, cfg.seq_length)
+        self.peak = device_peak_flops(cfg, env.device)
+        if self.peak is None and env.device.type == "cuda":
+            logger.print(f"MFU: unknown, {torch.cuda.get_device_name(env.device)!r} is not in "
+                         f"train.PEAK_FLOPS; pass --peak-flops (dense bf16 FLOP/s of one GPU)")
+        self.t0, self.tokens, self.skipped = time.time(), 0, 0
+
+    def count(self, iteration: int, tokens: int, skipped, log_now: bool) -> None:
+        """One step done; skipped: its device flag (not read here)."""
+        self.tokens, self.skipped = self.tokens + tokens, self.skipped + skipped
+        if iteration == self.first:
+            synchronize(self.device)
+            self.logger.print(f"first step (iteration {iteration}) took {time.time() - self.t0:.1f} s, "
+                              f"compilation and autotuning included")
+            if not log_now:
+                self.t0, self.tokens = time.time(), 0
+
+    def figures(self) -> dict:
+        """tokens_per_sec, mfu and skipped_iterations since the last call."""
+        synchronize(self.device)
+        tps = self.tokens / max(time.time() - self.t0, 1e-9)
+        mfu = self.flops_per_token * tps / (self.peak * self.world) if self.peak else None
+        figures = {"tokens_per_sec": tps, "mfu": mfu, "skipped_iterations": int(self.skipped)}
+        self.t0, self.tokens, self.skipped = time.time(), 0, 0
+        return figures
 
 
-def raised_by_this_project(e: BaseException) -> bool:
-    """Whether one of this project's own checks raised e (a `raise` in a file
-    beside train.py): a mistake in the flags, the data or the checkpoint,
-    whose message already says what to do. Errors from torch, DeepSpeed or
-    anything else are bugs to debug, with their traceback."""
-    return in_this_project(traceback.extract_tb(e.__traceback__)[-1].filename)
-
-
-def in_this_project(filename: str) -> bool:
-    """Whether a source file is one of this project's (beside train.py)."""
-    return os.path.dirname(os.path.abspath(filename)) == os.path.dirname(os.path.abspath(__file__))
-
-
-def exit_with_usage_error(e: Exception, prog: str = "train.py") -> None:
-    """One line from rank 0, exit status 2, no traceback from every rank.
-
-    Usually every rank hits the same check; the launcher (torchrun, deepspeed)
-    stops the others as soon as rank 0 exits, so they wait a moment first. A
-    rank still alive after that failed alone, and says so itself."""
-    rank = int(os.environ.get("RANK", "0"))
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Preemption's handler would keep it alive
-    if rank != 0:
-        time.sleep(3)
-    where = "" if rank == 0 else f" (rank {rank})"
-    print(f"{prog}: error{where}: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def is_collective_failure(e: RuntimeError) -> bool:
-    """A collective or the store that gave up on a peer: the process-group
-    timeout (--distributed-timeout-minutes) ran out, or the peer's socket
-    closed because it died. gloo raises a plain RuntimeError for both."""
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(
-        s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))
-
-
-def exit_with_collective_failure(e: RuntimeError, prog: str = "train.py") -> None:
-    """Keep the traceback, then end with one line that says which collective
-    gave up (the line of this project that waited on it) and what it means."""
-    traceback.print_exc()
-    ours = [f for f in traceback.extract_tb(e.__traceback__) if in_this_project(f.filename)]
-    what, where = "a collective", ""
-    if ours:
-        frame = ours[-1]
-        where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name} (`{frame.line}`)"
-        if "backward" in frame.line:  # DDP and ZeRO reduce gradients from autograd hooks
-            what = "the gradient all-reduce (run inside backward)"
-    print(f"{prog}: error (rank {os.environ.get('RANK', '0')}): {what} failed{where}: "
-          f"{str(e).splitlines()[0]}. Another rank stopped answering or died; its own log says "
-          f"why. --distributed-timeout-minutes sets how long a collective waits.", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
-def run(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
-    if cfg.export_from:
-        checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
-        print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
-        return
-    env = init_distributed(cfg)
-    train(cfg, env)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def train(cfg: TrainConfig, env: Dist) -> None:
-    """The whole run in an initialized world (tests call it repeatedly in one world)."""
-    cfg = with_run_length(cfg, parallel.dp_size())  # --train-samples -> iterations
-    # The final global batch (evaluation uses it); with --rampup-batch-size a
-    # step's own batch is global_batch_at(consumed), checked here for all steps.
-    accum = gradient_accumulation_steps(cfg, parallel.dp_size())
-    global_batch = cfg.micro_batch_size * parallel.dp_size() * accum
+def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
+    """(cfg with the run's length in iterations, accumulation steps, global
+    batch). The global batch is the final one (evaluation uses it); with
+    --rampup-batch-size a step's own batch is global_batch_at(consumed),
+    checked here for every step."""
+    dp = parallel.dp_size()
+    cfg = with_run_length(batch_from_deepspeed_json(cfg, dp), dp)  # --train-samples -> iterations
+    accum = gradient_accumulation_steps(cfg, dp)
+    global_batch = cfg.micro_batch_size * dp * accum
     if cfg.rampup_batch_size:
         start, increment, _ = cfg.rampup_batch_size
-        for gbs in range(start, global_batch, increment):
-            gradient_accumulation_steps(cfg, parallel.dp_size(), gbs)
+        for batch in range(start, global_batch, increment):
+            gradient_accumulation_steps(cfg, dp, batch)
+    return cfg, accum, global_batch
+
+
+def train(cfg: TrainConfig, env: parallel.Dist) -> None:
+    """The whole run in an initialized world (tests call it repeatedly in one world)."""
+    cfg, accum, global_batch = plan_batches(cfg)
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
     if cfg.domino and parallel.tp_size() == 1:
         logger.print("--domino has nothing to overlap at tensor-parallel size 1: it is off")
@@ -614,116 +596,98 @@ def train(cfg: TrainConfig, env: Dist) -> None:
         # cores' speed; TF32 keeps fp32 storage and range with a 10-bit
         # mantissa in the products (nanoGPT and Megatron train fp32 this way).
         torch.set_float32_matmul_precision("high")
-        logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; "
-                     "--bf16 is faster still")
-
-    if cfg.deepspeed:  # zero.py: DeepSpeed owns the optimizer step and checkpoints
-        model, iteration, consumed = zero.init_deepspeed(cfg, env.device, accum, logger.print)
-        raw_model = model.module
-        step = lambda batches, lr: zero.deepspeed_train_step(model, batches, cfg, env.device, lr)
-        save = lambda it, consumed: checkpoint.save_deepspeed_checkpoint(cfg, model, it, consumed,
-                                                                         logger.print)
+        logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
+    if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
+        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer)
     else:
-        raw_model = build_model(cfg, env.device)
-        optimizer = build_optimizer(raw_model, cfg)
-        scaler = LossScaler(cfg.initial_loss_scale, env.device) if cfg.fp16 else None
-        iteration, consumed = checkpoint.load_checkpoint(cfg, raw_model, optimizer, scaler,
-                                                          logger.print)
-        model = raw_model
-        if cfg.compile:
-            model = torch.compile(model)
-        if parallel.dp_size() > 1:
-            model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                        process_group=parallel.dp_group())
-        step = lambda batches, lr: train_step(model, optimizer, scaler, batches, cfg, env.device, lr)
-        save = lambda it, consumed: checkpoint.save_checkpoint(cfg, raw_model, optimizer, scaler, it,
-                                                               consumed, logger.print)
-    if iteration > cfg.train_iters:
-        raise ValueError(f"--load {cfg.load} is at iteration {iteration}, past this run's end "
+        trainer = PlainTraining(cfg, env, accum, logger.print)
+    if trainer.iteration > cfg.train_iters:
+        raise UsageError(f"--load {cfg.load} is at iteration {trainer.iteration}, past this run's end "
                          f"(--train-iters/--train-samples: {cfg.train_iters} iterations): raise it to "
                          f"continue that run, or add --finetune to start a new run from its weights")
-    train_ds, valid_ds, _ = build_datasets(cfg, global_batch)
-    train_iter = data_iterator(train_ds, cfg, consumed)
-
-    mcfg = raw_model.config
-    flops_tok = flops_per_token(mcfg, cfg.seq_length)
-    peak = device_peak_flops(cfg, env.device)
-    if peak is None and env.device.type == "cuda":
-        logger.print(f"MFU: unknown, {torch.cuda.get_device_name(env.device)!r} is not in "
-                     f"train.PEAK_FLOPS; pass --peak-flops (dense bf16 FLOP/s of one GPU)")
+    datasets = build_datasets(cfg, global_batch)
     ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
-    logger.print(f"model: {count_parameters(raw_model.config):,} parameters | world {env.world_size} = "
+    logger.print(f"model: {count_parameters(trainer.raw.config):,} parameters | world {env.world_size} = "
                  f"TP {parallel.tp_size()} x DP {parallel.dp_size()} | global batch {global_batch} "
                  f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
+    iteration = loop(cfg, env, trainer, datasets, logger, global_batch, accum)
+    if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
+        try:
+            text = sample_text(trainer.raw, cfg, env.device)
+            logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
+        except UsageError as e:  # no BPE package: training is done and saved, just say why
+            logger.print(f"no sample printed: {e}")
+    logger.close()
+    trainer.close()
 
-    # Within an iteration the host never waits for the GPU: the step's skip
-    # decision stays on the device (optimizer_step); the losses, grad norm
-    # and skip count are read only at log intervals, evaluations and saves
-    # (check_losses), and the preemption vote a step late (Preemption).
-    preempt = Preemption(env.device)
-    pending_losses = []  # (iteration, loss on device) since the last check
-    first_iteration = iteration + 1
-    t0, tokens_since = time.time(), 0
-    last_saved = iteration
-    skipped = 0  # steps not applied since the last log: non-finite gradients (fp16 overflow)
+
+def loop(cfg: TrainConfig, env: parallel.Dist, trainer, datasets, logger, global_batch: int,
+         accum: int) -> int:
+    """Train from the trainer's iteration to --train-iters (or a stop); return
+    the last iteration. Within an iteration the host never waits for the GPU:
+    the step's skip decision stays on the device (optimizer_step); the losses,
+    grad norm and skip count are read only at log intervals, evaluations and
+    saves (check_losses), and the preemption vote a step late (Preemption)."""
+    train_ds, valid_ds = datasets
+    iteration, consumed = trainer.iteration, trainer.consumed
+    batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
+    meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
+    pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, parallel.dp_size())
         lr = learning_rate(consumed, cfg, batch_size) if cfg.train_samples else learning_rate(iteration, cfg)
         micro_batches = gradient_accumulation_steps(cfg, parallel.dp_size(), batch_size)
-        batches = [check_batch(next(train_iter), mcfg) for _ in range(micro_batches)]
-        loss, grad_norm, skipped_now = step(batches, lr)
-        skipped = skipped + skipped_now  # a device tensor: read at the next log
-        iteration += 1
-        consumed += batch_size
-        tokens_since += batch_size * cfg.seq_length
-        pending_losses.append((iteration, loss))
+        loss, grad_norm, skipped = trainer.step([check_batch(next(batches), mcfg) for _ in range(micro_batches)], lr)
+        iteration, consumed = iteration + 1, consumed + batch_size
+        pending.append((iteration, loss))
         last = iteration == cfg.train_iters
-        eval_now = valid_ds is not None and cfg.eval_interval > 0 and (
-            iteration % cfg.eval_interval == 0 or last)
+        eval_now = valid_ds is not None and cfg.eval_interval > 0 and (iteration % cfg.eval_interval == 0 or last)
         log_now = iteration % cfg.log_interval == 0 or last or eval_now
-        if iteration == first_iteration:
-            # The first step compiles (and, with Triton kernels, autotunes):
-            # report it alone, and keep it out of the next logged tokens/s.
-            synchronize(env.device)
-            logger.print(f"first step (iteration {iteration}) took {time.time() - t0:.1f} s, "
-                         f"compilation and autotuning included")
-            if not log_now:
-                t0, tokens_since = time.time(), 0
-        stop = preempt.agreed() or (cfg.exit_interval and iteration % cfg.exit_interval == 0)
-        save_now = cfg.save and (stop or last or (cfg.save_interval and iteration % cfg.save_interval == 0))
+        meter.count(iteration, batch_size * cfg.seq_length, skipped, log_now)
+        stop = preempt.agreed() or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
+        save_now = cfg.save and (stop or last or bool(cfg.save_interval and iteration % cfg.save_interval == 0))
         if log_now or save_now:
-            loss_value = check_losses(pending_losses, logger, last_saved)
+            loss_value = check_losses(pending, logger, last_saved)
         if log_now:
-            synchronize(env.device)
-            tps = tokens_since / max(time.time() - t0, 1e-9)
-            metrics = {"iteration": iteration, "loss": loss_value, "lr": lr,
-                       "grad_norm": float(grad_norm), "tokens_per_sec": tps,
-                       "mfu": flops_tok * tps / (peak * env.world_size) if peak else None,
-                       "skipped_iterations": int(skipped), "batch_size": batch_size,
-                       "consumed_samples": consumed}
+            metrics = {"iteration": iteration, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                       **meter.figures(), "batch_size": batch_size, "consumed_samples": consumed}
             if eval_now:
-                metrics["val_loss"] = evaluate(model, valid_ds, cfg, env.device,
+                metrics["val_loss"] = evaluate(trainer.model, valid_ds, cfg, env.device,
                                                eval_consumed(iteration, cfg, global_batch), accum)
                 metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 20.0))
             logger.log(metrics)
-            t0, tokens_since, skipped = time.time(), 0, 0
         if save_now:
-            save(iteration, consumed)
+            trainer.save(iteration, consumed)
             last_saved = iteration
         if stop:
             logger.print(f"exiting at iteration {iteration}")
             break
+    return iteration
 
-    if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
-        try:
-            text = sample_text(raw_model, cfg, env.device)
-            logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
-        except FileNotFoundError as e:  # no BPE package: training is done and saved, just say why
-            logger.print(f"no sample printed: {e}")
-    logger.close()
-    if cfg.deepspeed:
-        model.destroy()  # without it ZeRO-3 under gloo sometimes aborts at exit
+
+def init_distributed(cfg: TrainConfig) -> parallel.Dist:
+    """The process groups of this run's layout (parallel.init_distributed)."""
+    return parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.distributed_backend,
+                                     cfg.distributed_timeout_minutes, one_queue=cfg.domino or cfg.sequence_parallel,
+                                     deepspeed=cfg.deepspeed)
+
+
+def run(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv, usage=__doc__)
+    if cfg.export_from:
+        checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
+        print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
+        return
+    train(cfg, init_distributed(cfg))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """train.py's command line: a user's mistake is one line from rank 0 (parallel.launch)."""
+    parallel.launch(run, argv, "train.py")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO (--deepspeed): the engine built from train.py's flags, model,
-AdamW and schedule; its training step. Its checkpoints are in checkpoint.py.
+AdamW and schedule, and its training step: DeepSpeedTraining, the twin of
+train.PlainTraining. Its checkpoints are in checkpoint.py.
 """
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import os
 import torch
 import torch.distributed as dist
 
-import parallel
 import checkpoint
-from config import TrainConfig, build_model, build_optimizer, model_config, read_deepspeed_json
+import parallel
+from parallel import UsageError
+from config import TrainConfig, model_config, read_deepspeed_json
 from data import to_device
 from gpt import GPT, init_weights
 
@@ -52,7 +54,7 @@ def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
     only on CPUs with AVX512-FP16, bf16 on most.)"""
     for flag, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
         if getattr(cfg, flag) and not supported():
-            raise ValueError(f"--{flag} --deepspeed: DeepSpeed does not support {flag} on this device "
+            raise UsageError(f"--{flag} --deepspeed: DeepSpeed does not support {flag} on this device "
                              f"({accelerator.device_name()}); drop --{flag} (fp32), or use the other "
                              f"16-bit format, or train without --deepspeed")
 
@@ -119,23 +121,23 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
     owns, and the batch split, which depends on the data-parallel size."""
     for key in ("optimizer", "scheduler"):
         if key in user:
-            raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
+            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
                              f"train.py passes its own AdamW and learning-rate schedule "
                              f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
     writer = (user.get("checkpoint") or {}).get("writer") or {}
     if cfg.save and (writer.get("decoupled") or (user.get("datastates") or {}).get("enabled")):
-        raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
+        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
                          f"(checkpoint.writer.decoupled, datastates) returns before the files are on "
                          f"disk, and train.py would point `latest` at a checkpoint still being "
                          f"written; remove it (saves are written synchronously, then published)")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         if user.get(key, "auto") not in ("auto", ours[key]):
-            raise ValueError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
+            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
                              f"the batch flags (--micro-batch-size x data-parallel size x accumulation "
                              f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")
 
 
-def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
+def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT:
     """Build the model under deepspeed.zero.Init: each layer's parameters are
     partitioned over the data-parallel group as soon as the layer is built,
     so no rank ever holds the full model.
@@ -144,7 +146,7 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
     partitioned (emptied) it, so that init does nothing here; we redo it one
     module at a time on gathered weights. Only init_weights draws random
     numbers (GPT._build), so the RNG stream, and the weights, are those of
-    build_model.
+    build_model (train.build_model).
 
     With tensor parallelism GPT slices each layer's full weight right after
     initializing it, which needs whole weights, so that case is built outside
@@ -193,48 +195,66 @@ def load_weights(model: GPT, weights: dict) -> None:
     each_module_gathered(model, deepspeed, copy)
 
 
-def init_deepspeed(cfg: TrainConfig, device: torch.device, accum: int, log):
+class DeepSpeedTraining:
     """Model + our AdamW -> a DeepSpeed engine, resumed from --load if it
-    holds a checkpoint. Returns (engine, iteration, consumed).
+    holds a checkpoint: one optimizer step and a checkpoint, as
+    train.PlainTraining (build_model, build_optimizer: train.py's).
 
     A full resume reads DeepSpeed's own checkpoint (this layout only). With
     --no-load-optim or --finetune the weights alone come from a checkpoint
     of either kind and any layout, loaded before deepspeed.initialize: ZeRO
     copies its fp32 master weights from the model there."""
-    found = checkpoint.checkpoint_to_load(cfg, log)
-    ds = import_deepspeed(device)
-    check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
-    ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    # The mpu hands ZeRO our groups, at any tp: without it DeepSpeed clones the
-    # world with new_group, which drops --distributed-timeout-minutes.
-    mpu = DeepSpeedMPU()
-    config = deepspeed_config(cfg, parallel.dp_size(), accum)
-    stage = config["zero_optimization"]["stage"]
-    model = build_model_zero3(cfg, ds, config) if stage == 3 else build_model(cfg, device)
-    weights_only = found is not None and checkpoint.weights_only(cfg)
-    if weights_only:
-        weights, state = checkpoint.read_weights(found)
-        load_weights(model, weights)
-    if cfg.recompute_activations:
-        # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
-        ds.checkpointing.configure(mpu, partition_activations=cfg.partition_activations)
-        model.checkpoint_fn = ds.checkpointing.checkpoint
-    # DeepSpeed steps the optimizer itself (its own skip on fp16 overflow). On
-    # CPU it gets torch's default AdamW: with the fused CPU kernel a resumed
-    # ZeRO-2 run reports grad norms that differ from the uninterrupted run's in
-    # the last bit (the losses do not), and resume here is bit-exact.
-    optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
-    # No lr_scheduler: deepspeed_train_step sets each step's learning rate, as
-    # the plain path does (the schedule may count samples and the batch ramp).
-    engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
-    if engine.dp_world_size != parallel.dp_size():
-        raise RuntimeError(f"DeepSpeed shards over {engine.dp_world_size} ranks but the data-parallel "
-                           f"size is {parallel.dp_size()} (world / tp): the mpu was not applied")
-    if weights_only:
-        return engine, *checkpoint.start_position(cfg, state, found.path, log)
-    if found is not None:
-        return engine, *checkpoint.load_deepspeed_checkpoint(cfg, engine, found, log)
-    return engine, 0, 0
+
+    def __init__(self, cfg: TrainConfig, env: parallel.Dist, accum: int, log, build_model, build_optimizer):
+        self.cfg, self.device, self.log = cfg, env.device, log
+        # ZeRO-3's zero.Init swaps torch.nn.functional.linear for its own, process-wide, and
+        # never swaps it back: close() does, so later models in this process compute as before.
+        self.linear = torch.nn.functional.linear
+        found = checkpoint.checkpoint_to_load(cfg, log)
+        ds = import_deepspeed(env.device)
+        check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
+        ds.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")
+        # The mpu hands ZeRO our groups, at any tp: without it DeepSpeed clones the
+        # world with new_group, which drops --distributed-timeout-minutes.
+        mpu = DeepSpeedMPU()
+        config = deepspeed_config(cfg, parallel.dp_size(), accum)
+        model = build_model_zero3(cfg, ds, config, build_model) if config["zero_optimization"]["stage"] == 3 \
+            else build_model(cfg, env.device)
+        weights_only = found is not None and checkpoint.weights_only(cfg)
+        if weights_only:
+            weights, state = checkpoint.read_weights(found)
+            load_weights(model, weights)
+        if cfg.recompute_activations:
+            # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
+            ds.checkpointing.configure(mpu, partition_activations=cfg.partition_activations)
+            model.checkpoint_fn = ds.checkpointing.checkpoint
+        # DeepSpeed steps the optimizer itself (its own skip on fp16 overflow). On
+        # CPU it gets torch's default AdamW: with the fused CPU kernel a resumed
+        # ZeRO-2 run reports grad norms that differ from the uninterrupted run's in
+        # the last bit (the losses do not), and resume here is bit-exact.
+        optimizer = build_optimizer(model, cfg, fused=env.device.type == "cuda")
+        # No lr_scheduler: deepspeed_train_step sets each step's learning rate, as
+        # the plain path does (the schedule may count samples and the batch ramp).
+        self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+        if self.engine.dp_world_size != parallel.dp_size():
+            raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the "
+                               f"data-parallel size is {parallel.dp_size()} (world / tp): the mpu was not applied")
+        self.model, self.raw = self.engine, self.engine.module
+        self.iteration, self.consumed = 0, 0
+        if weights_only:
+            self.iteration, self.consumed = checkpoint.start_position(cfg, state, found.path, log)
+        elif found is not None:
+            self.iteration, self.consumed = checkpoint.load_deepspeed_checkpoint(cfg, self.engine, found, log)
+
+    def step(self, batches: list, lr: float):
+        return deepspeed_train_step(self.engine, batches, self.cfg, self.device, lr)
+
+    def save(self, iteration: int, consumed: int) -> None:
+        checkpoint.save_deepspeed_checkpoint(self.cfg, self.engine, iteration, consumed, self.log)
+
+    def close(self) -> None:
+        self.engine.destroy()  # without it ZeRO-3 under gloo sometimes aborts at exit
+        torch.nn.functional.linear = self.linear
 
 
 def clips_itself(engine, cfg: TrainConfig) -> bool:
@@ -248,7 +268,7 @@ def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
     (our plain path divides explicitly), averages gradients over the
     data-parallel group, and engine.step only updates (with clipping) on the
     last micro-batch. Returns (loss averaged like train_step's, grad norm,
-    whether the weights were updated).
+    whether the step was skipped: 1.0 or 0.0).
 
     The step's batch may differ from the last one (--rampup-batch-size):
     DeepSpeed's accumulation count follows it, and which micro-batch ends the

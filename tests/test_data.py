@@ -10,6 +10,7 @@ import torch
 from data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder, PretrainingSampler,
                   best_dtype, build_blending_indices, build_train_valid_test_datasets, parse_blend, parse_split,
                   split_boundaries)
+from parallel import UsageError
 
 EOD = 50256
 
@@ -124,7 +125,7 @@ def test_bad_magic_and_wrong_idx_length_are_reported(tmp_path):
 
 
 def test_missing_files_suggest_prepare(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.idx.*prepare.py"):
+    with pytest.raises(UsageError, match="nope.idx.*prepare.py"):
         IndexedDataset(str(tmp_path / "nope"))
 
 

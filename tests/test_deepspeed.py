@@ -23,7 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import config  # noqa: E402
+import train  # noqa: E402
 import zero  # noqa: E402
+from parallel import UsageError  # noqa: E402
 from conftest import deepspeed_launcher, free_port  # noqa: E402
 
 STEPS, RESUME_AT = 30, 15
@@ -57,7 +59,6 @@ def make_corpus(prefix: str) -> None:
 def worker_run(out: str, name: str, extra: list[str]) -> None:
     """train.train() once in the existing world, metrics to OUT/NAME.jsonl."""
     import parallel
-    import train
     cfg = config.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
                                      "--data-cache-path", os.path.join(out, "cache"),
                                      "--metrics-file", os.path.join(out, name + ".jsonl"), *extra])
@@ -70,17 +71,16 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
     plain path at the final iteration's evaluation position."""
     import dataclasses
     import parallel
-    import train
     cfg = config.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
                                      "--data-cache-path", os.path.join(out, "cache"), *extra])
     parallel.destroy()
     env = train.init_distributed(cfg)
     cfg = dataclasses.replace(cfg, load=export, no_load_optim=True)
-    model = config.build_model(cfg, env.device)
+    model = train.build_model(cfg, env.device)
     checkpoint.load_checkpoint(cfg, model, None, None, lambda message: None)
-    accum = config.gradient_accumulation_steps(cfg, parallel.dp_size())
+    accum = train.gradient_accumulation_steps(cfg, parallel.dp_size())
     gb = cfg.micro_batch_size * parallel.dp_size() * accum
-    _, valid, _ = train.build_datasets(cfg, gb)
+    _, valid = train.build_datasets(cfg, gb)
     loss = train.evaluate(model, valid, cfg, env.device, train.eval_consumed(STEPS, cfg, gb), accum)
     if env.rank == 0:
         with open(export + ".val_loss", "w") as f:
@@ -101,10 +101,10 @@ def inf_gradient_on_rank_0_at_iteration(iteration: int):
     """Models built meanwhile get an inf in wte's gradient on rank 0 only, in
     the first micro-batch of `iteration` (2 micro-batches per iteration)."""
     import torch.distributed as dist
-    real_build = zero.build_model
+    real_build = train.build_model
 
-    def build(cfg, device):
-        model = real_build(cfg, device)
+    def build(cfg, device, **kwargs):
+        model = real_build(cfg, device, **kwargs)
         micro_batches = []
 
         def poison(grad):
@@ -117,11 +117,11 @@ def inf_gradient_on_rank_0_at_iteration(iteration: int):
         model.wte.weight.register_hook(poison)
         return model
 
-    zero.build_model = build
+    train.build_model = build
     try:
         yield
     finally:
-        zero.build_model = real_build
+        train.build_model = real_build
 
 
 def worker(out: str, plan: str) -> None:
@@ -298,6 +298,10 @@ def test_zero_stage_matches_ddp_over_30_steps(runs, stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_resume_is_bit_identical(runs, stage):
+    """Each stage resumed from its iteration-15 checkpoint continues bit for
+    bit. The resumed runs come after the ZeRO-3 runs in the same process,
+    so they also show that ZeRO-3's swap of torch.nn.functional.linear is
+    undone when its run ends (zero.DeepSpeedTraining.close)."""
     full, resumed = metrics(runs, f"z{stage}"), metrics(runs, f"z{stage}_resume")
     assert [m["iteration"] for m in resumed] == list(range(RESUME_AT + 1, STEPS + 1))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full[RESUME_AT:]]
@@ -339,7 +343,8 @@ def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs)
         checkpoint.load_checkpoint(cfg, None, None, None, print)
     cfg = config.parse_args(COMMON + ["--deepspeed", "--load", os.path.join(runs, "ckpt_ddp")])
     with pytest.raises(ValueError, match="holds a plain train.py checkpoint: resume it without --deepspeed"):
-        zero.init_deepspeed(cfg, torch.device("cpu"), 1, print)
+        zero.DeepSpeedTraining(cfg, train.init_distributed(cfg), 1, print, train.build_model,
+                               train.build_optimizer)
 
 
 def test_keep_last_checkpoints_works_for_deepspeed_checkpoints(runs):
@@ -431,7 +436,7 @@ def test_export_loads_into_plain_model_with_same_eval_loss(runs, name, run):
 
 def test_hf_export_loads_in_transformers(runs):
     transformers = pytest.importorskip("transformers")
-    from hf import from_hf
+    from checkpoint import from_hf
     hf = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(runs, "export_tp2_hf")).eval()
     ours = from_hf(os.path.join(runs, "export_tp2_hf")).eval()
     state = torch.load(os.path.join(runs, "export_tp2", f"iter_{STEPS:07d}", "model_optim_rng.pt"),
@@ -484,7 +489,7 @@ def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp
     assert (found.kind, found.iteration) == ("deepspeed", 4)
     with open(os.path.join(save, checkpoint.LATEST), "w") as f:
         f.write("6")  # Megatron's pointer names a checkpoint that is gone: said, not skipped
-    with pytest.raises(FileNotFoundError, match=r"latest_checkpointed_iteration.txt names iteration 6"):
+    with pytest.raises(UsageError, match=r"latest_checkpointed_iteration.txt names iteration 6"):
         checkpoint.latest_checkpoint(save)
 
 

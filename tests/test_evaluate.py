@@ -275,14 +275,12 @@ def worker(out: str, *model: str) -> None:
     """Under torchrun: every evaluation in one world (one launch per layout),
     which ends as evaluate.run ends it: gloo's threads torn down at exit
     with the group still alive can abort the process."""
-    import config
     import torch.distributed as dist
     files = json.loads(open(os.path.join(out, "files.json")).read())
     env = None
     for task in TASKS:
-        cfg = config.parse_args([*evaluate_flags(files, task, os.path.join(out, task + ".json")), *model],
-                                prog="evaluate.py")
-        env = env or train.init_distributed(cfg)
+        cfg = evaluate.parse_args([*evaluate_flags(files, task, os.path.join(out, task + ".json")), *model])
+        env = env or evaluate.init_distributed(cfg)
         evaluate.evaluate(cfg, env)
     dist.barrier()
     dist.destroy_process_group()
@@ -373,8 +371,7 @@ def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, caps
     if content is not None:
         path.write_text(content)
     with pytest.raises(SystemExit) as exit:
-        train.main(["--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"]],
-                   entry=evaluate.run, prog="evaluate.py")
+        evaluate.main(["--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"]])
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("evaluate.py: error: --valid-data " + message.format(path=path)), err
@@ -390,8 +387,7 @@ def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message)
     if content is not None:
         path.write_text(content)
     with pytest.raises(SystemExit) as exit:
-        train.main([*sample_flags({"prompts": str(path)}, "greedy"), "--load", files["ckpt"]],
-                   entry=evaluate.run, prog="evaluate.py")
+        evaluate.main([*sample_flags({"prompts": str(path)}, "greedy"), "--load", files["ckpt"]])
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("evaluate.py: error: --sample-input-file " + message.format(path=path)), err
@@ -422,9 +418,8 @@ def test_bad_wikitext_file(files, tmp_path, content, message):
     (["--task", "GENERATE", "--load", "c", "--num-samples", "2", "--top_p", "1.5"], "--top-p 1.5 (in [0, 1]"),
 ])
 def test_bad_flags(flags, message):
-    import config
     with pytest.raises(ValueError, match=re.escape(message)):
-        config.parse_args(flags, prog="evaluate.py")
+        evaluate.parse_args(flags)
 
 
 def test_train_py_refuses_evaluate_flags():

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from gpt import GPT, GPTConfig, PRESETS, count_parameters, flops_per_token
-from hf import from_hf, hf_to_ours, ours_to_hf, to_hf
-from gpt import KVCache, filter_logits, generate
+from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
+from gpt import (GPT, GPTConfig, PRESETS, KVCache, count_parameters, filter_logits, flops_per_token,
+                 generate)
+from parallel import UsageError
 
 # A small vocabulary padded up, so padding is exercised without 50k-row embeddings.
 SMALL = dict(vocab_size=100, padded_vocab_size=128)
@@ -100,7 +101,7 @@ def test_from_hf_rejects_untied_head_and_missing_dir(tmp_path):
     hf["lm_head.weight"] = torch.randn(100, 64)
     with pytest.raises(ValueError, match="tied"):
         hf_to_ours(hf, config)
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(UsageError, match="config.json"):
         from_hf(str(tmp_path / "nope"))
 
 

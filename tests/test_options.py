@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import config as config_lib
-from hf import from_hf, to_hf
+from checkpoint import from_hf, to_hf
 from gpt import (GPT, GPTConfig, LLAMA_OPTIONS, apply_rope, count_parameters, flops_per_token,
                  rope_angles)
 
@@ -237,7 +237,7 @@ def test_every_option_trains_with_activation_checkpointing_and_generates():
 
 
 # -----------------------------------------------------------------------------
-# Hugging Face Llama in and out (hf.py)
+# Hugging Face Llama in and out (checkpoint.from_hf, checkpoint.to_hf)
 
 # Llama's options; rotary_percent stays 1 (Llama rotates whole heads).
 LLAMA = dict(LLAMA_OPTIONS, num_query_groups=2, rotary_base=500.0, layernorm_epsilon=1e-6)
@@ -308,13 +308,13 @@ def test_from_hf_reads_a_llama_checkpoint_that_transformers_wrote(tmp_path):
     (dict(num_query_groups=2), "no --group-query-attention"),
 ])
 def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(tmp_path, options, flag):
-    import hf
+    import checkpoint
     m = model(**options)
     with pytest.raises(ValueError, match=flag):
         to_hf(m, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # refused before writing anything
-    assert hf.hf_architecture(model().config) == "gpt2"
-    assert hf.hf_architecture(model(**LLAMA).config) == "llama"
+    assert checkpoint.hf_architecture(model().config) == "gpt2"
+    assert checkpoint.hf_architecture(model(**LLAMA).config) == "llama"
 
 
 def test_llama_124m_preset_matches_gpt2_124m_in_width_and_parameters():

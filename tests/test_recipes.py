@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import config
+import train
 import prepare
 import zero
 from conftest import free_port
@@ -49,7 +50,7 @@ def test_deepspeed_json_fills_the_flags_the_command_line_left_unset(tmp_path):
     cfg = parse("--deepspeed", "--deepspeed_config", path)
     assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.clip_grad) == (2, 8, 0.5)
     assert cfg.zero_stage == 2 and cfg.fp16 and not cfg.bf16 and cfg.initial_loss_scale == 4096
-    ds = zero.deepspeed_config(cfg, dp_size=2, accum=config.gradient_accumulation_steps(cfg, 2))
+    ds = zero.deepspeed_config(cfg, dp_size=2, accum=train.gradient_accumulation_steps(cfg, 2))
     assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}
     assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (8, 2)
     assert ds["zero_optimization"]["stage"] == 2 and ds["steps_per_print"] == 2000
@@ -67,15 +68,20 @@ def test_only_a_flag_on_the_command_line_can_contradict_the_json(tmp_path, json_
         parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, json_content), *flags)
 
 
-def test_json_auto_values_and_accumulation_steps(tmp_path, monkeypatch):
+def test_json_auto_values_and_accumulation_steps(tmp_path):
     """Hugging Face's "auto" leaves the flag in charge; gradient_accumulation_steps
-    without train_batch_size gives the global batch (micro x data-parallel x steps)."""
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    without train_batch_size gives the global batch (micro x data-parallel x
+    steps) once the data-parallel size is known (the process groups exist),
+    here 2: the parser reads no environment behind the command line's back."""
     path = write_json(tmp_path, {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 3,
                                  "gradient_clipping": "auto"})
     cfg = parse("--deepspeed", "--deepspeed_config", path, "--micro-batch-size", "2",
                 "--tensor-model-parallel-size", "2")
-    assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.clip_grad) == (2, 2 * 2 * 3, 1.0)
+    assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.clip_grad) == (2, None, 1.0)
+    assert config.batch_from_deepspeed_json(cfg, dp_size=2).global_batch_size == 2 * 2 * 3
+    given = config.parse_args(["--preset", "tiny", "--deepspeed", "--deepspeed_config", path,
+                               "--global-batch-size", "8"])
+    assert config.batch_from_deepspeed_json(given, dp_size=2).global_batch_size == 8
 
 
 def test_deepspeeds_older_bfloat16_section_means_bf16(tmp_path):
@@ -184,11 +190,11 @@ def test_train_samples_is_train_iters_times_the_batch():
                      "--global-batch-size", "8", "--micro-batch-size", "4")
     by_samples = parse("--train-samples", "400", "--lr-warmup-samples", "40", "--lr-decay-samples", "320",
                        "--global-batch-size", "8", "--micro-batch-size", "4")
-    assert config.with_run_length(by_samples, dp_size=1).train_iters == 50
-    assert [config.learning_rate(i, by_iters) for i in range(50)] == \
-        pytest.approx([config.learning_rate(8 * i, by_samples, 8) for i in range(50)], abs=1e-12)
+    assert train.with_run_length(by_samples, dp_size=1).train_iters == 50
+    assert [train.learning_rate(i, by_iters) for i in range(50)] == \
+        pytest.approx([train.learning_rate(8 * i, by_samples, 8) for i in range(50)], abs=1e-12)
     fraction = parse("--train-iters", "50", "--lr-warmup-fraction", "0.1")
-    assert config.lr_span(fraction) == (5.0, 50)
+    assert train.lr_span(fraction) == (5.0, 50)
 
 
 def test_batch_ramp_follows_megatron():
@@ -196,9 +202,9 @@ def test_batch_ramp_follows_megatron():
     7 increments of 2, one every 1000/7 samples, then 16."""
     cfg = parse("--micro-batch-size", "1", "--global-batch-size", "16", "--rampup-batch-size", "2", "2", "1_000",
                 "--train-samples", "2000")
-    at = lambda consumed: config.global_batch_at(consumed, cfg, dp_size=2)
+    at = lambda consumed: train.global_batch_at(consumed, cfg, dp_size=2)
     assert [at(c) for c in (0, 142, 143, 285, 286, 999, 1000, 1001, 5000)] == [2, 2, 4, 4, 6, 14, 16, 16, 16]
-    run = config.with_run_length(cfg, dp_size=2)
+    run = train.with_run_length(cfg, dp_size=2)
     consumed = 0
     for _ in range(run.train_iters):
         consumed += at(consumed)

@@ -26,7 +26,7 @@ import prepare
 import train
 from conftest import free_port
 from gpt import GPTConfig
-from hf import from_hf
+from checkpoint import from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,9 +119,9 @@ def test_a_prefix_of_a_flag_is_not_that_flag(prefix):
 
 def test_global_batch_must_divide():
     cfg = config.TrainConfig(preset="tiny", micro_batch_size=4, global_batch_size=20)
-    assert config.gradient_accumulation_steps(cfg, dp_size=1) == 5
+    assert train.gradient_accumulation_steps(cfg, dp_size=1) == 5
     with pytest.raises(ValueError, match="not divisible.*multiple of 8"):
-        config.gradient_accumulation_steps(cfg, dp_size=2)
+        train.gradient_accumulation_steps(cfg, dp_size=2)
 
 
 def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
@@ -141,19 +141,19 @@ def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
 
 def test_learning_rate_warmup_then_cosine_to_min():
     cfg = config.TrainConfig(preset="tiny", lr=1.0, min_lr=0.1, lr_warmup_iters=10, train_iters=110)
-    lrs = [config.learning_rate(i, cfg) for i in range(120)]
+    lrs = [train.learning_rate(i, cfg) for i in range(120)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # reaches the peak
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))                 # then only decays
     assert lrs[60] == pytest.approx(0.55)                                  # cosine midpoint
     assert lrs[110] == lrs[119] == pytest.approx(0.1)                      # floor at --min-lr
     linear = config.TrainConfig(preset="tiny", lr=1.0, min_lr=0.0, lr_decay_style="linear", train_iters=100)
-    assert config.learning_rate(25, linear) == pytest.approx(0.75)
+    assert train.learning_rate(25, linear) == pytest.approx(0.75)
 
 
 def test_no_weight_decay_on_biases_and_norms():
     cfg = config.TrainConfig(preset="tiny", weight_decay=0.1)
     model = train.GPT(GPTConfig.from_preset("tiny"))
-    opt = config.build_optimizer(model, cfg)
+    opt = train.build_optimizer(model, cfg)
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     for name, p in model.named_parameters():
         is_matrix = name.endswith("weight") and "ln" not in name
@@ -380,8 +380,8 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(precision, monkeypatch
     own sync detector.)"""
     cfg = config.parse_args(["--preset", "tiny", "--seq-length", "16", "--micro-batch-size", "2",
                              *(["--fp16"] if precision == "fp16" else [])])
-    model = config.build_model(cfg, torch.device("cpu"))
-    optimizer = config.build_optimizer(model, cfg)
+    model = train.build_model(cfg, torch.device("cpu"))
+    optimizer = train.build_optimizer(model, cfg)
     scaler = train.LossScaler(2.0 ** 8, torch.device("cpu")) if cfg.fp16 else None
     batch = {"tokens": torch.randint(0, 1000, (2, 16)), "labels": torch.randint(0, 1000, (2, 16)),
              "position_ids": torch.arange(16).expand(2, 16), "loss_mask": torch.ones(2, 16)}
@@ -410,8 +410,8 @@ def test_gpu_training_steps_never_synchronize():
     device = torch.device("cuda")
     for precision in ("--bf16", "--fp16"):
         cfg = config.parse_args(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4", precision])
-        model = config.build_model(cfg, device)
-        optimizer = config.build_optimizer(model, cfg)
+        model = train.build_model(cfg, device)
+        optimizer = train.build_optimizer(model, cfg)
         scaler = train.LossScaler(2.0 ** 8, device) if cfg.fp16 else None
         batch = {k: v.pin_memory() for k, v in {
             "tokens": torch.randint(0, 1000, (4, 64)), "labels": torch.randint(0, 1000, (4, 64)),
