@@ -113,7 +113,12 @@ class TrainConfig:
     bf16: bool = flag(False, "bf16 autocast", BOTH)
     fp16: bool = flag(False, "fp16 autocast with dynamic loss scaling", BOTH)
     initial_loss_scale: float = flag(2.0 ** 16, "first loss scale under --fp16")
-    compile: bool = flag(False, "torch.compile the model")
+    compile: bool = flag(False, "torch.compile the model (the whole step: no graph break at any layout)")
+    compile_backend: str = flag("inductor", "torch.compile's backend: inductor, or aot_eager (the same graphs, "
+                                            "run op by op: tells a compiler difference from a tracing one)")
+    compile_mode: str = flag("default", "torch.compile's mode: default | reduce-overhead (the step replayed as "
+                                        "CUDA graphs; fixed shapes, GPU only) | max-autotune | "
+                                        "max-autotune-no-cudagraphs")
     # data
     data_path: list[str] = flag(["data/shakespeare_text_document"], "PREFIX, or a weighted blend: W1 PREFIX1 "
                                                                    "W2 PREFIX2 ...", nargs="+")
@@ -370,6 +375,7 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
     validate_schedule(cfg, given)
     validate_deepspeed(cfg)
     validate_sequence_parallel(cfg)
+    validate_compile(cfg)
     if cfg.keep_last_checkpoints is not None and cfg.keep_last_checkpoints < 1:
         raise UsageError(f"--keep-last-checkpoints {cfg.keep_last_checkpoints}: keep at least 1")
     if cfg.finetune and not cfg.load:
@@ -462,6 +468,29 @@ def validate_sequence_parallel(cfg: TrainConfig) -> None:
                          f"--tensor-model-parallel-size {tp}")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor replays these as CUDA graphs
+
+
+def validate_compile(cfg: TrainConfig) -> None:
+    if not cfg.compile and (cfg.compile_backend != "inductor" or cfg.compile_mode != "default"):
+        raise UsageError("--compile-backend / --compile-mode need --compile")
+    if cfg.compile_mode not in COMPILE_MODES:
+        raise UsageError(f"--compile-mode {cfg.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
+    if cfg.compile_mode != "default" and cfg.compile_backend != "inductor":
+        raise UsageError(f"--compile-mode {cfg.compile_mode} is an Inductor mode: drop it or "
+                         f"--compile-backend {cfg.compile_backend}")
+    if cfg.compile_mode in CUDA_GRAPH_MODES and not torch.cuda.is_available():
+        raise UsageError(f"--compile-mode {cfg.compile_mode} replays the step as CUDA graphs, which "
+                         f"needs a GPU: on CPU use --compile alone")
+    if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.deepspeed:
+        raise UsageError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) is not supported with "
+                         f"--deepspeed, whose hooks run between the graphs: drop one of them")
+    if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise UsageError(f"--compile-backend {cfg.compile_backend!r} is not a torch.compile backend: "
+                         f"use inductor, or aot_eager or eager to debug")
+
+
 def validate_deepspeed(cfg: TrainConfig) -> None:
     ds_flags = cfg.zero_stage is not None or cfg.deepspeed_config or cfg.zero_offload_optimizer \
         or cfg.partition_activations
@@ -472,8 +501,6 @@ def validate_deepspeed(cfg: TrainConfig) -> None:
         raise UsageError(f"--zero-stage {cfg.zero_stage}: use 0, 1, 2 or 3")
     if cfg.deepspeed and cfg.domino:
         raise UsageError("--domino is not supported with --deepspeed: drop one of them")
-    if cfg.deepspeed and cfg.compile:
-        raise UsageError("--compile is not supported with --deepspeed: drop one of them")
     if cfg.partition_activations and not cfg.recompute_activations:
         raise UsageError("--partition-activations needs --recompute-activations")
     if cfg.export_from and not cfg.export_to:
@@ -526,3 +553,21 @@ def autocast(cfg: TrainConfig, device: torch.device):
     if cfg.bf16 or cfg.fp16:
         return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.bf16 else torch.float16)
     return nullcontext()
+
+
+# Inductor's peak-memory reordering moves each collective's wait up next to
+# its launch (a buffer in flight holds memory), which undoes the overlap that
+# Domino and sequence parallelism's backward put in the graph.
+OVERLAP_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
+
+
+def compile_options(cfg: TrainConfig) -> dict:
+    """torch.compile's keyword arguments from --compile-backend / --compile-mode
+    (Inductor takes a mode's options, and ours, as one dict)."""
+    if cfg.compile_backend != "inductor":
+        return {"backend": cfg.compile_backend}
+    import torch._inductor
+    options = dict(torch._inductor.list_mode_options(cfg.compile_mode))
+    if cfg.tensor_model_parallel_size > 1 and (cfg.domino or cfg.sequence_parallel):
+        options.update(OVERLAP_INDUCTOR_OPTIONS)
+    return {"backend": "inductor", "options": options}

@@ -98,7 +98,7 @@ def require_triton(device_or_tensor) -> None:
 #   2a. the kernels: forward, backward preprocess, dK/dV, dQ
 #   2b. launchers: autotuned on CUDA (candidates per head dim, dtype and GQA
 #       group), a single fixed config in the interpreter
-#   2c. FlashAttentionFunction and flash_attention()
+#   2c. the custom operators with their autograd, and flash_attention()
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the fast hardware op
@@ -498,7 +498,7 @@ def _launch_attn(name: str, num_rows: int, bh: int, *args, **constexprs):
 
 
 # ---------------------------------------------------------------------------
-# 2c. autograd wrapper and public API
+# 2c. custom operators, autograd and public API
 # ---------------------------------------------------------------------------
 def _check_attention_inputs(q, k, v):
     B, H, T, D = q.shape if q.dim() == 4 else (None,) * 4
@@ -555,49 +555,100 @@ def _check_int32_offsets(T, *tensors):
                              f"use a shorter sequence or attention_impl='torch'")
 
 
-class FlashAttentionFunction(torch.autograd.Function):
+def _kernel_inputs(q, k, v):
+    """q, k, v as the kernels read them: last dim contiguous, k and v with one
+    set of strides, fp32 under the interpreter (its half-precision maths is
+    unreliable)."""
+    if INTERPRET:
+        q, k, v = q.float(), k.float(), v.float()
+    q, k, v = _rows_last(q), _rows_last(k), _rows_last(v)
+    if k.stride() != v.stride():  # the kernels take one set of strides for both
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale):
-        in_dtype = q.dtype
-        if INTERPRET:  # the interpreter's half-precision maths is unreliable: compute in fp32
-            q, k, v = q.float(), k.float(), v.float()
-        q, k, v = _rows_last(q), _rows_last(k), _rows_last(v)
-        if k.stride() != v.stride():  # the kernels take one set of strides for both
-            k, v = k.contiguous(), v.contiguous()
-        B, H, T, D = q.shape
-        o = _empty_bthd(q)
-        _check_int32_offsets(T, q, k, o)
-        lse = torch.empty((B * H, T), device=q.device, dtype=torch.float32)
-        _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, H // k.shape[1], *_bhtd_strides(q),
-                     *_bhtd_strides(k), *_bhtd_strides(o), sm_scale * LOG2E, HEAD_DIM=D,
-                     CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale, ctx.in_dtype = causal, sm_scale, in_dtype
-        return o.to(in_dtype)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        B, H, T, D = q.shape
-        do = _rows_last(do.to(q.dtype))
-        _check_int32_offsets(T, do)
-        delta = torch.empty_like(lse)
-        block = 16 if INTERPRET else 64
-        grid = (triton.cdiv(T, block), B * H)
-        _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *_bhtd_strides(o),
-                                          *_bhtd_strides(do), HEAD_DIM=D, BLOCK_M=block)
-        dq, dk, dv = _empty_bthd(q), _empty_bthd(k), _empty_bthd(k)  # strides: o's layout
-        consts = dict(HEAD_DIM=D, CAUSAL=ctx.causal, DOT_PRECISION=_dot_precision(q.dtype))
-        G = k.shape[1]  # key/value heads: one dK/dV program row per (batch, kv head)
-        inputs = (T, H, H // G, *_bhtd_strides(q), *_bhtd_strides(k), *_bhtd_strides(do))
-        scales = (ctx.sm_scale, ctx.sm_scale * LOG2E)
-        _launch_attn("dkdv", T, B * G, q, k, v, do, lse, delta, dk, dv, *inputs,
-                     *_bhtd_strides(dk), *scales, **consts)
-        _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *inputs,
-                     *_bhtd_strides(dq), *scales, **consts)
-        dt = ctx.in_dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None
+def _attn_forward(q, k, v, causal, sm_scale):
+    """Launch the forward kernel on _kernel_inputs: (o, lse), o in q's dtype
+    and (B, T, H, D) memory layout, lse (B*H, T) fp32."""
+    B, H, T, D = q.shape
+    o = _empty_bthd(q)
+    _check_int32_offsets(T, q, k, o)
+    lse = torch.empty((B * H, T), device=q.device, dtype=torch.float32)
+    _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, H // k.shape[1], *_bhtd_strides(q),
+                 *_bhtd_strides(k), *_bhtd_strides(o), sm_scale * LOG2E, HEAD_DIM=D,
+                 CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
+    return o, lse
+
+
+def _attn_backward(do, q, k, v, o, lse, causal, sm_scale):
+    """Launch the backward kernels on _kernel_inputs and forward's o, lse:
+    (dq, dk, dv) in q's dtype."""
+    B, H, T, D = q.shape
+    do = _rows_last(do.to(q.dtype))
+    _check_int32_offsets(T, do)
+    delta = torch.empty_like(lse)
+    block = 16 if INTERPRET else 64
+    grid = (triton.cdiv(T, block), B * H)
+    _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *_bhtd_strides(o),
+                                      *_bhtd_strides(do), HEAD_DIM=D, BLOCK_M=block)
+    dq, dk, dv = _empty_bthd(q), _empty_bthd(k), _empty_bthd(k)  # strides: o's layout
+    consts = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
+    G = k.shape[1]  # key/value heads: one dK/dV program row per (batch, kv head)
+    inputs = (T, H, H // G, *_bhtd_strides(q), *_bhtd_strides(k), *_bhtd_strides(do))
+    scales = (sm_scale, sm_scale * LOG2E)
+    _launch_attn("dkdv", T, B * G, q, k, v, do, lse, delta, dk, dv, *inputs,
+                 *_bhtd_strides(dk), *scales, **consts)
+    _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *inputs,
+                 *_bhtd_strides(dq), *scales, **consts)
+    return dq, dk, dv
+
+
+# The kernels as custom operators with their autograd: torch.compile sees one
+# opaque op with a fake (shape-only) implementation instead of tracing into
+# the launchers (and, on CPU, into Triton's interpreter), and fuses the code
+# around it; eager mode runs the same ops.
+
+@torch.library.custom_op("kernels::flash_attention", mutates_args=())
+def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) = FlashAttention-2 forward, o in q's dtype."""
+    o, lse = _attn_forward(*_kernel_inputs(q, k, v), causal, sm_scale)
+    return o.to(q.dtype), lse
+
+
+@flash_attention_op.register_fake
+def _(q, k, v, causal, sm_scale):
+    B, H, T, _ = q.shape
+    return _empty_bthd(q), q.new_empty((B * H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("kernels::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                                sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of flash_attention_op, in q's dtype."""
+    q2, k2, v2 = _kernel_inputs(q, k, v)
+    grads = _attn_backward(do, q2, k2, v2, o.to(q2.dtype), lse, causal, sm_scale)
+    return tuple(g.to(q.dtype) for g in grads)
+
+
+@flash_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, causal, sm_scale):
+    return _empty_bthd(q), _empty_bthd(k), _empty_bthd(k)
+
+
+def _flash_attention_setup(ctx, inputs, output):
+    q, k, v, causal, sm_scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.sm_scale = causal, sm_scale
+
+
+def _flash_attention_grad(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    return (*flash_attention_backward_op(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale), None, None)
+
+
+flash_attention_op.register_autograd(_flash_attention_grad, setup_context=_flash_attention_setup)
 
 
 def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None):
@@ -611,7 +662,7 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None)
     _check_attention_inputs(q, k, v)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), float(sm_scale))
+    return flash_attention_op(q, k, v, bool(causal), float(sm_scale))[0]
 
 
 # ============================================================================
@@ -786,54 +837,105 @@ def _kernel_dtype(out_dtype):
 
 def _rows(t, upcast: bool):
     """(..., N) -> contiguous (M, N); fp32 under the interpreter (see
-    FlashAttentionFunction.forward) when upcast is set."""
+    _kernel_inputs) when upcast is set."""
     t = t.reshape(-1, t.shape[-1])
     return (t.float() if upcast else t).contiguous()
 
 
-class LayerNormFunction(torch.autograd.Function):
-    """y = LayerNorm(x), or RMSNorm(x) when bias is None."""
+# The kernels as custom operators with their autograd (see flash_attention_op).
+# bias None is RMSNorm; out_dtype None writes y in the normalized dtype.
+# RMSNorm has no mean (an empty tensor) and no bias gradient (empty).
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, out_dtype):
-        x2 = _rows(x, INTERPRET)
-        y, _, mean, rstd, config = _ln_forward(x2, None, weight, bias, eps, _kernel_dtype(out_dtype))
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.in_dtype, ctx.config, ctx.rms = x.dtype, config, bias is None
-        return y.reshape(x.shape).to(out_dtype or x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _ln_backward(x2, weight, mean, rstd, _rows(dy, INTERPRET), None, ctx.config,
-                                  rms=ctx.rms)
-        return dx.reshape(dy.shape).to(ctx.in_dtype), dw, db, None, None
+@torch.library.custom_op("kernels::layer_norm", mutates_args=())
+def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                  out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd) of LayerNorm (RMSNorm) over the last dim of x."""
+    y, _, mean, rstd, _ = _ln_forward(_rows(x, INTERPRET), None, weight, bias, eps, _kernel_dtype(out_dtype))
+    return y.reshape(x.shape).to(out_dtype or x.dtype), _stats(mean, bias), rstd
 
 
-class AddLayerNormFunction(torch.autograd.Function):
-    """(s, y) = (x + residual, LayerNorm(x + residual)) in one kernel
-    (RMSNorm when bias is None).
-    Backward: s feeds both the LayerNorm and the rest of the residual
-    stream, so ds_total = ds + LayerNorm-backward(dy), and since s = x +
-    residual, that is the gradient of x and of residual alike."""
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps, out_dtype):
+    mean, rstd = (x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32) for _ in range(2))
+    return torch.empty_like(x, dtype=out_dtype or x.dtype), _stats(mean, bias), rstd
 
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, out_dtype):
-        sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-        x2, r2 = _rows(x, INTERPRET), _rows(residual, INTERPRET)
-        y, s, mean, rstd, config = _ln_forward(x2, r2, weight, bias, eps, _kernel_dtype(out_dtype))
-        ctx.save_for_backward(s, weight, mean, rstd)
-        ctx.dtypes, ctx.config, ctx.rms = (x.dtype, residual.dtype, sum_dtype), config, bias is None
-        return s.reshape(x.shape).to(sum_dtype), y.reshape(x.shape).to(out_dtype or sum_dtype)
 
-    @staticmethod
-    def backward(ctx, ds, dy):
-        s2, weight, mean, rstd = ctx.saved_tensors
-        dsum, dw, db = _ln_backward(s2, weight, mean, rstd, _rows(dy, INTERPRET),
-                                    _rows(ds, INTERPRET), ctx.config, rms=ctx.rms)
-        dsum = dsum.reshape(dy.shape)
-        x_dtype, res_dtype, _ = ctx.dtypes
-        return dsum.to(x_dtype), dsum.to(res_dtype), dw, db, None, None
+@torch.library.custom_op("kernels::add_layer_norm", mutates_args=())
+def add_layer_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s, y, mean, rstd) for s = x + residual and y = LayerNorm(s) (RMSNorm).
+    s is as the kernel stored it, which backward reads again: in the promoted
+    dtype of x and residual (fp32 under the interpreter; add_layer_norm casts)."""
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    y, s, mean, rstd, _ = _ln_forward(_rows(x, INTERPRET), _rows(residual, INTERPRET), weight, bias,
+                                      eps, _kernel_dtype(out_dtype))
+    return s.reshape(x.shape), y.reshape(x.shape).to(out_dtype or sum_dtype), _stats(mean, bias), rstd
+
+
+@add_layer_norm_op.register_fake
+def _(x, residual, weight, bias, eps, out_dtype):
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    mean, rstd = (x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32) for _ in range(2))
+    return (torch.empty_like(x, dtype=torch.float32 if INTERPRET else sum_dtype),
+            torch.empty_like(x, dtype=out_dtype or sum_dtype), _stats(mean, bias), rstd)
+
+
+@torch.library.custom_op("kernels::layer_norm_backward", mutates_args=())
+def layer_norm_backward_op(dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor,
+                           weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                           rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db) of layer_norm_op at its input x (for the fused add: at s,
+    with dsum the gradient that reached s along the residual stream)."""
+    x2, N = _rows(x, INTERPRET), x.shape[-1]
+    dsum2 = None if dsum is None else _rows(dsum, INTERPRET)
+    dx, dw, db = _ln_backward(x2, weight, mean, rstd, _rows(dy, INTERPRET), dsum2,
+                              _layer_norm_config(N), rms=rms)
+    return dx.reshape(x.shape).to(x.dtype), dw, weight.new_empty(0) if db is None else db
+
+
+@layer_norm_backward_op.register_fake
+def _(dy, dsum, x, weight, mean, rstd, rms):
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(0 if rms else weight.shape[0])
+
+
+def _stats(mean, bias):
+    """forward's mean, or for RMSNorm (bias None, no mean) an empty tensor."""
+    return mean if bias is not None else mean.new_empty(0)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, _, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.rms = bias is None
+
+
+def _layer_norm_grad(ctx, dy, dmean, drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = layer_norm_backward_op(dy, None, x, weight, mean, rstd, ctx.rms)
+    return dx, dw, None if ctx.rms else db, None, None
+
+
+def _add_layer_norm_setup(ctx, inputs, output):
+    x, residual, weight, bias, _, _ = inputs
+    s, _, mean, rstd = output
+    ctx.save_for_backward(s, weight, mean, rstd)
+    ctx.rms, ctx.dtypes = bias is None, (x.dtype, residual.dtype)
+
+
+def _add_layer_norm_grad(ctx, ds, dy, dmean, drstd):
+    """s feeds both the LayerNorm and the rest of the residual stream, so
+    ds_total = ds + LayerNorm-backward(dy); since s = x + residual, that is
+    the gradient of x and of residual alike."""
+    s, weight, mean, rstd = ctx.saved_tensors
+    dsum, dw, db = layer_norm_backward_op(dy, ds, s, weight, mean, rstd, ctx.rms)
+    x_dtype, res_dtype = ctx.dtypes
+    return dsum.to(x_dtype), dsum.to(res_dtype), dw, None if ctx.rms else db, None, None
+
+
+layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
+add_layer_norm_op.register_autograd(_add_layer_norm_grad, setup_context=_add_layer_norm_setup)
 
 
 def _check_layer_norm_inputs(x, weight, bias):
@@ -854,7 +956,7 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, out_dtype: torch.dtype | None
     weight and bias of shape (N,). Statistics in fp32; output in out_dtype
     (default: x's dtype). weight/bias may be fp32 while x is fp16/bf16."""
     _check_layer_norm_inputs(x, weight, bias)
-    return LayerNormFunction.apply(x, weight, bias, float(eps), out_dtype)
+    return layer_norm_op(x, weight, bias, float(eps), out_dtype)[0]
 
 
 def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
@@ -872,14 +974,15 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
                          f"got {tuple(x.shape)} on {x.device} and {tuple(residual.shape)} "
                          f"on {residual.device}")
     _check_layer_norm_inputs(x, weight, bias)
-    return AddLayerNormFunction.apply(x, residual, weight, bias, float(eps), out_dtype)
+    s, y, _, _ = add_layer_norm_op(x, residual, weight, bias, float(eps), out_dtype)
+    return s.to(torch.promote_types(x.dtype, residual.dtype)), y
 
 
 def rms_norm(x, weight, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
     """Fused RMSNorm over the last dim of x: x / sqrt(mean(x^2) + eps) * weight.
     The LayerNorm kernels with their RMS switch; statistics in fp32."""
     _check_layer_norm_inputs(x, weight, None)
-    return LayerNormFunction.apply(x, weight, None, float(eps), out_dtype)
+    return layer_norm_op(x, weight, None, float(eps), out_dtype)[0]
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
@@ -998,16 +1101,31 @@ def _block_v(V: int, z) -> int:
     return 64 if z.device.type == "cpu" else min(4096, triton.next_power_of_2(V))
 
 
-def loss_row_stats(z, labels, vocab_start: int):
+@torch.library.custom_op("kernels::loss_row_stats", mutates_args=())
+def loss_row_stats(z: torch.Tensor, labels: torch.Tensor, vocab_start: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max, sum(exp(z - max)), target logit or 0) of each row of a chunk of
-    logits z (n, V_local), fp32 (n,) each; z is not changed."""
+    logits z (n, V_local), fp32 (n,) each; z is not changed. A custom
+    operator (see flash_attention_op), as is loss_row_grad_."""
     n, V = z.shape
     stats = [torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3)]
     _row_stats_kernel[(n,)](z, labels, *stats, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))
-    return stats
+    return tuple(stats)
 
 
-def loss_row_grad_(z, labels, lse, weight, vocab_start: int) -> None:
+@loss_row_stats.register_fake
+def _(z, labels, vocab_start):
+    return tuple(z.new_empty(z.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("kernels::loss_row_grad_", mutates_args=("z",))
+def loss_row_grad_(z: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, weight: torch.Tensor,
+                   vocab_start: int) -> None:
     """z <- weight * (softmax(z) - onehot(labels)), in place, given each row's lse."""
     n, V = z.shape
     _row_grad_kernel[(n,)](z, labels, lse, weight, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))
+
+
+@loss_row_grad_.register_fake
+def _(z, labels, lse, weight, vocab_start):
+    return None

@@ -69,7 +69,9 @@ Sections:
 
     0. launch: torchrun's environment (init_distributed), a fresh store for
        each restart, a user's mistake (UsageError) reported once (launch)
-    1. process groups, raw collectives (also along the sequence), divisibility checks
+    1. process groups, raw collectives (also along the sequence; under
+       torch.compile functional collectives, launched and waited for as two
+       graph nodes), divisibility checks
     2. the communication operators: f, g, gathers, sequence parallelism's
        all-gather and reduce-scatter, Domino's asynchronous ones
     3. ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -420,7 +422,10 @@ def _all_reduce_owned(out: torch.Tensor, async_op: bool = False):
 def all_reduce(x: torch.Tensor, async_op: bool = False):
     """Sum x over the TP group into a new contiguous tensor.
     Returns the tensor, or (tensor, work handle or None) with async_op=True;
-    with async_op the tensor holds the sum only after handle.wait()."""
+    with async_op the tensor holds the sum only after handle.wait().
+    Under torch.compile (synchronous only): the functional collective."""
+    if torch.compiler.is_compiling() and not async_op:
+        return wait(launch_all_reduce(x))
     out = x.clone(memory_format=torch.contiguous_format)
     handle = _all_reduce_owned(out, async_op)
     return (out, handle) if async_op else out
@@ -443,6 +448,10 @@ def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's x along the last dim, in rank order."""
+    if torch.compiler.is_compiling():  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
+        parts = wait(torch.ops._c10d_functional.all_gather_into_tensor(
+            x.contiguous(), tp_size(), tp_group().group_name))
+        return torch.cat(parts.chunk(tp_size(), dim=0), dim=-1)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x, group=tp_group())
@@ -466,6 +475,10 @@ class PendingSequenceGather:
 
     def __init__(self, x: torch.Tensor, async_op: bool = False):
         x = x.contiguous()
+        self._handle = self._in_flight = None
+        if torch.compiler.is_compiling():  # a functional collective, launched either way
+            self._in_flight = launch_all_gather_sequence(x)        # (tp * B, T/tp, ...)
+            return
         self._buffer = x.new_empty((tp_size(), *x.shape))     # (tp, B, T/tp, ...): rank r's at [r]
         # the collective sees the ranks' pieces stacked along dim 0
         self._handle = dist.all_gather_single(self._buffer.flatten(0, 1), x, group=tp_group(),
@@ -475,6 +488,9 @@ class PendingSequenceGather:
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
+        if self._in_flight is not None:
+            self._buffer = wait(self._in_flight).unflatten(0, (tp_size(), -1))
+            self._in_flight = None
         tp, B, s = self._buffer.shape[:3]
         # (tp, B, s, ...) -> (B, tp, s, ...) -> (B, tp*s, ...): a copy unless B == 1
         return self._buffer.movedim(0, 1).reshape(B, tp * s, *self._buffer.shape[3:])
@@ -492,10 +508,48 @@ def reduce_scatter_sequence(x: torch.Tensor, async_op: bool = False):
     B, T, tp = x.shape[0], x.shape[1], tp_size()
     if T % tp != 0:
         raise UsageError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
+    if torch.compiler.is_compiling() and not async_op:
+        return wait(launch_reduce_scatter_sequence(x))
     parts = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
     out = parts.new_empty(parts.shape[1:])                                     # (B, T/tp, ...)
     handle = dist.reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group(), async_op=async_op)
     return (out, handle) if async_op else out
+
+
+# --------------------------------------------------------------------------
+# The same collectives under torch.compile: functional collectives
+# (torch.ops._c10d_functional, which Dynamo traces into the graph, where
+# dist.*(async_op=True) and its work handle break it). A launch returns a
+# tensor that is read only through wait(): the graph keeps the launch and
+# the wait as two nodes, and what runs between them overlaps the
+# collective, as the work handle does in eager mode (Domino).
+# --------------------------------------------------------------------------
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The launched collective's result, once it has landed."""
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def launch_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Start sum_r x_r over the TP group; wait() gives a new tensor."""
+    return torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", tp_group().group_name)
+
+
+def launch_reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Start reduce_scatter_sequence(x): (B, T, ...) -> (B, T/tp, ...) after wait()."""
+    B, T, tp = x.shape[0], x.shape[1], tp_size()
+    if T % tp != 0:
+        raise UsageError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
+    parts = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
+    return torch.ops._c10d_functional.reduce_scatter_tensor(parts.flatten(0, 1), "sum", tp,
+                                                            tp_group().group_name)
+
+
+def launch_all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Start the all-gather of every rank's (B, T/tp, ...): (tp * B, T/tp, ...),
+    rank r's rows at [r * B, (r + 1) * B), after wait() (PendingSequenceGather joins them)."""
+    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), tp_size(),
+                                                             tp_group().group_name)
 
 
 # ============================================================================
@@ -600,6 +654,8 @@ class DeferredCollectives:
         self.gathered_input = None   # a PendingSequenceGather, or None
 
     def wait_in_backward(self, h: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # see _WaitForGradInGraph
+            return _WaitForGradInGraph.apply(h)
         return _WaitForDeferredGrad.apply(h, self)
 
     def gather_input(self, h: torch.Tensor) -> None:
@@ -626,6 +682,43 @@ class _WaitForDeferredGrad(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.deferred.wait()
         return grad, None
+
+
+class _WaitForGradInGraph(torch.autograd.Function):
+    """_WaitForDeferredGrad under torch.compile: forward y = x; backward dx =
+    wait(grad), where grad is the column-parallel layer's dX collective, still
+    in flight (_ColumnParallelLinearInGraph returns it unwaited).
+
+    Why not _WaitForDeferredGrad: Dynamo traces an autograd.Function's
+    backward once, while it traces forward, when no backward has run and
+    DeferredCollectives.handle is None; `if self.handle is not None` is
+    decided then, and the compiled backward never waits (the gradient is
+    read before the sum lands: wrong gradients, issue 26). Here the
+    collective travels as a tensor, from node to node, inside the graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return wait(grad)
+
+
+class _LaunchReduceInGraph(torch.autograd.Function):
+    """PendingReduce's collective under torch.compile: forward launches
+    y = sum_r x_r (or its reduce-scatter to this rank's tokens) and returns
+    it in flight, to be read through wait(); backward like g's
+    (identity) or the reduce-scatter's (all-gather of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, partial, sequence_parallel: bool):
+        ctx.sequence_parallel = sequence_parallel
+        return launch_reduce_scatter_sequence(partial) if sequence_parallel else launch_all_reduce(partial)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (all_gather_sequence(grad) if ctx.sequence_parallel else grad), None
 
 
 class _AlreadyReduceScattered(torch.autograd.Function):
@@ -657,7 +750,11 @@ class PendingReduce:
     def __init__(self, partial: torch.Tensor, bias: torch.Tensor | None,
                  sequence_parallel: bool = False):
         self._partial, self._bias, self._sequence_parallel = partial, bias, sequence_parallel
-        if sequence_parallel:
+        self._in_flight = None
+        if torch.compiler.is_compiling():  # functional collective: waited for in wait()
+            self._in_flight = _LaunchReduceInGraph.apply(partial, sequence_parallel)
+            self._partial = self._handle = None
+        elif sequence_parallel:
             self._out, self._handle = reduce_scatter_sequence(partial.detach(), async_op=True)
         else:
             handles: list = []
@@ -665,6 +762,8 @@ class PendingReduce:
             self._handle = handles[0]
 
     def wait(self) -> torch.Tensor:
+        if self._in_flight is not None:
+            self._out, self._in_flight = wait(self._in_flight), None
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
@@ -793,7 +892,11 @@ class ColumnParallelLinear(nn.Module):
         deferred.wait_in_backward, where backward waits for dX's all-reduce."""
         if deferred is not None and not self.async_grad_allreduce:
             raise UsageError("a DeferredCollectives needs async_grad_allreduce=True")
-        if self.sequence_parallel or (self.async_grad_allreduce and tp_size() > 1):
+        overlapped = self.sequence_parallel or (self.async_grad_allreduce and tp_size() > 1)
+        if overlapped and torch.compiler.is_compiling():  # the same, with functional collectives
+            return _column_parallel_linear_in_graph(x, self.weight, self.bias, deferred,
+                                                    self.sequence_parallel)
+        if overlapped:
             return _ColumnParallelLinearFunction.apply(x, self.weight, self.bias, deferred,
                                                        self.sequence_parallel)
         x = copy_to_tensor_parallel_region(x)           # (..., in)
@@ -876,6 +979,85 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         elif handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None
+
+
+def _column_parallel_linear_in_graph(x, weight, bias, deferred, sequence_parallel: bool):
+    """ColumnParallelLinear's communicating path under torch.compile. The
+    input all-gather that Domino launched early (deferred.gather_input) is
+    waited for here, outside the autograd.Function: Dynamo traces a
+    Function's forward only without side effects on outside objects."""
+    gathered = None
+    if deferred is not None and deferred.gathered_input is not None:
+        gathered, deferred.gathered_input = deferred.gathered_input.wait(), None
+    return _ColumnParallelLinearInGraph.apply(x, gathered, weight, bias, deferred is not None,
+                                              sequence_parallel)
+
+
+class _ColumnParallelLinearInGraph(torch.autograd.Function):
+    """_ColumnParallelLinearFunction's maths with functional collectives,
+    for torch.compile. Backward launches dX's all-reduce (or reduce-scatter)
+    before the dW GEMM, as in eager mode; with defer_wait it returns dX still
+    in flight, and _WaitForGradInGraph (made when the chunk entered
+    the sublayer) waits for it, after the other chunks' backward GEMMs: the
+    compiled graph keeps Domino's order. `gathered`: the all-gathered input
+    (B, T, in), already waited for, or None."""
+
+    @staticmethod
+    def forward(ctx, x, gathered, weight, bias, defer_wait: bool, sequence_parallel: bool):
+        ctx.input_dtype = x.dtype
+        if sequence_parallel:
+            x = in_autocast_dtype(x)                            # keep and move 16 bits
+        ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
+        ctx.has_bias, ctx.defer_wait, ctx.sequence_parallel = bias is not None, defer_wait, sequence_parallel
+        total = x
+        if sequence_parallel:
+            total = gathered if gathered is not None else all_gather_sequence(x)
+        return F.linear(total, weight, bias)                    # (..., out/tp)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        dtype = grad_out.dtype
+        gather = PendingSequenceGather(_after(x, grad_out), async_op=True) if ctx.sequence_parallel else None
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            partial = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)   # (..., in)
+            grad_input = (launch_reduce_scatter_sequence(partial) if ctx.sequence_parallel
+                          else launch_all_reduce(partial))
+        total = gather.wait() if gather is not None else x
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight, ctx.has_bias)
+        if grad_input is not None and not ctx.defer_wait:
+            grad_input = wait(grad_input)
+        return grad_input, None, grad_weight, grad_bias, None, None
+
+
+@torch.library.custom_op("parallel::after", mutates_args=())
+def _after(x: torch.Tensor, dependency: torch.Tensor) -> torch.Tensor:
+    """A copy of x, made only once `dependency` (the gradient) exists.
+
+    AOTAutograd never recomputes a collective in backward, and one that
+    needs no gradient (the re-gather of this rank's tokens) it runs in
+    FORWARD and keeps its output for backward: the gathered (B, T, in), tp
+    times the slice that sequence parallelism keeps (CSE'd with forward's
+    own gather, even the same tensor). Gathering this copy keeps the
+    gather in backward. An opaque op, so that no compiler pass folds the
+    dependency away (Inductor simplifies x + 0 * g to x)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_after.register_fake
+def _(x, dependency):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool):
+    """dW = dY^T X (the GEMM that hides dX's collective) and db = sum dY, in
+    dY's dtype, returned in the weight's."""
+    g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/tp)
+    x2d = x.reshape(-1, x.shape[-1]).to(grad_out.dtype)              # (N, in)
+    grad_weight = (g2d.t() @ x2d).to(weight.dtype)
+    grad_bias = g2d.sum(dim=0).to(weight.dtype) if has_bias else None
+    return grad_weight, grad_bias
 
 
 class RowParallelLinear(nn.Module):
@@ -1037,6 +1219,13 @@ def sequence_parallel_off(module: nn.Module):
 # need them at once).
 #
 # tests/test_parallel.py records this order on two ranks and checks it.
+#
+# Under torch.compile the collectives are functional collectives: a launch
+# and its wait are two nodes of the graph, placed where eager mode launches
+# and waits, and a dX collective still in flight travels from the column-
+# parallel layer's backward to the identity node's as a tensor (Dynamo traces
+# a backward once, in forward, so it cannot follow DeferredCollectives'
+# handle). tests/test_compile.py checks the same order in the compiled graphs.
 
 class Sublayer(NamedTuple):
     norm: nn.Module   # the LayerNorm that enters it
@@ -1217,6 +1406,12 @@ def checkpoint_with_rng(checkpoint_fn, fn, *args):
     runs = []
 
     def run(*inputs):
+        if torch.compiler.is_compiling():
+            # torch.compile traces fn once into the checkpoint's graph (the
+            # side effects below would break it), and the recompute replays
+            # that graph. Should fn break the graph (the tracker's fork
+            # does), Dynamo runs this checkpoint eagerly, through the branches below.
+            return fn(*inputs)
         if not runs:                     # the forward pass
             runs.append(True)
             return fn(*inputs)

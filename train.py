@@ -35,7 +35,8 @@ import checkpoint
 import data as data_lib
 import parallel
 import zero
-from config import TrainConfig, autocast, batch_from_deepspeed_json, model_config, parse_args
+from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, compile_options,
+                    model_config, parse_args)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from parallel import UsageError
@@ -250,6 +251,8 @@ def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: 
         # micro-batch so accumulation costs one all-reduce per step.
         last = i == len(batches) - 1
         sync = nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
+        if cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES:
+            torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are consumed
         with sync:
             with autocast(cfg, device):
                 loss = model(batch["tokens"], position_ids=batch["position_ids"],
@@ -338,7 +341,7 @@ class PlainTraining:
         self.scaler = LossScaler(cfg.initial_loss_scale, env.device) if cfg.fp16 else None
         self.iteration, self.consumed = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
                                                                    self.scaler, log)
-        self.model = torch.compile(self.raw) if cfg.compile else self.raw
+        self.model = torch.compile(self.raw, **compile_options(cfg)) if cfg.compile else self.raw
         if parallel.dp_size() > 1:
             self.model = DDP(self.model, process_group=parallel.dp_group(),
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)

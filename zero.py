@@ -13,7 +13,7 @@ import torch.distributed as dist
 import checkpoint
 import parallel
 from parallel import UsageError
-from config import TrainConfig, model_config, read_deepspeed_json
+from config import TrainConfig, compile_options, model_config, read_deepspeed_json
 from data import to_device
 from gpt import GPT, init_weights
 
@@ -236,6 +236,13 @@ class DeepSpeedTraining:
         # No lr_scheduler: deepspeed_train_step sets each step's learning rate, as
         # the plain path does (the schedule may count samples and the batch ramp).
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+        if cfg.compile:
+            # Compiles engine.module in place, after ZeRO has wrapped its
+            # parameters and hooks: the graphs see the partitioned model.
+            if config["zero_optimization"]["stage"] == 3:  # the tied head reads wte outside its module
+                ds.zero.register_external_parameter(model, model.output_weight)
+            kwargs = compile_options(cfg)
+            self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         if self.engine.dp_world_size != parallel.dp_size():
             raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the "
                                f"data-parallel size is {parallel.dp_size()} (world / tp): the mpu was not applied")

@@ -161,7 +161,7 @@ def loss_cases(opts):
 
 
 def attention_constexprs(case):
-    # as FlashAttentionFunction: exact fp32 products for fp32 inputs
+    # as _attn_forward: exact fp32 products for fp32 inputs
     return {"HEAD_DIM": case["D"], "CAUSAL": case["causal"], "GROUP": case["group"],
             "DOT_PRECISION": "ieee" if case["dtype"] == "fp32" else "tf32"}
 
@@ -223,7 +223,7 @@ KERNELS = [
            lambda c: {"O": f"*{c['dtype']}", "DO": f"*{c['dtype']}", "DELTA": "*fp32", "T": "i32",
                       "H": "i32", "stride_ob": 1024 * 768, "stride_oh": c["D"], "stride_ot": 768,
                       "stride_dob": 1024 * 768, "stride_doh": c["D"], "stride_dot": 768},
-           # FlashAttentionFunction.backward launches it with BLOCK_M=64, default warps/stages
+           # _attn_backward launches it with BLOCK_M=64, default warps/stages
            lambda c: {"HEAD_DIM": c["D"]}, lambda c: [Config({"BLOCK_M": 64}, {})]),
     Kernel("attn_bwd_dkdv", "_attn_bwd_dkdv_kernel", attention_cases,
            lambda c: attention_args(c, grads=("DK", "DV")),
