@@ -593,7 +593,7 @@ def _gpt2_needs(c: GPTConfig) -> list[tuple[bool, str]]:
             (not c.swiglu, "no --swiglu"),
             (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
             (not c.disable_bias_linear, "no --disable-bias-linear"),
-            (c.num_kv_heads == c.num_attention_heads, "no --group-query-attention")]
+            (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")]
 
 
 def _llama_needs(c: GPTConfig) -> list[tuple[bool, str]]:
@@ -734,8 +734,8 @@ _VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not i
 def _llama_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]]:
     """(our name, HF names, row sizes): each of our tensors is one HF tensor,
     or (sizes given) the HF tensors stacked along dim 0."""
-    H, Fh = config.hidden_size, config.ffn
-    kv = config.num_kv_heads * config.head_dim
+    H, Fh = config.hidden_size, config.ffn_hidden_size
+    kv = config.num_query_groups * config.head_dim
     table = [("wte.weight", ["model.embed_tokens.weight"], None),
              ("ln_f.weight", ["model.norm.weight"], None)]
     if config.untie_embeddings_and_output_weights:
@@ -784,9 +784,9 @@ def llama_config_to_hf(config: GPTConfig) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn, "num_hidden_layers": config.num_layers,
+        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
         "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.layernorm_epsilon, "initializer_range": config.init_method_std,
         # rope_theta for transformers 4.x, rope_parameters for 5.x

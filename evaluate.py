@@ -195,7 +195,7 @@ def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
     if cfg.preset is None and cfg.num_layers is None:
         return
     flags = model_config(cfg)
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn"):
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
         if getattr(flags, name) != getattr(mcfg, name):
             raise UsageError(f"the model flags give {name}={getattr(flags, name)}, the checkpoint's "
                              f"model has {getattr(mcfg, name)}: drop the model flags (the checkpoint "

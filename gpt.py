@@ -73,7 +73,7 @@ class GPTConfig:
     num_layers: int = 12
     hidden_size: int = 768
     num_attention_heads: int = 12
-    ffn_hidden_size: int | None = None  # None -> 4 * hidden_size
+    ffn_hidden_size: int | None = None  # the MLP's width; None: 4 * hidden_size (set in __post_init__)
     max_position_embeddings: int = 1024
     vocab_size: int = 50257          # true tokenizer vocabulary
     padded_vocab_size: int = 50304   # embedding rows (>= vocab_size)
@@ -104,9 +104,15 @@ class GPTConfig:
     swiglu: bool = False               # MLP = proj(silu(gate(x)) * up(x)), each ffn wide
     untie_embeddings_and_output_weights: bool = False  # own LM head, not wte
     disable_bias_linear: bool = False  # no biases in the linear layers
-    num_query_groups: int | None = None  # grouped-query attention: key/value heads; None = one per head
+    # key/value heads (G in shapes); fewer than the query heads is grouped-query
+    # attention. None: one per query head (set in __post_init__)
+    num_query_groups: int | None = None
 
     def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
         positive = ("num_layers", "hidden_size", "num_attention_heads",
                     "max_position_embeddings", "vocab_size", "padded_vocab_size")
         for name in positive:
@@ -117,9 +123,8 @@ class GPTConfig:
             raise UsageError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}); pick a head count that divides it")
-        if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
-            raise UsageError(
-                f"ffn_hidden_size must be positive or None, got {self.ffn_hidden_size}")
+        if self.ffn_hidden_size <= 0:
+            raise UsageError(f"ffn_hidden_size must be positive or None, got {self.ffn_hidden_size}")
         if self.padded_vocab_size < self.vocab_size:
             raise UsageError(
                 f"padded_vocab_size ({self.padded_vocab_size}) must be >= vocab_size "
@@ -169,25 +174,15 @@ class GPTConfig:
             raise UsageError(f"RoPE rotates pairs of dims, but --rotary-percent {self.rotary_percent} "
                              f"of head dim {self.head_dim} is {self.rotary_dim}: pick a "
                              f"--rotary-percent that gives an even number of dims")
-        G = self.num_query_groups
-        if G is not None and (not isinstance(G, int) or G <= 0 or self.num_attention_heads % G):
-            raise UsageError(f"num_query_groups ({G!r}, --num-query-groups) must be a positive "
+        groups = self.num_query_groups
+        if not isinstance(groups, int) or groups <= 0 or self.num_attention_heads % groups:
+            raise UsageError(f"num_query_groups ({groups!r}, --num-query-groups) must be a positive "
                              f"int that divides num_attention_heads ({self.num_attention_heads})")
-
-    @property
-    def num_kv_heads(self) -> int:
-        """Key/value heads: num_query_groups under GQA, else one per query head."""
-        return self.num_query_groups or self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (the first ones), as Megatron counts them."""
         return int(self.head_dim * self.rotary_percent)
-
-    @property
-    def ffn(self) -> int:
-        """The resolved MLP width."""
-        return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -338,7 +333,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.config = config
         H, bias = config.hidden_size, not config.disable_bias_linear
-        kv = config.num_kv_heads * config.head_dim  # K (and V) width: < H under GQA
+        kv = config.num_query_groups * config.head_dim  # K (and V) width: < H under GQA
         # One matmul for Q, K and V; output layout [Q | K | V], each head-major
         # (head 0's hd columns, then head 1's, ...), the same as HF's c_attn.
         self.qkv = nn.Linear(H, H + 2 * kv, bias=bias)
@@ -359,8 +354,8 @@ class CausalSelfAttention(nn.Module):
         hd = cfg.head_dim
         qkv = self.qkv(x, *deferred)                     # (B, T, (nh + 2G) * hd / tp)
         B, T, _ = qkv.shape
-        tp = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * hd // qkv.shape[-1]
-        nh, G = cfg.num_attention_heads // tp, cfg.num_kv_heads // tp  # heads on this rank
+        tp = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd // qkv.shape[-1]
+        nh, G = cfg.num_attention_heads // tp, cfg.num_query_groups // tp  # heads on this rank
         q, k, v = qkv.split([nh * hd, G * hd, G * hd], dim=2)
         q = q.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
         k = k.view(B, T, G, hd).transpose(1, 2)          # (B, G, T, hd)
@@ -387,9 +382,9 @@ class MLP(nn.Module):
         bias, self.swiglu = not config.disable_bias_linear, config.swiglu
         # SwiGLU: fc's output is [gate | up], each ffn wide (under TP, stride
         # 2: rank r holds [gate_r | up_r], matching columns of both).
-        fc_out = 2 * config.ffn if config.swiglu else config.ffn
+        fc_out = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.fc = nn.Linear(config.hidden_size, fc_out, bias=bias)
-        self.proj = nn.Linear(config.ffn, config.hidden_size, bias=bias)
+        self.proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
         self.proj.residual_out = True
         self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
@@ -476,7 +471,7 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
     """
     domino, sp = cfg.domino_chunks > 1, cfg.sequence_parallel
     Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
-    kv = cfg.num_kv_heads * cfg.head_dim
+    kv = cfg.num_query_groups * cfg.head_dim
     # GQA: K and V are narrower than Q, so the three blocks are named by size
     qkv_stride = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
     block.attn.qkv = Column.from_linear(block.attn.qkv, stride=qkv_stride, async_grad_allreduce=domino,
@@ -985,10 +980,10 @@ def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
 
 def count_parameters(config: GPTConfig, exclude_embeddings: bool = False) -> int:
     """Same number as GPT(config).num_parameters(...), from the config alone."""
-    H, Fh, L = config.hidden_size, config.ffn, config.num_layers
+    H, Fh, L = config.hidden_size, config.ffn_hidden_size, config.num_layers
     b = 0 if config.disable_bias_linear else 1          # a bias per output feature
     norm = H if config.normalization == "RMSNorm" else 2 * H
-    qkv = H + 2 * config.num_kv_heads * config.head_dim  # GQA: narrower K and V
+    qkv = H + 2 * config.num_query_groups * config.head_dim  # GQA: narrower K and V
     fc = 2 * Fh if config.swiglu else Fh                 # SwiGLU: gate and up
     per_layer = (norm                  # ln_1
                  + (H + b) * qkv       # qkv

@@ -388,13 +388,12 @@ def dp_size() -> int:
 def check_divisible(config, tp: int | None = None) -> None:
     """Raise ValueError unless tp divides every quantity that gets split."""
     tp = tp_size() if tp is None else tp
-    ffn = config.ffn_hidden_size or 4 * config.hidden_size
     quantities = {
         "num_attention_heads": config.num_attention_heads,
         # grouped-query attention: each rank keeps whole key/value heads
-        "num_query_groups": getattr(config, "num_query_groups", None) or config.num_attention_heads,
+        "num_query_groups": config.num_query_groups,
         "hidden_size": config.hidden_size,
-        "ffn_hidden_size": ffn,
+        "ffn_hidden_size": config.ffn_hidden_size,
         "padded_vocab_size": config.padded_vocab_size,
     }
     for name, value in quantities.items():

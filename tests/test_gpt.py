@@ -126,7 +126,7 @@ def test_presets_and_unknown_preset_lists_valid_names():
     c = GPTConfig.from_preset("1.5B")
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.max_position_embeddings) \
         == (48, 1600, 25, 1024)
-    assert c.ffn == 6400
+    assert c.ffn_hidden_size == 6400
     assert GPTConfig.from_preset("tiny", num_layers=3).num_layers == 3
     with pytest.raises(ValueError, match="124M"):
         GPTConfig.from_preset("125M")

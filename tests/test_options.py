@@ -41,7 +41,7 @@ def test_defaults_are_gpt2():
     assert (c.position_embedding_type, c.normalization, c.rotary_base, c.rotary_percent) == \
         ("learned_absolute", "LayerNorm", 10000.0, 1.0)
     assert not (c.swiglu or c.untie_embeddings_and_output_weights or c.disable_bias_linear)
-    assert c.num_query_groups is None and c.num_kv_heads == c.num_attention_heads
+    assert c.num_query_groups == c.num_attention_heads and c.ffn_hidden_size == 4 * c.hidden_size
     m = model()
     assert hasattr(m, "wpe") and not hasattr(m, "output_layer")
     assert isinstance(m.ln_f, torch.nn.LayerNorm)
@@ -268,12 +268,12 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(tmp_path, varia
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["model_type"] == "llama"
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
-    assert theirs.config.num_key_value_heads == ours.config.num_kv_heads
+    assert theirs.config.num_key_value_heads == ours.config.num_query_groups
     x = tokens(T=32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x)[..., :100], theirs(x).logits, atol=1e-5, rtol=1e-5)
     back = from_hf(str(tmp_path), padded_vocab_size=128)
-    assert back.config == dataclasses.replace(ours.config, ffn_hidden_size=ours.config.ffn)
+    assert back.config == dataclasses.replace(ours.config, ffn_hidden_size=ours.config.ffn_hidden_size)
     want, got = unpadded(ours.state_dict(), 100), back.state_dict()
     for k in want:
         assert torch.equal(got[k][:want[k].shape[0]], want[k]), k
@@ -293,7 +293,7 @@ def test_from_hf_reads_a_llama_checkpoint_that_transformers_wrote(tmp_path):
     ours = from_hf(str(tmp_path)).eval()
     c = ours.config
     assert (c.position_embedding_type, c.normalization, c.swiglu, c.num_query_groups, c.rotary_base,
-            c.untie_embeddings_and_output_weights, c.disable_bias_linear, c.ffn) == \
+            c.untie_embeddings_and_output_weights, c.disable_bias_linear, c.ffn_hidden_size) == \
         ("rope", "RMSNorm", True, 2, 500.0, True, True, 96)
     x = tokens(T=32)
     with torch.no_grad():

@@ -353,8 +353,8 @@ def test_tensor_parallel_needs_torch_distributed():
     ("padded_vocab_size", 50257, 2), ("num_query_groups", 2, 4),  # GQA: whole kv heads per rank
 ])
 def test_check_divisible_names_the_quantity(field, value, tp):
-    config = SimpleNamespace(num_attention_heads=16, hidden_size=768, ffn_hidden_size=None,
-                             padded_vocab_size=50304, num_query_groups=None)
+    config = SimpleNamespace(num_attention_heads=16, hidden_size=768, ffn_hidden_size=3072,
+                             padded_vocab_size=50304, num_query_groups=16)
     parallel.check_divisible(config, tp)  # the GPT-2 shape is fine
     setattr(config, field, value)
     with pytest.raises(ValueError, match=f"{field}={value}"):
