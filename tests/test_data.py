@@ -197,6 +197,33 @@ def test_sample_idx_matches_megatron_core_helper(tmp_path):
     np.testing.assert_array_equal(ds.sample_idx, theirs)
 
 
+def test_samples_equal_megatron_core_gpt_dataset_within_one_epoch(tmp_path):
+    """While a split fits in one epoch, sample i is megatron-core's sample i, token
+    for token (same seed, same document and sample shuffles). Beyond one epoch the
+    orders part: each epoch is shuffled on its own here (README, Megatron table)."""
+    _megatron()
+    from megatron.core.datasets.gpt_dataset import GPTDataset as TheirGPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as TheirIndexedDataset
+    from megatron.core.datasets.utils import Split
+
+    class Tokenizer:  # what megatron-core's GPTDataset asks of a tokenizer
+        eod, pad, vocab_size = EOD, -1, 50257
+        unique_identifiers = {"class": "Tokenizer"}
+
+    docs = random_docs(200, seed=0)
+    prefix = str(write_corpus(tmp_path / "c", docs))
+    num_samples = (sum(len(d) for d in docs) - 1) // 16 - 5  # just under one epoch
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=16, split="1,0,0", tokenizer=Tokenizer(),
+                              path_to_cache=str(tmp_path / "theirs"), reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False)
+    theirs = TheirGPTDataset(TheirIndexedDataset(prefix), prefix, np.arange(len(docs), dtype=np.int32),
+                             num_samples, Split.train, config)
+    ours = gpt(prefix, num_samples, 16, cache_dir=str(tmp_path / "ours"))
+    for i in range(num_samples):
+        np.testing.assert_array_equal(np.asarray(theirs[i]["tokens"]), ours[i]["tokens"].numpy())
+        np.testing.assert_array_equal(np.asarray(theirs[i]["labels"]), ours[i]["labels"].numpy())
+
+
 def test_dataloader_workers_batch_samples(tmp_path):
     ds = gpt(write_corpus(tmp_path / "c", random_docs(30, seed=13)), 12, 8, cache_dir=str(tmp_path / "cache"))
     sampler = PretrainingSampler(len(ds), 0, 4, data_parallel_rank=1, data_parallel_size=2)
