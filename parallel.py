@@ -17,47 +17,38 @@ communication operators, which Megatron calls f and g:
 
 Every rank sees the full X; rank r computes the partial product with its
 column block A_r and row block B_r; g sums the partial products. In backward,
-f sums the partial gradients w.r.t. X. That is one all-reduce per block
-forward and one backward.
+f sums the partial gradients w.r.t. X. The embedding is split by vocabulary
+(VocabParallelEmbedding), and the loss is computed on vocab-sharded logits
+without ever gathering them (vocab_parallel_cross_entropy).
 
-The embedding is split by vocabulary (VocabParallelEmbedding) and the loss is
-computed on vocab-sharded logits without ever gathering them
-(vocab_parallel_cross_entropy).
-
-Layout of ranks (torchrun world of W = dp * tp ranks): tensor-parallel groups
-are CONSECUTIVE ranks, so they live inside one node where the interconnect is
-fastest (TP communicates every layer); data-parallel groups are the ranks with
-the same TP rank. With W=8, tp=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
+Layout of ranks (W = dp * tp ranks): tensor-parallel groups are CONSECUTIVE
+ranks, so they live inside one node where the interconnect is fastest (TP
+communicates every layer); data-parallel groups are the ranks with the same
+TP rank. With W=8, tp=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
 [0,2,4,6] [1,3,5,7].
-
-Domino (DeepSpeed-Domino, Wang et al. 2024) hides these all-reduces behind
-computation: RowParallelLinear.forward_async launches g's all-reduce in the
-background (PendingReduce.wait() collects it), so domino() can compute one
-micro-batch chunk while another chunk's result is on the wire. In backward,
-ColumnParallelLinear(async_grad_allreduce=True) launches f's all-reduce
-before its weight-gradient GEMM; given a DeferredCollectives it does not
-even wait for it, and the wait happens in a later autograd node, so another
-chunk's backward runs while the gradient is on the wire.
 
 Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation
 in Large Transformer Models", 2022). Outside the f ... g pairs, tensor
 parallelism leaves work replicated: every rank runs the same LayerNorms,
 dropouts and residual adds on the same (B, T, C) activations, and keeps
 them for backward. Sequence parallelism splits THOSE along the sequence:
-rank r holds tokens [r T/tp, (r+1) T/tp). The all-reduce g becomes a
-reduce-scatter (each rank keeps the sum for its tokens only), and f becomes
-an all-gather (the column-parallel layer needs every token):
+rank r holds tokens [r T/tp, (r+1) T/tp). g becomes a reduce-scatter (each
+rank keeps the sum for its tokens only), and f an all-gather (the
+column-parallel layer needs every token):
 
     x_r --LN--> --all-gather--> [X A_r] --GeLU--> [. B_r] --reduce-scatter--> y_r
 
 An all-reduce IS a reduce-scatter followed by an all-gather, so the bytes on
-the wire are the same as without it; what changes is that the activations
-outside the f ... g regions are 1/tp as large. Backward swaps the two
-(section 2). Two consequences the code must handle: replicated parameters
+the wire are the same; what changes is that the activations outside the
+f ... g regions are 1/tp as large. Two consequences: replicated parameters
 (norms, row-parallel biases) see only their rank's tokens, so their
-gradients are summed over the TP group (sum_sequence_parallel_grads);
-and dropout in the split region must draw a different mask on each rank, from
-a per-rank RNG stream (section 5).
+gradients are summed over the TP group (sum_sequence_parallel_grads); and
+dropout in the split region must draw a different mask on each rank, from a
+per-rank RNG stream (section 5).
+
+Domino (DeepSpeed-Domino, Wang et al. 2024) hides these collectives behind
+computation: the micro-batch is split into chunks, and one chunk's
+collectives are in flight while another chunk computes (section 4).
 
 Initialization: every parallel layer first builds its FULL master weight with
 the given init_method (the same on every rank when all ranks seed the RNG
@@ -67,20 +58,16 @@ sizes.
 
 Sections:
 
-    0. launch: torchrun's environment (init_distributed), a fresh store for
-       each restart, a user's mistake (UsageError) reported once (launch)
-    1. process groups, raw collectives (also along the sequence; under
-       torch.compile functional collectives, launched and waited for as two
-       graph nodes), divisibility checks
-    2. the communication operators: f, g, gathers, sequence parallelism's
-       all-gather and reduce-scatter, Domino's asynchronous ones
+    0. launch: torchrun's environment, a fresh store for each restart, a
+       user's mistake (UsageError) reported once
+    1. process groups, raw collectives (and their torch.compile forms),
+       divisibility checks
+    2. the communication operators: f, g, sequence parallelism's, Domino's
     3. ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    4. Domino's schedule: chunks interleaved so that one chunk's
-       communication runs while another computes
-    5. the per-rank random stream for dropout, and activation checkpointing
-       that replays it
+    4. Domino's schedule
+    5. the per-rank random stream for dropout, and checkpointing that replays it
     6. cross entropy on vocab-sharded logits, and the one id-range check
-    7. summing the sequence-parallel gradients; the global norm and clipping
+    7. gradients: sequence-parallel sums, the global norm, clipping
     8. slicing full tensors into shards and back; full state dicts
 """
 from __future__ import annotations
@@ -130,14 +117,11 @@ class Dist:
 def init_distributed(tp: int = 1, backend: str | None = None, timeout_minutes: float = 10.0,
                      one_queue: bool = False, deepspeed: bool = False) -> Dist:
     """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), start the
-    process group and build the tensor- and data-parallel groups (initialize).
-
-    Without torchrun this is a single process. nccl drives GPUs; gloo runs the
-    same code on CPU so that every distributed path can be tested anywhere.
-    one_queue (Domino, sequence parallelism): one hardware queue, so kernels
-    start in launch order and a collective launched before a GEMM really runs
-    beside it (see _ColumnParallelLinearFunction); CUDA reads it when its
-    context is created, so it is set before anything touches the GPU."""
+    process group and build the tensor- and data-parallel groups (initialize);
+    without torchrun, a single process. gloo runs the same code on CPU, so
+    every distributed path can be tested anywhere. one_queue (Domino, sequence
+    parallelism): one hardware queue (see _ColumnParallelLinearFunction), set
+    before anything creates the CUDA context, which reads it."""
     if one_queue:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     rank = int(os.environ.get("RANK", 0))
@@ -168,19 +152,16 @@ ATTEMPT_STORE_KEY = "/parallel.py/attempt_store"
 def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
     """init_process_group's store under torchrun: a new one for each attempt.
 
-    torchrun's agents host one key-value store for all the attempts of a job
+    torchrun's agents host one store for all the attempts of a job
     (TORCHELASTIC_USE_AGENT_STORE), and the workers exchange their addresses
-    through it. After a restart (--max-restarts) the new workers would read
+    through it: after a restart (--max-restarts) the new workers would read
     the dead attempt's keys and connect to ranks that no longer exist (gloo
-    hangs or is refused, NCCL reads a stale unique id). A key prefix per
-    attempt would need a number that every node agrees on, and torchrun
-    gives none: TORCHELASTIC_RESTART_COUNT counts the restarts of that node's
-    own agent, and a node whose worker was healthy restarts it without
-    counting. So rank 0 starts a store of its own for each attempt (as
-    torchrun does with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and publishes
-    its address with a fresh nonce; the other ranks use it once it answers
-    with that nonce, which a dead attempt's address cannot. Elsewhere (the
-    deepspeed launcher, plain env://) nothing changes."""
+    hangs or is refused, NCCL reads a stale unique id). No attempt number is
+    the same on every node (TORCHELASTIC_RESTART_COUNT counts one agent's
+    restarts), so rank 0 starts a store of its own for each attempt and
+    publishes its address with a fresh nonce; the other ranks use it once it
+    answers with that nonce, which a dead attempt's address cannot. Elsewhere
+    (the deepspeed launcher, plain env://) nothing changes."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     host = os.environ["MASTER_ADDR"]  # the node of global rank 0, whose agent hosts this store
@@ -196,9 +177,8 @@ def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
 
 
 def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
-    """The store rank 0 started for this attempt (see elastic_store). The key
-    may still hold a dead attempt's address, which refuses connections: read
-    it again until the address answers with its own nonce."""
+    """The store rank 0 started for this attempt: read the key again until its
+    address answers with its own nonce (it may still hold a dead attempt's)."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         host, port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
@@ -219,8 +199,7 @@ def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
 
 def launch(entry, argv: list[str] | None, prog: str) -> None:
     """entry(argv) (train.py's or evaluate.py's run), with a user's mistake
-    reported once, as one line (report_usage_error), and a collective that
-    gave up on a dead or silent peer named (report_collective_failure)."""
+    reported once, and a collective that gave up on a dead or silent peer named."""
     try:
         entry(argv)
     except UsageError as e:
@@ -233,11 +212,10 @@ def launch(entry, argv: list[str] | None, prog: str) -> None:
 
 def report_usage_error(e: UsageError, prog: str) -> None:
     """Rank 0 prints the mistake and exits with status 2. Usually every rank
-    finds the same mistake, and the others stay silent: with a process group
-    they wait for rank 0 to post it in the group's store; before one (a flag,
-    the same on every rank) they wait for the launcher, which stops them once
-    rank 0 has exited. A rank whose wait ends found its mistake alone (a file
-    missing on one node, say) and prints it itself, naming its rank."""
+    finds the same mistake, and the others stay silent: they wait for rank 0
+    to post it in the group's store, or without a process group for the
+    launcher to stop them once rank 0 has exited. A rank whose wait ends found
+    its mistake alone (a file missing on one node, say) and prints it itself."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's Preemption handler would keep it alive
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank != 0 and dist.is_initialized():
@@ -255,17 +233,16 @@ def report_usage_error(e: UsageError, prog: str) -> None:
 
 
 def is_collective_failure(e: RuntimeError) -> bool:
-    """A collective or the store that gave up on a peer: the process-group
-    timeout (--distributed-timeout-minutes) ran out, or the peer's socket
-    closed because it died. gloo raises a plain RuntimeError for both."""
+    """A collective or the store that gave up on a peer: the timeout ran out,
+    or the peer died. gloo raises a plain RuntimeError for both."""
     text = str(e)
     return isinstance(e, dist.DistError) or any(
         s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))
 
 
 def report_collective_failure(e: RuntimeError, prog: str) -> None:
-    """Keep the traceback, then end with one line that says which collective
-    gave up (the line of this project that waited on it) and what it means."""
+    """The traceback, then one line: which collective gave up (the line of
+    this project that waited on it) and what it means."""
     traceback.print_exc()
     here = os.path.dirname(os.path.abspath(__file__))
     ours = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == here]
@@ -295,14 +272,11 @@ _DP_SIZE, _DP_RANK = 1, 0
 
 
 def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None) -> None:
-    """Build the tensor- and data-parallel groups from the torchrun world.
-
-    Must be called on every rank (new_group is collective). Without an
-    initialized torch.distributed and tp=1 this sets up a single-rank world.
+    """Build the tensor- and data-parallel groups, on every rank (new_group is
+    collective); without torch.distributed and with tp=1, a single-rank world.
     `timeout` bounds every collective on these groups: pass the one given to
     init_process_group, because new_group does not inherit it (it falls back
-    to torch's 30-minute default, and a dead peer would hang DDP that long).
-    """
+    to torch's 30-minute default, and a dead peer would hang DDP that long)."""
     global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
     tp = tensor_model_parallel_size
     if not isinstance(tp, int) or tp < 1:
@@ -313,8 +287,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
                 f"tensor_model_parallel_size={tp} needs torch.distributed: launch with "
                 f"`torchrun --nproc_per_node {tp} ...` and call "
                 "torch.distributed.init_process_group() before parallel.initialize()")
-        _TP_GROUP = _DP_GROUP = None
-        _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK = 1, 0, 1, 0
+        destroy()  # no groups: the sizes and ranks of one process
         _INITIALIZED = True
         return
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -386,17 +359,12 @@ def dp_size() -> int:
 
 
 def check_divisible(config, tp: int | None = None) -> None:
-    """Raise ValueError unless tp divides every quantity that gets split."""
+    """Raise UsageError unless tp divides every quantity that gets split
+    (num_query_groups: each rank keeps whole key/value heads)."""
     tp = tp_size() if tp is None else tp
-    quantities = {
-        "num_attention_heads": config.num_attention_heads,
-        # grouped-query attention: each rank keeps whole key/value heads
-        "num_query_groups": config.num_query_groups,
-        "hidden_size": config.hidden_size,
-        "ffn_hidden_size": config.ffn_hidden_size,
-        "padded_vocab_size": config.padded_vocab_size,
-    }
-    for name, value in quantities.items():
+    for name in ("num_attention_heads", "num_query_groups", "hidden_size", "ffn_hidden_size",
+                 "padded_vocab_size"):
+        value = getattr(config, name)
         if value % tp != 0:
             raise UsageError(
                 f"tensor_model_parallel_size={tp} must divide {name}={value}: "
