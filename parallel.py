@@ -20,11 +20,10 @@ column block A_r and row block B_r; g sums the partial products. In backward,
 f sums the partial gradients w.r.t. X. The embedding is split by vocabulary,
 and the loss is computed on vocab-sharded logits without gathering them.
 
-Layout of ranks (W = dp * tp ranks): tensor-parallel groups are CONSECUTIVE
-ranks, so they live inside one node where the interconnect is fastest (TP
-communicates every layer); data-parallel groups are the ranks with the same
-TP rank. With W=8, tp=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
-[0,2,4,6] [1,3,5,7].
+Layout of ranks: tensor-parallel groups are CONSECUTIVE ranks, inside one
+node where the interconnect is fastest (TP communicates every layer); DP
+groups are the ranks with the same TP rank. With 8 ranks and tp=2: TP groups
+[0,1] [2,3] [4,5] [6,7], DP groups [0,2,4,6] [1,3,5,7].
 
 Sequence parallelism (Korthikanti et al., 2022). Outside the f ... g pairs,
 every rank runs the same LayerNorms, dropouts and residual adds on the same
@@ -362,8 +361,8 @@ def check_divisible(config, tp: int | None = None) -> None:
 # --------------------------------------------------------------------------
 
 def _all_reduce_owned(out: torch.Tensor, async_op: bool = False):
-    """In-place sum over the TP group of a contiguous tensor nobody else holds.
-    Returns the work handle (None when synchronous)."""
+    """In-place sum over the TP group of a contiguous tensor nobody else holds;
+    returns the work handle (None when synchronous)."""
     if tp_size() == 1:
         return None
     return dist.all_reduce(out, group=tp_group(), async_op=async_op)
@@ -588,9 +587,8 @@ class DeferredCollectives:
 
 
 class _WaitForDeferredGrad(torch.autograd.Function):
-    """forward y = x; backward: wait for the deferred reduction that is
-    filling grad (the all-reduce sums it in place; the reduce-scatter writes
-    the tensor the layer returned), then dx = grad, now summed over the TP group."""
+    """forward y = x; backward: wait for the deferred reduction filling grad,
+    then dx = grad, now summed over the TP group."""
 
     @staticmethod
     def forward(ctx, x, deferred: DeferredCollectives):
@@ -851,8 +849,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
 
 
 def _column_parallel_forward(ctx, x, gathered, weight, bias, sequence_parallel: bool):
-    """Both column-parallel Functions' forward: keep X (under sequence
-    parallelism this rank's tokens, in 16 bits) and W for backward, and
+    """Both column-parallel Functions' forward: keep X and W for backward,
     return X W^T + b over the whole sequence (`gathered`: already waited for)."""
     ctx.input_dtype = x.dtype
     if sequence_parallel:
