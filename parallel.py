@@ -17,70 +17,53 @@ communication operators, which Megatron calls f and g:
 
 Every rank sees the full X; rank r computes the partial product with its
 column block A_r and row block B_r; g sums the partial products. In backward,
-f sums the partial gradients w.r.t. X. That is one all-reduce per block
-forward and one backward.
+f sums the partial gradients w.r.t. X. The embedding is split by vocabulary,
+and the loss is computed on vocab-sharded logits without gathering them.
 
-The embedding is split by vocabulary (VocabParallelEmbedding) and the loss is
-computed on vocab-sharded logits without ever gathering them
-(vocab_parallel_cross_entropy).
+Layout of ranks: tensor-parallel groups are CONSECUTIVE ranks, inside one
+node where the interconnect is fastest (TP communicates every layer); DP
+groups are the ranks with the same TP rank. With 8 ranks and tp=2: TP groups
+[0,1] [2,3] [4,5] [6,7], DP groups [0,2,4,6] [1,3,5,7].
 
-Layout of ranks (torchrun world of W = dp * tp ranks): tensor-parallel groups
-are CONSECUTIVE ranks, so they live inside one node where the interconnect is
-fastest (TP communicates every layer); data-parallel groups are the ranks with
-the same TP rank. With W=8, tp=2: TP groups [0,1] [2,3] [4,5] [6,7], DP groups
-[0,2,4,6] [1,3,5,7].
-
-Domino (DeepSpeed-Domino, Wang et al. 2024) hides these all-reduces behind
-computation: RowParallelLinear.forward_async launches g's all-reduce in the
-background (PendingReduce.wait() collects it), so domino() can compute one
-micro-batch chunk while another chunk's result is on the wire. In backward,
-ColumnParallelLinear(async_grad_allreduce=True) launches f's all-reduce
-before its weight-gradient GEMM; given a DeferredCollectives it does not
-even wait for it, and the wait happens in a later autograd node, so another
-chunk's backward runs while the gradient is on the wire.
-
-Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation
-in Large Transformer Models", 2022). Outside the f ... g pairs, tensor
-parallelism leaves work replicated: every rank runs the same LayerNorms,
-dropouts and residual adds on the same (B, T, C) activations, and keeps
-them for backward. Sequence parallelism splits THOSE along the sequence:
-rank r holds tokens [r T/tp, (r+1) T/tp). The all-reduce g becomes a
-reduce-scatter (each rank keeps the sum for its tokens only), and f becomes
-an all-gather (the column-parallel layer needs every token):
+Sequence parallelism (Korthikanti et al., 2022). Outside the f ... g pairs,
+every rank runs the same LayerNorms, dropouts and residual adds on the same
+(B, T, C) activations, and keeps them for backward. Sequence parallelism
+splits THOSE along the sequence:
+rank r holds tokens [r T/tp, (r+1) T/tp). g becomes a reduce-scatter (each
+rank keeps the sum for its tokens only), and f an all-gather (the
+column-parallel layer needs every token):
 
     x_r --LN--> --all-gather--> [X A_r] --GeLU--> [. B_r] --reduce-scatter--> y_r
 
 An all-reduce IS a reduce-scatter followed by an all-gather, so the bytes on
-the wire are the same as without it; what changes is that the activations
-outside the f ... g regions are 1/tp as large. Backward swaps the two
-(section 2). Two consequences the code must handle: replicated parameters
+the wire are the same; what changes is that the activations outside the
+f ... g regions are 1/tp as large. Two consequences: replicated parameters
 (norms, row-parallel biases) see only their rank's tokens, so their
-gradients are summed over the TP group (sum_sequence_parallel_grads);
-and dropout in the split region must draw a different mask on each rank, from
-a per-rank RNG stream (section 5).
+gradients are summed over the TP group (sum_sequence_parallel_grads); and
+dropout in the split region must draw a different mask on each rank, from a
+per-rank RNG stream (section 5).
+
+Domino (DeepSpeed-Domino, Wang et al. 2024) hides these collectives behind
+computation: the micro-batch is split into chunks, and one chunk's
+collectives are in flight while another chunk computes (section 4).
 
 Initialization: every parallel layer first builds its FULL master weight with
 the given init_method (the same on every rank when all ranks seed the RNG
 identically), then keeps only its own slice. So the model is the same for any
-tp; the cost is one full weight per layer held temporarily, fine for GPT-2
-sizes.
+tp, at the cost of one full weight per layer held temporarily.
 
 Sections:
 
-    0. launch: torchrun's environment (init_distributed), a fresh store for
-       each restart, a user's mistake (UsageError) reported once (launch)
-    1. process groups, raw collectives (also along the sequence; under
-       torch.compile functional collectives, launched and waited for as two
-       graph nodes), divisibility checks
-    2. the communication operators: f, g, gathers, sequence parallelism's
-       all-gather and reduce-scatter, Domino's asynchronous ones
+    0. launch: torchrun's environment, a fresh store for each restart, a
+       user's mistake (UsageError) reported once
+    1. process groups, raw collectives (and their torch.compile forms),
+       divisibility checks
+    2. the communication operators: f, g, sequence parallelism's, Domino's
     3. ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    4. Domino's schedule: chunks interleaved so that one chunk's
-       communication runs while another computes
-    5. the per-rank random stream for dropout, and activation checkpointing
-       that replays it
+    4. Domino's schedule
+    5. the per-rank random stream for dropout, and checkpointing that replays it
     6. cross entropy on vocab-sharded logits, and the one id-range check
-    7. summing the sequence-parallel gradients; the global norm and clipping
+    7. gradients: sequence-parallel sums, the global norm, clipping
     8. slicing full tensors into shards and back; full state dicts
 """
 from __future__ import annotations
@@ -109,10 +92,8 @@ import torch.nn.functional as F
 # ============================================================================
 
 class UsageError(ValueError):
-    """A mistake in the flags, the data or a checkpoint, found by one of this
-    project's own checks: its message says what to do. launch() prints it
-    once, as one line, with exit status 2; any other exception is a bug and
-    keeps its traceback."""
+    """A mistake in the flags, the data or a checkpoint; its message says what
+    to do. launch() prints it once, with exit status 2 (other errors are bugs)."""
 
 
 @dataclass
@@ -129,15 +110,10 @@ class Dist:
 
 def init_distributed(tp: int = 1, backend: str | None = None, timeout_minutes: float = 10.0,
                      one_queue: bool = False, deepspeed: bool = False) -> Dist:
-    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), start the
-    process group and build the tensor- and data-parallel groups (initialize).
-
-    Without torchrun this is a single process. nccl drives GPUs; gloo runs the
-    same code on CPU so that every distributed path can be tested anywhere.
-    one_queue (Domino, sequence parallelism): one hardware queue, so kernels
-    start in launch order and a collective launched before a GEMM really runs
-    beside it (see _ColumnParallelLinearFunction); CUDA reads it when its
-    context is created, so it is set before anything touches the GPU."""
+    """Start the process group from torchrun's environment (a single process
+    without it; gloo on CPU) and build the TP and DP groups. one_queue: one
+    hardware queue (see _ColumnParallelLinearFunction), set before anything
+    creates the CUDA context, which reads it."""
     if one_queue:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     rank = int(os.environ.get("RANK", 0))
@@ -153,8 +129,7 @@ def init_distributed(tp: int = 1, backend: str | None = None, timeout_minutes: f
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout, **elastic_store(rank, world, timeout))
     elif deepspeed and not dist.is_initialized():
-        # DeepSpeed always needs a process group, even for one process, and
-        # reads the launcher's variables: set what a 1-process launch would.
+        # DeepSpeed needs a process group and the launcher's variables, even alone.
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -167,20 +142,11 @@ ATTEMPT_STORE_KEY = "/parallel.py/attempt_store"
 
 def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
     """init_process_group's store under torchrun: a new one for each attempt.
-
-    torchrun's agents host one key-value store for all the attempts of a job
-    (TORCHELASTIC_USE_AGENT_STORE), and the workers exchange their addresses
-    through it. After a restart (--max-restarts) the new workers would read
-    the dead attempt's keys and connect to ranks that no longer exist (gloo
-    hangs or is refused, NCCL reads a stale unique id). A key prefix per
-    attempt would need a number that every node agrees on, and torchrun
-    gives none: TORCHELASTIC_RESTART_COUNT counts the restarts of that node's
-    own agent, and a node whose worker was healthy restarts it without
-    counting. So rank 0 starts a store of its own for each attempt (as
-    torchrun does with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and publishes
-    its address with a fresh nonce; the other ranks use it once it answers
-    with that nonce, which a dead attempt's address cannot. Elsewhere (the
-    deepspeed launcher, plain env://) nothing changes."""
+    The agents' shared store (TORCHELASTIC_USE_AGENT_STORE) keeps a dead
+    attempt's keys, and after a restart workers would connect to ranks that
+    no longer exist. No attempt number is the same on every node, so rank 0
+    starts a store of its own and publishes its address with a fresh nonce,
+    which a dead attempt's address cannot answer with."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     host = os.environ["MASTER_ADDR"]  # the node of global rank 0, whose agent hosts this store
@@ -196,9 +162,8 @@ def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
 
 
 def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
-    """The store rank 0 started for this attempt (see elastic_store). The key
-    may still hold a dead attempt's address, which refuses connections: read
-    it again until the address answers with its own nonce."""
+    """The store rank 0 started for this attempt: read the key again until its
+    address answers with its own nonce (it may still hold a dead attempt's)."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         host, port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
@@ -219,8 +184,7 @@ def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
 
 def launch(entry, argv: list[str] | None, prog: str) -> None:
     """entry(argv) (train.py's or evaluate.py's run), with a user's mistake
-    reported once, as one line (report_usage_error), and a collective that
-    gave up on a dead or silent peer named (report_collective_failure)."""
+    reported once, and a collective that gave up on a dead or silent peer named."""
     try:
         entry(argv)
     except UsageError as e:
@@ -232,12 +196,9 @@ def launch(entry, argv: list[str] | None, prog: str) -> None:
 
 
 def report_usage_error(e: UsageError, prog: str) -> None:
-    """Rank 0 prints the mistake and exits with status 2. Usually every rank
-    finds the same mistake, and the others stay silent: with a process group
-    they wait for rank 0 to post it in the group's store; before one (a flag,
-    the same on every rank) they wait for the launcher, which stops them once
-    rank 0 has exited. A rank whose wait ends found its mistake alone (a file
-    missing on one node, say) and prints it itself, naming its rank."""
+    """Rank 0 prints the mistake and exits with status 2; the others wait for
+    it in the group's store (or for the launcher to stop them) and stay
+    silent. A rank whose wait ends found its mistake alone and prints it."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's Preemption handler would keep it alive
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank != 0 and dist.is_initialized():
@@ -255,20 +216,20 @@ def report_usage_error(e: UsageError, prog: str) -> None:
 
 
 def is_collective_failure(e: RuntimeError) -> bool:
-    """A collective or the store that gave up on a peer: the process-group
-    timeout (--distributed-timeout-minutes) ran out, or the peer's socket
-    closed because it died. gloo raises a plain RuntimeError for both."""
+    """A collective or the store that gave up on a peer: the timeout ran out,
+    or the peer died. gloo raises a plain RuntimeError for both."""
     text = str(e)
     return isinstance(e, dist.DistError) or any(
         s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))
 
 
 def report_collective_failure(e: RuntimeError, prog: str) -> None:
-    """Keep the traceback, then end with one line that says which collective
-    gave up (the line of this project that waited on it) and what it means."""
+    """The traceback, then one line: which collective gave up (the line of
+    this project that waited on it) and what it means."""
     traceback.print_exc()
     here = os.path.dirname(os.path.abspath(__file__))
-    ours = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == here]
+    ours = [f for f in traceback.extract_tb(e.__traceback__)
+            if os.path.dirname(os.path.abspath(f.filename)) == here]
     what, where = "a collective", ""
     if ours:
         frame = ours[-1]
@@ -277,15 +238,15 @@ def report_collective_failure(e: RuntimeError, prog: str) -> None:
             what = "the gradient all-reduce (run inside backward)"
     print(f"{prog}: error (rank {os.environ.get('RANK', '0')}): {what} failed{where}: "
           f"{str(e).splitlines()[0]}. Another rank stopped answering or died; its own log says "
-          f"why. --distributed-timeout-minutes sets how long a collective waits.", file=sys.stderr, flush=True)
+          f"why. --distributed-timeout-minutes sets how long a collective waits.",
+          file=sys.stderr, flush=True)
     sys.exit(1)
 
 
 # ============================================================================
 # 1. Process groups and raw collectives
 # ============================================================================
-# The group handles below are the project's only global state (with the RNG
-# tracker of section 5).
+# The project's only global state, with the RNG tracker of section 5.
 
 _INITIALIZED = False
 _TP_GROUP = None   # None when torch.distributed is not in use (single process)
@@ -295,14 +256,10 @@ _DP_SIZE, _DP_RANK = 1, 0
 
 
 def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None) -> None:
-    """Build the tensor- and data-parallel groups from the torchrun world.
-
-    Must be called on every rank (new_group is collective). Without an
-    initialized torch.distributed and tp=1 this sets up a single-rank world.
-    `timeout` bounds every collective on these groups: pass the one given to
-    init_process_group, because new_group does not inherit it (it falls back
-    to torch's 30-minute default, and a dead peer would hang DDP that long).
-    """
+    """Build the TP and DP groups, on every rank (new_group is collective);
+    without torch.distributed and with tp=1, a single-rank world. Pass
+    init_process_group's `timeout`: new_group does not inherit it, and
+    torch's 30-minute default would let a dead peer hang DDP that long."""
     global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
     tp = tensor_model_parallel_size
     if not isinstance(tp, int) or tp < 1:
@@ -313,8 +270,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
                 f"tensor_model_parallel_size={tp} needs torch.distributed: launch with "
                 f"`torchrun --nproc_per_node {tp} ...` and call "
                 "torch.distributed.init_process_group() before parallel.initialize()")
-        _TP_GROUP = _DP_GROUP = None
-        _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK = 1, 0, 1, 0
+        destroy()  # no groups: the sizes and ranks of one process
         _INITIALIZED = True
         return
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -386,17 +342,12 @@ def dp_size() -> int:
 
 
 def check_divisible(config, tp: int | None = None) -> None:
-    """Raise ValueError unless tp divides every quantity that gets split."""
+    """Raise UsageError unless tp divides every quantity that gets split
+    (num_query_groups: each rank keeps whole key/value heads)."""
     tp = tp_size() if tp is None else tp
-    quantities = {
-        "num_attention_heads": config.num_attention_heads,
-        # grouped-query attention: each rank keeps whole key/value heads
-        "num_query_groups": config.num_query_groups,
-        "hidden_size": config.hidden_size,
-        "ffn_hidden_size": config.ffn_hidden_size,
-        "padded_vocab_size": config.padded_vocab_size,
-    }
-    for name, value in quantities.items():
+    for name in ("num_attention_heads", "num_query_groups", "hidden_size", "ffn_hidden_size",
+                 "padded_vocab_size"):
+        value = getattr(config, name)
         if value % tp != 0:
             raise UsageError(
                 f"tensor_model_parallel_size={tp} must divide {name}={value}: "
@@ -405,24 +356,21 @@ def check_divisible(config, tp: int | None = None) -> None:
 
 # --------------------------------------------------------------------------
 # Raw collectives on the TP group. They never modify their input in place:
-# autograd may hand the same gradient tensor to several branches (residual
-# adds), so reducing it in place would corrupt the others. .contiguous()
-# matters too: all_reduce on a non-contiguous tensor reduces a temporary copy.
+# autograd may hand the same gradient to several branches (residual adds).
+# And all_reduce on a non-contiguous tensor reduces a temporary copy.
 # --------------------------------------------------------------------------
 
 def _all_reduce_owned(out: torch.Tensor, async_op: bool = False):
-    """In-place sum over the TP group of a contiguous tensor nobody else holds.
-    Returns the work handle (None when synchronous)."""
+    """In-place sum over the TP group of a contiguous tensor nobody else holds;
+    returns the work handle (None when synchronous)."""
     if tp_size() == 1:
         return None
     return dist.all_reduce(out, group=tp_group(), async_op=async_op)
 
 
 def all_reduce(x: torch.Tensor, async_op: bool = False):
-    """Sum x over the TP group into a new contiguous tensor.
-    Returns the tensor, or (tensor, work handle or None) with async_op=True;
-    with async_op the tensor holds the sum only after handle.wait().
-    Under torch.compile (synchronous only): the functional collective."""
+    """Sum x over the TP group into a new contiguous tensor; with async_op,
+    (tensor, work handle or None), the sum landing at handle.wait()."""
     if torch.compiler.is_compiling() and not async_op:
         return wait(launch_all_reduce(x))
     out = x.clone(memory_format=torch.contiguous_format)
@@ -448,24 +396,15 @@ def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
 def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's x along the last dim, in rank order."""
     if torch.compiler.is_compiling():  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
-        parts = wait(torch.ops._c10d_functional.all_gather_into_tensor(
-            x.contiguous(), tp_size(), tp_group().group_name))
-        return torch.cat(parts.chunk(tp_size(), dim=0), dim=-1)
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(tp_size())]
-    dist.all_gather(parts, x, group=tp_group())
-    return torch.cat(parts, dim=-1)
+        return torch.cat(wait(launch_all_gather(x)).chunk(tp_size(), dim=0), dim=-1)
+    return gather_tensor(x, dim=-1)
 
 
 # --------------------------------------------------------------------------
 # Sequence-parallel collectives: along dim 1, the sequence, of (B, T, ...).
-#
-# Why the model keeps (B, T, C) rather than Megatron's (T, B, C): the rest of
-# the model, and its path without sequence parallelism, keep nanoGPT's
-# batch-first layout untouched. The price is one rearranging copy per
-# collective, because rank r's tokens x[:, r*s:(r+1)*s] are not contiguous
-# when B > 1 and the collectives move contiguous buffers. Megatron puts the
-# sequence first so that each rank's slice is one contiguous block.
+# The model keeps nanoGPT's batch-first layout rather than Megatron's
+# (T, B, C), at the price of one rearranging copy per collective: rank r's
+# tokens x[:, r*s:(r+1)*s] are not contiguous when B > 1.
 # --------------------------------------------------------------------------
 
 class PendingSequenceGather:
@@ -476,10 +415,9 @@ class PendingSequenceGather:
         x = x.contiguous()
         self._handle = self._in_flight = None
         if torch.compiler.is_compiling():  # a functional collective, launched either way
-            self._in_flight = launch_all_gather_sequence(x)        # (tp * B, T/tp, ...)
+            self._in_flight = launch_all_gather(x)            # (tp * B, T/tp, ...)
             return
         self._buffer = x.new_empty((tp_size(), *x.shape))     # (tp, B, T/tp, ...): rank r's at [r]
-        # the collective sees the ranks' pieces stacked along dim 0
         self._handle = dist.all_gather_single(self._buffer.flatten(0, 1), x, group=tp_group(),
                                               async_op=async_op)
 
@@ -501,27 +439,21 @@ def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter_sequence(x: torch.Tensor, async_op: bool = False):
-    """Sum x (B, T, ...) over the TP group and keep this rank's slice of the
-    sequence, (B, T/tp, ...), in a new tensor. With async_op=True returns
-    (tensor, work handle or None); the tensor holds the sum after wait()."""
-    B, T, tp = x.shape[0], x.shape[1], tp_size()
-    if T % tp != 0:
-        raise UsageError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
+    """Sum x (B, T, ...) over the TP group and keep this rank's tokens,
+    (B, T/tp, ...), in a new tensor; async_op as in all_reduce."""
     if torch.compiler.is_compiling() and not async_op:
         return wait(launch_reduce_scatter_sequence(x))
-    parts = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
-    out = parts.new_empty(parts.shape[1:])                                     # (B, T/tp, ...)
+    parts = _sequence_parts(x)                                    # (tp, B, T/tp, ...)
+    out = parts.new_empty(parts.shape[1:])                        # (B, T/tp, ...)
     handle = dist.reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group(), async_op=async_op)
     return (out, handle) if async_op else out
 
 
 # --------------------------------------------------------------------------
-# The same collectives under torch.compile: functional collectives
-# (torch.ops._c10d_functional, which Dynamo traces into the graph, where
-# dist.*(async_op=True) and its work handle break it). A launch returns a
-# tensor that is read only through wait(): the graph keeps the launch and
-# the wait as two nodes, and what runs between them overlaps the
-# collective, as the work handle does in eager mode (Domino).
+# The same collectives under torch.compile: functional collectives, which
+# Dynamo traces into the graph (a work handle breaks it). A launch returns a
+# tensor read only through wait(); the graph keeps the two as two nodes, and
+# what runs between them overlaps the collective, as in eager mode (Domino).
 # --------------------------------------------------------------------------
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -536,27 +468,29 @@ def launch_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def launch_reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
     """Start reduce_scatter_sequence(x): (B, T, ...) -> (B, T/tp, ...) after wait()."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor(_sequence_parts(x).flatten(0, 1), "sum",
+                                                            tp_size(), tp_group().group_name)
+
+
+def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Start the all-gather of every rank's x (B, ...) along dim 0: (tp * B, ...),
+    rank r's rows at [r * B, (r + 1) * B), after wait()."""
+    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), tp_size(),
+                                                             tp_group().group_name)
+
+
+def _sequence_parts(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, ...) -> (tp, B, T/tp, ...), contiguous: rank r's tokens at [r]."""
     B, T, tp = x.shape[0], x.shape[1], tp_size()
     if T % tp != 0:
         raise UsageError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
-    parts = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
-    return torch.ops._c10d_functional.reduce_scatter_tensor(parts.flatten(0, 1), "sum", tp,
-                                                            tp_group().group_name)
-
-
-def launch_all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
-    """Start the all-gather of every rank's (B, T/tp, ...): (tp * B, T/tp, ...),
-    rank r's rows at [r * B, (r + 1) * B), after wait() (PendingSequenceGather joins them)."""
-    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), tp_size(),
-                                                             tp_group().group_name)
+    return x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()
 
 
 # ============================================================================
 # 2. The communication operators: f, g, sequence parallelism's, Domino's
 # ============================================================================
-# autograd.Functions: Megatron's f and g, the gather along the hidden dim,
-# sequence parallelism's all-gather and reduce-scatter along the sequence, and
-# Domino's asynchronous variants. See the module docstring for the picture.
+# autograd.Functions; the module docstring draws the picture.
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     """f: forward y = x (every rank already has x); backward dx = sum_r dy_r,
@@ -598,9 +532,8 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromTensorParallelRegionAsync(torch.autograd.Function):
-    """g with the all-reduce left running in the background (Domino): forward
-    launches y = sum_r x_r and appends the work handle to `handles`; y may be
-    read only after handle.wait(). Backward: identity, like g."""
+    """g with the all-reduce left in flight (Domino): forward appends the work
+    handle to `handles`, and y may be read only after handle.wait()."""
 
     @staticmethod
     def forward(ctx, x, handles: list):
@@ -614,10 +547,9 @@ class _ReduceFromTensorParallelRegionAsync(torch.autograd.Function):
 
 
 def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x cast to the autocast dtype when autocast is on (else x): what a
-    column-parallel GEMM would cast it to anyway. Under sequence parallelism
-    its input is all-gathered and kept for backward, and a torch LayerNorm's
-    output is fp32 under autocast: cast first, and both move and keep half
+    """x in the autocast dtype (when on), as the column-parallel GEMM would
+    cast it anyway. Under sequence parallelism its input (a LayerNorm's fp32
+    output) is all-gathered and kept: cast first, and both move and keep half
     the bytes (s*b*h*34/T assumes 16-bit activations)."""
     kind = x.device.type
     if torch.is_autocast_enabled(kind) and x.is_floating_point():
@@ -626,27 +558,14 @@ def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeferredCollectives:
-    """A column-parallel layer's collectives that Domino runs in the
-    background for one chunk: the reduction of dX in backward (f's
-    all-reduce; under sequence parallelism the reduce-scatter to each rank's
-    tokens) and, under sequence parallelism, the all-gather of its input in
-    forward.
-
-    dX: wait_in_backward(h) returns h through an identity autograd node whose
-    BACKWARD waits for the reduction; pass the result and this object to the
-    ColumnParallelLinear, whose backward launches the reduction and leaves
-    the handle here. Nothing reads the gradient before that wait: it flows
-    from the layer straight into the identity node.
-
-    Why a separate node: autograd runs the ready node created LAST in forward
-    first. The identity node is created early (before another chunk's GEMMs
-    in forward), so in backward those GEMMs run between the launch and the
-    wait. domino() (section 4) chooses that order.
-
-    Input: gather_input(h) launches the all-gather of h's tokens at once,
-    and the layer's forward waits for it only when it runs, so the GEMMs
-    issued in between (another chunk's) hide it.
-    """
+    """A column-parallel layer's collectives that Domino leaves in flight for
+    one chunk. dX's reduction (all-reduce, or under sequence parallelism
+    reduce-scatter): wait_in_backward(h) returns h through an identity node
+    whose BACKWARD waits for it; pass the result and this object to the
+    ColumnParallelLinear, whose backward launches it and leaves the handle
+    here (section 4 says why the wait is a separate node). Under sequence
+    parallelism, gather_input(h) launches the all-gather of the layer's
+    input, which its forward waits for only when it runs."""
 
     def __init__(self):
         self.handle = None
@@ -668,9 +587,8 @@ class DeferredCollectives:
 
 
 class _WaitForDeferredGrad(torch.autograd.Function):
-    """forward y = x; backward: wait for the deferred reduction that is
-    filling grad (the all-reduce sums it in place; the reduce-scatter writes
-    the tensor the layer returned), then dx = grad, now summed over the TP group."""
+    """forward y = x; backward: wait for the deferred reduction filling grad,
+    then dx = grad, now summed over the TP group."""
 
     @staticmethod
     def forward(ctx, x, deferred: DeferredCollectives):
@@ -684,16 +602,11 @@ class _WaitForDeferredGrad(torch.autograd.Function):
 
 
 class _WaitForGradInGraph(torch.autograd.Function):
-    """_WaitForDeferredGrad under torch.compile: forward y = x; backward dx =
-    wait(grad), where grad is the column-parallel layer's dX collective, still
-    in flight (_ColumnParallelLinearInGraph returns it unwaited).
-
-    Why not _WaitForDeferredGrad: Dynamo traces an autograd.Function's
-    backward once, while it traces forward, when no backward has run and
-    DeferredCollectives.handle is None; `if self.handle is not None` is
-    decided then, and the compiled backward never waits (the gradient is
-    read before the sum lands: wrong gradients, issue 26). Here the
-    collective travels as a tensor, from node to node, inside the graph."""
+    """_WaitForDeferredGrad under torch.compile: backward dx = wait(grad), grad
+    being the column-parallel layer's dX collective still in flight. Dynamo
+    traces a backward once, during forward, when DeferredCollectives.handle
+    is still None, so that check would never wait; here the collective
+    travels through the graph as a tensor."""
 
     @staticmethod
     def forward(ctx, x):
@@ -705,10 +618,9 @@ class _WaitForGradInGraph(torch.autograd.Function):
 
 
 class _LaunchReduceInGraph(torch.autograd.Function):
-    """PendingReduce's collective under torch.compile: forward launches
-    y = sum_r x_r (or its reduce-scatter to this rank's tokens) and returns
-    it in flight, to be read through wait(); backward like g's
-    (identity) or the reduce-scatter's (all-gather of the gradient)."""
+    """PendingReduce's collective under torch.compile: forward returns the
+    all-reduce (or reduce-scatter) in flight, read through wait(); backward
+    like g's (identity) or the reduce-scatter's (all-gather)."""
 
     @staticmethod
     def forward(ctx, partial, sequence_parallel: bool):
@@ -722,14 +634,10 @@ class _LaunchReduceInGraph(torch.autograd.Function):
 
 class _AlreadyReduceScattered(torch.autograd.Function):
     """Domino under sequence parallelism: forward returns `reduced`, the
-    reduce-scatter of `partial` that ran in the background; backward, like
-    _ReduceScatterToSequenceParallelRegion, all-gathers the gradient.
-
-    Unlike the all-reduce, the reduce-scatter is put into the graph only
-    AFTER it has landed: gloo finishes it with a copy_ into the output on its
-    own thread, and had that output already been this node's, autograd would
-    record the copy and cut the gradient's way back to `partial` (NCCL writes
-    in place, but the tests run gloo)."""
+    landed reduce-scatter of `partial`; backward all-gathers the gradient.
+    It enters the graph only AFTER landing: gloo finishes with a copy_ into
+    the output on its own thread, which autograd would record, cutting the
+    gradient's way back to `partial`."""
 
     @staticmethod
     def forward(ctx, partial, reduced):
@@ -741,10 +649,8 @@ class _AlreadyReduceScattered(torch.autograd.Function):
 
 
 class PendingReduce:
-    """A row-parallel layer's reduction in flight: g's all-reduce, or under
-    sequence parallelism the reduce-scatter to this rank's tokens. wait()
-    blocks until the sum has landed and returns it (plus the replicated bias,
-    added once after the sum)."""
+    """A row-parallel layer's reduction in flight (all-reduce, or under
+    sequence parallelism reduce-scatter); wait() returns the sum plus bias."""
 
     def __init__(self, partial: torch.Tensor, bias: torch.Tensor | None,
                  sequence_parallel: bool = False):
@@ -773,13 +679,10 @@ class PendingReduce:
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Into the tensor-parallel region from the sequence-parallel one (before
-    a column-parallel layer, and before the LM head):
+    """Into the tensor-parallel region (before a column-parallel layer or the
+    LM head); each rank's dy is a partial gradient, as in f's backward:
         forward   y = [x_0; x_1; ...; x_{tp-1}]   all-gather along the sequence
-        backward  dx_r = (sum_q dy_q)[r-th slice]  reduce-scatter
-    y feeds this rank's shard of a tensor-parallel layer, so each rank's dy
-    is only a partial gradient (as in f's backward); the reduce-scatter sums
-    the partials and hands each rank the gradient of its own tokens."""
+        backward  dx_r = (sum_q dy_q)[r-th slice]  reduce-scatter"""
 
     @staticmethod
     def forward(ctx, x):
@@ -791,14 +694,10 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Out of the tensor-parallel region into the sequence-parallel one
-    (after a row-parallel layer, and after the vocab-parallel embedding):
+    """Out of it (after a row-parallel layer or the vocab-parallel embedding):
+    g with each rank keeping only its tokens.
         forward   y_r = (sum_q x_q)[r-th slice]    reduce-scatter along the sequence
-        backward  dx = [dy_0; ...; dy_{tp-1}]      all-gather
-    g's all-reduce with each rank keeping only its tokens: the same bytes on
-    the wire (an all-reduce is a reduce-scatter then an all-gather), and
-    what follows (dropout, residual add, LayerNorm) runs on T/tp tokens.
-    Every partial x_q fed every slice, so its gradient is all of dy."""
+        backward  dx = [dy_0; ...; dy_{tp-1}]      all-gather"""
 
     @staticmethod
     def forward(ctx, x):
@@ -836,7 +735,6 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
 # ============================================================================
 # 3. Parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 # ============================================================================
-# Megatron's parallel layers. Each builds its full master weight, keeps its slice.
 
 def init_normal(std: float = 0.02) -> Callable[[torch.Tensor], None]:
     """Megatron's default init_method: N(0, std) on the full master weight."""
@@ -854,33 +752,26 @@ def _sharded_master(shape: tuple[int, ...], init_method, dim: int,
 
 
 def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
-    """A parameter's shape on this rank, also under ZeRO-3, which empties the
-    tensor and keeps its shape in `ds_shape`."""
+    """A parameter's shape on this rank, also under ZeRO-3 (`ds_shape`)."""
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its OUTPUT dim: rank r holds the rows
-    A_r (out/tp, in) and computes Y_r = X A_r^T + b_r. The input goes through f
-    (identity forward, all-reduce of dX backward). The output stays sharded
-    (..., out/tp).
-
-    sequence_parallel=True: the input is this rank's slice of the sequence
-    (B, T/tp, in), all-gathered to (B, T, in) before the GEMM, and dX is
-    reduce-scattered back to (B, T/tp, in): the gather replaces f."""
+    A_r (out/tp, in) and computes Y_r = X A_r^T + b_r, sharded (..., out/tp).
+    The input goes through f; under sequence parallelism it is this rank's
+    tokens (B, T/tp, in), all-gathered instead, and dX is reduce-scattered."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  stride=1, init_method: Callable[[torch.Tensor], None] = init_normal(),
                  async_grad_allreduce: bool = False, sequence_parallel: bool = False):
         super().__init__()
-        # True: f's backward all-reduce overlaps the weight-gradient GEMM
-        # (see _ColumnParallelLinearFunction). Same maths either way.
+        # True: f's backward all-reduce overlaps the weight-gradient GEMM (same maths)
         self.async_grad_allreduce = async_grad_allreduce
         self.sequence_parallel = sequence_parallel and tp_size() > 1
         self.in_features, self.out_features, self.stride = in_features, out_features, stride
         self.weight = _sharded_master((out_features, in_features), init_method, 0, stride)
-        if bias:
-            # Megatron initializes biases to zero.
+        if bias:  # zeros, as in Megatron
             self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // tp_size())), 0, stride)
         else:
             self.register_parameter("bias", None)
@@ -891,15 +782,19 @@ class ColumnParallelLinear(nn.Module):
         deferred.wait_in_backward, where backward waits for dX's all-reduce."""
         if deferred is not None and not self.async_grad_allreduce:
             raise UsageError("a DeferredCollectives needs async_grad_allreduce=True")
-        overlapped = self.sequence_parallel or (self.async_grad_allreduce and tp_size() > 1)
-        if overlapped and torch.compiler.is_compiling():  # the same, with functional collectives
-            return _column_parallel_linear_in_graph(x, self.weight, self.bias, deferred,
-                                                    self.sequence_parallel)
-        if overlapped:
-            return _ColumnParallelLinearFunction.apply(x, self.weight, self.bias, deferred,
-                                                       self.sequence_parallel)
-        x = copy_to_tensor_parallel_region(x)           # (..., in)
-        return F.linear(x, self.weight, self.bias)      # (..., out/tp)
+        if not (self.sequence_parallel or (self.async_grad_allreduce and tp_size() > 1)):
+            x = copy_to_tensor_parallel_region(x)           # (..., in)
+            return F.linear(x, self.weight, self.bias)      # (..., out/tp)
+        # Wait for the input all-gather Domino launched early here, outside the
+        # Function: Dynamo traces a forward only without side effects on outside objects.
+        gathered = None
+        if deferred is not None and deferred.gathered_input is not None:
+            gathered, deferred.gathered_input = deferred.gathered_input.wait(), None
+        if torch.compiler.is_compiling():  # the same, with functional collectives
+            return _ColumnParallelLinearInGraph.apply(x, gathered, self.weight, self.bias,
+                                                      deferred is not None, self.sequence_parallel)
+        return _ColumnParallelLinearFunction.apply(x, gathered, self.weight, self.bias, deferred,
+                                                   self.sequence_parallel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
@@ -913,51 +808,27 @@ class ColumnParallelLinear(nn.Module):
 
 
 class _ColumnParallelLinearFunction(torch.autograd.Function):
-    """f (or, under sequence parallelism, the all-gather of the sequence)
-    followed by y = X W_r^T + b_r, with the backward communication overlapped.
-
-    Backward needs dX = sum_r dY_r W_r and dW_r = dY_r^T X. The all-reduce of
-    dX (under sequence parallelism: its reduce-scatter to each rank's tokens)
-    is launched asynchronously BEFORE the dW GEMM, so the network moves dX
-    while the GEMM runs; we wait before returning dX (Megatron), or, given a
-    DeferredCollectives, not at all: its identity node waits later, after
-    other chunks' GEMMs (DeepSpeed-Domino).
-    On GPU this relies on CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware
-    queue, kernels start in launch order, so the NCCL kernel (on its own
-    stream) is already running when the GEMM is queued instead of waiting
-    behind it. Megatron's async_tensor_model_parallel_allreduce does the same.
-
-    Sequence parallelism saves only this rank's slice of X (B, T/tp, in) for
-    backward and all-gathers it again there (launched before the dX GEMM, so
-    that GEMM hides it): the gathered (B, T, in) is never kept, which is what
-    makes the activation memory of the layer's input 1/tp (Korthikanti et al.).
-    """
+    """f (under sequence parallelism the all-gather) then y = X W_r^T + b_r.
+    Backward launches dX = sum_r dY_r W_r's all-reduce (or reduce-scatter)
+    BEFORE the dW = dY^T X GEMM, which runs while dX is on the wire, then
+    waits (Megatron), or leaves the wait to a DeferredCollectives (Domino).
+    On GPU this needs CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware queue
+    the NCCL kernel starts before the GEMM, not behind it. Under sequence
+    parallelism only this rank's tokens of X are kept, and backward
+    all-gathers them again (hidden by the dX GEMM): 1/tp the activations."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, deferred, sequence_parallel):
-        ctx.input_dtype = x.dtype
-        if sequence_parallel:
-            x = in_autocast_dtype(x)                            # keep and move 16 bits
-        ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
-        ctx.has_bias, ctx.deferred, ctx.sequence_parallel = bias is not None, deferred, sequence_parallel
-        total = x
-        if sequence_parallel:                                   # -> (B, T, in)
-            launched = deferred.gathered_input if deferred is not None else None
-            total = launched.wait() if launched is not None else all_gather_sequence(x)
-            if deferred is not None:
-                deferred.gathered_input = None
-        return F.linear(total, weight, bias)                    # (..., out/tp)
+    def forward(ctx, x, gathered, weight, bias, deferred, sequence_parallel):
+        ctx.deferred = deferred
+        return _column_parallel_forward(ctx, x, gathered, weight, bias, sequence_parallel)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        # Under torch.autocast, forward's F.linear ran in the autocast dtype
-        # (grad_out is e.g. bf16) but x and weight were saved in fp32, and
-        # backward runs outside autocast. So do the GEMMs in grad_out's dtype,
+        # Under autocast, forward's GEMM ran in grad_out's dtype (e.g. bf16),
+        # but backward runs outside autocast: do the GEMMs in grad_out's dtype,
         # as autograd does for an autocast F.linear, and cast each gradient
-        # back to its input's dtype (dX before the all-reduce, exactly like
-        # the plain f path, which all-reduces the fp32 gradient). Under
-        # sequence parallelism x was saved in the autocast dtype already.
+        # back to its input's dtype.
         dtype = grad_out.dtype
         gather = PendingSequenceGather(x, async_op=True) if ctx.sequence_parallel else None
         grad_input = handle = None
@@ -969,49 +840,38 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
                 grad_input = grad_input.contiguous()
                 handle = _all_reduce_owned(grad_input, async_op=True)
         total = gather.wait() if gather is not None else x               # (..., in)
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/tp)
-        x2d = total.reshape(-1, total.shape[-1]).to(dtype)               # (N, in)
-        grad_weight = (g2d.t() @ x2d).to(weight.dtype)                   # overlaps the reduction
-        grad_bias = g2d.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight, ctx.has_bias)
         if ctx.deferred is not None:
             ctx.deferred.handle = handle   # waited for in _WaitForDeferredGrad
         elif handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, None, grad_weight, grad_bias, None, None
 
 
-def _column_parallel_linear_in_graph(x, weight, bias, deferred, sequence_parallel: bool):
-    """ColumnParallelLinear's communicating path under torch.compile. The
-    input all-gather that Domino launched early (deferred.gather_input) is
-    waited for here, outside the autograd.Function: Dynamo traces a
-    Function's forward only without side effects on outside objects."""
-    gathered = None
-    if deferred is not None and deferred.gathered_input is not None:
-        gathered, deferred.gathered_input = deferred.gathered_input.wait(), None
-    return _ColumnParallelLinearInGraph.apply(x, gathered, weight, bias, deferred is not None,
-                                              sequence_parallel)
+def _column_parallel_forward(ctx, x, gathered, weight, bias, sequence_parallel: bool):
+    """Both column-parallel Functions' forward: keep X and W for backward,
+    return X W^T + b over the whole sequence (`gathered`: already waited for)."""
+    ctx.input_dtype = x.dtype
+    if sequence_parallel:
+        x = in_autocast_dtype(x)                            # keep and move 16 bits
+    ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
+    ctx.has_bias, ctx.sequence_parallel = bias is not None, sequence_parallel
+    total = x
+    if sequence_parallel:                                   # -> (B, T, in)
+        total = gathered if gathered is not None else all_gather_sequence(x)
+    return F.linear(total, weight, bias)                    # (..., out/tp)
 
 
 class _ColumnParallelLinearInGraph(torch.autograd.Function):
-    """_ColumnParallelLinearFunction's maths with functional collectives,
-    for torch.compile. Backward launches dX's all-reduce (or reduce-scatter)
-    before the dW GEMM, as in eager mode; with defer_wait it returns dX still
-    in flight, and _WaitForGradInGraph (made when the chunk entered
-    the sublayer) waits for it, after the other chunks' backward GEMMs: the
-    compiled graph keeps Domino's order. `gathered`: the all-gathered input
-    (B, T, in), already waited for, or None."""
+    """_ColumnParallelLinearFunction with functional collectives, for
+    torch.compile. With defer_wait, backward returns dX still in flight, and
+    _WaitForGradInGraph waits for it after the other chunks' backward GEMMs:
+    the compiled graph keeps Domino's order."""
 
     @staticmethod
     def forward(ctx, x, gathered, weight, bias, defer_wait: bool, sequence_parallel: bool):
-        ctx.input_dtype = x.dtype
-        if sequence_parallel:
-            x = in_autocast_dtype(x)                            # keep and move 16 bits
-        ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
-        ctx.has_bias, ctx.defer_wait, ctx.sequence_parallel = bias is not None, defer_wait, sequence_parallel
-        total = x
-        if sequence_parallel:
-            total = gathered if gathered is not None else all_gather_sequence(x)
-        return F.linear(total, weight, bias)                    # (..., out/tp)
+        ctx.defer_wait = defer_wait
+        return _column_parallel_forward(ctx, x, gathered, weight, bias, sequence_parallel)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -1033,14 +893,10 @@ class _ColumnParallelLinearInGraph(torch.autograd.Function):
 @torch.library.custom_op("parallel::after", mutates_args=())
 def _after(x: torch.Tensor, dependency: torch.Tensor) -> torch.Tensor:
     """A copy of x, made only once `dependency` (the gradient) exists.
-
-    AOTAutograd never recomputes a collective in backward, and one that
-    needs no gradient (the re-gather of this rank's tokens) it runs in
-    FORWARD and keeps its output for backward: the gathered (B, T, in), tp
-    times the slice that sequence parallelism keeps (CSE'd with forward's
-    own gather, even the same tensor). Gathering this copy keeps the
-    gather in backward. An opaque op, so that no compiler pass folds the
-    dependency away (Inductor simplifies x + 0 * g to x)."""
+    AOTAutograd would run a collective that needs no gradient (the re-gather
+    of this rank's tokens) in FORWARD and keep its (B, T, in) output, tp
+    times what sequence parallelism keeps; gathering this copy keeps it in
+    backward. Opaque, so no compiler pass folds the dependency away."""
     return x.clone(memory_format=torch.contiguous_format)
 
 
@@ -1062,8 +918,8 @@ def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool):
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its INPUT dim: rank r holds the columns
     A_r (out, in/tp) and computes the partial product X_r A_r^T; g sums the
-    partials over ranks. The bias is replicated and added once, after the sum.
-    The input is already split (..., in/tp): a column-parallel layer's output."""
+    partials; the replicated bias is added once, after the sum. The input is
+    already split (..., in/tp): a column-parallel layer's output."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  init_method: Callable[[torch.Tensor], None] = init_normal(),
@@ -1071,11 +927,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         # True: reduce-scatter the sum to this rank's tokens (B, T/tp, out)
-        # instead of all-reducing it (see reduce_scatter_to_sequence_parallel_region).
         self.sequence_parallel = sequence_parallel and tp_size() > 1
         self.weight = _sharded_master((out_features, in_features), init_method, 1)
-        # Replicated: every rank holds the full bias and computes the same grad
-        # (under sequence parallelism, a share of it: see sum_sequence_parallel_grads).
+        # Replicated (under sequence parallelism its grad is summed: sum_sequence_parallel_grads)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1087,8 +941,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def forward_async(self, x: torch.Tensor) -> PendingReduce:
-        """Like forward, but the all-reduce (or the
-        reduce-scatter) runs in the background: call .wait() on the result."""
+        """Like forward, the reduction left in flight: call .wait() on the result."""
         return PendingReduce(F.linear(x, self.weight), self.bias, self.sequence_parallel)
 
     @classmethod
@@ -1107,11 +960,7 @@ def _from_linear(cls, linear: nn.Linear, **kwargs):
                 init_method=lambda w: w.copy_(linear.weight), **kwargs)
     if linear.bias is not None:
         with torch.no_grad():
-            if getattr(layer.bias, "tensor_model_parallel", False):
-                layer.bias.copy_(shard_tensor(linear.bias, 0, tp_rank(), tp_size(),
-                                              layer.bias.partition_stride))
-            else:
-                layer.bias.copy_(linear.bias)
+            layer.bias.copy_(shard_like(layer.bias, linear.bias))
     return layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
 
 
@@ -1135,8 +984,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _sharded_master((num_embeddings, embedding_dim), init_method, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # Each rank sees only its own rows, so an out-of-range id would
-        # otherwise silently embed to zeros instead of failing. (Not on a GPU,
+        # An out-of-range id would silently embed to zeros. (Not on a GPU,
         # where it costs a sync per call: GPT and train.py check before.)
         if not ids.is_cuda:
             check_ids([("token ids", ids, self.num_embeddings,
@@ -1167,8 +1015,7 @@ class VocabParallelEmbedding(nn.Module):
 @contextlib.contextmanager
 def sequence_parallel_off(module: nn.Module):
     """Run `module` with its layers' sequence parallelism switched off, then
-    back on. Generation needs it: a KV-cache step has one token, which
-    cannot be split over the TP ranks (the weights are the same either way)."""
+    back on: a KV-cache step's one token cannot be split over the TP ranks."""
     switched = [m for m in module.modules() if getattr(m, "sequence_parallel", False)]
     for m in switched:
         m.sequence_parallel = False
@@ -1182,13 +1029,10 @@ def sequence_parallel_off(module: nn.Module):
 # ============================================================================
 # 4. Domino's schedule
 # ============================================================================
-#
-# Domino (Wang et al., DeepSpeed-Domino): a schedule that hides tensor
-# parallelism's communication behind computation.
-#
-# The micro-batch is split along the batch into chunks that are independent
-# until the loss. The layer stack is a list of sublayers (a transformer block
-# has two: attention and MLP), and a chunk's pass through a sublayer is
+# Domino (Wang et al.) hides tensor parallelism's communication behind
+# computation. The micro-batch is split along the batch into chunks that are
+# independent until the loss. The layer stack is a list of sublayers
+# (attention and MLP), and a chunk's pass through a sublayer is
 #
 #     enter:  wait for its previous row-parallel all-reduce, residual add,
 #             LayerNorm, and the node where backward will wait (see below)
@@ -1209,22 +1053,16 @@ def sequence_parallel_off(module: nn.Module):
 #     forward   body0 | enter1 | row0 | body1 | enter0' | row1 | body0' ...
 #     backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
 #
-# Under sequence parallelism (each chunk holds this rank's T/tp tokens) each
-# all-reduce is a reduce-scatter, in flight the same way, and entering a
-# sublayer also launches the all-gather of the chunk's LayerNorm output,
-# which the column-parallel GEMM waits for: the previous chunk's row GEMM runs
-# meanwhile. In backward the dX reduce-scatter is deferred like the
-# all-reduce; the all-gathers of a row-parallel layer's dY are not (its GEMMs
-# need them at once).
+# Under sequence parallelism each all-reduce is a reduce-scatter, in flight
+# the same way, and entering a sublayer also launches the all-gather of the
+# chunk's LayerNorm output, which the column-parallel GEMM waits for (the
+# previous chunk's row GEMM runs meanwhile). In backward the dX
+# reduce-scatter is deferred like the all-reduce; the all-gathers of a
+# row-parallel layer's dY are not (its GEMMs need them at once).
 #
-# tests/test_parallel.py records this order on two ranks and checks it.
-#
-# Under torch.compile the collectives are functional collectives: a launch
-# and its wait are two nodes of the graph, placed where eager mode launches
-# and waits, and a dX collective still in flight travels from the column-
-# parallel layer's backward to the identity node's as a tensor (Dynamo traces
-# a backward once, in forward, so it cannot follow DeferredCollectives'
-# handle). tests/test_compile.py checks the same order in the compiled graphs.
+# Under torch.compile a launch and its wait are two graph nodes placed where
+# eager mode launches and waits. tests/test_parallel.py checks this order on
+# two ranks, tests/test_compile.py in the compiled graphs.
 
 class Sublayer(NamedTuple):
     norm: nn.Module   # the LayerNorm that enters it
@@ -1243,10 +1081,10 @@ def _finish_branch(pending):
 
 def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: Callable,
            sequence_parallel: bool = False) -> list[torch.Tensor]:
-    """Run every chunk (b, T, C) through every sublayer, interleaved as the
-    module docstring says; return the chunks' outputs. add_and_norm(norm, x,
-    branch) -> (x + branch, norm(x + branch)) is the model's residual add and
-    LayerNorm (branch None: no add)."""
+    """Run every chunk (b, T, C) through every sublayer, interleaved as drawn
+    above; return the chunks' outputs. add_and_norm(norm, x, branch) ->
+    (x + branch, norm(x + branch)) is the model's residual add and LayerNorm
+    (branch None: no add)."""
     chunks = list(chunks)
     pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
 
@@ -1272,29 +1110,20 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
 # ============================================================================
 # 5. A random stream per tensor-parallel rank (Megatron's CUDA RNG tracker idea)
 # ============================================================================
-#
-# Every rank seeds the default generator identically (train.py), so every
-# rank builds the same model and draws the same dropout masks where the
-# tensor-parallel ranks hold the SAME values: the replicated residual stream
-# without sequence parallelism must stay identical on every rank.
-#
-# Some dropouts act on values that differ from rank to rank:
-#   - attention dropout, under any tensor parallelism: each rank holds other heads;
-#   - hidden dropout under sequence parallelism: each rank holds other tokens.
-# With the shared stream those masks would be copies of each other (rank 1's
-# heads dropped exactly where rank 0's are). They draw from a second stream,
-# seeded differently on each tensor-parallel rank:
+# Every rank seeds the default generator identically (train.py), so the
+# replicated residual stream gets the same dropout masks on every rank. Some
+# dropouts act on values that differ from rank to rank: attention dropout
+# (each rank holds other heads) and, under sequence parallelism, hidden
+# dropout (other tokens). Their masks must differ too, so they draw from a
+# second stream, seeded differently on each tensor-parallel rank:
 #
 #     with parallel.get_rng_tracker().fork():
 #         y = F.dropout(x, p)        # this rank's own mask
 #
-# fork() swaps the default generator's state for the tracked one and back, so
-# the default stream never notices. Activation checkpointing must replay the
-# same masks when it recomputes a block: see checkpoint_with_rng.
+# fork() swaps the default generator's state for the tracked one and back.
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
-# Megatron's offset: the tensor-parallel stream of rank r is seeded seed + 2718 + r.
-MODEL_PARALLEL_SEED_OFFSET = 2718
+MODEL_PARALLEL_SEED_OFFSET = 2718   # Megatron's: rank r's stream is seeded seed + 2718 + r
 
 
 def _current_state() -> dict:
@@ -1334,8 +1163,7 @@ class RNGTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Draw from stream `name` inside the block, then give the default
-        generator back its own state."""
+        """Draw from stream `name` inside the block; the default one is restored."""
         if name not in self._states:
             raise RuntimeError(f"RNG stream {name!r} was never seeded: call "
                                f"parallel.model_parallel_seed(seed) after parallel.initialize()")
@@ -1356,16 +1184,14 @@ def get_rng_tracker() -> RNGTracker:
 
 
 def model_parallel_seed(seed: int) -> None:
-    """Seed the tensor-parallel stream: seed + 2718 + this rank's TP rank, so
-    TP ranks differ and data-parallel replicas agree. Call on every rank,
-    after parallel.initialize(), next to torch.manual_seed(seed)."""
+    """Seed the tensor-parallel stream (TP ranks differ, DP replicas agree).
+    Call on every rank, after parallel.initialize(), next to torch.manual_seed."""
     _TRACKER.set_states({})
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank())
 
 
 def rng_tracker_states_of_every_tp_rank() -> list[dict]:
-    """Every TP rank's tracker states, in TP-rank order, for a checkpoint.
-    Collective over the TP group."""
+    """Every TP rank's tracker states, in TP-rank order (collective)."""
     mine = _TRACKER.get_states()
     if tp_size() == 1:
         return [mine]
@@ -1376,8 +1202,7 @@ def rng_tracker_states_of_every_tp_rank() -> list[dict]:
 
 def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     """Inverse: this rank takes its own. False (and nothing changes) when
-    they were saved at another TP size, whose streams do not map onto ours,
-    or on other devices (a CPU run's streams hold no GPU state)."""
+    they were saved at another TP size or on other devices."""
     if len(states) != tp_size() or any(s.keys() != _current_state().keys()
                                        for s in states[tp_rank()].values()):
         return False
@@ -1392,24 +1217,17 @@ def fork_rng_if(per_rank: bool):
 
 def checkpoint_with_rng(checkpoint_fn, fn, *args):
     """checkpoint_fn(fn, *args) (torch's or DeepSpeed's activation
-    checkpointing), made to replay the tracker's streams too.
-
-    Checkpointing recomputes fn in backward, and restores the DEFAULT
-    generator first so that dropout draws the same masks again. It knows
-    nothing of the tracker, whose streams have moved on since: the masks
-    drawn through fork() would differ, and the gradients would be wrong
-    (silently). So remember the tracker's states at the first run, and
-    during the recompute run from them, then put the current ones back.
-    """
+    checkpointing), replaying the tracker's streams too: checkpointing
+    restores only the DEFAULT generator for its recompute, so fork()'s masks
+    would differ and the gradients be silently wrong. The recompute runs from
+    the tracker's states of the first run, then the current ones come back."""
     start = _TRACKER.get_states()
     runs = []
 
     def run(*inputs):
         if torch.compiler.is_compiling():
-            # torch.compile traces fn once into the checkpoint's graph (the
-            # side effects below would break it), and the recompute replays
-            # that graph. Should fn break the graph (the tracker's fork
-            # does), Dynamo runs this checkpoint eagerly, through the branches below.
+            # the recompute replays the traced graph; should fn break it (the
+            # tracker's fork does), Dynamo runs this eagerly, through the branches below
             return fn(*inputs)
         if not runs:                     # the forward pass
             runs.append(True)
@@ -1435,31 +1253,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target):
-        logits_dtype = logits.dtype
+        ctx.logits_dtype = logits.dtype
         logits = logits.float()                                   # (..., V/tp) fp32
-        local_vocab = logits.shape[-1]
-        start = tp_rank() * local_vocab
-        # Max over the full vocab for a stable softmax.
-        max_logit = logits.max(dim=-1).values                     # (...)
-        if tp_size() > 1:
-            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group())
-        logits = logits - max_logit.unsqueeze(-1)
+        start = tp_rank() * logits.shape[-1]
         # The target logit: only the rank that owns the target id contributes.
-        outside = (target < start) | (target >= start + local_vocab)
+        outside = (target < start) | (target >= start + logits.shape[-1])
         local_target = (target - start).masked_fill(outside, 0)
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(outside, 0.0)
-        exp = logits.exp()                                        # (..., V/tp)
-        sum_exp = exp.sum(dim=-1)                                 # (...)
-        if tp_size() > 1:
-            both = torch.stack([target_logit, sum_exp])           # one all-reduce
-            dist.all_reduce(both, group=tp_group())
-            target_logit, sum_exp = both[0], both[1]
-        loss = sum_exp.log() - target_logit
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        row_max = logits.max(dim=-1).values                       # (...)
+        exp = (logits - row_max.unsqueeze(-1)).exp()              # (..., V/tp)
+        lse, target_logit = vocab_parallel_lse(row_max, exp.sum(dim=-1), target_logit)
+        softmax = exp.mul_((row_max - lse).exp().unsqueeze(-1))   # exp(z - lse)
         ctx.save_for_backward(softmax, local_target, outside)
-        ctx.logits_dtype = logits_dtype
-        return loss
+        return lse - target_logit
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -1488,9 +1294,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> 
 
 def vocab_parallel_lse(row_max, sum_exp, z_target):
     """(lse, target logit) per row from this rank's slice's max, sum of
-    exp(z - max) and target logit (0 where another slice holds the target):
-    under TP the slices' statistics are combined, as in Megatron's
-    vocab-parallel cross-entropy."""
+    exp(z - max) and target logit (0 where another slice holds the target),
+    combined over the TP group with two all-reduces of per-row scalars."""
     if tp_size() > 1:
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group())
@@ -1502,10 +1307,10 @@ def vocab_parallel_lse(row_max, sum_exp, z_target):
 
 def check_ids(checks) -> None:
     """The one id-range check: checks = [(name, ids, limit, fix), ...]; raise a
-    ValueError naming the first `ids` with a value outside [0, limit), and the
-    fix. Empty or None ids pass. All bounds are read with ONE host read: free on
-    CPU tensors, a sync on a GPU, so the training loop checks each batch on
-    the host (train.check_batch) and the model only its first GPU call."""
+    UsageError naming the first `ids` with a value outside [0, limit), and the
+    fix (empty or None ids pass). ONE host read for all bounds: a sync on a
+    GPU, so train.check_batch checks on the host and the model only its first
+    GPU call."""
     checks = [c for c in checks if c[1] is not None and c[1].numel() > 0]
     if not checks or torch.compiler.is_compiling():  # .tolist() would break the graph
         return
@@ -1520,39 +1325,25 @@ def check_ids(checks) -> None:
 # ============================================================================
 
 def sum_sequence_parallel_grads(module: nn.Module) -> None:
-    """Under sequence parallelism every replicated parameter of `module` (the
-    norms' weights and biases, row-parallel biases, learned positions) sees
-    only this rank's T/tp tokens, so its gradient on this rank is a partial
-    sum over tokens: the full gradient is the sum over the TP group. Forget
-    it and each rank trains its own copy on its tokens alone, they drift
-    apart, and nothing fails: the classic silent bug of sequence parallelism.
-
-    A hook on each such parameter sums its gradient over the TP group in
-    backward, before it lands in .grad, so DDP's and every ZeRO stage's own
-    hooks, gradient accumulation and clipping all see the full gradient.
-    (Megatron instead all-reduces them once per step after backward, in one
-    coalesced call; the hooks cost one small all-reduce per parameter per
-    micro-batch, and need no change in any engine.)"""
+    """Under sequence parallelism every replicated parameter (norms,
+    row-parallel biases, learned positions) sees only this rank's tokens,
+    so its full gradient is the sum over the TP group; without it the ranks'
+    copies silently drift apart. A hook sums it in backward, before it lands
+    in .grad, so DDP's and ZeRO's hooks, accumulation and clipping all see
+    the full gradient (Megatron all-reduces them once per step instead)."""
     for p in module.parameters():
         if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
             p.sequence_parallel = True
             p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to the TRUE global L2 norm of the full (unsharded) model's grads.
 
-    Sharded grads: every rank's squares count. Replicated grads (LayerNorms,
-    row-parallel biases) are identical on all TP ranks (under sequence
-    parallelism after sum_sequence_parallel_grads), so only TP rank 0
-    counts them. The other ranks add theirs times 0: nothing if finite,
-    but 0 * inf is NaN, so an inf or NaN in any rank's copy makes the norm
-    non-finite everywhere and every rank skips the step (Megatron all-reduces
-    a found_inf flag over the model-parallel group for the same reason).
-    Grads are assumed already averaged over data parallelism.
-    Like torch.nn.utils.clip_grad_norm_: scales by max_norm / (norm + 1e-6)
-    when that is < 1, and returns the norm. A non-finite norm leaves the grads
-    untouched and is returned as is: the caller decides (e.g. skip the step).
-    """
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to the TRUE global L2 norm of the full (unsharded) model's grads,
+    already averaged over data parallelism; like torch's, return the norm.
+    Replicated grads are identical on all TP ranks, so only TP rank 0 counts
+    them; the others add theirs times 0, and as 0 * inf is NaN, an inf in any
+    rank's copy makes the norm non-finite everywhere. A non-finite norm leaves
+    the grads untouched: the caller decides (e.g. skip the step)."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
@@ -1564,8 +1355,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     if tp_size() > 1:
         dist.all_reduce(sq, group=tp_group())
     total_norm = sq.sqrt()
-    # Decided on device (no host sync): coef = 1 keeps grads when norm is small
-    # or non-finite.
+    # Decided on device (no host sync): coef = 1 when the norm is small or non-finite.
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
     for p in params:
@@ -1578,9 +1368,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
 # ============================================================================
 
 def _blocks(full_size: int, stride) -> list[int]:
-    """Block sizes along the split dim: `stride` equal blocks (an int, e.g. 3
-    for [Q | K | V]), or the sizes themselves (a sequence, e.g. [Q | K | V]
-    with fewer K/V heads under grouped-query attention)."""
+    """Block sizes along the split dim: `stride` equal blocks (an int), or the
+    sizes themselves ([Q | K | V] with fewer K/V heads under grouped-query attention)."""
     if isinstance(stride, int):
         return [full_size // stride] * stride
     return [int(s) for s in stride]
@@ -1588,13 +1377,9 @@ def _blocks(full_size: int, stride) -> list[int]:
 
 def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int,
                  stride=1) -> torch.Tensor:
-    """Rank's slice of `full` along `dim`.
-
-    stride > 1: `full` is made of `stride` blocks along dim (e.g. [Q | K | V]);
-    each block is split across ranks, and rank r keeps the r-th piece of every
-    block, concatenated ([Q_r | K_r | V_r]), so each rank has whole heads.
-    stride may also list unequal block sizes (see _blocks).
-    """
+    """Rank's slice of `full` along `dim`. With stride > 1 (or block sizes),
+    `full` is made of blocks along dim (e.g. [Q | K | V]) and rank r keeps
+    the r-th piece of every block ([Q_r | K_r | V_r]): whole heads."""
     sizes = _blocks(full.shape[dim], stride)
     if sum(sizes) != full.shape[dim] or any(s % world for s in sizes):
         raise UsageError(f"dim {dim} of size {full.shape[dim]} cannot be split into "
@@ -1613,8 +1398,7 @@ def merge_shards(shards: list[torch.Tensor], dim: int, stride=1) -> torch.Tensor
 
 
 def gather_tensor(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor:
-    """All-gather a sharded parameter (or grad) over the TP group into the full
-    tensor on every rank (for checkpoints and tests). Collective."""
+    """All-gather a sharded tensor over the TP group into the full tensor on every rank."""
     if tp_size() == 1:
         return shard
     shard = shard.contiguous()
@@ -1624,8 +1408,8 @@ def gather_tensor(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor:
 
 
 def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor | None:
-    """gather_tensor, but only TP rank 0 receives the full tensor (dist.gather):
-    the others return None and never allocate it (checkpoint writes)."""
+    """gather_tensor, but only TP rank 0 receives the full tensor: the others
+    return None and never allocate it (checkpoint writes)."""
     if tp_size() == 1:
         return shard
     shard = shard.contiguous()
@@ -1648,9 +1432,8 @@ def _mark_sharded(param: nn.Parameter, dim: int, stride=1) -> nn.Parameter:
 # --------------------------------------------------------------------------
 
 def gather_like(param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of `t`, a tensor split the way `param` is (the
-    parameter itself, or optimizer state shaped like it). Collective over the
-    TP group for sharded parameters; replicated ones are returned as they are."""
+    """The full tensor of `t`, split the way `param` is (the parameter itself,
+    or optimizer state shaped like it); collective for sharded parameters."""
     if getattr(param, "tensor_model_parallel", False):
         return gather_tensor(t, param.partition_dim, param.partition_stride)
     return t
