@@ -632,12 +632,11 @@ if HAS_TRITON:
         HAS_DSUM: s = x + res also flowed on along the residual stream, so its
         gradient DSUM is added to dx, which is then the gradient of x and res."""
         pid = tl.program_id(0)
-        num_programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_N)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)  # (BN,)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for tile in range(pid, tl.cdiv(M, ROWS), num_programs):
+        for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
             rows = tile * ROWS + tl.arange(0, ROWS)                 # (R,)
             mask = (rows[:, None] < M) & (cols[None, :] < N)        # (R, BN)
             offs = rows[:, None].to(tl.int64) * N + cols[None, :]
@@ -874,13 +873,11 @@ class _FusedNorm:
     fuses_residual_add = True  # gpt.add_and_norm checks this
 
     def forward(self, x, residual=None):
-        """x (..., N) -> norm(x); with residual, the pair (s, norm(s)) for
-        s = x + residual from one fused kernel, through the module call so
-        that hooks (ZeRO-3's parameter gathering) see the fused use too.
-        Under autocast the norm's output is written in the autocast dtype: every
-        norm here feeds a matmul, which would cast an fp32 output down anyway
-        (the same rounding), so writing it narrow saves a write, a read and a
-        cast kernel. The residual stream keeps its own dtype."""
+        """x (..., N) -> norm(x); with residual, (s, norm(s)) for s = x + residual
+        from one kernel, through the module call so hooks (ZeRO-3's gathering)
+        see it. Under autocast norm(x) is written in the autocast dtype: the
+        matmul it feeds would round an fp32 output the same way, so this saves a
+        write, a read and a cast. The residual stream keeps its own dtype."""
         bias = getattr(self, "bias", None)
         if residual is None:
             return layer_norm(x, self.weight, bias, self.eps, _autocast_dtype(x))
