@@ -1,22 +1,18 @@
-"""Fused GPU kernels in Triton: causal FlashAttention-2 (with grouped-query
-attention), LayerNorm / RMSNorm fused with the residual add, and the fused
-loss's row passes. Sections:
+"""Fused GPU kernels in Triton. Sections:
 
   1. whether Triton runs here: the optional import, the interpreter switch,
      require_triton() naming the fix
-  2. flash_attention(): the kernels, their autotuned launchers (candidates
-     per head dim, dtype and GQA group), the autograd wrapper
-  3. layer_norm(), add_layer_norm(), rms_norm(), add_rms_norm(), and the
-     drop-in modules TritonLayerNorm / TritonRMSNorm
+  2. flash_attention(): causal FlashAttention-2 with grouped-query attention,
+     its autotuned launchers and autograd
+  3. layer_norm(), add_layer_norm(), rms_norm(), add_rms_norm() (residual add
+     fused in), and the drop-in modules TritonLayerNorm / TritonRMSNorm
   4. the row statistics and gradient of a chunk of logits (gpt.fused_lm_loss)
 
-Testing without a GPU: with TRITON_INTERPRET=1 set *before* this module is
-imported, Triton runs the same kernels on CPU tensors through numpy (slow,
-but exact enough to check the maths). Two interpreter quirks are handled in
-the kernels' wrappers rather than in the tests: the interpreter's bf16/fp16
-arithmetic is not faithful, so inputs are upcast to fp32 before launch and
-results cast back; and autotuning needs a real driver, so a single fixed
-config is used.
+Without a GPU: with TRITON_INTERPRET=1 set *before* this module is imported
+(Triton decides at decoration time), the same kernels run on CPU tensors
+through numpy. The interpreter's bf16/fp16 arithmetic is not faithful, so the
+wrappers upcast inputs to fp32 and cast results back; it cannot autotune, so
+one fixed config is used.
 """
 import functools
 import inspect
@@ -31,23 +27,18 @@ from parallel import UsageError
 # ============================================================================
 # 1. Whether Triton runs here
 # ============================================================================
-# Whether and how the Triton kernels run here: the optional Triton import,
-# the interpreter switch, and the check that names the fix when they cannot.
-#
-# Triton decides at *decoration* time (when kernels is imported) whether
-# @triton.jit functions are compiled for the GPU or interpreted on the CPU, so
-# TRITON_INTERPRET is read once, here; setting it later has no effect.
 
 try:
     import triton
     import triton.language as tl
     HAS_TRITON = True
-except ImportError:  # the torch fallbacks still work
+except ImportError:
     triton = None
     tl = None
     HAS_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
 
 def _device_of(device_or_tensor) -> torch.device:
     if isinstance(device_or_tensor, torch.Tensor):
@@ -56,19 +47,13 @@ def _device_of(device_or_tensor) -> torch.device:
 
 
 def triton_usable(device_or_tensor) -> bool:
-    """True when the Triton kernels can run on this device (or tensor's device):
-    Triton imports and either the device is CUDA, or the device is CPU and
-    TRITON_INTERPRET=1 was set before this module was imported."""
-    if not HAS_TRITON:
-        return False
-    device = _device_of(device_or_tensor)
-    if INTERPRET:
-        return device.type == "cpu"
-    return device.type == "cuda"
+    """Whether the kernels can run on this device (or tensor's device): CUDA,
+    or CPU under TRITON_INTERPRET=1."""
+    return HAS_TRITON and _device_of(device_or_tensor).type == ("cpu" if INTERPRET else "cuda")
 
 
 def require_triton(device_or_tensor) -> None:
-    """Raise a UsageError explaining how to fix things when triton_usable() is False."""
+    """Raise a UsageError naming the fix when triton_usable() is False."""
     if triton_usable(device_or_tensor):
         return
     device = _device_of(device_or_tensor)
@@ -81,23 +66,20 @@ def require_triton(device_or_tensor) -> None:
         why = (f"got a tensor on {device}: the kernels need a CUDA device, or "
                f"TRITON_INTERPRET=1 set before importing kernels to run them on CPU")
     raise UsageError(f"attention_impl/layernorm_impl='triton' cannot run: {why}. "
-                       f"Use --attention-impl torch --layernorm-impl torch instead.")
+                     f"Use --attention-impl torch --layernorm-impl torch instead.")
 
 
 # ============================================================================
 # 2. Causal FlashAttention-2 (forward, backward), grouped-query attention
 # ============================================================================
-# Plain attention materialises the (T, T) score matrix in GPU memory, reads it
-# back for the softmax and again for the product with V: at T=2048 that is 4M
-# floats per head, moved three times. FlashAttention keeps a (BLOCK_M, BLOCK_N)
-# tile of scores in registers, folds it into the output with an *online
-# softmax* (a running max and running denominator per row), and never writes
-# the (T, T) matrix at all. The backward pass recomputes the tiles from the
-# saved per-row log-sum-exp instead of storing the probabilities.
+# Plain attention writes the (T, T) score matrix to memory and reads it back
+# twice (softmax, then @ V). FlashAttention keeps a (BLOCK_M, BLOCK_N) tile of
+# scores in registers and folds it into the output with an *online softmax*
+# (running max and denominator per row); backward recomputes the tiles from
+# the saved per-row log-sum-exp.
 #
 #   2a. the kernels: forward, backward preprocess, dK/dV, dQ
-#   2b. launchers: autotuned on CUDA (candidates per head dim, dtype and GQA
-#       group), a single fixed config in the interpreter
+#   2b. launchers: autotuned on CUDA, one fixed config in the interpreter
 #   2c. the custom operators with their autograd, and flash_attention()
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -107,65 +89,53 @@ LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the fast hard
 # ---------------------------------------------------------------------------
 # 2a. Attention kernels
 #
-# q, o, do and dq are (B, H, T, D) tensors, k, v, dk and dv (B, G, T, D),
-# with any strides whose last dim is contiguous: the model passes q, k, v as
-# transposed views of its fused QKV projection, (B, T, 3, H, D) in memory,
-# and the kernels read them in place instead of copying. Program (i, bh)
-# works on head bh = b*H + h, whose row t starts at b*stride_b + h*stride_h +
-# t*stride_t. Grouped-query attention (G < H key/value heads, GROUP = H/G):
-# query head h reads key/value head h // GROUP in place (_kv_head), never a
-# per-query-head copy, and dK, dV sum over the GROUP query heads that read
-# them. k and v share one set of strides, q its own; o and the gradients
-# ((B, T, H, D) in memory, so the model's transpose back to (B, T, C) is
-# free) theirs; do its own. lse and delta are (B*H, T) fp32.
-# Scores are kept in base 2: s2 = (q.k) * sm_scale * log2(e), and
-# lse2 = max + log2(sum exp2(s2 - max)), so that p = exp2(s2 - lse2).
-# T_BUCKET (next power of two >= T) is unused by the maths: it is only the
-# autotuning key on CUDA, see _build_launchers.
+# q, o, do, dq are (B, H, T, D), k, v, dk, dv (B, G, T, D), with any strides
+# whose last dim is contiguous: q, k, v are read in place as transposed views
+# of the model's fused QKV projection, (B, T, 3, H, D) in memory; o and the
+# gradients are (B, T, H, D) in memory, so the model's reshape to (B, T, C) is
+# free. Program (i, bh) works on head bh = b*H + h. Grouped-query attention
+# (G < H, GROUP = H/G): query head h reads key/value head h // GROUP in place,
+# and dK, dV sum over the GROUP query heads that read them. lse and delta are
+# (B*H, T) fp32. Scores are in base 2: s2 = (q.k) * sm_scale * log2(e),
+# lse2 = max + log2(sum exp2(s2 - max)), p = exp2(s2 - lse2). T_BUCKET is
+# unused by the maths: it is the autotuning key (_build_launchers).
 # ---------------------------------------------------------------------------
 if HAS_TRITON:
 
     @triton.jit
     def _load_rows(P, base, rows, T, stride_t, HEAD_DIM: tl.constexpr):
-        """The (len(rows), HEAD_DIM) tile of rows `rows` of the head starting at
-        P + base; rows at or past T (the ragged last block) read as zeros."""
+        """Rows `rows` of the head at P + base; rows at or past T read as zeros."""
         offs = base + rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
         return tl.load(P + offs, mask=rows[:, None] < T, other=0.0)
 
     @triton.jit
     def _store_rows(P, base, rows, T, stride_t, tile, HEAD_DIM: tl.constexpr):
-        """Write `tile` to rows `rows` of the head starting at P + base, in P's
-        dtype; rows at or past T are skipped."""
+        """Write `tile` to rows `rows` of the head at P + base; rows at or past T are skipped."""
         offs = base + rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
         tl.store(P + offs, tile.to(P.dtype.element_ty), mask=rows[:, None] < T)
 
     @triton.jit
     def _head_base(bh, H, stride_b, stride_h):
-        """Offset of head bh = b*H + h in a tensor with these strides (int64:
-        B*H*T*D can exceed 2**31)."""
+        """Offset of head bh = b*H + h (int64: B*H*T*D can exceed 2**31)."""
         return (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
 
     @triton.jit
     def _kv_head(bh, H, GROUP):
-        """The key/value head b*G + h // GROUP that query head bh = b*H + h
-        reads (G = H / GROUP; GROUP = 1 is plain multi-head attention)."""
+        """The key/value head b*G + h // GROUP that query head bh = b*H + h reads."""
         return (bh // H) * (H // GROUP) + (bh % H) // GROUP
 
     @triton.jit
     def _heavy_first(BLOCK: tl.constexpr):
-        """Start row of this program's block, counting from the end: under the
-        causal mask the last query blocks have the most keys to visit, and
-        launching them first keeps the GPU from idling on a long tail."""
+        """Start row of this program's block, counting from the end: the last
+        query blocks see the most keys, and launching them first avoids a long tail."""
         return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK
 
     @triton.jit
-    def _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_t, offs_m, T, qk_scale,
-                        lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
-        """Fold key/value blocks [lo, hi) into the running softmax state of one
-        query block. MASKED=False is the fast path for blocks that are fully
-        visible (strictly below the causal diagonal and inside T)."""
+    def _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_t, offs_m, T, qk_scale, lo, hi,
+                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                        CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Fold key/value blocks [lo, hi) into one query block's running softmax.
+        MASKED=False: the blocks are fully visible (below the diagonal, inside T)."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _load_rows(K, kv_base, offs_n, T, stride_t, HEAD_DIM)  # (BN, D)
@@ -176,7 +146,7 @@ if HAS_TRITON:
                 if CAUSAL:
                     keep = keep & (offs_m[:, None] >= offs_n[None, :])
                 s = tl.where(keep, s, float("-inf"))
-            # online softmax: rescale what we have so far to the new row max
+            # online softmax: rescale the state so far to the new row max
             m_new = tl.maximum(m_i, tl.max(s, 1))           # (BM,)
             p = tl.math.exp2(s - m_new[:, None])            # (BM, BN)
             alpha = tl.math.exp2(m_i - m_new)               # (BM,) correction factor
@@ -187,11 +157,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _attn_fwd_kernel(Q, K, V, O, LSE, T, H, GROUP: tl.constexpr, stride_qb, stride_qh, stride_qt,
-                         stride_kb, stride_kh, stride_kt,
-                         stride_ob, stride_oh, stride_ot, qk_scale, T_BUCKET,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         stride_kb, stride_kh, stride_kt, stride_ob, stride_oh, stride_ot, qk_scale,
+                         T_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One program = one block of BLOCK_M queries of one (batch, head)."""
         start_m = _heavy_first(BLOCK_M)
         bh = tl.program_id(1)
@@ -199,32 +167,24 @@ if HAS_TRITON:
         kv_base = _head_base(_kv_head(bh, H, GROUP), H // GROUP, stride_kb, stride_kh)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, q_base, offs_m, T, stride_qt, HEAD_DIM)  # (BM, D)
-
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                # running denominator
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)      # running numerator @ V
-        if CAUSAL:
-            # stage 1: key blocks entirely left of the diagonal, no mask needed
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_kt, offs_m,
-                                            T, qk_scale, 0, start_m, HEAD_DIM, BLOCK_N, False,
-                                            True, DOT_PRECISION)
-            # stage 2: the diagonal blocks; key blocks right of them are skipped
-            hi = tl.minimum(start_m + BLOCK_M, T)
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_kt, offs_m,
-                                            T, qk_scale, start_m, hi, HEAD_DIM, BLOCK_N, True,
-                                            True, DOT_PRECISION)
-        else:
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_kt, offs_m,
-                                            T, qk_scale, 0, T, HEAD_DIM, BLOCK_N, True, False,
+        lo, hi = 0, T
+        if CAUSAL:  # key blocks left of the diagonal unmasked, then the diagonal; none right of it
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_kt, offs_m, T,
+                                            qk_scale, 0, start_m, HEAD_DIM, BLOCK_N, False, True,
                                             DOT_PRECISION)
+            lo, hi = start_m, tl.minimum(start_m + BLOCK_M, T)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, kv_base, stride_kt, offs_m, T, qk_scale,
+                                        lo, hi, HEAD_DIM, BLOCK_N, True, CAUSAL, DOT_PRECISION)
         o = acc / l_i[:, None]
         _store_rows(O, _head_base(bh, H, stride_ob, stride_oh), offs_m, T, stride_ot, o, HEAD_DIM)
         tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
 
     @triton.jit
-    def _attn_bwd_preprocess_kernel(O, DO, DELTA, T, H, stride_ob, stride_oh, stride_ot,
-                                    stride_dob, stride_doh, stride_dot,
-                                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _attn_bwd_preprocess_kernel(O, DO, DELTA, T, H, stride_ob, stride_oh, stride_ot, stride_dob,
+                                    stride_doh, stride_dot, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
         """delta_i = sum_d dO_id * O_id: the softmax-backward term shared by dK and dQ."""
         bh = tl.program_id(1)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -235,13 +195,11 @@ if HAS_TRITON:
         tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
 
     @triton.jit
-    def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt, do_base,
-                             stride_dot, row_base, offs_n, T, qk_scale, lo, hi,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                             MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """Accumulate dK, dV of one key block over query blocks [lo, hi).
-        Works on transposed tiles (keys along rows) so the sums over queries
-        are plain matmuls: dV += P^T dO, dK += dS^T Q."""
+    def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt, do_base, stride_dot,
+                             row_base, offs_n, T, qk_scale, lo, hi, HEAD_DIM: tl.constexpr,
+                             BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Accumulate dK, dV of one key block over query blocks [lo, hi), on
+        transposed tiles (keys along rows): dV += P^T dO, dK += dS^T Q."""
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = _load_rows(Q, q_base, offs_m, T, stride_qt, HEAD_DIM)      # (BM, D)
@@ -263,14 +221,11 @@ if HAS_TRITON:
     def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP: tl.constexpr,
                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                               stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
-                              sm_scale, qk_scale, T_BUCKET,
-                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr):
-        """One program = one block of BLOCK_N keys of one (batch, key/value
-        head); it alone writes their dK, dV (no atomics), looping over the
-        GROUP query heads that read them and every query block that can see
-        them. Program 0 has the most query blocks to visit: heavy blocks start first."""
+                              sm_scale, qk_scale, T_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One program = one block of BLOCK_N keys of one (batch, key/value head);
+        it alone writes their dK, dV (no atomics), looping over the GROUP query
+        heads that read them. Program 0 has the most query blocks: heavy first."""
         start_n = tl.program_id(0) * BLOCK_N
         bkv = tl.program_id(1)                   # b*G + g
         G = H // GROUP
@@ -285,29 +240,24 @@ if HAS_TRITON:
             q_base = _head_base(bh, H, stride_qb, stride_qh)
             do_base = _head_base(bh, H, stride_dob, stride_doh)
             row_base = bh.to(tl.int64) * T
-            if CAUSAL:
-                # diagonal query blocks (masked), then every query block below them
-                mid = tl.minimum(start_n + BLOCK_N, T)
+            lo = 0
+            if CAUSAL:  # the diagonal query blocks masked, then every query block below them
+                lo = tl.minimum(start_n + BLOCK_N, T)
                 dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt,
                                               do_base, stride_dot, row_base, offs_n, T, qk_scale,
-                                              start_n, mid, HEAD_DIM, BLOCK_M, True, DOT_PRECISION)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt,
-                                              do_base, stride_dot, row_base, offs_n, T, qk_scale,
-                                              mid, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
-            else:
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt,
-                                              do_base, stride_dot, row_base, offs_n, T, qk_scale,
-                                              0, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
-        # s = sm_scale * q.k, so dK picks up the scale once, here
+                                              start_n, lo, HEAD_DIM, BLOCK_M, True, DOT_PRECISION)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, stride_qt,
+                                          do_base, stride_dot, row_base, offs_n, T, qk_scale,
+                                          lo, T, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
+        # s = sm_scale * q.k: dK picks up the scale once, here
         g_base = _head_base(bkv, G, stride_gb, stride_gh)
         _store_rows(DK, g_base, offs_n, T, stride_gt, dk * sm_scale, HEAD_DIM)
         _store_rows(DV, g_base, offs_n, T, stride_gt, dv, HEAD_DIM)
 
     @triton.jit
-    def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_t, offs_m, T, qk_scale,
-                           lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                           MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr):
+    def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_t, offs_m, T, qk_scale, lo, hi,
+                           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                           CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """Accumulate dQ of one query block over key blocks [lo, hi): dQ += dS K."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -329,10 +279,8 @@ if HAS_TRITON:
     def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, H, GROUP: tl.constexpr,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                             stride_dob, stride_doh, stride_dot, stride_gb, stride_gh, stride_gt,
-                            sm_scale, qk_scale, T_BUCKET,
-                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr):
+                            sm_scale, qk_scale, T_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One program = one block of BLOCK_M queries; it alone writes their dQ."""
         start_m = _heavy_first(BLOCK_M)
         bh = tl.program_id(1)
@@ -340,43 +288,34 @@ if HAS_TRITON:
         kv_base = _head_base(_kv_head(bh, H, GROUP), H // GROUP, stride_kb, stride_kh)
         row_base = bh.to(tl.int64) * T
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, q_base, offs_m, T, stride_qt, HEAD_DIM)                      # (BM, D)
-        do = _load_rows(DO, _head_base(bh, H, stride_dob, stride_doh), offs_m, T, stride_dot,
-                        HEAD_DIM)                                                        # (BM, D)
+        q = _load_rows(Q, q_base, offs_m, T, stride_qt, HEAD_DIM)  # (BM, D)
+        do = _load_rows(DO, _head_base(bh, H, stride_dob, stride_doh), offs_m, T, stride_dot, HEAD_DIM)
         lse = tl.load(LSE + row_base + offs_m, mask=offs_m < T, other=float("inf"))
         delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < T, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        if CAUSAL:
+        lo, hi = 0, T
+        if CAUSAL:  # as the forward: unmasked left of the diagonal, then the diagonal
             dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_kt, offs_m, T,
-                                    qk_scale, 0, start_m, HEAD_DIM, BLOCK_N, False, True,
-                                    DOT_PRECISION)
-            hi = tl.minimum(start_m + BLOCK_M, T)
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_kt, offs_m, T,
-                                    qk_scale, start_m, hi, HEAD_DIM, BLOCK_N, True, True,
-                                    DOT_PRECISION)
-        else:
-            dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_kt, offs_m, T,
-                                    qk_scale, 0, T, HEAD_DIM, BLOCK_N, True, False,
-                                    DOT_PRECISION)
+                                    qk_scale, 0, start_m, HEAD_DIM, BLOCK_N, False, True, DOT_PRECISION)
+            lo, hi = start_m, tl.minimum(start_m + BLOCK_M, T)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, kv_base, stride_kt, offs_m, T,
+                                qk_scale, lo, hi, HEAD_DIM, BLOCK_N, True, CAUSAL, DOT_PRECISION)
         _store_rows(DQ, _head_base(bh, H, stride_gb, stride_gh), offs_m, T, stride_gt,
                     dq * sm_scale, HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------
-# 2b. Launchers. On CUDA the attention kernels go through triton.autotune (the
-# best tiles depend on the GPU, T, D and dtype); the interpreter has no driver
-# to time configs with, so it runs one fixed, small config (small tiles are
-# also what keeps the numpy interpreter fast).
+# 2b. Launchers: triton.autotune on CUDA (the best tiles depend on the GPU, T,
+# D and dtype); the interpreter cannot time configs and runs one small one.
 # ---------------------------------------------------------------------------
 _FIXED_ATTN = dict(BLOCK_M=16, BLOCK_N=16)
 
-# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim:
-# few enough that autotuning the first step stays cheap, and none that spills
-# registers for 16-bit inputs (bench/check_compile.py, sm_90, fails if one
-# does). The forward and dQ kernels step through the diagonal with
-# BLOCK_N-sized key blocks, so BLOCK_M % BLOCK_N == 0; the dK/dV kernel steps
-# with BLOCK_M-sized query blocks, so BLOCK_N % BLOCK_M == 0. 128-row tiles
-# are what FlashAttention-2 uses on Hopper.
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: few, so the
+# first step's autotuning stays cheap, and none that spills registers for
+# 16-bit inputs (bench/check_compile.py, sm_90, fails if one does). Forward
+# and dQ step through the diagonal in BLOCK_N key blocks, so BLOCK_M % BLOCK_N
+# == 0; dK/dV in BLOCK_M query blocks, so BLOCK_N % BLOCK_M == 0. 128-row
+# tiles are what FlashAttention-2 uses on Hopper.
 ATTN_CONFIGS = {
     # head dims 32 and 64
     "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
@@ -385,10 +324,8 @@ ATTN_CONFIGS = {
     "dq": [(128, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3),
            (64, 64, 4, 3), (128, 128, 8, 2)],
 }
-# Head dim 128 doubles the accumulators: the configs above that spilled there
-# (fwd 128x64 with 4 warps; dK/dV with 128-wide key blocks on 4 warps, or
-# 64x128 on 8; dQ 128x32 and 128x128) give way to 8-warp or shallower ones
-# that compile without spills.
+# Head dim 128 doubles the accumulators: the configs above that spill there
+# give way to 8-warp or shallower ones.
 ATTN_CONFIGS_D128 = {
     "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
             (64, 64, 4, 3), (64, 64, 4, 4)],
@@ -396,35 +333,31 @@ ATTN_CONFIGS_D128 = {
     "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 8, 3),
            (64, 32, 4, 3), (64, 64, 4, 3)],
 }
-# Grouped-query attention: a dK/dV program loops over the GROUP query heads
-# that read its key/value head, and the loop costs registers. At head dim
-# 128 every dK/dV candidate above spills then; these smaller tiles do not
-# (GROUP 1 and 4). At 32 and 64 only 64x64 on 4 warps does, and is dropped.
+# Grouped-query attention: the dK/dV loop over the GROUP query heads costs
+# registers; at head dim 128 every candidate above spills then, these do not,
+# and at 32 and 64 the 64x64 tile on 4 warps is dropped.
 GQA_DKDV_CONFIGS = {
     64: [(32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
     128: [(32, 64, 8, 2), (16, 128, 8, 3), (16, 128, 8, 2), (16, 64, 8, 3), (32, 32, 4, 3), (32, 32, 4, 2)],
 }
 # KERNELS_AUTOTUNE=wide (read at import) searches every tile shape x warps x
-# stages instead: slow to tune, for finding a new GPU's best configs.
+# stages: slow, for finding a new GPU's best configs.
 _WIDE_SHAPES = {"fwd": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)],
                 "dkdv": [(32, 64), (32, 128), (64, 64), (64, 128), (128, 128)],
                 "dq": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]}
 
 
 def _attn_tiles(kernel: str, head_dim: int, group: int = 1) -> list:
-    """The candidate tiles of `kernel` at one head dim and GQA group size
-    (see ATTN_CONFIGS and GQA_DKDV_CONFIGS)."""
+    """The candidate tiles of `kernel` at one head dim and GQA group size."""
     if kernel == "dkdv" and group > 1:
         return GQA_DKDV_CONFIGS[128 if head_dim == 128 else 64]
     return (ATTN_CONFIGS_D128 if head_dim == 128 else ATTN_CONFIGS)[kernel]
 
 
 def _attn_configs(kernel: str, wide: bool = False):
-    """Every candidate of `kernel`, for all head dims: autotune gets them all,
-    and _prune_attn_configs keeps the ones for the head dim at hand."""
+    """Every candidate of `kernel`, for all head dims (_prune_attn_configs picks)."""
     if wide:
-        tiles = [(bm, bn, w, s) for bm, bn in _WIDE_SHAPES[kernel] for w in (4, 8)
-                 for s in (2, 3, 4, 5)]
+        tiles = [(bm, bn, w, s) for bm, bn in _WIDE_SHAPES[kernel] for w in (4, 8) for s in (2, 3, 4, 5)]
     else:
         tiles = list(dict.fromkeys(t for head_dim in (64, 128) for group in (1, 2)
                                    for t in _attn_tiles(kernel, head_dim, group)))
@@ -434,13 +367,10 @@ def _attn_configs(kernel: str, wide: bool = False):
 
 def _keep_attn_config(config, kernel: str, head_dim: int, dtype, group: int = 1,
                       wide: bool = False) -> bool:
-    """Whether autotune times `config` for this head dim, input dtype and
-    GQA group size.
-
-    16-bit inputs: the head dim's own candidates (all of them in wide mode).
-    fp32 inputs (only without autocast) take 4 bytes an element: the small
-    tiles of ATTN_CONFIGS, which fit in shared memory; they still spill at
-    head dim >= 64 (every fp32 config does), one reason fp32 runs use TF32."""
+    """Whether autotune times `config` for this head dim, input dtype and GQA
+    group. fp32 inputs (no autocast) take the small tiles of ATTN_CONFIGS that
+    fit in shared memory; they still spill at head dim >= 64, one reason fp32
+    runs use TF32."""
     tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
     if dtype == torch.float32:
         return tile in ATTN_CONFIGS[kernel] and tile[0] * tile[1] <= 64 * 64 and tile[3] <= 3
@@ -448,20 +378,16 @@ def _keep_attn_config(config, kernel: str, head_dim: int, dtype, group: int = 1,
 
 
 def _prune_attn_configs(kernel: str, wide: bool, configs, named_args, **kwargs):
-    """triton.autotune's early_config_prune hook: the configs worth timing
-    for q's head dim and dtype and the GQA group size."""
+    """triton.autotune's early_config_prune hook (see _keep_attn_config)."""
     q, group = named_args["Q"], named_args["GROUP"]
     kept = [c for c in configs if _keep_attn_config(c, kernel, q.shape[-1], q.dtype, group, wide)]
     return kept or configs[:1]
 
 
 def _autotune_kwargs(kernel: str, wide: bool) -> dict:
-    """Tune once per (T bucket, head dim, GQA group, causal, dot precision; Triton adds
-    the dtypes) and, where this Triton can, keep the result on disk next to the
-    compiled kernels (~/.triton/cache, or TRITON_CACHE_DIR), keyed by the GPU
-    target, the Triton version and the kernel source: the first step of a
-    second run reuses it instead of re-timing every config. Only the
-    candidates for the head dim and dtype at hand are timed (_keep_attn_config)."""
+    """Tune once per key (Triton adds the dtypes) and, where this Triton can,
+    cache the result on disk next to the compiled kernels (TRITON_CACHE_DIR),
+    so a second run's first step does not re-time every config."""
     kw = dict(key=["T_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "DOT_PRECISION"],
               prune_configs_by={"early_config_prune": functools.partial(_prune_attn_configs, kernel, wide)})
     if "cache_results" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
@@ -475,9 +401,8 @@ def _build_launchers():
     kernels = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
     if INTERPRET:
         return kernels
-    # Tune per power-of-two bucket of T (the kernels' T_BUCKET argument, unused
-    # inside them), not per exact T: generate() grows T by one token per step,
-    # and re-benchmarking all configs for every new length takes seconds.
+    # Tune per power-of-two bucket of T (T_BUCKET), not per T: generate() grows
+    # T by one token a step, and re-timing every config per length takes seconds.
     wide = os.environ.get("KERNELS_AUTOTUNE", "").lower() == "wide"
     return {name: triton.autotune(_attn_configs(name, wide), **_autotune_kwargs(name, wide))(fn)
             for name, fn in kernels.items()}
@@ -487,13 +412,12 @@ _LAUNCHERS = _build_launchers()  # built once at import; read-only afterwards
 
 
 def _launch_attn(name: str, num_rows: int, bh: int, *args, **constexprs):
-    """Launch attention kernel `name` over (row blocks, B*H) programs. The grid is
-    a function of the chosen config because autotuning changes the block size;
-    `rows_block` is the constexpr whose block tiles the grid's first axis."""
+    """Launch attention kernel `name` over (row blocks, bh) programs; the grid
+    depends on the block size autotune picks."""
     rows_block = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
     grid = lambda meta: (triton.cdiv(num_rows, meta[rows_block]), bh)  # noqa: E731
     fixed = _FIXED_ATTN if INTERPRET else {}
-    bucket = max(16, triton.next_power_of_2(num_rows))  # autotuning key, see _build_launchers
+    bucket = max(16, triton.next_power_of_2(num_rows))
     _LAUNCHERS[name][grid](*args, T_BUCKET=bucket, **constexprs, **fixed)
 
 
@@ -518,30 +442,25 @@ def _check_attention_inputs(q, k, v):
 
 
 def _dot_precision(dtype) -> str:
-    """Precision of tl.dot on fp32 inputs. Exact IEEE products by default, so
-    fp32 matches the torch reference; TF32 (~1e-3 relative error, 8x the
-    speed on Ampere and later) when torch's own fp32 matmuls use it
-    (torch.set_float32_matmul_precision("high"), as train.py sets for fp32
-    runs on a GPU). Ignored for 16-bit inputs."""
+    """Precision of tl.dot on fp32 inputs: IEEE, matching torch, unless torch's
+    own fp32 matmuls use TF32 (train.py sets "high" for fp32 runs on a GPU)."""
     if dtype == torch.float32 and (INTERPRET or torch.get_float32_matmul_precision() == "highest"):
         return "ieee"
     return "tf32"
 
 
 def _bhtd_strides(t):
-    """(stride_b, stride_h, stride_t) of a (B, H, T, D) tensor."""
     return t.stride(0), t.stride(1), t.stride(2)
 
 
 def _rows_last(t):
-    """t itself when its last dim is contiguous (any other strides are fine:
-    the kernels take them), else a contiguous copy."""
+    """t itself when its last dim is contiguous (the kernels take any other strides)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _empty_bthd(like):
-    """An empty (B, H, T, D) tensor laid out as (B, T, H, D) in memory: the
-    layout the model reshapes to (B, T, C) next, so that reshape is free."""
+    """An empty (B, H, T, D) tensor laid out as (B, T, H, D) in memory, so the
+    model's reshape to (B, T, C) is free."""
     B, H, T, D = like.shape
     return torch.empty((B, T, H, D), device=like.device, dtype=like.dtype).transpose(1, 2)
 
@@ -557,19 +476,17 @@ def _check_int32_offsets(T, *tensors):
 
 def _kernel_inputs(q, k, v):
     """q, k, v as the kernels read them: last dim contiguous, k and v with one
-    set of strides, fp32 under the interpreter (its half-precision maths is
-    unreliable)."""
+    set of strides, fp32 under the interpreter."""
     if INTERPRET:
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = _rows_last(q), _rows_last(k), _rows_last(v)
-    if k.stride() != v.stride():  # the kernels take one set of strides for both
+    if k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()
     return q, k, v
 
 
 def _attn_forward(q, k, v, causal, sm_scale):
-    """Launch the forward kernel on _kernel_inputs: (o, lse), o in q's dtype
-    and (B, T, H, D) memory layout, lse (B*H, T) fp32."""
+    """Launch the forward kernel on _kernel_inputs: (o, lse)."""
     B, H, T, D = q.shape
     o = _empty_bthd(q)
     _check_int32_offsets(T, q, k, o)
@@ -581,8 +498,7 @@ def _attn_forward(q, k, v, causal, sm_scale):
 
 
 def _attn_backward(do, q, k, v, o, lse, causal, sm_scale):
-    """Launch the backward kernels on _kernel_inputs and forward's o, lse:
-    (dq, dk, dv) in q's dtype."""
+    """Launch the backward kernels on _kernel_inputs and forward's o, lse: (dq, dk, dv)."""
     B, H, T, D = q.shape
     do = _rows_last(do.to(q.dtype))
     _check_int32_offsets(T, do)
@@ -591,9 +507,9 @@ def _attn_backward(do, q, k, v, o, lse, causal, sm_scale):
     grid = (triton.cdiv(T, block), B * H)
     _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *_bhtd_strides(o),
                                       *_bhtd_strides(do), HEAD_DIM=D, BLOCK_M=block)
-    dq, dk, dv = _empty_bthd(q), _empty_bthd(k), _empty_bthd(k)  # strides: o's layout
+    dq, dk, dv = _empty_bthd(q), _empty_bthd(k), _empty_bthd(k)
     consts = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
-    G = k.shape[1]  # key/value heads: one dK/dV program row per (batch, kv head)
+    G = k.shape[1]  # one dK/dV program row per (batch, key/value head)
     inputs = (T, H, H // G, *_bhtd_strides(q), *_bhtd_strides(k), *_bhtd_strides(do))
     scales = (sm_scale, sm_scale * LOG2E)
     _launch_attn("dkdv", T, B * G, q, k, v, do, lse, delta, dk, dv, *inputs,
@@ -605,8 +521,7 @@ def _attn_backward(do, q, k, v, o, lse, causal, sm_scale):
 
 # The kernels as custom operators with their autograd: torch.compile sees one
 # opaque op with a fake (shape-only) implementation instead of tracing into
-# the launchers (and, on CPU, into Triton's interpreter), and fuses the code
-# around it; eager mode runs the same ops.
+# the launchers, and fuses the code around it; eager mode runs the same ops.
 
 @torch.library.custom_op("kernels::flash_attention", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -652,13 +567,9 @@ flash_attention_op.register_autograd(_flash_attention_grad, setup_context=_flash
 
 
 def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None):
-    """Fused attention softmax(q k^T * sm_scale + causal mask) v.
-
-    q: (B, H, T, D), k, v: (B, G, T, D) tensors, same dtype (fp32/fp16/bf16),
-    D in {32, 64, 128}; G < H is grouped-query attention (query head h
-    attends with key/value head h // (H/G), read in place);
-    accumulation is fp32. sm_scale defaults to 1/sqrt(D). Returns (B, H, T, D).
-    Differentiable (FlashAttention-2 backward, recomputing probabilities)."""
+    """softmax(q k^T * sm_scale + causal mask) v, differentiable, fp32 accumulation.
+    q (B, H, T, D), k, v (B, G, T, D) of one dtype, D in SUPPORTED_HEAD_DIMS;
+    G < H is grouped-query attention. sm_scale defaults to 1/sqrt(D)."""
     _check_attention_inputs(q, k, v)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -668,10 +579,8 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None)
 # ============================================================================
 # 3. LayerNorm and RMSNorm, fused with the residual add
 # ============================================================================
-# One pass forward, one backward with per-program partial dW/dB, each
-# optionally fused with the residual add that precedes the norm. LayerNorm is
-# memory bound: one fused pass (read x once, write y once) beats the several
-# elementwise kernels an unfused version launches.
+# LayerNorm is memory bound: one fused pass (read x once, write y once) beats
+# the several elementwise kernels an unfused version launches.
 #
 #   3a. the kernels (RMS: a constexpr switch, no mean and no bias)
 #   3b. launch helpers, autograd wrappers, the public functions and modules
@@ -682,17 +591,12 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None)
 if HAS_TRITON:
 
     @triton.jit
-    def _layer_norm_fwd_kernel(X, RES, W, B, Y, SUM, MEAN, RSTD, M, N, eps,
-                               HAS_RESIDUAL: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr,
-                               BLOCK_N: tl.constexpr):
-        """One program = a tile of ROWS whole rows (ROWS=1 for wide rows):
-        y = (x - mean) * rstd * w + b, statistics in fp32.
-        RMS (RMSNorm, Zhang & Sennrich 2019): no mean and no bias,
-        y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps); MEAN, B unused.
-        HAS_RESIDUAL: first s = x + res (the pre-LN block's residual add),
-        written to SUM, then y = LayerNorm(s). Unfused, one kernel writes s
-        and the next reads it back; here it is written once and normalized
-        from registers. RES and SUM are not touched otherwise."""
+    def _layer_norm_fwd_kernel(X, RES, W, B, Y, SUM, MEAN, RSTD, M, N, eps, HAS_RESIDUAL: tl.constexpr,
+                               RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program = ROWS whole rows: y = (x - mean) * rstd * w + b, in fp32.
+        RMS (RMSNorm, Zhang & Sennrich 2019): y = x * rstd * w with
+        rstd = 1/sqrt(mean(x^2) + eps); MEAN and B unused. HAS_RESIDUAL: first
+        s = x + res, written to SUM once and normalized from registers."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
         cols = tl.arange(0, BLOCK_N)                          # (BN,)
         mask = (rows[:, None] < M) & (cols[None, :] < N)      # (R, BN)
@@ -700,8 +604,7 @@ if HAS_TRITON:
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             x += tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32)
-            # round s to its storage dtype before normalizing, exactly like
-            # an unfused add would; backward re-reads the stored s
+            # round s to its storage dtype, as an unfused add would; backward re-reads it
             s = x.to(SUM.dtype.element_ty)
             tl.store(SUM + offs, s, mask=mask)
             x = s.to(tl.float32)
@@ -723,21 +626,17 @@ if HAS_TRITON:
     def _layer_norm_bwd_kernel(X, W, DY, DSUM, DX, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, M, N,
                                HAS_DSUM: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr,
                                BLOCK_N: tl.constexpr):
-        """Program p handles row tiles p, p+G, p+2G, ... (G = number of programs).
-        dx is finished per row; dW and dB are sums over rows, so each program
-        keeps its own fp32 partial sums and writes them to row p of a (G, N)
-        buffer, summed afterwards. No atomics, and the result is deterministic.
-        HAS_DSUM (fused residual add): s = x + res also flowed on along the
-        residual stream, so its gradient DSUM is added to dx here; the sum is
-        then the gradient of both x and res. RMS: xhat = x * rstd has no
-        mean term, so dx loses its mean(w*dy) term, and there is no dB."""
+        """Program p handles row tiles p, p+G, p+2G, ... (G programs). dW and dB
+        are sums over rows: each program writes its fp32 partial sums to row p
+        of a (G, N) buffer, summed afterwards (no atomics, deterministic).
+        HAS_DSUM: s = x + res also flowed on along the residual stream, so its
+        gradient DSUM is added to dx, which is then the gradient of x and res."""
         pid = tl.program_id(0)
-        num_programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_N)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)  # (BN,)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for tile in range(pid, tl.cdiv(M, ROWS), num_programs):
+        for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
             rows = tile * ROWS + tl.arange(0, ROWS)                 # (R,)
             mask = (rows[:, None] < M) & (cols[None, :] < N)        # (R, BN)
             offs = rows[:, None].to(tl.int64) * N + cols[None, :]
@@ -773,10 +672,9 @@ _MAX_LN_BYTES = 65536  # one row must fit in a program's registers/shared memory
 
 
 def _layer_norm_config(N: int):
-    """(BLOCK_N, ROWS, num_warps) for rows of N elements. A program holds
-    ROWS x BLOCK_N fp32 values: narrow rows are batched so each program still
-    moves a useful amount of memory (and the interpreter launches fewer
-    programs); wide rows get one row per program and more warps."""
+    """(BLOCK_N, ROWS, num_warps) for rows of N elements: narrow rows are
+    batched so each program still moves a useful amount of memory; wide rows
+    get one row per program and more warps."""
     block_n = triton.next_power_of_2(N)
     rows = max(1, min(16, 2048 // block_n)) if not INTERPRET else 16
     num_warps = min(max(block_n * rows // 512, 1), 16)
@@ -784,39 +682,33 @@ def _layer_norm_config(N: int):
 
 
 def _ln_forward(x2, res2, weight, bias, eps, out_dtype=None):
-    """Launch the forward kernel on (M, N) rows. With res2, s = x2 + res2 is
-    computed first (in the promoted dtype, like torch's `+`) and normalized.
-    y is written in out_dtype (default: the dtype of what is normalized).
-    bias None: RMSNorm (no mean, no bias). Returns y, s (None without
-    res2), mean, rstd and the launch config."""
+    """Launch the forward kernel on (M, N) rows: y, s, mean, rstd. With res2,
+    s = x2 + res2 (in the promoted dtype, like torch's `+`) is normalized, else
+    s is None. y is in out_dtype (default: that of s). bias None: RMSNorm."""
     M, N = x2.shape
     rms = bias is None
     weight = weight.contiguous()
     bias = weight if rms else bias.contiguous()  # RMS: an unused stand-in
-    s = None
-    if res2 is not None:
-        s = torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
+    s = None if res2 is None else torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
     y = torch.empty_like(x2 if s is None else s, dtype=out_dtype)
-    mean = torch.empty(M, device=x2.device, dtype=torch.float32)
-    rstd = torch.empty(M, device=x2.device, dtype=torch.float32)
+    mean, rstd = (torch.empty(M, device=x2.device, dtype=torch.float32) for _ in range(2))
     block_n, rows, num_warps = _layer_norm_config(N)
-    # without a residual, x2 stands in for the unused RES and SUM pointers
+    # without a residual, x2 stands in for the unused RES and SUM
     _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
         x2, x2 if res2 is None else res2, weight, bias, y, x2 if s is None else s, mean, rstd,
         M, N, eps, HAS_RESIDUAL=res2 is not None, RMS=rms, ROWS=rows, BLOCK_N=block_n,
         num_warps=num_warps)
-    return y, s, mean, rstd, (block_n, rows, num_warps)
+    return y, s, mean, rstd
 
 
-def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, config, rms=False):
-    """Launch the backward kernel: returns dx (in x2's dtype), dw, db (None
-    for RMSNorm). x2 is the normalized input (s for the fused add); dsum2, if
-    given, is the gradient that reached s along the residual stream."""
+def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, rms):
+    """Launch the backward kernel at the normalized input x2 (s for the fused
+    add; dsum2 the gradient that reached s along the residual stream):
+    dx in x2's dtype, dw, db (None for RMSNorm)."""
     M, N = x2.shape
     dx = torch.empty_like(x2)
-    block_n, rows, num_warps = config
-    # enough programs to fill the GPU, few enough that the (G, N) partial
-    # buffers stay small; the interpreter runs programs serially anyway
+    block_n, rows, num_warps = _layer_norm_config(N)
+    # enough programs to fill the GPU, few enough that the (G, N) partials stay small
     sms = 1 if INTERPRET else torch.cuda.get_device_properties(x2.device).multi_processor_count
     programs = min(triton.cdiv(M, rows), 4 * sms)
     dw_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
@@ -830,27 +722,29 @@ def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, config, rms=False):
 
 
 def _kernel_dtype(out_dtype):
-    """The dtype the kernel writes y in: out_dtype, except under the
-    interpreter, which computes in fp32 and is cast afterwards."""
+    """The dtype the kernel writes y in: under the interpreter fp32, cast afterwards."""
     return None if INTERPRET else out_dtype
 
 
-def _rows(t, upcast: bool):
-    """(..., N) -> contiguous (M, N); fp32 under the interpreter (see
-    _kernel_inputs) when upcast is set."""
+def _rows(t):
+    """(..., N) -> contiguous (M, N); fp32 under the interpreter."""
     t = t.reshape(-1, t.shape[-1])
-    return (t.float() if upcast else t).contiguous()
+    return (t.float() if INTERPRET else t).contiguous()
+
+
+def _stats(mean, bias):
+    """forward's mean, or for RMSNorm (bias None, no mean) an empty tensor."""
+    return mean if bias is not None else mean.new_empty(0)
 
 
 # The kernels as custom operators with their autograd (see flash_attention_op).
-# bias None is RMSNorm; out_dtype None writes y in the normalized dtype.
-# RMSNorm has no mean (an empty tensor) and no bias gradient (empty).
+# bias None is RMSNorm, which has no mean and no bias gradient (both empty).
 
 @torch.library.custom_op("kernels::layer_norm", mutates_args=())
 def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                   out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd) of LayerNorm (RMSNorm) over the last dim of x."""
-    y, _, mean, rstd, _ = _ln_forward(_rows(x, INTERPRET), None, weight, bias, eps, _kernel_dtype(out_dtype))
+    y, _, mean, rstd = _ln_forward(_rows(x), None, weight, bias, eps, _kernel_dtype(out_dtype))
     return y.reshape(x.shape).to(out_dtype or x.dtype), _stats(mean, bias), rstd
 
 
@@ -864,12 +758,10 @@ def _(x, weight, bias, eps, out_dtype):
 def add_layer_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(s, y, mean, rstd) for s = x + residual and y = LayerNorm(s) (RMSNorm).
-    s is as the kernel stored it, which backward reads again: in the promoted
-    dtype of x and residual (fp32 under the interpreter; add_layer_norm casts)."""
+    """(s, y, mean, rstd) for s = x + residual and y = LayerNorm(s) (RMSNorm),
+    s as stored for backward (fp32 under the interpreter; add_layer_norm casts)."""
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    y, s, mean, rstd, _ = _ln_forward(_rows(x, INTERPRET), _rows(residual, INTERPRET), weight, bias,
-                                      eps, _kernel_dtype(out_dtype))
+    y, s, mean, rstd = _ln_forward(_rows(x), _rows(residual), weight, bias, eps, _kernel_dtype(out_dtype))
     return s.reshape(x.shape), y.reshape(x.shape).to(out_dtype or sum_dtype), _stats(mean, bias), rstd
 
 
@@ -885,23 +777,15 @@ def _(x, residual, weight, bias, eps, out_dtype):
 def layer_norm_backward_op(dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor,
                            weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                            rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, db) of layer_norm_op at its input x (for the fused add: at s,
-    with dsum the gradient that reached s along the residual stream)."""
-    x2, N = _rows(x, INTERPRET), x.shape[-1]
-    dsum2 = None if dsum is None else _rows(dsum, INTERPRET)
-    dx, dw, db = _ln_backward(x2, weight, mean, rstd, _rows(dy, INTERPRET), dsum2,
-                              _layer_norm_config(N), rms=rms)
+    """(dx, dw, db) at the normalized input x (see _ln_backward)."""
+    dsum2 = None if dsum is None else _rows(dsum)
+    dx, dw, db = _ln_backward(_rows(x), weight, mean, rstd, _rows(dy), dsum2, rms)
     return dx.reshape(x.shape).to(x.dtype), dw, weight.new_empty(0) if db is None else db
 
 
 @layer_norm_backward_op.register_fake
 def _(dy, dsum, x, weight, mean, rstd, rms):
     return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(0 if rms else weight.shape[0])
-
-
-def _stats(mean, bias):
-    """forward's mean, or for RMSNorm (bias None, no mean) an empty tensor."""
-    return mean if bias is not None else mean.new_empty(0)
 
 
 def _layer_norm_setup(ctx, inputs, output):
@@ -925,9 +809,8 @@ def _add_layer_norm_setup(ctx, inputs, output):
 
 
 def _add_layer_norm_grad(ctx, ds, dy, dmean, drstd):
-    """s feeds both the LayerNorm and the rest of the residual stream, so
-    ds_total = ds + LayerNorm-backward(dy); since s = x + residual, that is
-    the gradient of x and of residual alike."""
+    """s feeds both the norm and the residual stream: ds_total = ds +
+    LayerNorm-backward(dy), the gradient of x and of residual alike."""
     s, weight, mean, rstd = ctx.saved_tensors
     dsum, dw, db = layer_norm_backward_op(dy, ds, s, weight, mean, rstd, ctx.rms)
     x_dtype, res_dtype = ctx.dtypes
@@ -952,23 +835,19 @@ def _check_layer_norm_inputs(x, weight, bias):
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
-    """Fused LayerNorm over the last dim of x (any leading shape), with affine
-    weight and bias of shape (N,). Statistics in fp32; output in out_dtype
-    (default: x's dtype). weight/bias may be fp32 while x is fp16/bf16."""
+    """Fused LayerNorm over the last dim of x, weight and bias (N,) (may be fp32
+    for 16-bit x). Statistics in fp32; output in out_dtype (default: x's)."""
     _check_layer_norm_inputs(x, weight, bias)
     return layer_norm_op(x, weight, bias, float(eps), out_dtype)[0]
 
 
 def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
                    out_dtype: torch.dtype | None = None):
-    """Fused residual add + LayerNorm: returns (s, layer_norm(s)) for
-    s = x + residual, s in the promoted dtype of x and residual, and
-    layer_norm(s) in out_dtype (default: the same).
-
-    In a pre-LN block, `x = x + attn(ln_1(x)); h = ln_2(x)` is
-    `x, h = add_layer_norm(x, attn(ln_1(x)), ...)`: the sum is written once
-    and normalized without a second trip through memory, and in backward
-    the residual stream's gradient is folded into the LayerNorm kernel."""
+    """Fused residual add + LayerNorm: (s, layer_norm(s)) for s = x + residual,
+    s in their promoted dtype and layer_norm(s) in out_dtype (default: the same).
+    In a pre-LN block, `x = x + attn(ln_1(x)); h = ln_2(x)` becomes
+    `x, h = add_layer_norm(x, attn(ln_1(x)), ...)`: s is written once, and in
+    backward the residual stream's gradient is folded into the norm's kernel."""
     if residual.shape != x.shape or residual.device != x.device:
         raise UsageError(f"add_layer_norm: x and residual must have the same shape and device, "
                          f"got {tuple(x.shape)} on {x.device} and {tuple(residual.shape)} "
@@ -979,70 +858,54 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
 
 
 def rms_norm(x, weight, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
-    """Fused RMSNorm over the last dim of x: x / sqrt(mean(x^2) + eps) * weight.
-    The LayerNorm kernels with their RMS switch; statistics in fp32."""
-    _check_layer_norm_inputs(x, weight, None)
-    return layer_norm_op(x, weight, None, float(eps), out_dtype)[0]
+    """Fused RMSNorm over the last dim of x: x / sqrt(mean(x^2) + eps) * weight."""
+    return layer_norm(x, weight, None, eps, out_dtype)
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
-    """Fused residual add + RMSNorm: (s, rms_norm(s)) for s = x + residual
-    (see add_layer_norm)."""
+    """Fused residual add + RMSNorm: (s, rms_norm(s)) for s = x + residual."""
     return add_layer_norm(x, residual, weight, None, eps, out_dtype)
 
 
-class TritonLayerNorm(torch.nn.LayerNorm):
+class _FusedNorm:
+    """forward of the drop-in modules below: LayerNorm, or RMSNorm without a bias."""
+
+    fuses_residual_add = True  # gpt.add_and_norm checks this
+
+    def forward(self, x, residual=None):
+        """x (..., N) -> norm(x); with residual, (s, norm(s)) for s = x + residual
+        from one kernel, through the module call so hooks (ZeRO-3's gathering)
+        see it. Under autocast norm(x) is written in the autocast dtype: the
+        matmul it feeds would round an fp32 output the same way, so this saves a
+        write, a read and a cast. The residual stream keeps its own dtype."""
+        bias = getattr(self, "bias", None)
+        if residual is None:
+            return layer_norm(x, self.weight, bias, self.eps, _autocast_dtype(x))
+        return add_layer_norm(x, residual, self.weight, bias, self.eps, _autocast_dtype(x))
+
+
+class TritonLayerNorm(_FusedNorm, torch.nn.LayerNorm):
     """Drop-in nn.LayerNorm (same parameters, state_dict keys and init) whose
-    forward runs the fused Triton kernel. Subclassing keeps isinstance checks
+    forward runs the fused kernel; subclassing keeps isinstance checks
     (weight-decay grouping, init) and checkpoints interchangeable with torch."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
         # always affine with bias: the kernel expects both weight and bias
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
 
-    fuses_residual_add = True  # gpt.add_and_norm checks this
 
-    def forward(self, x, residual=None):
-        """x (..., N) -> LayerNorm(x). With residual (same shape): the pair
-        (x + residual, LayerNorm(x + residual)) from one fused kernel. Both go
-        through forward (module call) so that module hooks, e.g. ZeRO-3's
-        parameter gathering, see the fused use too.
-
-        Under autocast the LayerNorm output is written in the autocast dtype:
-        in this model every LayerNorm feeds a matmul, which would cast an fp32
-        output down anyway (the same round-to-nearest, up to the last fp32
-        bit: the two compiled variants may contract multiply-adds
-        differently), so writing it narrow saves a full-width
-        write, a read and a cast kernel. The residual stream keeps its own dtype."""
-        out_dtype = _autocast_dtype(x)
-        if residual is None:
-            return layer_norm(x, self.weight, self.bias, self.eps, out_dtype)
-        return add_layer_norm(x, residual, self.weight, self.bias, self.eps, out_dtype)
-
-
-class TritonRMSNorm(torch.nn.RMSNorm):
+class TritonRMSNorm(_FusedNorm, torch.nn.RMSNorm):
     """Drop-in nn.RMSNorm (same parameter, state_dict key and init) whose
-    forward runs the fused Triton kernel, residual add included (see
-    TritonLayerNorm.forward, which this mirrors)."""
+    forward runs the fused kernel."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
-
-    fuses_residual_add = True  # gpt.add_and_norm checks this
-
-    def forward(self, x, residual=None):
-        out_dtype = _autocast_dtype(x)
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps, out_dtype)
-        return add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
 
 
 def _autocast_dtype(x) -> torch.dtype | None:
     """The dtype autocast would cast x to before a matmul, or None outside autocast."""
     kind = x.device.type
-    if not torch.is_autocast_enabled(kind):
-        return None
-    return torch.get_autocast_dtype(kind)
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 # ============================================================================
@@ -1054,9 +917,9 @@ if HAS_TRITON:
     @triton.jit
     def _row_stats_kernel(Z, LABELS, MAX, SUMEXP, TARGET, V, stride_z, vocab_start,
                           BLOCK_V: tl.constexpr):
-        """Program r: over row r of z, the max m, sum(exp(z - m)) (an online
-        softmax denominator, rescaled whenever the running max grows), and
-        the target logit if this rank's vocab slice holds the target (else 0)."""
+        """Program r: row r's max m, sum(exp(z - m)) (online, rescaled as the
+        running max grows), and the target logit if this rank's vocab slice
+        holds the target (else 0)."""
         log2e = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
         r = tl.program_id(0)
         row = Z + r.to(tl.int64) * stride_z
@@ -1104,9 +967,8 @@ def _block_v(V: int, z) -> int:
 @torch.library.custom_op("kernels::loss_row_stats", mutates_args=())
 def loss_row_stats(z: torch.Tensor, labels: torch.Tensor, vocab_start: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(max, sum(exp(z - max)), target logit or 0) of each row of a chunk of
-    logits z (n, V_local), fp32 (n,) each; z is not changed. A custom
-    operator (see flash_attention_op), as is loss_row_grad_."""
+    """(max, sum(exp(z - max)), target logit or 0), fp32 (n,) each, of the rows
+    of a chunk of logits z (n, V_local). A custom operator, as is loss_row_grad_."""
     n, V = z.shape
     stats = [torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3)]
     _row_stats_kernel[(n,)](z, labels, *stats, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))

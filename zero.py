@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO (--deepspeed): the engine built from train.py's flags, model,
-AdamW and schedule, and its training step: DeepSpeedTraining, the twin of
-train.PlainTraining. Its checkpoints are in checkpoint.py.
+"""DeepSpeed ZeRO (--deepspeed): importing DeepSpeed, its config from train.py's
+flags, the model built (ZeRO-3: partitioned as it is built) and loaded, and
+DeepSpeedTraining with its step, the twin of train.PlainTraining. Its
+checkpoints are in checkpoint.py.
 """
 from __future__ import annotations
 
@@ -27,19 +28,17 @@ from gpt import GPT, init_weights
 #     stage 3 (+ params)     16 Psi / D             weights gathered per layer
 # The model, AdamW, the learning-rate schedule, data, logging and MFU are the
 # plain path's; DeepSpeed owns gradient averaging, accumulation, clipping,
-# mixed precision and (sharded) checkpoints. With tensor parallelism ZeRO
-# shards over the data-parallel group only (DeepSpeedMPU below).
+# mixed precision and (sharded) checkpoints.
 
 
 def import_deepspeed(device: torch.device):
-    """Import DeepSpeed; on CPU-only machines, point it at the CPU accelerator
-    (before import: it picks one at import time) and skip its shared-memory
-    all-reduce op, which otherwise costs a one-off ~100 s C++ build in the
-    first initialize; gloo does the same job."""
+    """Import DeepSpeed; off CUDA, with the CPU accelerator (picked at import)
+    and without its shared-memory all-reduce op, a one-off ~100 s C++ build in
+    the first initialize for what gloo does anyway."""
     if device.type != "cuda":
         os.environ["DS_ACCELERATOR"] = "cpu"
     import warnings
-    # DeepSpeed calls torch collectives that torch now marks deprecated, on every step.
+    # DeepSpeed calls torch collectives that torch marks deprecated, on every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     import deepspeed
     import deepspeed.ops
@@ -49,9 +48,8 @@ def import_deepspeed(device: torch.device):
 
 
 def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
-    """DeepSpeed refuses a precision its accelerator does not report; say so in
-    our words, before any rank builds a model. (Its CPU accelerator reports fp16
-    only on CPUs with AVX512-FP16, bf16 on most.)"""
+    """DeepSpeed refuses a precision its accelerator does not report (on CPU,
+    fp16 needs AVX512-FP16): say so in our words, before any rank builds a model."""
     for flag, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
         if getattr(cfg, flag) and not supported():
             raise UsageError(f"--{flag} --deepspeed: DeepSpeed does not support {flag} on this device "
@@ -61,9 +59,9 @@ def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
 
 class DeepSpeedMPU:
     """The "model parallel unit" DeepSpeed asks for, backed by parallel.py's
-    groups: ZeRO then shards over the data-parallel group only, and its
-    gradient norm counts tensor-parallel shards (params marked
-    `tensor_model_parallel`) once per TP rank and replicated params once."""
+    groups: ZeRO shards over the data-parallel group only, and its gradient
+    norm counts each tensor-parallel shard (`tensor_model_parallel`) once per
+    TP rank and replicated params once."""
 
     def get_model_parallel_rank(self): return parallel.tp_rank()
     def get_model_parallel_world_size(self): return parallel.tp_size()
@@ -71,7 +69,7 @@ class DeepSpeedMPU:
     def get_data_parallel_rank(self): return parallel.dp_rank()
     def get_data_parallel_world_size(self): return parallel.dp_size()
     def get_data_parallel_group(self): return parallel.dp_group()
-    # Newer DeepSpeed code asks with Megatron-core's names.
+    # Megatron-core's names, which some DeepSpeed code asks for
     get_tensor_model_parallel_rank = get_model_parallel_rank
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_group = get_model_parallel_group
@@ -96,19 +94,13 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
         check_deepspeed_config(user, ours, cfg)
     config = {**user, **ours}
     zero = dict(user.get("zero_optimization", {}))
-    if cfg.zero_stage is not None:
-        zero["stage"] = cfg.zero_stage
-    zero.setdefault("stage", 1)
+    zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
     if cfg.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config["zero_optimization"] = zero
     for key in ("bf16", "fp16"):
         config[key] = {**user.get(key, {}), **ours[key]}
-    if zero["stage"] == 0 and not (cfg.bf16 or cfg.fp16):
-        # DeepSpeed's fp32 stage-0 clipping sums the squared norms in float64 on
-        # the host, so its clip factor differs from the plain path's in the last
-        # bit; Adam amplifies that on near-zero gradients into a visible drift.
-        # It also reports no norm here. So we clip (and measure) ourselves.
+    if clips_itself(zero["stage"], cfg):
         config["gradient_clipping"] = 0.0
     # Our torch AdamW runs inside ZeRO (incl. offload: no DeepSpeed CPU-Adam build).
     config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
@@ -138,22 +130,13 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
 
 
 def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT:
-    """Build the model under deepspeed.zero.Init: each layer's parameters are
-    partitioned over the data-parallel group as soon as the layer is built,
-    so no rank ever holds the full model.
-
-    GPT initializes each piece after it is built, when zero.Init has already
-    partitioned (emptied) it, so that init does nothing here; we redo it one
-    module at a time on gathered weights. Only init_weights draws random
-    numbers (GPT._build), so the RNG stream, and the weights, are those of
-    build_model (train.build_model).
-
-    With tensor parallelism GPT slices each layer's full weight right after
-    initializing it, which needs whole weights, so that case is built outside
-    zero.Init: each rank then holds its 1/tp slices plus one full layer at a
-    time, never the full model, and deepspeed.initialize partitions the
-    slices over the data-parallel group.
-    """
+    """Build the model under deepspeed.zero.Init, each layer partitioned over
+    the data-parallel group as soon as it is built: no rank holds the full model.
+    GPT's own init then meets emptied partitions, so it is redone one module at
+    a time on gathered weights; only init_weights draws random numbers, so the
+    weights are build_model's. With tensor parallelism GPT slices each layer's
+    full weight after initializing it, so that case is built outside zero.Init
+    (1/tp slices plus one full layer at a time; deepspeed.initialize partitions)."""
     device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
     if parallel.tp_size() > 1:
         return build_model(cfg, torch.device("cpu"), kernels_for=device)
@@ -167,10 +150,9 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT
 
 
 def each_module_gathered(model: GPT, ds, fn) -> None:
-    """ZeRO-3 (zero.Init): fn(name, module) for every module that owns
-    parameters (Linear/Embedding/LayerNorm), with those gathered whole, one
-    module at a time; what fn writes on rank 0 is what every rank's
-    partition keeps."""
+    """ZeRO-3: fn(name, module) for every module that owns parameters, with
+    those gathered whole, one module at a time; what fn writes on rank 0 every
+    rank's partition keeps."""
     for prefix, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         if params:
@@ -179,9 +161,8 @@ def each_module_gathered(model: GPT, ds, fn) -> None:
 
 
 def load_weights(model: GPT, weights: dict) -> None:
-    """Full weights into a model that DeepSpeed has not wrapped yet. Under
-    ZeRO-3 (built under zero.Init, tp=1) each parameter is a partition:
-    gather one module's at a time, copy, and let DeepSpeed re-partition."""
+    """Full weights into a model that DeepSpeed has not wrapped yet; under
+    ZeRO-3 (zero.Init, tp=1), one gathered module at a time."""
     if not any(hasattr(p, "ds_id") for p in model.parameters()):
         model.load_full_state_dict(weights)
         return
@@ -196,14 +177,11 @@ def load_weights(model: GPT, weights: dict) -> None:
 
 
 class DeepSpeedTraining:
-    """Model + our AdamW -> a DeepSpeed engine, resumed from --load if it
-    holds a checkpoint: one optimizer step and a checkpoint, as
-    train.PlainTraining (build_model, build_optimizer: train.py's).
-
-    A full resume reads DeepSpeed's own checkpoint (this layout only). With
-    --no-load-optim or --finetune the weights alone come from a checkpoint
-    of either kind and any layout, loaded before deepspeed.initialize: ZeRO
-    copies its fp32 master weights from the model there."""
+    """Model + our AdamW -> a DeepSpeed engine, resumed from --load if it holds
+    a checkpoint; step and save as train.PlainTraining. A full resume reads
+    DeepSpeed's own checkpoint (this layout only). With --no-load-optim or
+    --finetune the weights alone come from a checkpoint of either kind and any
+    layout, loaded before deepspeed.initialize copies its fp32 master weights."""
 
     def __init__(self, cfg: TrainConfig, env: parallel.Dist, accum: int, log, build_model, build_optimizer):
         self.cfg, self.device, self.log = cfg, env.device, log
@@ -218,8 +196,9 @@ class DeepSpeedTraining:
         # world with new_group, which drops --distributed-timeout-minutes.
         mpu = DeepSpeedMPU()
         config = deepspeed_config(cfg, parallel.dp_size(), accum)
-        model = build_model_zero3(cfg, ds, config, build_model) if config["zero_optimization"]["stage"] == 3 \
-            else build_model(cfg, env.device)
+        stage = config["zero_optimization"]["stage"]
+        model = (build_model_zero3(cfg, ds, config, build_model) if stage == 3
+                 else build_model(cfg, env.device))
         weights_only = found is not None and checkpoint.weights_only(cfg)
         if weights_only:
             weights, state = checkpoint.read_weights(found)
@@ -228,24 +207,22 @@ class DeepSpeedTraining:
             # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
             ds.checkpointing.configure(mpu, partition_activations=cfg.partition_activations)
             model.checkpoint_fn = ds.checkpointing.checkpoint
-        # DeepSpeed steps the optimizer itself (its own skip on fp16 overflow). On
-        # CPU it gets torch's default AdamW: with the fused CPU kernel a resumed
-        # ZeRO-2 run reports grad norms that differ from the uninterrupted run's in
-        # the last bit (the losses do not), and resume here is bit-exact.
+        # On CPU the unfused AdamW: with the fused CPU kernel a resumed ZeRO-2 run's
+        # grad norms differ from the uninterrupted run's in the last bit.
         optimizer = build_optimizer(model, cfg, fused=env.device.type == "cuda")
-        # No lr_scheduler: deepspeed_train_step sets each step's learning rate, as
-        # the plain path does (the schedule may count samples and the batch ramp).
+        # No lr_scheduler: deepspeed_train_step sets each step's learning rate
+        # (the schedule may count samples and the batch ramp).
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
         if cfg.compile:
-            # Compiles engine.module in place, after ZeRO has wrapped its
-            # parameters and hooks: the graphs see the partitioned model.
-            if config["zero_optimization"]["stage"] == 3:  # the tied head reads wte outside its module
+            # engine.module in place, after ZeRO's wrapping: the graphs see the partitioned model
+            if stage == 3:  # the tied head reads wte outside its module
                 ds.zero.register_external_parameter(model, model.output_weight)
             kwargs = compile_options(cfg)
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         if self.engine.dp_world_size != parallel.dp_size():
             raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the "
-                               f"data-parallel size is {parallel.dp_size()} (world / tp): the mpu was not applied")
+                               f"data-parallel size is {parallel.dp_size()} (world / tp): "
+                               f"the mpu was not applied")
         self.model, self.raw = self.engine, self.engine.module
         self.iteration, self.consumed = 0, 0
         if weights_only:
@@ -264,22 +241,21 @@ class DeepSpeedTraining:
         torch.nn.functional.linear = self.linear
 
 
-def clips_itself(engine, cfg: TrainConfig) -> bool:
-    """Whether train.py, not DeepSpeed, clips gradients (see deepspeed_config)."""
-    return engine.zero_optimization_stage() == 0 and not (cfg.bf16 or cfg.fp16)
+def clips_itself(stage: int, cfg: TrainConfig) -> bool:
+    """Whether we clip (and measure) gradients, not DeepSpeed: its fp32 stage-0
+    clipping sums the squared norms in float64 on the host, so its clip factor
+    differs from the plain path's in the last bit, which Adam amplifies on
+    near-zero gradients into a visible drift; and it reports no norm there."""
+    return stage == 0 and not (cfg.bf16 or cfg.fp16)
 
 
 def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
-    """One optimizer step over the accumulated micro-batches, the DeepSpeed way:
-    engine.backward scales each micro-batch's loss by 1/accumulation itself
-    (our plain path divides explicitly), averages gradients over the
-    data-parallel group, and engine.step only updates (with clipping) on the
-    last micro-batch. Returns (loss averaged like train_step's, grad norm,
-    whether the step was skipped: 1.0 or 0.0).
-
-    The step's batch may differ from the last one (--rampup-batch-size):
-    DeepSpeed's accumulation count follows it, and which micro-batch ends the
-    step is said explicitly rather than counted from the start of the run."""
+    """One optimizer step over the micro-batches: engine.backward scales each
+    loss by 1/accumulation and averages gradients over the data-parallel group,
+    engine.step updates (with clipping) on the last. Returns (loss averaged like
+    train_step's, grad norm, 1.0 if the step was skipped else 0.0). The batch
+    may change between steps (--rampup-batch-size), so the step's end is said
+    explicitly rather than counted from the start of the run."""
     global_batch = len(batches) * cfg.micro_batch_size * parallel.dp_size()
     if engine.train_batch_size() != global_batch:
         engine.set_train_batch_size(global_batch)
@@ -294,9 +270,7 @@ def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
         loss = engine(batch["tokens"], position_ids=batch["position_ids"],
                       labels=batch["labels"], loss_mask=batch["loss_mask"])
         engine.backward(loss)
-        if last and clips_itself(engine, cfg):
-            # Plain fp32 engine (stage 0): we clip the averaged grads ourselves;
-            # see deepspeed_config.
+        if last and clips_itself(engine.zero_optimization_stage(), cfg):
             max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
             grad_norm = parallel.clip_grad_norm_([p for p in engine.module.parameters()
                                                   if p.grad is not None], max_norm)
@@ -306,6 +280,5 @@ def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
         grad_norm = engine.get_global_grad_norm()
     # DeepSpeed's fp16 path skips an overflowing step itself, deciding over the
     # model-parallel group (the mpu) as Megatron does.
-    # (DeepSpeed reads its norm and overflow flag on the host itself.)
     return parallel.all_reduce_mean(total, parallel.dp_group()), float(grad_norm), \
         float(not engine.was_step_applied())
