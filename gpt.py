@@ -5,29 +5,25 @@
 2. Plug-in seams: `self_attention` holds the attention math and
    `make_layernorm` builds every norm; another implementation is one more name
    in ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there.
-3. The model: by default GPT-2's (learned absolute positions, pre-LayerNorm
-   blocks, tanh-GELU MLP, LM head tied to the token embedding). Each
-   architecture option is decided in one place: rope (rope_angles/apply_rope),
-   RMSNorm (make_layernorm), SwiGLU (MLP), grouped-query attention
-   (CausalSelfAttention, self_attention), no linear biases (the two modules'
-   constructors), an untied head (GPT.output_weight).
+3. The model: by default GPT-2's (learned positions, pre-LayerNorm blocks,
+   tanh-GELU MLP, LM head tied to wte). Each architecture option is decided in
+   one place: rope (rope_angles/apply_rope), RMSNorm (make_layernorm), SwiGLU
+   (MLP), grouped-query attention (CausalSelfAttention), no linear biases (the
+   two modules' constructors), an untied head (GPT.output_weight).
 4. GPT-2 initialization (`init_weights`).
-5. Tensor parallelism (Megatron-style, see parallel.py): after
-   parallel.initialize(tp) with tp > 1, each layer is built and initialized
-   exactly as for tp=1, then its big matmuls are swapped for parallel layers
-   holding this rank's slice (shard_block) before the next layer is built, so
-   every tp trains the same model from the same seed and no rank ever holds
-   the full model. Domino (domino_blocks) hides the TP all-reduces.
+5. Tensor parallelism (Megatron-style, see parallel.py): each layer is built
+   and initialized exactly as for tp=1, then sliced (shard_block) before the
+   next is built, so every tp trains the same model from the same seed and no
+   rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
 6. The LM head and the loss, fused over chunks of tokens (`fused_lm_loss`).
 7. Generation: the KV cache and `generate`.
 8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
 Hugging Face GPT-2 and Llama import and export live in checkpoint.py.
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
-GPT-2's 50257 tokens: a multiple of 128, Megatron's
---make-vocab-size-divisible-by) for friendly matmul shapes and weight shapes
-that never depend on the parallel layout. The tokenizer never produces the
-extra rows and they are never sampled.
+GPT-2's 50257 tokens, a multiple of 128: Megatron's --make-vocab-size-divisible-by)
+for friendly matmul shapes and weight shapes independent of the parallel
+layout. The extra rows are never produced by the tokenizer nor sampled.
 """
 from __future__ import annotations
 
@@ -225,11 +221,9 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
 
 
 def cached_attention(q, k, v):
-    """Attention of Tq new queries over Tk >= Tq keys, the last Tq of which
-    are theirs (a KV cache step in generate; usually Tq = 1). Query i sits at
-    position Tk - Tq + i and sees keys 0 .. Tk - Tq + i: the causal mask
-    aligned at the bottom right. SDPA's is_causal (and the Triton kernel)
-    align it at the top left, so the mask is explicit; inference only."""
+    """Attention of Tq new queries over Tk >= Tq keys, the last Tq theirs (a KV
+    cache step; inference only). Query i sees keys 0 .. Tk - Tq + i: the causal
+    mask aligned bottom right, where SDPA's is_causal aligns it top left."""
     Tq, Tk = q.shape[2], k.shape[2]
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (Tq, Tk)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
@@ -253,9 +247,8 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
 
 
 def rope_angles(config: GPTConfig, position_ids):
-    """RoPE's rotation angles (Su et al., RoFormer): position p turns dim pair
-    i by p * base^(-2i/R), R = config.rotary_dim. position_ids (T,) -> (T, R/2),
-    or (B, T) -> (B, 1, T, R/2), fp32; they broadcast over (B, nh, T, .)."""
+    """RoPE's angles (Su et al., RoFormer), fp32: position p turns dim pair i by
+    p * base^(-2i/R), R = config.rotary_dim. (T,) -> (T, R/2), (B, T) -> (B, 1, T, R/2)."""
     R = config.rotary_dim
     inv_freq = 1.0 / config.rotary_base ** (
         torch.arange(0, R, 2, device=position_ids.device).float() / R)  # (R/2,)
@@ -264,10 +257,9 @@ def rope_angles(config: GPTConfig, position_ids):
 
 
 def apply_rope(x, angles):
-    """Rotate the first R dims of every head of x (B, nh, T, hd) by `angles`
-    (see rope_angles). Dim i pairs with dim i + R/2 (GPT-NeoX's and HF
-    Llama's "rotate half" layout, so HF q/k weights need no permutation);
-    dims past R pass through (rotary_percent < 1)."""
+    """Rotate the first R dims of every head of x (B, nh, T, hd) by `angles`; dims
+    past R pass through. Dim i pairs with dim i + R/2 (HF Llama's "rotate half"
+    layout, so HF q/k weights need no permutation)."""
     R = 2 * angles.shape[-1]
     x1, x2, rest = x.split([R // 2, R // 2, x.shape[-1] - R], dim=-1)
     cos, sin = angles.cos(), angles.sin()
