@@ -9,11 +9,11 @@ accuracy), and samples from it.
         (--sample-input-file prompts.txt | --num-samples 8) [--sample-output-file out.jsonl] \
         [--out-seq-length 256] [--temperature 0.8] [--top_k 50] [--top_p 0.9] [--seed 1]
 
-The model is --load's (train.py's own checkpoints or DeepSpeed's, any ZeRO
-stage, written at any tensor-parallel size) or --hf's (a Hugging Face GPT-2
-directory); the other flags are train.py's: the parallel layout,
---seq-length, --micro-batch-size, --bf16, --metrics-file (one JSON object).
-The tasks follow Megatron's tasks/zeroshot_gpt, so the numbers compare.
+The model is --load's (train.py's or DeepSpeed's checkpoints, any ZeRO stage
+or tensor-parallel size) or --hf's (a Hugging Face directory); the other flags
+are train.py's: the parallel layout, --seq-length, --micro-batch-size, --bf16,
+--metrics-file (one JSON object). The tasks follow Megatron's
+tasks/zeroshot_gpt, so the numbers compare.
 
   1. Data: WikiText's detokenizer and scoring windows; LAMBADA's examples.
   2. The model, from any checkpoint, in this run's layout.
@@ -37,19 +37,16 @@ import checkpoint
 import parallel
 import config
 from config import EVALUATE, TrainConfig, autocast, model_config
-from gpt import GPT, GPTConfig
-from gpt import generate
+from gpt import GPT, GPTConfig, generate
 from parallel import UsageError
 from prepare import EOD, load_tokenizer
 
 # ----------------------------------------------------------------------------
 # 1. Data
-# ----------------------------------------------------------------------------
 
 @dataclass
 class Example:
-    """One sequence to score: tokens[:-1] go in, tokens[1:] are the targets,
-    and the last `scored` targets count (the others are context)."""
+    """tokens[:-1] go in, tokens[1:] are the targets; the last `scored` count."""
     tokens: list[int]  # (n + 1,)
     scored: int
 
@@ -69,11 +66,9 @@ def read_text(path: str, flag: str = "--valid-data") -> str:
 
 def wikitext_detokenize(text: str) -> str:
     """Undo WikiText's tokenization (spaces around punctuation, @-@ inside
-    numbers, spaced heading marks) as Megatron's zero-shot task does, so that
-    the model reads text that looks like what GPT-2's BPE was made for. The
-    steps run in this order; some depend on the ones before. (Megatron's list
-    has one more rule, meant for a quote before a digit, whose pattern cannot
-    match WikiText: it is left out.)"""
+    numbers, spaced heading marks) as Megatron's zero-shot task does; the steps'
+    order matters. Megatron's rule for a quote before a digit is left out: its
+    pattern cannot match WikiText."""
     text = text.replace("s '", "s'")  # plural possessive: "the players '" -> "the players'"
     for sep in "-,.":  # inside numbers: "1 @,@ 000" -> "1,000", "well @-@ known" -> "well-known"
         text = text.replace(f" @{sep}@ ", sep)
@@ -90,20 +85,10 @@ def wikitext_detokenize(text: str) -> str:
     return text.replace(" 's", "'s")
 
 
-def count_original_words(raw: str) -> int:
-    """Megatron's num_original_tokens: the raw WikiText (before detokenizing),
-    stripped, split on single spaces. WikiText separates every word and mark
-    by one space and starts each line with one, so this counts the corpus's
-    own word-level tokens (a line break stays attached to the word before it)."""
-    return len(raw.strip().split(" "))
-
-
 def wikitext_windows(tokens: list[int], seq_length: int, stride: int) -> list[Example]:
-    """Windows of seq_length inputs starting every `stride` tokens. The first
-    scores all its targets; each later one only the targets past the end of
-    the one before (its last `stride`, fewer at the end of the text), which
-    it sees with seq_length - stride tokens of context. Every target,
-    tokens[1:], is scored exactly once (Megatron's _LMDataset)."""
+    """Windows of seq_length inputs every `stride` tokens (Megatron's _LMDataset):
+    each scores only the targets past the end of the one before, so every
+    target is scored exactly once, with seq_length - stride tokens of context."""
     last = len(tokens) - 1  # index of the last target
     windows = [Example(tokens[:seq_length + 1], min(seq_length, last))]
     done, start = windows[0].scored, stride  # targets 1..done are scored
@@ -115,10 +100,9 @@ def wikitext_windows(tokens: list[int], seq_length: int, stride: int) -> list[Ex
 
 
 def lambada_split(text: str, enc, strict: bool) -> tuple[list[int], list[int]]:
-    """(context, target) token ids of one LAMBADA text, as Megatron makes
-    them. Default: the target is the text's last BPE token. Strict: the last
-    whitespace-separated word, tokenized with its leading space, after the
-    context (the text before it, stripped)."""
+    """(context, target) token ids of one LAMBADA text, as Megatron makes them:
+    the target is the last BPE token, or (strict) the last word with its leading
+    space after the stripped text before it."""
     if not strict:
         ids = enc.encode_ordinary(text)
         return ids[:-1], ids[-1:]
@@ -129,24 +113,21 @@ def lambada_split(text: str, enc, strict: bool) -> tuple[list[int], list[int]]:
     return enc.encode_ordinary(text[:start].strip()), enc.encode_ordinary(" " + words[-1])
 
 
-def lambada_text(line: str, where: str) -> str:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{where}: not JSON ({e.msg}); expected one object with \"text\" per line") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-        raise UsageError(f"{where}: no \"text\" string in this line; expected one object with "
-                         f"\"text\" per line, e.g. {{\"text\": \"... last word\"}}")
-    return obj["text"]
-
-
 def lambada_examples(path: str, enc, strict: bool, seq_length: int) -> list[Example]:
     examples = []
     for lineno, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"--valid-data {path}:{lineno}"
-        context, target = lambada_split(lambada_text(line, where), enc, strict)
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not JSON ({e.msg}); expected one object with "
+                             f"\"text\" per line") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise UsageError(f"{where}: no \"text\" string in this line; expected one object with "
+                             f"\"text\" per line, e.g. {{\"text\": \"... last word\"}}")
+        context, target = lambada_split(obj["text"], enc, strict)
         if not context or not target:
             raise UsageError(f"{where}: the text is shorter than two tokens (a context and a "
                              f"last word to predict)")
@@ -159,13 +140,10 @@ def lambada_examples(path: str, enc, strict: bool, seq_length: int) -> list[Exam
 
 # ----------------------------------------------------------------------------
 # 2. The model
-# ----------------------------------------------------------------------------
 
 def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
-    """The model of --hf, or of the checkpoint in --load (either kind, any
-    layout it was written with: checkpoint.read_weights consolidates it),
-    built in this run's tensor-parallel layout. Its shape comes from the
-    checkpoint; how it runs (kernels, no dropout) from this run."""
+    """The model of --hf or --load (any kind, any layout), built in this run's
+    layout: its shape from the checkpoint, how it runs (kernels, no dropout) from this run."""
     default_impl = "triton" if device.type == "cuda" else "torch"
     runtime = dict(attention_impl=cfg.attention_impl or default_impl,
                    layernorm_impl=cfg.layernorm_impl or default_impl,
@@ -177,7 +155,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
         found = checkpoint.latest_checkpoint(cfg.load)
         if found is None:
             raise UsageError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
-                                    f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")
+                             f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")
         weights, state = checkpoint.read_weights(found)
         model = GPT(GPTConfig(**{**state["model_config"], **runtime}))
         model.load_full_state_dict(weights)
@@ -186,8 +164,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
 
 
 def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
-    """Model flags are not needed; given, they must describe the checkpoint's
-    model (a wrong --preset is a mistake worth naming)."""
+    """Model flags are optional; given, they must describe the checkpoint's model."""
     if mcfg.max_position_embeddings < cfg.seq_length and cfg.task != "GENERATE":  # samples slide
         raise UsageError(f"--seq-length {cfg.seq_length} exceeds the model's "
                          f"{mcfg.max_position_embeddings} positions: pass --seq-length "
@@ -204,18 +181,13 @@ def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
 
 # ----------------------------------------------------------------------------
 # 3. Scoring
-# ----------------------------------------------------------------------------
 
 @torch.no_grad()
 def score(model: GPT, batch: list[Example], cfg: TrainConfig, device) -> torch.Tensor:
-    """[sum of the scored targets' losses, their number, examples whose scored
-    targets are all the greedy (argmax) choice] of one micro-batch, fp64.
-
-    Examples are right-padded to the longest: under causal attention padding
-    changes nothing before it. Under tensor parallelism the model gathers the
-    full logits (B x n x vocab, fine for evaluation), so every TP rank scores
-    the same. Only the true vocabulary is scored: the padding rows beyond it
-    are no tokens (Hugging Face's GPT-2 has none)."""
+    """[loss sum of the scored targets, their number, examples whose scored
+    targets are all the greedy choice] of one micro-batch, fp64. Examples are
+    right-padded (causal attention: padding changes nothing before it); every TP
+    rank gets the full logits; only the true vocabulary is scored."""
     n = max(len(e.tokens) for e in batch) - 1
     tokens = torch.full((len(batch), n + 1), EOD, dtype=torch.long)
     scored = torch.zeros(len(batch), n, dtype=torch.bool)
@@ -234,9 +206,8 @@ def score(model: GPT, batch: list[Example], cfg: TrainConfig, device) -> torch.T
 
 
 def score_all(model: GPT, examples: list[Example], cfg: TrainConfig, device) -> tuple[float, int, int]:
-    """(loss sum, targets scored, hits) over all examples. Data-parallel rank
-    r scores examples r, r + D, r + 2D, ...; the sums are all-reduced in fp64,
-    so the totals do not depend on the layout beyond rounding."""
+    """(loss sum, targets scored, hits) over all examples: data-parallel rank r
+    scores examples r, r + D, ...; the fp64 sums are all-reduced."""
     mine = examples[parallel.dp_rank()::parallel.dp_size()]
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for i in range(0, len(mine), cfg.micro_batch_size):
@@ -249,7 +220,6 @@ def score_all(model: GPT, examples: list[Example], cfg: TrainConfig, device) -> 
 
 # ----------------------------------------------------------------------------
 # 4. The tasks
-# ----------------------------------------------------------------------------
 
 def wikitext103(cfg: TrainConfig, enc) -> tuple[list[Example], dict]:
     """The windows over the detokenized text, and what the report needs."""
@@ -258,18 +228,16 @@ def wikitext103(cfg: TrainConfig, enc) -> tuple[list[Example], dict]:
     if len(tokens) < 2:
         raise UsageError(f"--valid-data {cfg.valid_data}: the text is shorter than two tokens")
     windows = wikitext_windows(tokens, cfg.seq_length, cfg.overlapping_eval or cfg.seq_length)
-    return windows, {"num_tokenized_tokens": len(tokens), "num_original_words": count_original_words(raw),
+    # Megatron's num_original_tokens: WikiText puts one space before every word
+    # and mark, so splitting the raw text on single spaces counts its own tokens.
+    return windows, {"num_tokenized_tokens": len(tokens), "num_original_words": len(raw.strip().split(" ")),
                      "windows": len(windows)}
 
 
 def wikitext103_results(loss_sum: float, count: int, hits: int, data: dict) -> dict:
-    """Perplexity, every token scored once.
-
-    Megatron's adjusted perplexity spreads the same total loss over the raw
-    text's word-level tokens instead of the BPE tokens, which makes models
-    with different tokenizers comparable: exp(avg_loss x token_ratio), with
-    token_ratio = (BPE tokens - 1) / (original words - 1) (the -1s: the
-    first token is never a target)."""
+    """Perplexity. Megatron's adjusted perplexity spreads the total loss over the
+    raw text's words instead, so tokenizers compare: exp(avg_loss x token_ratio),
+    token_ratio = (BPE tokens - 1) / (original words - 1) (no first target)."""
     avg_loss = loss_sum / count
     token_ratio = (data["num_tokenized_tokens"] - 1) / max(data["num_original_words"] - 1, 1)
     return {"avg_loss": avg_loss, "ppl": math.exp(avg_loss),
@@ -291,8 +259,7 @@ TASKS = {"WIKITEXT103": (wikitext103, wikitext103_results), "LAMBADA": (lambada,
 
 
 def evaluate(cfg: TrainConfig, env: parallel.Dist) -> dict:
-    """Run --task in an initialized world (tests call it repeatedly in one
-    world); print the results and write them (rank 0), and return them."""
+    """Run --task in an initialized world; print and write the results (rank 0), return them."""
     if cfg.task == "GENERATE":
         return write_samples(cfg, sample(cfg, env), env)
     read, summarize = TASKS[cfg.task]
@@ -310,22 +277,15 @@ def evaluate(cfg: TrainConfig, env: parallel.Dist) -> dict:
 
 # ----------------------------------------------------------------------------
 # 5. Samples
-# ----------------------------------------------------------------------------
-
-def read_prompts(cfg: TrainConfig) -> list[str]:
-    """--sample-input-file's lines (blank ones kept: an unconditional sample),
-    or --num-samples empty prompts."""
-    if not cfg.sample_input_file:
-        return [""] * cfg.num_samples
-    return read_text(cfg.sample_input_file, "--sample-input-file").rstrip("\n").split("\n")
-
 
 def sample(cfg: TrainConfig, env: parallel.Dist) -> list[dict]:
-    """One continuation per prompt, in prompt order. Data-parallel ranks take
-    every D-th prompt; prompt i samples with the generator seeded --seed + i
-    on every rank, so the samples depend on the seed alone, not on N or T
-    (the tensor-parallel ranks of a group draw the same tokens)."""
-    enc, prompts = load_tokenizer(cfg.tokenizer_type), read_prompts(cfg)
+    """One continuation per prompt (--sample-input-file's lines, or --num-samples
+    empty ones), in order. Data-parallel ranks take every D-th prompt; prompt i
+    samples with a generator seeded --seed + i, so the samples depend on the
+    seed alone, not on the layout."""
+    enc, prompts = load_tokenizer(cfg.tokenizer_type), [""] * cfg.num_samples
+    if cfg.sample_input_file:  # a blank line: an unconditional sample
+        prompts = read_text(cfg.sample_input_file, "--sample-input-file").rstrip("\n").split("\n")
     model = load_model(cfg, env.device)
     mine = {}
     for i in range(parallel.dp_rank(), len(prompts), parallel.dp_size()):
@@ -360,17 +320,25 @@ def write_samples(cfg: TrainConfig, samples: list[dict], env: parallel.Dist) -> 
     return samples
 
 
-EVAL_TASKS = ("WIKITEXT103", "LAMBADA", "GENERATE")
+EVAL_TASKS = (*TASKS, "GENERATE")
 
 
-def validate_evaluation(cfg: TrainConfig) -> None:
-    """evaluate.py's flags: one task, one file, one model."""
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """evaluate.py's flags, checked: one task, one file (or prompts), one model."""
+    cfg = config.parse_args(argv, EVALUATE, usage=__doc__)
     if cfg.task is None:
         raise UsageError(f"evaluate.py needs --task: {' or '.join(EVAL_TASKS)}")
     if cfg.task not in EVAL_TASKS:
         raise UsageError(f"--task {cfg.task}: use one of {', '.join(EVAL_TASKS)}")
     if cfg.task == "GENERATE":
-        validate_sampling(cfg)
+        if bool(cfg.sample_input_file) == (cfg.num_samples > 0):
+            raise UsageError("--task GENERATE needs --sample-input-file FILE (one prompt a line) or "
+                             "--num-samples N > 0 (unconditional samples), one of them")
+        if cfg.out_seq_length < 1:
+            raise UsageError(f"--out-seq-length {cfg.out_seq_length}: generate at least 1 token")
+        if cfg.temperature < 0 or cfg.top_k < 0 or not 0 <= cfg.top_p <= 1:
+            raise UsageError(f"--temperature {cfg.temperature} (>= 0; 0 is greedy), --top-k {cfg.top_k} "
+                             f"(>= 0; 0 is off), --top-p {cfg.top_p} (in [0, 1]; 0 is off)")
     elif not cfg.valid_data:
         raise UsageError(f"--task {cfg.task} needs --valid-data FILE (the task's data)")
     if bool(cfg.load) == bool(cfg.hf):
@@ -383,25 +351,6 @@ def validate_evaluation(cfg: TrainConfig) -> None:
         raise UsageError("--overlapping-eval is for --task WIKITEXT103")
     if cfg.strict_lambada and cfg.task != "LAMBADA":
         raise UsageError("--strict-lambada is for --task LAMBADA")
-
-
-def validate_sampling(cfg: TrainConfig) -> None:
-    """--task GENERATE: prompts from a file, or unconditional samples; sane sampling knobs."""
-    if bool(cfg.sample_input_file) == (cfg.num_samples > 0):
-        raise UsageError("--task GENERATE needs --sample-input-file FILE (one prompt a line) or "
-                         "--num-samples N > 0 (unconditional samples), one of them")
-    if cfg.out_seq_length < 1:
-        raise UsageError(f"--out-seq-length {cfg.out_seq_length}: generate at least 1 token")
-    if cfg.temperature < 0 or cfg.top_k < 0 or not 0 <= cfg.top_p <= 1:
-        raise UsageError(f"--temperature {cfg.temperature} (>= 0; 0 is greedy), --top-k {cfg.top_k} "
-                         f"(>= 0; 0 is off), --top-p {cfg.top_p} (in [0, 1]; 0 is off)")
-
-
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """evaluate.py's flags (config.TrainConfig's fields for both tools and for
-    evaluate.py), checked."""
-    cfg = config.parse_args(argv, EVALUATE, usage=__doc__)
-    validate_evaluation(cfg)
     return cfg
 
 

@@ -1,44 +1,29 @@
 """The GPT model: config, architecture, initialization, accounting.
 
-One file, read top to bottom:
-
-1. GPTConfig + PRESETS: the GPT-2 sizes (124M ... 1.5B), tiny ones for
-   tests and CPU runs, and Llama-shaped ones. Field names follow Megatron-LM's
-   flags (--num-layers, --hidden-size, --num-attention-heads, ...).
-2. Plug-in seams: `self_attention(...)` holds the attention math and
-   `make_layernorm(...)` builds every norm. Their "triton" branches
-   call kernels.py; another implementation is one more name in
-   ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there, and nothing
-   else in the model needs to change.
-3. The model: by default GPT-2's: token + learned absolute position
-   embeddings, a stack of pre-LayerNorm transformer blocks (causal
-   self-attention, tanh-GELU MLP), a final LayerNorm and an LM head tied to
-   the token embedding. Each architecture option is decided in one place:
-   rope (rope_angles/apply_rope, called from CausalSelfAttention.heads),
-   RMSNorm (make_layernorm), SwiGLU (MLP), grouped-query attention
-   (CausalSelfAttention, self_attention), no linear biases (the two
-   modules' constructors), an untied head (GPT.output_weight).
-4. GPT-2 initialization (`init_weights`), reusable by the tensor-parallel
-   code that initializes a full master weight and keeps its own slice.
-5. Tensor parallelism (Megatron-style, see parallel.py): when the model is
-   built after parallel.initialize(tp) with tp > 1, each layer is built and
-   initialized exactly as for tp=1, then its big matmuls are swapped for
-   parallel layers holding this rank's slice (see shard_block) before
-   the next layer is built, so every tp trains the same model from the same
-   seed and no rank ever holds the full model. Optional Domino
-   overlap (config.domino_chunks > 1, see domino_blocks) hides the TP
-   all-reduces behind computation.
-6. The LM head and the loss, fused over chunks of tokens (`fused_lm_loss`):
-   the (tokens, vocab) logits never exist whole.
+1. GPTConfig + PRESETS: GPT-2's sizes (124M ... 1.5B), tiny ones for tests and
+   CPU runs, and Llama-shaped ones. Field names follow Megatron-LM's flags.
+2. Plug-in seams: `self_attention` holds the attention math and
+   `make_layernorm` builds every norm; another implementation is one more name
+   in ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there.
+3. The model: by default GPT-2's (learned positions, pre-LayerNorm blocks,
+   tanh-GELU MLP, LM head tied to wte). Each architecture option is decided in
+   one place: rope (rope_angles/apply_rope), RMSNorm (make_layernorm), SwiGLU
+   (MLP), grouped-query attention (CausalSelfAttention), no linear biases (the
+   two modules' constructors), an untied head (GPT.output_weight).
+4. GPT-2 initialization (`init_weights`).
+5. Tensor parallelism (Megatron-style, see parallel.py): each layer is built
+   and initialized exactly as for tp=1, then sliced (shard_block) before the
+   next is built, so every tp trains the same model from the same seed and no
+   rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
+6. The LM head and the loss, fused over chunks of tokens (`fused_lm_loss`).
 7. Generation: the KV cache and `generate`.
 8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
 Hugging Face GPT-2 and Llama import and export live in checkpoint.py.
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
-GPT-2's 50257 tokens; a multiple of 128, Megatron's
---make-vocab-size-divisible-by) so matmuls get friendly shapes and so weight
-shapes never depend on how the model is split across GPUs. The extra rows are
-never produced by the tokenizer and are never sampled.
+GPT-2's 50257 tokens, a multiple of 128: Megatron's --make-vocab-size-divisible-by)
+for friendly matmul shapes and weight shapes independent of the parallel
+layout. The extra rows are never produced by the tokenizer nor sampled.
 """
 from __future__ import annotations
 
@@ -59,8 +44,6 @@ from parallel import UsageError
 # -----------------------------------------------------------------------------
 # Config
 
-# Implementations the seams below understand (self_attention, make_layernorm,
-# GPT.forward's loss).
 ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.flash_attention (FlashAttention-2)
 LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.TritonLayerNorm (fused LayerNorm)
 LOSS_IMPLS = ("fused", "full")         # "fused": fused_lm_loss (head + loss in chunks)
@@ -73,7 +56,7 @@ class GPTConfig:
     num_layers: int = 12
     hidden_size: int = 768
     num_attention_heads: int = 12
-    ffn_hidden_size: int | None = None  # the MLP's width; None: 4 * hidden_size (set in __post_init__)
+    ffn_hidden_size: int | None = None  # the MLP's width; None: 4 * hidden_size
     max_position_embeddings: int = 1024
     vocab_size: int = 50257          # true tokenizer vocabulary
     padded_vocab_size: int = 50304   # embedding rows (>= vocab_size)
@@ -83,17 +66,13 @@ class GPTConfig:
     init_method_std: float = 0.02
     attention_impl: str = "torch"
     layernorm_impl: str = "torch"
-    # "fused": LM head + cross-entropy in chunks, never the full logits
-    # (fused_lm_loss); "full": full logits, then the cross-entropy (for comparison)
-    loss_impl: str = "fused"
+    loss_impl: str = "fused"         # or "full": full logits, then the cross-entropy
     activation_checkpointing: bool = False
-    # Domino (tensor parallelism only): split each micro-batch into this many
-    # chunks along the batch and overlap one chunk's all-reduces with another
-    # chunk's compute. 1 = off. Ignored when tensor_model_parallel_size is 1.
+    # Tensor parallelism only (ignored at tp=1). Domino: split each micro-batch
+    # into this many chunks and overlap one chunk's all-reduces with another's
+    # compute (1 = off). Sequence parallelism: LayerNorms, dropouts and residual
+    # adds run on T/tp of the tokens on each rank.
     domino_chunks: int = 1
-    # Sequence parallelism (tensor parallelism only; ignored when
-    # tensor_model_parallel_size is 1): LayerNorms, dropouts and residual adds
-    # run on T/tp of the tokens on each rank. See parallel.py.
     sequence_parallel: bool = False
     # Architecture options (Megatron's flags). The defaults are GPT-2; all of
     # them on (rope, RMSNorm, swiglu, untied, no bias, GQA) is Llama's shape.
@@ -105,7 +84,7 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False  # own LM head, not wte
     disable_bias_linear: bool = False  # no biases in the linear layers
     # key/value heads (G in shapes); fewer than the query heads is grouped-query
-    # attention. None: one per query head (set in __post_init__)
+    # attention. None: one per query head
     num_query_groups: int | None = None
 
     def __post_init__(self):
@@ -138,27 +117,21 @@ class GPTConfig:
             raise UsageError(f"domino_chunks must be an int >= 1 (1 = off), got {self.domino_chunks!r}")
         if self.layernorm_epsilon <= 0 or self.init_method_std <= 0:
             raise UsageError("layernorm_epsilon and init_method_std must be > 0")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise UsageError(f"unknown attention_impl {self.attention_impl!r}; "
-                             f"choose one of {list(ATTENTION_IMPLS)}")
-        if self.loss_impl not in LOSS_IMPLS:
-            raise UsageError(f"unknown loss_impl {self.loss_impl!r}; choose one of {list(LOSS_IMPLS)}")
-        if self.layernorm_impl not in LAYERNORM_IMPLS:
-            raise UsageError(f"unknown layernorm_impl {self.layernorm_impl!r}; "
-                             f"choose one of {list(LAYERNORM_IMPLS)}")
+        for name, choices in (("attention_impl", ATTENTION_IMPLS), ("loss_impl", LOSS_IMPLS),
+                              ("layernorm_impl", LAYERNORM_IMPLS)):
+            if getattr(self, name) not in choices:
+                raise UsageError(f"unknown {name} {getattr(self, name)!r}; choose one of {list(choices)}")
         self._check_architecture()
         if self.attention_impl == "triton":
-            if self.hidden_size // self.num_attention_heads not in kernels.SUPPORTED_HEAD_DIMS:
+            if self.head_dim not in kernels.SUPPORTED_HEAD_DIMS:
                 raise UsageError(f"attention_impl='triton' supports head dims "
-                                 f"{kernels.SUPPORTED_HEAD_DIMS}, not "
-                                 f"{self.hidden_size // self.num_attention_heads}; change "
+                                 f"{kernels.SUPPORTED_HEAD_DIMS}, not {self.head_dim}; change "
                                  f"hidden_size/num_attention_heads or use attention_impl='torch'")
             if self.attention_dropout > 0:
                 raise UsageError("attention_impl='triton' has no attention dropout; set "
                                  "attention_dropout=0 or use attention_impl='torch'")
 
     def _check_architecture(self) -> None:
-        """The architecture options; each error names the flag to change."""
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise UsageError(f"unknown position_embedding_type {self.position_embedding_type!r} "
                              f"(--position-embedding-type); choose one of {list(POSITION_EMBEDDING_TYPES)}")
@@ -195,8 +168,7 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
-# rope + RMSNorm + SwiGLU + untied head + no linear biases (Llama's options;
-# a Llama preset adds num_query_groups for GQA).
+# Llama's options; a Llama preset adds num_query_groups for GQA.
 LLAMA_OPTIONS = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                      untie_embeddings_and_output_weights=True, disable_bias_linear=True)
 
@@ -230,18 +202,13 @@ def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 
 
 def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, training: bool = False):
-    """Causal softmax attention. q: (B, nh, T, hd), k, v: (B, G, T, hd) ->
-    (B, nh, T, hd). G < nh is grouped-query attention: query head h reads
-    key/value head h // (nh/G).
-
-    Scale is 1/sqrt(hd). This is the one place the attention kernel is
-    chosen; add a branch here for a new impl (and list it in ATTENTION_IMPLS).
-    With a KV cache (generate) k and v are longer than q: see cached_attention.
-    """
+    """Causal softmax attention, scale 1/sqrt(hd). q: (B, nh, T, hd), k, v:
+    (B, G, T, hd) -> (B, nh, T, hd). G < nh is grouped-query attention: query
+    head h reads key/value head h // (nh/G). With a KV cache (generate) k and v
+    are longer than q: see cached_attention."""
     if k.shape[2] != q.shape[2]:
         return cached_attention(q, k, v)
     if impl == "torch":
-        # Dropout on the attention probabilities only while training.
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True,
             enable_gqa=k.shape[1] != q.shape[1])
@@ -249,35 +216,30 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
         if training and dropout_p > 0:  # GPTConfig refuses this too; guard direct callers
             raise UsageError("attention_impl='triton' has no attention dropout; "
                              "use dropout_p=0 or impl='torch'")
-        # flash_attention raises a clear error when Triton cannot run here
-        # (e.g. a CPU tensor without TRITON_INTERPRET=1).
         return kernels.flash_attention(q, k, v, causal=True)
     raise UsageError(f"unknown attention_impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
 
 
 def cached_attention(q, k, v):
-    """Attention of Tq new queries over Tk >= Tq keys, the last Tq of which
-    are theirs (a KV cache step in generate; usually Tq = 1). Query i sits at
-    position Tk - Tq + i and sees keys 0 .. Tk - Tq + i: the causal mask
-    aligned at the bottom right. SDPA's is_causal (and the Triton kernel)
-    align it at the top left, so the mask is explicit; inference only."""
+    """Attention of Tq new queries over Tk >= Tq keys, the last Tq theirs (a KV
+    cache step; inference only). Query i sees keys 0 .. Tk - Tq + i: the causal
+    mask aligned bottom right, where SDPA's is_causal aligns it top left."""
     Tq, Tk = q.shape[2], k.shape[2]
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (Tq, Tk)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
-    """Every normalization in the model is built here: config.normalization
-    picks LayerNorm (weight and bias) or RMSNorm (weight only), eps from config."""
+    """Every norm in the model: LayerNorm (weight and bias) or RMSNorm (weight only)."""
     rms = config.normalization == "RMSNorm"
     if config.layernorm_impl == "torch":
         norm = nn.RMSNorm if rms else nn.LayerNorm
-        return norm(hidden, eps=config.layernorm_epsilon)
-    if config.layernorm_impl == "triton":
+    elif config.layernorm_impl == "triton":
         norm = kernels.TritonRMSNorm if rms else kernels.TritonLayerNorm
-        return norm(hidden, eps=config.layernorm_epsilon)
-    raise UsageError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
-                     f"choose one of {list(LAYERNORM_IMPLS)}")
+    else:
+        raise UsageError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
+                         f"choose one of {list(LAYERNORM_IMPLS)}")
+    return norm(hidden, eps=config.layernorm_epsilon)
 
 
 # -----------------------------------------------------------------------------
@@ -285,9 +247,8 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
 
 
 def rope_angles(config: GPTConfig, position_ids):
-    """RoPE's rotation angles (Su et al., RoFormer): position p turns dim pair
-    i by p * base^(-2i/R), R = config.rotary_dim. position_ids (T,) -> (T, R/2),
-    or (B, T) -> (B, 1, T, R/2), fp32; they broadcast over (B, nh, T, .)."""
+    """RoPE's angles (Su et al., RoFormer), fp32: position p turns dim pair i by
+    p * base^(-2i/R), R = config.rotary_dim. (T,) -> (T, R/2), (B, T) -> (B, 1, T, R/2)."""
     R = config.rotary_dim
     inv_freq = 1.0 / config.rotary_base ** (
         torch.arange(0, R, 2, device=position_ids.device).float() / R)  # (R/2,)
@@ -296,10 +257,9 @@ def rope_angles(config: GPTConfig, position_ids):
 
 
 def apply_rope(x, angles):
-    """Rotate the first R dims of every head of x (B, nh, T, hd) by `angles`
-    (see rope_angles). Dim i pairs with dim i + R/2 (GPT-NeoX's and HF
-    Llama's "rotate half" layout, so HF q/k weights need no permutation);
-    dims past R pass through (rotary_percent < 1)."""
+    """Rotate the first R dims of every head of x (B, nh, T, hd) by `angles`; dims
+    past R pass through. Dim i pairs with dim i + R/2 (HF Llama's "rotate half"
+    layout, so HF q/k weights need no permutation)."""
     R = 2 * angles.shape[-1]
     x1, x2, rest = x.split([R // 2, R // 2, x.shape[-1] - R], dim=-1)
     cos, sin = angles.cos(), angles.sin()
@@ -308,11 +268,10 @@ def apply_rope(x, angles):
 
 
 class Dropout(nn.Dropout):
-    """nn.Dropout, drawing its mask from this rank's own RNG stream when the
-    values differ from rank to rank: under sequence parallelism each rank
-    holds other tokens (per_rank=True). Without it the tensor-parallel ranks
-    hold the same replicated values and must drop the same elements, so they
-    draw from the shared stream. See parallel.py, section 5."""
+    """nn.Dropout whose mask comes from this rank's own RNG stream when
+    per_rank (sequence parallelism: each rank holds other tokens); otherwise the
+    TP ranks hold replicated values and draw the same mask from the shared
+    stream. See parallel.py, section 5."""
 
     def __init__(self, p: float, per_rank: bool = False):
         super().__init__(p)
@@ -322,9 +281,8 @@ class Dropout(nn.Dropout):
         if not self.training or self.p == 0:
             return x
         with parallel.fork_rng_if(self.per_rank and parallel.tp_size() > 1):
-            # native_dropout keeps a 1-byte bool mask for backward on every
-            # device, as F.dropout does on CUDA (on CPU F.dropout keeps the
-            # mask in x's dtype), so CPU measures GPU's activation memory.
+            # native_dropout keeps a 1-byte bool mask on every device, as
+            # F.dropout does on CUDA only, so CPU measures GPU's activation memory.
             return torch.native_dropout(x, self.p, True)[0]
 
 
@@ -338,18 +296,15 @@ class CausalSelfAttention(nn.Module):
         # (head 0's hd columns, then head 1's, ...), the same as HF's c_attn.
         self.qkv = nn.Linear(H, H + 2 * kv, bias=bias)
         self.proj = nn.Linear(H, H, bias=bias)
-        self.proj.residual_out = True  # gets the scaled init, see init_weights
+        self.proj.residual_out = True  # the scaled init, see init_weights
         self.resid_drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def heads(self, x, *deferred, rope=None, cache=None):
-        """Everything before the output projection: (B, T, C) -> (B, T, C_local).
-        Under tensor parallelism qkv is column-parallel with output
-        [Q_r | K_r | V_r], so this rank attends with its nh/tp query heads
-        (and G/tp key/value heads) and C_local = C/tp; otherwise C_local = C.
-        rope: rope_angles(...) or None. `deferred`: see domino_blocks.
-        cache: KVCache.extend for this layer (generate), or None.
-        Under sequence parallelism x holds this rank's T/tp tokens; qkv
-        gathers all T of them (attention needs every key)."""
+        """Everything before the output projection: (B, T, C) -> (B, T, C/tp).
+        Under TP qkv is column-parallel with output [Q_r | K_r | V_r]: this rank
+        attends with its nh/tp query and G/tp key/value heads (under sequence
+        parallelism qkv gathers all T tokens). rope: rope_angles(...) or None;
+        `deferred`: see domino_blocks; cache: KVCache.extend for this layer."""
         cfg = self.config
         hd = cfg.head_dim
         qkv = self.qkv(x, *deferred)                     # (B, T, (nh + 2G) * hd / tp)
@@ -364,10 +319,8 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:
             k, v = cache(k, v)                           # (B, G, L + T, hd): the prefix's too
-        # Each TP rank holds other heads, so attention dropout draws this
-        # rank's own mask (parallel.py, section 5); the shared stream would repeat it.
-        own_mask = self.training and cfg.attention_dropout > 0 and tp > 1
-        with parallel.fork_rng_if(own_mask):
+        # Each TP rank holds other heads: attention dropout draws this rank's own mask.
+        with parallel.fork_rng_if(self.training and cfg.attention_dropout > 0 and tp > 1):
             y = self_attention(q, k, v, cfg.attention_impl,
                                cfg.attention_dropout, self.training)  # (B, nh, T, hd)
         return y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, C_local)
@@ -380,8 +333,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         bias, self.swiglu = not config.disable_bias_linear, config.swiglu
-        # SwiGLU: fc's output is [gate | up], each ffn wide (under TP, stride
-        # 2: rank r holds [gate_r | up_r], matching columns of both).
+        # SwiGLU: fc's output is [gate | up], each ffn wide (under TP rank r holds [gate_r | up_r]).
         fc_out = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.fc = nn.Linear(config.hidden_size, fc_out, bias=bias)
         self.proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
@@ -417,10 +369,9 @@ class Block(nn.Module):
 
 
 def add_and_norm(ln: nn.Module, x, branch):
-    """(x + branch, ln(x + branch)): a residual add and the LayerNorm that
-    reads its result. With layernorm_impl='triton' both run in one kernel
-    (kernels.add_layer_norm), saving a write and a read of the residual
-    stream in forward and again in backward. branch=None: just (x, ln(x))."""
+    """(x + branch, ln(x + branch)); branch=None: (x, ln(x)). With
+    layernorm_impl='triton' both run in one kernel (kernels.add_layer_norm),
+    saving a write and a read of the residual stream, forward and backward."""
     if branch is None:
         return x, ln(x)
     if getattr(ln, "fuses_residual_add", False):  # kernels.TritonLayerNorm
@@ -430,15 +381,11 @@ def add_and_norm(ln: nn.Module, x, branch):
 
 
 def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
-    """The block stack with Domino overlap (tensor parallelism only; the
-    schedule and why it hides communication: parallel.domino). x (B, T, C)
-    -> (B, T, C), the same maths as running the blocks one after the other
-    (fp32 agrees to rounding; with dropout > 0 the masks are drawn in another
-    order). The micro-batch is split along the batch into n_chunks chunks
-    (uneven is fine), independent until the loss. Each block is two
-    sublayers for the schedule: attention (ln_1, heads, proj, resid_drop) and
-    MLP (ln_2, hidden, proj, drop). rope: the RoPE angles (see rope_angles),
-    split with the batch when they are per sample."""
+    """The block stack with Domino overlap (the schedule: parallel.domino),
+    (B, T, C) -> (B, T, C): the maths of running the blocks in turn (with
+    dropout the masks are drawn in another order). The micro-batch splits along
+    the batch into n_chunks (uneven is fine); each block is two sublayers,
+    attention and MLP. Per-sample RoPE angles split with the batch."""
     chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C), under SP (b, T/tp, C)
     per_sample = rope is not None and rope.dim() == 4  # (B, 1, T, R/2)
     ropes = rope.tensor_split(n_chunks, dim=0) if per_sample else [rope] * len(chunks)
@@ -452,9 +399,9 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
 
 
 def shard_block(block: Block, cfg: GPTConfig) -> None:
-    """Swap a block's big matmuls for Megatron's parallel layers, each
-    keeping this rank's slice of the full weight just initialized. The
-    model's layout (wte and output_layer are swapped by GPT.__init__):
+    """Swap a block's big matmuls for Megatron's parallel layers, each keeping
+    this rank's slice of the full weight just initialized. The model's layout
+    (GPT.__init__ swaps wte and output_layer):
 
         wte          VocabParallelEmbedding (vocab rows split; tied head)
         attn.qkv     ColumnParallelLinear, strided: rank r gets [Q_r|K_r|V_r]
@@ -464,11 +411,9 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
         output_layer ColumnParallelLinear (untied head; vocab rows split)
         norms, wpe, row-parallel biases: replicated
 
-    With sequence_parallel the column-parallel layers all-gather their
-    input's tokens and the row-parallel ones reduce-scatter their output.
-
-    Parameter names are unchanged, so full_state_dict() has tp=1's keys.
-    """
+    With sequence_parallel the column-parallel layers all-gather their input's
+    tokens and the row-parallel ones reduce-scatter their output. Parameter
+    names are unchanged, so full_state_dict() has tp=1's keys."""
     domino, sp = cfg.domino_chunks > 1, cfg.sequence_parallel
     Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
     kv = cfg.num_query_groups * cfg.head_dim
@@ -482,28 +427,21 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
     block.mlp.proj = Row.from_linear(block.mlp.proj, sequence_parallel=sp)
 
 
-def init_std(config: GPTConfig, residual_out: bool = False) -> float:
-    """GPT-2 init std. Projections that write into the residual stream are
-    scaled by 1/sqrt(2 * num_layers): each layer adds two such outputs, so
-    this keeps the residual stream's variance from growing with depth."""
-    std = config.init_method_std
-    return std / math.sqrt(2 * config.num_layers) if residual_out else std
-
-
 def init_weights(module: nn.Module, config: GPTConfig) -> None:
-    """GPT-2 initialization of `module` and all its submodules, in place.
-
-    Linear/Embedding weights ~ N(0, std), biases 0, norm weights 1 (biases 0);
-    Linears marked `residual_out = True` use the scaled std (see init_std).
-    """
+    """GPT-2 initialization of `module` and its submodules, in place: Linear and
+    Embedding weights ~ N(0, std), biases 0, norm weights 1. Linears marked
+    `residual_out` write into the residual stream, two per layer, so their std
+    is scaled by 1/sqrt(2 * num_layers) to keep its variance from growing with depth."""
+    std = config.init_method_std
     for m in module.modules():
         if isinstance(m, nn.Linear):
             residual = getattr(m, "residual_out", False)
-            nn.init.normal_(m.weight, mean=0.0, std=init_std(config, residual))
+            nn.init.normal_(m.weight, mean=0.0,
+                            std=std / math.sqrt(2 * config.num_layers) if residual else std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=config.init_method_std)
+            nn.init.normal_(m.weight, mean=0.0, std=std)
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
@@ -525,9 +463,8 @@ class GPT(nn.Module):
                                  "turn one of them off")
             parallel.check_divisible(config)
         self.sequence_parallel = tp and config.sequence_parallel  # off while generating
-        # Built one piece at a time, each initialized (and under tensor
-        # parallelism sliced) before the next exists: a rank never holds more
-        # than its slices plus one full layer. See _build.
+        # Each piece is initialized (and under TP sliced) before the next exists:
+        # a rank never holds more than its slices plus one full layer.
         self.wte = self._build(lambda: nn.Embedding(config.padded_vocab_size, config.hidden_size))
         if tp:
             self.wte = parallel.VocabParallelEmbedding.from_embedding(
@@ -551,11 +488,10 @@ class GPT(nn.Module):
             parallel.sum_sequence_parallel_grads(self)
 
     def _build(self, make: Callable[[], nn.Module]) -> nn.Module:
-        """make() a piece and give it GPT-2's init. Only init_weights draws
-        random numbers (the constructors' own default init runs on a forked,
-        discarded RNG), so the weights depend on the seed and the order of the
-        pieces alone: the same for every tp, and the same when DeepSpeed's
-        zero.Init re-runs init_weights module by module (train.py)."""
+        """make() a piece and give it GPT-2's init. Only init_weights draws random
+        numbers (the constructors' default init runs on a forked, discarded RNG),
+        so the weights depend on the seed and the order of the pieces alone: the
+        same for every tp, and when DeepSpeed's zero.Init re-runs init_weights."""
         with torch.random.fork_rng(devices=[]):
             module = make()
         init_weights(module, self.config)
@@ -564,11 +500,9 @@ class GPT(nn.Module):
     # -- forward --------------------------------------------------------------
 
     def _check_inputs(self, input_ids, position_ids, labels, start: int = 0):
-        """Fail loudly on out-of-range ids (an embedding lookup on CUDA would
-        otherwise die with an opaque device-side assert). On CPU tensors this
-        is free and runs every call. On a GPU it is a host sync, which stalls
-        the GPU's queue, so it runs only until one call passes: train.py
-        checks every batch on the host instead (train.check_batch)."""
+        """Fail loudly on out-of-range ids (CUDA's embedding lookup would die
+        with an opaque device-side assert). On a GPU the check is a host sync, so
+        it runs only until one call passes: train.check_batch checks every batch."""
         if self.sequence_parallel and input_ids.shape[-1] % parallel.tp_size():
             raise UsageError(
                 f"sequence parallelism splits each sequence over the {parallel.tp_size()} "
@@ -594,9 +528,7 @@ class GPT(nn.Module):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
         the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
         a KVCache holding the positions before input_ids, which it extends.
-        Under sequence parallelism the blocks hold this rank's T/tp tokens
-        (B, T/tp, C); the LM head sees all T again. generate() switches it
-        off (parallel.sequence_parallel_off): one new token cannot be split."""
+        Under sequence parallelism the blocks hold this rank's T/tp tokens."""
         B, T = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0
         self._check_inputs(input_ids, position_ids, labels, start)
@@ -608,8 +540,7 @@ class GPT(nn.Module):
             kv_cache.length += T
         h = self.head_input(self.ln_f(x))                            # (B, T, C)
         if labels is None:
-            # Under TP: all-gather the full logits (B*T*V per rank; fine for
-            # eval and generation). The training loss below never gathers them.
+            # Under TP the full logits are all-gathered (fine for eval and generation).
             return parallel.gather_from_tensor_parallel_region(F.linear(h, self.output_weight))
         if self.config.loss_impl == "fused":  # the logits are never materialized whole
             return fused_lm_loss(h, self.output_weight, labels, loss_mask)
@@ -617,8 +548,7 @@ class GPT(nn.Module):
 
     def _embed(self, input_ids, position_ids):
         """Token (+ learned position) embeddings, dropout -> (x, RoPE angles or None).
-        Under sequence parallelism the vocab-parallel embedding reduce-scatters
-        (B, T/tp, C), and those tokens add their own positions' embeddings."""
+        Under sequence parallelism x is this rank's (B, T/tp, C), so are its positions."""
         x = self.wte(input_ids)                                      # (B, T[/tp], C)
         if self.config.position_embedding_type == "rope":  # in attention, which sees all T
             return self.drop(x), rope_angles(self.config, position_ids)  # (T, R/2) or (B, 1, T, R/2)
@@ -637,10 +567,8 @@ class GPT(nn.Module):
             return domino_blocks(self.blocks, x, n_chunks, rope)
         for block in self.blocks:
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                # Keep only the block's input; recompute its activations in backward
-                # (replaying the per-rank dropout stream too, see checkpoint_with_rng).
-                # The RoPE angles (no grad) ride in a closure, not as an input:
-                # DeepSpeed's --partition-activations would split every input.
+                # The RoPE angles ride in a closure, not as an input: DeepSpeed's
+                # --partition-activations would split every input.
                 x = parallel.checkpoint_with_rng(self.checkpoint_fn, functools.partial(block, rope=rope), x)
             else:
                 x = block(x, rope)
@@ -648,42 +576,31 @@ class GPT(nn.Module):
 
     @property
     def output_weight(self):
-        """The LM head's (V_padded[/tp], C) weight: the token embedding's (tied,
-        GPT-2) or output_layer's (--untie-embeddings-and-output-weights)."""
+        """The LM head's (V_padded[/tp], C) weight: wte's (tied) or output_layer's."""
         if self.config.untie_embeddings_and_output_weights:
             return self.output_layer.weight
         return self.wte.weight
 
     def head_input(self, h):
-        """The final LayerNorm's output entering the vocab-parallel LM head,
-        (B, T, C). Under TP it goes through f, and each rank multiplies it by
-        its vocab rows, getting the logits of the vocab range it owns. Under
-        sequence parallelism h holds this rank's tokens (B, T/tp, C) and is
-        all-gathered instead: the gather's backward reduce-scatter does f's
-        sum of the ranks' partial gradients."""
+        """The final norm's output entering the vocab-parallel LM head, (B, T, C):
+        through f under TP. Under sequence parallelism h holds this rank's tokens
+        and is all-gathered instead; the backward reduce-scatter does f's sum."""
         if self.sequence_parallel:
             return parallel.gather_from_sequence_parallel_region(h)
         return parallel.copy_to_tensor_parallel_region(h)
 
     @staticmethod
     def loss(logits, labels, loss_mask=None):
-        """sum(token_loss * loss_mask) / sum(loss_mask), computed in fp32.
-        Under TP, logits is this rank's vocab shard (B, T, V/tp) and the
-        per-token loss is computed without gathering the vocab."""
+        """sum(token_loss * loss_mask) / sum(loss_mask) in fp32 (a fully masked batch
+        gives 0, not NaN); under TP logits is this rank's vocab shard (B, T, V/tp)."""
         token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten()  # (B*T,)
-        if loss_mask is None:
-            return token_loss.mean()
-        mask = loss_mask.flatten().float()
-        # clamp: a fully masked micro-batch contributes 0 loss (and 0 grads), not NaN.
-        return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        return (token_loss * token_weights(labels, loss_mask)).sum()
 
     # -- bookkeeping ------------------------------------------------------------
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameters in this module (a tied head counted once, as part of wte);
-        under tensor parallelism, this rank's shards (count_parameters gives the full model).
-        exclude_embeddings drops wte, wpe and an untied output_layer (Kaplan
-        et al.'s non-embedding N)."""
+        """Parameters in this module (under TP this rank's shards); a tied head
+        counts once. exclude_embeddings drops wte, wpe and output_layer (Kaplan's N)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             tables = ("wte", "wpe", "output_layer")
@@ -691,29 +608,24 @@ class GPT(nn.Module):
         return n
 
     def full_state_dict(self) -> dict:
-        """The full, unsharded state dict that checkpoints store: tensor-
-        parallel shards are gathered (a collective: every TP rank must call
-        it), so checkpoints do not depend on the layout they were written with."""
+        """The unsharded state dict that checkpoints store (a collective: every TP
+        rank must call it), so checkpoints do not depend on the layout."""
         return parallel.full_state_dict(self)
 
     def load_full_state_dict(self, sd: dict) -> None:
-        """Inverse of full_state_dict: each rank keeps its slice (strict:
-        every key must match). Loads a save from any tensor-parallel size."""
+        """Inverse of full_state_dict (strict): each rank keeps its slice."""
         parallel.load_full_state_dict(self, sd)
 
 
 # -----------------------------------------------------------------------------
 # The LM head and the loss, fused over chunks of tokens
 #
-# The language-model loss: LM head and cross-entropy fused over chunks of
-# tokens, so that the full (tokens, vocab) logits never exist at once.
-#
 # Why: the LM head's output is the largest activation of a GPT step. At GPT-2
-# 124M, micro-batch 8, seq 1024, the logits are 8192 x 50304 values; upcast to
-# fp32 for a stable softmax that is 1.65 GB, plus as much again for their
-# gradient and the softmax kept for backward. The fused loss (the idea of
-# Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy)
-# walks the tokens in chunks. For each chunk it
+# 124M, micro-batch 8, seq 1024, the logits are 8192 x 50304 values: 1.65 GB
+# in fp32 for a stable softmax, plus as much again for their gradient and the
+# softmax kept for backward. The fused loss (the idea of Liger-Kernel's fused
+# linear cross-entropy and Apple's Cut Cross-Entropy) walks the tokens in
+# chunks, so the (tokens, vocab) logits never exist whole. For each chunk it
 #
 #   1. makes the chunk's logits z = h W^T            (n, V) in the matmul dtype,
 #   2. takes each row's max, sum of exp and target logit in fp32 (the log-sum-
@@ -722,58 +634,46 @@ class GPT(nn.Module):
 #      kept in units of the largest weight so that it fits fp16 (see below),
 #   4. turns that into the input gradient dh = dz W and adds dz^T h to dW,
 #
-# and then frees z. The loss gradient is computed during the forward pass,
-# which is possible because the loss is a weighted sum of the per-token losses,
-# sum_i w_i * loss_i (w_i = loss_mask_i / sum(loss_mask), or 1/N): backward
-# only scales the stored dh and dW by the incoming scalar gradient (under
-# --fp16, the loss scale), in fp32. No chunk
-# keeps logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
+# and then frees z. The gradient can be made in forward because the loss is a
+# weighted sum of per-token losses, sum_i w_i * loss_i (w_i = loss_mask_i /
+# sum(loss_mask), or 1/N): backward only scales the stored dh and dW by the
+# incoming scalar (under --fp16, the loss scale), in fp32. No chunk keeps
+# logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
 #
 # Tensor parallelism (Megatron's vocab-parallel cross-entropy): W is this
-# rank's slice of the vocabulary, so each rank sees a slice of every row.
-# Step 2 all-reduces the per-row max (MAX) and the rescaled sum of exp and the
-# target logit (SUM) over the tensor-parallel group, exactly as
-# parallel.vocab_parallel_cross_entropy does; dh is then a partial sum, which
-# the f operator in front of the head (copy_to_tensor_parallel_region)
+# rank's vocab slice, so each rank sees a slice of every row. Step 2
+# all-reduces the per-row max (MAX) and the rescaled sum of exp and the target
+# logit (SUM) over the TP group, as parallel.vocab_parallel_cross_entropy
+# does; dh is then a partial sum, which the f operator in front of the head
 # all-reduces in backward.
 #
-# The row passes of steps 2 and 3 are Triton kernels on CUDA (one read of the
+# On CUDA the row passes of steps 2 and 3 are Triton kernels (one read of the
 # logits for the statistics, one read and one in-place write for the
-# gradient); elsewhere the same maths runs as torch ops, in place on the chunk
-# (chunk_lse_and_grad_).
-# `loss_impl="full"` in GPTConfig keeps the unfused path (full logits, then
-# parallel.vocab_parallel_cross_entropy) for comparison.
+# gradient); elsewhere the same maths runs as torch ops, in place on the chunk.
+# loss_impl="full" keeps the unfused path for comparison.
 
-# Logits per chunk (tokens x local vocab), by device. Larger chunks make
-# larger, slightly more efficient matmuls; smaller ones save memory. On CUDA
-# the Triton row passes work in place, so a chunk costs its logits alone:
-# 2**28 is 512 MiB in bf16, 5336 tokens of GPT-2's 50304-row vocabulary.
-# Elsewhere the row passes are torch ops, in place on fp32 chunks (16-bit
-# ones get an fp32 copy); 2**24 (64 MiB, 333 tokens) cuts the head + loss
-# peak several-fold against the full logits and runs faster (bench/RESULTS.md).
+# Logits per chunk (tokens x local vocab), by device: larger chunks make
+# slightly more efficient matmuls, smaller ones save memory. On CUDA a chunk
+# costs its logits alone: 2**28 is 512 MiB in bf16, 5336 tokens of a
+# 50304-row vocabulary. Elsewhere the torch row passes work on fp32 chunks
+# (16-bit ones get an fp32 copy); 2**24 (64 MiB, 333 tokens) cuts the head +
+# loss peak several-fold against the full logits and runs faster (bench/RESULTS.md).
 CHUNK_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
-
 
 
 def chunk_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = True,
                         triton_kernels: bool | None = None):
-    """One chunk's loss statistics, and its gradient in place.
-
-    z: the chunk's logits (n, V_local), this rank's vocab slice; labels (n,):
-    full-vocabulary ids; weight (n,) fp32: each token's weight in the loss.
-    Returns (lse, target logit), fp32 (n,), over the full vocabulary (under TP
-    the rows' statistics are combined across the slices). With need_grads, z
-    is overwritten by weight * (softmax(z) - onehot(labels)); without, z is
-    left holding scratch values."""
-    # The Triton kernels on CUDA only: on CPU they would run through the
-    # interpreter, far too slowly to train (the tests pass triton_kernels=True).
+    """One chunk's (lse, target logit), fp32 (n,), over the full vocabulary.
+    z: the chunk's logits (n, V_local); labels (n,): full-vocabulary ids;
+    weight (n,) fp32: each token's weight. With need_grads, z is overwritten by
+    weight * (softmax(z) - onehot(labels)); without, z holds scratch values."""
+    # Triton on CUDA only: on CPU the interpreter is far too slow to train.
     if kernels.HAS_TRITON and (z.is_cuda if triton_kernels is None else triton_kernels):
         lse, z_target = parallel.vocab_parallel_lse(*kernels.loss_row_stats(z, labels, vocab_start))
         if need_grads:
             kernels.loss_row_grad_(z, labels, lse, weight, vocab_start)
         return lse, z_target
-    # The same maths as torch ops, exp in place: three passes over the chunk,
-    # no chunk-sized temporary (a copy only when z is 16-bit, for fp32 maths).
+    # Three in-place passes, no chunk-sized temporary (an fp32 copy when z is 16-bit).
     zf = z if z.dtype == torch.float32 else z.float()
     local = (labels - vocab_start).clamp(0, z.shape[1] - 1)[:, None]  # (n, 1)
     here = ((labels >= vocab_start) & (labels < vocab_start + z.shape[1])).float()
@@ -793,14 +693,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """loss = sum_i w_i * (lse_i - z_i[target_i]) with z = h W^T, in chunks;
     returns the fp32 scalar and keeps only dh (like h) and dW (fp32, like W).
 
-    The gradients are made in forward, before backward's incoming gradient
-    (under --fp16, the loss scale) is known, so they are kept in units of
-    w_max = max_i w_i: each logit gradient (w_i / w_max) * (softmax - onehot)
-    lies in [-1, 1], and backward multiplies by grad_loss * w_max in fp32.
-    With the weights themselves (1/N: 5e-4 at 2048 tokens) an fp16 logit
-    gradient of a token with probability 1e-5 would be 5e-9, below fp16's
-    smallest value, and flush to zero; and grad_loss (the loss scale, 65536)
-    cast to fp16 would be inf."""
+    The gradients are made before backward's incoming gradient (under --fp16,
+    the loss scale) is known, so they are kept in units of w_max = max_i w_i:
+    each logit gradient (w_i / w_max) * (softmax - onehot) lies in [-1, 1], and
+    backward multiplies by grad_loss * w_max in fp32. With the weights
+    themselves (1/N: 5e-4 at 2048 tokens) the fp16 gradient of a token with
+    probability 1e-5 would be 5e-9 and flush to zero; and the loss scale
+    (65536) cast to fp16 would be inf."""
 
     @staticmethod
     def forward(ctx, h, weight, labels, token_weight, compute_dtype, need_grads):
@@ -849,10 +748,9 @@ def token_weights(labels, loss_mask=None):
 
 def fused_lm_loss(h, weight, labels, loss_mask=None):
     """The LM head h W^T and the mean (or loss_mask-weighted) cross-entropy in
-    one, without full logits. h: (..., C) final hidden states (already through
-    the f operator under TP); weight: (V_local, C) this rank's vocab rows;
-    labels: (...) full-vocabulary ids. Returns the fp32 scalar loss. Matmuls
-    run in the autocast dtype when autocast is on, else in h's dtype."""
+    one, fp32 scalar. h: (..., C) (through f under TP); weight: (V_local, C)
+    this rank's vocab rows; labels: (...) full-vocabulary ids. Matmuls run in
+    the autocast dtype when autocast is on, else in h's dtype."""
     kind = h.device.type
     compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
     need_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
@@ -865,21 +763,12 @@ def fused_lm_loss(h, weight, labels, loss_mask=None):
 # -----------------------------------------------------------------------------
 # Generation: a KV cache, top-k / top-p filtering, generate()
 #
-# Generation from a GPT: a KV cache, top-k / top-p filtering, generate().
-#
-#     from gpt import generate
 #     ids = generate(model, prompt_ids, max_new_tokens=100, temperature=0.8, top_k=50)
-#
-# The prompt runs once through GPT.forward(kv_cache=...), which fills each
-# layer's KVCache; every new token then runs alone against the cache. Used by
-# train.py's end-of-run sample and evaluate.py --task GENERATE.
 
 class KVCache:
-    """The keys and values of every position generate() has run, per layer,
-    so that each new token costs one position of compute and attention over
-    the cache, not a re-run of the whole prefix. The buffers, (B, G_local,
-    max_len, hd) per layer (G_local: this rank's key/value heads under TP),
-    are allocated at the first call and filled in place."""
+    """The keys and values of every position generate() has run, per layer, so
+    each new token costs one position, not a re-run of the prefix. Buffers
+    (B, G_local, max_len, hd) per layer are allocated at the first call."""
 
     def __init__(self, max_len: int):
         self.max_len = max_len
@@ -904,24 +793,19 @@ def generate(model: GPT, input_ids, max_new_tokens: int, temperature: float = 1.
              top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
              use_cache: bool = True):
-    """Autoregressively extend input_ids (B, T) by up to max_new_tokens.
-
-    temperature 0 means greedy. Only real token ids (< vocab_size) are ever
-    produced. Rows that emitted eos_token_id keep emitting it; generation
-    stops early once every row has. Runs in eval mode (restored after).
-    With use_cache the prompt runs once and every new token then runs alone
-    against a KVCache. Once the sequence outgrows the model's positions,
-    each step re-runs the last max_position_embeddings tokens instead (the
-    window slides, so cached keys would sit at the wrong positions).
-    """
+    """Autoregressively extend input_ids (B, T) by up to max_new_tokens, in eval
+    mode; temperature 0 is greedy; only ids < vocab_size are produced. Rows
+    that emitted eos_token_id keep emitting it, and generation stops once all
+    have. Once the sequence outgrows the model's positions, each step re-runs
+    the last max_position_embeddings tokens without the cache (the window
+    slides, so cached keys would sit at the wrong positions)."""
     if temperature < 0:
         raise UsageError(f"temperature must be >= 0, got {temperature}")
     was_training = model.training
     model.eval()
     max_pos = model.config.max_position_embeddings
     try:
-        # Every token runs on every rank: a sequence growing one token at a
-        # time cannot be split over the TP ranks by sequence parallelism.
+        # A sequence growing one token at a time cannot be split over the TP ranks.
         with parallel.sequence_parallel_off(model):
             ids, unseen = input_ids, input_ids  # unseen: the tokens the cache does not hold yet
             cache = KVCache(max_pos) if use_cache else None
@@ -951,11 +835,8 @@ def generate(model: GPT, input_ids, max_new_tokens: int, temperature: float = 1.
 
 
 def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
-    """Set logits outside the top-k / nucleus (top-p) set to -inf. logits: (B, V).
-
-    top_p keeps the smallest set of most likely tokens whose cumulative
-    probability reaches top_p; the most likely token is always kept.
-    """
+    """Set logits (B, V) outside the top-k / nucleus (top-p) set to -inf: top_p
+    keeps the smallest set of most likely tokens whose probability reaches top_p."""
     if top_k is not None:
         if top_k < 1:
             raise UsageError(f"top_k must be >= 1, got {top_k}")
@@ -967,8 +848,7 @@ def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
         probs = F.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-        # A token is dropped once the tokens ahead of it already reach top_p;
-        # mass_before of the top token is 0 < top_p, so it always survives.
+        # The top token's mass_before is 0 < top_p, so it always survives.
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return logits
@@ -979,22 +859,19 @@ def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
 
 
 def count_parameters(config: GPTConfig, exclude_embeddings: bool = False) -> int:
-    """Same number as GPT(config).num_parameters(...), from the config alone."""
+    """GPT(config).num_parameters(...) of the full model, from the config alone."""
     H, Fh, L = config.hidden_size, config.ffn_hidden_size, config.num_layers
     b = 0 if config.disable_bias_linear else 1          # a bias per output feature
     norm = H if config.normalization == "RMSNorm" else 2 * H
     qkv = H + 2 * config.num_query_groups * config.head_dim  # GQA: narrower K and V
     fc = 2 * Fh if config.swiglu else Fh                 # SwiGLU: gate and up
-    per_layer = (norm                  # ln_1
-                 + (H + b) * qkv       # qkv
-                 + (H + b) * H         # attn.proj
-                 + norm                # ln_2
-                 + (H + b) * fc        # mlp.fc
-                 + (Fh + b) * H)       # mlp.proj
+    per_layer = (2 * norm                    # ln_1, ln_2
+                 + (H + b) * (qkv + H + fc)  # qkv, attn.proj, mlp.fc
+                 + (Fh + b) * H)             # mlp.proj
     n = L * per_layer + norm           # + ln_f
     if not exclude_embeddings:
         heads = 2 if config.untie_embeddings_and_output_weights else 1  # wte (+ output_layer)
-        positions = config.max_position_embeddings if config.position_embedding_type == "learned_absolute" else 0
+        positions = config.max_position_embeddings if config.position_embedding_type != "rope" else 0
         n += (heads * config.padded_vocab_size + positions) * H
     return n
 
@@ -1004,15 +881,11 @@ def flops_per_token(config: GPTConfig, seq_length: int) -> int:
 
         6 * N  +  12 * num_layers * hidden_size * seq_length
 
-    N = non-embedding parameters + hidden_size * padded_vocab_size: every
-    weight matmul costs 2 FLOPs per weight forward and 4 backward; the LM head
-    (tied or untied) is one real matmul, so its weight counts once, while
-    embedding lookups are free. SwiGLU's third matrix and GQA's narrower K, V
-    are in N (count_parameters). The second term is attention's two T x T matmuls (Q K^T and
-    P V): 2 * 2 * T * H forward per layer, times 3 for backward. The causal
-    half is not subtracted (the PaLM / nanoGPT convention), so MFU computed
-    from this is comparable with theirs.
-    """
+    N = non-embedding parameters + hidden_size * padded_vocab_size: each weight
+    costs 2 FLOPs forward and 4 backward; the LM head (tied or not) is one real
+    matmul, embedding lookups are free. The second term is attention's Q K^T
+    and P V: 2 * 2 * T * H forward per layer, times 3 with backward. The causal
+    half is not subtracted (the PaLM / nanoGPT convention), so MFU compares."""
     H, L = config.hidden_size, config.num_layers
     n = count_parameters(config, exclude_embeddings=True) + H * config.padded_vocab_size
     return 6 * n + 12 * L * H * seq_length
