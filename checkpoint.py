@@ -357,8 +357,8 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
                     "config": dataclasses.asdict(cfg)}
     if parallel.tp_size() == 1:
-        # For ds_to_universal: at tp=1 nothing is split, and the version says so. At tp > 1
-        # the strided QKV split has no description: it refuses the checkpoint, not merges it wrongly.
+        # For ds_to_universal: at tp=1 nothing is split, and the version says so. At tp > 1 the
+        # strided QKV split has no description, so it refuses the checkpoint rather than merge QKV wrongly.
         client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
     on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
                                                  save_latest=False), what)
@@ -457,15 +457,12 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
         raise UsageError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
                          f"{LATEST} nor DeepSpeed's {DS_LATEST})")
     full, state = read_weights(found)
-    model_config = state["model_config"]
-    model = GPT(GPTConfig(**model_config))  # tp=1, on CPU
+    model = GPT(GPTConfig(**state["model_config"]))  # tp=1, on CPU
     model.load_full_state_dict(full)
     if fmt == "hf":
         to_hf(model, out)
         return
-    state = {"model": model.full_state_dict(), "optimizer": None, "scaler": None,
-             "iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
-             "rng": state["rng"], "config": state["config"], "model_config": model_config}
+    state.update(model=model.full_state_dict(), optimizer=None, scaler=None)
     write_plain_checkpoint(out, state)
 
 
@@ -511,21 +508,19 @@ def to_hf(model: GPT, path: str) -> None:
     atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
 
 
-# What each architecture needs: (holds for this config?, the flag that makes it hold).
-def _gpt2_needs(c: GPTConfig) -> list[tuple[bool, str]]:
-    return [(c.position_embedding_type == "learned_absolute", "--position-embedding-type learned_absolute"),
-            (c.normalization == "LayerNorm", "--normalization LayerNorm"),
-            (not c.swiglu, "no --swiglu"),
-            (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
-            (not c.disable_bias_linear, "no --disable-bias-linear"),
-            (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")]
-
-
-def _llama_needs(c: GPTConfig) -> list[tuple[bool, str]]:
-    return [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
-            (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
-            (c.normalization == "RMSNorm", "--normalization RMSNorm"),
-            (c.swiglu, "--swiglu")]
+def _hf_needs(c: GPTConfig) -> dict[str, list[tuple[bool, str]]]:
+    """What each architecture needs: (holds for this config?, the flag that makes it hold)."""
+    return {"gpt2": [(c.position_embedding_type == "learned_absolute",
+                      "--position-embedding-type learned_absolute"),
+                     (c.normalization == "LayerNorm", "--normalization LayerNorm"),
+                     (not c.swiglu, "no --swiglu"),
+                     (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
+                     (not c.disable_bias_linear, "no --disable-bias-linear"),
+                     (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")],
+            "llama": [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
+                      (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
+                      (c.normalization == "RMSNorm", "--normalization RMSNorm"),
+                      (c.swiglu, "--swiglu")]}
 
 
 def hf_architecture(config: GPTConfig) -> str:
@@ -533,8 +528,7 @@ def hf_architecture(config: GPTConfig) -> str:
     this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
     or without GQA, biases or a tied head, is Llama). Otherwise a UsageError
     naming the closer one and the flags that would make the model fit it."""
-    missing = {arch: [flag for ok, flag in needs(config) if not ok]
-               for arch, needs in (("gpt2", _gpt2_needs), ("llama", _llama_needs))}
+    missing = {arch: [flag for ok, flag in needs if not ok] for arch, needs in _hf_needs(config).items()}
     for arch, flags in missing.items():
         if not flags:
             return arch
