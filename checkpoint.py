@@ -2,16 +2,15 @@
 Face directories, and weight export. Sections:
 
   1. plain: SAVE/iter_0000100/model_optim_rng.pt + latest_checkpointed_iteration.txt,
-     full (unsharded) model and optimizer states, so any TP and DP size
-     loads them; which checkpoint --load reads, and what it may take from it
+     full (unsharded) states, so any TP and DP size loads them; which
+     checkpoint --load reads, and what it may take from it
   2. DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
-     published the same way, so DeepSpeed's tools (zero_to_fp32) read it;
-     export: consolidated fp32 weights of either kind, as a plain
-     checkpoint or a Hugging Face directory
+     so its tools (zero_to_fp32) read it; export of either kind's weights
   3. Hugging Face GPT-2 and Llama directories in and out (from_hf, to_hf)
   4. files written atomically (atomic_write, fsync_path)
-Both kinds are written under a temporary name and renamed into place, with
-the `latest` pointer replaced after that (see publish).
+Both kinds are written under a temporary name, renamed into place, then
+pointed at (publish): a crash at any point leaves the previous checkpoint
+and the pointer to it intact.
 """
 from __future__ import annotations
 
@@ -38,11 +37,6 @@ if TYPE_CHECKING:  # config.py imports data.py, which imports this module
 # ----------------------------------------------------------------------------
 # 1. train.py's own checkpoints
 # ----------------------------------------------------------------------------
-# Layout (Megatron's): SAVE/iter_0000100/model_optim_rng.pt and
-# SAVE/latest_checkpointed_iteration.txt. A checkpoint directory is written under
-# a temporary name and renamed into place; the "latest" file is replaced
-# atomically after that. A crash at any point leaves the previous checkpoint
-# and the pointer to it intact.
 
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"
@@ -51,9 +45,8 @@ DS_META = "trainer_state.json"
 
 
 def rng_state() -> dict:
-    """The generators' states: the shared ones (every rank draws the same
-    stream, so one rank's stand for all) and every TP rank's own dropout
-    stream (parallel.py, section 5). Collective over the TP group: call it on every rank."""
+    """The shared generators' states (the same on every rank) and every TP
+    rank's own dropout stream (parallel.py, section 5). Collective over TP."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state(),
              "tracker": parallel.rng_tracker_states_of_every_tp_rank()}
@@ -68,34 +61,31 @@ def set_rng_state(state: dict, log=print) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tracker = state.get("tracker")  # absent from checkpoints older than the tracker
+    tracker = state.get("tracker")
     if tracker and not parallel.set_rng_tracker_states_of_every_tp_rank(tracker):
         log(f"the per-TP-rank dropout streams were saved at tensor-parallel size {len(tracker)} "
             f"or on another device; they start afresh from --seed")
 
 
 def load_full_optimizer_state(model: GPT, optimizer, saved: dict) -> None:
-    """Inverse of full_optimizer_state: slice this rank's shards, then hand torch
-    its own format (parameters numbered in param-group order) so that it places
+    """Inverse of states_for_writer: slice this rank's shards, in torch's own
+    format (parameters numbered in param-group order), so that torch places
     every tensor on the right device."""
     names = {id(p): n for n, p in model.named_parameters()}
-    state, index = {}, 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = names[id(p)]
-            if name not in saved["state"]:
-                raise KeyError(f"checkpoint has no optimizer state for parameter {name!r}")
-            state[index] = {k: parallel.shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
-                            for k, v in saved["state"][name].items()}
-            index += 1
+    state = {}
+    for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        name = names[id(p)]
+        if name not in saved["state"]:
+            raise KeyError(f"checkpoint has no optimizer state for parameter {name!r}")
+        state[index] = {k: parallel.shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
+                        for k, v in saved["state"][name].items()}
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
 def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor | None:
-    """The full tensor of `t` (the parameter, or optimizer state shaped like
-    it) on the host of tensor-parallel rank 0, None on the other TP ranks.
-    dist.gather, not all_gather, and straight to the CPU: no GPU holds more
-    than one full tensor beyond its own shards at any moment."""
+    """The full tensor of `t` (a parameter, or optimizer state shaped like it)
+    on TP rank 0's host, None on the other TP ranks. A gather straight to the
+    CPU: no GPU holds more than one full tensor beyond its own shards."""
     if getattr(param, "tensor_model_parallel", False):
         t = parallel.gather_tensor_to_first(t, param.partition_dim, param.partition_stride)
     elif parallel.tp_rank() != 0:
@@ -104,13 +94,10 @@ def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor
 
 
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
-    """(model state dict, optimizer state keyed by parameter name), both full
-    and unsharded, so the checkpoint does not depend on the parallel layout;
-    assembled tensor by tensor on the writer (global rank 0), (None, None)
-    elsewhere. Only the first data-parallel replica takes part: the others
-    hold the same values. (Gathering everything on every rank would put the
-    whole model and AdamW state, 16 bytes a parameter, on each GPU: 24 GB at
-    1.5B parameters and tp=2.)"""
+    """(model state dict, optimizer state keyed by parameter name), full and
+    unsharded, assembled tensor by tensor on global rank 0; (None, None)
+    elsewhere. Only the first DP replica takes part. (Gathering on every rank
+    would put 16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
     if parallel.dp_rank() != 0:
         return None, None
     params = dict(model.named_parameters())
@@ -126,16 +113,11 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
 
 
 def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
-    """Move a completely written checkpoint directory into place, then make
-    it the directory's latest (point_at). Every file and directory is forced
-    to disk before the rename that makes it visible, so a crash or a power
-    loss at any moment leaves either the old checkpoint and pointer or the
-    new ones.
-
-    Re-saving an iteration that exists: the old copy is renamed to
-    final_dir.old until the new one is in place; if a crash lands between
-    the two renames, the pointer may name a directory that is missing, and
-    checkpoint_dir() then reads the .old copy."""
+    """Move a completely written checkpoint directory into place, then point
+    at it. Everything is forced to disk before the rename that makes it
+    visible, so a crash or power loss leaves the old checkpoint and pointer
+    or the new ones. A re-saved iteration's old copy is final_dir.old until
+    the new one is in place (checkpoint_dir reads it after a crash between)."""
     for root, _, files in os.walk(tmp_dir):
         for name in files:
             fsync_path(os.path.join(root, name))
@@ -151,13 +133,11 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
 
 
 def point_at(save_dir: str, kind: str, iteration: int) -> None:
-    """Make iteration the latest checkpoint of save_dir. Both kinds write
-    Megatron's pointer, the one --load reads first; a DeepSpeed save also
-    writes DeepSpeed's `latest` (its own tools, zero_to_fp32, read that).
-    After a plain save DeepSpeed's pointer would name an older checkpoint
-    than the directory's latest (or, with --keep-last-checkpoints, a deleted
-    one), so it goes, before Megatron's pointer moves: a crash in between
-    leaves Megatron's naming the previous complete checkpoint."""
+    """Make `iteration` save_dir's latest. Both kinds write Megatron's pointer
+    (--load reads it first); a DeepSpeed save also writes DeepSpeed's `latest`
+    for its tools. After a plain save that one would name an older (or
+    deleted) checkpoint, so it goes first: a crash in between leaves
+    Megatron's naming the previous complete checkpoint."""
     ds_pointer = os.path.join(save_dir, DS_LATEST)
     if kind == "plain" and os.path.exists(ds_pointer):
         os.remove(ds_pointer)
@@ -168,8 +148,7 @@ def point_at(save_dir: str, kind: str, iteration: int) -> None:
 
 
 def checkpoint_dir(save_dir: str, tag: str) -> str:
-    """SAVE/TAG, or SAVE/TAG.old if a crash interrupted a re-save of TAG
-    between its two renames (see publish)."""
+    """SAVE/TAG, or SAVE/TAG.old after a crash mid re-save (see publish)."""
     path = os.path.join(save_dir, tag)
     if not os.path.isdir(path) and os.path.isdir(path + ".old"):
         return path + ".old"
@@ -188,13 +167,10 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
 
 
 def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
-    """Once iteration `current` is published (the `latest` pointer has moved
-    to it), and only then: delete the leftovers of saves that never
-    completed (iter_N.tmp, from a rank that died mid-save; one job saves at a
-    time, so none is in progress), and with --keep-last-checkpoints K all
-    but the K newest of `current` and the checkpoints before it. Later
-    iterations (left by another run in the same directory) are never
-    touched, nor is anything else not named iter_NNNNNNN."""
+    """Once `current` is published: delete unfinished saves (iter_N.tmp; one
+    job saves at a time, so none is in progress) and, with `keep`, all but
+    the `keep` newest checkpoints up to `current`. Later iterations (another
+    run's) and anything not named iter_NNNNNNN are never touched."""
     for name in sorted(os.listdir(save_dir)):
         if name.startswith("iter_") and name.endswith(".tmp"):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
@@ -210,44 +186,39 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
 
 
 def on_every_rank(fn, what: str) -> None:
-    """Run fn() on this rank, then agree with every rank on whether all of
-    them succeeded. A rank whose part failed raises its own error; the others
-    stop with one line that names it. (With a bare barrier instead, the
-    ranks whose partner died would wait at it forever.)"""
+    """Run fn(), then agree with every rank on whether all succeeded: a rank
+    whose part failed raises its own error, the others stop with one line
+    naming it. (At a bare barrier they would wait forever.)"""
     error = None
     try:
         fn()
     except Exception as e:  # noqa: BLE001 -- re-raised below, after the vote
         error = e
-    failures = [f"{type(error).__name__}: {error}"] if error else []
+    mine = f"{type(error).__name__}: {error}" if error else None
+    everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, failures[0] if failures else None)
-        failures = [(r, m) for r, m in enumerate(everyone) if m]
+        dist.all_gather_object(everyone, mine)
     if error is not None:
         raise error
-    if failures:
-        rank, message = failures[0]
-        raise SystemExit(f"rank {dist.get_rank()}: stopping, {what} failed on rank {rank}: {message}")
+    for rank, message in enumerate(everyone):
+        if message:
+            raise SystemExit(f"rank {dist.get_rank()}: stopping, {what} failed on rank {rank}: {message}")
 
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
                     consumed_samples: int, log) -> None:
-    """Gather the full states on global rank 0 and write them there (log:
-    where to say so). Every rank calls it: the gathering is collective."""
+    """Gather the full states on global rank 0 and write them there.
+    Collective: every rank calls it."""
     model_sd, optim_sd = states_for_writer(model, optimizer)
     rng = rng_state()  # collective too
 
     def write():
         if model_sd is None:
             return
-        state = {
-            "model": model_sd, "optimizer": optim_sd,
-            "scaler": scaler.state_dict() if scaler else None,
-            "iteration": iteration, "consumed_samples": consumed_samples,
-            "rng": rng,
-            "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(model.config),
-        }
+        state = {"model": model_sd, "optimizer": optim_sd, "scaler": scaler.state_dict() if scaler else None,
+                 "iteration": iteration, "consumed_samples": consumed_samples, "rng": rng,
+                 "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(model.config)}
         log(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
         remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
@@ -263,14 +234,10 @@ class Found:
 
 
 def latest_checkpoint(load_dir: str) -> Found | None:
-    """The latest checkpoint in load_dir, of either kind, or None if there is none.
-
-    Megatron's pointer names it (see point_at). DeepSpeed's `latest` alone
-    (a checkpoint copied by hand, say) is read too. If the two name different
-    iterations (a crash between a DeepSpeed save's two pointer writes, or a
-    directory where plain and DeepSpeed runs took turns before both kinds
-    wrote Megatron's pointer), the newer one wins. The kind is what the
-    directory holds, so a plain pointer never reads a DeepSpeed save as plain."""
+    """The latest checkpoint in load_dir, of either kind, or None. Either
+    pointer may name it (DeepSpeed's alone: copied by hand, say); if they
+    differ (a crash between a DeepSpeed save's two pointer writes) the newer
+    wins. The kind is what the directory holds, not the pointer's."""
     named = []
     if os.path.exists(os.path.join(load_dir, LATEST)):
         with open(os.path.join(load_dir, LATEST)) as f:
@@ -279,7 +246,7 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     if os.path.exists(os.path.join(load_dir, DS_LATEST)):
         with open(os.path.join(load_dir, DS_LATEST)) as f:
             tag_dir = checkpoint_dir(load_dir, f.read().strip())
-        named.append((read_deepspeed_meta(tag_dir, DS_LATEST)["iteration"], tag_dir, DS_LATEST))
+        named.append((read_deepspeed_meta(tag_dir)["iteration"], tag_dir, DS_LATEST))
     if not named:
         return None
     iteration, path, pointer = max(named, key=lambda n: n[0])
@@ -288,26 +255,23 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     if os.path.exists(os.path.join(path, DS_META)):
         return Found("deepspeed", iteration, path)
     raise UsageError(f"{os.path.join(load_dir, pointer)} names iteration {iteration}, but "
-                            f"{path} holds no checkpoint (neither {PLAIN_FILE} nor {DS_META})")
+                     f"{path} holds no checkpoint (neither {PLAIN_FILE} nor {DS_META})")
 
 
-def read_deepspeed_meta(tag_dir: str, pointer: str = DS_LATEST) -> dict:
+def read_deepspeed_meta(tag_dir: str) -> dict:
     """trainer_state.json of a DeepSpeed checkpoint written by train.py."""
     path = os.path.join(tag_dir, DS_META)
     if not os.path.exists(path):
-        raise UsageError(f"{pointer} names {tag_dir}, which has no {DS_META}: not a complete "
-                                f"checkpoint written by train.py")
+        raise UsageError(f"{DS_LATEST} names {tag_dir}, which has no {DS_META}: not a complete "
+                         f"checkpoint written by train.py")
     with open(path) as f:
         return json.load(f)
 
 
 def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
-    """The one decision about --load, for the plain and the DeepSpeed path:
-    the checkpoint it holds (None: start from scratch, and say so), refused
-    where this run cannot take what it would take from it. Resuming
-    everything (optimizer, loss scaler, RNG) needs a checkpoint of the
-    run's own kind; --no-load-optim and --finetune take the weights alone,
-    from either kind and any layout."""
+    """The one decision about --load, plain or DeepSpeed: its checkpoint (None:
+    start from scratch), refused where this run cannot take it. A full resume
+    needs the run's own kind; weights_only runs take either kind, any layout."""
     found = latest_checkpoint(cfg.load) if cfg.load else None
     if found is None:
         if cfg.load:
@@ -325,16 +289,14 @@ def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
 
 
 def weights_only(cfg: TrainConfig) -> bool:
-    """--no-load-optim and --finetune load the weights alone, from a
-    checkpoint of either kind and any layout."""
+    """--no-load-optim and --finetune load the weights alone."""
     return cfg.no_load_optim or cfg.finetune
 
 
 def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int]:
-    """(iteration, consumed samples) to continue from, after the weights (and
-    maybe more) of `state` were loaded; restores its RNG unless told not to.
-    --finetune starts a new run from the weights: iteration, samples and the
-    learning-rate schedule begin at zero."""
+    """(iteration, consumed samples) to continue from, once `state` is
+    loaded; restores its RNG unless told not to. --finetune starts a new
+    run: iteration, samples and the learning-rate schedule begin at zero."""
     if cfg.finetune:
         log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
             f"starting at iteration 0")
@@ -347,9 +309,8 @@ def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, 
 
 
 def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
-    """Restore everything (or, with --no-load-optim / --finetune, the weights,
-    from a checkpoint of either kind); returns (iteration, consumed_samples),
-    (0, 0) if --load holds no checkpoint."""
+    """Restore everything (or, weights_only, the weights); returns
+    (iteration, consumed_samples), (0, 0) if --load holds no checkpoint."""
     found = checkpoint_to_load(cfg, log)
     if found is None:
         return 0, 0
@@ -366,11 +327,10 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
 
 
 def read_weights(found: Found) -> tuple[dict, dict]:
-    """(full fp32 weights, the rest of the state: iteration, consumed_samples,
-    rng, config, model_config, and for plain checkpoints optimizer and scaler)
-    of a checkpoint: train.py's own, or DeepSpeed's from any ZeRO stage and
-    tensor-parallel size. Needs no process group."""
-    if found.kind == "plain":  # already full weights
+    """(full fp32 weights, the rest: iteration, consumed_samples, rng, config,
+    model_config, and a plain one's optimizer and scaler) of a checkpoint of
+    either kind, any ZeRO stage and TP size. Needs no process group."""
+    if found.kind == "plain":
         state = torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu", weights_only=False)
         return state.pop("model"), state
     weights, meta = consolidated_weights(found.path)
@@ -385,45 +345,31 @@ def read_weights(found: Found) -> tuple[dict, dict]:
 # 2. DeepSpeed's checkpoints (--deepspeed), and weight export from either kind
 # ----------------------------------------------------------------------------
 
-
-def tensor_parallel_layout(model: torch.nn.Module) -> dict:
-    """{name: [partition_dim, partition_stride]} of every TP-sharded parameter:
-    what an export needs to merge the shards of any tp."""
-    return {name: [p.partition_dim, p.partition_stride] for name, p in model.named_parameters()
-            if getattr(p, "tensor_model_parallel", False)}
-
-
-def universal_checkpoint_info(model: GPT) -> dict:
-    """What DeepSpeed's ds_to_universal needs to convert a checkpoint: how
-    each parameter is split across tensor-parallel ranks. At tp=1 nothing is,
-    and the version alone says so. At tp > 1 the strided QKV split has no
-    description here yet, so none is written and ds_to_universal refuses the
-    checkpoint (it says the info is missing) instead of merging QKV wrongly."""
-    if parallel.tp_size() > 1:
-        return {}
-    return {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
-
-
 def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed: int,
                               log) -> None:
-    """engine.save_checkpoint under a temporary tag, renamed into place by rank
-    0 after every rank has written, then the `latest` file replaced atomically:
-    a crash at any moment leaves the previous checkpoint and pointer intact."""
+    """engine.save_checkpoint under a temporary tag, published (publish) by
+    rank 0 once every rank has written."""
     tag = f"iter_{iteration:07d}"
     final, tmp = os.path.join(cfg.save, tag), os.path.join(cfg.save, tag + ".tmp")
     first = dist.get_rank() == 0
     what = f"saving checkpoint {iteration} to {cfg.save}"
     on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
-                    "config": dataclasses.asdict(cfg), **universal_checkpoint_info(engine.module)}
+                    "config": dataclasses.asdict(cfg)}
+    if parallel.tp_size() == 1:
+        # For ds_to_universal: at tp=1 nothing is split, and the version says so. At tp > 1 the
+        # strided QKV split has no description, so it refuses the checkpoint rather than merge QKV wrongly.
+        client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
     on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
                                                  save_latest=False), what)
     meta = {"iteration": iteration, "consumed_samples": consumed,
-            "zero_stage": engine.zero_optimization_stage(),
-            "data_parallel_size": parallel.dp_size(),
+            "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.dp_size(),
             "tensor_model_parallel_size": parallel.tp_size(),
             "model_config": dataclasses.asdict(engine.module.config),
-            "tensor_parallel_layout": tensor_parallel_layout(engine.module)}
+            # what an export needs to merge the shards of any tp
+            "tensor_parallel_layout": {name: [p.partition_dim, p.partition_stride]
+                                       for name, p in engine.module.named_parameters()
+                                       if getattr(p, "tensor_model_parallel", False)}}
 
     def publish_on_first():
         if first:
@@ -438,7 +384,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
 
 def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tuple[int, int]:
     """Resume everything from the DeepSpeed checkpoint `found`, written with
-    this run's layout. (Weights only, from any checkpoint: zero.init_deepspeed.)"""
+    this run's layout. (Weights only, from any checkpoint: zero.DeepSpeedTraining.)"""
     meta = read_deepspeed_meta(found.path)
     layout = {"data-parallel": (meta["data_parallel_size"], parallel.dp_size()),
               "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.tp_size())}
@@ -458,21 +404,16 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
 
 def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
     """Full fp32 weights and trainer_state of the DeepSpeed checkpoint in
-    tag_dir, for any ZeRO stage and any tp, with no process group.
-
-    Per TP rank r, DeepSpeed's zero_to_fp32 merges the data-parallel
-    partitions (fp32 master weights) of that rank's files; it refuses several
-    TP ranks at once, so each rank's files are shown to it alone. Stage 0
-    has no partitions (stage0_master_weights). The TP shards are then
-    concatenated along their split dimension."""
+    tag_dir, any ZeRO stage and tp, no process group. zero_to_fp32 merges one
+    TP rank's DP partitions at a time (it refuses several), so each rank's
+    files are shown to it alone; stage 0 has none. Then the TP shards merge."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     meta = read_deepspeed_meta(tag_dir)
     shards = []
     for r in range(meta["tensor_model_parallel_size"]):
         files = sorted(glob.glob(os.path.join(tag_dir, f"*mp_rank_{r:02d}_*.pt")))
         if meta["zero_stage"] == 0:
-            shards.append(stage0_master_weights(torch.load(files[0], map_location="cpu",
-                                                           weights_only=False)))
+            shards.append(stage0_master_weights(torch.load(files[0], map_location="cpu", weights_only=False)))
             continue
         with tempfile.TemporaryDirectory() as tmp:
             os.makedirs(os.path.join(tmp, "rank"))
@@ -486,11 +427,9 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
 
 
 def stage0_master_weights(model_states: dict) -> dict:
-    """The fp32 weights of one stage-0 model-states file. In fp32 they are
-    the module's state dict. Under --bf16/--fp16 the module holds 16-bit
-    copies, and the fp32 masters are the optimizer's fp32_groups: one list
-    per param group, in build_optimizer's order (matrices, then vectors,
-    each in the module's order)."""
+    """The fp32 weights of one stage-0 model-states file: the module's, or
+    under --bf16/--fp16 (16-bit module) the optimizer's fp32_groups, one list
+    per param group in build_optimizer's order (matrices, then vectors)."""
     module = model_states["module"]
     groups = (model_states.get("optimizer") or {}).get("fp32_groups")
     if groups is None:
@@ -507,52 +446,35 @@ def stage0_master_weights(model_states: dict) -> dict:
 
 
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
-    """Write the consolidated fp32 weights of a checkpoint (train.py's own, or
-    DeepSpeed's from any ZeRO stage and TP size) as
-    fmt="plain": the project's checkpoint layout (OUT/iter_N/model_optim_rng.pt
-                 + latest_checkpointed_iteration.txt), weights only: resume
-                 it with --load OUT --no-load-optim (any layout, with or
-                 without --deepspeed);
+    """Write the consolidated fp32 weights of a checkpoint of either kind as
+    fmt="plain": a weights-only plain checkpoint (resume it with --load OUT
+                 --no-load-optim, any layout, with or without --deepspeed);
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.tp_size() > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
     found = latest_checkpoint(checkpoint)
     if found is None:
         raise UsageError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
-                                f"{LATEST} nor DeepSpeed's {DS_LATEST})")
+                         f"{LATEST} nor DeepSpeed's {DS_LATEST})")
     full, state = read_weights(found)
-    model_config = state["model_config"]
-    model = GPT(GPTConfig(**model_config))  # tp=1, on CPU
+    model = GPT(GPTConfig(**state["model_config"]))  # tp=1, on CPU
     model.load_full_state_dict(full)
     if fmt == "hf":
         to_hf(model, out)
         return
-    state = {"model": model.full_state_dict(), "optimizer": None, "scaler": None,
-             "iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
-             "rng": state["rng"], "config": state["config"], "model_config": model_config}
+    state.update(model=model.full_state_dict(), optimizer=None, scaler=None)
     write_plain_checkpoint(out, state)
 
 
 # ----------------------------------------------------------------------------
 # 3. Hugging Face GPT-2 and Llama directories, in and out
 # ----------------------------------------------------------------------------
-# Hugging Face checkpoints in and out: GPT-2 and Llama, local directories only.
-#
-#     from_hf(dir)         config.json + model.safetensors (or pytorch_model.bin,
-#                          or a sharded safetensors index) -> our GPT
-#     to_hf(model, dir)    our GPT -> a directory transformers' AutoModelForCausalLM
-#                          (GPT2LMHeadModel or LlamaForCausalLM) loads
-#
-# Which transformers architecture a model maps to is decided in one place,
-# hf_architecture(): the default options are GPT-2; rope + RMSNorm + SwiGLU
-# (with or without GQA, biases or a tied head: Llama's config has fields for
-# those) is Llama. Anything else has no transformers architecture, and the
-# export fails naming the flags to change. Both directions drop/add the
-# vocabulary padding rows (zeros on import: their logits are 0 and they are
-# never sampled).
+# Local directories only. Both directions drop/add the vocabulary padding rows
+# (zeros on import: their logits are 0 and they are never sampled).
 
 def from_hf(path: str, padded_vocab_size: int | None = None, **overrides) -> GPT:
-    """Our GPT from a local Hugging Face GPT-2 or Llama directory."""
+    """Our GPT from a local Hugging Face GPT-2 or Llama directory: config.json
+    + model.safetensors (or pytorch_model.bin, or a sharded safetensors index)."""
     hf = _read_hf_config(path)
     kind = hf.get("model_type", "gpt2")
     if kind not in ("gpt2", "llama"):
@@ -568,9 +490,9 @@ def from_hf(path: str, padded_vocab_size: int | None = None, **overrides) -> GPT
 
 def to_hf(model: GPT, path: str) -> None:
     """Write config.json + model.safetensors (pytorch_model.bin if the
-    safetensors package is missing) for transformers' from_pretrained(path).
-    Files appear atomically. Raises ValueError, naming the flags to change,
-    for a model no transformers architecture expresses."""
+    safetensors package is missing), atomically, for transformers'
+    AutoModelForCausalLM.from_pretrained(path) (GPT2LMHeadModel or
+    LlamaForCausalLM); see hf_architecture."""
     kind = hf_architecture(model.config)  # before the (collective) gather: fail fast
     to_config, to_hf_sd = ((config_to_hf, ours_to_hf) if kind == "gpt2"
                            else (llama_config_to_hf, llama_ours_to_hf))
@@ -586,29 +508,27 @@ def to_hf(model: GPT, path: str) -> None:
     atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
 
 
-# What each architecture needs: (holds for this config?, the flag that makes it hold).
-def _gpt2_needs(c: GPTConfig) -> list[tuple[bool, str]]:
-    return [(c.position_embedding_type == "learned_absolute", "--position-embedding-type learned_absolute"),
-            (c.normalization == "LayerNorm", "--normalization LayerNorm"),
-            (not c.swiglu, "no --swiglu"),
-            (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
-            (not c.disable_bias_linear, "no --disable-bias-linear"),
-            (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")]
-
-
-def _llama_needs(c: GPTConfig) -> list[tuple[bool, str]]:
-    return [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
-            (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
-            (c.normalization == "RMSNorm", "--normalization RMSNorm"),
-            (c.swiglu, "--swiglu")]
+def _hf_needs(c: GPTConfig) -> dict[str, list[tuple[bool, str]]]:
+    """What each architecture needs: (holds for this config?, the flag that makes it hold)."""
+    return {"gpt2": [(c.position_embedding_type == "learned_absolute",
+                      "--position-embedding-type learned_absolute"),
+                     (c.normalization == "LayerNorm", "--normalization LayerNorm"),
+                     (not c.swiglu, "no --swiglu"),
+                     (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
+                     (not c.disable_bias_linear, "no --disable-bias-linear"),
+                     (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")],
+            "llama": [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
+                      (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
+                      (c.normalization == "RMSNorm", "--normalization RMSNorm"),
+                      (c.swiglu, "--swiglu")]}
 
 
 def hf_architecture(config: GPTConfig) -> str:
     """"gpt2" or "llama": the transformers architecture that computes exactly
-    this model. Otherwise a ValueError naming the closer one and the flags
-    that would make the model fit it."""
-    missing = {arch: [flag for ok, flag in needs(config) if not ok]
-               for arch, needs in (("gpt2", _gpt2_needs), ("llama", _llama_needs))}
+    this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
+    or without GQA, biases or a tied head, is Llama). Otherwise a UsageError
+    naming the closer one and the flags that would make the model fit it."""
+    missing = {arch: [flag for ok, flag in needs if not ok] for arch, needs in _hf_needs(config).items()}
     for arch, flags in missing.items():
         if not flags:
             return arch
@@ -655,19 +575,15 @@ def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) 
 
 
 def config_to_hf(config: GPTConfig) -> dict:
-    eos = min(50256, config.vocab_size - 1)
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
-        "n_embd": config.hidden_size, "n_layer": config.num_layers,
-        "n_head": config.num_attention_heads,
-        "n_inner": config.ffn_hidden_size,
-        "activation_function": "gelu_new",
+        "n_embd": config.hidden_size, "n_layer": config.num_layers, "n_head": config.num_attention_heads,
+        "n_inner": config.ffn_hidden_size, "activation_function": "gelu_new",
         "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
-        "attn_pdrop": config.attention_dropout,
-        "layer_norm_epsilon": config.layernorm_epsilon,
+        "attn_pdrop": config.attention_dropout, "layer_norm_epsilon": config.layernorm_epsilon,
         "initializer_range": config.init_method_std,
-        "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": True,
+        "bos_token_id": _eos(config), "eos_token_id": _eos(config), "tie_word_embeddings": True,
     }
 
 
@@ -697,9 +613,7 @@ def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
     wte = out.get("wte.weight")
     if wte is None or wte.shape[0] != config.vocab_size:
         raise UsageError(f"HF wte.weight missing or not {config.vocab_size} rows")
-    # Padding rows are zero: their logits are 0 and they are never sampled.
-    out["wte.weight"] = torch.cat([wte, wte.new_zeros(config.padded_vocab_size - wte.shape[0],
-                                                      wte.shape[1])])
+    out["wte.weight"] = _pad_vocab_rows(wte, config)
     return out
 
 
@@ -785,9 +699,9 @@ def llama_config_to_hf(config: GPTConfig) -> dict:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
+        "head_dim": config.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.layernorm_epsilon, "initializer_range": config.init_method_std,
         # rope_theta for transformers 4.x, rope_parameters for 5.x
         "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
@@ -825,8 +739,7 @@ def llama_hf_to_ours(sd: dict, config: GPTConfig) -> dict:
 
 
 def _pad_vocab_rows(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """(vocab_size, C) -> (padded_vocab_size, C). Padding rows are zero:
-    their logits are 0 and they are never sampled."""
+    """(vocab_size, C) -> (padded_vocab_size, C), zeros below."""
     if t.shape[0] != config.vocab_size:
         raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is "
                          f"{config.vocab_size}")
@@ -836,12 +749,11 @@ def _pad_vocab_rows(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
 # -----------------------------------------------------------------------------
 # Reading a local directory
 
-
 def _read_hf_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise UsageError(f"{cfg_path} not found; from_hf needs a local directory "
-                                f"written by save_pretrained (no hub downloads)")
+                         f"written by save_pretrained (no hub downloads)")
     with open(cfg_path) as f:
         return json.load(f)
 
@@ -866,13 +778,11 @@ def _read_hf_weights(path: str) -> dict:
 # ----------------------------------------------------------------------------
 
 def atomic_write(path: str, write) -> None:
-    """write(f) into a temporary binary file beside `path`, force it to disk,
-    rename it into place and force the directory entry too: a reader, or the
-    machine after a power loss, finds the old file or the new one, never a
-    torn one. The temporary name is per process, because several ranks may
-    write the same file (GPT.to_hf under tensor parallelism) and must not
-    rename or delete one another's half-written copy. The one atomic write of
-    the project: index caches, checkpoints, exports."""
+    """write(f) into a temporary file beside `path`, force it to disk, rename
+    it into place and force the directory entry: a reader, or the machine
+    after a power loss, finds the old file or the new one, never a torn one.
+    The temporary name is per process: several ranks may write the same file
+    (to_hf under tensor parallelism). The project's one atomic write."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

@@ -1,14 +1,10 @@
-"""The flags of train.py and evaluate.py, in Megatron's names: each declared
-once in TrainConfig with its default and its help, parsed into that typed
-config and checked once; a --deepspeed_config JSON fills the flags the
-command line left unset. Sections:
+"""The flags of train.py and evaluate.py, in Megatron's names. Sections:
 
-  1. TrainConfig: one field a flag; which tools take it
+  1. TrainConfig: one field a flag, with its default, help and tools
   2. The parser: fields -> argparse, Megatron's other spellings
-  3. The DeepSpeed JSON
+  3. The DeepSpeed JSON: fills the flags the command line left unset
   4. Checks: a mistake is one line that names the fix (parallel.UsageError)
-  5. What the flags describe that several modules need: the model's
-     GPTConfig, the autocast context
+  5. What the flags describe: the model's GPTConfig, autocast, torch.compile
 """
 from __future__ import annotations
 
@@ -28,9 +24,8 @@ TRAIN, EVALUATE = "train.py", "evaluate.py"
 
 
 def flag(default, help: str, tools=(TRAIN,), **argparse_kwargs):
-    """A TrainConfig field that is the flag --field-name: its default, its
-    --help text, the tools that take it (the other tool names it), and any
-    argparse settings beyond its type (nargs, metavar)."""
+    """A TrainConfig field that is the flag --field-name: its default, --help
+    text, the tools that take it, and argparse settings beyond its type."""
     value = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
     return field(**value, metadata={"help": help, "tools": tools, **argparse_kwargs})
 
@@ -209,9 +204,8 @@ TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tens
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors (an unknown flag, a value of the wrong type) are
-    UsageErrors, printed once from rank 0 (parallel.launch). argparse itself
-    would print usage and exit on every rank of the launch."""
+    """argparse whose errors are UsageErrors, printed once from rank 0
+    (parallel.launch), not usage and an exit on every rank."""
 
     def error(self, message: str):
         raise UsageError(f"{message} ({self.prog} --help lists the flags)")
@@ -219,12 +213,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser(tool: str, usage: str) -> argparse.ArgumentParser:
     """One flag per TrainConfig field (`--foo-bar` fills `foo_bar`), plus the
-    aliases above; the other tool's flags are hidden from --help. Every
-    default is SUPPRESS, so the parsed namespace holds exactly the flags on
-    the command line: a --deepspeed_config JSON may fill the others, and only
-    these may contradict it."""
-    # allow_abbrev=False, as in Megatron: a prefix such as --recompute must not
-    # silently mean --recompute-activations (nor --init mean --initial-loss-scale).
+    aliases; the other tool's flags are hidden from --help. Every default is
+    SUPPRESS, so the namespace holds exactly the flags on the command line
+    (a --deepspeed_config JSON may fill the others)."""
+    # allow_abbrev=False, as in Megatron: --recompute must not mean --recompute-activations.
     p = ArgumentParser(prog=tool, description=usage, allow_abbrev=False, argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
@@ -251,8 +243,7 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     """Megatron-style flags (and a --deepspeed_config JSON) -> a checked
     TrainConfig, for train.py or evaluate.py (`tool`)."""
     given = vars(build_parser(tool, usage).parse_args(argv))
-    # The deepspeed launcher passes --local_rank (torchrun's LOCAL_RANK is what
-    # we read); the TensorBoard switches are accepted and need nothing.
+    # The deepspeed launcher passes --local_rank (we read torchrun's LOCAL_RANK).
     for launcher_only in ("local_rank", "tensorboard_switch"):
         given.pop(launcher_only, None)
     tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig)}
@@ -275,35 +266,29 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
 # 3. The DeepSpeed JSON
 # ----------------------------------------------------------------------------
 
-# A --deepspeed_config value that one of our flags also sets: JSON key path ->
-# (TrainConfig field, flag, JSON value -> field value).
+# The JSON values our flags also set: key path -> (TrainConfig field, JSON value -> field value)
 DEEPSPEED_JSON_FLAGS = {
-    ("train_micro_batch_size_per_gpu",): ("micro_batch_size", "--micro-batch-size", int),
-    ("train_batch_size",): ("global_batch_size", "--global-batch-size", int),
-    ("gradient_clipping",): ("clip_grad", "--clip-grad", float),
-    ("bf16", "enabled"): ("bf16", "--bf16", bool),
-    ("fp16", "enabled"): ("fp16", "--fp16", bool),
-    ("fp16", "initial_scale_power"): ("initial_loss_scale", "--initial-loss-scale", lambda p: 2.0 ** p),
-    ("zero_optimization", "stage"): ("zero_stage", "--zero-stage", int),
+    ("train_micro_batch_size_per_gpu",): ("micro_batch_size", int),
+    ("train_batch_size",): ("global_batch_size", int),
+    ("gradient_clipping",): ("clip_grad", float),
+    ("bf16", "enabled"): ("bf16", bool),
+    ("fp16", "enabled"): ("fp16", bool),
+    ("fp16", "initial_scale_power"): ("initial_loss_scale", lambda p: 2.0 ** p),
+    ("zero_optimization", "stage"): ("zero_stage", int),
 }
 
 
-def read_json(path: str, what: str) -> dict:
+def read_deepspeed_json(path: str) -> dict:
+    """The --deepspeed_config JSON, its "bfloat16" section (DeepSpeed's other
+    spelling) renamed "bf16": else the "bf16" section zero.deepspeed_config
+    writes would silently override it, and the run would train in fp32."""
     try:
         with open(path) as f:
-            return json.load(f)
+            user = json.load(f)
     except FileNotFoundError:
-        raise UsageError(f"{what} {path}: no such file") from None
+        raise UsageError(f"--deepspeed_config {path}: no such file") from None
     except json.JSONDecodeError as e:
-        raise UsageError(f"{what} {path}: not valid JSON ({e})") from None
-
-
-def read_deepspeed_json(path: str) -> dict:
-    """The --deepspeed_config JSON, with DeepSpeed's older spelling of the bf16
-    section ("bfloat16", which DeepSpeed still reads, after "bf16") renamed
-    to "bf16": read as written, it would be silently overridden by the "bf16"
-    section zero.deepspeed_config writes, and the run would train in fp32."""
-    user = read_json(path, "--deepspeed_config")
+        raise UsageError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
     if "bfloat16" in user:
         if "bf16" in user and user["bf16"] != user["bfloat16"]:
             raise UsageError(f"--deepspeed_config {path}: \"bf16\" and \"bfloat16\" (its older "
@@ -313,27 +298,25 @@ def read_deepspeed_json(path: str) -> dict:
 
 
 def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
-    """A JSON value fills the flag it corresponds to when the command line left
-    that flag unset; a flag on the command line must agree with it (else an
-    error names both: never silently one of them). "auto" (Hugging Face's
-    placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed as they
-    are (zero.deepspeed_config); its gradient_accumulation_steps gives the
-    global batch once the data-parallel size is known (batch_from_deepspeed_json)."""
+    """A JSON value fills its flag where the command line left it unset; a
+    flag given must agree with it (else an error names both). "auto" (Hugging
+    Face's placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed
+    as they are (zero.deepspeed_config)."""
     user = read_deepspeed_json(cfg.deepspeed_config)
     precision_given = bool({"bf16", "fp16"} & given)  # then both bf16 and fp16 are decided
     updates = {}
-    for path, (name, flag_name, convert) in DEEPSPEED_JSON_FLAGS.items():
+    for path, (name, convert) in DEEPSPEED_JSON_FLAGS.items():
         raw = user
         for key in path:
             raw = raw.get(key) if isinstance(raw, dict) else None
         if raw is None or raw == "auto":
             continue
-        value = convert(raw)
+        value, now = convert(raw), getattr(cfg, name)
         decided = name in given or (name in ("bf16", "fp16") and precision_given)
         if not decided:
             updates[name] = value
-        elif getattr(cfg, name) != value:
-            now = getattr(cfg, name)
+        elif now != value:
+            flag_name = "--" + name.replace("_", "-")
             shown = (flag_name if now else f"{flag_name} being off") if isinstance(value, bool) \
                 else f"{flag_name} {now:g}"
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}={raw} "
@@ -342,9 +325,8 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
 
 
 def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
-    """The global batch that a --deepspeed_config's gradient_accumulation_steps
-    gives when neither --global-batch-size nor its train_batch_size did:
-    micro batch x data-parallel size x accumulation steps."""
+    """The global batch (micro batch x data-parallel size x accumulation steps)
+    of a --deepspeed_config's gradient_accumulation_steps, if nothing set it."""
     if not cfg.deepspeed_config or cfg.global_batch_size is not None:
         return cfg
     steps = read_deepspeed_json(cfg.deepspeed_config).get("gradient_accumulation_steps")
@@ -362,12 +344,18 @@ def check_common(cfg: TrainConfig) -> None:
     if cfg.bf16 and cfg.fp16:
         raise UsageError("--bf16 and --fp16 are mutually exclusive: pick one")
     validate_megatron_flags(cfg)
-    validate_architecture(cfg)
+    # the architecture flags that go in pairs (GPTConfig checks the values themselves)
+    if cfg.num_query_groups is not None and not cfg.group_query_attention:
+        raise UsageError("--num-query-groups needs --group-query-attention")
+    if cfg.group_query_attention and cfg.num_query_groups is None:
+        raise UsageError("--group-query-attention needs --num-query-groups G (the key/value heads)")
+    rope_flags = cfg.rotary_base is not None or cfg.rotary_percent is not None
+    if rope_flags and cfg.position_embedding_type == "learned_absolute":
+        raise UsageError("--rotary-base/--rotary-percent need --position-embedding-type rope")
 
 
 def check_training(cfg: TrainConfig, given: set[str]) -> None:
-    """train.py's own checks; `given`: the flags on the command line (some
-    checks are about those)."""
+    """train.py's own checks; `given`: the flags on the command line."""
     if cfg.lr_decay_style not in ("cosine", "linear", "constant"):
         raise UsageError(f"--lr-decay-style {cfg.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.min_lr > cfg.lr:
@@ -410,17 +398,6 @@ def validate_megatron_flags(cfg: TrainConfig) -> None:
     if cfg.make_vocab_size_divisible_by < 1:
         raise UsageError("--make-vocab-size-divisible-by must be >= 1")
     check_gpt2_bpe(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
-
-
-def validate_architecture(cfg: TrainConfig) -> None:
-    """The flags that go in pairs (GPTConfig checks the values themselves)."""
-    if cfg.num_query_groups is not None and not cfg.group_query_attention:
-        raise UsageError("--num-query-groups needs --group-query-attention")
-    if cfg.group_query_attention and cfg.num_query_groups is None:
-        raise UsageError("--group-query-attention needs --num-query-groups G (the key/value heads)")
-    rope_flags = cfg.rotary_base is not None or cfg.rotary_percent is not None
-    if rope_flags and cfg.position_embedding_type == "learned_absolute":
-        raise UsageError("--rotary-base/--rotary-percent need --position-embedding-type rope")
 
 
 def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
@@ -515,10 +492,7 @@ def validate_deepspeed(cfg: TrainConfig) -> None:
 
 def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTConfig:
     """The GPTConfig this run trains: the preset, overridden by explicit flags.
-
-    Kernels default to Triton on CUDA and to torch elsewhere; asking for Triton
-    where it cannot run is an error raised by the model.
-    """
+    Kernels default to Triton on CUDA and to torch elsewhere."""
     overrides = {k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
         "max_position_embeddings", "init_method_std", "position_embedding_type", "rotary_base",
@@ -526,9 +500,8 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     # switches turn an option on; off means the preset's choice
     overrides.update({k: True for k in ("swiglu", "untie_embeddings_and_output_weights",
                                         "disable_bias_linear") if getattr(cfg, k)})
-    # Padded to a multiple of --make-vocab-size-divisible-by alone (Megatron
-    # multiplies it by the TP size): the embedding's shape, and so every
-    # checkpoint, stays the same for any layout; a TP size must divide it.
+    # Padded to a multiple of --make-vocab-size-divisible-by alone (Megatron multiplies it
+    # by the TP size): the embedding's shape, and every checkpoint, fit any layout.
     overrides["padded_vocab_size"] = pad_vocab_size(GPTConfig.vocab_size, cfg.make_vocab_size_divisible_by)
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                      activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl,
@@ -536,10 +509,7 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     default_impl = "triton" if device is not None and device.type == "cuda" else "torch"
     overrides["attention_impl"] = cfg.attention_impl or default_impl
     overrides["layernorm_impl"] = cfg.layernorm_impl or default_impl
-    if cfg.preset is not None:
-        mcfg = GPTConfig.from_preset(cfg.preset, **overrides)
-    else:
-        mcfg = GPTConfig(**overrides)
+    mcfg = GPTConfig(**overrides) if cfg.preset is None else GPTConfig.from_preset(cfg.preset, **overrides)
     if "max_position_embeddings" not in overrides and mcfg.max_position_embeddings < cfg.seq_length:
         mcfg = dataclasses.replace(mcfg, max_position_embeddings=cfg.seq_length)
     if cfg.seq_length > mcfg.max_position_embeddings:
