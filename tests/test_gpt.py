@@ -12,22 +12,7 @@ from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
 from gpt import (GPT, GPTConfig, PRESETS, KVCache, count_parameters, filter_logits, flops_per_token,
                  generate)
 from parallel import UsageError
-
-# A small vocabulary padded up, so padding is exercised without 50k-row embeddings.
-SMALL = dict(vocab_size=100, padded_vocab_size=128)
-
-
-def tiny(**overrides) -> GPTConfig:
-    return GPTConfig.from_preset("tiny", **{**SMALL, **overrides})
-
-
-def tiny_model(seed=0, **overrides) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(tiny(**overrides))
-
-
-def tokens(B=2, T=16, vocab=100, seed=1):
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+from conftest import tiny, tiny_model, tokens
 
 
 # -----------------------------------------------------------------------------

