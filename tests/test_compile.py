@@ -507,7 +507,7 @@ def test_gpu_reduce_overhead_replays_the_step_as_cuda_graphs(tmp_path):
     captured once and replayed (Inductor's cudagraph trees: no step is
     skipped for CUDA graphs), and trains like --compile alone."""
     from test_train import losses, run_train
-    from test_deepspeed import make_corpus
+    from test_zero import make_corpus
     make_corpus(str(tmp_path / "corpus_text_document"))
     common = ["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
               "--train-iters", "6", "--eval-interval", "0", "--log-interval", "1", "--sample-tokens", "0",
@@ -540,7 +540,7 @@ TRAIN_RUNS = {  # name: flags; each runs eagerly and with COMPILE
 def worker(out: str) -> None:
     import torch.distributed as dist
     import train
-    from test_deepspeed import make_corpus
+    from test_zero import make_corpus
     os.environ["DS_ACCELERATOR"] = "cpu"
     dist.init_process_group("gloo")
     data = os.path.join(out, "corpus_text_document")

@@ -3,7 +3,7 @@ SwiGLU, grouped-query attention, an untied LM head, no linear biases.
 
 Each option is checked against its definition, on CPU with tiny shapes; the
 defaults must stay GPT-2. Tensor parallelism, Domino and ZeRO with every
-option on are in test_parallel.py and test_deepspeed.py.
+option on are in test_parallel.py and test_zero.py.
 """
 import dataclasses
 import json
