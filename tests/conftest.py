@@ -148,6 +148,15 @@ def _llama_options():
 ALL_OPTIONS = _llama_options()
 
 
+@pytest.fixture
+def single_rank():
+    """parallel.py set up for one process (tensor-parallel size 1) during the test."""
+    import parallel
+    parallel.initialize(1)
+    yield
+    parallel.destroy()
+
+
 def tiny(**overrides):
     """GPTConfig of the "tiny" preset (2 layers, 64 wide, 4 heads, 64 positions), SMALL vocabulary."""
     from gpt import GPTConfig

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gpt
 import kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,7 +294,6 @@ def test_add_layer_norm_equals_add_then_layer_norm_exactly_in_fp32():
     torch.testing.assert_close(y, mod(x + r), rtol=0, atol=0)
 
 
-
 def test_fused_residual_add_goes_through_the_module_call():
     """ZeRO-3 gathers a module's partitioned parameters in a forward pre-hook:
     the block's fused add + ln_2 must call the ln_2 module, not bypass it."""
@@ -425,6 +425,43 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
     s, y = mod(x, residual=r)
     torch.testing.assert_close(y, ref(x + r), rtol=1e-5, atol=1e-5)
     assert isinstance(mod, torch.nn.RMSNorm) and mod.fuses_residual_add
+
+
+# ---------------------------------------------------------------------------
+# the fused loss's row kernels (gpt.chunk_lse_and_grad_) against their torch twins
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("vocab_start", [0, 100])  # a vocab slice: some targets are elsewhere
+@pytest.mark.parametrize("need_grads", [True, False])
+def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
+    """The Triton row kernels (interpreted on CPU) and the in-place torch ops
+    give the same lse, target logit and, overwriting the chunk, gradient."""
+    if not (kernels.HAS_TRITON and (DEVICE == "cuda" or kernels.INTERPRET)):
+        pytest.skip("needs triton, and TRITON_INTERPRET=1 on CPU (set by conftest.py)")
+    g = torch.Generator().manual_seed(0)
+    z = (4 * torch.randn(9, 203, generator=g)).to(DEVICE)          # 203: a ragged last block
+    labels = torch.randint(0, 400, (9,), generator=g).to(DEVICE)
+    weight = torch.rand(9, generator=g).to(DEVICE)
+    results = []
+    for use_triton in (True, False):
+        dz = z.clone()
+        lse, target = gpt.chunk_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
+                                                   triton_kernels=use_triton)
+        results.append((lse, target, dz))
+    (lse, target, dz), (lse_t, target_t, dz_t) = results
+    local = labels - vocab_start
+    here = (local >= 0) & (local < z.shape[1])
+    want_lse = torch.logsumexp(z, dim=-1)
+    want_target = torch.where(here, z.gather(1, local.clamp(0, 202)[:, None]).squeeze(1), 0.0)
+    for got in (lse, lse_t):
+        torch.testing.assert_close(got, want_lse, rtol=1e-5, atol=1e-6)
+    for got in (target, target_t):
+        torch.testing.assert_close(got, want_target, rtol=1e-6, atol=0)
+    if need_grads:
+        want_dz = weight[:, None] * (torch.softmax(z, dim=-1) -
+                                     torch.nn.functional.one_hot(local.clamp(0, 202), 203) * here[:, None])
+        for got in (dz, dz_t):
+            torch.testing.assert_close(got, want_dz, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------
@@ -685,6 +722,7 @@ def test_layer_norm_output_in_the_autocast_dtype_leaves_training_unchanged(monke
 AUTOTUNE_PROBE = """
 import json, sys, torch, triton
 sys.path.insert(0, {root!r})
+import gpt
 import kernels
 hits = []
 triton.knobs.autotuning.listener = lambda **kw: hits.append(kw["cache_hit"])
