@@ -4,20 +4,22 @@ and the fused LM head + loss.
 All on CPU with tiny shapes. The Hugging Face tests build a random
 transformers GPT2LMHeadModel and check our model computes the same logits.
 """
+import dataclasses
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpt
 import parallel
 
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
-from gpt import (GPT, GPTConfig, PRESETS, KVCache, count_parameters, filter_logits, flops_per_token,
-                 generate)
+from gpt import (GPT, GPTConfig, LLAMA_OPTIONS, PRESETS, KVCache, apply_rope, count_parameters, filter_logits,
+                 flops_per_token, generate, rope_angles)
 from parallel import UsageError
-from conftest import tiny, tiny_model, tokens
+from conftest import ALL_OPTIONS, tiny, tiny_model, tokens
 
 
 # -----------------------------------------------------------------------------
@@ -324,6 +326,161 @@ def test_generate_stops_when_every_row_emits_eos():
     out = generate(model, tokens(T=4), 10, temperature=1.0, eos_token_id=eos,
                          generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 5) and torch.all(out[:, -1] == eos)
+
+
+# -----------------------------------------------------------------------------
+# The architecture options researchers fork for (issue 15): RoPE, RMSNorm,
+# SwiGLU, grouped-query attention, an untied LM head, no linear biases, each
+# against its definition; the defaults stay GPT-2 (test_config.py). Tensor
+# parallelism, Domino and ZeRO with every option on are in test_parallel.py
+# and test_zero.py.
+
+
+def test_rope_rotates_pairs_so_scores_depend_on_relative_position():
+    c = GPTConfig.from_preset("tiny", position_embedding_type="rope", rotary_base=100.0)
+    hd, R = c.head_dim, c.rotary_dim
+    angles = rope_angles(c, torch.arange(12))                        # (T, R/2)
+    # By definition (float64): dim i and i + R/2 form the complex number
+    # x_i + j x_{i+R/2}, multiplied by exp(j p theta_i), theta_i = base^(-2i/R).
+    x = torch.randn(1, 1, 12, hd, dtype=torch.float64)
+    theta = 100.0 ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    z = torch.complex(x[..., :R // 2], x[..., R // 2:R]) * torch.exp(1j * torch.arange(12.0)[:, None] * theta)
+    want = torch.cat([z.real, z.imag, x[..., R:]], dim=-1)
+    torch.testing.assert_close(apply_rope(x.float(), angles).double(), want, atol=1e-5, rtol=1e-5)
+    # q.k of rotated vectors depends only on the distance between positions.
+    q, k = torch.randn(hd), torch.randn(hd)
+    score = lambda pq, pk: (apply_rope(q.expand(1, 1, 12, hd), angles)[0, 0, pq]  # noqa: E731
+                            @ apply_rope(k.expand(1, 1, 12, hd), angles)[0, 0, pk])
+    torch.testing.assert_close(score(5, 2), score(9, 6), atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_percent_leaves_the_last_dims_alone():
+    c = GPTConfig.from_preset("tiny", position_embedding_type="rope", rotary_percent=0.5)
+    x = torch.randn(2, 4, 8, c.head_dim)
+    y = apply_rope(x, rope_angles(c, torch.arange(8)))
+    assert c.rotary_dim == c.head_dim // 2
+    assert torch.equal(y[..., c.rotary_dim:], x[..., c.rotary_dim:])
+    assert not torch.allclose(y[..., :c.rotary_dim], x[..., :c.rotary_dim])
+    torch.testing.assert_close(y[:, :, 0], x[:, :, 0])  # position 0 does not turn
+
+
+def test_rope_model_has_no_position_table_and_honours_position_ids():
+    m = tiny_model(position_embedding_type="rope").eval()
+    assert not hasattr(m, "wpe")
+    x = tokens()
+    with torch.no_grad():
+        base = m(x)
+        per_row = m(x, position_ids=torch.arange(16).expand(2, 16))   # (B, T) ids, same positions
+        shifted = m(x, position_ids=torch.arange(16) + 3)
+    torch.testing.assert_close(per_row, base)
+    # Rotations by a common offset cancel in q.k: RoPE sees relative positions only.
+    torch.testing.assert_close(shifted, base, atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_has_a_weight_and_no_bias():
+    m = tiny_model(normalization="RMSNorm")
+    norm = m.blocks[0].ln_1
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None
+    assert not any(n.endswith("ln_1.bias") for n, _ in m.named_parameters())
+    x = torch.randn(3, 64, dtype=torch.float64)
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + m.config.layernorm_epsilon)
+    torch.testing.assert_close(norm.double()(x), want)
+
+
+def test_swiglu_is_silu_gate_times_up_and_keeps_ffn_hidden_size():
+    m = tiny_model(swiglu=True, ffn_hidden_size=96)
+    mlp = m.blocks[0].mlp
+    assert mlp.fc.weight.shape == (2 * 96, 64) and mlp.proj.weight.shape == (64, 96)
+    x = torch.randn(2, 5, 64)
+    gate = F.linear(x, mlp.fc.weight[:96], mlp.fc.bias[:96])
+    up = F.linear(x, mlp.fc.weight[96:], mlp.fc.bias[96:])
+    torch.testing.assert_close(mlp.hidden(x), gate * torch.sigmoid(gate) * up)
+
+
+def test_disable_bias_linear_removes_every_linear_bias():
+    m = tiny_model(disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+    biases = [n for n, _ in m.named_parameters() if n.endswith(".bias")]
+    assert biases and all(".ln_" in n or n.startswith("ln_f") for n in biases)  # LayerNorms keep theirs
+
+
+def test_untied_head_is_its_own_weight_and_the_fused_loss_uses_it():
+    m = tiny_model(untie_embeddings_and_output_weights=True)
+    assert m.output_layer.weight.shape == (128, 64)
+    assert m.output_layer.weight.data_ptr() != m.wte.weight.data_ptr()
+    x, y = tokens(), tokens(seed=2)
+    fused = m(x, labels=y)
+    fused.backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    ref = tiny_model(untie_embeddings_and_output_weights=True, loss_impl="full")  # same weights
+    want = ref(x, labels=y)
+    want.backward()
+    torch.testing.assert_close(fused, want)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
+    """G=2 key/value heads for 4 query heads is multi-head attention whose
+    heads 0,1 share K/V head 0 and heads 2,3 share K/V head 1."""
+    gqa = tiny_model(num_query_groups=2).eval()
+    assert gqa.blocks[0].attn.qkv.weight.shape == (64 + 2 * 2 * 16, 64)
+    mha = tiny_model(seed=5).eval()
+    sd = gqa.state_dict()
+    for i in range(2):
+        for kind in ("weight", "bias"):
+            t = sd.pop(f"blocks.{i}.attn.qkv.{kind}")
+            q, k, v = t.split([64, 32, 32])
+            repeat = lambda kv: kv.unflatten(0, (2, 16)).repeat_interleave(2, dim=0).flatten(0, 1)  # noqa: E731
+            sd[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat([q, repeat(k), repeat(v)])
+    mha.load_state_dict(sd)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x), mha(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, dict(swiglu=True), dict(num_query_groups=1),
+                                     dict(untie_embeddings_and_output_weights=True),
+                                     dict(disable_bias_linear=True), dict(normalization="RMSNorm"),
+                                     dict(position_embedding_type="rope"), ALL_OPTIONS],
+                         ids=lambda o: ",".join(o) or "gpt2")
+def test_parameter_count_matches_the_built_model(options):
+    m = tiny_model(**options)
+    assert count_parameters(m.config) == m.num_parameters()
+    assert count_parameters(m.config, exclude_embeddings=True) == m.num_parameters(exclude_embeddings=True)
+
+
+def test_flops_count_swiglus_third_matrix_and_gqas_narrower_kv():
+    base = GPTConfig.from_preset("124M", disable_bias_linear=True)
+    L, H, Fh, T = 12, 768, 3072, 1024
+    swiglu = dataclasses.replace(base, swiglu=True)
+    assert flops_per_token(swiglu, T) - flops_per_token(base, T) == 6 * L * H * Fh
+    gqa = dataclasses.replace(base, num_query_groups=4)  # K, V: 4 heads of 64 instead of 12
+    assert flops_per_token(base, T) - flops_per_token(gqa, T) == 6 * L * H * 2 * (12 - 4) * 64
+    # An untied head is one more table, not one more matmul.
+    untied = dataclasses.replace(base, untie_embeddings_and_output_weights=True)
+    assert flops_per_token(untied, T) == flops_per_token(base, T)
+    assert count_parameters(untied) - count_parameters(base) == 50304 * H
+
+
+def test_every_option_trains_with_activation_checkpointing_and_generates():
+    ref = tiny_model(**ALL_OPTIONS)
+    ckpt = tiny_model(**ALL_OPTIONS, activation_checkpointing=True)
+    x, y = tokens(), tokens(seed=2)
+    ref(x, labels=y).backward()
+    ckpt(x, labels=y).backward()
+    for (n, a), b in zip(ref.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=n)
+    from gpt import generate
+    out = generate(ckpt, x[:, :4], max_new_tokens=5, temperature=0)
+    assert out.shape == (2, 9) and int(out.max()) < 100
+    assert math.isfinite(ckpt(x, labels=y).item())
+
+
+def test_llama_124m_preset_matches_gpt2_124m_in_width_and_parameters():
+    llama, gpt2 = GPTConfig.from_preset("llama-124M"), GPTConfig.from_preset("124M")
+    assert {k: getattr(llama, k) for k in LLAMA_OPTIONS} == LLAMA_OPTIONS and llama.num_query_groups == 4
+    assert llama.hidden_size == gpt2.hidden_size
+    assert abs(count_parameters(llama) / count_parameters(gpt2) - 1) < 0.01
 
 
 # -----------------------------------------------------------------------------
