@@ -1,8 +1,8 @@
-"""Tests for gpt.py: the GPT-2 model, its sampling, accounting and HF interop,
-and the fused LM head + loss.
+"""Tests for gpt.py: the GPT-2 model and its architecture options, sampling with
+the KV cache, parameter and FLOP accounting, and the fused LM head + loss.
 
-All on CPU with tiny shapes. The Hugging Face tests build a random
-transformers GPT2LMHeadModel and check our model computes the same logits.
+All on CPU with tiny shapes. Hugging Face GPT-2 and Llama in and out
+(checkpoint.py) are in test_checkpoint.py.
 """
 import dataclasses
 import math
@@ -14,87 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpt
 import parallel
-
-from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
 from gpt import (GPT, GPTConfig, LLAMA_OPTIONS, PRESETS, KVCache, apply_rope, count_parameters, filter_logits,
                  flops_per_token, generate, rope_angles)
-from parallel import UsageError
 from conftest import ALL_OPTIONS, tiny, tiny_model, tokens
-
-
-# -----------------------------------------------------------------------------
-# Hugging Face parity
-
-
-def random_hf_model():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(
-        vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # randomize everything, biases and LayerNorms included
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    return model
-
-
-@pytest.mark.parametrize("safe_serialization", [True, False])
-def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization):
-    theirs = random_hf_model()
-    theirs.save_pretrained(tmp_path, safe_serialization=safe_serialization)
-    ours = from_hf(str(tmp_path)).eval()
-    assert ours.config.vocab_size == 100 and ours.config.padded_vocab_size == 128
-    x = tokens(T=32)
-    with torch.no_grad():
-        want = theirs(x).logits
-        got = ours(x)
-    torch.testing.assert_close(got[..., :100], want, atol=1e-5, rtol=1e-5)
-    assert torch.all(got[..., 100:] == 0)  # zero padding rows -> zero logits
-
-
-def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    ours = tiny_model(max_position_embeddings=32).eval()
-    with torch.no_grad():  # non-trivial LayerNorms and biases
-        for name, p in ours.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    to_hf(ours, str(tmp_path))
-    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
-    x = tokens(T=32)
-    with torch.no_grad():
-        torch.testing.assert_close(theirs(x).logits, ours(x)[..., :100], atol=1e-5, rtol=1e-5)
-    # And back again: export -> import is lossless, except that the padding
-    # rows (dropped on export) come back as zeros.
-    again = from_hf(str(tmp_path), padded_vocab_size=128).state_dict()
-    for k, v in ours.state_dict().items():
-        if k == "wte.weight":
-            again[k], v = again[k][:100], v[:100]
-        torch.testing.assert_close(again[k], v, atol=0, rtol=0)
-
-
-def test_state_dict_conversion_transposes_conv1d_and_pads_vocab():
-    config = tiny()
-    ours = GPT(config).state_dict()
-    hf = ours_to_hf(ours, config)
-    assert hf["transformer.wte.weight"].shape == (100, 64)
-    assert hf["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D (in, out)
-    assert torch.equal(hf["transformer.h.1.mlp.c_fc.weight"], ours["blocks.1.mlp.fc.weight"].t())
-    back = hf_to_ours(hf, config)
-    assert back.keys() == ours.keys()
-    assert torch.equal(back["wte.weight"][100:], torch.zeros(28, 64))
-
-
-def test_from_hf_rejects_untied_head_and_missing_dir(tmp_path):
-    config = tiny()
-    hf = ours_to_hf(GPT(config).state_dict(), config)
-    hf["lm_head.weight"] = torch.randn(100, 64)
-    with pytest.raises(ValueError, match="tied"):
-        hf_to_ours(hf, config)
-    with pytest.raises(UsageError, match="config.json"):
-        from_hf(str(tmp_path / "nope"))
 
 
 # -----------------------------------------------------------------------------
