@@ -10,15 +10,211 @@ in test_train.py. The Hugging Face tests build random transformers models and
 check that ours computes the same logits, both ways.
 """
 import dataclasses
+import glob
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
+import checkpoint
+import train
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
-from conftest import tiny, tiny_model, tokens
+from conftest import ROOT, TINY, read_metrics, run_train, tiny, tiny_model, tokens
 from parallel import UsageError
 from gpt import GPT, LLAMA_OPTIONS
+
+
+# -----------------------------------------------------------------------------
+# Saving safely: a crash, a power loss or a failed write leaves the previous
+# checkpoint, and `latest` naming it
+
+
+def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
+    real_save = torch.save
+    saves = []
+
+    def save_that_crashes(obj, path, *a, **k):
+        saves.append(path)
+        if len(saves) == 2:  # the second checkpoint dies half-written
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError("disk full")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_that_crashes)
+    with pytest.raises(OSError, match="disk full"):
+        train.main(args)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
+    state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
+    assert state["iteration"] == 2 and state["consumed_samples"] == 8
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000004.tmp"))  # the half-written save
+    # The run resumes from iteration 2. It saves at 3 and stops (not at 4 again,
+    # whose save would overwrite the leftover): publishing 3 removes the leftover.
+    train.main([*args, "--load", ckpt, "--save-interval", "3", "--exit-interval", "3"])
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "3"
+    assert not glob.glob(os.path.join(ckpt, "*.tmp"))
+    assert "removed iter_0000004.tmp, the leftover of a save that did not complete" in capsys.readouterr().out
+
+
+def test_resaving_an_iteration_never_leaves_latest_dangling(tmp_path, monkeypatch):
+    """Re-saving iteration 2 moves the old copy aside before the new one is
+    renamed in; a crash between the two renames leaves `latest` naming a
+    missing directory, and the loader then reads the copy set aside."""
+    save = str(tmp_path / "ckpt")
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "first"})
+    real_replace = os.replace
+
+    def crash_on_rename_into_place(src, dst):
+        if src.endswith(".tmp") and dst.endswith("iter_0000002"):
+            raise OSError("power cut")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_rename_into_place)
+    with pytest.raises(OSError, match="power cut"):
+        checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "second"})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not os.path.exists(os.path.join(save, "iter_0000002"))  # what `latest` names
+    def saved_weights():
+        path = os.path.join(checkpoint.latest_checkpoint(save).path, checkpoint.PLAIN_FILE)
+        return torch.load(path, weights_only=False)["weights"]
+    assert saved_weights() == "first"
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "third"})
+    assert saved_weights() == "third"
+    assert sorted(os.listdir(save)) == ["iter_0000002", checkpoint.LATEST]
+
+
+def test_checkpoint_reaches_the_disk_before_it_is_published(tmp_path, monkeypatch):
+    """The atomic renames only survive a power loss if what they publish is on
+    disk first: the file, its directory, then (after the rename) the parent,
+    then the pointer and its directory."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def spy_fsync(fd):  # Linux: the descriptor's path, as it is when fsynced
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(b))),
+                                                      real_replace(a, b))[1])
+    checkpoint.write_plain_checkpoint(str(tmp_path / "ckpt"), {"iteration": 5})
+    order = [e for e in events if e[1] in ("model_optim_rng.pt", "iter_0000005.tmp", "iter_0000005",
+                                            "ckpt", checkpoint.LATEST)]
+    assert order == [("fsync", "model_optim_rng.pt"), ("fsync", "iter_0000005.tmp"),
+                     ("rename", "iter_0000005"), ("fsync", "ckpt"),
+                     ("rename", checkpoint.LATEST), ("fsync", "ckpt")]
+    assert any(e[0] == "fsync" and e[1].startswith(checkpoint.LATEST + ".tmp") for e in events)
+
+
+def test_a_failed_write_on_rank_0_stops_every_rank(corpus, tmp_path):
+    """Only rank 0 writes a plain checkpoint. If that fails (here --save lies
+    under a regular file), the other rank must not wait for it at a barrier
+    forever: both exit, and the error names the cause."""
+    (tmp_path / "a-file").write_text("")
+    start = time.time()
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "1",
+                      "--save", str(tmp_path / "a-file" / "ckpt")], nproc=2, check=False, timeout=240)
+    assert proc.returncode != 0 and time.time() - start < 200
+    assert "NotADirectoryError" in proc.stderr
+    assert "rank 1: stopping, saving checkpoint 1" in proc.stderr and "failed on rank 0" in proc.stderr
+
+
+def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_path):
+    """--keep-last-checkpoints 2 with a save every step: the two newest remain
+    and `latest` names the newest. A later iteration left by another run,
+    and anything not named like a checkpoint, are not touched."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000009").mkdir(parents=True)
+    (ckpt / "notes").mkdir()
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--eval-interval", "0",
+                "--save", str(ckpt), "--save-interval", "1", "--keep-last-checkpoints", "2"])
+    assert sorted(os.listdir(ckpt)) == sorted([checkpoint.LATEST, "iter_0000004", "iter_0000005", "iter_0000009", "notes"])
+    assert open(ckpt / checkpoint.LATEST).read() == "5"
+
+
+
+# -----------------------------------------------------------------------------
+# A diverged model never reaches a checkpoint (in-process: a single rank)
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--save", ckpt, "--save-interval", "2"]
+    real_step = train.train_step
+    calls = []
+
+    def step_that_diverges(*a, **k):
+        loss, norm, stepped = real_step(*a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), norm, stepped
+
+    monkeypatch.setattr(train, "train_step", step_that_diverges)
+    with pytest.raises(SystemExit) as exc:
+        train.main(args)
+    assert exc.value.code == 1
+    assert "loss is nan at iteration 3" in capsys.readouterr().out
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", checkpoint.LATEST]
+
+
+def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpus, tmp_path, monkeypatch):
+    """fp32 (no loss scaler): an inf gradient at iteration 2, a save step, leaves
+    the weights as iteration 1 left them; the run goes on and says it skipped."""
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    real_build = train.build_model
+    backwards = []
+
+    def build_with_inf_at_iteration_2(cfg, device):
+        model = real_build(cfg, device)
+
+        def poison(p):
+            backwards.append(1)
+            if len(backwards) == 2:
+                p.grad[0, 0] = float("inf")
+
+        model.wte.weight.register_post_accumulate_grad_hook(poison)
+        return model
+
+    monkeypatch.setattr(train, "build_model", build_with_inf_at_iteration_2)
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "3", "--save", ckpt,
+                "--save-interval", "1", "--metrics-file", metrics])
+    saved = [torch.load(os.path.join(ckpt, f"iter_{i:07d}", "model_optim_rng.pt"), weights_only=False)
+             for i in (1, 2, 3)]
+    for name, value in saved[1]["model"].items():
+        assert torch.isfinite(value).all(), name
+        assert torch.equal(value, saved[0]["model"][name]), name  # iteration 2 was skipped
+    assert not torch.equal(saved[2]["model"]["wte.weight"], saved[1]["model"]["wte.weight"])
+    assert [r["skipped_iterations"] for r in read_metrics(metrics)] == [0, 1, 0]
+
+
+
+# -----------------------------------------------------------------------------
+# Export: --export-from a checkpoint --export-format hf
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
+    """--export-from a train.py checkpoint --export-format hf: a GPT-2 (or,
+    for the Llama-shaped preset, a Llama) directory that loads back with the
+    trained weights."""
+    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    train.main([*TINY, "--preset", preset, "--data-path", corpus, "--train-iters", "2", "--save", ckpt])
+    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--export-from", ckpt,
+                    "--export-to", hf, "--export-format", "hf"], check=True, cwd=ROOT)
+    state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
+    exported = from_hf(hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        assert json.load(f)["model_type"] == {"tiny": "gpt2", "llama-tiny": "llama"}[preset]
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
+
 
 
 # -----------------------------------------------------------------------------

@@ -73,3 +73,47 @@ def test_flags_that_go_in_pairs(argv, message):
     with pytest.raises(ValueError, match=message):
         config_lib.parse_args(["--preset", "tiny", *argv])
 
+
+# -----------------------------------------------------------------------------
+# Megatron's flags: typed, checked, never abbreviated
+
+
+def test_megatron_flags_fill_typed_config():
+    cfg = config_lib.parse_args(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "4",
+                            "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+                            "--lr-decay-style", "linear", "--data-path", "0.3", "A", "0.7", "B",
+                            "--bf16", "--checkpoint-activations", "--local_rank", "3"])
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (3, 96, 4)
+    assert cfg.global_batch_size == 8 and cfg.bf16 and cfg.recompute_activations
+    assert cfg.data_path == ["0.3", "A", "0.7", "B"]
+    mcfg = config_lib.model_config(cfg)
+    assert mcfg.max_position_embeddings >= 64 and mcfg.activation_checkpointing
+    assert mcfg.loss_impl == "fused"  # the default; the full-logits path is one flag away
+    assert config_lib.model_config(config_lib.parse_args(["--preset", "tiny", "--loss-impl", "full"])).loss_impl == "full"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "tiny", "--bf16", "--fp16"], "mutually exclusive"),
+    (["--preset", "tiny", "--lr-decay-style", "exp"], "cosine, linear or constant"),
+    ([], "--preset"),
+    (["--preset", "tiny", "--seq-length", "4096", "--max-position-embeddings", "64"], "exceeds"),
+    (["--preset", "tiny", "--sequence-parallel"], "needs --tensor-model-parallel-size > 1"),
+    (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "30"],
+     "--seq-length 30 must be divisible by --tensor-model-parallel-size 4"),
+    (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "2", "--deepspeed",
+      "--recompute-activations", "--partition-activations"], "drop --partition-activations"),
+])
+def test_bad_flags_are_clear_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.model_config(config_lib.parse_args(argv))
+
+
+@pytest.mark.parametrize("prefix", ["--recompute", "--init"])
+def test_a_prefix_of_a_flag_is_not_that_flag(prefix):
+    """Megatron turns argparse's abbreviations off; so do we: a typo or a
+    shortened flag is an error, not silently --recompute-activations or
+    --initial-loss-scale."""
+    with pytest.raises(ValueError, match=f"unrecognized arguments: {prefix}"):
+        config_lib.parse_args(["--preset", "tiny", prefix, "1"] if prefix == "--init" else
+                          ["--preset", "tiny", prefix])
+

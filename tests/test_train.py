@@ -1,7 +1,10 @@
-"""train.py: the loop, its data-parallel equivalence, and checkpoints that resume exactly.
+"""train.py: the loop, its data-parallel equivalence, runs that resume exactly
+(after a stop, a restart, or in another layout), and its launches.
 
-Most tests launch train.py the way users do (`torchrun ... train.py FLAGS`) on a
-tiny model and read back the JSON-lines metrics it writes.
+Most tests launch train.py the way users do (`torchrun ... train.py FLAGS`,
+conftest.run_train) on a tiny model and the session's corpus (conftest.py),
+and read back the JSON-lines metrics it writes. Checkpoint files themselves
+are test_checkpoint.py's; the flags, test_config.py's.
 """
 import dataclasses
 import glob
@@ -26,53 +29,13 @@ import prepare
 import train
 from conftest import TINY, free_port, losses, read_metrics, run_train
 from gpt import GPTConfig
-from checkpoint import from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------
-# Configuration and schedule
-
-
-def test_megatron_flags_fill_typed_config():
-    cfg = config.parse_args(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "4",
-                            "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-                            "--lr-decay-style", "linear", "--data-path", "0.3", "A", "0.7", "B",
-                            "--bf16", "--checkpoint-activations", "--local_rank", "3"])
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (3, 96, 4)
-    assert cfg.global_batch_size == 8 and cfg.bf16 and cfg.recompute_activations
-    assert cfg.data_path == ["0.3", "A", "0.7", "B"]
-    mcfg = config.model_config(cfg)
-    assert mcfg.max_position_embeddings >= 64 and mcfg.activation_checkpointing
-    assert mcfg.loss_impl == "fused"  # the default; the full-logits path is one flag away
-    assert config.model_config(config.parse_args(["--preset", "tiny", "--loss-impl", "full"])).loss_impl == "full"
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--preset", "tiny", "--bf16", "--fp16"], "mutually exclusive"),
-    (["--preset", "tiny", "--lr-decay-style", "exp"], "cosine, linear or constant"),
-    ([], "--preset"),
-    (["--preset", "tiny", "--seq-length", "4096", "--max-position-embeddings", "64"], "exceeds"),
-    (["--preset", "tiny", "--sequence-parallel"], "needs --tensor-model-parallel-size > 1"),
-    (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "30"],
-     "--seq-length 30 must be divisible by --tensor-model-parallel-size 4"),
-    (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "2", "--deepspeed",
-      "--recompute-activations", "--partition-activations"], "drop --partition-activations"),
-])
-def test_bad_flags_are_clear_errors(argv, message):
-    with pytest.raises(ValueError, match=message):
-        config.model_config(config.parse_args(argv))
-
-
-@pytest.mark.parametrize("prefix", ["--recompute", "--init"])
-def test_a_prefix_of_a_flag_is_not_that_flag(prefix):
-    """Megatron turns argparse's abbreviations off; so do we: a typo or a
-    shortened flag is an error, not silently --recompute-activations or
-    --initial-loss-scale."""
-    with pytest.raises(ValueError, match=f"unrecognized arguments: {prefix}"):
-        config.parse_args(["--preset", "tiny", prefix, "1"] if prefix == "--init" else
-                          ["--preset", "tiny", prefix])
+# The step's pieces: batch size, checks, schedule, optimizer, MFU (the flags
+# themselves: test_config.py)
 
 
 def test_global_batch_must_divide():
@@ -261,57 +224,7 @@ def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# Checkpoint safety (in-process: a single rank, no torchrun needed)
-
-
-def test_non_finite_loss_stops_and_keeps_last_checkpoint(corpus, tmp_path, monkeypatch, capsys):
-    ckpt = str(tmp_path / "ckpt")
-    args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--save", ckpt, "--save-interval", "2"]
-    real_step = train.train_step
-    calls = []
-
-    def step_that_diverges(*a, **k):
-        loss, norm, stepped = real_step(*a, **k)
-        calls.append(1)
-        return (loss * float("nan") if len(calls) == 3 else loss), norm, stepped
-
-    monkeypatch.setattr(train, "train_step", step_that_diverges)
-    with pytest.raises(SystemExit) as exc:
-        train.main(args)
-    assert exc.value.code == 1
-    assert "loss is nan at iteration 3" in capsys.readouterr().out
-    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
-    assert sorted(os.listdir(ckpt)) == ["iter_0000002", checkpoint.LATEST]
-
-
-def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpus, tmp_path, monkeypatch):
-    """fp32 (no loss scaler): an inf gradient at iteration 2, a save step, leaves
-    the weights as iteration 1 left them; the run goes on and says it skipped."""
-    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    real_build = train.build_model
-    backwards = []
-
-    def build_with_inf_at_iteration_2(cfg, device):
-        model = real_build(cfg, device)
-
-        def poison(p):
-            backwards.append(1)
-            if len(backwards) == 2:
-                p.grad[0, 0] = float("inf")
-
-        model.wte.weight.register_post_accumulate_grad_hook(poison)
-        return model
-
-    monkeypatch.setattr(train, "build_model", build_with_inf_at_iteration_2)
-    train.main([*TINY, "--data-path", corpus, "--train-iters", "3", "--save", ckpt,
-                "--save-interval", "1", "--metrics-file", metrics])
-    saved = [torch.load(os.path.join(ckpt, f"iter_{i:07d}", "model_optim_rng.pt"), weights_only=False)
-             for i in (1, 2, 3)]
-    for name, value in saved[1]["model"].items():
-        assert torch.isfinite(value).all(), name
-        assert torch.equal(value, saved[0]["model"][name]), name  # iteration 2 was skipped
-    assert not torch.equal(saved[2]["model"]["wte.weight"], saved[1]["model"]["wte.weight"])
-    assert [r["skipped_iterations"] for r in read_metrics(metrics)] == [0, 1, 0]
+# A training step keeps its decisions on the device (in-process: a single rank)
 
 
 class HostReads(torch.overrides.TorchFunctionMode):
@@ -382,6 +295,10 @@ def test_gpu_training_steps_never_synchronize():
                 train.train_step(model, optimizer, scaler, [batch, batch], cfg, device, 1e-3)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+# ----------------------------------------------------------------------------
+# Restarts and timeouts: torchrun's elastic agent, --distributed-timeout-minutes
 
 
 KILL_RANK_1_AFTER_SAVE = """
@@ -548,17 +465,8 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp
     assert "--distributed-timeout-minutes" in last[0]
 
 
-def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_path):
-    """--keep-last-checkpoints 2 with a save every step: the two newest remain
-    and `latest` names the newest. A later iteration left by another run,
-    and anything not named like a checkpoint, are not touched."""
-    ckpt = tmp_path / "ckpt"
-    (ckpt / "iter_0000009").mkdir(parents=True)
-    (ckpt / "notes").mkdir()
-    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--eval-interval", "0",
-                "--save", str(ckpt), "--save-interval", "1", "--keep-last-checkpoints", "2"])
-    assert sorted(os.listdir(ckpt)) == sorted([checkpoint.LATEST, "iter_0000004", "iter_0000005", "iter_0000009", "notes"])
-    assert open(ckpt / checkpoint.LATEST).read() == "5"
+# ----------------------------------------------------------------------------
+# Mistakes, and the launch scripts: slurm.sh, run.sh (README's one command)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -604,99 +512,6 @@ def test_slurm_script_runs_one_torchrun_per_node_meeting_at_the_first(nodelist, 
     assert cmd[cmd.index("train.py") + 1:] == ["--preset", "124M", "--data-path", "a b"]
 
 
-def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch, capsys):
-    ckpt = str(tmp_path / "ckpt")
-    args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
-    real_save = torch.save
-    saves = []
-
-    def save_that_crashes(obj, path, *a, **k):
-        saves.append(path)
-        if len(saves) == 2:  # the second checkpoint dies half-written
-            with open(path, "wb") as f:
-                f.write(b"partial")
-            raise OSError("disk full")
-        return real_save(obj, path, *a, **k)
-
-    monkeypatch.setattr(torch, "save", save_that_crashes)
-    with pytest.raises(OSError, match="disk full"):
-        train.main(args)
-    monkeypatch.setattr(torch, "save", real_save)
-    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
-    state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
-    assert state["iteration"] == 2 and state["consumed_samples"] == 8
-    assert os.path.isdir(os.path.join(ckpt, "iter_0000004.tmp"))  # the half-written save
-    # The run resumes from iteration 2. It saves at 3 and stops (not at 4 again,
-    # whose save would overwrite the leftover): publishing 3 removes the leftover.
-    train.main([*args, "--load", ckpt, "--save-interval", "3", "--exit-interval", "3"])
-    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "3"
-    assert not glob.glob(os.path.join(ckpt, "*.tmp"))
-    assert "removed iter_0000004.tmp, the leftover of a save that did not complete" in capsys.readouterr().out
-
-
-def test_resaving_an_iteration_never_leaves_latest_dangling(tmp_path, monkeypatch):
-    """Re-saving iteration 2 moves the old copy aside before the new one is
-    renamed in; a crash between the two renames leaves `latest` naming a
-    missing directory, and the loader then reads the copy set aside."""
-    save = str(tmp_path / "ckpt")
-    checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "first"})
-    real_replace = os.replace
-
-    def crash_on_rename_into_place(src, dst):
-        if src.endswith(".tmp") and dst.endswith("iter_0000002"):
-            raise OSError("power cut")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", crash_on_rename_into_place)
-    with pytest.raises(OSError, match="power cut"):
-        checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "second"})
-    monkeypatch.setattr(os, "replace", real_replace)
-    assert not os.path.exists(os.path.join(save, "iter_0000002"))  # what `latest` names
-    def saved_weights():
-        path = os.path.join(checkpoint.latest_checkpoint(save).path, checkpoint.PLAIN_FILE)
-        return torch.load(path, weights_only=False)["weights"]
-    assert saved_weights() == "first"
-    checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "third"})
-    assert saved_weights() == "third"
-    assert sorted(os.listdir(save)) == ["iter_0000002", checkpoint.LATEST]
-
-
-def test_checkpoint_reaches_the_disk_before_it_is_published(tmp_path, monkeypatch):
-    """The atomic renames only survive a power loss if what they publish is on
-    disk first: the file, its directory, then (after the rename) the parent,
-    then the pointer and its directory."""
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def spy_fsync(fd):  # Linux: the descriptor's path, as it is when fsynced
-        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
-        return real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", spy_fsync)
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(b))),
-                                                      real_replace(a, b))[1])
-    checkpoint.write_plain_checkpoint(str(tmp_path / "ckpt"), {"iteration": 5})
-    order = [e for e in events if e[1] in ("model_optim_rng.pt", "iter_0000005.tmp", "iter_0000005",
-                                            "ckpt", checkpoint.LATEST)]
-    assert order == [("fsync", "model_optim_rng.pt"), ("fsync", "iter_0000005.tmp"),
-                     ("rename", "iter_0000005"), ("fsync", "ckpt"),
-                     ("rename", checkpoint.LATEST), ("fsync", "ckpt")]
-    assert any(e[0] == "fsync" and e[1].startswith(checkpoint.LATEST + ".tmp") for e in events)
-
-
-def test_a_failed_write_on_rank_0_stops_every_rank(corpus, tmp_path):
-    """Only rank 0 writes a plain checkpoint. If that fails (here --save lies
-    under a regular file), the other rank must not wait for it at a barrier
-    forever: both exit, and the error names the cause."""
-    (tmp_path / "a-file").write_text("")
-    start = time.time()
-    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "1",
-                      "--save", str(tmp_path / "a-file" / "ckpt")], nproc=2, check=False, timeout=240)
-    assert proc.returncode != 0 and time.time() - start < 200
-    assert "NotADirectoryError" in proc.stderr
-    assert "rank 1: stopping, saving checkpoint 1" in proc.stderr and "failed on rank 0" in proc.stderr
-
-
 def test_readme_main_command(tmp_path):
     """run.sh, README's one command, with a tiny model: prepares the default
     corpus, trains, and ends with a generated sample."""
@@ -711,6 +526,10 @@ def test_readme_main_command(tmp_path):
     assert rows[-1]["iteration"] == 40 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert math.isfinite(rows[-1]["val_loss"])
     assert "-- sample --" in proc.stdout and "ROMEO:" in proc.stdout
+
+
+# ----------------------------------------------------------------------------
+# Layouts: tensor and sequence parallelism, Domino, two nodes
 
 
 def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layouts(corpus, tmp_path):
@@ -781,21 +600,30 @@ def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
     assert len(glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))) == 1
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
-def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
-    """--export-from a train.py checkpoint --export-format hf: a GPT-2 (or,
-    for the Llama-shaped preset, a Llama) directory that loads back with the
-    trained weights."""
-    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    train.main([*TINY, "--preset", preset, "--data-path", corpus, "--train-iters", "2", "--save", ckpt])
-    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--export-from", ckpt,
-                    "--export-to", hf, "--export-format", "hf"], check=True, cwd=ROOT)
-    state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
-    exported = from_hf(hf)
-    with open(os.path.join(hf, "config.json")) as f:
-        assert json.load(f)["model_type"] == {"tiny": "gpt2", "llama-tiny": "llama"}[preset]
-    for name, value in exported.state_dict().items():
-        torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
+def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
+    """Domino's overlap relies on kernels starting in launch order on GPU, so
+    --domino (and --sequence-parallel) sets CUDA_DEVICE_MAX_CONNECTIONS=1
+    before CUDA starts (unless the user chose a value)."""
+    import parallel
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so teardown restores the original
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
+    parallel.destroy()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
+    parallel.destroy()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    # --sequence-parallel overlaps its backward collectives with GEMMs the same way
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    cfg = dataclasses.replace(config.parse_args(["--preset", "tiny"]), sequence_parallel=True)
+    train.init_distributed(cfg)  # (tp=1 here: only the environment is under test)
+    parallel.destroy()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+# ----------------------------------------------------------------------------
+# The first run: prepare.py, then train.py to its closing sample
 
 
 def test_offline_first_run_prepares_and_trains_to_its_sample(tmp_path):
@@ -831,23 +659,3 @@ def test_without_the_bpe_package_the_run_ends_saying_why_no_sample(corpus, monke
     assert "no sample printed" in out and "pip install -r requirements.txt" in out and "sample -" not in out
 
 
-def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
-    """Domino's overlap relies on kernels starting in launch order on GPU, so
-    --domino (and --sequence-parallel) sets CUDA_DEVICE_MAX_CONNECTIONS=1
-    before CUDA starts (unless the user chose a value)."""
-    import parallel
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so teardown restores the original
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
-    parallel.destroy()
-    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
-    parallel.destroy()
-    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
-    # --sequence-parallel overlaps its backward collectives with GEMMs the same way
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    cfg = dataclasses.replace(config.parse_args(["--preset", "tiny"]), sequence_parallel=True)
-    train.init_distributed(cfg)  # (tp=1 here: only the environment is under test)
-    parallel.destroy()
-    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
