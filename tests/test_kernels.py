@@ -722,7 +722,6 @@ def test_layer_norm_output_in_the_autocast_dtype_leaves_training_unchanged(monke
 AUTOTUNE_PROBE = """
 import json, sys, torch, triton
 sys.path.insert(0, {root!r})
-import gpt
 import kernels
 hits = []
 triton.knobs.autotuning.listener = lambda **kw: hits.append(kw["cache_hit"])
