@@ -308,3 +308,39 @@ def test_batch_ramp_follows_megatron():
         consumed += at(consumed)
     assert consumed <= 2000 < consumed + at(consumed)  # whole steps within --train-samples
 
+
+# ----------------------------------------------------------------------------
+# --compile and its mode: one-line errors, and the options Inductor gets
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message; a GPU runs the mode")
+def test_cuda_graph_mode_on_cpu_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"--compile-mode reduce-overhead replays the step as CUDA graphs, "
+                                         r"which needs a GPU: on CPU use --compile alone$"):
+        config_lib.parse_args(["--preset", "tiny", "--compile", "--compile-mode", "reduce-overhead"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compile-mode", "max-autotune"], "--compile-backend / --compile-mode need --compile"),
+    (["--compile", "--compile-mode", "fast"], "--compile-mode 'fast': use one of default, reduce-overhead"),
+    (["--compile", "--compile-backend", "aot_eager", "--compile-mode", "max-autotune-no-cudagraphs"],
+     "is an Inductor mode"),
+    (["--compile", "--compile-backend", "tvm2"], "is not a torch.compile backend"),
+])
+def test_bad_compile_flags_are_one_line_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.parse_args(["--preset", "tiny", *argv])
+
+
+def test_compile_options_keep_the_overlap_and_the_mode():
+    """train.py hands Inductor config_lib.OVERLAP_INDUCTOR_OPTIONS whenever the
+    graph holds overlapped collectives (Domino, sequence parallelism), merged
+    with --compile-mode's options (torch.compile takes a mode or options)."""
+    cfg = config_lib.TrainConfig(compile=True, tensor_model_parallel_size=2, domino=True,
+                             compile_mode="reduce-overhead")
+    assert config_lib.compile_options(cfg) == {
+        "backend": "inductor", "options": {"triton.cudagraphs": True, **config_lib.OVERLAP_INDUCTOR_OPTIONS}}
+    assert config_lib.compile_options(config_lib.TrainConfig(compile=True)) == {"backend": "inductor", "options": {}}
+    assert config_lib.compile_options(config_lib.TrainConfig(compile=True, compile_backend="aot_eager")) == {
+        "backend": "aot_eager"}
+
