@@ -139,7 +139,6 @@ def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_pa
     assert open(ckpt / checkpoint.LATEST).read() == "5"
 
 
-
 # -----------------------------------------------------------------------------
 # A diverged model never reaches a checkpoint (in-process: a single rank)
 
@@ -194,6 +193,30 @@ def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpu
     assert [r["skipped_iterations"] for r in read_metrics(metrics)] == [0, 1, 0]
 
 
+# -----------------------------------------------------------------------------
+# Which checkpoint --load reads (the DeepSpeed runs that mix both kinds in
+# one directory: test_zero.py)
+
+
+def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp_path):
+    """A directory written before both kinds wrote Megatron's pointer (or a
+    crash between a DeepSpeed save's two pointer writes): Megatron's pointer
+    names a plain iteration 2, DeepSpeed's names iteration 4. The newer
+    one is read, for resume, export and evaluation alike (latest_checkpoint)."""
+    save = str(tmp_path)
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2})
+    os.makedirs(os.path.join(save, "iter_0000004"))
+    with open(os.path.join(save, "iter_0000004", checkpoint.DS_META), "w") as f:
+        json.dump({"iteration": 4}, f)
+    with open(os.path.join(save, checkpoint.DS_LATEST), "w") as f:
+        f.write("iter_0000004")
+    found = checkpoint.latest_checkpoint(save)
+    assert (found.kind, found.iteration) == ("deepspeed", 4)
+    with open(os.path.join(save, checkpoint.LATEST), "w") as f:
+        f.write("6")  # Megatron's pointer names a checkpoint that is gone: said, not skipped
+    with pytest.raises(UsageError, match=r"latest_checkpointed_iteration.txt names iteration 6"):
+        checkpoint.latest_checkpoint(save)
+
 
 # -----------------------------------------------------------------------------
 # Export: --export-from a checkpoint --export-format hf
@@ -214,7 +237,6 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
         assert json.load(f)["model_type"] == {"tiny": "gpt2", "llama-tiny": "llama"}[preset]
     for name, value in exported.state_dict().items():
         torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
-
 
 
 # -----------------------------------------------------------------------------
@@ -290,7 +312,6 @@ def test_from_hf_rejects_untied_head_and_missing_dir(tmp_path):
         hf_to_ours(hf, config)
     with pytest.raises(UsageError, match="config.json"):
         from_hf(str(tmp_path / "nope"))
-
 
 
 # -----------------------------------------------------------------------------

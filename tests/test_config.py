@@ -187,6 +187,16 @@ def test_gpt2_vocab_and_merge_files_are_checked(tmp_path):
         parse("--merge-file", str(tmp_path / "merges.txt"))
 
 
+def test_zero_flags_without_deepspeed_are_an_error():
+    with pytest.raises(ValueError, match="need --deepspeed"):
+        config_lib.parse_args(["--preset", "tiny", "--zero-stage", "2"])
+
+
+def test_train_py_refuses_evaluate_flags():
+    with pytest.raises(ValueError, match="--task: evaluate.py's flags; run evaluate.py"):
+        config_lib.parse_args(["--preset", "tiny", "--task", "LAMBADA"])
+
+
 # ----------------------------------------------------------------------------
 # --deepspeed_config: the JSON fills what the command line left unset
 

@@ -417,12 +417,6 @@ def test_bad_flags(flags, message):
         evaluate.parse_args(flags)
 
 
-def test_train_py_refuses_evaluate_flags():
-    import config
-    with pytest.raises(ValueError, match="--task: evaluate.py's flags; run evaluate.py"):
-        config.parse_args(["--preset", "tiny", "--task", "LAMBADA"])
-
-
 def test_a_checkpoint_longer_than_the_model_and_a_wrong_preset_are_named(files, tmp_path):
     path = tmp_path / "l.jsonl"
     path.write_text('{"text": "a b c"}\n')
