@@ -497,23 +497,14 @@ def test_gpt_tiny_triton_matches_torch(options):
                                    msg=lambda m: f"grad of {name}: {m}")
 
 
-def test_train_py_runs_the_triton_path(tmp_path):
+def test_train_py_runs_the_triton_path(corpus):
     """--attention-impl/--layernorm-impl triton run through train.py on CPU under
     the interpreter (how tests and readers step through a kernel)."""
-    import numpy as np
-    import data
-    prefix = str(tmp_path / "rand_text_document")
-    builder = data.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        builder.add_document(rng.integers(0, 500, size=50).tolist() + [50256])
-    builder.finalize(prefix + ".idx")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
-        [sys.executable, os.path.join(root, "train.py"), "--preset", "tiny", "--num-attention-heads", "2",
+        [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "tiny", "--num-attention-heads", "2",
          "--attention-impl", "triton", "--layernorm-impl", "triton", "--seq-length", "24",
          "--micro-batch-size", "2", "--train-iters", "2", "--eval-interval", "0", "--log-interval", "1",
-         "--sample-tokens", "0", "--data-path", prefix, "--split", "1,0,0"],
+         "--sample-tokens", "0", "--data-path", corpus, "--split", "1,0,0"],
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iter      2" in out.stdout
