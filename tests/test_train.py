@@ -300,6 +300,25 @@ def test_gpu_training_steps_never_synchronize():
 # Restarts and timeouts: torchrun's elastic agent, --distributed-timeout-minutes
 
 
+# The restart tests' run: 8 steps of global batch 8 on 2 processes.
+RESTART_RUN = [*TINY, "--train-iters", "8", "--global-batch-size", "8", "--eval-interval", "0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """engine flags -> the losses of an uninterrupted 2-process run of the
+    restart tests' 8 steps (RESTART_RUN), each engine's run once for them."""
+    runs = {}
+
+    def losses_of(engine):
+        if tuple(engine) not in runs:
+            metrics = tmp_path_factory.mktemp("uninterrupted") / "full.jsonl"
+            run_train([*RESTART_RUN, "--data-path", corpus, *engine, "--metrics-file", str(metrics)], nproc=2)
+            runs[tuple(engine)] = losses(metrics)
+        return runs[tuple(engine)]
+    return losses_of
+
+
 KILL_RANK_1_AFTER_SAVE = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
@@ -329,15 +348,13 @@ train.main(sys.argv[1:])
 
 
 @pytest.mark.parametrize("engine", [[], ["--deepspeed", "--zero-stage", "2"]], ids=["ddp", "zero2"])
-def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, tmp_path, engine):
+def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, uninterrupted, tmp_path, engine):
     """A worker killed (SIGKILL) after the iteration-4 checkpoint, under
     torchrun --max-restarts 2: the restarted workers meet again (each attempt
     rendezvous under its own store prefix), resume from that checkpoint, and
     the losses equal an uninterrupted run's bit for bit (plain DDP, and
     DeepSpeed ZeRO-2 with its own checkpoints)."""
-    common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8",
-              "--eval-interval", "0", *engine]
-    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
+    common = [*RESTART_RUN, "--data-path", corpus, *engine]
     script = tmp_path / "killer.py"
     script.write_text(KILL_RANK_1_AFTER_SAVE.format(root=ROOT, marker=str(tmp_path / "killed"), iteration=4))
     ckpt = str(tmp_path / "ckpt")
@@ -351,7 +368,7 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, tmp_path,
     assert "loaded checkpoint" in proc.stdout and "(iteration 4)" in proc.stdout
     restarted = read_metrics(tmp_path / "restarted.jsonl")
     assert [m["iteration"] for m in restarted] == list(range(1, 9))
-    assert [m["loss"] for m in restarted] == losses(tmp_path / "full.jsonl")
+    assert [m["loss"] for m in restarted] == uninterrupted(engine)
 
 
 RANK_1_DIES_WHILE_RANK_0_IS_BUSY = """
@@ -380,17 +397,17 @@ train.main(sys.argv[1:])
 """
 
 
-def test_two_nodes_restart_together_when_only_one_agent_counts_the_restart(corpus, tmp_path):
+def test_two_nodes_restart_together_when_only_one_agent_counts_the_restart(corpus, uninterrupted, tmp_path):
     """Two torchrun agents (two nodes of one worker), --max-restarts 2. Node 1's
     worker dies after the iteration-4 save while node 0's is busy in step 5:
     node 1's agent counts a restart, node 0's agent restarts its healthy
     worker through the membership change and does not, so their
     TORCHELASTIC_RESTART_COUNT differ (recorded). The new workers still meet
     (rank 0's fresh store for the attempt), resume from iteration 4 and end
-    on the uninterrupted run's losses, bit for bit."""
-    common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8",
-              "--eval-interval", "0", "--distributed-timeout-minutes", "1"]
-    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
+    on the uninterrupted run's losses, bit for bit (the plain DDP run of
+    test_torchrun_restarts_a_killed_worker_and_resumes_exactly: the timeout
+    changes no number)."""
+    common = [*RESTART_RUN, "--data-path", corpus, "--distributed-timeout-minutes", "1"]
     script, starts = tmp_path / "node.py", tmp_path / "starts.txt"
     script.write_text(RANK_1_DIES_WHILE_RANK_0_IS_BUSY.format(
         root=ROOT, starts=str(starts), marker=str(tmp_path / "killed")))
@@ -410,7 +427,7 @@ def test_two_nodes_restart_together_when_only_one_agent_counts_the_restart(corpu
     assert "(iteration 4)" in outputs[0][0] + outputs[1][0]
     restarted = read_metrics(tmp_path / "restarted.jsonl")
     assert [m["iteration"] for m in restarted] == list(range(1, 9))
-    assert [m["loss"] for m in restarted] == losses(tmp_path / "full.jsonl")
+    assert [m["loss"] for m in restarted] == uninterrupted([])
 
 
 RANK_1_STOPS_ANSWERING = """
