@@ -121,12 +121,22 @@ def test_loss_falls_and_metrics_are_logged(corpus, tmp_path):
     assert "sample" in proc.stdout and "MFU" not in proc.stdout
 
 
-def test_two_process_ddp_matches_one_process(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def six_steps(corpus, tmp_path_factory):
+    """One process, 6 steps of global batch 8 (2 accumulation steps), saved at
+    the end, run once for two tests: the 2-process run's reference, and the
+    checkpoint a shorter run starts from. -> (its metrics file, its --save)."""
+    out = tmp_path_factory.mktemp("six_steps")
+    run_train([*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8",
+               "--save", str(out / "ckpt"), "--metrics-file", str(out / "m.jsonl")])
+    return out / "m.jsonl", str(out / "ckpt")
+
+
+def test_two_process_ddp_matches_one_process(corpus, six_steps, tmp_path):
     """Same global batch (8): 1 process x 2 accumulation steps == 2 processes x 1."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8"]
-    run_train([*common, "--metrics-file", str(tmp_path / "one.jsonl")], nproc=1)
     run_train([*common, "--metrics-file", str(tmp_path / "two.jsonl")], nproc=2)
-    one, two = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
+    one, two = losses(six_steps[0]), losses(tmp_path / "two.jsonl")
     np.testing.assert_allclose(two, one, rtol=1e-5)
     assert one[0] != one[-1]  # the model did train
 
@@ -156,19 +166,19 @@ def test_resume_is_bit_identical(corpus, tmp_path):
     assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 9))
 
 
-def test_a_shorter_run_from_a_checkpoint_needs_finetune(corpus, tmp_path):
-    """A checkpoint past this run's end is an error that names the cause and
-    --finetune; with --finetune the weights start a new run at iteration 0."""
+def test_a_shorter_run_from_a_checkpoint_needs_finetune(corpus, six_steps, tmp_path):
+    """A checkpoint past this run's end (six_steps': 6) is an error that names
+    the cause and --finetune; with --finetune the weights start a new run at
+    iteration 0."""
     common = [*TINY, "--data-path", corpus, "--global-batch-size", "8"]
-    ckpt = str(tmp_path / "ckpt")
-    run_train([*common, "--train-iters", "6", "--save", ckpt, "--metrics-file", str(tmp_path / "a.jsonl")])
+    first_metrics, ckpt = six_steps
     proc = run_train([*common, "--train-iters", "3", "--load", ckpt], check=False)
     assert proc.returncode != 0
     assert "--load " + ckpt + " is at iteration 6, past this run's end" in proc.stderr
     assert "add --finetune" in proc.stderr
     run_train([*common, "--train-iters", "3", "--load", ckpt, "--finetune", "--no-load-rng",
                "--metrics-file", str(tmp_path / "b.jsonl")])
-    tuned, first = read_metrics(tmp_path / "b.jsonl"), read_metrics(tmp_path / "a.jsonl")
+    tuned, first = read_metrics(tmp_path / "b.jsonl"), read_metrics(first_metrics)
     assert [m["iteration"] for m in tuned] == [1, 2, 3] and tuned[0]["consumed_samples"] == 8
     assert tuned[0]["lr"] == first[0]["lr"]  # the schedule starts again
     assert tuned[0]["loss"] < first[0]["loss"] - 0.5  # from the trained weights
