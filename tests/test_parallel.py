@@ -1092,15 +1092,8 @@ def test_checkpoint_states_are_assembled_on_the_writer_only(tp):
 # (12); under sequence parallelism each rank's collectives carry half the
 # tokens of each. No weight of the model (16, 32, 48, 64, 128 wide) has
 # those sizes, so a node's token count names its chunk (as _OverlapRecorder's).
-# 3 rows of 12 tokens: Domino's 2 chunks are 2 rows (24 tokens) and 1 row
-# (12); under sequence parallelism each rank's collectives carry half the
-# tokens of each. No weight of the model (16, 32, 48, 64, 128 wide) has
-# those sizes, so a node's token count names its chunk (as _OverlapRecorder's).
 GEMM_CHUNKS, SP_COMM_CHUNKS = {24: 0, 12: 1}, {12: 0, 6: 1}
-
-
 STEPS = 3
-
 
 LAYOUTS = {  # name: (tensor-parallel size, GPTConfig options)
     "tp1": (1, {}),
