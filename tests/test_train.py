@@ -960,11 +960,7 @@ MODEL_ARGS="$GPT_ARGS"
 RUN = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
        "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-interval", "0",
        "--log-interval", "1", "--sample-tokens", "0", "--seed", "1234"]
-
-
 COMPILE = ["--compile", "--compile-backend", "aot_eager"]
-
-
 TRAIN_RUNS = {  # name: flags; each runs eagerly and with COMPILE
     "tp2-sp-domino": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--domino"],
     **{f"zero{stage}": ["--deepspeed", "--zero-stage", str(stage)] for stage in (1, 2, 3)},
