@@ -1,4 +1,5 @@
-"""Tests for kernels.py: Triton FlashAttention-2 and fused LayerNorm / RMSNorm.
+"""Tests for kernels.py: Triton FlashAttention-2, fused LayerNorm / RMSNorm and
+the fused loss's row kernels, also as custom ops under torch.compile.
 
 Without a GPU, conftest.py sets TRITON_INTERPRET=1 so the very same kernels
 run on CPU tensors through Triton's interpreter (slow, hence tiny shapes).

@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU: 2 gloo ranks must reproduce the 1-process maths.
+"""Tensor parallelism on CPU: 2 gloo ranks must reproduce the 1-process maths,
+eagerly and under torch.compile at every layout.
 
 Every multi-rank test runs a top-level function on 2 processes through
 run_on_ranks(); an assertion or exception on any rank fails the test with that
