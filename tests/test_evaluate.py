@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -23,11 +22,13 @@ sys.path.insert(0, ROOT)
 import evaluate  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
+from conftest import torchrun  # noqa: E402
 
 TINY = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4", "--lr", "3e-3",
         "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-interval", "0", "--log-interval", "10",
         "--sample-tokens", "0", "--seed", "7"]
 SEQ, STRIDE = 48, 16  # evaluation windows: 48 tokens, advancing by 16 (or by 48: no overlap)
+QUIET = {"PYTHONWARNINGS": "ignore"}  # for the launches
 PROMPTS = ["ROMEO:", "", "But soft, what light through yonder", "Enter"]  # "": unconditional
 
 
@@ -62,7 +63,9 @@ def lambada_texts(lines: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The model (a plain checkpoint and its Hugging Face export) and the two task files."""
+    """The model (a plain checkpoint and its Hugging Face export) and the two task files.
+    The model trains on a corpus of its own (the play's lines stripped), not
+    conftest's: test_the_reference_data_has_hits_and_misses depends on it."""
     out = tmp_path_factory.mktemp("evaluate")
     lines = play_lines()
     enc = encoder()
@@ -286,20 +289,13 @@ def worker(out: str, *model: str) -> None:
     dist.destroy_process_group()
 
 
-def launch(out, nproc: int, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *flags]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], []], ids=["T=2", "DP=2"])
 def test_two_ranks_give_the_same_numbers(files, reference, t1, layout, tmp_path):
     """T=2 splits every layer; DP=2 splits the windows and texts. Both on 2 processes."""
     (tmp_path / "files.json").write_text(json.dumps({k: str(v) for k, v in files.items() if k != "texts"}))
-    proc = launch(tmp_path, 2, os.path.abspath(__file__), "worker", str(tmp_path), "--load", files["ckpt"],
-                  *layout)
+    proc = torchrun(os.path.abspath(__file__), "worker", str(tmp_path), "--load", files["ckpt"], *layout,
+                    nproc=2, env=QUIET, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for task in TASKS:
         results = read_results(tmp_path / f"{task}.json")
@@ -316,9 +312,8 @@ def test_deepspeed_checkpoint(files, tmp_path):
     """A ZeRO-3 checkpoint (its weights partitioned over the data-parallel
     ranks) evaluates like its own Hugging Face export, against transformers."""
     ds = str(tmp_path / "ds")
-    proc = launch(tmp_path, 1, os.path.join(ROOT, "train.py"), *TINY, "--data-path", files["corpus"],
-                  "--train-iters", "2", "--save", ds, "--deepspeed", "--zero-stage", "3",
-                  env={"DS_ACCELERATOR": "cpu"})
+    proc = torchrun("train.py", *TINY, "--data-path", files["corpus"], "--train-iters", "2", "--save", ds,
+                    "--deepspeed", "--zero-stage", "3", env={**QUIET, "DS_ACCELERATOR": "cpu"}, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     hf = str(tmp_path / "ds_hf")
     train.main(["--export-from", ds, "--export-to", hf, "--export-format", "hf"])
@@ -422,12 +417,6 @@ def test_bad_flags(flags, message):
         evaluate.parse_args(flags)
 
 
-def test_train_py_refuses_evaluate_flags():
-    import config
-    with pytest.raises(ValueError, match="--task: evaluate.py's flags; run evaluate.py"):
-        config.parse_args(["--preset", "tiny", "--task", "LAMBADA"])
-
-
 def test_a_checkpoint_longer_than_the_model_and_a_wrong_preset_are_named(files, tmp_path):
     path = tmp_path / "l.jsonl"
     path.write_text('{"text": "a b c"}\n')
@@ -442,8 +431,8 @@ def test_a_checkpoint_longer_than_the_model_and_a_wrong_preset_are_named(files, 
 def test_bad_input_on_two_ranks_is_one_line_from_rank_0(files, tmp_path):
     path = tmp_path / "lambada.jsonl"
     path.write_text('{"text": "a b c"}\n["a list"]\n')
-    proc = launch(tmp_path, 2, os.path.join(ROOT, "evaluate.py"), "--task", "LAMBADA",
-                  "--valid-data", str(path), "--load", files["ckpt"], "--seq-length", "64")
+    proc = torchrun("evaluate.py", "--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"],
+                    "--seq-length", "64", nproc=2, env=QUIET, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count("evaluate.py: error") == 1, proc.stderr[-3000:]
     assert f'evaluate.py: error: --valid-data {path}:2: no "text" string' in proc.stderr

@@ -1,108 +1,22 @@
-"""Tests for gpt.py: the GPT-2 model, its sampling, accounting and HF interop.
+"""Tests for gpt.py: the GPT-2 model and its architecture options, sampling with
+the KV cache, parameter and FLOP accounting, and the fused LM head + loss.
 
-All on CPU with tiny shapes. The Hugging Face tests build a random
-transformers GPT2LMHeadModel and check our model computes the same logits.
+All on CPU with tiny shapes. Hugging Face GPT-2 and Llama in and out
+(checkpoint.py) are in test_checkpoint.py.
 """
+import dataclasses
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
-from gpt import (GPT, GPTConfig, PRESETS, KVCache, count_parameters, filter_logits, flops_per_token,
-                 generate)
-from parallel import UsageError
-
-# A small vocabulary padded up, so padding is exercised without 50k-row embeddings.
-SMALL = dict(vocab_size=100, padded_vocab_size=128)
-
-
-def tiny(**overrides) -> GPTConfig:
-    return GPTConfig.from_preset("tiny", **{**SMALL, **overrides})
-
-
-def tiny_model(seed=0, **overrides) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(tiny(**overrides))
-
-
-def tokens(B=2, T=16, vocab=100, seed=1):
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-# -----------------------------------------------------------------------------
-# Hugging Face parity
-
-
-def random_hf_model():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(
-        vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # randomize everything, biases and LayerNorms included
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    return model
-
-
-@pytest.mark.parametrize("safe_serialization", [True, False])
-def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization):
-    theirs = random_hf_model()
-    theirs.save_pretrained(tmp_path, safe_serialization=safe_serialization)
-    ours = from_hf(str(tmp_path)).eval()
-    assert ours.config.vocab_size == 100 and ours.config.padded_vocab_size == 128
-    x = tokens(T=32)
-    with torch.no_grad():
-        want = theirs(x).logits
-        got = ours(x)
-    torch.testing.assert_close(got[..., :100], want, atol=1e-5, rtol=1e-5)
-    assert torch.all(got[..., 100:] == 0)  # zero padding rows -> zero logits
-
-
-def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    ours = tiny_model(max_position_embeddings=32).eval()
-    with torch.no_grad():  # non-trivial LayerNorms and biases
-        for name, p in ours.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    to_hf(ours, str(tmp_path))
-    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
-    x = tokens(T=32)
-    with torch.no_grad():
-        torch.testing.assert_close(theirs(x).logits, ours(x)[..., :100], atol=1e-5, rtol=1e-5)
-    # And back again: export -> import is lossless, except that the padding
-    # rows (dropped on export) come back as zeros.
-    again = from_hf(str(tmp_path), padded_vocab_size=128).state_dict()
-    for k, v in ours.state_dict().items():
-        if k == "wte.weight":
-            again[k], v = again[k][:100], v[:100]
-        torch.testing.assert_close(again[k], v, atol=0, rtol=0)
-
-
-def test_state_dict_conversion_transposes_conv1d_and_pads_vocab():
-    config = tiny()
-    ours = GPT(config).state_dict()
-    hf = ours_to_hf(ours, config)
-    assert hf["transformer.wte.weight"].shape == (100, 64)
-    assert hf["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D (in, out)
-    assert torch.equal(hf["transformer.h.1.mlp.c_fc.weight"], ours["blocks.1.mlp.fc.weight"].t())
-    back = hf_to_ours(hf, config)
-    assert back.keys() == ours.keys()
-    assert torch.equal(back["wte.weight"][100:], torch.zeros(28, 64))
-
-
-def test_from_hf_rejects_untied_head_and_missing_dir(tmp_path):
-    config = tiny()
-    hf = ours_to_hf(GPT(config).state_dict(), config)
-    hf["lm_head.weight"] = torch.randn(100, 64)
-    with pytest.raises(ValueError, match="tied"):
-        hf_to_ours(hf, config)
-    with pytest.raises(UsageError, match="config.json"):
-        from_hf(str(tmp_path / "nope"))
+import gpt
+import parallel
+from gpt import (GPT, GPTConfig, LLAMA_OPTIONS, PRESETS, KVCache, apply_rope, count_parameters, filter_logits,
+                 flops_per_token, generate, rope_angles)
+from conftest import ALL_OPTIONS, tiny, tiny_model, tokens
 
 
 # -----------------------------------------------------------------------------
@@ -334,3 +248,355 @@ def test_generate_stops_when_every_row_emits_eos():
     out = generate(model, tokens(T=4), 10, temperature=1.0, eos_token_id=eos,
                          generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 5) and torch.all(out[:, -1] == eos)
+
+
+# -----------------------------------------------------------------------------
+# The architecture options researchers fork for (issue 15): RoPE, RMSNorm,
+# SwiGLU, grouped-query attention, an untied LM head, no linear biases, each
+# against its definition; the defaults stay GPT-2 (test_config.py). Tensor
+# parallelism, Domino and ZeRO with every option on are in test_parallel.py
+# and test_zero.py.
+
+
+def test_rope_rotates_pairs_so_scores_depend_on_relative_position():
+    c = GPTConfig.from_preset("tiny", position_embedding_type="rope", rotary_base=100.0)
+    hd, R = c.head_dim, c.rotary_dim
+    angles = rope_angles(c, torch.arange(12))                        # (T, R/2)
+    # By definition (float64): dim i and i + R/2 form the complex number
+    # x_i + j x_{i+R/2}, multiplied by exp(j p theta_i), theta_i = base^(-2i/R).
+    x = torch.randn(1, 1, 12, hd, dtype=torch.float64)
+    theta = 100.0 ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    z = torch.complex(x[..., :R // 2], x[..., R // 2:R]) * torch.exp(1j * torch.arange(12.0)[:, None] * theta)
+    want = torch.cat([z.real, z.imag, x[..., R:]], dim=-1)
+    torch.testing.assert_close(apply_rope(x.float(), angles).double(), want, atol=1e-5, rtol=1e-5)
+    # q.k of rotated vectors depends only on the distance between positions.
+    q, k = torch.randn(hd), torch.randn(hd)
+    score = lambda pq, pk: (apply_rope(q.expand(1, 1, 12, hd), angles)[0, 0, pq]  # noqa: E731
+                            @ apply_rope(k.expand(1, 1, 12, hd), angles)[0, 0, pk])
+    torch.testing.assert_close(score(5, 2), score(9, 6), atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_percent_leaves_the_last_dims_alone():
+    c = GPTConfig.from_preset("tiny", position_embedding_type="rope", rotary_percent=0.5)
+    x = torch.randn(2, 4, 8, c.head_dim)
+    y = apply_rope(x, rope_angles(c, torch.arange(8)))
+    assert c.rotary_dim == c.head_dim // 2
+    assert torch.equal(y[..., c.rotary_dim:], x[..., c.rotary_dim:])
+    assert not torch.allclose(y[..., :c.rotary_dim], x[..., :c.rotary_dim])
+    torch.testing.assert_close(y[:, :, 0], x[:, :, 0])  # position 0 does not turn
+
+
+def test_rope_model_has_no_position_table_and_honours_position_ids():
+    m = tiny_model(position_embedding_type="rope").eval()
+    assert not hasattr(m, "wpe")
+    x = tokens()
+    with torch.no_grad():
+        base = m(x)
+        per_row = m(x, position_ids=torch.arange(16).expand(2, 16))   # (B, T) ids, same positions
+        shifted = m(x, position_ids=torch.arange(16) + 3)
+    torch.testing.assert_close(per_row, base)
+    # Rotations by a common offset cancel in q.k: RoPE sees relative positions only.
+    torch.testing.assert_close(shifted, base, atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_has_a_weight_and_no_bias():
+    m = tiny_model(normalization="RMSNorm")
+    norm = m.blocks[0].ln_1
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None
+    assert not any(n.endswith("ln_1.bias") for n, _ in m.named_parameters())
+    x = torch.randn(3, 64, dtype=torch.float64)
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + m.config.layernorm_epsilon)
+    torch.testing.assert_close(norm.double()(x), want)
+
+
+def test_swiglu_is_silu_gate_times_up_and_keeps_ffn_hidden_size():
+    m = tiny_model(swiglu=True, ffn_hidden_size=96)
+    mlp = m.blocks[0].mlp
+    assert mlp.fc.weight.shape == (2 * 96, 64) and mlp.proj.weight.shape == (64, 96)
+    x = torch.randn(2, 5, 64)
+    gate = F.linear(x, mlp.fc.weight[:96], mlp.fc.bias[:96])
+    up = F.linear(x, mlp.fc.weight[96:], mlp.fc.bias[96:])
+    torch.testing.assert_close(mlp.hidden(x), gate * torch.sigmoid(gate) * up)
+
+
+def test_disable_bias_linear_removes_every_linear_bias():
+    m = tiny_model(disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+    biases = [n for n, _ in m.named_parameters() if n.endswith(".bias")]
+    assert biases and all(".ln_" in n or n.startswith("ln_f") for n in biases)  # LayerNorms keep theirs
+
+
+def test_untied_head_is_its_own_weight_and_the_fused_loss_uses_it():
+    m = tiny_model(untie_embeddings_and_output_weights=True)
+    assert m.output_layer.weight.shape == (128, 64)
+    assert m.output_layer.weight.data_ptr() != m.wte.weight.data_ptr()
+    x, y = tokens(), tokens(seed=2)
+    fused = m(x, labels=y)
+    fused.backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    ref = tiny_model(untie_embeddings_and_output_weights=True, loss_impl="full")  # same weights
+    want = ref(x, labels=y)
+    want.backward()
+    torch.testing.assert_close(fused, want)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
+    """G=2 key/value heads for 4 query heads is multi-head attention whose
+    heads 0,1 share K/V head 0 and heads 2,3 share K/V head 1."""
+    gqa = tiny_model(num_query_groups=2).eval()
+    assert gqa.blocks[0].attn.qkv.weight.shape == (64 + 2 * 2 * 16, 64)
+    mha = tiny_model(seed=5).eval()
+    sd = gqa.state_dict()
+    for i in range(2):
+        for kind in ("weight", "bias"):
+            t = sd.pop(f"blocks.{i}.attn.qkv.{kind}")
+            q, k, v = t.split([64, 32, 32])
+            repeat = lambda kv: kv.unflatten(0, (2, 16)).repeat_interleave(2, dim=0).flatten(0, 1)  # noqa: E731
+            sd[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat([q, repeat(k), repeat(v)])
+    mha.load_state_dict(sd)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x), mha(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, dict(swiglu=True), dict(num_query_groups=1),
+                                     dict(untie_embeddings_and_output_weights=True),
+                                     dict(disable_bias_linear=True), dict(normalization="RMSNorm"),
+                                     dict(position_embedding_type="rope"), ALL_OPTIONS],
+                         ids=lambda o: ",".join(o) or "gpt2")
+def test_parameter_count_matches_the_built_model(options):
+    m = tiny_model(**options)
+    assert count_parameters(m.config) == m.num_parameters()
+    assert count_parameters(m.config, exclude_embeddings=True) == m.num_parameters(exclude_embeddings=True)
+
+
+def test_flops_count_swiglus_third_matrix_and_gqas_narrower_kv():
+    base = GPTConfig.from_preset("124M", disable_bias_linear=True)
+    L, H, Fh, T = 12, 768, 3072, 1024
+    swiglu = dataclasses.replace(base, swiglu=True)
+    assert flops_per_token(swiglu, T) - flops_per_token(base, T) == 6 * L * H * Fh
+    gqa = dataclasses.replace(base, num_query_groups=4)  # K, V: 4 heads of 64 instead of 12
+    assert flops_per_token(base, T) - flops_per_token(gqa, T) == 6 * L * H * 2 * (12 - 4) * 64
+    # An untied head is one more table, not one more matmul.
+    untied = dataclasses.replace(base, untie_embeddings_and_output_weights=True)
+    assert flops_per_token(untied, T) == flops_per_token(base, T)
+    assert count_parameters(untied) - count_parameters(base) == 50304 * H
+
+
+def test_every_option_trains_with_activation_checkpointing_and_generates():
+    ref = tiny_model(**ALL_OPTIONS)
+    ckpt = tiny_model(**ALL_OPTIONS, activation_checkpointing=True)
+    x, y = tokens(), tokens(seed=2)
+    ref(x, labels=y).backward()
+    ckpt(x, labels=y).backward()
+    for (n, a), b in zip(ref.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=n)
+    from gpt import generate
+    out = generate(ckpt, x[:, :4], max_new_tokens=5, temperature=0)
+    assert out.shape == (2, 9) and int(out.max()) < 100
+    assert math.isfinite(ckpt(x, labels=y).item())
+
+
+def test_llama_124m_preset_matches_gpt2_124m_in_width_and_parameters():
+    llama, gpt2 = GPTConfig.from_preset("llama-124M"), GPTConfig.from_preset("124M")
+    assert {k: getattr(llama, k) for k in LLAMA_OPTIONS} == LLAMA_OPTIONS and llama.num_query_groups == 4
+    assert llama.hidden_size == gpt2.hidden_size
+    assert abs(count_parameters(llama) / count_parameters(gpt2) - 1) < 0.01
+
+
+# -----------------------------------------------------------------------------
+# The fused LM head + cross-entropy (gpt.fused_lm_loss) against the full-logits path
+#
+# The full path (F.linear to every logit, then parallel.vocab_parallel_cross_entropy)
+# is the reference: the fused loss must give the same loss and the same
+# gradients of the hidden states and of the (tied) weight, to 1e-5 in fp32,
+# whatever the chunking and with loss masks. Tensor-parallel (T=2) and Domino
+# runs are checked against the same reference in test_parallel.py, the Triton
+# row kernels against their torch twins in test_kernels.py.
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def full_reference(h, weight, labels, loss_mask=None):
+    """Today's path, written out: every logit, fp32 cross-entropy, masked mean."""
+    token_loss = parallel.vocab_parallel_cross_entropy(h @ weight.t(), labels).flatten()
+    if loss_mask is None:
+        return token_loss.mean()
+    mask = loss_mask.flatten().float()
+    return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def loss_and_grads(fn, h, weight, labels, loss_mask=None):
+    h, weight = h.detach().requires_grad_(), weight.detach().requires_grad_()
+    value = fn(h, weight, labels, loss_mask)
+    value.backward()
+    return value.detach(), h.grad, weight.grad
+
+
+def problem(N=37, C=24, V=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, C, generator=g).to(DEVICE)
+    weight = (0.3 * torch.randn(V, C, generator=g)).to(DEVICE)
+    labels = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    return h, weight, labels
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 37, 1000])  # one token a chunk ... one chunk
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_loss_matches_full_logits_in_fp32(monkeypatch, chunk_tokens, masked):
+    h, weight, labels = problem()
+    monkeypatch.setitem(gpt.CHUNK_LOGITS, "cpu", chunk_tokens * weight.shape[0])
+    mask = None
+    if masked:
+        mask = (torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) > 0.3).float()
+        mask = mask.to(DEVICE)
+    got = loss_and_grads(gpt.fused_lm_loss, h, weight, labels, mask)
+    want = loss_and_grads(full_reference, h, weight, labels, mask)
+    for name, a, b in zip(("loss", "dh", "dW"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_fully_masked_batch_gives_zero_loss_and_zero_grads():
+    h, weight, labels = problem()
+    value, dh, dw = loss_and_grads(gpt.fused_lm_loss, h, weight, labels,
+                                   torch.zeros(labels.shape, device=DEVICE))
+    assert value.item() == 0.0 and not dh.any() and not dw.any()
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_fused_loss_scales_with_the_incoming_gradient():
+    """Gradients are made in forward for d(loss) = 1 and scaled in backward:
+    a loss scaler (fp16) or a 1/accumulation factor must reach them."""
+    h, weight, labels = problem()
+    _, dh1, dw1 = loss_and_grads(gpt.fused_lm_loss, h, weight, labels)
+    _, dh3, dw3 = loss_and_grads(lambda *a: 3.0 * gpt.fused_lm_loss(*a), h, weight, labels)
+    torch.testing.assert_close(dh3, 3 * dh1)
+    torch.testing.assert_close(dw3, 3 * dw1)
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_no_grad_evaluation_computes_only_the_loss():
+    h, weight, labels = problem()
+    with torch.no_grad():
+        value = gpt.fused_lm_loss(h, weight, labels)
+    torch.testing.assert_close(value, full_reference(h, weight, labels), rtol=1e-5, atol=0)
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the dtypes of every matrix multiply that runs inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.seen |= {a.dtype for a in args if torch.is_tensor(a)}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_under_bf16_autocast_the_matmuls_are_bf16_and_the_loss_fp32():
+    h, weight, labels = problem(C=64, V=512)
+    with torch.autocast(h.device.type, dtype=torch.bfloat16):
+        with MatmulDtypes() as matmuls:
+            got = loss_and_grads(gpt.fused_lm_loss, h, weight, labels)
+        want = loss_and_grads(full_reference, h, weight, labels)
+    assert matmuls.seen == {torch.bfloat16}
+    assert got[0].dtype == torch.float32 and got[1].dtype == h.dtype and got[2].dtype == weight.dtype
+    for name, a, b in zip(("loss", "dh", "dW"), got, want):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 2e-2 * scale, name
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_fp16_gradients_are_as_close_to_fp32_as_the_full_logits_path():
+    """--fp16 at GPT-2's vocabulary with the default loss scale (2^16) and
+    512 tokens: most softmax entries are far below fp16's smallest value
+    once weighted by 1/512, and the scale itself does not fit fp16. The
+    fused loss keeps its gradients in units of the largest token weight and
+    scales in fp32, so it is as close to the fp32 gradients as the full
+    logits are (which get the loss scale before anything is fp16), also on
+    the embedding rows of tokens that are never a target."""
+    V, scale = 50304, 2.0 ** 16
+    h, weight, labels = problem(N=512, C=64, V=V)
+    weight = weight * 0.25                                       # logits of a few units
+    labels = labels.clamp(max=50256)
+
+    def in_fp16(fn):
+        def scaled_loss(*args):
+            with torch.autocast(h.device.type, dtype=torch.float16):
+                return fn(*args) * scale
+        return scaled_loss
+
+    want = loss_and_grads(full_reference, h, weight, labels)      # fp32
+    fused = loss_and_grads(in_fp16(gpt.fused_lm_loss), h, weight, labels)
+    full = loss_and_grads(in_fp16(full_reference), h, weight, labels)
+    untargeted = torch.ones(V, dtype=torch.bool, device=h.device)
+    untargeted[labels] = False
+
+    def error(got, ref, rows=slice(None)):
+        return ((got[rows] / scale - ref[rows]).norm() / ref[rows].norm()).item()
+    for name, i in (("dh", 1), ("dW", 2)):
+        assert torch.isfinite(fused[i]).all(), name
+        assert error(fused[i], want[i]) <= 1.5 * error(full[i], want[i]), name
+    assert error(fused[2], want[2], untargeted) <= 1.5 * error(full[2], want[2], untargeted)
+
+
+# The model: loss_impl="fused" (the default) against loss_impl="full"
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_gpt_fused_loss_matches_full_logits_loss_and_every_gradient():
+    results = []
+    for impl in ("full", "fused"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_preset("tiny", loss_impl=impl)).to(DEVICE)
+        g = torch.Generator().manual_seed(3)
+        x, y = (torch.randint(0, 50257, (2, 16), generator=g).to(DEVICE) for _ in range(2))
+        mask = (torch.rand(2, 16, generator=g) > 0.25).float().to(DEVICE)
+        value = model(x, labels=y, loss_mask=mask)
+        value.backward()
+        results.append((value.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_full, grads_full), (loss_fused, grads_fused) = results
+    torch.testing.assert_close(loss_fused, loss_full, rtol=1e-5, atol=0)
+    for name, g in grads_full.items():  # to 1e-5 of each gradient's scale
+        torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(),
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_unknown_loss_impl_is_a_clear_error():
+    with pytest.raises(ValueError, match="loss_impl"):
+        GPTConfig.from_preset("tiny", loss_impl="chunky")
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.gpu
+def test_gpu_fused_loss_follows_full_logits_in_a_quarter_of_the_memory():
+    """GPT-2 124M's head at micro-batch 8, seq 1024, under bf16 autocast (the
+    Triton row kernels): the same loss and gradients to bf16 rounding, and at
+    most a quarter of the full-logits path's peak memory for head + loss."""
+    N, C, V = 8 * 1024, 768, 50304
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(N, C, device="cuda", generator=g)
+    weight = 0.02 * torch.randn(V, C, device="cuda", generator=g)
+    labels = torch.randint(0, V, (N,), device="cuda", generator=g)
+    results, peaks = [], []
+    for fn in (full_reference, gpt.fused_lm_loss):
+        hh, ww = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            value = fn(hh, ww, labels)
+        value.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((value.detach(), hh.grad, ww.grad))
+    for name, a, b in zip(("loss", "dh", "dW"), results[1], results[0]):
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2 * b.float().abs().max().item(), name
+    assert 4 * peaks[1] <= peaks[0], f"peak bytes: fused {peaks[1]:,} vs full {peaks[0]:,}"
+

@@ -1,4 +1,5 @@
-"""Tests for kernels.py: Triton FlashAttention-2 and fused LayerNorm / RMSNorm.
+"""Tests for kernels.py: Triton FlashAttention-2, fused LayerNorm / RMSNorm and
+the fused loss's row kernels, also as custom ops under torch.compile.
 
 Without a GPU, conftest.py sets TRITON_INTERPRET=1 so the very same kernels
 run on CPU tensors through Triton's interpreter (slow, hence tiny shapes).
@@ -8,6 +9,7 @@ Tests marked `gpu` run the compiled kernels at realistic sizes.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gpt
 import kernels
+import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -293,7 +297,6 @@ def test_add_layer_norm_equals_add_then_layer_norm_exactly_in_fp32():
     torch.testing.assert_close(y, mod(x + r), rtol=0, atol=0)
 
 
-
 def test_fused_residual_add_goes_through_the_module_call():
     """ZeRO-3 gathers a module's partitioned parameters in a forward pre-hook:
     the block's fused add + ln_2 must call the ln_2 module, not bypass it."""
@@ -428,6 +431,43 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
 
 
 # ---------------------------------------------------------------------------
+# the fused loss's row kernels (gpt.chunk_lse_and_grad_) against their torch twins
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize("vocab_start", [0, 100])  # a vocab slice: some targets are elsewhere
+@pytest.mark.parametrize("need_grads", [True, False])
+def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
+    """The Triton row kernels (interpreted on CPU) and the in-place torch ops
+    give the same lse, target logit and, overwriting the chunk, gradient."""
+    if not (kernels.HAS_TRITON and (DEVICE == "cuda" or kernels.INTERPRET)):
+        pytest.skip("needs triton, and TRITON_INTERPRET=1 on CPU (set by conftest.py)")
+    g = torch.Generator().manual_seed(0)
+    z = (4 * torch.randn(9, 203, generator=g)).to(DEVICE)          # 203: a ragged last block
+    labels = torch.randint(0, 400, (9,), generator=g).to(DEVICE)
+    weight = torch.rand(9, generator=g).to(DEVICE)
+    results = []
+    for use_triton in (True, False):
+        dz = z.clone()
+        lse, target = gpt.chunk_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
+                                                   triton_kernels=use_triton)
+        results.append((lse, target, dz))
+    (lse, target, dz), (lse_t, target_t, dz_t) = results
+    local = labels - vocab_start
+    here = (local >= 0) & (local < z.shape[1])
+    want_lse = torch.logsumexp(z, dim=-1)
+    want_target = torch.where(here, z.gather(1, local.clamp(0, 202)[:, None]).squeeze(1), 0.0)
+    for got in (lse, lse_t):
+        torch.testing.assert_close(got, want_lse, rtol=1e-5, atol=1e-6)
+    for got in (target, target_t):
+        torch.testing.assert_close(got, want_target, rtol=1e-6, atol=0)
+    if need_grads:
+        want_dz = weight[:, None] * (torch.softmax(z, dim=-1) -
+                                     torch.nn.functional.one_hot(local.clamp(0, 202), 203) * here[:, None])
+        for got in (dz, dz_t):
+            torch.testing.assert_close(got, want_dz, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------
 # whole model: triton vs torch implementations give the same loss and grads
 
 # head dim 32 (the kernels support 32/64/128); "llama": RoPE on q, k before
@@ -458,26 +498,200 @@ def test_gpt_tiny_triton_matches_torch(options):
                                    msg=lambda m: f"grad of {name}: {m}")
 
 
-def test_train_py_runs_the_triton_path(tmp_path):
+def test_train_py_runs_the_triton_path(corpus):
     """--attention-impl/--layernorm-impl triton run through train.py on CPU under
     the interpreter (how tests and readers step through a kernel)."""
-    import numpy as np
-    import data
-    prefix = str(tmp_path / "rand_text_document")
-    builder = data.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        builder.add_document(rng.integers(0, 500, size=50).tolist() + [50256])
-    builder.finalize(prefix + ".idx")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
-        [sys.executable, os.path.join(root, "train.py"), "--preset", "tiny", "--num-attention-heads", "2",
+        [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "tiny", "--num-attention-heads", "2",
          "--attention-impl", "triton", "--layernorm-impl", "triton", "--seq-length", "24",
          "--micro-batch-size", "2", "--train-iters", "2", "--eval-interval", "0", "--log-interval", "1",
-         "--sample-tokens", "0", "--data-path", prefix, "--split", "1,0,0"],
+         "--sample-tokens", "0", "--data-path", corpus, "--split", "1,0,0"],
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iter      2" in out.stdout
+
+
+# ---------------------------------------------------------------------------
+# The Triton kernels as custom ops under torch.compile (issue 26; on CPU
+# through Triton's interpreter, conftest.py)
+
+
+OPS = ["flash_attention", "flash_attention-mha-noncausal", "layer_norm", "rms_norm", "add_layer_norm",
+       "add_rms_norm", "loss_row_stats", "loss_row_grad_", "parallel_after"]
+
+
+def _op_cases():
+    """(op, args) for every custom op (OPS), at tiny shapes."""
+    import kernels
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape, grad=True: torch.randn(*shape, generator=g).requires_grad_(grad)  # noqa: E731
+    q, k, v = rand(1, 4, 20, 32), rand(1, 2, 20, 32), rand(1, 2, 20, 32)   # grouped-query
+    x, res, w, b = rand(3, 5, 48), rand(3, 5, 48), rand(48), rand(48)
+    z, labels = rand(6, 40, grad=False), torch.randint(0, 40, (6,), generator=g)
+    return {
+        "flash_attention": (kernels.flash_attention_op, (q, k, v, True, 0.2)),
+        "flash_attention-mha-noncausal": (kernels.flash_attention_op, (q, q.detach().requires_grad_(),
+                                                                         rand(1, 4, 20, 32), False, 0.1)),
+        "layer_norm": (kernels.layer_norm_op, (x, w, b, 1e-5, None)),
+        "rms_norm": (kernels.layer_norm_op, (x, w, None, 1e-5, None)),
+        "add_layer_norm": (kernels.add_layer_norm_op, (x, res, w, b, 1e-5, None)),
+        "add_rms_norm": (kernels.add_layer_norm_op, (x, res, w, None, 1e-5, None)),
+        "loss_row_stats": (kernels.loss_row_stats, (z, labels, 10)),
+        "loss_row_grad_": (kernels.loss_row_grad_, (z.clone(), labels, z.logsumexp(-1), torch.rand(6, generator=g), 0)),
+        "parallel_after": (torch.ops.parallel.after, (x.detach(), res.detach())),  # backward only
+    }
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_custom_ops_trace_with_fake_tensors(name):
+    """torch.library.opcheck: the op's schema, its fake (shape-only)
+    implementation against the real kernel's outputs (shapes, strides,
+    dtypes), its autograd registration, and AOTAutograd tracing it with fake
+    tensors and dynamic shapes, then running it, against eager."""
+    op, args = _op_cases()[name]
+    torch.library.opcheck(op, args)
+
+
+def _triton_gpt(**options):
+    from gpt import GPT, GPTConfig
+    parallel.destroy()
+    parallel.initialize(1)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=2, max_position_embeddings=16,
+                         vocab_size=100, padded_vocab_size=128, attention_impl="triton",
+                         layernorm_impl="triton", **options))
+
+
+@pytest.mark.parametrize("options", [{}, dict(position_embedding_type="rope", normalization="RMSNorm",
+                                              swiglu=True, num_query_groups=1)], ids=["gpt2", "llama"])
+def test_model_with_triton_kernels_compiles_whole(options):
+    """The model with the Triton attention and LayerNorm/RMSNorm (fused add)
+    compiles with no graph break, and a step's loss and gradients equal
+    eager mode's. Before the kernels were custom ops, Dynamo traced into the
+    launchers (here into Triton's interpreter) and failed."""
+    ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def step(model, forward):
+        forward(ids[:, :-1], labels=ids[:, 1:]).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+    want = step(model := _triton_gpt(**options), model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = step(model := _triton_gpt(**options), torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fused_loss_row_kernels_compile_whole():
+    """The fused loss's Triton row passes inside a compiled graph (no graph
+    break) give eager mode's statistics and in-place gradient."""
+    import gpt
+    g = torch.Generator().manual_seed(0)
+    z, labels, weight = torch.randn(8, 40, generator=g), torch.randint(0, 40, (8,), generator=g), torch.rand(8, generator=g)
+
+    def passes(z):
+        lse, target = gpt.chunk_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
+        return lse, target, z
+    want = passes(z.clone())
+    torch._dynamo.reset()
+    got = torch.compile(passes, backend="aot_eager", fullgraph=True)(z.clone())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_autocast_adds_no_cast_around_the_custom_kernels():
+    """Under bf16 autocast the compiled graphs feed the custom kernels with
+    no cast (the custom ops have no autocast rule, and the kernels take the
+    dtypes they are given: attention the 16-bit q, k, v; LayerNorm the fp32
+    residual stream, writing its output in bf16 for the next GEMM), and no
+    cast follows a forward kernel."""
+    import operator
+    from test_parallel import _capturing_backend
+    graphs = []
+    ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = torch.compile(_triton_gpt(), backend=_capturing_backend(graphs))(ids[:, :-1], labels=ids[:, 1:])
+    loss.backward()
+    casts = ("aten._to_copy", "prims.convert_element_type")
+    kernel_nodes = 0
+    for graph, phase in zip(graphs, ("forward", "backward")):
+        for node in graph.nodes:
+            if not str(node.target).startswith("kernels."):
+                continue
+            kernel_nodes += 1
+            assert not [a for a in node.all_input_nodes if str(a.target).startswith(casts)], (phase, node)
+            users = [w for u in node.users for w in ([u] if u.target is not operator.getitem else u.users)]
+            if phase == "forward":  # (backward casts the fused add's gradient to the branch's bf16)
+                assert not [u for u in users if str(u.target).startswith(casts)], (phase, node)
+    assert kernel_nodes == 14  # 7 forward (2 x (LN, attention, add+LN) + ln_f), 7 backward
+
+
+def _kernels_of(code: str) -> list:
+    """The kernels Inductor's generated code calls, in order (bench/bench_compile.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from bench_compile import CALL
+    return [m.group(1) for line in code[code.index("def call("):].splitlines() if (m := CALL.match(line))]
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+def test_inductor_fuses_the_mlp_epilogues(swiglu):
+    """Inductor compiles the MLP's activation into one kernel besides the
+    GEMMs: forward bias + tanh-GeLU (on CPU the bias rides in the addmm) or
+    SwiGLU's silu(gate) * up, where eager mode runs two or three; backward
+    the activation's gradient with the fc bias's sum, two kernels besides
+    the GEMMs where eager mode runs three (GeLU) or six (SwiGLU)."""
+    from torch._inductor.utils import run_and_get_code
+    from gpt import GPTConfig, MLP
+    parallel.destroy()
+    parallel.initialize(1)
+    mlp = MLP(GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=2, swiglu=swiglu))
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp)
+    _, (forward, backward) = run_and_get_code(lambda: compiled(x).sum().backward())
+    gemm = re.compile(r"(extern_kernels|aten|torch\.ops\.aten)\.(addmm|mm|bmm)$")
+    forward, backward = ([k for k in _kernels_of(code) if not gemm.match(k)] for code in (forward, backward))
+    assert len(forward) == 1, forward
+    assert len(backward) <= 2, backward
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, dict(position_embedding_type="rope", normalization="RMSNorm",
+                                              swiglu=True, num_query_groups=1)], ids=["gpt2", "llama"])
+def test_gpu_inductor_compiles_the_model_with_the_triton_kernels(options):
+    """On a GPU, Inductor compiles the model with the Triton kernels (and the
+    fused loss's row passes) whole: no graph break, and bf16 autocast training
+    steps follow eager mode's."""
+    from gpt import GPT, GPTConfig
+    parallel.destroy()
+    parallel.initialize(1)
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(num_layers=2, hidden_size=128, num_attention_heads=2, max_position_embeddings=256,
+                             vocab_size=1000, padded_vocab_size=1024, attention_impl="triton",
+                             layernorm_impl="triton", **options)).cuda()
+    ids = torch.randint(0, 1000, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def losses(model, forward):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = []
+        for _ in range(3):
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = forward(ids[:, :-1], labels=ids[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+    want = losses(model := build(), model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = losses(model := build(), torch.compile(model, fullgraph=True))
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
 
 
 # ---------------------------------------------------------------------------

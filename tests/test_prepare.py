@@ -298,6 +298,45 @@ def test_missing_bpe_package_is_a_one_line_error(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------
+# Compressed JSONL, read as Megatron's and BigScience's recipes give it
+
+def run_prepare(*args, cwd):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    return proc
+
+
+@pytest.mark.parametrize("compress", ["xz", "gzip", "bz2", None])
+def test_compressed_jsonl_is_read_directly(tmp_path, compress):
+    import bz2
+    import gzip
+    import lzma
+    text = "".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(20))
+    opener = {"xz": lzma.open, "gzip": gzip.open, "bz2": bz2.open, None: open}[compress]
+    name = tmp_path / ("corpus.jsonl" + {"xz": ".xz", "gzip": ".gz", "bz2": ".bz2", None: ""}[compress])
+    with opener(name, "wt", encoding="utf-8") as f:
+        f.write(text)
+    proc = run_prepare("--input", str(name), "--output-prefix", str(tmp_path / "out"), "--workers", "1",
+                       cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    from data import IndexedDataset
+    assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 20
+
+
+def test_a_compressed_input_python_cannot_read_is_named(tmp_path):
+    """zstd is in the standard library only from Python 3.14: before that, one
+    line says what the file is and how to decompress it (not "convert it with iconv")."""
+    path = tmp_path / "corpus.jsonl.zst"
+    path.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(range(200)))
+    import importlib.util
+    if importlib.util.find_spec("compression") is not None:
+        pytest.skip("this Python reads zstd")
+    proc = run_prepare("--input", str(path), "--output-prefix", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"{path} is zstd-compressed and this Python cannot read zstd; decompress it first" in proc.stderr
+
+
+# ----------------------------------------------------------------------------
 # Merge
 
 def test_merge_equals_preparing_everything_at_once(tmp_path):
@@ -320,6 +359,27 @@ def test_merge_of_a_missing_prefix_fails_without_output(tmp_path):
         prepare.main(["merge", "--input", str(tmp_path / "a_text_document"), str(tmp_path / "nope"),
                       "--output-prefix", str(tmp_path / "m")])
     assert not any(f.startswith("m") for f in os.listdir(tmp_path))
+
+
+def test_merge_accepts_megatron_and_bigscience_forms(tmp_path):
+    import data as data_lib
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i, name in enumerate(["b_text_document", "a_text_document"]):
+        builder = data_lib.IndexedDatasetBuilder(str(parts / name) + ".bin", dtype=np.uint16)
+        builder.add_document([i + 1, i + 2, 50256])
+        builder.finalize(str(parts / name) + ".idx")
+    proc = run_prepare("merge", "--input", str(parts), "--output-prefix", str(tmp_path / "dir"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    docs = lambda prefix: [d.tolist() for d in data_lib.IndexedDataset(str(tmp_path / prefix))]
+    assert docs("dir") == [[2, 3, 50256], [1, 2, 50256]]  # every prefix in the directory, by name
+    proc = run_prepare("merge", "--datasets", str(parts / "b_text_document"), str(parts / "a_text_document"),
+                       "--output-prefix", str(tmp_path / "listed"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert docs("listed") == [[1, 2, 50256], [2, 3, 50256]]  # in the order given
+    os.remove(parts / "a_text_document.idx")
+    proc = run_prepare("merge", "--input", str(parts), "--output-prefix", str(tmp_path / "x"), cwd=tmp_path)
+    assert proc.returncode != 0 and "a_text_document has a .bin or a .idx but not both" in proc.stderr
 
 
 # ----------------------------------------------------------------------------

@@ -1,9 +1,9 @@
-"""DeepSpeed ZeRO in train.py (--deepspeed): same numbers as plain DDP, exact
-resume, tensor parallelism, weight export, and the ZeRO paper's memory split.
+"""zero.py: DeepSpeed ZeRO in train.py (--deepspeed): same numbers as plain DDP,
+exact resume, tensor parallelism, weight export, and the ZeRO paper's memory split.
 
 The multi-process parts run train.py's own `train(cfg, env)` several times
 inside ONE torchrun launch (this file is also the worker: `python -m
-torch.distributed.run ... tests/test_deepspeed.py worker OUT_DIR ...`), because
+torch.distributed.run ... tests/test_zero.py worker OUT_DIR ...`), because
 starting torch + DeepSpeed per configuration would dominate the runtime. Each
 launch writes JSON-lines metrics and checkpoints under OUT_DIR; the tests read
 them back. CPU + gloo, fp32, a tiny GPT.
@@ -25,8 +25,7 @@ import checkpoint  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
 import zero  # noqa: E402
-from parallel import UsageError  # noqa: E402
-from conftest import deepspeed_launcher, free_port  # noqa: E402
+from conftest import deepspeed_launcher, free_port, torchrun  # noqa: E402
 
 STEPS, RESUME_AT = 30, 15
 # Global batch 8 = micro-batch 2 x D=2 x 2 accumulation steps; clipping at 0.05
@@ -43,7 +42,9 @@ LLAMA = ["--preset", "llama-tiny"]
 
 
 def make_corpus(prefix: str) -> None:
-    """Random token documents ending in <|endoftext|>, in the Megatron format."""
+    """Random token documents ending in <|endoftext|>, in the Megatron format:
+    the launches' own corpus (not conftest's), as their thresholds were set on
+    it (clipping active on every step, the fine-tuned loss 1.0 below a fresh one)."""
     import data as data_lib
     rng = np.random.default_rng(0)
     builder = data_lib.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
@@ -248,13 +249,8 @@ def export_and_eval(out, saved, name, extra):
 # ----------------------------------------------------------------------------
 
 def launch(out: str, plan: str, nproc: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.abspath(__file__), "worker", out, plan]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker {plan} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+    torchrun(os.path.abspath(__file__), "worker", out, plan, nproc=nproc, env={"PYTHONWARNINGS": "ignore"},
+             timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -473,26 +469,6 @@ def test_plain_and_deepspeed_saves_in_one_directory_always_read_the_latest(runs)
     assert ds["loss"] == pytest.approx(metrics(runs, "mixed_plain_again")[0]["loss"], abs=1e-6)
 
 
-def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp_path):
-    """A directory written before both kinds wrote Megatron's pointer (or a
-    crash between a DeepSpeed save's two pointer writes): Megatron's pointer
-    names a plain iteration 2, DeepSpeed's names iteration 4. The newer
-    one is read, for resume, export and evaluation alike (latest_checkpoint)."""
-    save = str(tmp_path)
-    checkpoint.write_plain_checkpoint(save, {"iteration": 2})
-    os.makedirs(os.path.join(save, "iter_0000004"))
-    with open(os.path.join(save, "iter_0000004", checkpoint.DS_META), "w") as f:
-        json.dump({"iteration": 4}, f)
-    with open(os.path.join(save, checkpoint.DS_LATEST), "w") as f:
-        f.write("iter_0000004")
-    found = checkpoint.latest_checkpoint(save)
-    assert (found.kind, found.iteration) == ("deepspeed", 4)
-    with open(os.path.join(save, checkpoint.LATEST), "w") as f:
-        f.write("6")  # Megatron's pointer names a checkpoint that is gone: said, not skipped
-    with pytest.raises(UsageError, match=r"latest_checkpointed_iteration.txt names iteration 6"):
-        checkpoint.latest_checkpoint(save)
-
-
 def test_export_of_a_16_bit_stage_0_checkpoint_is_its_fp32_master_weights(runs, tmp_path):
     """ZeRO stage 0 under --bf16 keeps fp32 master weights in its optimizer
     and 16-bit copies in the module. The export (and so evaluate.py,
@@ -571,10 +547,8 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
     stage 2 + gradients / D; stage 3 + parameters / D. DeepSpeed also keeps an
     fp32 master copy of the partition it updates (4 Psi / D, stages 1-3)."""
     out = str(tmp_path / "bench.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "bench", "bench_zero.py"), "--steps", "2", "--json", out]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(os.path.join(ROOT, "bench", "bench_zero.py"), "--steps", "2", "--json", out, nproc=2,
+                    env={"PYTHONWARNINGS": "ignore"}, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {r["stage"]: r for r in json.load(open(out))}
     psi, D = results[0]["num_params"], 2
@@ -595,14 +569,14 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
 # Single-process checks (no launch)
 # ----------------------------------------------------------------------------
 
-def test_deepspeed_runs_as_one_process_without_a_launcher(runs, tmp_path):
+def test_deepspeed_runs_as_one_process_without_a_launcher(corpus, tmp_path):
     """`python train.py ... --deepspeed` with no torchrun or deepspeed launcher
     is one process; DeepSpeed still finds the variables it asserts on."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     metrics_file = tmp_path / "m.jsonl"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *COMMON,
-                           "--data-path", os.path.join(runs, "corpus_text_document"),
+                           "--data-path", corpus,
                            "--micro-batch-size", "4", "--train-iters", "2", "--eval-interval", "0",
                            "--deepspeed", "--zero-stage", "1", "--metrics-file", str(metrics_file)],
                           cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
@@ -660,26 +634,19 @@ def test_a_precision_deepspeed_refuses_is_named_before_any_model_is_built():
         zero.check_deepspeed_precision(config.parse_args(base + ok), CPUWithoutFP16())
 
 
-def test_zero_flags_without_deepspeed_are_an_error():
-    with pytest.raises(ValueError, match="need --deepspeed"):
-        config.parse_args(["--preset", "tiny", "--zero-stage", "2"])
-
-
-if __name__ == "__main__" and sys.argv[1] == "worker":
-    worker(sys.argv[2], sys.argv[3])
-
-
-def test_deepspeed_launcher_runs_train_py(tmp_path):
+def test_deepspeed_launcher_runs_train_py(corpus):
     """`deepspeed --num_gpus 2 train.py ...` (it passes --local_rank) works like torchrun."""
-    prefix = str(tmp_path / "corpus_text_document")
-    make_corpus(prefix)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"  # the launcher picks its accelerator at import
     port = free_port()  # for the launcher's rendezvous
     proc = subprocess.run([*deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(port),
                            os.path.join(ROOT, "train.py"), *COMMON, "--train-iters", "2",
-                           "--data-path", prefix, "--deepspeed", "--zero-stage", "1"],
+                           "--data-path", corpus, "--deepspeed", "--zero-stage", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world 2 = TP 1 x DP 2" in proc.stdout and "iter      2" in proc.stdout
+
+
+if __name__ == "__main__" and sys.argv[1] == "worker":
+    worker(sys.argv[2], sys.argv[3])

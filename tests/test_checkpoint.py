@@ -1,0 +1,397 @@
+"""checkpoint.py: train.py's checkpoints, DeepSpeed's published beside them, and
+Hugging Face GPT-2 and Llama directories in and out.
+
+A save is atomic (written under a temporary name, fsynced, renamed into place,
+then the `latest` pointer replaced), so a crash or a power loss leaves the
+previous checkpoint readable; a diverged model never reaches one; --load reads
+the newest checkpoint of either kind. The DeepSpeed runs that write ZeRO
+checkpoints (and their export) are in test_zero.py; resuming across layouts
+in test_train.py. The Hugging Face tests build random transformers models and
+check that ours computes the same logits, both ways.
+"""
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+import train
+from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
+from conftest import ROOT, TINY, read_metrics, run_train, tiny, tiny_model, tokens
+from parallel import UsageError
+from gpt import GPT, LLAMA_OPTIONS
+
+
+# -----------------------------------------------------------------------------
+# Saving safely: a crash, a power loss or a failed write leaves the previous
+# checkpoint, and `latest` naming it
+
+
+def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
+    real_save = torch.save
+    saves = []
+
+    def save_that_crashes(obj, path, *a, **k):
+        saves.append(path)
+        if len(saves) == 2:  # the second checkpoint dies half-written
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError("disk full")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_that_crashes)
+    with pytest.raises(OSError, match="disk full"):
+        train.main(args)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
+    state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
+    assert state["iteration"] == 2 and state["consumed_samples"] == 8
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000004.tmp"))  # the half-written save
+    # The run resumes from iteration 2. It saves at 3 and stops (not at 4 again,
+    # whose save would overwrite the leftover): publishing 3 removes the leftover.
+    train.main([*args, "--load", ckpt, "--save-interval", "3", "--exit-interval", "3"])
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "3"
+    assert not glob.glob(os.path.join(ckpt, "*.tmp"))
+    assert "removed iter_0000004.tmp, the leftover of a save that did not complete" in capsys.readouterr().out
+
+
+def test_resaving_an_iteration_never_leaves_latest_dangling(tmp_path, monkeypatch):
+    """Re-saving iteration 2 moves the old copy aside before the new one is
+    renamed in; a crash between the two renames leaves `latest` naming a
+    missing directory, and the loader then reads the copy set aside."""
+    save = str(tmp_path / "ckpt")
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "first"})
+    real_replace = os.replace
+
+    def crash_on_rename_into_place(src, dst):
+        if src.endswith(".tmp") and dst.endswith("iter_0000002"):
+            raise OSError("power cut")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_rename_into_place)
+    with pytest.raises(OSError, match="power cut"):
+        checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "second"})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not os.path.exists(os.path.join(save, "iter_0000002"))  # what `latest` names
+    def saved_weights():
+        path = os.path.join(checkpoint.latest_checkpoint(save).path, checkpoint.PLAIN_FILE)
+        return torch.load(path, weights_only=False)["weights"]
+    assert saved_weights() == "first"
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2, "weights": "third"})
+    assert saved_weights() == "third"
+    assert sorted(os.listdir(save)) == ["iter_0000002", checkpoint.LATEST]
+
+
+def test_checkpoint_reaches_the_disk_before_it_is_published(tmp_path, monkeypatch):
+    """The atomic renames only survive a power loss if what they publish is on
+    disk first: the file, its directory, then (after the rename) the parent,
+    then the pointer and its directory."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def spy_fsync(fd):  # Linux: the descriptor's path, as it is when fsynced
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(b))),
+                                                      real_replace(a, b))[1])
+    checkpoint.write_plain_checkpoint(str(tmp_path / "ckpt"), {"iteration": 5})
+    order = [e for e in events if e[1] in ("model_optim_rng.pt", "iter_0000005.tmp", "iter_0000005",
+                                            "ckpt", checkpoint.LATEST)]
+    assert order == [("fsync", "model_optim_rng.pt"), ("fsync", "iter_0000005.tmp"),
+                     ("rename", "iter_0000005"), ("fsync", "ckpt"),
+                     ("rename", checkpoint.LATEST), ("fsync", "ckpt")]
+    assert any(e[0] == "fsync" and e[1].startswith(checkpoint.LATEST + ".tmp") for e in events)
+
+
+def test_a_failed_write_on_rank_0_stops_every_rank(corpus, tmp_path):
+    """Only rank 0 writes a plain checkpoint. If that fails (here --save lies
+    under a regular file), the other rank must not wait for it at a barrier
+    forever: both exit, and the error names the cause."""
+    (tmp_path / "a-file").write_text("")
+    start = time.time()
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "1",
+                      "--save", str(tmp_path / "a-file" / "ckpt")], nproc=2, check=False, timeout=240)
+    assert proc.returncode != 0 and time.time() - start < 200
+    assert "NotADirectoryError" in proc.stderr
+    assert "rank 1: stopping, saving checkpoint 1" in proc.stderr and "failed on rank 0" in proc.stderr
+
+
+def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_path):
+    """--keep-last-checkpoints 2 with a save every step: the two newest remain
+    and `latest` names the newest. A later iteration left by another run,
+    and anything not named like a checkpoint, are not touched."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000009").mkdir(parents=True)
+    (ckpt / "notes").mkdir()
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--eval-interval", "0",
+                "--save", str(ckpt), "--save-interval", "1", "--keep-last-checkpoints", "2"])
+    assert sorted(os.listdir(ckpt)) == sorted([checkpoint.LATEST, "iter_0000004", "iter_0000005", "iter_0000009", "notes"])
+    assert open(ckpt / checkpoint.LATEST).read() == "5"
+
+
+# -----------------------------------------------------------------------------
+# A diverged model never reaches a checkpoint (in-process: a single rank)
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--save", ckpt, "--save-interval", "2"]
+    real_step = train.train_step
+    calls = []
+
+    def step_that_diverges(*a, **k):
+        loss, norm, stepped = real_step(*a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), norm, stepped
+
+    monkeypatch.setattr(train, "train_step", step_that_diverges)
+    with pytest.raises(SystemExit) as exc:
+        train.main(args)
+    assert exc.value.code == 1
+    assert "loss is nan at iteration 3" in capsys.readouterr().out
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", checkpoint.LATEST]
+
+
+def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpus, tmp_path, monkeypatch):
+    """fp32 (no loss scaler): an inf gradient at iteration 2, a save step, leaves
+    the weights as iteration 1 left them; the run goes on and says it skipped."""
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    real_build = train.build_model
+    backwards = []
+
+    def build_with_inf_at_iteration_2(cfg, device):
+        model = real_build(cfg, device)
+
+        def poison(p):
+            backwards.append(1)
+            if len(backwards) == 2:
+                p.grad[0, 0] = float("inf")
+
+        model.wte.weight.register_post_accumulate_grad_hook(poison)
+        return model
+
+    monkeypatch.setattr(train, "build_model", build_with_inf_at_iteration_2)
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "3", "--save", ckpt,
+                "--save-interval", "1", "--metrics-file", metrics])
+    saved = [torch.load(os.path.join(ckpt, f"iter_{i:07d}", "model_optim_rng.pt"), weights_only=False)
+             for i in (1, 2, 3)]
+    for name, value in saved[1]["model"].items():
+        assert torch.isfinite(value).all(), name
+        assert torch.equal(value, saved[0]["model"][name]), name  # iteration 2 was skipped
+    assert not torch.equal(saved[2]["model"]["wte.weight"], saved[1]["model"]["wte.weight"])
+    assert [r["skipped_iterations"] for r in read_metrics(metrics)] == [0, 1, 0]
+
+
+# -----------------------------------------------------------------------------
+# Which checkpoint --load reads (the DeepSpeed runs that mix both kinds in
+# one directory: test_zero.py)
+
+
+def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp_path):
+    """A directory written before both kinds wrote Megatron's pointer (or a
+    crash between a DeepSpeed save's two pointer writes): Megatron's pointer
+    names a plain iteration 2, DeepSpeed's names iteration 4. The newer
+    one is read, for resume, export and evaluation alike (latest_checkpoint)."""
+    save = str(tmp_path)
+    checkpoint.write_plain_checkpoint(save, {"iteration": 2})
+    os.makedirs(os.path.join(save, "iter_0000004"))
+    with open(os.path.join(save, "iter_0000004", checkpoint.DS_META), "w") as f:
+        json.dump({"iteration": 4}, f)
+    with open(os.path.join(save, checkpoint.DS_LATEST), "w") as f:
+        f.write("iter_0000004")
+    found = checkpoint.latest_checkpoint(save)
+    assert (found.kind, found.iteration) == ("deepspeed", 4)
+    with open(os.path.join(save, checkpoint.LATEST), "w") as f:
+        f.write("6")  # Megatron's pointer names a checkpoint that is gone: said, not skipped
+    with pytest.raises(UsageError, match=r"latest_checkpointed_iteration.txt names iteration 6"):
+        checkpoint.latest_checkpoint(save)
+
+
+# -----------------------------------------------------------------------------
+# Export: --export-from a checkpoint --export-format hf
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
+    """--export-from a train.py checkpoint --export-format hf: a GPT-2 (or,
+    for the Llama-shaped preset, a Llama) directory that loads back with the
+    trained weights."""
+    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    train.main([*TINY, "--preset", preset, "--data-path", corpus, "--train-iters", "2", "--save", ckpt])
+    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--export-from", ckpt,
+                    "--export-to", hf, "--export-format", "hf"], check=True, cwd=ROOT)
+    state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
+    exported = from_hf(hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        assert json.load(f)["model_type"] == {"tiny": "gpt2", "llama-tiny": "llama"}[preset]
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face GPT-2 in and out (checkpoint.from_hf, to_hf and their state dict maps)
+
+
+def random_hf_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # randomize everything, biases and LayerNorms included
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False])
+def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization):
+    theirs = random_hf_model()
+    theirs.save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    ours = from_hf(str(tmp_path)).eval()
+    assert ours.config.vocab_size == 100 and ours.config.padded_vocab_size == 128
+    x = tokens(T=32)
+    with torch.no_grad():
+        want = theirs(x).logits
+        got = ours(x)
+    torch.testing.assert_close(got[..., :100], want, atol=1e-5, rtol=1e-5)
+    assert torch.all(got[..., 100:] == 0)  # zero padding rows -> zero logits
+
+
+def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    ours = tiny_model(max_position_embeddings=32).eval()
+    with torch.no_grad():  # non-trivial LayerNorms and biases
+        for name, p in ours.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    to_hf(ours, str(tmp_path))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    x = tokens(T=32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x).logits, ours(x)[..., :100], atol=1e-5, rtol=1e-5)
+    # And back again: export -> import is lossless, except that the padding
+    # rows (dropped on export) come back as zeros.
+    again = from_hf(str(tmp_path), padded_vocab_size=128).state_dict()
+    for k, v in ours.state_dict().items():
+        if k == "wte.weight":
+            again[k], v = again[k][:100], v[:100]
+        torch.testing.assert_close(again[k], v, atol=0, rtol=0)
+
+
+def test_state_dict_conversion_transposes_conv1d_and_pads_vocab():
+    config = tiny()
+    ours = GPT(config).state_dict()
+    hf = ours_to_hf(ours, config)
+    assert hf["transformer.wte.weight"].shape == (100, 64)
+    assert hf["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D (in, out)
+    assert torch.equal(hf["transformer.h.1.mlp.c_fc.weight"], ours["blocks.1.mlp.fc.weight"].t())
+    back = hf_to_ours(hf, config)
+    assert back.keys() == ours.keys()
+    assert torch.equal(back["wte.weight"][100:], torch.zeros(28, 64))
+
+
+def test_from_hf_rejects_untied_head_and_missing_dir(tmp_path):
+    config = tiny()
+    hf = ours_to_hf(GPT(config).state_dict(), config)
+    hf["lm_head.weight"] = torch.randn(100, 64)
+    with pytest.raises(ValueError, match="tied"):
+        hf_to_ours(hf, config)
+    with pytest.raises(UsageError, match="config.json"):
+        from_hf(str(tmp_path / "nope"))
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face Llama in and out (checkpoint.from_hf, checkpoint.to_hf)
+
+
+# Llama's options; rotary_percent stays 1 (Llama rotates whole heads).
+LLAMA = dict(LLAMA_OPTIONS, num_query_groups=2, rotary_base=500.0, layernorm_epsilon=1e-6)
+
+
+def randomized(m: GPT, seed=3) -> GPT:
+    """Every weight random (norm weights too), so no mapping hides behind ones."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return m.eval()
+
+
+def unpadded(sd: dict, vocab: int) -> dict:
+    """Our state dict without the vocabulary padding rows (HF has none)."""
+    return {k: v[:vocab] if k in ("wte.weight", "output_layer.weight") else v for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("variant", [
+    {},                                                      # untied, no biases, GQA
+    dict(untie_embeddings_and_output_weights=False, disable_bias_linear=False, num_query_groups=None),
+], ids=["untied-nobias-gqa", "tied-biases-mha"])
+def test_llama_export_loads_in_transformers_with_the_same_logits(tmp_path, variant):
+    transformers = pytest.importorskip("transformers")
+    ours = randomized(tiny_model(**{**LLAMA, **variant}))
+    to_hf(ours, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["model_type"] == "llama"
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert theirs.config.num_key_value_heads == ours.config.num_query_groups
+    x = tokens(T=32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[..., :100], theirs(x).logits, atol=1e-5, rtol=1e-5)
+    back = from_hf(str(tmp_path), padded_vocab_size=128)
+    assert back.config == dataclasses.replace(ours.config, ffn_hidden_size=ours.config.ffn_hidden_size)
+    want, got = unpadded(ours.state_dict(), 100), back.state_dict()
+    for k in want:
+        assert torch.equal(got[k][:want[k].shape[0]], want[k]), k
+
+
+def test_from_hf_reads_a_llama_checkpoint_that_transformers_wrote(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, rope_theta=500.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0.0, 0.2)
+    theirs.save_pretrained(str(tmp_path))
+    ours = from_hf(str(tmp_path)).eval()
+    c = ours.config
+    assert (c.position_embedding_type, c.normalization, c.swiglu, c.num_query_groups, c.rotary_base,
+            c.untie_embeddings_and_output_weights, c.disable_bias_linear, c.ffn_hidden_size) == \
+        ("rope", "RMSNorm", True, 2, 500.0, True, True, 96)
+    x = tokens(T=32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[..., :100], theirs(x).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options,flag", [
+    (dict(position_embedding_type="rope"), "--position-embedding-type learned_absolute"),
+    (dict(LLAMA_OPTIONS, normalization="LayerNorm"), "--normalization RMSNorm"),
+    (dict(LLAMA_OPTIONS, rotary_percent=0.5), "--rotary-percent 1.0"),
+    (dict(untie_embeddings_and_output_weights=True), "no --untie-embeddings-and-output-weights"),
+    (dict(num_query_groups=2), "no --group-query-attention"),
+])
+def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(tmp_path, options, flag):
+    import checkpoint
+    m = tiny_model(**options)
+    with pytest.raises(ValueError, match=flag):
+        to_hf(m, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before writing anything
+    assert checkpoint.hf_architecture(tiny_model().config) == "gpt2"
+    assert checkpoint.hf_architecture(tiny_model(**LLAMA).config) == "llama"
+

