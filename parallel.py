@@ -1062,7 +1062,7 @@ def sequence_parallel_off(module: nn.Module):
 #
 # Under torch.compile a launch and its wait are two graph nodes placed where
 # eager mode launches and waits. tests/test_parallel.py checks this order on
-# two ranks, tests/test_compile.py in the compiled graphs.
+# two ranks, in eager mode and in the compiled graphs.
 
 class Sublayer(NamedTuple):
     norm: nn.Module   # the LayerNorm that enters it
