@@ -251,7 +251,7 @@ def test_generate_stops_when_every_row_emits_eos():
 
 
 # -----------------------------------------------------------------------------
-# The architecture options researchers fork for (issue 15): RoPE, RMSNorm,
+# The architecture options researchers fork for: RoPE, RMSNorm,
 # SwiGLU, grouped-query attention, an untied LM head, no linear biases, each
 # against its definition; the defaults stay GPT-2 (test_config.py). Tensor
 # parallelism, Domino and ZeRO with every option on are in test_parallel.py

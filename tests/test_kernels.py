@@ -512,7 +512,7 @@ def test_train_py_runs_the_triton_path(corpus):
 
 
 # ---------------------------------------------------------------------------
-# The Triton kernels as custom ops under torch.compile (issue 26; on CPU
+# The Triton kernels as custom ops under torch.compile (on CPU
 # through Triton's interpreter, conftest.py)
 
 

@@ -372,7 +372,7 @@ import gpt  # noqa: E402
 from gpt import GPT, GPTConfig, LLAMA_OPTIONS  # noqa: E402
 from gpt import generate  # noqa: E402
 
-# Every architecture option on (issue 15), for the TP and Domino comparisons
+# Every architecture option on, for the TP and Domino comparisons
 # below: 2 key/value heads (one per rank at T=2), half of each head rotating.
 ALL_OPTIONS = dict(LLAMA_OPTIONS, num_query_groups=2, rotary_percent=0.5)
 MODEL_OPTIONS = pytest.mark.parametrize("options", [{}, ALL_OPTIONS], ids=["gpt2", "all-options"])
@@ -1076,7 +1076,7 @@ def test_checkpoint_states_are_assembled_on_the_writer_only(tp):
 
 
 # --------------------------------------------------------------------------
-# torch.compile over the whole model at every layout (issue 26)
+# torch.compile over the whole model at every layout
 # --------------------------------------------------------------------------
 #
 # The layouts run inside ONE group of 2 gloo ranks (the module's fixture
@@ -1258,8 +1258,8 @@ def compiled(tmp_path_factory):
 @pytest.mark.parametrize("name", [*LAYOUTS, "inductor:sp-domino2"])
 def test_compiled_training_equals_eager(compiled, name):
     """Three AdamW steps (fp32): the compiled model's losses and first-step
-    gradients equal eager mode's to 1e-5. Before issue 26 the Domino layouts
-    trained on gradients read before their all-reduce had landed."""
+    gradients equal eager mode's to 1e-5: in the Domino layouts, no gradient
+    is read before its all-reduce has landed."""
     run = compiled[name]
     assert run["graphs"] >= 2, "nothing was compiled"
     torch.testing.assert_close(run["losses"], run["eager_losses"], rtol=1e-5, atol=0)

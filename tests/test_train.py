@@ -471,7 +471,7 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp
     torchrun then stops the silent rank. Every group must carry the timeout:
     new_group does not inherit init_process_group's, and DDP on our
     data-parallel group, or ZeRO on the world clone DeepSpeed makes without an
-    mpu, used to wait out the silent rank (torch's default is 30 minutes)."""
+    mpu, would wait out the silent rank (torch's default is 30 minutes)."""
     script = tmp_path / "silent.py"
     script.write_text(RANK_1_STOPS_ANSWERING.format(root=ROOT))
     args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8",
@@ -954,12 +954,13 @@ MODEL_ARGS="$GPT_ARGS"
 
 
 # ----------------------------------------------------------------------------
-# train.py --compile: the issue's run (26), and ZeRO 1-3 (this file is the
+# train.py --compile: TP with SP and Domino, and ZeRO 1-3 (this file is the
 # torchrun worker: `python -m torch.distributed.run ... tests/test_train.py
 # compile-worker OUT DATA`); CUDA graphs on a GPU
 
 
-# The issue's setup: 2 layers, 64 wide, seq 32, micro-batch 2, global batch 8.
+# 2 layers, 64 wide, seq 32, micro-batch 2, global batch 8 (the setup that found
+# wrong Domino gradients under compile, bench/RESULTS.md).
 RUN = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
        "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-interval", "0",
        "--log-interval", "1", "--sample-tokens", "0", "--seed", "1234"]
@@ -1007,9 +1008,8 @@ def train_runs(corpus, tmp_path_factory):
 def test_train_py_compile_follows_eager_mode(train_runs, name):
     """train.py --compile (aot_eager graphs) takes the same 4 steps as eager
     mode, loss and gradient norm to 1e-5: tensor parallelism with sequence
-    parallelism and Domino (the issue's run; before the fix its gradient
-    norms were NaN and every step was skipped, bench/results_compile.md),
-    and ZeRO 1, 2 and 3 (refused before). Each compiled run really compiled
+    parallelism and Domino (wrong gradients there would show as NaN norms
+    and skipped steps), and ZeRO 1, 2 and 3. Each compiled run really compiled
     (Dynamo made a graph), with no graph break but under ZeRO-3."""
     out, counters = train_runs
 
