@@ -68,7 +68,10 @@ class TrainConfig:
                                               "(and is divisible by --tensor-model-parallel-size)")
     # parallelism
     tensor_model_parallel_size: int = flag(1, "tp: ranks that split every layer (consecutive ranks, one node)", BOTH)
-    pipeline_model_parallel_size: int = flag(1, "accepted for Megatron recipes: only 1 (no pipeline parallelism)", BOTH)
+    pipeline_model_parallel_size: int = flag(1, "pp: pipeline stages, each holding num_layers/pp consecutive layers "
+                                                "(1F1B schedule; ranks: TP fastest, then DP, then PP)", BOTH)
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None, "interleaved 1F1B: each pipeline rank holds num_layers/(pp x this) model chunks of this many layers")
     distributed_backend: str | None = flag(None, "nccl | gloo (default: nccl on GPUs, gloo on CPU)", BOTH)
     ddp_impl: str = flag("torch", "torch | local: both are torch DDP here", BOTH)
     distributed_timeout_minutes: float = flag(10.0, "process-group timeout: a collective (or the start-up) "
@@ -259,6 +262,10 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     check_common(cfg)
     if tool == TRAIN:
         check_training(cfg, set(given))
+    elif cfg.pipeline_model_parallel_size != 1:
+        raise UsageError(f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: evaluate.py "
+                         f"runs whole models (split by --tensor-model-parallel-size alone); use 1: "
+                         f"checkpoints saved at any pipeline size load there")
     return cfg
 
 
@@ -364,6 +371,7 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
     validate_deepspeed(cfg)
     validate_sequence_parallel(cfg)
     validate_compile(cfg)
+    validate_pipeline(cfg)
     if cfg.keep_last_checkpoints is not None and cfg.keep_last_checkpoints < 1:
         raise UsageError(f"--keep-last-checkpoints {cfg.keep_last_checkpoints}: keep at least 1")
     if cfg.finetune and not cfg.load:
@@ -375,10 +383,6 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
 
 def validate_megatron_flags(cfg: TrainConfig) -> None:
     """Megatron flags with one possible value here, or a few: say what to use."""
-    if cfg.pipeline_model_parallel_size != 1:
-        raise UsageError(f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: "
-                         f"pipeline parallelism is not supported; use 1, and split the model with "
-                         f"--tensor-model-parallel-size and/or --deepspeed --zero-stage 3")
     if cfg.distributed_backend not in (None, "nccl", "gloo"):
         raise UsageError(f"--distributed-backend {cfg.distributed_backend}: use nccl (GPUs) or gloo (CPU)")
     if cfg.distributed_backend is not None and \
@@ -466,6 +470,22 @@ def validate_compile(cfg: TrainConfig) -> None:
     if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UsageError(f"--compile-backend {cfg.compile_backend!r} is not a torch.compile backend: "
                          f"use inductor, or aot_eager or eager to debug")
+
+
+def validate_pipeline(cfg: TrainConfig) -> None:
+    """What pipeline stages do not run with (the layers' and batches' division is checked with the model)."""
+    pp = cfg.pipeline_model_parallel_size
+    if pp < 1:
+        raise UsageError(f"--pipeline-model-parallel-size {pp}: use 1 or more")
+    if cfg.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
+        raise UsageError("--num-layers-per-virtual-pipeline-stage interleaves pipeline stages: it needs "
+                         "--pipeline-model-parallel-size > 1")
+    if pp > 1 and cfg.deepspeed:
+        raise UsageError("--deepspeed with --pipeline-model-parallel-size > 1 is not supported: "
+                         "drop one of them")
+    if pp > 1 and cfg.compile:
+        raise UsageError("--compile compiles the whole model's forward, which a pipeline stage does not "
+                         "run: drop --compile or --pipeline-model-parallel-size")
 
 
 def validate_deepspeed(cfg: TrainConfig) -> None:

@@ -394,7 +394,7 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
                           b.attn.proj, b.attn.resid_drop),
         parallel.Sublayer(b.ln_2, lambda h, d, i, b=b: b.mlp.hidden(h, d), b.mlp.proj, b.mlp.drop))]
     outputs = parallel.domino(sublayers, chunks, add_and_norm,
-                              sequence_parallel=blocks[0].attn.qkv.sequence_parallel)
+                              sequence_parallel=next(iter(blocks)).attn.qkv.sequence_parallel)
     return torch.cat(outputs, dim=0)
 
 
@@ -450,9 +450,15 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, chunks: list[range] | None = None):
+        """chunks: under pipeline parallelism, the layers of each model chunk
+        this rank holds (parallel.pipeline_chunks); default all of them. The
+        first layer's holder has the embedding, the last layer's the final
+        norm and the head (and a copy of a tied embedding for it)."""
         super().__init__()
         self.config = config
+        self.chunks = chunks or [range(config.num_layers)]
+        first, last = self.chunks[0].start == 0, self.chunks[-1].stop == config.num_layers
         # How blocks are recomputed under activation checkpointing; train.py
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
@@ -463,27 +469,41 @@ class GPT(nn.Module):
                                  "turn one of them off")
             parallel.check_divisible(config)
         self.sequence_parallel = tp and config.sequence_parallel  # off while generating
+        tied = not config.untie_embeddings_and_output_weights
         # Each piece is initialized (and under TP sliced) before the next exists:
-        # a rank never holds more than its slices plus one full layer.
-        self.wte = self._build(lambda: nn.Embedding(config.padded_vocab_size, config.hidden_size))
-        if tp:
+        # a rank never holds more than its slices plus one full layer. Pieces of
+        # other pipeline stages are built too, for their random numbers, and
+        # dropped: every layout starts from the same weights.
+        wte = self._build(lambda: nn.Embedding(config.padded_vocab_size, config.hidden_size))
+        if first or (last and tied):
             self.wte = parallel.VocabParallelEmbedding.from_embedding(
-                self.wte, sequence_parallel=config.sequence_parallel)
+                wte, sequence_parallel=config.sequence_parallel) if tp else wte
+            # The last stage's copy is the head: its grad is summed with the first's
+            # (train.py), and the grad norm counts it once (parallel.clip_grad_norm_).
+            self.wte.weight.pipeline_copy = not first
         if config.position_embedding_type == "learned_absolute":  # rope: positions act in attention
-            self.wpe = self._build(lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size))
+            wpe = self._build(lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size))
+            if first:
+                self.wpe = wpe
         self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        # Named by layer number (blocks.5 on the stage holding layers 4-7), so that
+        # state dicts have the keys of the whole model.
         self.blocks = nn.ModuleList()
-        for _ in range(config.num_layers):
+        for i in range(config.num_layers):
             block = self._build(lambda: Block(config))
-            if tp:
-                shard_block(block, config)
-            self.blocks.append(block)
-        self.ln_f = self._build(lambda: make_layernorm(config, config.hidden_size))
-        if config.untie_embeddings_and_output_weights:  # else the head is wte (see output_weight)
-            self.output_layer = self._build(
+            if any(i in layers for layers in self.chunks):
+                if tp:
+                    shard_block(block, config)
+                self.blocks.add_module(str(i), block)
+        ln_f = self._build(lambda: make_layernorm(config, config.hidden_size))
+        if last:
+            self.ln_f = ln_f
+        if not tied:  # else the head is wte (see output_weight)
+            output_layer = self._build(
                 lambda: nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False))
-            if tp:  # vocab-parallel like wte: rank r owns the logits of its vocab rows
-                self.output_layer = parallel.ColumnParallelLinear.from_linear(self.output_layer)
+            if last:  # vocab-parallel like wte: rank r owns the logits of its vocab rows
+                self.output_layer = parallel.ColumnParallelLinear.from_linear(output_layer) \
+                    if tp else output_layer
         if self.sequence_parallel:  # norms and biases see T/tp tokens: sum their grads
             parallel.sum_sequence_parallel_grads(self)
 
@@ -535,9 +555,27 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
         x, rope = self._embed(input_ids, position_ids)               # (B, T[/tp], C)
-        x = self._run_blocks(x, rope, kv_cache)
+        x = self._run_blocks(x, rope, kv_cache, self.blocks)
         if kv_cache is not None:
             kv_cache.length += T
+        return self._head(x, labels, loss_mask)
+
+    def pipeline_forward(self, chunk: int, x, input_ids, position_ids, labels, loss_mask):
+        """Model chunk `chunk` of this pipeline stage (parallel.run_pipeline runs
+        them): x (B, T[/tp], C) is the previous stage's output, or None where the
+        chunk begins at layer 0 and embeds input_ids. Returns the chunk's output,
+        or, where it ends with the last layer, the loss (as forward)."""
+        layers = self.chunks[chunk]
+        if layers.start == 0:
+            self._check_inputs(input_ids, position_ids, labels)
+            x, rope = self._embed(input_ids, position_ids)
+        else:
+            rope = rope_angles(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
+        x = self._run_blocks(x, rope, None, [self.blocks.get_submodule(str(i)) for i in layers])
+        return x if layers.stop < self.config.num_layers else self._head(x, labels, loss_mask)
+
+    def _head(self, x, labels, loss_mask):
+        """The final norm and the LM head: (B, T[/tp], C) -> logits, or the loss."""
         h = self.head_input(self.ln_f(x))                            # (B, T, C)
         if labels is None:
             # Under TP the full logits are all-gathered (fine for eval and generation).
@@ -557,15 +595,15 @@ class GPT(nn.Module):
             position_ids = position_ids[..., r * s:(r + 1) * s]     # this rank's tokens
         return self.drop(x + self.wpe(position_ids)), None
 
-    def _run_blocks(self, x, rope, kv_cache):
+    def _run_blocks(self, x, rope, kv_cache, blocks):
         if kv_cache is not None:  # inference: plain order, each layer reads and extends its cache
-            for i, block in enumerate(self.blocks):
+            for i, block in enumerate(blocks):
                 x = block(x, rope, functools.partial(kv_cache.extend, i))
             return x
         n_chunks = min(self.config.domino_chunks, x.shape[0])
         if parallel.tp_size() > 1 and n_chunks > 1:
-            return domino_blocks(self.blocks, x, n_chunks, rope)
-        for block in self.blocks:
+            return domino_blocks(blocks, x, n_chunks, rope)
+        for block in blocks:
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # The RoPE angles ride in a closure, not as an input: DeepSpeed's
                 # --partition-activations would split every input.
@@ -613,8 +651,19 @@ class GPT(nn.Module):
         return parallel.full_state_dict(self)
 
     def load_full_state_dict(self, sd: dict) -> None:
-        """Inverse of full_state_dict (strict): each rank keeps its slice."""
-        parallel.load_full_state_dict(self, sd)
+        """Inverse of full_state_dict (strict): each rank keeps its slice, and a
+        pipeline stage its own pieces of the whole model's state dict."""
+        parallel.load_full_state_dict(self, {k: v for k, v in sd.items() if self.holds(k)})
+
+    def holds(self, key: str) -> bool:
+        """Whether the whole model's state-dict `key` belongs to this stage
+        (a key of no stage, such as a layer too many, is kept for the strict
+        load to report)."""
+        piece, _, rest = key.partition(".")
+        if piece == "blocks":
+            layer = int(rest.partition(".")[0])
+            return layer >= self.config.num_layers or any(layer in c for c in self.chunks)
+        return piece in self._modules or piece not in ("wte", "wpe", "ln_f", "output_layer")
 
 
 # -----------------------------------------------------------------------------

@@ -109,9 +109,9 @@ class Dist:
 
 
 def init_distributed(tp: int = 1, backend: str | None = None, timeout_minutes: float = 10.0,
-                     one_queue: bool = False, deepspeed: bool = False) -> Dist:
+                     one_queue: bool = False, deepspeed: bool = False, pp: int = 1) -> Dist:
     """Start the process group from torchrun's environment (a single process
-    without it; gloo on CPU) and build the TP and DP groups. one_queue: one
+    without it; gloo on CPU) and build the TP, DP and PP groups. one_queue: one
     hardware queue (see _ColumnParallelLinearFunction), set before anything
     creates the CUDA context, which reads it."""
     if one_queue:
@@ -133,7 +133,7 @@ def init_distributed(tp: int = 1, backend: str | None = None, timeout_minutes: f
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    initialize(tp, timeout)
+    initialize(tp, timeout, pp)
     return Dist(rank, world, local_rank, device)
 
 
@@ -251,55 +251,87 @@ def report_collective_failure(e: RuntimeError, prog: str) -> None:
 _INITIALIZED = False
 _TP_GROUP = None   # None when torch.distributed is not in use (single process)
 _DP_GROUP = None
+_PP_GROUP = None
+_EMBEDDING_GROUP = None  # the first and last stage of this rank's pipeline
+_PP_RANKS = [0]    # global ranks of this rank's pipeline, stage by stage
 _TP_SIZE, _TP_RANK = 1, 0
 _DP_SIZE, _DP_RANK = 1, 0
+_PP_SIZE, _PP_RANK = 1, 0
 
 
-def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None) -> None:
-    """Build the TP and DP groups, on every rank (new_group is collective);
-    without torch.distributed and with tp=1, a single-rank world. Pass
-    init_process_group's `timeout`: new_group does not inherit it, and
-    torch's 30-minute default would let a dead peer hang DDP that long."""
-    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
-    tp = tensor_model_parallel_size
-    if not isinstance(tp, int) or tp < 1:
-        raise UsageError(f"tensor_model_parallel_size must be a positive int, got {tp!r}")
+def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None,
+               pipeline_model_parallel_size: int = 1) -> None:
+    """Build the TP, DP and PP groups, on every rank (new_group is collective);
+    without torch.distributed, a single-rank world. Pass init_process_group's
+    `timeout`: new_group does not inherit it, and torch's 30-minute default
+    would let a dead peer hang DDP that long.
+
+    Megatron's order: TP varies fastest, then DP, then PP, so
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank. TP=2 x DP=2 x PP=2:
+
+                      stage 0           stage 1
+        DP replica 0  [0 1]  --p2p-->  [4 5]      TP groups  [0,1] [2,3] [4,5] [6,7]
+        DP replica 1  [2 3]  --p2p-->  [6 7]      DP groups  [0,2] [1,3] [4,6] [5,7]
+                                                  PP groups  [0,4] [1,5] [2,6] [3,7]
+
+    TP talks every layer (one node); a stage sends only its output activations
+    to the next (point to point), which is why PP is the dimension that spans nodes."""
+    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS
+    global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    for name, size in (("tensor", tp), ("pipeline", pp)):
+        if not isinstance(size, int) or size < 1:
+            raise UsageError(f"{name}_model_parallel_size must be a positive int, got {size!r}")
     if not (dist.is_available() and dist.is_initialized()):
-        if tp != 1:
+        if tp * pp != 1:
             raise UsageError(
-                f"tensor_model_parallel_size={tp} needs torch.distributed: launch with "
-                f"`torchrun --nproc_per_node {tp} ...` and call "
+                f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} needs "
+                f"torch.distributed: launch with `torchrun --nproc_per_node {tp * pp} ...` and call "
                 "torch.distributed.init_process_group() before parallel.initialize()")
         destroy()  # no groups: the sizes and ranks of one process
         _INITIALIZED = True
         return
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % tp != 0:
+    if world % (tp * pp) != 0:
         raise UsageError(
-            f"tensor_model_parallel_size={tp} does not divide the world size {world}: "
-            f"launch a multiple of {tp} processes or pick a size that divides {world}")
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
+            f"does not divide the world size {world}: launch a multiple of {tp * pp} processes "
+            f"or pick sizes whose product divides {world}")
+    dp = world // (tp * pp)
+    stage_size = dp * tp  # ranks per pipeline stage
     # Every rank must create every group, in the same order.
-    for start in range(0, world, tp):                 # TP: consecutive ranks
+    for start in range(0, world, tp):                                 # TP: consecutive ranks
         group = dist.new_group(list(range(start, start + tp)), timeout=timeout)
         if start <= rank < start + tp:
             _TP_GROUP = group
-    for tp_r in range(tp):                            # DP: same TP rank
-        group = dist.new_group(list(range(tp_r, world, tp)), timeout=timeout)
-        if rank % tp == tp_r:
-            _DP_GROUP = group
+    for stage in range(pp):                                           # DP: same stage and TP rank
+        for tp_r in range(tp):
+            ranks = list(range(stage * stage_size + tp_r, (stage + 1) * stage_size, tp))
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                _DP_GROUP = group
+    for first in range(stage_size):                                   # PP: same DP and TP rank
+        ranks = list(range(first, world, stage_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        embedding = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
+        if rank in ranks:
+            _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS = group, embedding, ranks
     _TP_SIZE, _TP_RANK = tp, rank % tp
-    _DP_SIZE, _DP_RANK = world // tp, rank // tp
+    _DP_SIZE, _DP_RANK = dp, rank % stage_size // tp
+    _PP_SIZE, _PP_RANK = pp, rank // stage_size
     _INITIALIZED = True
 
 
 def destroy() -> None:
     """Forget the groups (the world group itself belongs to the caller)."""
-    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK
-    for group in {_TP_GROUP, _DP_GROUP} - {None}:
+    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS
+    global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
+    for group in {_TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP} - {None}:
         if dist.is_initialized():
             dist.destroy_process_group(group)
-    _TP_GROUP = _DP_GROUP = None
-    _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK = 1, 0, 1, 0
+    _TP_GROUP = _DP_GROUP = _PP_GROUP = _EMBEDDING_GROUP = None
+    _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK = 1, 0, 1, 0, 1, 0
+    _PP_RANKS = [0]
     _INITIALIZED = False
 
 
@@ -339,6 +371,28 @@ def dp_rank() -> int:
 def dp_size() -> int:
     _check_initialized()
     return _DP_SIZE
+
+
+def pp_group():
+    _check_initialized()
+    return _PP_GROUP
+
+
+def pp_rank() -> int:
+    _check_initialized()
+    return _PP_RANK
+
+
+def pp_size() -> int:
+    _check_initialized()
+    return _PP_SIZE
+
+
+def embedding_group():
+    """The first and last stage of this rank's pipeline (None at pp=1): both
+    hold the tied embedding, which the first reads and the last's head uses."""
+    _check_initialized()
+    return _EMBEDDING_GROUP
 
 
 def check_divisible(config, tp: int | None = None) -> None:
@@ -1343,17 +1397,21 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     Replicated grads are identical on all TP ranks, so only TP rank 0 counts
     them; the others add theirs times 0, and as 0 * inf is NaN, an inf in any
     rank's copy makes the norm non-finite everywhere. A non-finite norm leaves
-    the grads untouched: the caller decides (e.g. skip the step)."""
+    the grads untouched: the caller decides (e.g. skip the step). Under
+    pipeline parallelism each stage adds its own layers' squares (the last
+    stage's copy of a tied embedding counts like a replica: times 0)."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
     device = params[0].grad.device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        counted = getattr(p, "tensor_model_parallel", False) or tp_rank() == 0
+        counted = (getattr(p, "tensor_model_parallel", False) or tp_rank() == 0) \
+            and not getattr(p, "pipeline_copy", False)
         sq += p.grad.detach().float().pow(2).sum() * (1.0 if counted else 0.0)
-    if tp_size() > 1:
-        dist.all_reduce(sq, group=tp_group())
+    for size, group in ((tp_size(), tp_group()), (pp_size(), pp_group())):
+        if size > 1:
+            dist.all_reduce(sq, group=group)
     total_norm = sq.sqrt()
     # Decided on device (no host sync): coef = 1 when the norm is small or non-finite.
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
@@ -1460,3 +1518,194 @@ def load_full_state_dict(module: nn.Module, sd: dict) -> None:
     params = dict(module.named_parameters())
     module.load_state_dict({name: shard_like(params[name], t) if name in params else t
                             for name, t in sd.items()}, strict=True)
+
+
+# ============================================================================
+# 9. Pipeline parallelism: stages, the 1F1B schedules, point to point
+# ============================================================================
+# The layers are split into pp stages, one per pipeline rank (Huang et al.,
+# "GPipe", 2019; Narayanan et al., "Megatron-LM at scale", 2021): stage 0
+# holds the embedding, the last stage the final norm, the head and the loss.
+# A stage sends its output activations (B, T[/tp], C) to the next stage and,
+# in backward, the gradient w.r.t. its input to the previous one: point to
+# point, nothing else. To keep every stage busy the global batch is cut into
+# m micro-batches that follow each other through the pipe.
+#
+# 1F1B (PipeDream-flush, Narayanan et al. 2021), pp=4, m=8, one tick per
+# forward (digit: micro-batch) or backward (letter: a=0, b=1, ...):
+#
+#     stage 0  0123   a4b5c6d7e f g h
+#     stage 1   012  a3b4c5d6e7f g h
+#     stage 2    01 a2b3c4d5e6f7g h
+#     stage 3     0a1b2c3d4e5f6g7h
+#
+# Stage s warms up with pp-1-s forwards, then alternates one forward with one
+# backward, then drains the backwards: it never holds more than pp-s
+# micro-batches' activations (GPipe, all forwards first, holds m). The idle
+# ticks, the bubble, are (pp-1)/(m+pp-1) of the step (here 6 of 22): fewer
+# with more micro-batches.
+#
+# Interleaved 1F1B (--num-layers-per-virtual-pipeline-stage): each rank holds
+# v model chunks, chunk c of rank r being virtual stage c*pp + r, so a
+# micro-batch goes round the ranks v times. A tick is then 1/v as long, and
+# the bubble (pp-1)/(v*m+pp-1): about v times smaller, for v times more
+# point-to-point messages.
+#
+# How it runs here: pipeline_timeline places every rank's actions (in
+# Megatron's order) on one clock, each action at the first tick its input
+# exists. run_pipeline then walks the ticks on every rank. At each tick a rank
+# runs its own action, then sends what that produced and receives what its
+# neighbours produced at the same tick, in one batch_isend_irecv with them:
+# both sides of every message post it in the same batch, so nothing can wait
+# on a message posted later (NCCL would deadlock on mismatched orders).
+
+
+class Action(NamedTuple):
+    kind: str    # "F" forward or "B" backward
+    chunk: int   # which of this rank's model chunks (0 unless interleaved)
+    micro: int   # which micro-batch
+
+
+def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
+    """The layers of each model chunk of pipeline rank `rank`: one chunk of
+    num_layers/pp consecutive layers, or v = num_layers/(pp*n) chunks of
+    n = layers_per_virtual_stage layers, chunk c being virtual stage c*pp + rank."""
+    if num_layers % pp:
+        raise UsageError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {num_layers} "
+                         f"(each stage holds as many layers)")
+    n = layers_per_virtual_stage or num_layers // pp
+    if num_layers % (pp * n):
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {n} x --pipeline-model-parallel-size "
+                         f"{pp} must divide --num-layers {num_layers}")
+    return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(num_layers // (pp * n))]
+
+
+def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = False) -> list[Action]:
+    """One rank's actions, in Megatron's order. The k-th of its m*v forwards
+    runs chunk (k mod pp*v) // pp: micro-batches go through the chunks in
+    groups of pp (the backwards through the chunks in reverse)."""
+    def action(kind: str, k: int) -> Action:
+        chunk = k % (pp * v) // pp
+        return Action(kind, v - 1 - chunk if kind == "B" else chunk, k // (pp * v) * pp + k % pp)
+    total = m * v
+    if forward_only:
+        return [action("F", k) for k in range(total)]
+    # Forwards before the first backward: enough to fill the pipe below this rank
+    # (interleaved: twice that, plus one round of the other chunks).
+    warmup = min(total, pp - rank - 1 if v == 1 else 2 * (pp - rank - 1) + (v - 1) * pp)
+    order = [action("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [action("F", warmup + k), action("B", k)]
+    return order + [action("B", k) for k in range(total - warmup, total)]
+
+
+def check_micro_batches(m: int, pp: int, v: int) -> None:
+    """A training step's m micro-batches must fill the pipeline (and, interleaved, go round in groups of pp)."""
+    if m < pp:
+        raise UsageError(f"{m} micro-batch(es) per step cannot fill {pp} pipeline stages: use "
+                         f"--global-batch-size >= --micro-batch-size x data-parallel size x "
+                         f"--pipeline-model-parallel-size")
+    if v > 1 and m % pp:
+        raise UsageError(f"the interleaved schedule sends micro-batches round in groups of "
+                         f"--pipeline-model-parallel-size {pp}: {m} micro-batches per step is not "
+                         f"a multiple; make --global-batch-size / (--micro-batch-size x "
+                         f"data-parallel size) one")
+
+
+def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action | None]]:
+    """Every rank's actions on a common clock: ticks[t][rank] is the action the
+    rank runs at tick t, or None (idle: the bubble). An action runs at the
+    first tick after the one that made its input: the previous virtual
+    stage's forward, or the next one's backward (the last's: its own forward)."""
+    if not forward_only:
+        check_micro_batches(m, pp, v)
+    orders = [rank_order(pp, r, m, v, forward_only) for r in range(pp)]
+    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> its tick
+    last = pp * v - 1
+    ticks, position = [], [0] * pp
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        t, row = len(ticks), []
+        for r in range(pp):
+            a = orders[r][position[r]] if position[r] < len(orders[r]) else None
+            s = a.chunk * pp + r if a else 0
+            needs = None if a is None else \
+                (("F", s - 1, a.micro) if s > 0 else None) if a.kind == "F" else \
+                ("B", s + 1, a.micro) if s < last else ("F", s, a.micro)
+            if a is None or (needs is not None and done.get(needs, t) >= t):
+                row.append(None)
+                continue
+            done[(a.kind, s, a.micro)] = t
+            position[r] += 1
+            row.append(a)
+        if not any(row):
+            raise RuntimeError(f"pipeline schedule stalls at tick {t}: {orders}")
+        ticks.append(row)
+    return ticks
+
+
+def _messages(row: list[Action | None], sender: int, v: int):
+    """(receiver, (kind, receiver's chunk, micro)) of what `sender`'s action
+    in this tick sends: a forward's output goes to the next virtual stage, a
+    backward's input gradient to the previous one."""
+    a, pp = row[sender], len(row)
+    if a is None:
+        return None
+    s = a.chunk * pp + sender + (1 if a.kind == "F" else -1)
+    if not 0 <= s < pp * v:
+        return None
+    return s % pp, (a.kind, s // pp, a.micro)
+
+
+def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple, device,
+                 dtype=torch.float32, timeline: list | None = None) -> None:
+    """This rank's part of `ticks`. forward(chunk, micro, x) runs a model chunk
+    on x, the previous stage's output (None on the first virtual stage), and
+    returns its output, on the last virtual stage the loss to differentiate.
+    A backward differentiates that output with the gradient the next stage
+    sent back, and sends x's gradient on. Under torch.no_grad (evaluation)
+    the ticks hold forwards alone. timeline: (tick, action, start, end) of
+    each action is appended to it."""
+    rank, pp = pp_rank(), pp_size()
+    received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
+    in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until backward
+    for t, row in enumerate(ticks):
+        a, ops = row[rank], []
+        if a is not None:
+            start = time.perf_counter()
+            if a.kind == "F":
+                x = received.pop(("F", a.chunk, a.micro), None)
+                y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
+                if torch.is_grad_enabled():
+                    in_flight[(a.chunk, a.micro)] = (x, y)
+                out = y.detach()
+            else:
+                x, y = in_flight.pop((a.chunk, a.micro))
+                torch.autograd.backward(y, received.pop(("B", a.chunk, a.micro), None))
+                out = x.grad if x is not None else None
+            if timeline is not None:
+                timeline.append((t, a, start, time.perf_counter()))
+            sent = _messages(row, rank, v)
+            if sent is not None:
+                if out.shape != shape or out.dtype != dtype:
+                    raise RuntimeError(f"stage output {tuple(out.shape)} {out.dtype}, expected {shape} {dtype}")
+                ops.append(dist.P2POp(dist.isend, out.contiguous(), _PP_RANKS[sent[0]], pp_group()))
+        for neighbour in {(rank - 1) % pp, (rank + 1) % pp} - {rank}:
+            sent = _messages(row, neighbour, v)
+            if sent is not None and sent[0] == rank:
+                received[sent[1]] = buffer = torch.empty(shape, dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, buffer, _PP_RANKS[neighbour], pp_group()))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+def all_reduce_gradients(params: list[nn.Parameter], group) -> None:
+    """Average the gradients over a data-parallel group in one flat buffer
+    (DDP's job; under pipeline parallelism done once, after the schedule,
+    because 1F1B's last backward is not the last micro-batch's)."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.flatten().float() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))

@@ -63,10 +63,13 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     if cfg.domino:
         mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
     # Same seed everywhere: every rank builds the same full model (TP ranks keep their
-    # slice). Dropout over TP-sharded values draws from a per-TP-rank stream (parallel.py).
+    # slice, pipeline stages their layers). Dropout over TP-sharded values draws from a
+    # per-TP-rank stream (parallel.py).
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
-    return GPT(mcfg).to(device)
+    chunks = parallel.pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
+                                      cfg.num_layers_per_virtual_pipeline_stage)
+    return GPT(mcfg, chunks).to(device)
 
 
 def param_ndim(p: torch.nn.Parameter) -> int:
@@ -208,6 +211,22 @@ def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: 
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+    if parallel.pp_size() > 1:
+        total = pipeline_step(model, batches, cfg, device, scaler)
+        reduce_pipeline_grads(model)
+    else:
+        total = accumulate(model, scaler, batches, cfg, device)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if scaler:
+        scaler.unscale_(params)
+    grad_norm = parallel.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
+    skipped = optimizer_step(optimizer, scaler, grad_norm)
+    return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, skipped
+
+
+def accumulate(model, scaler, batches, cfg: TrainConfig, device) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn, gradients summed in
+    .grad; returns the mean loss (on the device)."""
     total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         batch = to_device(batch, device)
@@ -223,12 +242,46 @@ def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: 
             loss = loss / len(batches)
             (scaler.scale(loss) if scaler else loss).backward()
         total += loss.detach()
+    return total
+
+
+def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, scaler=None) -> torch.Tensor:
+    """The micro-batches through this rank's pipeline stage in 1F1B order
+    (parallel.run_pipeline), forwards and backwards (under torch.no_grad,
+    forwards alone). Returns the mean loss: the last stage computes it, and
+    every stage gets it."""
+    m, v = len(batches), len(model.chunks)
+    ticks = parallel.pipeline_timeline(parallel.pp_size(), m, v, forward_only=not torch.is_grad_enabled())
+    batches = [to_device(b, device) for b in batches]
+    total = torch.zeros((), device=device)
+
+    def forward(chunk: int, micro: int, x):
+        nonlocal total
+        b = batches[micro]
+        with autocast(cfg, device):
+            out = model.pipeline_forward(chunk, x, b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
+        if model.chunks[chunk].stop < model.config.num_layers:
+            return out                                               # (B, T[/tp], C) to the next stage
+        loss = out / m
+        total += loss.detach()
+        return scaler.scale(loss) if scaler and torch.is_grad_enabled() else loss
+
+    tokens = cfg.seq_length // parallel.tp_size() if model.sequence_parallel else cfg.seq_length
+    parallel.run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device)
+    dist.all_reduce(total, group=parallel.pp_group())  # zero but on the last stage
+    return total
+
+
+def reduce_pipeline_grads(model: GPT) -> None:
+    """Under pipeline parallelism, after the schedule: average the gradients
+    over data parallelism (DDP's job at pp=1), and sum the tied embedding's
+    over the two stages that hold it, so both copies take the same step
+    (Megatron's embedding all-reduce)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if scaler:
-        scaler.unscale_(params)
-    grad_norm = parallel.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
-    skipped = optimizer_step(optimizer, scaler, grad_norm)
-    return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, skipped
+    if parallel.dp_size() > 1:
+        parallel.all_reduce_gradients(params, parallel.dp_group())
+    if not model.config.untie_embeddings_and_output_weights and hasattr(model, "wte"):
+        dist.all_reduce(model.wte.weight.grad, group=parallel.embedding_group())
 
 
 def optimizer_step(optimizer, scaler, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -292,7 +345,7 @@ class PlainTraining:
         self.iteration, self.consumed = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
                                                                    self.scaler, log)
         self.model = torch.compile(self.raw, **compile_options(cfg)) if cfg.compile else self.raw
-        if parallel.dp_size() > 1:
+        if parallel.dp_size() > 1 and parallel.pp_size() == 1:  # pipelines: reduce_pipeline_grads
             self.model = DDP(self.model, process_group=parallel.dp_group(),
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
 
@@ -317,7 +370,10 @@ def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int
     model.eval()
     it = data_iterator(dataset, cfg, consumed)
     losses = []
-    for _ in range(cfg.eval_iters * accum):
+    for _ in range(cfg.eval_iters if parallel.pp_size() > 1 else cfg.eval_iters * accum):
+        if parallel.pp_size() > 1:  # a global batch at a time through the stages
+            losses.append(pipeline_step(model, [next(it) for _ in range(accum)], cfg, device))
+            continue
         batch = to_device(next(it), device)
         with autocast(cfg, device):
             losses.append(model(batch["tokens"], position_ids=batch["position_ids"],
@@ -512,10 +568,13 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     cfg = with_run_length(batch_from_deepspeed_json(cfg, dp), dp)  # --train-samples -> iterations
     accum = gradient_accumulation_steps(cfg, dp)
     global_batch = cfg.micro_batch_size * dp * accum
-    if cfg.rampup_batch_size:
-        start, increment, _ = cfg.rampup_batch_size
-        for batch in range(start, global_batch, increment):
-            gradient_accumulation_steps(cfg, dp, batch)
+    ramp = range(cfg.rampup_batch_size[0], global_batch, cfg.rampup_batch_size[1]) if cfg.rampup_batch_size else []
+    pp = parallel.pp_size()
+    chunks = parallel.pipeline_chunks(model_config(cfg).num_layers, pp, 0, cfg.num_layers_per_virtual_pipeline_stage)
+    for batch in [*ramp, global_batch]:
+        micro_batches = gradient_accumulation_steps(cfg, dp, batch)
+        if pp > 1:
+            parallel.check_micro_batches(micro_batches, pp, len(chunks))
     return cfg, accum, global_batch
 
 
@@ -541,11 +600,14 @@ def train(cfg: TrainConfig, env: parallel.Dist) -> None:
     datasets = build_datasets(cfg, global_batch)
     ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
     logger.print(f"model: {count_parameters(trainer.raw.config):,} parameters | world {env.world_size} = "
-                 f"TP {parallel.tp_size()} x DP {parallel.dp_size()} | global batch {global_batch} "
+                 f"TP {parallel.tp_size()} x DP {parallel.dp_size()} x PP {parallel.pp_size()} | global batch {global_batch} "
                  f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
     iteration = loop(cfg, env, trainer, datasets, logger, global_batch, accum)
-    if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
+    if iteration >= cfg.train_iters and cfg.sample_tokens > 0 and parallel.pp_size() > 1:
+        logger.print("no sample printed: the model is split into pipeline stages; sample from the saved "
+                     "checkpoint with evaluate.py --task GENERATE --load SAVE (any checkpoint loads there)")
+    elif iteration >= cfg.train_iters and cfg.sample_tokens > 0:
         try:
             text = sample_text(trainer.raw, cfg, env.device)
             logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
@@ -601,7 +663,7 @@ def init_distributed(cfg: TrainConfig) -> parallel.Dist:
     """The process groups of this run's layout (parallel.init_distributed)."""
     return parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.distributed_backend,
                                      cfg.distributed_timeout_minutes, one_queue=cfg.domino or cfg.sequence_parallel,
-                                     deepspeed=cfg.deepspeed)
+                                     deepspeed=cfg.deepspeed, pp=cfg.pipeline_model_parallel_size)
 
 
 def run(argv: list[str] | None = None) -> None:
