@@ -79,7 +79,11 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict) -> None:
             raise KeyError(f"checkpoint has no optimizer state for parameter {name!r}")
         state[index] = {k: parallel.shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
                         for k, v in saved["state"][name].items()}
-    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    # The saved hyperparameters, with this optimizer's own numbering of its parameters
+    # (a pipeline stage holds some of the saved ones).
+    groups = [{**g, "params": own["params"]}
+              for g, own in zip(saved["param_groups"], optimizer.state_dict()["param_groups"])]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor | None:
@@ -109,7 +113,31 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
              for name, p in params.items()}
     if parallel.tp_rank() != 0:
         return None, None
+    if parallel.pp_size() > 1:
+        model_sd, optim = whole_pipeline(model_sd, optim)
+        if model_sd is None:
+            return None, None
     return model_sd, {"state": optim, "param_groups": optimizer.state_dict()["param_groups"]}
+
+
+def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[None, None]:
+    """Every pipeline stage's states, sent to the first stage (global rank 0)
+    and merged into the whole model's, with the same keys as at pp=1; (None,
+    None) on the other stages. A tied embedding is on two stages: the
+    first's copy is kept (the two are equal)."""
+    first = parallel.pp_rank() == 0
+    stages = [None] * parallel.pp_size() if first else None
+    dist.gather_object((model_sd, optim), stages, dst=dist.get_global_rank(parallel.pp_group(), 0),
+                       group=parallel.pp_group())
+    if not first:
+        return None, None
+    merged_model, merged_optim = {}, {}
+    for stage_model, stage_optim in stages:
+        for k, v in stage_model.items():
+            merged_model.setdefault(k, v)
+        for k, v in stage_optim.items():
+            merged_optim.setdefault(k, v)
+    return merged_model, merged_optim
 
 
 def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
