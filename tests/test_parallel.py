@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -1333,3 +1334,127 @@ def test_compilation_keeps_no_more_for_backward_than_eager_mode(compiled, name):
     run = compiled[name]
     assert run["saved"] <= run["eager_saved"], (run["saved"], run["eager_saved"])
 
+
+
+# --------------------------------------------------------------------------
+# Pipeline parallelism: the schedule (pure functions), then one stage pair
+# on 2 ranks against the whole model on one
+# --------------------------------------------------------------------------
+
+
+def test_pipeline_stages_hold_consecutive_layers_and_virtual_stages_go_round():
+    assert parallel.pipeline_chunks(8, 2, 1) == [range(4, 8)]
+    # interleaved: chunk c of rank r is virtual stage c * pp + r
+    assert parallel.pipeline_chunks(8, 2, 1, layers_per_virtual_stage=2) == [range(2, 4), range(6, 8)]
+    with pytest.raises(parallel.UsageError, match="--pipeline-model-parallel-size 4 must divide --num-layers 6"):
+        parallel.pipeline_chunks(6, 4, 0)
+    with pytest.raises(parallel.UsageError, match="--num-layers-per-virtual-pipeline-stage 3 x "
+                                                  "--pipeline-model-parallel-size 2 must divide --num-layers 8"):
+        parallel.pipeline_chunks(8, 2, 0, layers_per_virtual_stage=3)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4)])
+def test_1f1b_warms_up_with_pp_minus_1_minus_rank_forwards_then_alternates(pp, m):
+    for rank in range(pp):
+        kinds = "".join(a.kind for a in parallel.rank_order(pp, rank, m))
+        warmup = pp - 1 - rank
+        assert kinds == "F" * warmup + "FB" * (m - warmup) + "B" * warmup
+        assert [a.micro for a in parallel.rank_order(pp, rank, m) if a.kind == "B"] == list(range(m))
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 1), (4, 8, 1), (4, 4, 1), (2, 4, 2), (4, 8, 2), (4, 8, 3)])
+def test_bubble_of_the_schedule_is_narayanan_et_al_s(pp, m, v):
+    """Idle ticks / all ticks: (pp-1)/(m+pp-1), and interleaved (pp-1)/(v*m+pp-1)."""
+    ticks = parallel.pipeline_timeline(pp, m, v)
+    idle = sum(a is None for row in ticks for a in row)
+    assert idle / (len(ticks) * pp) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    for rank in range(pp):  # every forward and backward of every chunk, once
+        done = [row[rank] for row in ticks if row[rank] is not None]
+        assert sorted(done) == sorted(parallel.Action(k, c, i) for k in "FB" for c in range(v) for i in range(m))
+
+
+def test_too_few_micro_batches_for_the_pipeline_name_the_flags():
+    with pytest.raises(parallel.UsageError, match="1 micro-batch.*cannot fill 2 pipeline stages.*--global-batch-size"):
+        parallel.check_micro_batches(1, 2, 1)
+    with pytest.raises(parallel.UsageError, match="groups of --pipeline-model-parallel-size 2: 3 micro-batches"):
+        parallel.check_micro_batches(3, 2, 2)
+    parallel.check_micro_batches(3, 2, 1)  # plain 1F1B takes any m >= pp
+
+
+class _Saved:
+    """A tensor saved for backward, freed with its autograd graph."""
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _InFlight:
+    """Saved-tensor hooks that count, at every save, the micro-batches whose
+    saved activations are still alive (they are freed after their backward)."""
+
+    def __init__(self):
+        self.alive, self.micro, self.peak = {}, None, 0
+
+    def pack(self, t):
+        self.alive[self.micro] = self.alive.get(self.micro, 0) + 1
+        self.peak = max(self.peak, sum(1 for n in self.alive.values() if n))
+        saved = _Saved(t)
+        weakref.finalize(saved, self._free, self.micro)
+        return saved
+
+    def _free(self, micro):
+        self.alive[micro] -= 1
+
+
+def _check_pipeline_stage_pair_matches_the_whole_model(v: int):
+    import train
+    m, pp, rank = 4, 2, dist.get_rank()
+    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                 vocab_size=100, padded_vocab_size=128)
+    batches = []
+    for i in range(m):
+        x, y, mask = _batch(i, batch_size=2)
+        batches.append({"tokens": x, "labels": y, "loss_mask": mask,
+                        "position_ids": torch.arange(8).expand(2, 8)})
+    cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2)
+    # the whole model, one process: micro-batches accumulated in turn
+    parallel.destroy()
+    parallel.initialize(1)
+    torch.manual_seed(0)
+    whole = GPT(GPTConfig(**shape))
+    want_loss = train.accumulate(whole, None, batches, cfg, torch.device("cpu"))
+    # two stages: each builds the same model and keeps its layers
+    parallel.destroy()
+    parallel.initialize(1, pipeline_model_parallel_size=pp)
+    torch.manual_seed(0)
+    stage = GPT(GPTConfig(**shape), parallel.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
+    in_flight, calls, timeline = _InFlight(), iter(range(100)), []
+    forward = stage.pipeline_forward
+
+    def counted(chunk, *args):
+        in_flight.micro = next(calls) if chunk == 0 else in_flight.micro
+        return forward(chunk, *args)
+    stage.pipeline_forward = counted
+    run_pipeline = parallel.run_pipeline
+    parallel.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(in_flight.pack, lambda saved: saved.t):
+            loss = train.pipeline_step(stage, batches, cfg, torch.device("cpu"))
+    finally:
+        parallel.run_pipeline = run_pipeline
+    train.reduce_pipeline_grads(stage)
+    assert_close(loss, want_loss, tol=1e-6, what="loss")
+    wanted = dict(whole.named_parameters())
+    for name, p in stage.named_parameters():
+        assert_close(p.grad, wanted[name].grad, tol=1e-5, what=f"grad of {name}")
+    # the schedule ran as drawn, and stage 0 held at most pp micro-batches' activations
+    ticks = parallel.pipeline_timeline(pp, m, v)
+    assert [(t, a) for t, a, _, _ in timeline] == [(t, row[rank]) for t, row in enumerate(ticks) if row[rank]]
+    if v == 1 and rank == 0:
+        assert in_flight.peak == pp, in_flight.peak
+
+
+@pytest.mark.parametrize("v", [1, 2], ids=["1F1B", "interleaved"])
+def test_pipeline_stage_pair_matches_the_whole_model(v):
+    run_on_ranks(_check_pipeline_stage_pair_matches_the_whole_model, v)

@@ -954,6 +954,63 @@ MODEL_ARGS="$GPT_ARGS"
 
 
 # ----------------------------------------------------------------------------
+# Pipeline parallelism from the command line: every layout trains the curve
+# of one stage (PP=1), and checkpoints cross pipeline sizes both ways
+
+# 4 layers, micro-batch 2, global batch 8: 4 micro-batches a step at DP=1.
+PIPELINE_RUN = [*TINY, "--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size", "8",
+                "--train-iters", "8"]
+PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 8 iterations
+    "PP=4": (4, ["--pipeline-model-parallel-size", "4"]),
+    "interleaved PP=2, 2 virtual stages a rank": (2, ["--pipeline-model-parallel-size", "2",
+                                                      "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "PP=2 x DP=2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
+                                                   "--tensor-model-parallel-size", "2",
+                                                   "--sequence-parallel", "--domino"]),
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(corpus, tmp_path_factory):
+    """{name: {iteration: metrics}} of each run: PP=1 (saving at iteration 4),
+    PP=2 stopped at 4 and resumed, PP=1 resumed from PP=2's iteration 4, PP=2
+    resumed from PP=1's, and PIPELINE_LAYOUTS."""
+    out = tmp_path_factory.mktemp("pipeline")
+
+    def run(name, nproc, *flags):
+        path = str(out / f"{name}.jsonl")
+        run_train([*PIPELINE_RUN, "--data-path", corpus, "--metrics-file", path, *flags], nproc=nproc)
+        return {m["iteration"]: m for m in read_metrics(path)}
+    runs = {"PP=1": run("pp1", 1, "--save", str(out / "pp1"), "--save-interval", "4")}
+    pp2 = ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), "--save-interval", "4"]
+    run("pp2", 2, *pp2, "--exit-interval", "4")
+    shutil.copytree(out / "pp2", out / "pp2-to-pp1")
+    runs["PP=2, stopped at 4 and resumed"] = run("pp2", 2, *pp2, "--load", str(out / "pp2"))
+    runs["PP=2's checkpoint resumed at PP=1"] = run("pp2-to-pp1", 1, "--load", str(out / "pp2-to-pp1"))
+    shutil.copytree(out / "pp1", out / "pp1-to-pp2")
+    (out / "pp1-to-pp2" / checkpoint.LATEST).write_text("4")
+    runs["PP=1's checkpoint resumed at PP=2"] = run(
+        "pp1-to-pp2", 2, "--pipeline-model-parallel-size", "2", "--load", str(out / "pp1-to-pp2"))
+    for name, (nproc, flags) in PIPELINE_LAYOUTS.items():
+        runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*PIPELINE_LAYOUTS, "PP=2, stopped at 4 and resumed",
+                                  "PP=2's checkpoint resumed at PP=1", "PP=1's checkpoint resumed at PP=2"])
+def test_every_pipeline_layout_trains_the_curve_of_one_stage(pipeline_runs, name):
+    want, got = pipeline_runs["PP=1"], pipeline_runs[name]
+    assert len(want) == 8 and sorted(got) == list(range(1 if len(got) == 8 else 5, 9)), sorted(got)
+    for i, m in got.items():
+        for key in ("loss", "grad_norm", "lr", "val_loss"):
+            assert (key in m) == (key in want[i])
+            if key in m:
+                assert m[key] == pytest.approx(want[i][key], abs=1e-5), (name, i, key)
+
+
+# ----------------------------------------------------------------------------
 # train.py --compile: TP with SP and Domino, and ZeRO 1-3 (this file is the
 # torchrun worker: `python -m torch.distributed.run ... tests/test_train.py
 # compile-worker OUT DATA`); CUDA graphs on a GPU
