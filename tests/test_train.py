@@ -916,12 +916,12 @@ $CMD
     assert open(bigscience / "checkpoints/gpt2-ds/latest").read() == "iter_0000050"
 
 
-def test_bigscience_tensor_parallel_launch_as_pasted(bigscience):
-    """The README's torch.distributed.launch command at T=2 (PP 1: no pipeline
-    parallelism here), resuming the single-GPU run's checkpoint in a new layout."""
-    script = f"""WORLD_SIZE=2
+def test_bigscience_tensor_and_pipeline_parallel_launch_as_pasted(bigscience):
+    """The README's torch.distributed.launch command at TP=2 x PP=2 (its own
+    sizes), resuming the single-GPU run's fp16 checkpoint in the new layout."""
+    script = f"""WORLD_SIZE=4
 TENSOR_MP_SIZE=2
-PIPELINE_MP_SIZE=1
+PIPELINE_MP_SIZE=2
 
 DISTRIBUTED_ARGS="--nproc_per_node $WORLD_SIZE \\
     --nnodes 1 \\
@@ -949,7 +949,7 @@ MODEL_ARGS="$GPT_ARGS"
     if not (bigscience / "checkpoints/gpt2").exists():
         pytest.skip("needs the single-GPU recipe's checkpoint (run the module's tests together)")
     proc = run_recipe(script, bigscience)
-    assert "world 2 = TP 2 x DP 1" in proc.stdout and "loaded checkpoint" in proc.stdout
+    assert "world 4 = TP 2 x DP 1 x PP 2" in proc.stdout and "loaded checkpoint" in proc.stdout
     assert "(iteration 12)" in proc.stdout and "iter     14 |" in proc.stdout
 
 
