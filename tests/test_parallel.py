@@ -1407,11 +1407,11 @@ class _InFlight:
         self.alive[micro] -= 1
 
 
-def _check_pipeline_stage_pair_matches_the_whole_model(v: int):
+def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
     import train
     m, pp, rank = 4, 2, dist.get_rank()
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                 vocab_size=100, padded_vocab_size=128)
+                 vocab_size=100, padded_vocab_size=128, activation_checkpointing=recompute)
     batches = []
     for i in range(m):
         x, y, mask = _batch(i, batch_size=2)
@@ -1455,6 +1455,7 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int):
         assert in_flight.peak == pp, in_flight.peak
 
 
-@pytest.mark.parametrize("v", [1, 2], ids=["1F1B", "interleaved"])
-def test_pipeline_stage_pair_matches_the_whole_model(v):
-    run_on_ranks(_check_pipeline_stage_pair_matches_the_whole_model, v)
+@pytest.mark.parametrize("v,recompute", [(1, False), (2, False), (1, True)],
+                         ids=["1F1B", "interleaved", "1F1B-recompute"])
+def test_pipeline_stage_pair_matches_the_whole_model(v, recompute):
+    run_on_ranks(_check_pipeline_stage_pair_matches_the_whole_model, v, recompute)

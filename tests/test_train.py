@@ -997,6 +997,15 @@ def pipeline_runs(corpus, tmp_path_factory):
     return runs
 
 
+def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
+    proc = run_train([*PIPELINE_RUN, "--num-layers", "3", "--pipeline-model-parallel-size", "2",
+                      "--data-path", corpus], nproc=2, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error")]
+    assert proc.returncode != 0 and errors == [
+        "train.py: error: --pipeline-model-parallel-size 2 must divide --num-layers 3 "
+        "(each stage holds as many layers)"], proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*PIPELINE_LAYOUTS, "PP=2, stopped at 4 and resumed",
                                   "PP=2's checkpoint resumed at PP=1", "PP=1's checkpoint resumed at PP=2"])
