@@ -1047,6 +1047,53 @@ def test_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
     run_on_ranks(_check_non_finite_grad_skips_the_step_on_every_rank, precision, poisoned)
 
 
+def _check_pipeline_stages_share_one_loss_scale():
+    """fp16 under PP=2: an inf in a gradient of the last stage alone makes
+    both stages skip the step and halve their loss scale, and the two copies
+    of the tied embedding (first and last stage) stay bitwise equal."""
+    import config
+    import train
+    cfg = config.parse_args(["--preset", "tiny", "--num-layers", "4", "--clip-grad", "1.0", "--fp16",
+                             "--seq-length", "8", "--micro-batch-size", "3"])
+    parallel.destroy()
+    parallel.initialize(1, pipeline_model_parallel_size=2)
+    torch.manual_seed(0)
+    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                 vocab_size=100, padded_vocab_size=128)
+    model = GPT(GPTConfig(**shape), parallel.pipeline_chunks(4, 2, dist.get_rank()))
+    optimizer = train.build_optimizer(model, cfg)
+    scaler = train.LossScaler(2.0 ** 10, torch.device("cpu"))
+    poison = []
+    if dist.get_rank() == 1:
+        model.get_parameter("blocks.3.mlp.fc.weight").register_post_accumulate_grad_hook(
+            lambda p: p.grad.view(-1).__setitem__(0, float("inf")) if poison else None)
+
+    def step(i):
+        batches = []
+        for j in (2 * i, 2 * i + 1):
+            x, y, mask = _batch(j)
+            batches.append({"tokens": x, "labels": y, "loss_mask": mask,
+                            "position_ids": torch.arange(x.shape[1]).expand_as(x)})
+        return train.train_step(model, optimizer, scaler, batches, cfg, torch.device("cpu"), lr=1e-2)
+
+    assert step(0)[2] == 0
+    poison.append(True)
+    loss, norm, skipped = step(1)
+    poison.clear()
+    assert skipped == 1 and not torch.isfinite(norm) and torch.isfinite(loss)
+    scales = [None, None]
+    dist.all_gather_object(scales, scaler.state_dict()["scale"])
+    assert scales == [2.0 ** 9] * 2
+    assert step(2)[2] == 0
+    copies = [torch.empty_like(model.wte.weight) for _ in range(2)]
+    dist.all_gather(copies, model.wte.weight.detach())
+    assert torch.equal(copies[0], copies[1])
+
+
+def test_pipeline_stages_share_one_loss_scale():
+    run_on_ranks(_check_pipeline_stages_share_one_loss_scale)
+
+
 def _check_checkpoint_states_are_assembled_on_the_writer_only(tp):
     """A save gathers the full model and AdamW states tensor by tensor on
     global rank 0 only (dist.gather, to the host): other ranks get nothing,
