@@ -994,7 +994,25 @@ def pipeline_runs(corpus, tmp_path_factory):
         "pp1-to-pp2", 2, "--pipeline-model-parallel-size", "2", "--load", str(out / "pp1-to-pp2"))
     for name, (nproc, flags) in PIPELINE_LAYOUTS.items():
         runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
+    runs["dir"] = out
     return runs
+
+
+@pytest.mark.slow
+def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipeline_runs):
+    """PP=2's last checkpoint is the whole model: exported to Hugging Face it
+    holds PP=1's weights (the same curve), and evaluate.py samples from it."""
+    out = pipeline_runs["dir"]
+    for name in ("pp1", "pp2"):
+        checkpoint.export_weights(str(out / name), str(out / f"{name}-hf"), "hf")
+    from safetensors.torch import load_file
+    whole, pipelined = (load_file(str(out / f"{n}-hf" / "model.safetensors")) for n in ("pp1", "pp2"))
+    assert whole.keys() == pipelined.keys()
+    for key in whole:
+        torch.testing.assert_close(pipelined[key], whole[key], rtol=0, atol=1e-5, msg=key)
+    proc = torchrun("evaluate.py", "--task", "GENERATE", "--load", str(out / "pp2"), "--num-samples", "1",
+                    "--out-seq-length", "4", "--seq-length", "32")
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
 
 
 def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
