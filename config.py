@@ -481,9 +481,10 @@ def validate_pipeline(cfg: TrainConfig) -> None:
         raise UsageError("--num-layers-per-virtual-pipeline-stage interleaves pipeline stages: it needs "
                          "--pipeline-model-parallel-size > 1")
     if pp > 1 and cfg.deepspeed and cfg.zero_stage not in (None, 0, 1):
-        raise UsageError(f"--zero-stage {cfg.zero_stage} partitions gradients, which pipeline stages "
-                         f"accumulate over the micro-batches of a step: use --zero-stage 0 or 1 with "
-                         f"--pipeline-model-parallel-size {pp} (as DeepSpeed's own pipeline engine)")
+        raise UsageError(f"ZeRO stage {cfg.zero_stage} (--zero-stage, --deepspeed_config) partitions "
+                         f"gradients, which pipeline stages accumulate over the micro-batches of a step: "
+                         f"use --zero-stage 0 or 1 with --pipeline-model-parallel-size {pp} (as "
+                         f"DeepSpeed's own pipeline engine)")
     if pp > 1 and cfg.compile:
         raise UsageError("--compile compiles the whole model's forward, which a pipeline stage does not "
                          "run: drop --compile or --pipeline-model-parallel-size")
