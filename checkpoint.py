@@ -384,20 +384,26 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
                     "config": dataclasses.asdict(cfg)}
-    if parallel.tp_size() == 1:
+    if parallel.tp_size() == 1 and parallel.pp_size() == 1:
         # For ds_to_universal: at tp=1 nothing is split, and the version says so. At tp > 1 the
-        # strided QKV split has no description, so it refuses the checkpoint rather than merge QKV wrongly.
+        # strided QKV split has no description, so it refuses the checkpoint rather than merge QKV
+        # wrongly (and at pp > 1 its "model-parallel" files are stages, which it would merge as shards).
         client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
     on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
                                                  save_latest=False), what)
+    # what an export needs to merge the shards of any tp: every stage's
+    layout = {name: [p.partition_dim, p.partition_stride] for name, p in engine.module.named_parameters()
+              if getattr(p, "tensor_model_parallel", False)}
+    if parallel.pp_size() > 1:
+        stages = [None] * parallel.pp_size()
+        dist.all_gather_object(stages, layout, group=parallel.pp_group())
+        layout = {k: v for stage in stages for k, v in stage.items()}
     meta = {"iteration": iteration, "consumed_samples": consumed,
             "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.dp_size(),
             "tensor_model_parallel_size": parallel.tp_size(),
+            "pipeline_model_parallel_size": parallel.pp_size(),
             "model_config": dataclasses.asdict(engine.module.config),
-            # what an export needs to merge the shards of any tp
-            "tensor_parallel_layout": {name: [p.partition_dim, p.partition_stride]
-                                       for name, p in engine.module.named_parameters()
-                                       if getattr(p, "tensor_model_parallel", False)}}
+            "tensor_parallel_layout": layout}
 
     def publish_on_first():
         if first:
@@ -415,16 +421,17 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
     this run's layout. (Weights only, from any checkpoint: zero.DeepSpeedTraining.)"""
     meta = read_deepspeed_meta(found.path)
     layout = {"data-parallel": (meta["data_parallel_size"], parallel.dp_size()),
-              "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.tp_size())}
+              "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.tp_size()),
+              "pipeline-parallel": (meta.get("pipeline_model_parallel_size", 1), parallel.pp_size())}
     for name, (saved, now) in layout.items():
-        if saved != now and (name == "tensor-parallel" or meta["zero_stage"] > 0):
+        if saved != now and (name != "data-parallel" or meta["zero_stage"] > 0):
             raise UsageError(
-                f"{found.path} was written with {name} size {saved}, this run has {now}: ZeRO and "
-                f"tensor-parallel shards only fit the layout they were written with. Relaunch with "
+                f"{found.path} was written with {name} size {saved}, this run has {now}: ZeRO, "
+                f"tensor- and pipeline-parallel shards only fit the layout they were written with. Relaunch with "
                 f"the old layout, or continue from its weights with fresh optimizer states "
                 f"(add --no-load-optim: any layout loads them), or convert the optimizer states with "
                 f"DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal; "
-                f"checkpoints written at tensor-parallel size 1)")
+                f"checkpoints written at tensor- and pipeline-parallel size 1)")
     _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
                                        load_optimizer_states=True, load_lr_scheduler_states=False)
     return start_position(cfg, client, found.path, log)
@@ -432,25 +439,32 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
 
 def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
     """Full fp32 weights and trainer_state of the DeepSpeed checkpoint in
-    tag_dir, any ZeRO stage and tp, no process group. zero_to_fp32 merges one
-    TP rank's DP partitions at a time (it refuses several), so each rank's
-    files are shown to it alone; stage 0 has none. Then the TP shards merge."""
+    tag_dir, any ZeRO stage, tp and pp, no process group. Its model-parallel
+    rank mp = pp_rank * tp + tp_rank names each stage's TP shard's files
+    (zero.DeepSpeedMPU). zero_to_fp32 merges one mp rank's DP partitions at a
+    time (it refuses several), so each rank's files are shown to it alone;
+    stage 0 has none. Then each stage's TP shards merge, and the stages' pieces
+    join (the first stage's tied embedding, the last's copy being the same)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     meta = read_deepspeed_meta(tag_dir)
-    shards = []
-    for r in range(meta["tensor_model_parallel_size"]):
-        files = sorted(glob.glob(os.path.join(tag_dir, f"*mp_rank_{r:02d}_*.pt")))
-        if meta["zero_stage"] == 0:
-            shards.append(stage0_master_weights(torch.load(files[0], map_location="cpu", weights_only=False)))
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            os.makedirs(os.path.join(tmp, "rank"))
-            for f in files:
-                os.symlink(os.path.abspath(f), os.path.join(tmp, "rank", os.path.basename(f)))
-            shards.append(get_fp32_state_dict_from_zero_checkpoint(tmp, tag="rank"))
-    layout = meta["tensor_parallel_layout"]
-    full = {name: parallel.merge_shards([s[name] for s in shards], *layout[name]) if name in layout
-            else t for name, t in shards[0].items()}
+    tp, layout = meta["tensor_model_parallel_size"], meta["tensor_parallel_layout"]
+    full = {}
+    for stage in range(meta.get("pipeline_model_parallel_size", 1)):
+        shards = []
+        for r in range(stage * tp, (stage + 1) * tp):
+            files = sorted(glob.glob(os.path.join(tag_dir, f"*mp_rank_{r:02d}_*.pt")))
+            if meta["zero_stage"] == 0:
+                shards.append(stage0_master_weights(torch.load(files[0], map_location="cpu", weights_only=False)))
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                os.makedirs(os.path.join(tmp, "rank"))
+                for f in files:
+                    os.symlink(os.path.abspath(f), os.path.join(tmp, "rank", os.path.basename(f)))
+                shards.append(get_fp32_state_dict_from_zero_checkpoint(tmp, tag="rank"))
+        for name, t in shards[0].items():
+            if name not in full:
+                full[name] = parallel.merge_shards([s[name] for s in shards], *layout[name]) \
+                    if name in layout else t
     return full, meta
 
 

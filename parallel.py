@@ -253,6 +253,7 @@ _TP_GROUP = None   # None when torch.distributed is not in use (single process)
 _DP_GROUP = None
 _PP_GROUP = None
 _EMBEDDING_GROUP = None  # the first and last stage of this rank's pipeline
+_MP_GROUP = None   # pp > 1: TP x PP, the ranks holding the pieces of one model replica
 _PP_RANKS = [0]    # global ranks of this rank's pipeline, stage by stage
 _TP_SIZE, _TP_RANK = 1, 0
 _DP_SIZE, _DP_RANK = 1, 0
@@ -273,10 +274,11 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         DP replica 0  [0 1]  --p2p-->  [4 5]      TP groups  [0,1] [2,3] [4,5] [6,7]
         DP replica 1  [2 3]  --p2p-->  [6 7]      DP groups  [0,2] [1,3] [4,6] [5,7]
                                                   PP groups  [0,4] [1,5] [2,6] [3,7]
+                                                  MP groups  [0,1,4,5] [2,3,6,7] (TP x PP)
 
     TP talks every layer (one node); a stage sends only its output activations
     to the next (point to point), which is why PP is the dimension that spans nodes."""
-    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS
+    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS, _MP_GROUP
     global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     for name, size in (("tensor", tp), ("pipeline", pp)):
@@ -316,6 +318,11 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         embedding = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
         if rank in ranks:
             _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS = group, embedding, ranks
+    for dp_r in range(dp if pp > 1 else 0):                           # TP x PP: same DP rank
+        ranks = [s * stage_size + dp_r * tp + t for s in range(pp) for t in range(tp)]
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            _MP_GROUP = group
     _TP_SIZE, _TP_RANK = tp, rank % tp
     _DP_SIZE, _DP_RANK = dp, rank % stage_size // tp
     _PP_SIZE, _PP_RANK = pp, rank // stage_size
@@ -324,12 +331,12 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
 
 def destroy() -> None:
     """Forget the groups (the world group itself belongs to the caller)."""
-    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS
+    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS, _MP_GROUP
     global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
-    for group in {_TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP} - {None}:
+    for group in {_TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _MP_GROUP} - {None}:
         if dist.is_initialized():
             dist.destroy_process_group(group)
-    _TP_GROUP = _DP_GROUP = _PP_GROUP = _EMBEDDING_GROUP = None
+    _TP_GROUP = _DP_GROUP = _PP_GROUP = _EMBEDDING_GROUP = _MP_GROUP = None
     _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK = 1, 0, 1, 0, 1, 0
     _PP_RANKS = [0]
     _INITIALIZED = False
@@ -393,6 +400,14 @@ def embedding_group():
     hold the tied embedding, which the first reads and the last's head uses."""
     _check_initialized()
     return _EMBEDDING_GROUP
+
+
+def mp_group():
+    """Model parallelism's group, TP x PP: the ranks with this rank's DP rank,
+    which together hold one replica (the TP group at pp=1). DeepSpeed sums its
+    grad norm and checks overflow over it (zero.DeepSpeedMPU)."""
+    _check_initialized()
+    return _MP_GROUP if _PP_SIZE > 1 else _TP_GROUP
 
 
 def check_divisible(config, tp: int | None = None) -> None:

@@ -590,7 +590,8 @@ def train(cfg: TrainConfig, env: parallel.Dist) -> None:
         torch.set_float32_matmul_precision("high")
         logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
-        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer)
+        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer,
+                                         pipeline_step)
     else:
         trainer = PlainTraining(cfg, env, accum, logger.print)
     if trainer.iteration > cfg.train_iters:

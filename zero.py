@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -59,20 +60,23 @@ def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
 
 class DeepSpeedMPU:
     """The "model parallel unit" DeepSpeed asks for, backed by parallel.py's
-    groups: ZeRO shards over the data-parallel group only, and its gradient
-    norm counts each tensor-parallel shard (`tensor_model_parallel`) once per
-    TP rank and replicated params once."""
+    groups. ZeRO shards over the data-parallel group only. Its model-parallel
+    group is every rank holding a piece of one replica, TP x PP: the grad norm
+    and the overflow flag are summed over it, and its rank names the
+    checkpoint's files (one per TP shard of each stage). Replicated params are
+    counted once per TP rank (the norm asks for the tensor-parallel rank,
+    Megatron-core's name), and a stage's copy of the tied embedding not at all
+    (`ds_pipe_replicated`)."""
 
-    def get_model_parallel_rank(self): return parallel.tp_rank()
-    def get_model_parallel_world_size(self): return parallel.tp_size()
-    def get_model_parallel_group(self): return parallel.tp_group()
+    def get_model_parallel_rank(self): return parallel.pp_rank() * parallel.tp_size() + parallel.tp_rank()
+    def get_model_parallel_world_size(self): return parallel.pp_size() * parallel.tp_size()
+    def get_model_parallel_group(self): return parallel.mp_group()
     def get_data_parallel_rank(self): return parallel.dp_rank()
     def get_data_parallel_world_size(self): return parallel.dp_size()
     def get_data_parallel_group(self): return parallel.dp_group()
-    # Megatron-core's names, which some DeepSpeed code asks for
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_group = get_model_parallel_group
+    def get_tensor_model_parallel_rank(self): return parallel.tp_rank()
+    def get_tensor_model_parallel_world_size(self): return parallel.tp_size()
+    def get_tensor_model_parallel_group(self): return parallel.tp_group()
 
     def get_tensor_model_parallel_src_rank(self):
         return dist.get_rank() - parallel.tp_rank()  # TP groups are consecutive ranks
@@ -183,8 +187,10 @@ class DeepSpeedTraining:
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights."""
 
-    def __init__(self, cfg: TrainConfig, env: parallel.Dist, accum: int, log, build_model, build_optimizer):
+    def __init__(self, cfg: TrainConfig, env: parallel.Dist, accum: int, log, build_model, build_optimizer,
+                 pipeline_step=None):
         self.cfg, self.device, self.log = cfg, env.device, log
+        self.pipeline_step = pipeline_step  # train.pipeline_step, for pipeline stages
         # ZeRO-3's zero.Init swaps torch.nn.functional.linear for its own, process-wide, and
         # never swaps it back: close() does, so later models in this process compute as before.
         self.linear = torch.nn.functional.linear
@@ -199,6 +205,8 @@ class DeepSpeedTraining:
         stage = config["zero_optimization"]["stage"]
         model = (build_model_zero3(cfg, ds, config, build_model) if stage == 3
                  else build_model(cfg, env.device))
+        for p in model.parameters():  # counted on the first stage (clip_grad_norm_'s rule)
+            p.ds_pipe_replicated = getattr(p, "pipeline_copy", False)
         weights_only = found is not None and checkpoint.weights_only(cfg)
         if weights_only:
             weights, state = checkpoint.read_weights(found)
@@ -223,7 +231,9 @@ class DeepSpeedTraining:
             raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the "
                                f"data-parallel size is {parallel.dp_size()} (world / tp): "
                                f"the mpu was not applied")
-        self.model, self.raw = self.engine, self.engine.module
+        self.raw = self.engine.module
+        # evaluate runs the pipeline's stages on the module (engine.config is DeepSpeed's)
+        self.model = self.raw if parallel.pp_size() > 1 else self.engine
         self.iteration, self.consumed = 0, 0
         if weights_only:
             self.iteration, self.consumed = checkpoint.start_position(cfg, state, found.path, log)
@@ -231,6 +241,8 @@ class DeepSpeedTraining:
             self.iteration, self.consumed = checkpoint.load_deepspeed_checkpoint(cfg, self.engine, found, log)
 
     def step(self, batches: list, lr: float):
+        if parallel.pp_size() > 1:
+            return deepspeed_pipeline_step(self.engine, batches, self.cfg, self.device, lr, self.pipeline_step)
         return deepspeed_train_step(self.engine, batches, self.cfg, self.device, lr)
 
     def save(self, iteration: int, consumed: int) -> None:
@@ -249,6 +261,15 @@ def clips_itself(stage: int, cfg: TrainConfig) -> bool:
     return stage == 0 and not (cfg.bf16 or cfg.fp16)
 
 
+def start_step(engine, batches: list, cfg: TrainConfig, lr: float) -> None:
+    """This step's batch size (--rampup-batch-size) and learning rate."""
+    global_batch = len(batches) * cfg.micro_batch_size * parallel.dp_size()
+    if engine.train_batch_size() != global_batch:
+        engine.set_train_batch_size(global_batch)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
 def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
     """One optimizer step over the micro-batches: engine.backward scales each
     loss by 1/accumulation and averages gradients over the data-parallel group,
@@ -256,11 +277,7 @@ def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
     train_step's, grad norm, 1.0 if the step was skipped else 0.0). The batch
     may change between steps (--rampup-batch-size), so the step's end is said
     explicitly rather than counted from the start of the run."""
-    global_batch = len(batches) * cfg.micro_batch_size * parallel.dp_size()
-    if engine.train_batch_size() != global_batch:
-        engine.set_train_batch_size(global_batch)
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
+    start_step(engine, batches, cfg, lr)
     total = torch.zeros((), device=device)
     grad_norm = None
     for i, batch in enumerate(batches):
@@ -280,5 +297,36 @@ def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
         grad_norm = engine.get_global_grad_norm()
     # DeepSpeed's fp16 path skips an overflowing step itself, deciding over the
     # model-parallel group (the mpu) as Megatron does.
+    return parallel.all_reduce_mean(total, parallel.dp_group()), float(grad_norm), \
+        float(not engine.was_step_applied())
+
+
+def deepspeed_pipeline_step(engine, batches, cfg: TrainConfig, device, lr: float, pipeline_step):
+    """deepspeed_train_step for a pipeline stage (ZeRO 0 or 1), the way
+    DeepSpeed's PipelineEngine does it: our 1F1B schedule (train.pipeline_step)
+    runs backward itself, the last stage's loss divided by the accumulation
+    and scaled by the optimizer's loss scale as engine.backward would; the
+    gradients stay local until the schedule ends. Then the tied embedding's
+    grads are summed over its two stages, DeepSpeed averages over the data-
+    parallel group at a gradient-accumulation boundary, and steps."""
+    start_step(engine, batches, cfg, lr)
+    engine.set_gradient_accumulation_boundary(False)
+    scale = getattr(engine.optimizer, "scale_if_loss", None)  # ZeRO's (fp16: the loss scale)
+    total = pipeline_step(engine.module, batches, cfg, device, scale and SimpleNamespace(scale=scale))
+    model, optimizer = engine.module, engine.optimizer
+    if not model.config.untie_embeddings_and_output_weights and hasattr(model, "wte"):
+        # ZeRO-1 may hold the grad in its own accumulator
+        grad = optimizer.get_gradient_for_reduction(model.wte.weight) \
+            if hasattr(optimizer, "get_gradient_for_reduction") else model.wte.weight.grad
+        dist.all_reduce(grad, group=parallel.embedding_group())
+    engine.set_gradient_accumulation_boundary(True)
+    engine.allreduce_gradients()
+    grad_norm = None
+    if clips_itself(engine.zero_optimization_stage(), cfg):
+        max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
+        grad_norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    engine.step()
+    if grad_norm is None:
+        grad_norm = engine.get_global_grad_norm()
     return parallel.all_reduce_mean(total, parallel.dp_group()), float(grad_norm), \
         float(not engine.was_step_applied())

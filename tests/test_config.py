@@ -145,7 +145,6 @@ def test_megatron_spellings_are_accepted():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not supported; use 1"),
     (["--data-impl", "lazy"], "only mmap"),
     (["--dataset-impl", "cached"], "only mmap"),
     (["--tokenizer-type", "BertWordPieceLowerCase"], "only GPT2BPETokenizer"),
@@ -185,6 +184,13 @@ def test_gpt2_vocab_and_merge_files_are_checked(tmp_path):
     (tmp_path / "merges.txt").write_text("\n".join(lines[:-1]), encoding="utf-8")
     with pytest.raises(ValueError, match="merges.txt is not GPT-2's merges .49999 merges"):
         parse("--merge-file", str(tmp_path / "merges.txt"))
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_zero_2_and_3_refuse_pipeline_stages(stage):
+    """As DeepSpeed's own pipeline engine: ZeRO-0 and ZeRO-1 only."""
+    with pytest.raises(ValueError, match=f"ZeRO stage {stage} .*partitions gradients.* use --zero-stage 0 or 1"):
+        parse("--deepspeed", "--zero-stage", stage, "--pipeline-model-parallel-size", "2")
 
 
 def test_zero_flags_without_deepspeed_are_an_error():

@@ -145,6 +145,16 @@ def worker(out: str, plan: str) -> None:
             dist.barrier()
             worker_run(out, f"z{stage}_resume", ["--deepspeed", "--zero-stage", str(stage),
                                                  "--load", ck(f"z{stage}_resume")])
+        # ZeRO-1 over 2 pipeline stages (D=1): 6 steps saved at 3, and resumed from a copy of 3.
+        pipe = ["--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2",
+                "--train-iters", "6", "--lr-decay-iters", str(STEPS)]
+        worker_run(out, "pp2_z1", [*pipe, "--save", ck("pp2_z1"), "--save-interval", "3"])
+        if rank == 0:
+            shutil.copytree(os.path.join(ck("pp2_z1"), "iter_0000003"), os.path.join(ck("pp2_z1_resume"), "iter_0000003"))
+            with open(os.path.join(ck("pp2_z1_resume"), "latest"), "w") as f:
+                f.write("iter_0000003")
+        dist.barrier()
+        worker_run(out, "pp2_z1_resume", [*pipe, "--load", ck("pp2_z1_resume")])
         # Weights only (--no-load-optim), from a checkpoint of the other kind:
         # iteration 15 of the DDP run and of the ZeRO-2 run, 3 more steps each.
         if rank == 0:
@@ -347,6 +357,19 @@ def test_keep_last_checkpoints_works_for_deepspeed_checkpoints(runs):
     saved = os.path.join(runs, "ckpt_z1_keep")
     assert sorted(n for n in os.listdir(saved) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
     assert open(os.path.join(saved, "latest")).read() == "iter_0000004"
+
+
+def test_zero1_over_pipeline_stages_matches_zero1_and_resumes_bit_identically(runs):
+    """ZeRO-1 with 2 pipeline stages (our 1F1B schedule, DeepSpeed's reduction
+    and step, the tied embedding summed over its stages, DeepSpeed's grad norm
+    over both stages) trains as ZeRO-1 without them, and its checkpoint, one
+    file per stage, resumes bit for bit."""
+    ref, got = metrics(runs, "z1")[:6], metrics(runs, "pp2_z1")
+    assert_same_steps(ref, got)
+    assert [a["lr"] for a in ref] == [b["lr"] for b in got]
+    resumed = metrics(runs, "pp2_z1_resume")
+    assert [m["iteration"] for m in resumed] == [4, 5, 6]
+    assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in got[3:]]
 
 
 @pytest.mark.parametrize("stage", [1, 3])
