@@ -485,9 +485,6 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                          f"gradients, which pipeline stages accumulate over the micro-batches of a step: "
                          f"use --zero-stage 0 or 1 with --pipeline-model-parallel-size {pp} (as "
                          f"DeepSpeed's own pipeline engine)")
-    if pp > 1 and cfg.deepspeed and (cfg.bf16 or cfg.fp16):  # DeepSpeed casts the stages' module
-        raise UsageError("--deepspeed with --pipeline-model-parallel-size > 1 trains in fp32 only: "
-                         "drop --bf16/--fp16, or train the pipeline without --deepspeed")
     if pp > 1 and cfg.compile:
         raise UsageError("--compile compiles the whole model's forward, which a pipeline stage does not "
                          "run: drop --compile or --pipeline-model-parallel-size")

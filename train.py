@@ -267,7 +267,10 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, scaler=No
         return scaler.scale(loss) if scaler and torch.is_grad_enabled() else loss
 
     tokens = cfg.seq_length // parallel.tp_size() if model.sequence_parallel else cfg.seq_length
-    parallel.run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device)
+    # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
+    dtype = next(model.parameters()).dtype
+    parallel.run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
+                          dtype)
     dist.all_reduce(total, group=parallel.pp_group())  # zero but on the last stage
     return total
 
