@@ -1546,19 +1546,19 @@ def load_full_state_dict(module: nn.Module, sd: dict) -> None:
 # point, nothing else. To keep every stage busy the global batch is cut into
 # m micro-batches that follow each other through the pipe.
 #
-# 1F1B (PipeDream-flush, Narayanan et al. 2021), pp=4, m=8, one tick per
-# forward (digit: micro-batch) or backward (letter: a=0, b=1, ...):
+# 1F1B (PipeDream-flush, Narayanan et al. 2021), pp=4, m=8; a forward
+# (digit: micro-batch) takes one tick, a backward (letter: a=0, b=1, ...) two:
 #
-#     stage 0  0123   a4b5c6d7e f g h
-#     stage 1   012  a3b4c5d6e7f g h
-#     stage 2    01 a2b3c4d5e6f7g h
-#     stage 3     0a1b2c3d4e5f6g7h
+#     stage 0  0123      aa4bb5cc6dd7ee ff gg hh
+#     stage 1   012    aa3bb4cc5dd6ee7ff gg hh
+#     stage 2    01  aa2bb3cc4dd5ee6ff7gg hh
+#     stage 3     0aa1bb2cc3dd4ee5ff6gg7hh
 #
 # Stage s warms up with pp-1-s forwards, then alternates one forward with one
 # backward, then drains the backwards: it never holds more than pp-s
 # micro-batches' activations (GPipe, all forwards first, holds m). The idle
-# ticks, the bubble, are (pp-1)/(m+pp-1) of the step (here 6 of 22): fewer
-# with more micro-batches.
+# ticks, the bubble, are (pp-1)/(m+pp-1) of the step (here 9 of 33 a stage):
+# fewer with more micro-batches.
 #
 # Interleaved 1F1B (--num-layers-per-virtual-pipeline-stage): each rank holds
 # v model chunks, chunk c of rank r being virtual stage c*pp + r, so a
@@ -1569,10 +1569,11 @@ def load_full_state_dict(module: nn.Module, sd: dict) -> None:
 # How it runs here: pipeline_timeline places every rank's actions (in
 # Megatron's order) on one clock, each action at the first tick its input
 # exists. run_pipeline then walks the ticks on every rank. At each tick a rank
-# runs its own action, then sends what that produced and receives what its
-# neighbours produced at the same tick, in one batch_isend_irecv with them:
-# both sides of every message post it in the same batch, so nothing can wait
-# on a message posted later (NCCL would deadlock on mismatched orders).
+# starts its own action, if one starts then; then it sends what its action
+# ending at this tick produced and receives what its neighbours' actions
+# ending at this tick produced, in one batch_isend_irecv with them: both
+# sides of every message post it in the same batch, so nothing can wait on a
+# message posted later (NCCL would deadlock on mismatched orders).
 
 
 class Action(NamedTuple):
@@ -1627,21 +1628,29 @@ def check_micro_batches(m: int, pp: int, v: int) -> None:
                          f"data-parallel size) one")
 
 
+# A backward costs about two forwards (the gradients w.r.t. inputs and
+# weights are a matmul each), so the clock gives it two ticks; a schedule
+# timed with equal ticks would make neighbours wait on each other's
+# backwards at every exchange.
+TICKS = {"F": 1, "B": 2}
+
+
 def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action | None]]:
     """Every rank's actions on a common clock: ticks[t][rank] is the action the
-    rank runs at tick t, or None (idle: the bubble). An action runs at the
-    first tick after the one that made its input: the previous virtual
-    stage's forward, or the next one's backward (the last's: its own forward)."""
+    rank starts at tick t, or None (busy with a backward, or idle: the
+    bubble). An action starts at the first tick after the one that finished
+    its input: the previous virtual stage's forward, or the next one's
+    backward (the last's: its own forward)."""
     if not forward_only:
         check_micro_batches(m, pp, v)
     orders = [rank_order(pp, r, m, v, forward_only) for r in range(pp)]
-    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> its tick
+    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> tick it ends
     last = pp * v - 1
-    ticks, position = [], [0] * pp
+    ticks, position, free = [], [0] * pp, [0] * pp  # free: the first tick a rank is not busy
     while any(position[r] < len(orders[r]) for r in range(pp)):
         t, row = len(ticks), []
         for r in range(pp):
-            a = orders[r][position[r]] if position[r] < len(orders[r]) else None
+            a = orders[r][position[r]] if position[r] < len(orders[r]) and free[r] <= t else None
             s = a.chunk * pp + r if a else 0
             needs = None if a is None else \
                 (("F", s - 1, a.micro) if s > 0 else None) if a.kind == "F" else \
@@ -1649,20 +1658,19 @@ def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -
             if a is None or (needs is not None and done.get(needs, t) >= t):
                 row.append(None)
                 continue
-            done[(a.kind, s, a.micro)] = t
-            position[r] += 1
+            done[(a.kind, s, a.micro)] = t + TICKS[a.kind] - 1
+            position[r], free[r] = position[r] + 1, t + TICKS[a.kind]
             row.append(a)
-        if not any(row):
+        if not any(row) and all(f <= t for f in free):
             raise RuntimeError(f"pipeline schedule stalls at tick {t}: {orders}")
         ticks.append(row)
-    return ticks
+    return ticks + [[None] * pp] * (max(free) - len(ticks))  # the last backwards' ends
 
 
-def _messages(row: list[Action | None], sender: int, v: int):
-    """(receiver, (kind, receiver's chunk, micro)) of what `sender`'s action
-    in this tick sends: a forward's output goes to the next virtual stage, a
+def _messages(a: Action | None, sender: int, pp: int, v: int):
+    """(receiver, (kind, receiver's chunk, micro)) of what `sender`'s action a
+    sends when it ends: a forward's output goes to the next virtual stage, a
     backward's input gradient to the previous one."""
-    a, pp = row[sender], len(row)
     if a is None:
         return None
     s = a.chunk * pp + sender + (1 if a.kind == "F" else -1)
@@ -1681,8 +1689,10 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
     the ticks hold forwards alone. timeline: (tick, action, start, end) of
     each action is appended to it."""
     rank, pp = pp_rank(), pp_size()
+    ending = {(t + TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
     in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until backward
+    outgoing = None                           # what this rank's running action sends when it ends
     for t, row in enumerate(ticks):
         a, ops = row[rank], []
         if a is not None:
@@ -1692,20 +1702,22 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
                 y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
                 if torch.is_grad_enabled():
                     in_flight[(a.chunk, a.micro)] = (x, y)
-                out = y.detach()
+                outgoing = y.detach()
             else:
                 x, y = in_flight.pop((a.chunk, a.micro))
                 torch.autograd.backward(y, received.pop(("B", a.chunk, a.micro), None))
-                out = x.grad if x is not None else None
+                outgoing = x.grad if x is not None else None
+                del x, y  # the graph goes now, not at the next action
             if timeline is not None:
                 timeline.append((t, a, start, time.perf_counter()))
-            sent = _messages(row, rank, v)
-            if sent is not None:
-                if out.shape != shape or out.dtype != dtype:
-                    raise RuntimeError(f"stage output {tuple(out.shape)} {out.dtype}, expected {shape} {dtype}")
-                ops.append(dist.P2POp(dist.isend, out.contiguous(), _PP_RANKS[sent[0]], pp_group()))
+        sent = _messages(ending.get((t, rank)), rank, pp, v)
+        if sent is not None:
+            if outgoing.shape != shape or outgoing.dtype != dtype:
+                raise RuntimeError(f"stage output {tuple(outgoing.shape)} {outgoing.dtype}, "
+                                   f"expected {shape} {dtype}")
+            ops.append(dist.P2POp(dist.isend, outgoing.contiguous(), _PP_RANKS[sent[0]], pp_group()))
         for neighbour in {(rank - 1) % pp, (rank + 1) % pp} - {rank}:
-            sent = _messages(row, neighbour, v)
+            sent = _messages(ending.get((t, neighbour)), neighbour, pp, v)
             if sent is not None and sent[0] == rank:
                 received[sent[1]] = buffer = torch.empty(shape, dtype=dtype, device=device)
                 ops.append(dist.P2POp(dist.irecv, buffer, _PP_RANKS[neighbour], pp_group()))

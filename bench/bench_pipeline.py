@@ -19,7 +19,7 @@ Bubble (the fraction of the step a rank sits idle), four ways:
     replayed   the same with messages free: the measured action times run
                through run_pipeline's tick-by-tick coupling (see replay)
     ticks      idle ticks / total ticks of pipeline_timeline: the schedule's own,
-               every action one tick long
+               a forward one tick long, a backward two
     formula    (P-1)/(m+P-1) for 1F1B, (P-1)/(v*m+P-1) interleaved (Narayanan
                et al., "Efficient Large-Scale Language Model Training on GPU
                Clusters Using Megatron-LM", 2021)
@@ -256,9 +256,11 @@ def replay(timelines: list, m: int, v: int) -> list[float]:
     pp = len(timelines)
     took = [{t: e - s for t, s, e in tl} for tl in timelines]
     free = [0.0] * pp  # when each rank is done with the ticks so far
-    for t, row in enumerate(parallel.pipeline_timeline(pp, m, v)):
+    ticks = parallel.pipeline_timeline(pp, m, v)
+    ending = {(t + parallel.TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
+    for t in range(len(ticks)):
         done = [free[r] + took[r].get(t, 0.0) for r in range(pp)]
-        to = [(parallel._messages(row, r, v) or (None,))[0] for r in range(pp)]  # whom r sends to
+        to = [(parallel._messages(ending.get((t, r)), r, pp, v) or (None,))[0] for r in range(pp)]  # whom r sends to
         for r in range(pp):
             partners = {to[r]} - {None} | {n for n in range(pp) if to[n] == r}
             free[r] = max([done[r]] + [done[n] for n in partners])
@@ -278,9 +280,10 @@ def measure_memory(model, batches, v: int, device) -> list:
 
 
 def tick_bubble(pp: int, m: int, v: int, rank: int) -> Fraction:
-    """The rank's idle ticks / all ticks of the schedule (each action one tick)."""
+    """The rank's idle ticks / all ticks of the schedule (a backward is two ticks)."""
     ticks = parallel.pipeline_timeline(pp, m, v)
-    return Fraction(sum(row[rank] is None for row in ticks), len(ticks))
+    busy = sum(parallel.TICKS[row[rank].kind] for row in ticks if row[rank])
+    return Fraction(len(ticks) - busy, len(ticks))
 
 
 def in_flight_formula(pp: int, m: int, v: int, rank: int) -> Fraction:
