@@ -15,6 +15,8 @@
    and initialized exactly as for tp=1, then sliced (shard_block) before the
    next is built, so every tp trains the same model from the same seed and no
    rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
+   A pipeline stage keeps its own layers (GPT(config, chunks)) and runs them
+   with GPT.pipeline_forward (the schedule: parallel.py, section 9).
 6. The LM head and the loss, fused over chunks of tokens (`fused_lm_loss`).
 7. Generation: the KV cache and `generate`.
 8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).

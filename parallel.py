@@ -23,7 +23,8 @@ and the loss is computed on vocab-sharded logits without gathering them.
 Layout of ranks: tensor-parallel groups are CONSECUTIVE ranks, inside one
 node where the interconnect is fastest (TP communicates every layer); DP
 groups are the ranks with the same TP rank. With 8 ranks and tp=2: TP groups
-[0,1] [2,3] [4,5] [6,7], DP groups [0,2,4,6] [1,3,5,7].
+[0,1] [2,3] [4,5] [6,7], DP groups [0,2,4,6] [1,3,5,7]. Pipeline stages
+(section 9) are the outermost dimension (section 1 draws all three).
 
 Sequence parallelism (Korthikanti et al., 2022). Outside the f ... g pairs,
 every rank runs the same LayerNorms, dropouts and residual adds on the same
@@ -65,6 +66,7 @@ Sections:
     6. cross entropy on vocab-sharded logits, and the one id-range check
     7. gradients: sequence-parallel sums, the global norm, clipping
     8. slicing full tensors into shards and back; full state dicts
+    9. pipeline parallelism: stages, the 1F1B schedules (drawn), point to point
 """
 from __future__ import annotations
 
@@ -247,6 +249,18 @@ def report_collective_failure(e: RuntimeError, prog: str) -> None:
 # 1. Process groups and raw collectives
 # ============================================================================
 # The project's only global state, with the RNG tracker of section 5.
+#
+# Megatron's order of ranks: TP varies fastest, then DP, then PP, so
+# rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank. TP=2 x DP=2 x PP=2:
+#
+#                   stage 0           stage 1
+#     DP replica 0  [0 1]  --p2p-->  [4 5]      TP groups  [0,1] [2,3] [4,5] [6,7]
+#     DP replica 1  [2 3]  --p2p-->  [6 7]      DP groups  [0,2] [1,3] [4,6] [5,7]
+#                                               PP groups  [0,4] [1,5] [2,6] [3,7]
+#                                               MP groups  [0,1,4,5] [2,3,6,7] (TP x PP)
+#
+# TP talks every layer (one node); a stage sends only its output activations
+# to the next (point to point), which is why PP is the dimension that spans nodes.
 
 _INITIALIZED = False
 _TP_GROUP = None   # None when torch.distributed is not in use (single process)
@@ -262,22 +276,10 @@ _PP_SIZE, _PP_RANK = 1, 0
 
 def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None,
                pipeline_model_parallel_size: int = 1) -> None:
-    """Build the TP, DP and PP groups, on every rank (new_group is collective);
-    without torch.distributed, a single-rank world. Pass init_process_group's
-    `timeout`: new_group does not inherit it, and torch's 30-minute default
-    would let a dead peer hang DDP that long.
-
-    Megatron's order: TP varies fastest, then DP, then PP, so
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank. TP=2 x DP=2 x PP=2:
-
-                      stage 0           stage 1
-        DP replica 0  [0 1]  --p2p-->  [4 5]      TP groups  [0,1] [2,3] [4,5] [6,7]
-        DP replica 1  [2 3]  --p2p-->  [6 7]      DP groups  [0,2] [1,3] [4,6] [5,7]
-                                                  PP groups  [0,4] [1,5] [2,6] [3,7]
-                                                  MP groups  [0,1,4,5] [2,3,6,7] (TP x PP)
-
-    TP talks every layer (one node); a stage sends only its output activations
-    to the next (point to point), which is why PP is the dimension that spans nodes."""
+    """Build the TP, DP and PP groups (in the order drawn above), on every
+    rank (new_group is collective); without torch.distributed, a single-rank
+    world. Pass init_process_group's `timeout`: new_group does not inherit
+    it, and torch's 30-minute default would let a dead peer hang DDP that long."""
     global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS, _MP_GROUP
     global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size

@@ -7,8 +7,9 @@ r"""Pretrain a GPT on Megatron-format token data.
 Sections:
   1. The model, AdamW, the learning-rate schedule, the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
-  3. The step: accumulation, mixed precision, clipping, the skip decision, the
-     fp16 loss scaler; PlainTraining (DeepSpeed's twin: zero.DeepSpeedTraining).
+  3. The step: accumulation (or, across pipeline stages, the 1F1B schedule of
+     parallel.py), mixed precision, clipping, the skip decision, the fp16 loss
+     scaler; PlainTraining (DeepSpeed's twin: zero.DeepSpeedTraining).
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
 Elsewhere: flags (config.py), launch and process groups (parallel.py),
