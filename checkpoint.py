@@ -240,12 +240,18 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
     Collective: every rank calls it."""
     model_sd, optim_sd = states_for_writer(model, optimizer)
     rng = rng_state()  # collective too
+    stages_rng = None  # under pipeline parallelism every stage's own streams (dropout differs by stage)
+    if parallel.pp_size() > 1:
+        stages_rng = [None] * parallel.pp_size() if parallel.pp_rank() == 0 else None
+        dist.gather_object(rng, stages_rng, dst=dist.get_global_rank(parallel.pp_group(), 0),
+                           group=parallel.pp_group())
 
     def write():
         if model_sd is None:
             return
         state = {"model": model_sd, "optimizer": optim_sd, "scaler": scaler.state_dict() if scaler else None,
                  "iteration": iteration, "consumed_samples": consumed_samples, "rng": rng,
+                 "pipeline_rng": stages_rng,
                  "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(model.config)}
         log(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
         remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
@@ -330,10 +336,22 @@ def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, 
             f"starting at iteration 0")
         return 0, 0
     if not cfg.no_load_rng and state.get("rng"):
-        set_rng_state(state["rng"], log)
+        set_rng_state(stage_rng(state, log), log)
     log(f"loaded checkpoint {path} (iteration {state['iteration']}"
         f"{', weights only' if cfg.no_load_optim else ''})")
     return state["iteration"], state["consumed_samples"]
+
+
+def stage_rng(state: dict, log) -> dict:
+    """This pipeline stage's saved random streams: its own where the
+    checkpoint has one per stage at this pipeline size, else the first's."""
+    stages = state.get("pipeline_rng") or [state["rng"]]
+    if len(stages) == parallel.pp_size():
+        return stages[parallel.pp_rank()]
+    if parallel.pp_size() > 1:
+        log(f"the random streams were saved at pipeline size {len(stages)}: every stage starts "
+            f"from the first stage's")
+    return stages[0]
 
 
 def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):

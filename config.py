@@ -477,7 +477,10 @@ def validate_pipeline(cfg: TrainConfig) -> None:
     pp = cfg.pipeline_model_parallel_size
     if pp < 1:
         raise UsageError(f"--pipeline-model-parallel-size {pp}: use 1 or more")
-    if cfg.num_layers_per_virtual_pipeline_stage is not None and pp == 1:
+    n = cfg.num_layers_per_virtual_pipeline_stage
+    if n is not None and n < 1:
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {n}: use 1 or more")
+    if n is not None and pp == 1:
         raise UsageError("--num-layers-per-virtual-pipeline-stage interleaves pipeline stages: it needs "
                          "--pipeline-model-parallel-size > 1")
     if pp > 1 and cfg.deepspeed and cfg.zero_stage not in (None, 0, 1):
@@ -485,6 +488,10 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                          f"gradients, which pipeline stages accumulate over the micro-batches of a step: "
                          f"use --zero-stage 0 or 1 with --pipeline-model-parallel-size {pp} (as "
                          f"DeepSpeed's own pipeline engine)")
+    if pp > 1 and cfg.deepspeed and (cfg.fp16 or (cfg.bf16 and cfg.zero_stage == 0)):
+        raise UsageError("--deepspeed over pipeline stages runs fp32 (ZeRO 0 or 1) or --bf16 with "
+                         "--zero-stage 1: DeepSpeed's other 16-bit optimizers scale and copy the "
+                         "gradients in their own backward, which the stages' schedule replaces")
     if pp > 1 and cfg.compile:
         raise UsageError("--compile compiles the whole model's forward, which a pipeline stage does not "
                          "run: drop --compile or --pipeline-model-parallel-size")

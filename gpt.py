@@ -658,14 +658,22 @@ class GPT(nn.Module):
         parallel.load_full_state_dict(self, {k: v for k, v in sd.items() if self.holds(k)})
 
     def holds(self, key: str) -> bool:
-        """Whether the whole model's state-dict `key` belongs to this stage
-        (a key of no stage, such as a layer too many, is kept for the strict
-        load to report)."""
+        """Whether the whole model's state-dict `key` belongs to this stage. A
+        key that no stage of this model holds (a layer too many, an untied head
+        for a tied model) is kept, for the strict load to report."""
         piece, _, rest = key.partition(".")
+        c = self.config
+        first, last = self.chunks[0].start == 0, self.chunks[-1].stop == c.num_layers
         if piece == "blocks":
             layer = int(rest.partition(".")[0])
-            return layer >= self.config.num_layers or any(layer in c for c in self.chunks)
-        return piece in self._modules or piece not in ("wte", "wpe", "ln_f", "output_layer")
+            return layer >= c.num_layers or any(layer in chunk for chunk in self.chunks)
+        tied = not c.untie_embeddings_and_output_weights
+        stage_of = {"wte": first or (last and tied), "ln_f": last}  # pieces every model has
+        if c.position_embedding_type == "learned_absolute":
+            stage_of["wpe"] = first
+        if not tied:
+            stage_of["output_layer"] = last
+        return stage_of.get(piece, True)
 
 
 # -----------------------------------------------------------------------------

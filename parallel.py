@@ -1730,8 +1730,9 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
 
 def all_reduce_gradients(params: list[nn.Parameter], group) -> None:
     """Average the gradients over a data-parallel group in one flat buffer
-    (DDP's job; under pipeline parallelism done once, after the schedule,
-    because 1F1B's last backward is not the last micro-batch's)."""
+    (DDP's job; under pipeline parallelism done here once, after the
+    schedule: DDP's reducer expects each forward's backward before the next
+    forward, and 1F1B keeps several micro-batches in flight)."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.flatten().float() for g in grads])
     dist.all_reduce(flat, group=group)

@@ -70,7 +70,11 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     parallel.model_parallel_seed(cfg.seed)
     chunks = parallel.pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
                                       cfg.num_layers_per_virtual_pipeline_stage)
-    return GPT(mcfg, chunks).to(device)
+    model = GPT(mcfg, chunks).to(device)
+    if parallel.pp_rank() > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
+        torch.manual_seed(cfg.seed + 100 * parallel.pp_rank())
+        parallel.model_parallel_seed(cfg.seed + 100 * parallel.pp_rank())
+    return model
 
 
 def param_ndim(p: torch.nn.Parameter) -> int:

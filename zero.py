@@ -229,7 +229,7 @@ class DeepSpeedTraining:
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         if self.engine.dp_world_size != parallel.dp_size():
             raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the "
-                               f"data-parallel size is {parallel.dp_size()} (world / tp): "
+                               f"data-parallel size is {parallel.dp_size()} (world / (tp x pp)): "
                                f"the mpu was not applied")
         self.raw = self.engine.module
         # evaluate runs the pipeline's stages on the module (engine.config is DeepSpeed's)
@@ -305,7 +305,8 @@ def deepspeed_pipeline_step(engine, batches, cfg: TrainConfig, device, lr: float
     """deepspeed_train_step for a pipeline stage (ZeRO 0 or 1), the way
     DeepSpeed's PipelineEngine does it: our 1F1B schedule (train.pipeline_step)
     runs backward itself, the last stage's loss divided by the accumulation
-    and scaled by the optimizer's loss scale as engine.backward would; the
+    (and passed through the ZeRO optimizer's scale_if_loss, as engine.backward
+    does; config.py refuses the 16-bit optimizers that scale otherwise); the
     gradients stay local until the schedule ends. Then the tied embedding's
     grads are summed over its two stages, DeepSpeed averages over the data-
     parallel group at a gradient-accumulation boundary, and steps."""

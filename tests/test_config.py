@@ -193,6 +193,24 @@ def test_zero_2_and_3_refuse_pipeline_stages(stage):
         parse("--deepspeed", "--zero-stage", stage, "--pipeline-model-parallel-size", "2")
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--deepspeed", "--fp16"], "runs fp32 .ZeRO 0 or 1. or --bf16 with --zero-stage 1"),
+    (["--deepspeed", "--bf16", "--zero-stage", "0"], "runs fp32 .ZeRO 0 or 1. or --bf16 with --zero-stage 1"),
+    (["--num-layers-per-virtual-pipeline-stage", "0"], "--num-layers-per-virtual-pipeline-stage 0: use 1 or more"),
+    (["--compile"], "--compile compiles the whole model's forward"),
+    (["--pipeline-model-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "needs --pipeline-model-parallel-size > 1"),
+])
+def test_what_pipeline_stages_do_not_run_with_is_named(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse("--pipeline-model-parallel-size", "2", *flags)
+
+
+def test_evaluate_runs_whole_models():
+    with pytest.raises(ValueError, match="evaluate.py runs whole models"):
+        config_lib.parse_args(["--preset", "tiny", "--pipeline-model-parallel-size", "2"], tool=config_lib.EVALUATE)
+
+
 def test_zero_flags_without_deepspeed_are_an_error():
     with pytest.raises(ValueError, match="need --deepspeed"):
         config_lib.parse_args(["--preset", "tiny", "--zero-stage", "2"])

@@ -600,3 +600,19 @@ def test_gpu_fused_loss_follows_full_logits_in_a_quarter_of_the_memory():
         assert (a.float() - b.float()).abs().max().item() <= 1e-2 * b.float().abs().max().item(), name
     assert 4 * peaks[1] <= peaks[0], f"peak bytes: fused {peaks[1]:,} vs full {peaks[0]:,}"
 
+
+
+@pytest.mark.parametrize("extra,overrides", [("output_layer.weight", {}), ("wpe.weight", {"position_embedding_type": "rope"}),
+                                             ("blocks.2.ln_1.weight", {})],
+                         ids=["untied-head-into-tied", "positions-into-rope", "layer-too-many"])
+def test_a_state_dict_with_a_piece_the_model_lacks_is_refused(single_rank, extra, overrides):
+    """A pipeline stage loads its own pieces of the whole model's state dict;
+    a piece that no stage of this model holds is an error, not dropped."""
+    model = tiny_model(**overrides)
+    sd = model.full_state_dict()
+    sd[extra] = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        model.load_full_state_dict(sd)
+    stage = gpt.GPT(tiny(**overrides), [range(1, 2)])  # the last of two stages
+    held = {k for k in sd if stage.holds(k)}
+    assert extra in held and "blocks.0.ln_1.weight" not in held and "ln_f.weight" in held

@@ -994,6 +994,10 @@ def pipeline_runs(corpus, tmp_path_factory):
         "pp1-to-pp2", 2, "--pipeline-model-parallel-size", "2", "--load", str(out / "pp1-to-pp2"))
     for name, (nproc, flags) in PIPELINE_LAYOUTS.items():
         runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
+    dropout = ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.2", "--save-interval", "4"]
+    runs["PP=2 with dropout"] = run("drop", 2, *dropout, "--save", str(out / "drop"))
+    (out / "drop" / checkpoint.LATEST).write_text("4")
+    runs["PP=2 with dropout, resumed at 4"] = run("drop-resumed", 2, *dropout, "--load", str(out / "drop"))
     runs["dir"] = out
     return runs
 
@@ -1013,6 +1017,17 @@ def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipe
     proc = torchrun("evaluate.py", "--task", "GENERATE", "--load", str(out / "pp2"), "--num-samples", "1",
                     "--out-seq-length", "4", "--seq-length", "32")
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
+
+
+@pytest.mark.slow
+def test_pipeline_stages_draw_their_own_dropout_and_resume_it(pipeline_runs):
+    """Each stage keeps its own random streams in the checkpoint: a PP=2 run
+    with dropout resumed at iteration 4 retraces the uninterrupted run."""
+    want, got = pipeline_runs["PP=2 with dropout"], pipeline_runs["PP=2 with dropout, resumed at 4"]
+    assert sorted(got) == [5, 6, 7, 8]
+    for i in got:
+        assert (got[i]["loss"], got[i]["grad_norm"]) == (want[i]["loss"], want[i]["grad_norm"]), i
+    assert want[8]["loss"] != pipeline_runs["PP=1"][8]["loss"]  # dropout is on
 
 
 def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
