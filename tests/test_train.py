@@ -487,7 +487,7 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp
     last = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error")]
     assert len(last) == 1, proc.stderr[-4000:]
     where = r"zero\.py:\d+ in deepspeed_train_step \(`engine\.backward\(loss\)`\)" if engine else \
-        r"train\.py:\d+ in train_step \(`\(scaler\.scale\(loss\) if scaler else loss\)\.backward\(\)`\)"
+        r"train\.py:\d+ in accumulate \(`\(scaler\.scale\(loss\) if scaler else loss\)\.backward\(\)`\)"
     assert re.match(r"train\.py: error \(rank 0\): the gradient all-reduce \(run inside backward\) "
                     f"failed at {where}: ", last[0]), last[0]
     assert "Timed out waiting 3000ms" in last[0]
