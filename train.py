@@ -185,8 +185,11 @@ def data_iterator(dataset, cfg: TrainConfig, consumed_samples: int):
     """Yields this rank's micro-batches, starting after `consumed_samples` (all ranks)."""
     sampler = data_lib.PretrainingSampler(len(dataset), consumed_samples, cfg.micro_batch_size,
                                           parallel.dp_rank(), parallel.dp_size())
+    # A generator of its own: by default each new iterator draws its workers' seed from the
+    # global stream, which dropout uses, and a resumed run would draw one more than the original.
     return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
-                                            pin_memory=torch.cuda.is_available()))
+                                            pin_memory=torch.cuda.is_available(),
+                                            generator=torch.Generator().manual_seed(cfg.seed)))
 
 
 def check_batch(batch: dict, config: GPTConfig) -> dict:
