@@ -120,16 +120,22 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
     return model_sd, {"state": optim, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
+def gather_stages(obj) -> list | None:
+    """Every pipeline stage's `obj`, in stage order, on this pipeline's first
+    stage; None on the others. Collective over the pipeline group."""
+    first = parallel.pp_rank() == 0
+    stages = [None] * parallel.pp_size() if first else None
+    dist.gather_object(obj, stages, dst=dist.get_global_rank(parallel.pp_group(), 0), group=parallel.pp_group())
+    return stages
+
+
 def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[None, None]:
     """Every pipeline stage's states, sent to the first stage (global rank 0)
     and merged into the whole model's, with the same keys as at pp=1; (None,
     None) on the other stages. A tied embedding is on two stages: the
     first's copy is kept (the two are equal)."""
-    first = parallel.pp_rank() == 0
-    stages = [None] * parallel.pp_size() if first else None
-    dist.gather_object((model_sd, optim), stages, dst=dist.get_global_rank(parallel.pp_group(), 0),
-                       group=parallel.pp_group())
-    if not first:
+    stages = gather_stages((model_sd, optim))
+    if stages is None:
         return None, None
     merged_model, merged_optim = {}, {}
     for stage_model, stage_optim in stages:
@@ -240,11 +246,8 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
     Collective: every rank calls it."""
     model_sd, optim_sd = states_for_writer(model, optimizer)
     rng = rng_state()  # collective too
-    stages_rng = None  # under pipeline parallelism every stage's own streams (dropout differs by stage)
-    if parallel.pp_size() > 1:
-        stages_rng = [None] * parallel.pp_size() if parallel.pp_rank() == 0 else None
-        dist.gather_object(rng, stages_rng, dst=dist.get_global_rank(parallel.pp_group(), 0),
-                           group=parallel.pp_group())
+    # under pipeline parallelism every stage's own streams too (dropout differs by stage)
+    stages_rng = gather_stages(rng) if parallel.pp_size() > 1 else None
 
     def write():
         if model_sd is None:

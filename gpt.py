@@ -460,7 +460,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.chunks = chunks or [range(config.num_layers)]
-        first, last = self.chunks[0].start == 0, self.chunks[-1].stop == config.num_layers
+        first, last = self.holds_first_layer, self.holds_last_layer
         # How blocks are recomputed under activation checkpointing; train.py
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
@@ -657,13 +657,29 @@ class GPT(nn.Module):
         pipeline stage its own pieces of the whole model's state dict."""
         parallel.load_full_state_dict(self, {k: v for k, v in sd.items() if self.holds(k)})
 
+    @property
+    def holds_first_layer(self) -> bool:  # and so the embedding (the pipeline's first stage)
+        return self.chunks[0].start == 0
+
+    @property
+    def holds_last_layer(self) -> bool:  # and so the final norm, the head and the loss
+        return self.chunks[-1].stop == self.config.num_layers
+
+    def tied_embedding_copy(self) -> nn.Parameter | None:
+        """Where a tied embedding is split over two pipeline stages (the first's
+        embedding, the last's head) and this stage holds one copy: its weight,
+        whose gradient the two stages sum; else None."""
+        tied = not self.config.untie_embeddings_and_output_weights
+        one_end = self.holds_first_layer != self.holds_last_layer
+        return self.wte.weight if tied and one_end and hasattr(self, "wte") else None
+
     def holds(self, key: str) -> bool:
         """Whether the whole model's state-dict `key` belongs to this stage. A
         key that no stage of this model holds (a layer too many, an untied head
         for a tied model) is kept, for the strict load to report."""
         piece, _, rest = key.partition(".")
         c = self.config
-        first, last = self.chunks[0].start == 0, self.chunks[-1].stop == c.num_layers
+        first, last = self.holds_first_layer, self.holds_last_layer
         if piece == "blocks":
             layer = int(rest.partition(".")[0])
             return layer >= c.num_layers or any(layer in chunk for chunk in self.chunks)

@@ -1653,20 +1653,26 @@ def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -
         t, row = len(ticks), []
         for r in range(pp):
             a = orders[r][position[r]] if position[r] < len(orders[r]) and free[r] <= t else None
-            s = a.chunk * pp + r if a else 0
-            needs = None if a is None else \
-                (("F", s - 1, a.micro) if s > 0 else None) if a.kind == "F" else \
-                ("B", s + 1, a.micro) if s < last else ("F", s, a.micro)
+            needs = _input_of(a, a.chunk * pp + r, last) if a else None
             if a is None or (needs is not None and done.get(needs, t) >= t):
                 row.append(None)
                 continue
-            done[(a.kind, s, a.micro)] = t + TICKS[a.kind] - 1
+            done[(a.kind, a.chunk * pp + r, a.micro)] = t + TICKS[a.kind] - 1
             position[r], free[r] = position[r] + 1, t + TICKS[a.kind]
             row.append(a)
         if not any(row) and all(f <= t for f in free):
             raise RuntimeError(f"pipeline schedule stalls at tick {t}: {orders}")
         ticks.append(row)
     return ticks + [[None] * pp] * (max(free) - len(ticks))  # the last backwards' ends
+
+
+def _input_of(a: Action, s: int, last: int) -> tuple[str, int, int] | None:
+    """(kind, virtual stage, micro) of the action whose end action a, run by
+    virtual stage s, waits for: the previous stage's forward (none on the
+    first stage), the next stage's backward (the last stage's own forward)."""
+    if a.kind == "F":
+        return ("F", s - 1, a.micro) if s > 0 else None
+    return ("B", s + 1, a.micro) if s < last else ("F", s, a.micro)
 
 
 def _messages(a: Action | None, sender: int, pp: int, v: int):

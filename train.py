@@ -268,7 +268,7 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, scaler=No
         b = batches[micro]
         with autocast(cfg, device):
             out = model.pipeline_forward(chunk, x, b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
-        if model.chunks[chunk].stop < model.config.num_layers:
+        if model.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
         loss = out / m
         total += loss.detach()
@@ -291,8 +291,9 @@ def reduce_pipeline_grads(model: GPT) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     if parallel.dp_size() > 1:
         parallel.all_reduce_gradients(params, parallel.dp_group())
-    if not model.config.untie_embeddings_and_output_weights and hasattr(model, "wte"):
-        dist.all_reduce(model.wte.weight.grad, group=parallel.embedding_group())
+    tied = model.tied_embedding_copy()
+    if tied is not None:
+        dist.all_reduce(tied.grad, group=parallel.embedding_group())
 
 
 def optimizer_step(optimizer, scaler, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -380,15 +381,16 @@ def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int
     """Mean loss over --eval-iters global batches, averaged over data-parallel ranks."""
     model.eval()
     it = data_iterator(dataset, cfg, consumed)
-    losses = []
-    for _ in range(cfg.eval_iters if parallel.pp_size() > 1 else cfg.eval_iters * accum):
-        if parallel.pp_size() > 1:  # a global batch at a time through the stages
-            losses.append(pipeline_step(model, [next(it) for _ in range(accum)], cfg, device))
-            continue
-        batch = to_device(next(it), device)
-        with autocast(cfg, device):
-            losses.append(model(batch["tokens"], position_ids=batch["position_ids"],
-                                labels=batch["labels"], loss_mask=batch["loss_mask"]).float())
+    if parallel.pp_size() > 1:  # a global batch at a time through the stages
+        losses = [pipeline_step(model, [next(it) for _ in range(accum)], cfg, device)
+                  for _ in range(cfg.eval_iters)]
+    else:
+        losses = []
+        for _ in range(cfg.eval_iters * accum):
+            batch = to_device(next(it), device)
+            with autocast(cfg, device):
+                losses.append(model(batch["tokens"], position_ids=batch["position_ids"],
+                                    labels=batch["labels"], loss_mask=batch["loss_mask"]).float())
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.dp_group()).item()
 
@@ -581,11 +583,13 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     global_batch = cfg.micro_batch_size * dp * accum
     ramp = range(cfg.rampup_batch_size[0], global_batch, cfg.rampup_batch_size[1]) if cfg.rampup_batch_size else []
     pp = parallel.pp_size()
-    chunks = parallel.pipeline_chunks(model_config(cfg).num_layers, pp, 0, cfg.num_layers_per_virtual_pipeline_stage)
+    if pp > 1:  # the layers must divide into stages: the model chunks a rank holds
+        v = len(parallel.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
+                                         cfg.num_layers_per_virtual_pipeline_stage))
     for batch in [*ramp, global_batch]:
         micro_batches = gradient_accumulation_steps(cfg, dp, batch)
         if pp > 1:
-            parallel.check_micro_batches(micro_batches, pp, len(chunks))
+            parallel.check_micro_batches(micro_batches, pp, v)
     return cfg, accum, global_batch
 
 
@@ -616,15 +620,16 @@ def train(cfg: TrainConfig, env: parallel.Dist) -> None:
                  f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
     iteration = loop(cfg, env, trainer, datasets, logger, global_batch, accum)
-    if iteration >= cfg.train_iters and cfg.sample_tokens > 0 and parallel.pp_size() > 1:
-        logger.print("no sample printed: the model is split into pipeline stages; sample from the saved "
-                     "checkpoint with evaluate.py --task GENERATE --load SAVE (any checkpoint loads there)")
-    elif iteration >= cfg.train_iters and cfg.sample_tokens > 0:
-        try:
-            text = sample_text(trainer.raw, cfg, env.device)
-            logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
-        except UsageError as e:  # no BPE package: training is done and saved, just say why
-            logger.print(f"no sample printed: {e}")
+    if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
+        if parallel.pp_size() > 1:
+            logger.print("no sample printed: the model is split into pipeline stages; sample from the saved "
+                         "checkpoint with evaluate.py --task GENERATE --load SAVE (any checkpoint loads there)")
+        else:
+            try:
+                text = sample_text(trainer.raw, cfg, env.device)
+                logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
+            except UsageError as e:  # no BPE package: training is done and saved, just say why
+                logger.print(f"no sample printed: {e}")
     logger.close()
     trainer.close()
 

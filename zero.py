@@ -287,16 +287,28 @@ def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
         loss = engine(batch["tokens"], position_ids=batch["position_ids"],
                       labels=batch["labels"], loss_mask=batch["loss_mask"])
         engine.backward(loss)
-        if last and clips_itself(engine.zero_optimization_stage(), cfg):
-            max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
-            grad_norm = parallel.clip_grad_norm_([p for p in engine.module.parameters()
-                                                  if p.grad is not None], max_norm)
+        if last:
+            grad_norm = clip_if_ours(engine, cfg)
         engine.step()
         total += loss.detach().float() / len(batches)
+    return step_figures(engine, total, grad_norm)
+
+
+def clip_if_ours(engine, cfg: TrainConfig) -> torch.Tensor | None:
+    """Where we clip (clips_itself): clip to --clip-grad and return the norm;
+    else None (DeepSpeed clips in engine.step and reports the norm)."""
+    if not clips_itself(engine.zero_optimization_stage(), cfg):
+        return None
+    max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
+    return parallel.clip_grad_norm_([p for p in engine.module.parameters() if p.grad is not None], max_norm)
+
+
+def step_figures(engine, total: torch.Tensor, grad_norm: torch.Tensor | None):
+    """After engine.step: (loss averaged over DP, grad norm, 1.0 if the step
+    was skipped). DeepSpeed's fp16 path skips an overflowing step itself,
+    deciding over the model-parallel group (the mpu) as Megatron does."""
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm()
-    # DeepSpeed's fp16 path skips an overflowing step itself, deciding over the
-    # model-parallel group (the mpu) as Megatron does.
     return parallel.all_reduce_mean(total, parallel.dp_group()), float(grad_norm), \
         float(not engine.was_step_applied())
 
@@ -314,20 +326,13 @@ def deepspeed_pipeline_step(engine, batches, cfg: TrainConfig, device, lr: float
     engine.set_gradient_accumulation_boundary(False)
     scale = getattr(engine.optimizer, "scale_if_loss", None)  # ZeRO's (fp16: the loss scale)
     total = pipeline_step(engine.module, batches, cfg, device, scale and SimpleNamespace(scale=scale))
-    model, optimizer = engine.module, engine.optimizer
-    if not model.config.untie_embeddings_and_output_weights and hasattr(model, "wte"):
-        # ZeRO-1 may hold the grad in its own accumulator
-        grad = optimizer.get_gradient_for_reduction(model.wte.weight) \
-            if hasattr(optimizer, "get_gradient_for_reduction") else model.wte.weight.grad
+    tied, optimizer = engine.module.tied_embedding_copy(), engine.optimizer
+    if tied is not None:  # ZeRO-1 may hold the grad in its own accumulator
+        grad = optimizer.get_gradient_for_reduction(tied) \
+            if hasattr(optimizer, "get_gradient_for_reduction") else tied.grad
         dist.all_reduce(grad, group=parallel.embedding_group())
     engine.set_gradient_accumulation_boundary(True)
     engine.allreduce_gradients()
-    grad_norm = None
-    if clips_itself(engine.zero_optimization_stage(), cfg):
-        max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
-        grad_norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    grad_norm = clip_if_ours(engine, cfg)
     engine.step()
-    if grad_norm is None:
-        grad_norm = engine.get_global_grad_norm()
-    return parallel.all_reduce_mean(total, parallel.dp_group()), float(grad_norm), \
-        float(not engine.was_step_applied())
+    return step_figures(engine, total, grad_norm)
