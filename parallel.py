@@ -458,19 +458,6 @@ def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
     return x
 
 
-def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """This rank's 1/tp slice of the last dim (a copy, so it frees the rest)."""
-    chunk = x.shape[-1] // tp_size()
-    return x[..., tp_rank() * chunk:(tp_rank() + 1) * chunk].contiguous()
-
-
-def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's x along the last dim, in rank order."""
-    if torch.compiler.is_compiling():  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
-        return torch.cat(wait(launch_all_gather(x)).chunk(tp_size(), dim=0), dim=-1)
-    return gather_tensor(x, dim=-1)
-
-
 # --------------------------------------------------------------------------
 # Sequence-parallel collectives: along dim 1, the sequence, of (B, T, ...).
 # The model keeps nanoGPT's batch-first layout rather than Megatron's
@@ -595,11 +582,14 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        return _gather_last_dim(x)
+        if torch.compiler.is_compiling():  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
+            return torch.cat(wait(launch_all_gather(x)).chunk(tp_size(), dim=0), dim=-1)
+        return gather_tensor(x, dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last_dim(grad)
+        chunk = grad.shape[-1] // tp_size()  # a copy of this rank's slice, which frees the rest
+        return grad[..., tp_rank() * chunk:(tp_rank() + 1) * chunk].contiguous()
 
 
 class _ReduceFromTensorParallelRegionAsync(torch.autograd.Function):
