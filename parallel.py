@@ -592,21 +592,6 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
         return grad[..., tp_rank() * chunk:(tp_rank() + 1) * chunk].contiguous()
 
 
-class _ReduceFromTensorParallelRegionAsync(torch.autograd.Function):
-    """g with the all-reduce left in flight (Domino): forward appends the work
-    handle to `handles`, and y may be read only after handle.wait()."""
-
-    @staticmethod
-    def forward(ctx, x, handles: list):
-        out, handle = all_reduce(x, async_op=True)
-        handles.append(handle)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
     """x in the autocast dtype (when on), as the column-parallel GEMM would
     cast it anyway. Under sequence parallelism its input (a LayerNorm's fp32
@@ -693,20 +678,22 @@ class _LaunchReduceInGraph(torch.autograd.Function):
         return (all_gather_sequence(grad) if ctx.sequence_parallel else grad), None
 
 
-class _AlreadyReduceScattered(torch.autograd.Function):
-    """Domino under sequence parallelism: forward returns `reduced`, the
-    landed reduce-scatter of `partial`; backward all-gathers the gradient.
-    It enters the graph only AFTER landing: gloo finishes with a copy_ into
-    the output on its own thread, which autograd would record, cutting the
-    gradient's way back to `partial`."""
+class _AlreadyReduced(torch.autograd.Function):
+    """Domino: forward returns `reduced`, the landed all-reduce (or under
+    sequence parallelism reduce-scatter) of `partial`; backward like g's
+    (identity) or the reduce-scatter's (all-gather). It enters the graph only
+    AFTER landing: gloo finishes a reduce-scatter with a copy_ into the output
+    on its own thread, which autograd would record, cutting the gradient's
+    way back to `partial`."""
 
     @staticmethod
-    def forward(ctx, partial, reduced):
+    def forward(ctx, partial, reduced, sequence_parallel: bool):
+        ctx.sequence_parallel = sequence_parallel
         return reduced.view_as(reduced)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_sequence(grad), None
+        return (all_gather_sequence(grad) if ctx.sequence_parallel else grad), None, None
 
 
 class PendingReduce:
@@ -723,9 +710,7 @@ class PendingReduce:
         elif sequence_parallel:
             self._out, self._handle = reduce_scatter_sequence(partial.detach(), async_op=True)
         else:
-            handles: list = []
-            self._out = _ReduceFromTensorParallelRegionAsync.apply(partial, handles)
-            self._handle = handles[0]
+            self._out, self._handle = all_reduce(partial.detach(), async_op=True)
 
     def wait(self) -> torch.Tensor:
         if self._in_flight is not None:
@@ -733,8 +718,8 @@ class PendingReduce:
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
-        if self._sequence_parallel and self._partial is not None:
-            self._out = _AlreadyReduceScattered.apply(self._partial, self._out)
+        if self._partial is not None:
+            self._out = _AlreadyReduced.apply(self._partial, self._out, self._sequence_parallel)
             self._partial = None
         return self._out if self._bias is None else self._out + self._bias
 
