@@ -15,7 +15,6 @@ wrappers upcast inputs to fp32 and cast results back; it cannot autotune, so
 one fixed config is used.
 """
 import functools
-import inspect
 import math
 import os
 
@@ -384,27 +383,22 @@ def _prune_attn_configs(kernel: str, wide: bool, configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-def _autotune_kwargs(kernel: str, wide: bool) -> dict:
-    """Tune once per key (Triton adds the dtypes) and, where this Triton can,
-    cache the result on disk next to the compiled kernels (TRITON_CACHE_DIR),
-    so a second run's first step does not re-time every config."""
-    kw = dict(key=["T_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "DOT_PRECISION"],
-              prune_configs_by={"early_config_prune": functools.partial(_prune_attn_configs, kernel, wide)})
-    if "cache_results" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
-        kw["cache_results"] = True
-    return kw
-
-
 def _build_launchers():
     if not HAS_TRITON:
         return {}
     kernels = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
     if INTERPRET:
         return kernels
-    # Tune per power-of-two bucket of T (T_BUCKET), not per T: generate() grows
-    # T by one token a step, and re-timing every config per length takes seconds.
+    # Tune once per key (Triton adds the dtypes) and cache the result on disk next
+    # to the compiled kernels (TRITON_CACHE_DIR), so a second run's first step does
+    # not re-time every config. The key has a power-of-two bucket of T (T_BUCKET),
+    # not T: generate() grows T by one token a step, and re-timing every config
+    # per length takes seconds.
     wide = os.environ.get("KERNELS_AUTOTUNE", "").lower() == "wide"
-    return {name: triton.autotune(_attn_configs(name, wide), **_autotune_kwargs(name, wide))(fn)
+    key = ["T_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "DOT_PRECISION"]
+    return {name: triton.autotune(
+                _attn_configs(name, wide), key=key, cache_results=True,
+                prune_configs_by={"early_config_prune": functools.partial(_prune_attn_configs, name, wide)})(fn)
             for name, fn in kernels.items()}
 
 
