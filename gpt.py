@@ -577,14 +577,24 @@ class GPT(nn.Module):
         return x if layers.stop < self.config.num_layers else self._head(x, labels, loss_mask)
 
     def _head(self, x, labels, loss_mask):
-        """The final norm and the LM head: (B, T[/tp], C) -> logits, or the loss."""
-        h = self.head_input(self.ln_f(x))                            # (B, T, C)
+        """The final norm and the LM head: (B, T[/tp], C) -> logits, or the loss:
+        sum(token_loss * loss_mask) / sum(loss_mask) in fp32 (see token_weights)."""
+        h = self.ln_f(x)
+        # Into the vocab-parallel LM head through f under TP. Under sequence
+        # parallelism h holds this rank's tokens and is all-gathered instead; the
+        # backward reduce-scatter does f's sum.
+        if self.sequence_parallel:
+            h = parallel.gather_from_sequence_parallel_region(h)      # (B, T, C)
+        else:
+            h = parallel.copy_to_tensor_parallel_region(h)            # (B, T, C)
         if labels is None:
             # Under TP the full logits are all-gathered (fine for eval and generation).
             return parallel.gather_from_tensor_parallel_region(F.linear(h, self.output_weight))
         if self.config.loss_impl == "fused":  # the logits are never materialized whole
             return fused_lm_loss(h, self.output_weight, labels, loss_mask)
-        return self.loss(F.linear(h, self.output_weight), labels, loss_mask)  # (B, T, V_padded[/tp]) logits
+        logits = F.linear(h, self.output_weight)                      # (B, T, V_padded[/tp])
+        token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten()  # (B*T,)
+        return (token_loss * token_weights(labels, loss_mask)).sum()
 
     def _embed(self, input_ids, position_ids):
         """Token (+ learned position) embeddings, dropout -> (x, RoPE angles or None).
@@ -620,21 +630,6 @@ class GPT(nn.Module):
         if self.config.untie_embeddings_and_output_weights:
             return self.output_layer.weight
         return self.wte.weight
-
-    def head_input(self, h):
-        """The final norm's output entering the vocab-parallel LM head, (B, T, C):
-        through f under TP. Under sequence parallelism h holds this rank's tokens
-        and is all-gathered instead; the backward reduce-scatter does f's sum."""
-        if self.sequence_parallel:
-            return parallel.gather_from_sequence_parallel_region(h)
-        return parallel.copy_to_tensor_parallel_region(h)
-
-    @staticmethod
-    def loss(logits, labels, loss_mask=None):
-        """sum(token_loss * loss_mask) / sum(loss_mask) in fp32 (a fully masked batch
-        gives 0, not NaN); under TP logits is this rank's vocab shard (B, T, V/tp)."""
-        token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten()  # (B*T,)
-        return (token_loss * token_weights(labels, loss_mask)).sum()
 
     # -- bookkeeping ------------------------------------------------------------
 

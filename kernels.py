@@ -15,7 +15,6 @@ wrappers upcast inputs to fp32 and cast results back; it cannot autotune, so
 one fixed config is used.
 """
 import functools
-import inspect
 import math
 import os
 
@@ -308,8 +307,6 @@ if HAS_TRITON:
 # 2b. Launchers: triton.autotune on CUDA (the best tiles depend on the GPU, T,
 # D and dtype); the interpreter cannot time configs and runs one small one.
 # ---------------------------------------------------------------------------
-_FIXED_ATTN = dict(BLOCK_M=16, BLOCK_N=16)
-
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: few, so the
 # first step's autotuning stays cheap, and none that spills registers for
 # 16-bit inputs (bench/check_compile.py, sm_90, fails if one does). Forward
@@ -384,27 +381,22 @@ def _prune_attn_configs(kernel: str, wide: bool, configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-def _autotune_kwargs(kernel: str, wide: bool) -> dict:
-    """Tune once per key (Triton adds the dtypes) and, where this Triton can,
-    cache the result on disk next to the compiled kernels (TRITON_CACHE_DIR),
-    so a second run's first step does not re-time every config."""
-    kw = dict(key=["T_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "DOT_PRECISION"],
-              prune_configs_by={"early_config_prune": functools.partial(_prune_attn_configs, kernel, wide)})
-    if "cache_results" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
-        kw["cache_results"] = True
-    return kw
-
-
 def _build_launchers():
     if not HAS_TRITON:
         return {}
     kernels = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
     if INTERPRET:
         return kernels
-    # Tune per power-of-two bucket of T (T_BUCKET), not per T: generate() grows
-    # T by one token a step, and re-timing every config per length takes seconds.
+    # Tune once per key (Triton adds the dtypes) and cache the result on disk next
+    # to the compiled kernels (TRITON_CACHE_DIR), so a second run's first step does
+    # not re-time every config. The key has a power-of-two bucket of T (T_BUCKET),
+    # not T: generate() grows T by one token a step, and re-timing every config
+    # per length takes seconds.
     wide = os.environ.get("KERNELS_AUTOTUNE", "").lower() == "wide"
-    return {name: triton.autotune(_attn_configs(name, wide), **_autotune_kwargs(name, wide))(fn)
+    key = ["T_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "DOT_PRECISION"]
+    return {name: triton.autotune(
+                _attn_configs(name, wide), key=key, cache_results=True,
+                prune_configs_by={"early_config_prune": functools.partial(_prune_attn_configs, name, wide)})(fn)
             for name, fn in kernels.items()}
 
 
@@ -416,7 +408,7 @@ def _launch_attn(name: str, num_rows: int, bh: int, *args, **constexprs):
     depends on the block size autotune picks."""
     rows_block = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
     grid = lambda meta: (triton.cdiv(num_rows, meta[rows_block]), bh)  # noqa: E731
-    fixed = _FIXED_ATTN if INTERPRET else {}
+    fixed = dict(BLOCK_M=16, BLOCK_N=16) if INTERPRET else {}
     bucket = max(16, triton.next_power_of_2(num_rows))
     _LAUNCHERS[name][grid](*args, T_BUCKET=bucket, **constexprs, **fixed)
 
@@ -684,13 +676,14 @@ def _layer_norm_config(N: int):
 def _ln_forward(x2, res2, weight, bias, eps, out_dtype=None):
     """Launch the forward kernel on (M, N) rows: y, s, mean, rstd. With res2,
     s = x2 + res2 (in the promoted dtype, like torch's `+`) is normalized, else
-    s is None. y is in out_dtype (default: that of s). bias None: RMSNorm."""
+    s is None. y is in out_dtype (default, and always under the interpreter: that
+    of s; the caller casts). bias None: RMSNorm."""
     M, N = x2.shape
     rms = bias is None
     weight = weight.contiguous()
     bias = weight if rms else bias.contiguous()  # RMS: an unused stand-in
     s = None if res2 is None else torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
-    y = torch.empty_like(x2 if s is None else s, dtype=out_dtype)
+    y = torch.empty_like(x2 if s is None else s, dtype=None if INTERPRET else out_dtype)
     mean, rstd = (torch.empty(M, device=x2.device, dtype=torch.float32) for _ in range(2))
     block_n, rows, num_warps = _layer_norm_config(N)
     # without a residual, x2 stands in for the unused RES and SUM
@@ -721,11 +714,6 @@ def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, rms):
     return dx, dw_partial.sum(0).to(weight.dtype), db
 
 
-def _kernel_dtype(out_dtype):
-    """The dtype the kernel writes y in: under the interpreter fp32, cast afterwards."""
-    return None if INTERPRET else out_dtype
-
-
 def _rows(t):
     """(..., N) -> contiguous (M, N); fp32 under the interpreter."""
     t = t.reshape(-1, t.shape[-1])
@@ -744,7 +732,7 @@ def _stats(mean, bias):
 def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                   out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd) of LayerNorm (RMSNorm) over the last dim of x."""
-    y, _, mean, rstd = _ln_forward(_rows(x), None, weight, bias, eps, _kernel_dtype(out_dtype))
+    y, _, mean, rstd = _ln_forward(_rows(x), None, weight, bias, eps, out_dtype)
     return y.reshape(x.shape).to(out_dtype or x.dtype), _stats(mean, bias), rstd
 
 
@@ -761,7 +749,7 @@ def add_layer_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """(s, y, mean, rstd) for s = x + residual and y = LayerNorm(s) (RMSNorm),
     s as stored for backward (fp32 under the interpreter; add_layer_norm casts)."""
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    y, s, mean, rstd = _ln_forward(_rows(x), _rows(residual), weight, bias, eps, _kernel_dtype(out_dtype))
+    y, s, mean, rstd = _ln_forward(_rows(x), _rows(residual), weight, bias, eps, out_dtype)
     return s.reshape(x.shape), y.reshape(x.shape).to(out_dtype or sum_dtype), _stats(mean, bias), rstd
 
 
