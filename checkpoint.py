@@ -137,13 +137,12 @@ def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[Non
     stages = gather_stages((model_sd, optim))
     if stages is None:
         return None, None
-    merged_model, merged_optim = {}, {}
-    for stage_model, stage_optim in stages:
-        for k, v in stage_model.items():
-            merged_model.setdefault(k, v)
-        for k, v in stage_optim.items():
-            merged_optim.setdefault(k, v)
-    return merged_model, merged_optim
+    merged = ({}, {})  # (model, optimizer)
+    for stage in stages:
+        for whole, part in zip(merged, stage):
+            for k, v in part.items():
+                whole.setdefault(k, v)
+    return merged
 
 
 def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
@@ -412,13 +411,11 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
         client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
     on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
                                                  save_latest=False), what)
-    # what an export needs to merge the shards of any tp: every stage's
+    # what an export needs to merge the shards of any tp: every stage's, on the first (rank 0 writes it)
     layout = {name: [p.partition_dim, p.partition_stride] for name, p in engine.module.named_parameters()
               if getattr(p, "tensor_model_parallel", False)}
     if parallel.pp_size() > 1:
-        stages = [None] * parallel.pp_size()
-        dist.all_gather_object(stages, layout, group=parallel.pp_group())
-        layout = {k: v for stage in stages for k, v in stage.items()}
+        layout = {k: v for stage in gather_stages(layout) or [] for k, v in stage.items()}
     meta = {"iteration": iteration, "consumed_samples": consumed,
             "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.dp_size(),
             "tensor_model_parallel_size": parallel.tp_size(),
