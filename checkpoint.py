@@ -55,7 +55,7 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict, log=print) -> None:
+def set_rng_state(state: dict, log) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
