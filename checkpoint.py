@@ -568,27 +568,25 @@ def to_hf(model: GPT, path: str) -> None:
     atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
 
 
-def _hf_needs(c: GPTConfig) -> dict[str, list[tuple[bool, str]]]:
-    """What each architecture needs: (holds for this config?, the flag that makes it hold)."""
-    return {"gpt2": [(c.position_embedding_type == "learned_absolute",
-                      "--position-embedding-type learned_absolute"),
-                     (c.normalization == "LayerNorm", "--normalization LayerNorm"),
-                     (not c.swiglu, "no --swiglu"),
-                     (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
-                     (not c.disable_bias_linear, "no --disable-bias-linear"),
-                     (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")],
-            "llama": [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
-                      (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
-                      (c.normalization == "RMSNorm", "--normalization RMSNorm"),
-                      (c.swiglu, "--swiglu")]}
-
-
 def hf_architecture(config: GPTConfig) -> str:
     """"gpt2" or "llama": the transformers architecture that computes exactly
     this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
     or without GQA, biases or a tied head, is Llama). Otherwise a UsageError
     naming the closer one and the flags that would make the model fit it."""
-    missing = {arch: [flag for ok, flag in needs if not ok] for arch, needs in _hf_needs(config).items()}
+    c = config
+    # what each architecture needs: (holds for this config?, the flag that makes it hold)
+    needs = {"gpt2": [(c.position_embedding_type == "learned_absolute",
+                       "--position-embedding-type learned_absolute"),
+                      (c.normalization == "LayerNorm", "--normalization LayerNorm"),
+                      (not c.swiglu, "no --swiglu"),
+                      (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
+                      (not c.disable_bias_linear, "no --disable-bias-linear"),
+                      (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")],
+             "llama": [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
+                       (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
+                       (c.normalization == "RMSNorm", "--normalization RMSNorm"),
+                       (c.swiglu, "--swiglu")]}
+    missing = {arch: [flag for ok, flag in needs[arch] if not ok] for arch in needs}
     for arch, flags in missing.items():
         if not flags:
             return arch
