@@ -55,7 +55,7 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict, log=print) -> None:
+def set_rng_state(state: dict, log) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -137,13 +137,12 @@ def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[Non
     stages = gather_stages((model_sd, optim))
     if stages is None:
         return None, None
-    merged_model, merged_optim = {}, {}
-    for stage_model, stage_optim in stages:
-        for k, v in stage_model.items():
-            merged_model.setdefault(k, v)
-        for k, v in stage_optim.items():
-            merged_optim.setdefault(k, v)
-    return merged_model, merged_optim
+    merged = ({}, {})  # (model, optimizer)
+    for stage in stages:
+        for whole, part in zip(merged, stage):
+            for k, v in part.items():
+                whole.setdefault(k, v)
+    return merged
 
 
 def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
@@ -412,13 +411,11 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
         client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
     on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
                                                  save_latest=False), what)
-    # what an export needs to merge the shards of any tp: every stage's
+    # what an export needs to merge the shards of any tp: every stage's, on the first (rank 0 writes it)
     layout = {name: [p.partition_dim, p.partition_stride] for name, p in engine.module.named_parameters()
               if getattr(p, "tensor_model_parallel", False)}
     if parallel.pp_size() > 1:
-        stages = [None] * parallel.pp_size()
-        dist.all_gather_object(stages, layout, group=parallel.pp_group())
-        layout = {k: v for stage in stages for k, v in stage.items()}
+        layout = {k: v for stage in gather_stages(layout) or [] for k, v in stage.items()}
     meta = {"iteration": iteration, "consumed_samples": consumed,
             "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.dp_size(),
             "tensor_model_parallel_size": parallel.tp_size(),
@@ -571,27 +568,25 @@ def to_hf(model: GPT, path: str) -> None:
     atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
 
 
-def _hf_needs(c: GPTConfig) -> dict[str, list[tuple[bool, str]]]:
-    """What each architecture needs: (holds for this config?, the flag that makes it hold)."""
-    return {"gpt2": [(c.position_embedding_type == "learned_absolute",
-                      "--position-embedding-type learned_absolute"),
-                     (c.normalization == "LayerNorm", "--normalization LayerNorm"),
-                     (not c.swiglu, "no --swiglu"),
-                     (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
-                     (not c.disable_bias_linear, "no --disable-bias-linear"),
-                     (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")],
-            "llama": [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
-                      (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
-                      (c.normalization == "RMSNorm", "--normalization RMSNorm"),
-                      (c.swiglu, "--swiglu")]}
-
-
 def hf_architecture(config: GPTConfig) -> str:
     """"gpt2" or "llama": the transformers architecture that computes exactly
     this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
     or without GQA, biases or a tied head, is Llama). Otherwise a UsageError
     naming the closer one and the flags that would make the model fit it."""
-    missing = {arch: [flag for ok, flag in needs if not ok] for arch, needs in _hf_needs(config).items()}
+    c = config
+    # what each architecture needs: (holds for this config?, the flag that makes it hold)
+    needs = {"gpt2": [(c.position_embedding_type == "learned_absolute",
+                       "--position-embedding-type learned_absolute"),
+                      (c.normalization == "LayerNorm", "--normalization LayerNorm"),
+                      (not c.swiglu, "no --swiglu"),
+                      (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
+                      (not c.disable_bias_linear, "no --disable-bias-linear"),
+                      (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")],
+             "llama": [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
+                       (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
+                       (c.normalization == "RMSNorm", "--normalization RMSNorm"),
+                       (c.swiglu, "--swiglu")]}
+    missing = {arch: [flag for ok, flag in needs[arch] if not ok] for arch in needs}
     for arch, flags in missing.items():
         if not flags:
             return arch
