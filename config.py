@@ -21,6 +21,7 @@ from parallel import UsageError
 from prepare import check_gpt2_bpe
 
 TRAIN, EVALUATE = "train.py", "evaluate.py"
+BOTH, EVAL = (TRAIN, EVALUATE), (EVALUATE,)
 
 
 def flag(default, help: str, tools=(TRAIN,), **argparse_kwargs):
@@ -29,8 +30,6 @@ def flag(default, help: str, tools=(TRAIN,), **argparse_kwargs):
     value = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
     return field(**value, metadata={"help": help, "tools": tools, **argparse_kwargs})
 
-
-BOTH, EVAL = (TRAIN, EVALUATE), (EVALUATE,)
 
 # ----------------------------------------------------------------------------
 # 1. TrainConfig

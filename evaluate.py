@@ -113,31 +113,6 @@ def lambada_split(text: str, enc, strict: bool) -> tuple[list[int], list[int]]:
     return enc.encode_ordinary(text[:start].strip()), enc.encode_ordinary(" " + words[-1])
 
 
-def lambada_examples(path: str, enc, strict: bool, seq_length: int) -> list[Example]:
-    examples = []
-    for lineno, line in enumerate(read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"--valid-data {path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not JSON ({e.msg}); expected one object with "
-                             f"\"text\" per line") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise UsageError(f"{where}: no \"text\" string in this line; expected one object with "
-                             f"\"text\" per line, e.g. {{\"text\": \"... last word\"}}")
-        context, target = lambada_split(obj["text"], enc, strict)
-        if not context or not target:
-            raise UsageError(f"{where}: the text is shorter than two tokens (a context and a "
-                             f"last word to predict)")
-        if len(context) + len(target) - 1 > seq_length:
-            raise UsageError(f"{where}: {len(context) + len(target)} tokens, more than --seq-length "
-                             f"{seq_length} + 1; raise --seq-length")
-        examples.append(Example(context + target, len(target)))
-    return examples
-
-
 # ----------------------------------------------------------------------------
 # 2. The model
 
@@ -246,7 +221,28 @@ def wikitext103_results(loss_sum: float, count: int, hits: int, data: dict) -> d
 
 
 def lambada(cfg: TrainConfig, enc) -> tuple[list[Example], dict]:
-    examples = lambada_examples(cfg.valid_data, enc, cfg.strict_lambada, cfg.seq_length)
+    """One example per line's "text" (lambada_split), and what the report needs."""
+    examples = []
+    for lineno, line in enumerate(read_text(cfg.valid_data).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--valid-data {cfg.valid_data}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not JSON ({e.msg}); expected one object with "
+                             f"\"text\" per line") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise UsageError(f"{where}: no \"text\" string in this line; expected one object with "
+                             f"\"text\" per line, e.g. {{\"text\": \"... last word\"}}")
+        context, target = lambada_split(obj["text"], enc, cfg.strict_lambada)
+        if not context or not target:
+            raise UsageError(f"{where}: the text is shorter than two tokens (a context and a "
+                             f"last word to predict)")
+        if len(context) + len(target) - 1 > cfg.seq_length:
+            raise UsageError(f"{where}: {len(context) + len(target)} tokens, more than --seq-length "
+                             f"{cfg.seq_length} + 1; raise --seq-length")
+        examples.append(Example(context + target, len(target)))
     return examples, {"strict": cfg.strict_lambada, "examples": len(examples)}
 
 

@@ -232,22 +232,26 @@ def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: 
     return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, skipped
 
 
+def micro_batch_loss(model, batch: dict, cfg: TrainConfig, device) -> torch.Tensor:
+    """The model's mean loss on one micro-batch, under --bf16/--fp16 autocast."""
+    batch = to_device(batch, device)
+    with autocast(cfg, device):
+        return model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     loss_mask=batch["loss_mask"])
+
+
 def accumulate(model, scaler, batches, cfg: TrainConfig, device) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn, gradients summed in
     .grad; returns the mean loss (on the device)."""
     total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
-        batch = to_device(batch, device)
         # DDP all-reduces on every backward: only on the last micro-batch, once per step.
         last = i == len(batches) - 1
         sync = nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         if cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are consumed
         with sync:
-            with autocast(cfg, device):
-                loss = model(batch["tokens"], position_ids=batch["position_ids"],
-                             labels=batch["labels"], loss_mask=batch["loss_mask"])
-            loss = loss / len(batches)
+            loss = micro_batch_loss(model, batch, cfg, device) / len(batches)
             (scaler.scale(loss) if scaler else loss).backward()
         total += loss.detach()
     return total
@@ -385,12 +389,7 @@ def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int
         losses = [pipeline_step(model, [next(it) for _ in range(accum)], cfg, device)
                   for _ in range(cfg.eval_iters)]
     else:
-        losses = []
-        for _ in range(cfg.eval_iters * accum):
-            batch = to_device(next(it), device)
-            with autocast(cfg, device):
-                losses.append(model(batch["tokens"], position_ids=batch["position_ids"],
-                                    labels=batch["labels"], loss_mask=batch["loss_mask"]).float())
+        losses = [micro_batch_loss(model, next(it), cfg, device).float() for _ in range(cfg.eval_iters * accum)]
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.dp_group()).item()
 
@@ -461,8 +460,7 @@ class Logger:
             parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
         if metrics.get("skipped_iterations"):
             parts.append(f"skipped {metrics['skipped_iterations']} (non-finite grads)")
-        if metrics.get("batch_size") is not None:
-            parts.append(f"batch {metrics['batch_size']}")
+        parts.append(f"batch {metrics['batch_size']}")
         if "val_loss" in metrics:
             parts.append(f"val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f})")
         print(" | ".join(parts), flush=True)
