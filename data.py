@@ -88,10 +88,6 @@ class IndexedDataset(torch.utils.data.Dataset):
         # np.memmap refuses empty files; an empty corpus is still a valid dataset.
         self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if actual else np.empty(0, self.dtype)
 
-    @staticmethod
-    def exists(path_prefix: str) -> bool:
-        return os.path.isfile(path_prefix + ".idx") and os.path.isfile(path_prefix + ".bin")
-
     def _read_index(self, idx_path: str):
         idx_bytes = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:
