@@ -179,22 +179,17 @@ class IndexedDatasetBuilder:
     def add_document(self, tokens) -> None:
         """Append one document (one sequence) of token ids."""
         arr = np.asarray(tokens).reshape(-1)
-        if arr.size:
-            self._check_range(arr)
+        if arr.size and np.issubdtype(self.dtype, np.integer):
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise UsageError(f"token ids must be integers, got dtype {arr.dtype}")
+            info = np.iinfo(self.dtype)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < info.min or hi > info.max:
+                raise UsageError(f"token id range [{lo}, {hi}] does not fit dtype {self.dtype.name} "
+                                 f"([{info.min}, {info.max}]); build with a wider dtype, e.g. best_dtype(vocab_size)")
         self._bin_file.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(arr.size)
         self._doc_idx.append(len(self._sizes))
-
-    def _check_range(self, arr: np.ndarray):
-        if not np.issubdtype(self.dtype, np.integer):
-            return
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise UsageError(f"token ids must be integers, got dtype {arr.dtype}")
-        info = np.iinfo(self.dtype)
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < info.min or hi > info.max:
-            raise UsageError(f"token id range [{lo}, {hi}] does not fit dtype {self.dtype.name} "
-                             f"([{info.min}, {info.max}]); build with a wider dtype, e.g. best_dtype(vocab_size)")
 
     def add_index(self, path_prefix: str) -> None:
         """Append every document of an existing PREFIX.bin/.idx (merging shards)."""
