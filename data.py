@@ -494,25 +494,17 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, num_sample
         parts = []
         for ds, w in zip(indexed, weights):
             n_child = n if len(indexed) == 1 else int(math.ceil(math.ceil(n * w) * (1 + _BLEND_MARGIN)))
-            parts.append(_split_dataset(ds, fractions, s, n_child, seq_length, seed, cache_dir,
-                                        eod_token, reset_position_ids, eod_mask_loss))
-        result.append(parts[0] if len(parts) == 1 else
-                      BlendedDataset(parts, weights, n, cache_dir or default_cache_dir(prefixes[0]), name))
+            bounds = split_boundaries(fractions, len(ds))
+            documents = np.arange(bounds[s], bounds[s + 1], dtype=np.int64)
+            if len(documents) == 0 or int(ds.sizes[documents].astype(np.int64).sum()) == 0:
+                raise UsageError(f"the {name} split of {ds.path_prefix} gets {len(documents)} of its {len(ds)} "
+                                 f"documents and no tokens (split fractions {[round(f, 4) for f in fractions]}), "
+                                 f"but {n_child} {name} samples were asked for; add more documents, give {name} "
+                                 "a larger share in --split, or ask for 0 samples of it")
+            parts.append(GPTDataset(ds, documents, n_child, seq_length, seed, cache_dir, eod_token,
+                                    reset_position_ids, eod_mask_loss, name))
+        result.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, n, cache_dir, name))
     return tuple(result)
-
-
-def _split_dataset(ds: IndexedDataset, fractions, s: int, num_samples: int, seq_length: int, seed: int,
-                   cache_dir, eod_token, reset_position_ids, eod_mask_loss) -> GPTDataset:
-    bounds = split_boundaries(fractions, len(ds))
-    documents = np.arange(bounds[s], bounds[s + 1], dtype=np.int64)
-    name = _SPLIT_NAMES[s]
-    if len(documents) == 0 or int(ds.sizes[documents].astype(np.int64).sum()) == 0:
-        raise UsageError(f"the {name} split of {ds.path_prefix} gets {len(documents)} of its {len(ds)} documents "
-                         f"and no tokens (split fractions {[round(f, 4) for f in fractions]}), but {num_samples} "
-                         f"{name} samples were asked for; add more documents, give {name} a larger share in "
-                         "--split, or ask for 0 samples of it")
-    return GPTDataset(ds, documents, num_samples, seq_length, seed, cache_dir, eod_token,
-                      reset_position_ids, eod_mask_loss, name)
 
 
 class PretrainingSampler:
