@@ -88,10 +88,6 @@ class IndexedDataset(torch.utils.data.Dataset):
         # np.memmap refuses empty files; an empty corpus is still a valid dataset.
         self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if actual else np.empty(0, self.dtype)
 
-    @staticmethod
-    def exists(path_prefix: str) -> bool:
-        return os.path.isfile(path_prefix + ".idx") and os.path.isfile(path_prefix + ".bin")
-
     def _read_index(self, idx_path: str):
         idx_bytes = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:
@@ -183,22 +179,17 @@ class IndexedDatasetBuilder:
     def add_document(self, tokens) -> None:
         """Append one document (one sequence) of token ids."""
         arr = np.asarray(tokens).reshape(-1)
-        if arr.size:
-            self._check_range(arr)
+        if arr.size and np.issubdtype(self.dtype, np.integer):
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise UsageError(f"token ids must be integers, got dtype {arr.dtype}")
+            info = np.iinfo(self.dtype)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < info.min or hi > info.max:
+                raise UsageError(f"token id range [{lo}, {hi}] does not fit dtype {self.dtype.name} "
+                                 f"([{info.min}, {info.max}]); build with a wider dtype, e.g. best_dtype(vocab_size)")
         self._bin_file.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(arr.size)
         self._doc_idx.append(len(self._sizes))
-
-    def _check_range(self, arr: np.ndarray):
-        if not np.issubdtype(self.dtype, np.integer):
-            return
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise UsageError(f"token ids must be integers, got dtype {arr.dtype}")
-        info = np.iinfo(self.dtype)
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < info.min or hi > info.max:
-            raise UsageError(f"token id range [{lo}, {hi}] does not fit dtype {self.dtype.name} "
-                             f"([{info.min}, {info.max}]); build with a wider dtype, e.g. best_dtype(vocab_size)")
 
     def add_index(self, path_prefix: str) -> None:
         """Append every document of an existing PREFIX.bin/.idx (merging shards)."""
@@ -427,14 +418,11 @@ def build_blending_indices(weights: list[float], num_samples: int) -> tuple[np.n
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    """num_samples samples drawn from several datasets in proportion to weights."""
+    """num_samples samples drawn from several datasets in proportion to weights (one
+    positive weight per dataset, as parse_blend returns them)."""
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int,
                  cache_dir: str | None = None, name: str = "train"):
-        if len(datasets) != len(weights) or not datasets:
-            raise UsageError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
-        if any(w <= 0 for w in weights):
-            raise UsageError(f"blend weights must be positive, got {weights}")
         total = float(sum(weights))
         self.datasets, self.weights, self.num_samples = datasets, [w / total for w in weights], num_samples
         # The blend order depends only on the weights and the length, not on the datasets.
@@ -503,25 +491,17 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, num_sample
         parts = []
         for ds, w in zip(indexed, weights):
             n_child = n if len(indexed) == 1 else int(math.ceil(math.ceil(n * w) * (1 + _BLEND_MARGIN)))
-            parts.append(_split_dataset(ds, fractions, s, n_child, seq_length, seed, cache_dir,
-                                        eod_token, reset_position_ids, eod_mask_loss))
-        result.append(parts[0] if len(parts) == 1 else
-                      BlendedDataset(parts, weights, n, cache_dir or default_cache_dir(prefixes[0]), name))
+            bounds = split_boundaries(fractions, len(ds))
+            documents = np.arange(bounds[s], bounds[s + 1], dtype=np.int64)
+            if len(documents) == 0 or int(ds.sizes[documents].astype(np.int64).sum()) == 0:
+                raise UsageError(f"the {name} split of {ds.path_prefix} gets {len(documents)} of its {len(ds)} "
+                                 f"documents and no tokens (split fractions {[round(f, 4) for f in fractions]}), "
+                                 f"but {n_child} {name} samples were asked for; add more documents, give {name} "
+                                 "a larger share in --split, or ask for 0 samples of it")
+            parts.append(GPTDataset(ds, documents, n_child, seq_length, seed, cache_dir, eod_token,
+                                    reset_position_ids, eod_mask_loss, name))
+        result.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, n, cache_dir, name))
     return tuple(result)
-
-
-def _split_dataset(ds: IndexedDataset, fractions, s: int, num_samples: int, seq_length: int, seed: int,
-                   cache_dir, eod_token, reset_position_ids, eod_mask_loss) -> GPTDataset:
-    bounds = split_boundaries(fractions, len(ds))
-    documents = np.arange(bounds[s], bounds[s + 1], dtype=np.int64)
-    name = _SPLIT_NAMES[s]
-    if len(documents) == 0 or int(ds.sizes[documents].astype(np.int64).sum()) == 0:
-        raise UsageError(f"the {name} split of {ds.path_prefix} gets {len(documents)} of its {len(ds)} documents "
-                         f"and no tokens (split fractions {[round(f, 4) for f in fractions]}), but {num_samples} "
-                         f"{name} samples were asked for; add more documents, give {name} a larger share in "
-                         "--split, or ask for 0 samples of it")
-    return GPTDataset(ds, documents, num_samples, seq_length, seed, cache_dir, eod_token,
-                      reset_position_ids, eod_mask_loss, name)
 
 
 class PretrainingSampler:

@@ -149,21 +149,17 @@ def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
 # ----------------------------------------------------------------------------
 # Input files
 
-def _files_under(directory: str) -> list[str]:
-    found = sorted(os.path.join(root, f) for root, _, files in os.walk(directory)
-                   for f in files if uncompressed_name(f).endswith(TEXT_EXTENSIONS))  # sorted: walk order is arbitrary
-    if not found:
-        raise UsageError(f"--input directory {directory} contains no {'/'.join(TEXT_EXTENSIONS)} files; "
-                                "point --input at the files, or at a directory that holds some")
-    return found
-
-
 def resolve_inputs(inputs: list[str]) -> list[str]:
     """Expand --input values (files, directories, globs) into a sorted, ordered file list."""
     files = []
     for item in inputs:
         if os.path.isdir(item):
-            files += _files_under(item)
+            found = sorted(os.path.join(root, f) for root, _, names in os.walk(item)  # sorted: walk order is arbitrary
+                           for f in names if uncompressed_name(f).endswith(TEXT_EXTENSIONS))
+            if not found:
+                raise UsageError(f"--input directory {item} contains no {'/'.join(TEXT_EXTENSIONS)} files; "
+                                 "point --input at the files, or at a directory that holds some")
+            files += found
         elif os.path.isfile(item):
             files.append(item)
         elif any(ch in item for ch in "*?["):  # a glob
@@ -186,17 +182,12 @@ def uncompressed_name(path: str) -> str:
     return os.path.splitext(name)[0] if os.path.splitext(name)[1] in COMPRESSED else name
 
 
-def compression(path: str) -> str | None:
-    """.gz, .xz, .bz2 or .zst by the file's first bytes (whatever its name), or None."""
+def open_text(path: str):
+    """A text file, or a gzip/xz/bz2 (and, where Python has zstd, zstd) one, known by
+    its first bytes whatever its name, decompressed as it is read."""
     with open(path, "rb") as f:
         head = f.read(6)
-    return next((ext for ext, magic in COMPRESSED.items() if head.startswith(magic)), None)
-
-
-def open_text(path: str):
-    """A text file, or a gzip/xz/bz2 (and, where Python has zstd, zstd) one,
-    decompressed as it is read."""
-    kind = compression(path)
+    kind = next((ext for ext, magic in COMPRESSED.items() if head.startswith(magic)), None)
     opener = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, None: open}.get(kind)
     if opener is None:  # .zst: in the standard library from Python 3.14
         try:
@@ -237,10 +228,8 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
         yield text
     elif split == "line":
         yield from (line for line in text.splitlines() if line.strip())
-    elif split == "paragraph":
+    else:  # "paragraph": prepare() has checked the value
         yield from (p.strip() for p in re.split(r"\n[ \t\r]*\n", text) if p.strip())
-    else:
-        raise UsageError(f"--text-split {split!r} is not one of file, line, paragraph")
 
 
 def iter_documents(files: list[str], json_key: str = "text", text_split: str = "file") -> Iterator[str]:
@@ -363,8 +352,6 @@ def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: b
                        dtype=np.uint16, chunk_chars: int = 1 << 15) -> Iterator[np.ndarray]:
     """Token arrays, one per document, in input order. With workers > 1, chunks of about
     chunk_chars characters go to a process pool; a bounded look-ahead keeps memory flat."""
-    if workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {workers}")
     if workers == 1:
         yield from (encode_document(enc, doc, append_eod, dtype) for doc in docs)
         return
