@@ -418,11 +418,14 @@ def build_blending_indices(weights: list[float], num_samples: int) -> tuple[np.n
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    """num_samples samples drawn from several datasets in proportion to weights (one
-    positive weight per dataset, as parse_blend returns them)."""
+    """num_samples samples drawn from several datasets in proportion to weights."""
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int,
                  cache_dir: str | None = None, name: str = "train"):
+        if len(datasets) != len(weights) or not datasets:
+            raise UsageError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
+        if any(w <= 0 for w in weights):
+            raise UsageError(f"blend weights must be positive, got {weights}")
         total = float(sum(weights))
         self.datasets, self.weights, self.num_samples = datasets, [w / total for w in weights], num_samples
         # The blend order depends only on the weights and the length, not on the datasets.
