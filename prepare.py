@@ -228,8 +228,10 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
         yield text
     elif split == "line":
         yield from (line for line in text.splitlines() if line.strip())
-    else:  # "paragraph": prepare() has checked the value
+    elif split == "paragraph":
         yield from (p.strip() for p in re.split(r"\n[ \t\r]*\n", text) if p.strip())
+    else:
+        raise UsageError(f"--text-split {split!r} is not one of file, line, paragraph")
 
 
 def iter_documents(files: list[str], json_key: str = "text", text_split: str = "file") -> Iterator[str]:
@@ -352,6 +354,8 @@ def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: b
                        dtype=np.uint16, chunk_chars: int = 1 << 15) -> Iterator[np.ndarray]:
     """Token arrays, one per document, in input order. With workers > 1, chunks of about
     chunk_chars characters go to a process pool; a bounded look-ahead keeps memory flat."""
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
     if workers == 1:
         yield from (encode_document(enc, doc, append_eod, dtype) for doc in docs)
         return
