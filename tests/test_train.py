@@ -589,17 +589,18 @@ def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layout
 def test_sequence_parallel_with_dropout_resumes_bit_identically(corpus, tmp_path):
     """Under --sequence-parallel each TP rank draws its dropout masks from its
     own stream (parallel.py, section 5); a checkpoint keeps every rank's stream, so
-    a resumed run draws the masks the uninterrupted run drew."""
+    a run resumed from the uninterrupted run's iteration 3 draws the masks
+    that run drew."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "4",
               "--tensor-model-parallel-size", "2", "--sequence-parallel",
               "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
-    ckpt = str(tmp_path / "ckpt")
-    run_train([*common, "--save", ckpt, "--exit-interval", "3",
-               "--metrics-file", str(tmp_path / "part.jsonl")], nproc=2)
-    run_train([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")], nproc=2)
-    assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 7))
-    assert losses(tmp_path / "part.jsonl") == losses(tmp_path / "full.jsonl")  # exact, not close
+    ckpt = tmp_path / "ckpt"
+    run_train([*common, "--save", str(ckpt), "--save-interval", "3",
+               "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
+    (ckpt / checkpoint.LATEST).write_text("3")
+    run_train([*common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "resumed.jsonl")], nproc=2)
+    assert [r["iteration"] for r in read_metrics(tmp_path / "resumed.jsonl")] == [4, 5, 6]
+    assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "full.jsonl")[3:]  # exact, not close
 
 
 def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
@@ -974,8 +975,9 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
 @pytest.fixture(scope="module")
 def pipeline_runs(corpus, tmp_path_factory):
     """{name: {iteration: metrics}} of each run: PP=1 (saving at iteration 4),
-    PP=2 stopped at 4 and resumed, PP=1 resumed from PP=2's iteration 4, PP=2
-    resumed from PP=1's, and PIPELINE_LAYOUTS."""
+    PP=2 stopped at 4 (--exit-interval), PP=1 resumed from PP=2's iteration 4,
+    PP=2 resumed from PP=1's, PIPELINE_LAYOUTS, and PP=2 with dropout, whole
+    and resumed from its own iteration 4."""
     out = tmp_path_factory.mktemp("pipeline")
 
     def run(name, nproc, *flags):
@@ -984,9 +986,8 @@ def pipeline_runs(corpus, tmp_path_factory):
         return {m["iteration"]: m for m in read_metrics(path)}
     runs = {"PP=1": run("pp1", 1, "--save", str(out / "pp1"), "--save-interval", "4")}
     pp2 = ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), "--save-interval", "4"]
-    run("pp2", 2, *pp2, "--exit-interval", "4")
+    runs["PP=2, stopped at 4"] = run("pp2", 2, *pp2, "--exit-interval", "4")
     shutil.copytree(out / "pp2", out / "pp2-to-pp1")
-    runs["PP=2, stopped at 4 and resumed"] = run("pp2", 2, *pp2, "--load", str(out / "pp2"))
     runs["PP=2's checkpoint resumed at PP=1"] = run("pp2-to-pp1", 1, "--load", str(out / "pp2-to-pp1"))
     shutil.copytree(out / "pp1", out / "pp1-to-pp2")
     (out / "pp1-to-pp2" / checkpoint.LATEST).write_text("4")
@@ -1004,13 +1005,14 @@ def pipeline_runs(corpus, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipeline_runs):
-    """PP=2's last checkpoint is the whole model: exported to Hugging Face it
-    holds PP=1's weights (the same curve), and evaluate.py samples from it."""
+    """PP=2's checkpoint (iteration 4) is the whole model: exported to Hugging
+    Face it holds PP=1's weights of iteration 4 (the same curve), and
+    evaluate.py samples from it."""
     out = pipeline_runs["dir"]
-    for name in ("pp1", "pp2"):
+    for name in ("pp1-to-pp2", "pp2"):  # pp1-to-pp2: a copy of PP=1's run pointing at iteration 4
         checkpoint.export_weights(str(out / name), str(out / f"{name}-hf"), "hf")
     from safetensors.torch import load_file
-    whole, pipelined = (load_file(str(out / f"{n}-hf" / "model.safetensors")) for n in ("pp1", "pp2"))
+    whole, pipelined = (load_file(str(out / f"{n}-hf" / "model.safetensors")) for n in ("pp1-to-pp2", "pp2"))
     assert whole.keys() == pipelined.keys()
     for key in whole:
         torch.testing.assert_close(pipelined[key], whole[key], rtol=0, atol=1e-5, msg=key)
@@ -1040,11 +1042,14 @@ def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*PIPELINE_LAYOUTS, "PP=2, stopped at 4 and resumed",
-                                  "PP=2's checkpoint resumed at PP=1", "PP=1's checkpoint resumed at PP=2"])
-def test_every_pipeline_layout_trains_the_curve_of_one_stage(pipeline_runs, name):
+@pytest.mark.parametrize("name, iterations", [
+    *((name, range(1, 9)) for name in PIPELINE_LAYOUTS), ("PP=2, stopped at 4", range(1, 5)),
+    ("PP=2's checkpoint resumed at PP=1", range(5, 9)), ("PP=1's checkpoint resumed at PP=2", range(5, 9))])
+def test_every_pipeline_layout_trains_the_curve_of_one_stage(pipeline_runs, name, iterations):
+    """Each layout, from scratch or from a checkpoint of another layout, takes
+    PP=1's steps (resuming in one layout: the dropout test below, bit for bit)."""
     want, got = pipeline_runs["PP=1"], pipeline_runs[name]
-    assert len(want) == 8 and sorted(got) == list(range(1 if len(got) == 8 else 5, 9)), sorted(got)
+    assert len(want) == 8 and sorted(got) == list(iterations), sorted(got)
     for i, m in got.items():
         for key in ("loss", "grad_norm", "lr", "val_loss"):
             assert (key in m) == (key in want[i])
