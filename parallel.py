@@ -268,7 +268,6 @@ _DP_GROUP = None
 _PP_GROUP = None
 _EMBEDDING_GROUP = None  # the first and last stage of this rank's pipeline
 _MP_GROUP = None   # pp > 1: TP x PP, the ranks holding the pieces of one model replica
-_PP_RANKS = [0]    # global ranks of this rank's pipeline, stage by stage
 _TP_SIZE, _TP_RANK = 1, 0
 _DP_SIZE, _DP_RANK = 1, 0
 _PP_SIZE, _PP_RANK = 1, 0
@@ -280,7 +279,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     rank (new_group is collective); without torch.distributed, a single-rank
     world. Pass init_process_group's `timeout`: new_group does not inherit
     it, and torch's 30-minute default would let a dead peer hang DDP that long."""
-    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS, _MP_GROUP
+    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _MP_GROUP
     global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     for name, size in (("tensor", tp), ("pipeline", pp)):
@@ -319,7 +318,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         group = dist.new_group(ranks, timeout=timeout)
         embedding = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
         if rank in ranks:
-            _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS = group, embedding, ranks
+            _PP_GROUP, _EMBEDDING_GROUP = group, embedding
     for dp_r in range(dp if pp > 1 else 0):                           # TP x PP: same DP rank
         ranks = [s * stage_size + dp_r * tp + t for s in range(pp) for t in range(tp)]
         group = dist.new_group(ranks, timeout=timeout)
@@ -333,14 +332,13 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
 
 def destroy() -> None:
     """Forget the groups (the world group itself belongs to the caller)."""
-    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _PP_RANKS, _MP_GROUP
+    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _MP_GROUP
     global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
     for group in {_TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _MP_GROUP} - {None}:
         if dist.is_initialized():
             dist.destroy_process_group(group)
     _TP_GROUP = _DP_GROUP = _PP_GROUP = _EMBEDDING_GROUP = _MP_GROUP = None
     _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK = 1, 0, 1, 0, 1, 0
-    _PP_RANKS = [0]
     _INITIALIZED = False
 
 
@@ -1698,12 +1696,12 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
             if outgoing.shape != shape or outgoing.dtype != dtype:
                 raise RuntimeError(f"stage output {tuple(outgoing.shape)} {outgoing.dtype}, "
                                    f"expected {shape} {dtype}")
-            ops.append(dist.P2POp(dist.isend, outgoing.contiguous(), _PP_RANKS[sent[0]], pp_group()))
+            ops.append(dist.P2POp(dist.isend, outgoing.contiguous(), group=pp_group(), group_peer=sent[0]))
         for neighbour in {(rank - 1) % pp, (rank + 1) % pp} - {rank}:
             sent = _messages(ending.get((t, neighbour)), neighbour, pp, v)
             if sent is not None and sent[0] == rank:
                 received[sent[1]] = buffer = torch.empty(shape, dtype=dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, buffer, _PP_RANKS[neighbour], pp_group()))
+                ops.append(dist.P2POp(dist.irecv, buffer, group=pp_group(), group_peer=neighbour))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
