@@ -7,13 +7,23 @@ it lets the Triton kernels in kernels.py run on CPU tensors, and Triton reads it
 at import (only set when there is no CUDA device: on a GPU the real kernels
 run). The GPT-2 tokenizer needs no setup: prepare.load_tokenizer builds it
 from files that requirements.txt installs.
+
+No test waits forever. Every launch that waits on other processes (train.py
+under torchrun, DeepSpeed's launcher, run_on_ranks' gloo ranks) has a bound;
+past it the launcher makes every process it started print each thread's
+stack, kills them, and fails the test with those stacks.
 """
+import datetime
+import faulthandler
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -83,11 +93,79 @@ def torchrun(script, *args, nproc=1, env=None, check=True, timeout=300, torchrun
 
 def _run(cmd, script, args, env, check, timeout):
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_bounded(cmd, timeout, cwd=ROOT, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{os.path.basename(script)} {' '.join(args[:2])} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_bounded(cmd, timeout, **popen_kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout),
+    except that a command still running after `timeout` seconds fails the
+    test with the stack of every Python process it started (torchrun's
+    workers included), instead of waiting on them."""
+    return run_together([cmd], timeout, **popen_kwargs)[0]
+
+
+def run_together(cmds, timeout, **popen_kwargs) -> list[subprocess.CompletedProcess]:
+    """Start every command in `cmds` at once (say two torchrun agents, one per
+    "node") and wait for all of them, `timeout` seconds in all.
+
+    subprocess.run alone would kill only the direct child and then wait
+    forever: torchrun starts each worker in a session of its own, and a
+    surviving worker keeps the output pipes open. So past the bound the whole
+    process tree is found in /proc and sent SIGABRT (with PYTHONFAULTHANDLER=1
+    each Python process prints all its threads' stacks to stderr before it
+    dies), then SIGKILL."""
+    env = {**popen_kwargs.pop("env", os.environ), "PYTHONFAULTHANDLER": "1"}
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              **popen_kwargs) for cmd in cmds]
+    deadline, outputs = time.monotonic() + timeout, []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(0.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        tree = [pid for proc in procs for pid in (proc.pid, *_descendants(proc.pid))]
+        _signal_all(tree, signal.SIGABRT)
+        time.sleep(3)  # time for each faulthandler to write its stacks
+        _signal_all(tree, signal.SIGKILL)
+        outputs += [proc.communicate() for proc in procs[len(outputs):]]
+        report = "".join(f"\n=== {_shown(proc.args)}\n{err[-12000:]}\n--- stdout ---\n{out[-3000:]}"
+                         for proc, (out, err) in zip(procs, outputs))
+        raise AssertionError(f"still running after {timeout} s: killed. Each command's stderr with every "
+                             f"process's stacks (faulthandler), then its stdout:{report}") from None
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            for proc, (out, err) in zip(procs, outputs)]
+
+
+def _shown(cmd) -> str:
+    return (cmd if isinstance(cmd, str) else " ".join(map(str, cmd)))[:300]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, read from /proc (children before grandchildren)."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
+                parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parent_of.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def _signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def run_train(args, nproc=1, env=None, check=True, timeout=300):
@@ -97,6 +175,60 @@ def run_train(args, nproc=1, env=None, check=True, timeout=300):
     if nproc > 1:
         return torchrun("train.py", *args, nproc=nproc, env=env, check=check, timeout=timeout)
     return _run([sys.executable, "train.py", *args], "train.py", args, env, check, timeout)
+
+
+# How long run_on_ranks waits for its ranks; the compile-every-layout fixture,
+# the longest launch, takes about 2 minutes from a cold compile cache.
+RANKS_TIMEOUT = 420
+
+
+def run_on_ranks(fn, *args, world_size=2, timeout=RANKS_TIMEOUT):
+    """Run fn(*args) on `world_size` gloo ranks, each its own process; re-raise
+    any rank's failure with its traceback. fn must be a module-level function.
+
+    The ranks start by forkserver, not fork. A forked child copies its parent's
+    memory but only the thread that forked, and pytest's process is not clean:
+    once a test has compiled with Inductor, the parent holds Inductor's compile
+    pool, whose results are read back by threads. A forked rank inherits the
+    pool without those threads, so its own compile waits forever for an answer
+    (seen only on a cold compile cache: a warm one never asks the pool). The
+    forkserver is a fresh process that has imported fn's module and compiled
+    nothing; each rank is forked from it, so a launch stays cheap (no import of
+    torch per rank) and every rank starts clean. spawn would also be clean, at
+    the price of importing torch in every rank of every launch.
+
+    No launch waits forever: past `timeout` seconds every rank writes each
+    thread's stack (faulthandler), is killed, and the test fails with them."""
+    import torch.multiprocessing as mp
+    mp.set_forkserver_preload([fn.__module__])  # read once, when the first launch starts the server
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args), nprocs=world_size,
+                                   join=False, start_method="forkserver")
+        deadline = time.monotonic() + timeout
+        while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                _signal_all(ranks.pids(), signal.SIGABRT)
+                time.sleep(3)
+                _signal_all(ranks.pids(), signal.SIGKILL)
+                stacks = "\n".join(f"--- rank {r} ---\n" + open(os.path.join(tmp, f"stacks{r}")).read()
+                                    for r in range(world_size))
+                raise AssertionError(f"{fn.__name__} still running on its ranks after {timeout} s: killed. "
+                                     f"Each rank's stacks:\n{stacks}")
+
+
+def _rank_main(rank, world_size, tmp, fn, args):
+    import torch
+    import torch.distributed as dist
+    import parallel
+    faulthandler.enable(open(os.path.join(tmp, f"stacks{rank}"), "w"))  # SIGABRT: write the stacks
+    torch.set_num_threads(1)  # the ranks share the CI box's cores
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(*args)
+    finally:
+        parallel.destroy()
+        dist.destroy_process_group()
 
 
 def read_metrics(path):

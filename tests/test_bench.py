@@ -5,15 +5,15 @@ the figures mean nothing, but every table must come out filled.
 """
 import os
 import re
-import subprocess
+
+from conftest import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_run_gpu_smoke_fills_every_table_of_one_results_file(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", "bench/run_gpu.sh", "--smoke", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_bounded(["bash", "bench/run_gpu.sh", "--smoke", str(out)], 600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage in ("env", "tests", "kernels", "profile", "model", "firststep"):
         assert re.search(rf"== {stage}: exit 0 after \d+ s", proc.stdout), stage

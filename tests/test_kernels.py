@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import gpt
 import kernels
 import parallel
+from conftest import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -848,8 +849,8 @@ def test_every_kernel_compiles_for_h100_quick():
     except (AttributeError, RuntimeError) as exc:
         pytest.skip(f"Triton's bundled ptxas/cuobjdump are not available: {exc}")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, os.path.join("bench", "check_compile.py"), "--quick"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_bounded([sys.executable, os.path.join("bench", "check_compile.py"), "--quick"], 600,
+                      cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     for name in ("attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
                  "layer_norm_fwd", "layer_norm_bwd"):

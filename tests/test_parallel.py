@@ -5,11 +5,9 @@ Every multi-rank test runs a top-level function on 2 processes through
 run_on_ranks(); an assertion or exception on any rank fails the test with that
 rank's traceback.
 """
-import datetime
 import json
 import os
 import sys
-import tempfile
 import time
 import weakref
 from types import SimpleNamespace
@@ -17,37 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel
-
-# --------------------------------------------------------------------------
-# Multi-process harness
-# --------------------------------------------------------------------------
-
-
-def _rank_main(rank, world_size, init_file, fn, args):
-    torch.set_num_threads(1)  # 2 ranks share the CI box's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    try:
-        fn(*args)
-    finally:
-        parallel.destroy()
-        dist.destroy_process_group()
-
-
-def run_on_ranks(fn, *args, world_size=2):
-    """Run fn(*args) on `world_size` gloo ranks; re-raise any rank's failure.
-
-    fork (not spawn) keeps each launch cheap: no re-import of torch. The
-    rendezvous file lives in a fresh temp dir, so no TCP port can collide."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_main, args=(world_size, os.path.join(tmp, "rdzv"), fn, args),
-                           nprocs=world_size, join=True, start_method="fork")
+from conftest import run_on_ranks
 
 
 def assert_close(actual, expected, tol=1e-6, what=""):

@@ -13,6 +13,7 @@ import tiktoken
 import config
 import prepare
 from data import IndexedDataset
+from conftest import run_bounded
 
 EOD = 50256
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -301,8 +302,7 @@ def test_missing_bpe_package_is_a_one_line_error(tmp_path, monkeypatch):
 # Compressed JSONL, read as Megatron's and BigScience's recipes give it
 
 def run_prepare(*args, cwd):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_bounded([sys.executable, os.path.join(ROOT, "prepare.py"), *args], 300, cwd=cwd)
     return proc
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY, free_port, losses, read_metrics, run_train, torchrun  # puts ROOT on sys.path
+from conftest import (ROOT, TINY, free_port, losses, read_metrics, run_bounded, run_together,  # puts ROOT on sys.path
+                      run_train, torchrun)
 import checkpoint  # noqa: E402  (this file is also a torchrun worker: conftest first)
 import config  # noqa: E402
 import data as data_lib  # noqa: E402
@@ -370,9 +371,9 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, uninterru
     ckpt = str(tmp_path / "ckpt")
     args = [*common, "--save", ckpt, "--load", ckpt, "--save-interval", "2",
             "--metrics-file", str(tmp_path / "restarted.jsonl")]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "--max-restarts=2", str(script), *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    proc = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "--max-restarts=2", str(script), *args], 240, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert (tmp_path / "killed").exists()  # it did die once
     assert "loaded checkpoint" in proc.stdout and "(iteration 4)" in proc.stdout
@@ -423,16 +424,15 @@ def test_two_nodes_restart_together_when_only_one_agent_counts_the_restart(corpu
         root=ROOT, starts=str(starts), marker=str(tmp_path / "killed")))
     ckpt = str(tmp_path / "ckpt")
     port = free_port()
-    agents = [subprocess.Popen(
+    agents = run_together([
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
          "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
          "--rdzv-id=restart", "--max-restarts=2", str(script), *common, "--save", ckpt, "--load", ckpt,
-         "--save-interval", "2", "--metrics-file", str(tmp_path / "restarted.jsonl")],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-    outputs = [agent.communicate(timeout=400) for agent in agents]
-    for agent, (out, err) in zip(agents, outputs):
-        assert agent.returncode == 0, out[-2000:] + err[-4000:]
+         "--save-interval", "2", "--metrics-file", str(tmp_path / "restarted.jsonl")] for node in (0, 1)],
+        400, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    outputs = [(agent.stdout, agent.stderr) for agent in agents]
+    for agent in agents:
+        assert agent.returncode == 0, agent.stdout[-2000:] + agent.stderr[-4000:]
     assert sorted(starts.read_text().split("\n")[:-1]) == ["0 0", "0 0", "1 0", "1 1"]
     assert "(iteration 4)" in outputs[0][0] + outputs[1][0]
     restarted = read_metrics(tmp_path / "restarted.jsonl")
@@ -477,9 +477,8 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp
     args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8",
             "--eval-interval", "0", "--distributed-timeout-minutes", "0.05", *engine]
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), *args], 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     # 3 s of timeout and start-up: far from 600 s
@@ -546,10 +545,9 @@ def test_readme_main_command(tmp_path):
     corpus, trains, and ends with a generated sample."""
     env = {**os.environ, "SKIP_INSTALL": "1", "DATA": str(tmp_path / "shakespeare"), "NPROC": "2",
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", os.path.join(ROOT, "run.sh"), "--preset", "tiny", "--seq-length", "64",
-                           "--train-iters", "40", "--eval-interval", "20", "--save", str(tmp_path / "ckpt"),
-                           "--metrics-file", str(tmp_path / "m.jsonl"), "--lr", "3e-3"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_bounded(["bash", os.path.join(ROOT, "run.sh"), "--preset", "tiny", "--seq-length", "64",
+                        "--train-iters", "40", "--eval-interval", "20", "--save", str(tmp_path / "ckpt"),
+                        "--metrics-file", str(tmp_path / "m.jsonl"), "--lr", "3e-3"], 600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = read_metrics(tmp_path / "m.jsonl")
     assert rows[-1]["iteration"] == 40 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
@@ -615,15 +613,14 @@ def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
     port = free_port()
     args = [*common, "--metrics-file", str(tmp_path / "two_agents.jsonl"),
             "--tensorboard-dir", str(tmp_path / "tb")]
-    agents = [subprocess.Popen(
+    agents = run_together([
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
          "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-         "--rdzv-id=two-nodes", os.path.join(ROOT, "train.py"), *args],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for node in (0, 1)]
-    outputs = [agent.communicate(timeout=300) for agent in agents]
-    for agent, (out, err) in zip(agents, outputs):
-        assert agent.returncode == 0, out[-2000:] + err[-4000:]
+         "--rdzv-id=two-nodes", os.path.join(ROOT, "train.py"), *args] for node in (0, 1)],
+        300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    outputs = [(agent.stdout, agent.stderr) for agent in agents]
+    for agent in agents:
+        assert agent.returncode == 0, agent.stdout[-2000:] + agent.stderr[-4000:]
     assert losses(tmp_path / "two_agents.jsonl") == losses(tmp_path / "one_agent.jsonl")
     printed = [sum(l.startswith("iter ") for l in out.splitlines()) for out, _ in outputs]
     assert sorted(printed) == [0, 4]  # one agent hosts global rank 0, which alone prints
@@ -668,8 +665,8 @@ def test_offline_first_run_prepares_and_trains_to_its_sample(tmp_path):
            **{var: unreachable for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")}}
     (tmp_path / "web.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["Hello, world.", "Bye."]))
     for args in [[], ["--input", "web.jsonl", "--output-prefix", "data/web"]]:  # [] = the default corpus
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), "--workers", "2", *args],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_bounded([sys.executable, os.path.join(ROOT, "prepare.py"), "--workers", "2", *args], 300,
+                           cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
     web = data_lib.IndexedDataset(str(tmp_path / "data/web_text_document"))
     assert [prepare.load_tokenizer().decode(web[i][:-1].tolist()) for i in range(2)] == ["Hello, world.", "Bye."]
@@ -707,7 +704,7 @@ def run_recipe(cmd: str, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "PATH": path}
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"  # the deepspeed launcher picks its accelerator at import
-    proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    proc = run_bounded(cmd, 400, shell=True, cwd=cwd, env=env)
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 

@@ -1,0 +1,62 @@
+"""The test harness's own promise: no launch waits forever. A command or a
+group of ranks that hangs fails its test after the bound, with the stack of
+every process it started, and leaves none of them running."""
+import sys
+import time
+
+import pytest
+
+from conftest import run_bounded, run_on_ranks
+
+# A worker that starts a grandchild in a session of its own (as torchrun
+# starts its workers), then both wait forever.
+HANG = """
+import subprocess, sys, time
+grandchild = subprocess.Popen(
+    [sys.executable, "-c", "import time\\ndef grandchild_waits():\\n    time.sleep(1000)\\ngrandchild_waits()"],
+    start_new_session=True)
+print("grandchild pid:", grandchild.pid, flush=True)
+def child_waits():
+    time.sleep(1000)
+child_waits()
+"""
+
+
+def test_a_hung_command_fails_with_every_process_stack_and_leaves_none_running():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="still running after 4 s") as failure:
+        run_bounded([sys.executable, "-c", HANG], 4)
+    assert time.monotonic() - start < 30
+    message = str(failure.value)
+    assert "in child_waits" in message and "in grandchild_waits" in message
+    grandchild = int(message.split("--- stdout ---")[1].split(":")[1].split()[0])
+    assert _gone(grandchild)
+
+
+def _gone(pid, seconds=5):
+    """pid has exited (a zombie not yet reaped counts), within a few seconds of its SIGKILL."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _rank_one_waits_forever():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        time.sleep(1000)
+    dist.barrier()  # rank 0 waits here for rank 1
+
+
+def test_hung_ranks_fail_with_each_ranks_stack():
+    with pytest.raises(AssertionError, match="still running on its ranks after 5 s") as failure:
+        run_on_ranks(_rank_one_waits_forever, timeout=5)
+    message = str(failure.value)
+    assert "--- rank 0 ---" in message and "--- rank 1 ---" in message
+    assert message.count("_rank_one_waits_forever") >= 2  # each rank's stack names where it waits
