@@ -200,7 +200,9 @@ def run_on_ranks(fn, *args, world_size=2, timeout=RANKS_TIMEOUT):
     No launch waits forever: past `timeout` seconds every rank writes each
     thread's stack (faulthandler), is killed, and the test fails with them."""
     import torch.multiprocessing as mp
-    mp.set_forkserver_preload([fn.__module__])  # read once, when the first launch starts the server
+    # Read once, when the first launch starts the server; a module a later fn
+    # lives in is imported by its ranks (cheap, with these already loaded).
+    mp.set_forkserver_preload(["torch", "torch.distributed", "parallel", "gpt", fn.__module__])
     with tempfile.TemporaryDirectory() as tmp:
         ranks = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args), nprocs=world_size,
                                    join=False, start_method="forkserver")
