@@ -7,7 +7,6 @@ Face directories, and weight export. Sections:
   2. DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
      so its tools (zero_to_fp32) read it; export of either kind's weights
   3. Hugging Face GPT-2 and Llama directories in and out (from_hf, to_hf)
-  4. files written atomically (atomic_write, fsync_path)
 Both kinds are written under a temporary name, renamed into place, then
 pointed at (publish): a crash at any point leaves the previous checkpoint
 and the pointer to it intact.
@@ -21,18 +20,15 @@ import os
 import random
 import shutil
 import tempfile
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import parallel
+from config import TrainConfig
 from gpt import GPT, GPTConfig, pad_vocab_size
-from parallel import UsageError
-
-if TYPE_CHECKING:  # config.py imports data.py, which imports this module
-    from config import TrainConfig
+from launch import UsageError, atomic_write, fsync_path
 
 # ----------------------------------------------------------------------------
 # 1. train.py's own checkpoints
@@ -829,36 +825,3 @@ def _read_hf_weights(path: str) -> dict:
     if os.path.isfile(binf):
         return torch.load(binf, map_location="cpu", weights_only=True)
     raise UsageError(f"no model.safetensors or pytorch_model.bin in {path}")
-
-
-# ----------------------------------------------------------------------------
-# 4. Files written atomically
-# ----------------------------------------------------------------------------
-
-def atomic_write(path: str, write) -> None:
-    """write(f) into a temporary file beside `path`, force it to disk, rename
-    it into place and force the directory entry: a reader, or the machine
-    after a power loss, finds the old file or the new one, never a torn one.
-    The temporary name is per process: several ranks may write the same file
-    (to_hf under tensor parallelism). The project's one atomic write."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_path(os.path.dirname(path) or ".")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def fsync_path(path: str) -> None:
-    """Force a file's contents, or a directory's entries (a rename into it,
-    say), to disk (POSIX: both open read-only)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -3,7 +3,7 @@
   1. TrainConfig: one field a flag, with its default, help and tools
   2. The parser: fields -> argparse, Megatron's other spellings
   3. The DeepSpeed JSON: fills the flags the command line left unset
-  4. Checks: a mistake is one line that names the fix (parallel.UsageError)
+  4. Checks: a mistake is one line that names the fix (launch.UsageError)
   5. What the flags describe: the model's GPTConfig, autocast, torch.compile
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gpt import GPTConfig, PRESETS, pad_vocab_size
-from parallel import UsageError
-from prepare import check_gpt2_bpe
+from data import check_gpt2_bpe
+from launch import UsageError
 
 TRAIN, EVALUATE = "train.py", "evaluate.py"
 BOTH, EVAL = (TRAIN, EVALUATE), (EVALUATE,)
@@ -207,7 +207,7 @@ TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tens
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are UsageErrors, printed once from rank 0
-    (parallel.launch), not usage and an exit on every rank."""
+    (launch.launch), not usage and an exit on every rank."""
 
     def error(self, message: str):
         raise UsageError(f"{message} ({self.prog} --help lists the flags)")

@@ -22,6 +22,8 @@
    numpy builds them in seconds even for 1e9 tokens, cached as .npy files.
 3. Blending corpora by weight, and the sampler that hands each data-parallel
    rank its share of every global batch and resumes from consumed samples.
+4. The vocabulary the tokens index: how GPT-2's BPE files are recognized
+   (check_gpt2_bpe, for --vocab-file / --merge-file; prepare.py tokenizes).
 """
 import hashlib
 import json
@@ -34,8 +36,7 @@ import struct
 import numpy as np
 import torch
 
-from checkpoint import atomic_write, fsync_path
-from parallel import UsageError
+from launch import UsageError, atomic_write, fsync_path
 
 # ----------------------------------------------------------------------------
 # 1. Megatron mmap indexed dataset (.bin/.idx)
@@ -542,3 +543,51 @@ class PretrainingSampler:
 def to_device(batch: dict, device: torch.device) -> dict:
     """A batch of host tensors -> `device` (asynchronous from pinned memory)."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------
+# 4. The vocabulary the tokens index: GPT-2's BPE
+# ----------------------------------------------------------------------------
+# prepare.py tokenizes with GPT-2's files; here is how any copy of them is
+# recognized, so the flags that name them (--vocab-file, --merge-file) can be
+# checked without the tokenizer.
+
+VOCAB_SIZE = 50257  # true GPT-2 vocabulary (tokens ids 0..50256)
+
+# Digests of gpt2-vocab.json and gpt2-merges.txt (key order and the "#version" line
+# aside): they tell GPT-2's own files from any other tokenizer's.
+GPT2_VOCAB_SHA256 = "855ec41a9d90094ebb1189ee8082e915505cf2dfe0691a4f39da9c020f9476b2"
+GPT2_MERGES_SHA256 = "04e3597d7996f292ca9b8b7285ca4d58a6ae171ac47d73fc7140ceb0c7a6bbc0"
+
+
+def vocab_digest(vocab) -> str:
+    return hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
+
+
+def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
+                   merge_file: str | None = None) -> None:
+    """Megatron recipes name the tokenizer and its files: they must be GPT2BPETokenizer and,
+    where given, GPT-2's files (tokenization uses the installed copy, gpt2_bpe_files)."""
+    if tokenizer_type != "GPT2BPETokenizer":
+        raise UsageError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
+                         f"(GPT-2's BPE, {VOCAB_SIZE} tokens)")
+    def digest(path, flag, read):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return read(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
+
+    other = "this project tokenizes with GPT-2's BPE only (gpt2-vocab.json / gpt2-merges.txt)"
+    if vocab_file:
+        vocab = digest(vocab_file, "--vocab-file", json.load)
+        if vocab_digest(vocab) != GPT2_VOCAB_SHA256:
+            size = len(vocab) if isinstance(vocab, dict) else "not a dict of"
+            raise UsageError(f"--vocab-file {vocab_file} is not GPT-2's vocabulary ({size} entries; "
+                             f"GPT-2 has {VOCAB_SIZE}): {other}")
+    if merge_file:
+        merges = digest(merge_file, "--merge-file", lambda f: [
+            line for line in f.read().splitlines() if line and not line.startswith("#version")])
+        if hashlib.sha256("\n".join(merges).encode()).hexdigest() != GPT2_MERGES_SHA256:
+            raise UsageError(f"--merge-file {merge_file} is not GPT-2's merges ({len(merges)} merges; "
+                             f"GPT-2 has 50000): {other}")

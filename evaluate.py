@@ -34,12 +34,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
+import launch
 import parallel
 import config
 from config import EVALUATE, TrainConfig, autocast, model_config
 from gpt import GPT, GPTConfig, generate
-from parallel import UsageError
+from launch import UsageError
 from prepare import EOD, load_tokenizer
+from train import init_processes
 
 # ----------------------------------------------------------------------------
 # 1. Data
@@ -254,7 +256,7 @@ def lambada_results(loss_sum: float, count: int, hits: int, data: dict) -> dict:
 TASKS = {"WIKITEXT103": (wikitext103, wikitext103_results), "LAMBADA": (lambada, lambada_results)}
 
 
-def evaluate(cfg: TrainConfig, env: parallel.Dist) -> dict:
+def evaluate(cfg: TrainConfig, env: launch.Dist) -> dict:
     """Run --task in an initialized world; print and write the results (rank 0), return them."""
     if cfg.task == "GENERATE":
         return write_samples(cfg, sample(cfg, env), env)
@@ -274,7 +276,7 @@ def evaluate(cfg: TrainConfig, env: parallel.Dist) -> dict:
 # ----------------------------------------------------------------------------
 # 5. Samples
 
-def sample(cfg: TrainConfig, env: parallel.Dist) -> list[dict]:
+def sample(cfg: TrainConfig, env: launch.Dist) -> list[dict]:
     """One continuation per prompt (--sample-input-file's lines, or --num-samples
     empty ones), in order. Data-parallel ranks take every D-th prompt; prompt i
     samples with a generator seeded --seed + i, so the samples depend on the
@@ -303,7 +305,7 @@ def sample(cfg: TrainConfig, env: parallel.Dist) -> list[dict]:
     return [mine[i] for i in range(len(prompts))]
 
 
-def write_samples(cfg: TrainConfig, samples: list[dict], env: parallel.Dist) -> list[dict]:
+def write_samples(cfg: TrainConfig, samples: list[dict], env: launch.Dist) -> list[dict]:
     """JSON lines {prompt, text, tokens} to --sample-output-file, or printed (rank 0)."""
     if env.is_main:
         lines = "".join(json.dumps(s) + "\n" for s in samples)
@@ -350,22 +352,17 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return cfg
 
 
-def init_distributed(cfg: TrainConfig) -> parallel.Dist:
-    return parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.distributed_backend,
-                                     cfg.distributed_timeout_minutes, one_queue=cfg.domino)
-
-
 def run(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    evaluate(cfg, init_distributed(cfg))
+    evaluate(cfg, init_processes(cfg))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """evaluate.py's command line: a user's mistake is one line from rank 0 (parallel.launch)."""
-    parallel.launch(run, argv, "evaluate.py")
+    """evaluate.py's command line: a user's mistake is one line from rank 0 (launch.launch)."""
+    launch.launch(run, argv, "evaluate.py")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 import kernels
 import parallel
-from parallel import UsageError
+from launch import UsageError
 
 # -----------------------------------------------------------------------------
 # Config

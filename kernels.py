@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from parallel import UsageError
+from launch import UsageError
 
 
 # ============================================================================

@@ -29,7 +29,6 @@ import bz2
 import functools
 import glob
 import gzip
-import hashlib
 import importlib.util
 import json
 import lzma
@@ -44,11 +43,11 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from data import IndexedDataset, IndexedDatasetBuilder, best_dtype
-from parallel import UsageError
+from data import (GPT2_VOCAB_SHA256, VOCAB_SIZE, IndexedDataset, IndexedDatasetBuilder, best_dtype,
+                  check_gpt2_bpe, vocab_digest)
+from launch import UsageError
 
 EOD = 50256                 # GPT-2's <|endoftext|>, appended after every document
-VOCAB_SIZE = 50257          # true GPT-2 vocabulary (tokens ids 0..50256)
 TEXT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl")
 COMPRESSED = {".gz": b"\x1f\x8b", ".xz": b"\xfd7zXZ\x00", ".bz2": b"BZh", ".zst": b"\x28\xb5\x2f\xfd"}
 JSON_EXTENSIONS = (".json", ".jsonl")
@@ -91,7 +90,7 @@ def _gpt2_encoding(vocab_file: str):
     from tiktoken_ext.openai_public import r50k_pat_str
     with open(vocab_file, encoding="utf-8") as f:
         vocab = json.load(f)
-    if _vocab_digest(vocab) != GPT2_VOCAB_SHA256:
+    if vocab_digest(vocab) != GPT2_VOCAB_SHA256:
         raise UsageError(f"{vocab_file} is not GPT-2's vocabulary (a changed {BPE_PACKAGE} package?); "
                          "reinstall the version that requirements.txt pins")
     byte_of = _gpt2_byte_of_char()
@@ -105,45 +104,6 @@ def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer"):
     process), never from a download or tiktoken's cache, so tokens never depend on a cache."""
     check_gpt2_bpe(tokenizer_type)
     return _gpt2_encoding(gpt2_bpe_files()[0])
-
-
-# Digests of gpt2-vocab.json and gpt2-merges.txt (key order and the "#version" line
-# aside): they tell GPT-2's own files from any other tokenizer's.
-GPT2_VOCAB_SHA256 = "855ec41a9d90094ebb1189ee8082e915505cf2dfe0691a4f39da9c020f9476b2"
-GPT2_MERGES_SHA256 = "04e3597d7996f292ca9b8b7285ca4d58a6ae171ac47d73fc7140ceb0c7a6bbc0"
-
-
-def _vocab_digest(vocab) -> str:
-    return hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
-
-
-def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
-                   merge_file: str | None = None) -> None:
-    """Megatron recipes name the tokenizer and its files: they must be GPT2BPETokenizer and,
-    where given, GPT-2's files (tokenization uses the installed copy, gpt2_bpe_files)."""
-    if tokenizer_type != "GPT2BPETokenizer":
-        raise UsageError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
-                         f"(GPT-2's BPE, {VOCAB_SIZE} tokens)")
-    def digest(path, flag, read):
-        try:
-            with open(path, encoding="utf-8") as f:
-                return read(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
-
-    other = "this project tokenizes with GPT-2's BPE only (gpt2-vocab.json / gpt2-merges.txt)"
-    if vocab_file:
-        vocab = digest(vocab_file, "--vocab-file", json.load)
-        if _vocab_digest(vocab) != GPT2_VOCAB_SHA256:
-            size = len(vocab) if isinstance(vocab, dict) else "not a dict of"
-            raise UsageError(f"--vocab-file {vocab_file} is not GPT-2's vocabulary ({size} entries; "
-                             f"GPT-2 has {VOCAB_SIZE}): {other}")
-    if merge_file:
-        merges = digest(merge_file, "--merge-file", lambda f: [
-            line for line in f.read().splitlines() if line and not line.startswith("#version")])
-        if hashlib.sha256("\n".join(merges).encode()).hexdigest() != GPT2_MERGES_SHA256:
-            raise UsageError(f"--merge-file {merge_file} is not GPT-2's merges ({len(merges)} merges; "
-                             f"GPT-2 has 50000): {other}")
 
 
 # ----------------------------------------------------------------------------

@@ -31,13 +31,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import data as data_lib
+import launch
 import parallel
 import zero
 from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, compile_options,
                     model_config, parse_args)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
-from parallel import UsageError
+from launch import UsageError
 from prepare import EOD, load_tokenizer
 
 
@@ -353,7 +354,7 @@ class PlainTraining:
     """Model, AdamW and --fp16 loss scaler without DeepSpeed, loaded from --load and wrapped
     for --compile and DDP (zero.DeepSpeedTraining has the same shape)."""
 
-    def __init__(self, cfg: TrainConfig, env: parallel.Dist, accum: int, log):
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log
         self.raw = build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
@@ -543,7 +544,7 @@ class Meter:
     """Tokens/s, MFU and skipped steps between two log lines, read from the device only
     then. The first step (compilation, autotuning) is timed and reported on its own."""
 
-    def __init__(self, cfg: TrainConfig, env: parallel.Dist, mcfg: GPTConfig, logger, first: int):
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, mcfg: GPTConfig, logger, first: int):
         self.device, self.world, self.logger, self.first = env.device, env.world_size, logger, first
         self.flops_per_token = flops_per_token(mcfg, cfg.seq_length)
         self.peak = device_peak_flops(cfg, env.device)
@@ -591,7 +592,7 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     return cfg, accum, global_batch
 
 
-def train(cfg: TrainConfig, env: parallel.Dist) -> None:
+def train(cfg: TrainConfig, env: launch.Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
     cfg, accum, global_batch = plan_batches(cfg)
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
@@ -632,7 +633,7 @@ def train(cfg: TrainConfig, env: parallel.Dist) -> None:
     trainer.close()
 
 
-def loop(cfg: TrainConfig, env: parallel.Dist, trainer, datasets, logger, global_batch: int,
+def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_batch: int,
          accum: int) -> int:
     """Train from the trainer's iteration to --train-iters (or a stop); return the last
     iteration. The host never waits for the GPU within an iteration: device values are
@@ -674,11 +675,12 @@ def loop(cfg: TrainConfig, env: parallel.Dist, trainer, datasets, logger, global
     return iteration
 
 
-def init_distributed(cfg: TrainConfig) -> parallel.Dist:
-    """The process groups of this run's layout (parallel.init_distributed)."""
-    return parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.distributed_backend,
-                                     cfg.distributed_timeout_minutes, one_queue=cfg.domino or cfg.sequence_parallel,
-                                     deepspeed=cfg.deepspeed, pp=cfg.pipeline_model_parallel_size)
+def init_processes(cfg: TrainConfig) -> launch.Dist:
+    """The default process group (launch.py), then this layout's TP, DP and PP groups (parallel.py)."""
+    env = launch.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
+                                  one_queue=cfg.domino or cfg.sequence_parallel, deepspeed=cfg.deepspeed)
+    parallel.initialize(cfg.tensor_model_parallel_size, env.timeout, cfg.pipeline_model_parallel_size)
+    return env
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -687,15 +689,15 @@ def run(argv: list[str] | None = None) -> None:
         checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
         print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
         return
-    train(cfg, init_distributed(cfg))
+    train(cfg, init_processes(cfg))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: a user's mistake is one line from rank 0 (parallel.launch)."""
-    parallel.launch(run, argv, "train.py")
+    """train.py's command line: a user's mistake is one line from rank 0 (launch.launch)."""
+    launch.launch(run, argv, "train.py")
 
 
 if __name__ == "__main__":

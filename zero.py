@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import launch
 import parallel
-from parallel import UsageError
+from launch import UsageError
 from config import TrainConfig, compile_options, model_config, read_deepspeed_json
 from data import to_device
 from gpt import GPT, init_weights
@@ -187,7 +188,7 @@ class DeepSpeedTraining:
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights."""
 
-    def __init__(self, cfg: TrainConfig, env: parallel.Dist, accum: int, log, build_model, build_optimizer,
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer,
                  pipeline_step=None):
         self.cfg, self.device, self.log = cfg, env.device, log
         self.pipeline_step = pipeline_step  # train.pipeline_step, for pipeline stages

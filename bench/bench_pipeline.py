@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import launch  # noqa: E402
 import parallel  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -93,7 +94,8 @@ def setup():
     if not torch.cuda.is_available():
         # Ranks share the CPU: one compute thread each (more would fight over the cores).
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    d = parallel.init_distributed(pp=int(os.environ["WORLD_SIZE"]))  # every rank a stage
+    d = launch.init_distributed()
+    parallel.initialize(1, d.timeout, int(os.environ["WORLD_SIZE"]))  # every rank a stage
     return d.device
 
 

@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the figures here (rank 0)")
     args = p.parse_args()
     cfg = config.parse_args(["--preset", args.preset, "--deepspeed"])
-    env = train.init_distributed(cfg)
+    env = train.init_processes(cfg)
     results = [bench_stage(int(s), args, env) for s in args.stages.split(",")]
     if env.rank == 0:
         psi = results[0]["num_params"]

@@ -24,7 +24,7 @@ import checkpoint
 import train
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
 from conftest import ROOT, TINY, read_metrics, run_train, tiny, tiny_model, tokens
-from parallel import UsageError
+from launch import UsageError
 from gpt import GPT, LLAMA_OPTIONS
 
 

@@ -10,7 +10,7 @@ import torch
 from data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder, PretrainingSampler,
                   best_dtype, build_blending_indices, build_train_valid_test_datasets, parse_blend, parse_split,
                   split_boundaries)
-from parallel import UsageError
+from launch import UsageError
 
 EOD = 50256
 

@@ -333,7 +333,7 @@ def test_require_triton_on_cpu_without_interpreter_raises_helpful_error():
         "import torch, kernels\n"
         "try:\n"
         "    kernels.require_triton(torch.zeros(1))\n"
-        "except ValueError as e:  # parallel.UsageError\n"
+        "except ValueError as e:  # launch.UsageError\n"
         "    print('RAISED', e)\n"
     )
     out = _run_clean(code)
@@ -351,7 +351,7 @@ def test_module_imports_and_falls_back_without_triton():
         "q = torch.randn(1, 2, 8, 32)\n"
         "try:\n"
         "    kernels.require_triton(q)\n"
-        "except ValueError as e:  # parallel.UsageError\n"
+        "except ValueError as e:  # launch.UsageError\n"
         "    print('RAISED', e)\n"
     )
     out = _run_clean(code)

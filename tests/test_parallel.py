@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel
 from conftest import run_on_ranks
+from launch import UsageError
 
 
 def assert_close(actual, expected, tol=1e-6, what=""):
@@ -1366,9 +1367,9 @@ def test_pipeline_stages_hold_consecutive_layers_and_virtual_stages_go_round():
     assert parallel.pipeline_chunks(8, 2, 1) == [range(4, 8)]
     # interleaved: chunk c of rank r is virtual stage c * pp + r
     assert parallel.pipeline_chunks(8, 2, 1, layers_per_virtual_stage=2) == [range(2, 4), range(6, 8)]
-    with pytest.raises(parallel.UsageError, match="--pipeline-model-parallel-size 4 must divide --num-layers 6"):
+    with pytest.raises(UsageError, match="--pipeline-model-parallel-size 4 must divide --num-layers 6"):
         parallel.pipeline_chunks(6, 4, 0)
-    with pytest.raises(parallel.UsageError, match="--num-layers-per-virtual-pipeline-stage 3 x "
+    with pytest.raises(UsageError, match="--num-layers-per-virtual-pipeline-stage 3 x "
                                                   "--pipeline-model-parallel-size 2 must divide --num-layers 8"):
         parallel.pipeline_chunks(8, 2, 0, layers_per_virtual_stage=3)
 
@@ -1394,9 +1395,9 @@ def test_bubble_of_the_schedule_is_narayanan_et_al_s(pp, m, v):
 
 
 def test_too_few_micro_batches_for_the_pipeline_name_the_flags():
-    with pytest.raises(parallel.UsageError, match="1 micro-batch.*cannot fill 2 pipeline stages.*--global-batch-size"):
+    with pytest.raises(UsageError, match="1 micro-batch.*cannot fill 2 pipeline stages.*--global-batch-size"):
         parallel.check_micro_batches(1, 2, 1)
-    with pytest.raises(parallel.UsageError, match="groups of --pipeline-model-parallel-size 2: 3 micro-batches"):
+    with pytest.raises(UsageError, match="groups of --pipeline-model-parallel-size 2: 3 micro-batches"):
         parallel.check_micro_batches(3, 2, 2)
     parallel.check_micro_batches(3, 2, 1)  # plain 1F1B takes any m >= pp
 

@@ -12,7 +12,7 @@ import tiktoken
 
 import config
 import prepare
-from data import IndexedDataset
+from data import IndexedDataset, check_gpt2_bpe
 from conftest import run_bounded
 
 EOD = 50256
@@ -269,7 +269,7 @@ def test_installed_bpe_files_are_gpt2s_and_printed_for_recipes(tmp_path):
                          capture_output=True, text=True, check=True, timeout=60).stdout
     flags = shlex.split(out)
     assert flags == ["--vocab-file", prepare.gpt2_bpe_files()[0], "--merge-file", prepare.gpt2_bpe_files()[1]]
-    prepare.check_gpt2_bpe("GPT2BPETokenizer", flags[1], flags[3])  # the sha256 digests of GPT-2's files
+    check_gpt2_bpe("GPT2BPETokenizer", flags[1], flags[3])  # the sha256 digests of GPT-2's files
     cfg = config.parse_args(["--preset", "tiny", *flags])
     assert (cfg.vocab_file, cfg.merge_file) == (flags[1], flags[3])
     # The vocab's ids are the merges' order: the check above is what lets

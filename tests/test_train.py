@@ -634,17 +634,17 @@ def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
     import parallel
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so teardown restores the original
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
+    train.init_processes(config.parse_args(["--preset", "tiny", "--domino"]))
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    train.init_distributed(config.parse_args(["--preset", "tiny", "--domino"]))
+    train.init_processes(config.parse_args(["--preset", "tiny", "--domino"]))
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
     # --sequence-parallel overlaps its backward collectives with GEMMs the same way
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     cfg = dataclasses.replace(config.parse_args(["--preset", "tiny"]), sequence_parallel=True)
-    train.init_distributed(cfg)  # (tp=1 here: only the environment is under test)
+    train.init_processes(cfg)  # (tp=1 here: only the environment is under test)
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
@@ -1084,7 +1084,7 @@ def compile_worker(out: str, data: str) -> None:
             parallel.destroy()
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            train.train(cfg, train.init_distributed(cfg))
+            train.train(cfg, train.init_processes(cfg))
             counters = torch._dynamo.utils.counters
             found[run] = {"graph_breaks": sum(counters["graph_break"].values()),
                           "graphs": counters["stats"]["unique_graphs"]}

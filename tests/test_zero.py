@@ -64,7 +64,7 @@ def worker_run(out: str, name: str, extra: list[str]) -> None:
                                      "--data-cache-path", os.path.join(out, "cache"),
                                      "--metrics-file", os.path.join(out, name + ".jsonl"), *extra])
     parallel.destroy()
-    train.train(cfg, train.init_distributed(cfg))
+    train.train(cfg, train.init_processes(cfg))
 
 
 def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
@@ -75,7 +75,7 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
     cfg = config.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
                                      "--data-cache-path", os.path.join(out, "cache"), *extra])
     parallel.destroy()
-    env = train.init_distributed(cfg)
+    env = train.init_processes(cfg)
     cfg = dataclasses.replace(cfg, load=export, no_load_optim=True)
     model = train.build_model(cfg, env.device)
     checkpoint.load_checkpoint(cfg, model, None, None, lambda message: None)
@@ -349,7 +349,7 @@ def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs)
         checkpoint.load_checkpoint(cfg, None, None, None, print)
     cfg = config.parse_args(COMMON + ["--deepspeed", "--load", os.path.join(runs, "ckpt_ddp")])
     with pytest.raises(ValueError, match="holds a plain train.py checkpoint: resume it without --deepspeed"):
-        zero.DeepSpeedTraining(cfg, train.init_distributed(cfg), 1, print, train.build_model,
+        zero.DeepSpeedTraining(cfg, train.init_processes(cfg), 1, print, train.build_model,
                                train.build_optimizer)
 
 
