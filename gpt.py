@@ -16,7 +16,7 @@
    next is built, so every tp trains the same model from the same seed and no
    rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
    A pipeline stage keeps its own layers (GPT(config, chunks)) and runs them
-   with GPT.pipeline_forward (the schedule: parallel.py, section 9).
+   chunk by chunk (pipeline.py).
 6. The LM head and the loss, fused over chunks of tokens (`fused_lm_loss`).
 7. Generation: the KV cache and `generate`.
 8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
@@ -521,7 +521,7 @@ class GPT(nn.Module):
 
     # -- forward --------------------------------------------------------------
 
-    def _check_inputs(self, input_ids, position_ids, labels, start: int = 0):
+    def check_inputs(self, input_ids, position_ids, labels, start: int = 0):
         """Fail loudly on out-of-range ids (CUDA's embedding lookup would die
         with an opaque device-side assert). On a GPU the check is a host sync, so
         it runs only until one call passes: train.check_batch checks every batch."""
@@ -553,30 +553,16 @@ class GPT(nn.Module):
         Under sequence parallelism the blocks hold this rank's T/tp tokens."""
         B, T = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0
-        self._check_inputs(input_ids, position_ids, labels, start)
+        self.check_inputs(input_ids, position_ids, labels, start)
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
-        x, rope = self._embed(input_ids, position_ids)               # (B, T[/tp], C)
-        x = self._run_blocks(x, rope, kv_cache, self.blocks)
+        x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
+        x = self.run_blocks(x, rope, kv_cache, self.blocks)
         if kv_cache is not None:
             kv_cache.length += T
-        return self._head(x, labels, loss_mask)
+        return self.head(x, labels, loss_mask)
 
-    def pipeline_forward(self, chunk: int, x, input_ids, position_ids, labels, loss_mask):
-        """Model chunk `chunk` of this pipeline stage (parallel.run_pipeline runs
-        them): x (B, T[/tp], C) is the previous stage's output, or None where the
-        chunk begins at layer 0 and embeds input_ids. Returns the chunk's output,
-        or, where it ends with the last layer, the loss (as forward)."""
-        layers = self.chunks[chunk]
-        if layers.start == 0:
-            self._check_inputs(input_ids, position_ids, labels)
-            x, rope = self._embed(input_ids, position_ids)
-        else:
-            rope = rope_angles(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
-        x = self._run_blocks(x, rope, None, [self.blocks.get_submodule(str(i)) for i in layers])
-        return x if layers.stop < self.config.num_layers else self._head(x, labels, loss_mask)
-
-    def _head(self, x, labels, loss_mask):
+    def head(self, x, labels, loss_mask):
         """The final norm and the LM head: (B, T[/tp], C) -> logits, or the loss:
         sum(token_loss * loss_mask) / sum(loss_mask) in fp32 (see token_weights)."""
         h = self.ln_f(x)
@@ -596,7 +582,7 @@ class GPT(nn.Module):
         token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten()  # (B*T,)
         return (token_loss * token_weights(labels, loss_mask)).sum()
 
-    def _embed(self, input_ids, position_ids):
+    def embed(self, input_ids, position_ids):
         """Token (+ learned position) embeddings, dropout -> (x, RoPE angles or None).
         Under sequence parallelism x is this rank's (B, T/tp, C), so are its positions."""
         x = self.wte(input_ids)                                      # (B, T[/tp], C)
@@ -607,7 +593,7 @@ class GPT(nn.Module):
             position_ids = position_ids[..., r * s:(r + 1) * s]     # this rank's tokens
         return self.drop(x + self.wpe(position_ids)), None
 
-    def _run_blocks(self, x, rope, kv_cache, blocks):
+    def run_blocks(self, x, rope, kv_cache, blocks):
         if kv_cache is not None:  # inference: plain order, each layer reads and extends its cache
             for i, block in enumerate(blocks):
                 x = block(x, rope, functools.partial(kv_cache.extend, i))
@@ -659,14 +645,6 @@ class GPT(nn.Module):
     @property
     def holds_last_layer(self) -> bool:  # and so the final norm, the head and the loss
         return self.chunks[-1].stop == self.config.num_layers
-
-    def tied_embedding_copy(self) -> nn.Parameter | None:
-        """Where a tied embedding is split over two pipeline stages (the first's
-        embedding, the last's head) and this stage holds one copy: its weight,
-        whose gradient the two stages sum; else None."""
-        tied = not self.config.untie_embeddings_and_output_weights
-        one_end = self.holds_first_layer != self.holds_last_layer
-        return self.wte.weight if tied and one_end and hasattr(self, "wte") else None
 
     def holds(self, key: str) -> bool:
         """Whether the whole model's state-dict `key` belongs to this stage. A

@@ -8,11 +8,12 @@ Sections:
   1. The model, AdamW, the learning-rate schedule, the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
   3. The step: accumulation (or, across pipeline stages, the 1F1B schedule of
-     parallel.py), mixed precision, clipping, the skip decision, the fp16 loss
+     pipeline.py), mixed precision, clipping, the skip decision, the fp16 loss
      scaler; PlainTraining (DeepSpeed's twin: zero.DeepSpeedTraining).
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
-Elsewhere: flags (config.py), launch and process groups (parallel.py),
+Elsewhere: flags (config.py), launch (launch.py), process groups (parallel.py),
+pipeline stages and their schedules (pipeline.py),
 checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import checkpoint
 import data as data_lib
 import launch
 import parallel
+import pipeline
 import zero
 from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, compile_options,
                     model_config, parse_args)
@@ -69,7 +71,7 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     # per-TP-rank stream (parallel.py).
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
-    chunks = parallel.pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
+    chunks = pipeline.pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
                                       cfg.num_layers_per_virtual_pipeline_stage)
     model = GPT(mcfg, chunks).to(device)
     if parallel.pp_rank() > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
@@ -221,8 +223,8 @@ def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: 
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     if parallel.pp_size() > 1:
-        total = pipeline_step(model, batches, cfg, device, scaler)
-        reduce_pipeline_grads(model)
+        total = pipeline.pipeline_step(model, batches, cfg, device, scaler)
+        pipeline.reduce_pipeline_grads(model)
     else:
         total = accumulate(model, scaler, batches, cfg, device)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -256,49 +258,6 @@ def accumulate(model, scaler, batches, cfg: TrainConfig, device) -> torch.Tensor
             (scaler.scale(loss) if scaler else loss).backward()
         total += loss.detach()
     return total
-
-
-def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, scaler=None) -> torch.Tensor:
-    """The micro-batches through this rank's pipeline stage in 1F1B order
-    (parallel.run_pipeline), forwards and backwards (under torch.no_grad,
-    forwards alone). Returns the mean loss: the last stage computes it, and
-    every stage gets it."""
-    m, v = len(batches), len(model.chunks)
-    ticks = parallel.pipeline_timeline(parallel.pp_size(), m, v, forward_only=not torch.is_grad_enabled())
-    batches = [to_device(b, device) for b in batches]
-    total = torch.zeros((), device=device)
-
-    def forward(chunk: int, micro: int, x):
-        nonlocal total
-        b = batches[micro]
-        with autocast(cfg, device):
-            out = model.pipeline_forward(chunk, x, b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
-        if model.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
-            return out                                               # (B, T[/tp], C) to the next stage
-        loss = out / m
-        total += loss.detach()
-        return scaler.scale(loss) if scaler and torch.is_grad_enabled() else loss
-
-    tokens = cfg.seq_length // parallel.tp_size() if model.sequence_parallel else cfg.seq_length
-    # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
-    dtype = next(model.parameters()).dtype
-    parallel.run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
-                          dtype)
-    dist.all_reduce(total, group=parallel.pp_group())  # zero but on the last stage
-    return total
-
-
-def reduce_pipeline_grads(model: GPT) -> None:
-    """Under pipeline parallelism, after the schedule: average the gradients
-    over data parallelism (DDP's job at pp=1), and sum the tied embedding's
-    over the two stages that hold it, so both copies take the same step
-    (Megatron's embedding all-reduce)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if parallel.dp_size() > 1:
-        parallel.all_reduce_gradients(params, parallel.dp_group())
-    tied = model.tied_embedding_copy()
-    if tied is not None:
-        dist.all_reduce(tied.grad, group=parallel.embedding_group())
 
 
 def optimizer_step(optimizer, scaler, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -387,7 +346,7 @@ def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int
     model.eval()
     it = data_iterator(dataset, cfg, consumed)
     if parallel.pp_size() > 1:  # a global batch at a time through the stages
-        losses = [pipeline_step(model, [next(it) for _ in range(accum)], cfg, device)
+        losses = [pipeline.pipeline_step(model, [next(it) for _ in range(accum)], cfg, device)
                   for _ in range(cfg.eval_iters)]
     else:
         losses = [micro_batch_loss(model, next(it), cfg, device).float() for _ in range(cfg.eval_iters * accum)]
@@ -583,12 +542,12 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     ramp = range(cfg.rampup_batch_size[0], global_batch, cfg.rampup_batch_size[1]) if cfg.rampup_batch_size else []
     pp = parallel.pp_size()
     if pp > 1:  # the layers must divide into stages: the model chunks a rank holds
-        v = len(parallel.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
+        v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
                                          cfg.num_layers_per_virtual_pipeline_stage))
     for batch in [*ramp, global_batch]:
         micro_batches = gradient_accumulation_steps(cfg, dp, batch)
         if pp > 1:
-            parallel.check_micro_batches(micro_batches, pp, v)
+            pipeline.check_micro_batches(micro_batches, pp, v)
     return cfg, accum, global_batch
 
 
@@ -604,8 +563,7 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
         torch.set_float32_matmul_precision("high")
         logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
-        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer,
-                                         pipeline_step)
+        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer)
     else:
         trainer = PlainTraining(cfg, env, accum, logger.print)
     if trainer.iteration > cfg.train_iters:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import checkpoint
 import launch
 import parallel
+import pipeline
 from launch import UsageError
 from config import TrainConfig, compile_options, model_config, read_deepspeed_json
 from data import to_device
@@ -188,10 +189,8 @@ class DeepSpeedTraining:
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights."""
 
-    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer,
-                 pipeline_step=None):
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer):
         self.cfg, self.device, self.log = cfg, env.device, log
-        self.pipeline_step = pipeline_step  # train.pipeline_step, for pipeline stages
         # ZeRO-3's zero.Init swaps torch.nn.functional.linear for its own, process-wide, and
         # never swaps it back: close() does, so later models in this process compute as before.
         self.linear = torch.nn.functional.linear
@@ -243,7 +242,7 @@ class DeepSpeedTraining:
 
     def step(self, batches: list, lr: float):
         if parallel.pp_size() > 1:
-            return deepspeed_pipeline_step(self.engine, batches, self.cfg, self.device, lr, self.pipeline_step)
+            return deepspeed_pipeline_step(self.engine, batches, self.cfg, self.device, lr)
         return deepspeed_train_step(self.engine, batches, self.cfg, self.device, lr)
 
     def save(self, iteration: int, consumed: int) -> None:
@@ -314,9 +313,9 @@ def step_figures(engine, total: torch.Tensor, grad_norm: torch.Tensor | None):
         float(not engine.was_step_applied())
 
 
-def deepspeed_pipeline_step(engine, batches, cfg: TrainConfig, device, lr: float, pipeline_step):
+def deepspeed_pipeline_step(engine, batches, cfg: TrainConfig, device, lr: float):
     """deepspeed_train_step for a pipeline stage (ZeRO 0 or 1), the way
-    DeepSpeed's PipelineEngine does it: our 1F1B schedule (train.pipeline_step)
+    DeepSpeed's PipelineEngine does it: our 1F1B schedule (pipeline.pipeline_step)
     runs backward itself, the last stage's loss divided by the accumulation
     (and passed through the ZeRO optimizer's scale_if_loss, as engine.backward
     does; config.py refuses the 16-bit optimizers that scale otherwise); the
@@ -326,8 +325,8 @@ def deepspeed_pipeline_step(engine, batches, cfg: TrainConfig, device, lr: float
     start_step(engine, batches, cfg, lr)
     engine.set_gradient_accumulation_boundary(False)
     scale = getattr(engine.optimizer, "scale_if_loss", None)  # ZeRO's (fp16: the loss scale)
-    total = pipeline_step(engine.module, batches, cfg, device, scale and SimpleNamespace(scale=scale))
-    tied, optimizer = engine.module.tied_embedding_copy(), engine.optimizer
+    total = pipeline.pipeline_step(engine.module, batches, cfg, device, scale and SimpleNamespace(scale=scale))
+    tied, optimizer = pipeline.tied_embedding_copy(engine.module), engine.optimizer
     if tied is not None:  # ZeRO-1 may hold the grad in its own accumulator
         grad = optimizer.get_gradient_for_reduction(tied) \
             if hasattr(optimizer, "get_gradient_for_reduction") else tied.grad

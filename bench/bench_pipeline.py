@@ -3,8 +3,8 @@ interleaved 1F1B, measured beside Narayanan et al.'s formulas.
 
 One training step (forwards and backwards of m micro-batches, no optimizer)
 of a small GPT split into P stages, one per rank, through train.py's path:
-parallel.pipeline_timeline places the actions on a tick clock and
-parallel.run_pipeline runs them, recording each action's wall-clock start
+pipeline.pipeline_timeline places the actions on a tick clock and
+pipeline.run_pipeline runs them, recording each action's wall-clock start
 and end. Two schedules:
 
     1F1B           v = 1 model chunk per rank
@@ -63,6 +63,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import launch  # noqa: E402
 import parallel  # noqa: E402
+import pipeline  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def build(args, device, v: int) -> GPT:
                        vocab_size=args.padded_vocab_size, padded_vocab_size=args.padded_vocab_size)
     pp = parallel.pp_size()
     torch.manual_seed(0)
-    chunks = parallel.pipeline_chunks(args.num_layers, pp, parallel.pp_rank(), args.num_layers // (pp * v))
+    chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.pp_rank(), args.num_layers // (pp * v))
     return GPT(config, chunks).to(device)
 
 
@@ -203,14 +204,14 @@ def pipeline_step(model, batches, v: int, device, timeline=None, memory=None) ->
     train.pipeline_step without autocast, loss scaling and the loss's
     all-reduce, and with run_pipeline's timeline."""
     m, (b, T) = len(batches), batches[0][0].shape
-    ticks = parallel.pipeline_timeline(parallel.pp_size(), m, v)
+    ticks = pipeline.pipeline_timeline(parallel.pp_size(), m, v)
     positions = torch.arange(T, device=device)
 
     def forward(chunk: int, micro: int, x):
         if memory is not None:
             memory.current = (chunk, micro)
         tokens, labels = batches[micro]
-        out = model.pipeline_forward(chunk, x, tokens, positions, labels, None)
+        out = pipeline.stage_forward(model, chunk, x, tokens, positions, labels, None)
         if model.chunks[chunk].stop == model.config.num_layers:
             out = out / m                                  # the loss, averaged over the step
         if device.type == "cuda":
@@ -220,7 +221,7 @@ def pipeline_step(model, batches, v: int, device, timeline=None, memory=None) ->
     hooks = torch.autograd.graph.saved_tensors_hooks(memory.pack, memory.unpack) \
         if memory is not None else contextlib.nullcontext()
     with hooks, host_waits_for_device(device):
-        parallel.run_pipeline(ticks, v, forward, (b, T, model.config.hidden_size), device,
+        pipeline.run_pipeline(ticks, v, forward, (b, T, model.config.hidden_size), device,
                               timeline=timeline)
     model.zero_grad(set_to_none=True)
 
@@ -258,8 +259,8 @@ def replay(timelines: list, m: int, v: int) -> list[float]:
     pp = len(timelines)
     took = [{t: e - s for t, s, e in tl} for tl in timelines]
     free = [0.0] * pp  # when each rank is done with the ticks so far
-    ticks = parallel.pipeline_timeline(pp, m, v)
-    ending = {(t + parallel.TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
+    ticks = pipeline.pipeline_timeline(pp, m, v)
+    ending = {(t + pipeline.TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     for t in range(len(ticks)):
         done = [free[r] + took[r].get(t, 0.0) for r in range(pp)]
         to = [(parallel._messages(ending.get((t, r)), r, pp, v) or (None,))[0] for r in range(pp)]  # whom r sends to
@@ -283,8 +284,8 @@ def measure_memory(model, batches, v: int, device) -> list:
 
 def tick_bubble(pp: int, m: int, v: int, rank: int) -> Fraction:
     """The rank's idle ticks / all ticks of the schedule (a backward is two ticks)."""
-    ticks = parallel.pipeline_timeline(pp, m, v)
-    busy = sum(parallel.TICKS[row[rank].kind] for row in ticks if row[rank])
+    ticks = pipeline.pipeline_timeline(pp, m, v)
+    busy = sum(pipeline.TICKS[row[rank].kind] for row in ticks if row[rank])
     return Fraction(len(ticks) - busy, len(ticks))
 
 

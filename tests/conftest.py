@@ -315,3 +315,13 @@ def tiny_model(seed=0, **overrides):
 def tokens(B=2, T=16, vocab=100, seed=1):
     import torch
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def uneven_batch(step: int, batch_size: int = 3):
+    """(inputs, labels, loss mask) of an odd batch, so Domino's slices are
+    uneven; the same on every rank."""
+    import torch
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 100, (batch_size, 9), generator=g)
+    mask = (torch.rand(batch_size, 8, generator=g) > 0.2).float()
+    return ids[:, :-1], ids[:, 1:], mask

@@ -9,7 +9,6 @@ import json
 import os
 import sys
 import time
-import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel
-from conftest import run_on_ranks
-from launch import UsageError
+from conftest import run_on_ranks, uneven_batch
 
 
 def assert_close(actual, expected, tol=1e-6, what=""):
@@ -368,14 +366,6 @@ def _build_gpt(tp: int, **overrides) -> GPT:
     return GPT(GPTConfig(**{**shape, **overrides}))
 
 
-def _batch(step: int, batch_size: int = 3):
-    """Odd batch so Domino chunks are uneven; the same on every rank."""
-    g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, 100, (batch_size, 9), generator=g)
-    mask = (torch.rand(batch_size, 8, generator=g) > 0.2).float()
-    return ids[:, :-1], ids[:, 1:], mask
-
-
 def _full_grads(model: GPT) -> dict:
     return {n: _gathered_grad(p) if getattr(p, "tensor_model_parallel", False) else p.grad
             for n, p in model.named_parameters()}
@@ -383,7 +373,7 @@ def _full_grads(model: GPT) -> dict:
 
 def _forward_backward(model: GPT):
     """Full logits, loss, gathered grads and clipped global grad norm on one batch."""
-    x, y, mask = _batch(0)
+    x, y, mask = uneven_batch(0)
     logits = model(x).detach()
     loss = model(x, labels=y, loss_mask=mask)
     loss.backward()
@@ -397,7 +387,7 @@ def _train_losses(model: GPT, steps: int = 20) -> list:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(steps):
-        x, y, mask = _batch(step)
+        x, y, mask = uneven_batch(step)
         loss = model(x, labels=y, loss_mask=mask)
         loss.backward()
         parallel.clip_grad_norm_(model.parameters(), max_norm=1.0)
@@ -450,7 +440,7 @@ def _check_gpt_tensor_parallel_matches_single_gpu(options):
     # Checkpoint written at T=2 loads at T=1 and back at T=2.
     trained = build(2)
     _train_losses(trained, steps=3)
-    x, y, mask = _batch(7)
+    x, y, mask = uneven_batch(7)
     with torch.no_grad():
         loss_t2 = trained(x, labels=y, loss_mask=mask)
     saved = trained.full_state_dict()
@@ -488,13 +478,13 @@ def _check_domino_matches_plain_tensor_parallel(options):
         losses = _train_losses(build(2, domino_chunks=chunks))
         torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=0)
     if options:  # per-sample RoPE positions (--reset-position-ids) split with the chunks
-        x, y, mask = _batch(0)
+        x, y, mask = uneven_batch(0)
         positions = torch.stack([torch.arange(8), torch.arange(8) % 5, torch.arange(8) % 3])
         with torch.no_grad():
             assert_close(build(2, domino_chunks=3)(x, positions, y, mask), plain(x, positions, y, mask),
                          tol=1e-5, what="per-sample positions")
     # A micro-batch smaller than the chunk count falls back to the plain path.
-    x, y, mask = _batch(0, batch_size=1)
+    x, y, mask = uneven_batch(0, batch_size=1)
     with torch.no_grad():
         assert_close(build(2, domino_chunks=3)(x, labels=y), plain(x, labels=y),
                      tol=1e-5, what="batch 1 fallback")
@@ -514,7 +504,7 @@ def _check_sequence_parallel_matches_single_gpu(options, tp):
     want = _forward_backward(single)
     trained_single = build(1, loss_impl="full")
     ref_losses = _train_losses(trained_single)
-    x = _batch(0)[0]
+    x = uneven_batch(0)[0]
     greedy = generate(single, x[:, :4], 6, temperature=0)
     for chunks in (1, 2, 3):  # plain sequence parallelism, then with Domino
         model = build(tp, sequence_parallel=True, domino_chunks=chunks)
@@ -531,7 +521,7 @@ def _check_sequence_parallel_matches_single_gpu(options, tp):
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
     # Checkpoints hold full weights: T=1's trained weights load under sequence
     # parallelism, and back at T=1 from there, with the same loss.
-    x, y, mask = _batch(7)
+    x, y, mask = uneven_batch(7)
     with torch.no_grad():
         _use_layout(1)  # the layout a model runs in is the one it was built in
         want_loss = trained_single(x, labels=y, loss_mask=mask)
@@ -752,7 +742,7 @@ def _dropout_masks(model, x):
 
 
 def _check_per_rank_dropout_streams():
-    x, y, mask = _batch(0)
+    x, y, mask = uneven_batch(0)
     # Under SP each rank drops other elements of its own tokens (the shared
     # stream would give both ranks the same mask); without SP the replicated
     # stream needs the same mask on every rank.
@@ -789,7 +779,7 @@ def _check_checkpointing_replays_per_rank_dropout():
     """Activation checkpointing recomputes each block in backward; the per-rank
     dropout must draw the same masks again, or the gradients are those of
     another network. Same seed, with and without checkpointing: same grads."""
-    x, y, mask = _batch(0)
+    x, y, mask = uneven_batch(0)
     grads = []
     for checkpointing in (False, True):
         model = _build_gpt(2, hidden_dropout=0.3, attention_dropout=0.3, sequence_parallel=True,
@@ -846,7 +836,7 @@ def _check_domino_under_bf16_autocast():
     Domino and plain TP round differently (the weight-gradient GEMMs sum
     over chunks), each about 0.5% from fp32; measured here, Domino is
     <= 0.35% from plain TP in every gradient."""
-    x, y, mask = _batch(0)
+    x, y, mask = uneven_batch(0)
     fp32 = _build_gpt(2)
     fp32(x, labels=y, loss_mask=mask).backward()
     runs = []
@@ -988,7 +978,7 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
     param.register_post_accumulate_grad_hook(inject_inf)
 
     def step(i):
-        x, y, mask = _batch(i)
+        x, y, mask = uneven_batch(i)
         batch = {"tokens": x, "labels": y, "loss_mask": mask,
                  "position_ids": torch.arange(x.shape[1]).expand_as(x)}
         return train.train_step(model, optimizer, scaler, [batch], cfg, torch.device("cpu"), lr=1e-2)
@@ -1021,53 +1011,6 @@ def test_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
     run_on_ranks(_check_non_finite_grad_skips_the_step_on_every_rank, precision, poisoned)
 
 
-def _check_pipeline_stages_share_one_loss_scale():
-    """fp16 under PP=2: an inf in a gradient of the last stage alone makes
-    both stages skip the step and halve their loss scale, and the two copies
-    of the tied embedding (first and last stage) stay bitwise equal."""
-    import config
-    import train
-    cfg = config.parse_args(["--preset", "tiny", "--num-layers", "4", "--clip-grad", "1.0", "--fp16",
-                             "--seq-length", "8", "--micro-batch-size", "3"])
-    parallel.destroy()
-    parallel.initialize(1, pipeline_model_parallel_size=2)
-    torch.manual_seed(0)
-    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                 vocab_size=100, padded_vocab_size=128)
-    model = GPT(GPTConfig(**shape), parallel.pipeline_chunks(4, 2, dist.get_rank()))
-    optimizer = train.build_optimizer(model, cfg)
-    scaler = train.LossScaler(2.0 ** 10, torch.device("cpu"))
-    poison = []
-    if dist.get_rank() == 1:
-        model.get_parameter("blocks.3.mlp.fc.weight").register_post_accumulate_grad_hook(
-            lambda p: p.grad.view(-1).__setitem__(0, float("inf")) if poison else None)
-
-    def step(i):
-        batches = []
-        for j in (2 * i, 2 * i + 1):
-            x, y, mask = _batch(j)
-            batches.append({"tokens": x, "labels": y, "loss_mask": mask,
-                            "position_ids": torch.arange(x.shape[1]).expand_as(x)})
-        return train.train_step(model, optimizer, scaler, batches, cfg, torch.device("cpu"), lr=1e-2)
-
-    assert step(0)[2] == 0
-    poison.append(True)
-    loss, norm, skipped = step(1)
-    poison.clear()
-    assert skipped == 1 and not torch.isfinite(norm) and torch.isfinite(loss)
-    scales = [None, None]
-    dist.all_gather_object(scales, scaler.state_dict()["scale"])
-    assert scales == [2.0 ** 9] * 2
-    assert step(2)[2] == 0
-    copies = [torch.empty_like(model.wte.weight) for _ in range(2)]
-    dist.all_gather(copies, model.wte.weight.detach())
-    assert torch.equal(copies[0], copies[1])
-
-
-def test_pipeline_stages_share_one_loss_scale():
-    run_on_ranks(_check_pipeline_stages_share_one_loss_scale)
-
-
 def _check_checkpoint_states_are_assembled_on_the_writer_only(tp):
     """A save gathers the full model and AdamW states tensor by tensor on
     global rank 0 only (dist.gather, to the host): other ranks get nothing,
@@ -1075,7 +1018,7 @@ def _check_checkpoint_states_are_assembled_on_the_writer_only(tp):
     import checkpoint
     model = _build_gpt(tp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x, y, mask = _batch(0)
+    x, y, mask = uneven_batch(0)
     model(x, labels=y, loss_mask=mask).backward()
     opt.step()
     reference = parallel.full_state_dict(model)
@@ -1354,129 +1297,3 @@ def test_compilation_keeps_no_more_for_backward_than_eager_mode(compiled, name):
     out of the hooks' sight.)"""
     run = compiled[name]
     assert run["saved"] <= run["eager_saved"], (run["saved"], run["eager_saved"])
-
-
-
-# --------------------------------------------------------------------------
-# Pipeline parallelism: the schedule (pure functions), then one stage pair
-# on 2 ranks against the whole model on one
-# --------------------------------------------------------------------------
-
-
-def test_pipeline_stages_hold_consecutive_layers_and_virtual_stages_go_round():
-    assert parallel.pipeline_chunks(8, 2, 1) == [range(4, 8)]
-    # interleaved: chunk c of rank r is virtual stage c * pp + r
-    assert parallel.pipeline_chunks(8, 2, 1, layers_per_virtual_stage=2) == [range(2, 4), range(6, 8)]
-    with pytest.raises(UsageError, match="--pipeline-model-parallel-size 4 must divide --num-layers 6"):
-        parallel.pipeline_chunks(6, 4, 0)
-    with pytest.raises(UsageError, match="--num-layers-per-virtual-pipeline-stage 3 x "
-                                                  "--pipeline-model-parallel-size 2 must divide --num-layers 8"):
-        parallel.pipeline_chunks(8, 2, 0, layers_per_virtual_stage=3)
-
-
-@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4)])
-def test_1f1b_warms_up_with_pp_minus_1_minus_rank_forwards_then_alternates(pp, m):
-    for rank in range(pp):
-        kinds = "".join(a.kind for a in parallel.rank_order(pp, rank, m))
-        warmup = pp - 1 - rank
-        assert kinds == "F" * warmup + "FB" * (m - warmup) + "B" * warmup
-        assert [a.micro for a in parallel.rank_order(pp, rank, m) if a.kind == "B"] == list(range(m))
-
-
-@pytest.mark.parametrize("pp,m,v", [(2, 4, 1), (4, 8, 1), (4, 4, 1), (2, 4, 2), (4, 8, 2), (4, 8, 3)])
-def test_bubble_of_the_schedule_is_narayanan_et_al_s(pp, m, v):
-    """Idle ticks / all ticks: (pp-1)/(m+pp-1), and interleaved (pp-1)/(v*m+pp-1)."""
-    ticks = parallel.pipeline_timeline(pp, m, v)
-    busy = sum(parallel.TICKS[a.kind] for row in ticks for a in row if a)  # a backward: 2 ticks
-    assert 1 - busy / (len(ticks) * pp) == pytest.approx((pp - 1) / (v * m + pp - 1))
-    for rank in range(pp):  # every forward and backward of every chunk, once
-        done = [row[rank] for row in ticks if row[rank] is not None]
-        assert sorted(done) == sorted(parallel.Action(k, c, i) for k in "FB" for c in range(v) for i in range(m))
-
-
-def test_too_few_micro_batches_for_the_pipeline_name_the_flags():
-    with pytest.raises(UsageError, match="1 micro-batch.*cannot fill 2 pipeline stages.*--global-batch-size"):
-        parallel.check_micro_batches(1, 2, 1)
-    with pytest.raises(UsageError, match="groups of --pipeline-model-parallel-size 2: 3 micro-batches"):
-        parallel.check_micro_batches(3, 2, 2)
-    parallel.check_micro_batches(3, 2, 1)  # plain 1F1B takes any m >= pp
-
-
-class _Saved:
-    """A tensor saved for backward, freed with its autograd graph."""
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
-
-
-class _InFlight:
-    """Saved-tensor hooks that count, at every save, the micro-batches whose
-    saved activations are still alive (they are freed after their backward)."""
-
-    def __init__(self):
-        self.alive, self.micro, self.peak = {}, None, 0
-
-    def pack(self, t):
-        self.alive[self.micro] = self.alive.get(self.micro, 0) + 1
-        self.peak = max(self.peak, sum(1 for n in self.alive.values() if n))
-        saved = _Saved(t)
-        weakref.finalize(saved, self._free, self.micro)
-        return saved
-
-    def _free(self, micro):
-        self.alive[micro] -= 1
-
-
-def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
-    import train
-    m, pp, rank = 4, 2, dist.get_rank()
-    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                 vocab_size=100, padded_vocab_size=128, activation_checkpointing=recompute)
-    batches = []
-    for i in range(m):
-        x, y, mask = _batch(i, batch_size=2)
-        batches.append({"tokens": x, "labels": y, "loss_mask": mask,
-                        "position_ids": torch.arange(8).expand(2, 8)})
-    cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2)
-    # the whole model, one process: micro-batches accumulated in turn
-    parallel.destroy()
-    parallel.initialize(1)
-    torch.manual_seed(0)
-    whole = GPT(GPTConfig(**shape))
-    want_loss = train.accumulate(whole, None, batches, cfg, torch.device("cpu"))
-    # two stages: each builds the same model and keeps its layers
-    parallel.destroy()
-    parallel.initialize(1, pipeline_model_parallel_size=pp)
-    torch.manual_seed(0)
-    stage = GPT(GPTConfig(**shape), parallel.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
-    in_flight, calls, timeline = _InFlight(), iter(range(100)), []
-    forward = stage.pipeline_forward
-
-    def counted(chunk, *args):
-        in_flight.micro = next(calls) if chunk == 0 else in_flight.micro
-        return forward(chunk, *args)
-    stage.pipeline_forward = counted
-    run_pipeline = parallel.run_pipeline
-    parallel.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(in_flight.pack, lambda saved: saved.t):
-            loss = train.pipeline_step(stage, batches, cfg, torch.device("cpu"))
-    finally:
-        parallel.run_pipeline = run_pipeline
-    train.reduce_pipeline_grads(stage)
-    assert_close(loss, want_loss, tol=1e-6, what="loss")
-    wanted = dict(whole.named_parameters())
-    for name, p in stage.named_parameters():
-        assert_close(p.grad, wanted[name].grad, tol=1e-5, what=f"grad of {name}")
-    # the schedule ran as drawn, and stage 0 held at most pp micro-batches' activations
-    ticks = parallel.pipeline_timeline(pp, m, v)
-    assert [(t, a) for t, a, _, _ in timeline] == [(t, row[rank]) for t, row in enumerate(ticks) if row[rank]]
-    if v == 1 and rank == 0:
-        assert in_flight.peak == pp, in_flight.peak
-
-
-@pytest.mark.parametrize("v,recompute", [(1, False), (2, False), (1, True)],
-                         ids=["1F1B", "interleaved", "1F1B-recompute"])
-def test_pipeline_stage_pair_matches_the_whole_model(v, recompute):
-    run_on_ranks(_check_pipeline_stage_pair_matches_the_whole_model, v, recompute)

@@ -1,0 +1,319 @@
+"""Pipeline parallelism: the layers split into stages, one per pipeline rank,
+and the micro-batches of a step scheduled through them. Sections:
+
+  1. Stages: which layers (model chunks) a rank holds, a chunk's forward, the
+     tied embedding's two copies
+  2. The schedules: 1F1B and interleaved 1F1B, drawn, and timed on one clock
+  3. Running a schedule: the forwards, backwards and point-to-point exchanges
+     of one rank (run_pipeline)
+  4. The pipelined step: a step's micro-batches through this rank's stage
+  5. The gradient reductions stages need: over data parallelism, and the
+     tied embedding's over its two stages
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import parallel
+from config import TrainConfig, autocast
+from data import to_device
+from gpt import GPT, rope_angles
+from launch import UsageError
+
+# The layers are split into pp stages, one per pipeline rank (Huang et al.,
+# "GPipe", 2019; Narayanan et al., "Megatron-LM at scale", 2021): stage 0
+# holds the embedding, the last stage the final norm, the head and the loss.
+# A stage sends its output activations (B, T[/tp], C) to the next stage and,
+# in backward, the gradient w.r.t. its input to the previous one: point to
+# point, nothing else. To keep every stage busy the global batch is cut into
+# m micro-batches that follow each other through the pipe.
+#
+# 1F1B (PipeDream-flush, Narayanan et al. 2021), pp=4, m=8; a forward
+# (digit: micro-batch) takes one tick, a backward (letter: a=0, b=1, ...) two:
+#
+#     stage 0  0123      aa4bb5cc6dd7ee ff gg hh
+#     stage 1   012    aa3bb4cc5dd6ee7ff gg hh
+#     stage 2    01  aa2bb3cc4dd5ee6ff7gg hh
+#     stage 3     0aa1bb2cc3dd4ee5ff6gg7hh
+#
+# Stage s warms up with pp-1-s forwards, then alternates one forward with one
+# backward, then drains the backwards: it never holds more than pp-s
+# micro-batches' activations (GPipe, all forwards first, holds m). The idle
+# ticks, the bubble, are (pp-1)/(m+pp-1) of the step (here 9 of 33 a stage):
+# fewer with more micro-batches.
+#
+# Interleaved 1F1B (--num-layers-per-virtual-pipeline-stage): each rank holds
+# v model chunks, chunk c of rank r being virtual stage c*pp + r, so a
+# micro-batch goes round the ranks v times. A tick is then 1/v as long, and
+# the bubble (pp-1)/(v*m+pp-1): about v times smaller, for v times more
+# point-to-point messages.
+#
+# How it runs here: pipeline_timeline places every rank's actions (in
+# Megatron's order) on one clock, each action at the first tick its input
+# exists. run_pipeline then walks the ticks on every rank. At each tick a rank
+# starts its own action, if one starts then; then it sends what its action
+# ending at this tick produced and receives what its neighbours' actions
+# ending at this tick produced, in one batch_isend_irecv with them: both
+# sides of every message post it in the same batch, so nothing can wait on a
+# message posted later (NCCL would deadlock on mismatched orders).
+
+
+# ----------------------------------------------------------------------------
+# 1. Stages
+# ----------------------------------------------------------------------------
+
+def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
+    """The layers of each model chunk of pipeline rank `rank`: one chunk of
+    num_layers/pp consecutive layers, or v = num_layers/(pp*n) chunks of
+    n = layers_per_virtual_stage layers, chunk c being virtual stage c*pp + rank."""
+    if num_layers % pp:
+        raise UsageError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {num_layers} "
+                         f"(each stage holds as many layers)")
+    n = layers_per_virtual_stage or num_layers // pp
+    if num_layers % (pp * n):
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {n} x --pipeline-model-parallel-size "
+                         f"{pp} must divide --num-layers {num_layers}")
+    return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(num_layers // (pp * n))]
+
+
+def stage_forward(model: GPT, chunk: int, x, input_ids, position_ids, labels, loss_mask):
+    """Model chunk `chunk` of this pipeline stage (run_pipeline runs them): x
+    (B, T[/tp], C) is the previous stage's output, or None where the chunk
+    begins at layer 0 and embeds input_ids. Returns the chunk's output, or,
+    where it ends with the last layer, the loss (as GPT.forward)."""
+    layers = model.chunks[chunk]
+    if layers.start == 0:
+        model.check_inputs(input_ids, position_ids, labels)
+        x, rope = model.embed(input_ids, position_ids)
+    else:
+        rope = rope_angles(model.config, position_ids) if model.config.position_embedding_type == "rope" else None
+    x = model.run_blocks(x, rope, None, [model.blocks.get_submodule(str(i)) for i in layers])
+    return x if layers.stop < model.config.num_layers else model.head(x, labels, loss_mask)
+
+
+def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
+    """Where a tied embedding is split over two pipeline stages (the first's
+    embedding, the last's head) and this stage holds one copy: its weight,
+    whose gradient the two stages sum; else None."""
+    tied = not model.config.untie_embeddings_and_output_weights
+    one_end = model.holds_first_layer != model.holds_last_layer
+    return model.wte.weight if tied and one_end and hasattr(model, "wte") else None
+
+
+# ----------------------------------------------------------------------------
+# 2. The schedules
+# ----------------------------------------------------------------------------
+
+class Action(NamedTuple):
+    kind: str    # "F" forward or "B" backward
+    chunk: int   # which of this rank's model chunks (0 unless interleaved)
+    micro: int   # which micro-batch
+
+
+def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = False) -> list[Action]:
+    """One rank's actions, in Megatron's order. The k-th of its m*v forwards
+    runs chunk (k mod pp*v) // pp: micro-batches go through the chunks in
+    groups of pp (the backwards through the chunks in reverse)."""
+    def action(kind: str, k: int) -> Action:
+        chunk = k % (pp * v) // pp
+        return Action(kind, v - 1 - chunk if kind == "B" else chunk, k // (pp * v) * pp + k % pp)
+    total = m * v
+    if forward_only:
+        return [action("F", k) for k in range(total)]
+    # Forwards before the first backward: enough to fill the pipe below this rank
+    # (interleaved: twice that, plus one round of the other chunks).
+    warmup = min(total, pp - rank - 1 if v == 1 else 2 * (pp - rank - 1) + (v - 1) * pp)
+    order = [action("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [action("F", warmup + k), action("B", k)]
+    return order + [action("B", k) for k in range(total - warmup, total)]
+
+
+def check_micro_batches(m: int, pp: int, v: int) -> None:
+    """A training step's m micro-batches must fill the pipeline (and, interleaved, go round in groups of pp)."""
+    if m < pp:
+        raise UsageError(f"{m} micro-batch(es) per step cannot fill {pp} pipeline stages: use "
+                         f"--global-batch-size >= --micro-batch-size x data-parallel size x "
+                         f"--pipeline-model-parallel-size")
+    if v > 1 and m % pp:
+        raise UsageError(f"the interleaved schedule sends micro-batches round in groups of "
+                         f"--pipeline-model-parallel-size {pp}: {m} micro-batches per step is not "
+                         f"a multiple; make --global-batch-size / (--micro-batch-size x "
+                         f"data-parallel size) one")
+
+
+# A backward costs about two forwards (the gradients w.r.t. inputs and
+# weights are a matmul each), so the clock gives it two ticks; a schedule
+# timed with equal ticks would make neighbours wait on each other's
+# backwards at every exchange.
+TICKS = {"F": 1, "B": 2}
+
+
+def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action | None]]:
+    """Every rank's actions on a common clock: ticks[t][rank] is the action the
+    rank starts at tick t, or None (busy with a backward, or idle: the
+    bubble). An action starts at the first tick after the one that finished
+    its input: the previous virtual stage's forward, or the next one's
+    backward (the last's: its own forward)."""
+    if not forward_only:
+        check_micro_batches(m, pp, v)
+    orders = [rank_order(pp, r, m, v, forward_only) for r in range(pp)]
+    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> tick it ends
+    last = pp * v - 1
+    ticks, position, free = [], [0] * pp, [0] * pp  # free: the first tick a rank is not busy
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        t, row = len(ticks), []
+        for r in range(pp):
+            a = orders[r][position[r]] if position[r] < len(orders[r]) and free[r] <= t else None
+            needs = _input_of(a, a.chunk * pp + r, last) if a else None
+            if a is None or (needs is not None and done.get(needs, t) >= t):
+                row.append(None)
+                continue
+            done[(a.kind, a.chunk * pp + r, a.micro)] = t + TICKS[a.kind] - 1
+            position[r], free[r] = position[r] + 1, t + TICKS[a.kind]
+            row.append(a)
+        if not any(row) and all(f <= t for f in free):
+            raise RuntimeError(f"pipeline schedule stalls at tick {t}: {orders}")
+        ticks.append(row)
+    return ticks + [[None] * pp] * (max(free) - len(ticks))  # the last backwards' ends
+
+
+def _input_of(a: Action, s: int, last: int) -> tuple[str, int, int] | None:
+    """(kind, virtual stage, micro) of the action whose end action a, run by
+    virtual stage s, waits for: the previous stage's forward (none on the
+    first stage), the next stage's backward (the last stage's own forward)."""
+    if a.kind == "F":
+        return ("F", s - 1, a.micro) if s > 0 else None
+    return ("B", s + 1, a.micro) if s < last else ("F", s, a.micro)
+
+
+def _messages(a: Action | None, sender: int, pp: int, v: int):
+    """(receiver, (kind, receiver's chunk, micro)) of what `sender`'s action a
+    sends when it ends: a forward's output goes to the next virtual stage, a
+    backward's input gradient to the previous one."""
+    if a is None:
+        return None
+    s = a.chunk * pp + sender + (1 if a.kind == "F" else -1)
+    if not 0 <= s < pp * v:
+        return None
+    return s % pp, (a.kind, s // pp, a.micro)
+
+
+# ----------------------------------------------------------------------------
+# 3. Running a schedule
+# ----------------------------------------------------------------------------
+
+def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple, device,
+                 dtype=torch.float32, timeline: list | None = None) -> None:
+    """This rank's part of `ticks`. forward(chunk, micro, x) runs a model chunk
+    on x, the previous stage's output (None on the first virtual stage), and
+    returns its output, on the last virtual stage the loss to differentiate.
+    A backward differentiates that output with the gradient the next stage
+    sent back, and sends x's gradient on. Under torch.no_grad (evaluation)
+    the ticks hold forwards alone. timeline: (tick, action, start, end) of
+    each action is appended to it."""
+    rank, pp = parallel.pp_rank(), parallel.pp_size()
+    ending = {(t + TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
+    received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
+    in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until backward
+    outgoing = None                           # what this rank's running action sends when it ends
+    for t, row in enumerate(ticks):
+        a, ops = row[rank], []
+        if a is not None:
+            start = time.perf_counter()
+            if a.kind == "F":
+                x = received.pop(("F", a.chunk, a.micro), None)
+                y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
+                if torch.is_grad_enabled():
+                    in_flight[(a.chunk, a.micro)] = (x, y)
+                outgoing = y.detach()
+            else:
+                x, y = in_flight.pop((a.chunk, a.micro))
+                torch.autograd.backward(y, received.pop(("B", a.chunk, a.micro), None))
+                outgoing = x.grad if x is not None else None
+                del x, y  # the graph goes now, not at the next action
+            if timeline is not None:
+                timeline.append((t, a, start, time.perf_counter()))
+        sent = _messages(ending.get((t, rank)), rank, pp, v)
+        if sent is not None:
+            if outgoing.shape != shape or outgoing.dtype != dtype:
+                raise RuntimeError(f"stage output {tuple(outgoing.shape)} {outgoing.dtype}, "
+                                   f"expected {shape} {dtype}")
+            ops.append(dist.P2POp(dist.isend, outgoing.contiguous(), group=parallel.pp_group(), group_peer=sent[0]))
+        for neighbour in {(rank - 1) % pp, (rank + 1) % pp} - {rank}:
+            sent = _messages(ending.get((t, neighbour)), neighbour, pp, v)
+            if sent is not None and sent[0] == rank:
+                received[sent[1]] = buffer = torch.empty(shape, dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, buffer, group=parallel.pp_group(), group_peer=neighbour))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+# ----------------------------------------------------------------------------
+# 4. The pipelined step
+# ----------------------------------------------------------------------------
+
+def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, scaler=None) -> torch.Tensor:
+    """The micro-batches through this rank's pipeline stage in 1F1B order
+    (run_pipeline), forwards and backwards (under torch.no_grad,
+    forwards alone). Returns the mean loss: the last stage computes it, and
+    every stage gets it."""
+    m, v = len(batches), len(model.chunks)
+    ticks = pipeline_timeline(parallel.pp_size(), m, v, forward_only=not torch.is_grad_enabled())
+    batches = [to_device(b, device) for b in batches]
+    total = torch.zeros((), device=device)
+
+    def forward(chunk: int, micro: int, x):
+        nonlocal total
+        b = batches[micro]
+        with autocast(cfg, device):
+            out = stage_forward(model, chunk, x, b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
+        if model.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
+            return out                                               # (B, T[/tp], C) to the next stage
+        loss = out / m
+        total += loss.detach()
+        return scaler.scale(loss) if scaler and torch.is_grad_enabled() else loss
+
+    tokens = cfg.seq_length // parallel.tp_size() if model.sequence_parallel else cfg.seq_length
+    # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
+    dtype = next(model.parameters()).dtype
+    run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
+                          dtype)
+    dist.all_reduce(total, group=parallel.pp_group())  # zero but on the last stage
+    return total
+
+
+def reduce_pipeline_grads(model: GPT) -> None:
+    """Under pipeline parallelism, after the schedule: average the gradients
+    over data parallelism (DDP's job at pp=1), and sum the tied embedding's
+    over the two stages that hold it, so both copies take the same step
+    (Megatron's embedding all-reduce)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if parallel.dp_size() > 1:
+        all_reduce_gradients(params, parallel.dp_group())
+    tied = tied_embedding_copy(model)
+    if tied is not None:
+        dist.all_reduce(tied.grad, group=parallel.embedding_group())
+
+
+# ----------------------------------------------------------------------------
+# 5. The gradient reductions stages need
+# ----------------------------------------------------------------------------
+
+def all_reduce_gradients(params: list[nn.Parameter], group) -> None:
+    """Average the gradients over a data-parallel group in one flat buffer
+    (DDP's job; under pipeline parallelism done here once, after the
+    schedule: DDP's reducer expects each forward's backward before the next
+    forward, and 1F1B keeps several micro-batches in flight)."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.flatten().float() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))

@@ -1,0 +1,184 @@
+"""Pipeline parallelism (pipeline.py): the schedules as pure functions, then
+stages on 2 gloo ranks against the whole model on one."""
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallel
+import pipeline
+from conftest import run_on_ranks, uneven_batch
+from gpt import GPT, GPTConfig
+from launch import UsageError
+
+
+def assert_close(actual, expected, tol=1e-6, what=""):
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def test_pipeline_stages_hold_consecutive_layers_and_virtual_stages_go_round():
+    assert pipeline.pipeline_chunks(8, 2, 1) == [range(4, 8)]
+    # interleaved: chunk c of rank r is virtual stage c * pp + r
+    assert pipeline.pipeline_chunks(8, 2, 1, layers_per_virtual_stage=2) == [range(2, 4), range(6, 8)]
+    with pytest.raises(UsageError, match="--pipeline-model-parallel-size 4 must divide --num-layers 6"):
+        pipeline.pipeline_chunks(6, 4, 0)
+    with pytest.raises(UsageError, match="--num-layers-per-virtual-pipeline-stage 3 x "
+                                                  "--pipeline-model-parallel-size 2 must divide --num-layers 8"):
+        pipeline.pipeline_chunks(8, 2, 0, layers_per_virtual_stage=3)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4)])
+def test_1f1b_warms_up_with_pp_minus_1_minus_rank_forwards_then_alternates(pp, m):
+    for rank in range(pp):
+        kinds = "".join(a.kind for a in pipeline.rank_order(pp, rank, m))
+        warmup = pp - 1 - rank
+        assert kinds == "F" * warmup + "FB" * (m - warmup) + "B" * warmup
+        assert [a.micro for a in pipeline.rank_order(pp, rank, m) if a.kind == "B"] == list(range(m))
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 1), (4, 8, 1), (4, 4, 1), (2, 4, 2), (4, 8, 2), (4, 8, 3)])
+def test_bubble_of_the_schedule_is_narayanan_et_al_s(pp, m, v):
+    """Idle ticks / all ticks: (pp-1)/(m+pp-1), and interleaved (pp-1)/(v*m+pp-1)."""
+    ticks = pipeline.pipeline_timeline(pp, m, v)
+    busy = sum(pipeline.TICKS[a.kind] for row in ticks for a in row if a)  # a backward: 2 ticks
+    assert 1 - busy / (len(ticks) * pp) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    for rank in range(pp):  # every forward and backward of every chunk, once
+        done = [row[rank] for row in ticks if row[rank] is not None]
+        assert sorted(done) == sorted(pipeline.Action(k, c, i) for k in "FB" for c in range(v) for i in range(m))
+
+
+def test_too_few_micro_batches_for_the_pipeline_name_the_flags():
+    with pytest.raises(UsageError, match="1 micro-batch.*cannot fill 2 pipeline stages.*--global-batch-size"):
+        pipeline.check_micro_batches(1, 2, 1)
+    with pytest.raises(UsageError, match="groups of --pipeline-model-parallel-size 2: 3 micro-batches"):
+        pipeline.check_micro_batches(3, 2, 2)
+    pipeline.check_micro_batches(3, 2, 1)  # plain 1F1B takes any m >= pp
+
+
+class _Saved:
+    """A tensor saved for backward, freed with its autograd graph."""
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _InFlight:
+    """Saved-tensor hooks that count, at every save, the micro-batches whose
+    saved activations are still alive (they are freed after their backward)."""
+
+    def __init__(self):
+        self.alive, self.micro, self.peak = {}, None, 0
+
+    def pack(self, t):
+        self.alive[self.micro] = self.alive.get(self.micro, 0) + 1
+        self.peak = max(self.peak, sum(1 for n in self.alive.values() if n))
+        saved = _Saved(t)
+        weakref.finalize(saved, self._free, self.micro)
+        return saved
+
+    def _free(self, micro):
+        self.alive[micro] -= 1
+
+
+def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
+    import train
+    m, pp, rank = 4, 2, dist.get_rank()
+    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                 vocab_size=100, padded_vocab_size=128, activation_checkpointing=recompute)
+    batches = []
+    for i in range(m):
+        x, y, mask = uneven_batch(i, batch_size=2)
+        batches.append({"tokens": x, "labels": y, "loss_mask": mask,
+                        "position_ids": torch.arange(8).expand(2, 8)})
+    cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2)
+    # the whole model, one process: micro-batches accumulated in turn
+    parallel.destroy()
+    parallel.initialize(1)
+    torch.manual_seed(0)
+    whole = GPT(GPTConfig(**shape))
+    want_loss = train.accumulate(whole, None, batches, cfg, torch.device("cpu"))
+    # two stages: each builds the same model and keeps its layers
+    parallel.destroy()
+    parallel.initialize(1, pipeline_model_parallel_size=pp)
+    torch.manual_seed(0)
+    stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
+    in_flight, calls, timeline = _InFlight(), iter(range(100)), []
+    forward = pipeline.stage_forward
+
+    def counted(model, chunk, *args):
+        in_flight.micro = next(calls) if chunk == 0 else in_flight.micro
+        return forward(model, chunk, *args)
+    run_pipeline = pipeline.run_pipeline
+    pipeline.stage_forward = counted
+    pipeline.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(in_flight.pack, lambda saved: saved.t):
+            loss = pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"))
+    finally:
+        pipeline.run_pipeline, pipeline.stage_forward = run_pipeline, forward
+    pipeline.reduce_pipeline_grads(stage)
+    assert_close(loss, want_loss, tol=1e-6, what="loss")
+    wanted = dict(whole.named_parameters())
+    for name, p in stage.named_parameters():
+        assert_close(p.grad, wanted[name].grad, tol=1e-5, what=f"grad of {name}")
+    # the schedule ran as drawn, and stage 0 held at most pp micro-batches' activations
+    ticks = pipeline.pipeline_timeline(pp, m, v)
+    assert [(t, a) for t, a, _, _ in timeline] == [(t, row[rank]) for t, row in enumerate(ticks) if row[rank]]
+    if v == 1 and rank == 0:
+        assert in_flight.peak == pp, in_flight.peak
+
+
+@pytest.mark.parametrize("v,recompute", [(1, False), (2, False), (1, True)],
+                         ids=["1F1B", "interleaved", "1F1B-recompute"])
+def test_pipeline_stage_pair_matches_the_whole_model(v, recompute):
+    run_on_ranks(_check_pipeline_stage_pair_matches_the_whole_model, v, recompute)
+
+
+def _check_pipeline_stages_share_one_loss_scale():
+    """fp16 under PP=2: an inf in a gradient of the last stage alone makes
+    both stages skip the step and halve their loss scale, and the two copies
+    of the tied embedding (first and last stage) stay bitwise equal."""
+    import config
+    import train
+    cfg = config.parse_args(["--preset", "tiny", "--num-layers", "4", "--clip-grad", "1.0", "--fp16",
+                             "--seq-length", "8", "--micro-batch-size", "3"])
+    parallel.destroy()
+    parallel.initialize(1, pipeline_model_parallel_size=2)
+    torch.manual_seed(0)
+    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                 vocab_size=100, padded_vocab_size=128)
+    model = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, 2, dist.get_rank()))
+    optimizer = train.build_optimizer(model, cfg)
+    scaler = train.LossScaler(2.0 ** 10, torch.device("cpu"))
+    poison = []
+    if dist.get_rank() == 1:
+        model.get_parameter("blocks.3.mlp.fc.weight").register_post_accumulate_grad_hook(
+            lambda p: p.grad.view(-1).__setitem__(0, float("inf")) if poison else None)
+
+    def step(i):
+        batches = []
+        for j in (2 * i, 2 * i + 1):
+            x, y, mask = uneven_batch(j)
+            batches.append({"tokens": x, "labels": y, "loss_mask": mask,
+                            "position_ids": torch.arange(x.shape[1]).expand_as(x)})
+        return train.train_step(model, optimizer, scaler, batches, cfg, torch.device("cpu"), lr=1e-2)
+
+    assert step(0)[2] == 0
+    poison.append(True)
+    loss, norm, skipped = step(1)
+    poison.clear()
+    assert skipped == 1 and not torch.isfinite(norm) and torch.isfinite(loss)
+    scales = [None, None]
+    dist.all_gather_object(scales, scaler.state_dict()["scale"])
+    assert scales == [2.0 ** 9] * 2
+    assert step(2)[2] == 0
+    copies = [torch.empty_like(model.wte.weight) for _ in range(2)]
+    dist.all_gather(copies, model.wte.weight.detach())
+    assert torch.equal(copies[0], copies[1])
+
+
+def test_pipeline_stages_share_one_loss_scale():
+    run_on_ranks(_check_pipeline_stages_share_one_loss_scale)
