@@ -13,10 +13,12 @@ and the pointer to it intact.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -374,15 +376,74 @@ def read_weights(found: Found) -> tuple[dict, dict]:
     """(full fp32 weights, the rest: iteration, consumed_samples, rng, config,
     model_config, and a plain one's optimizer and scaler) of a checkpoint of
     either kind, any ZeRO stage and TP size. Needs no process group."""
-    if found.kind == "plain":
-        state = torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu", weights_only=False)
-        return state.pop("model"), state
-    weights, meta = consolidated_weights(found.path)
-    client = torch.load(glob.glob(os.path.join(found.path, "*mp_rank_00_model_states.pt"))[0],
-                        map_location="cpu", weights_only=False)
+    with data_only_loads(found.path):
+        if found.kind == "plain":
+            state = torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu")
+            return state.pop("model"), state
+        weights, meta = consolidated_weights(found.path)
+        client = torch.load(glob.glob(os.path.join(found.path, "*mp_rank_00_model_states.pt"))[0],
+                            map_location="cpu")
     return weights, {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                      "rng": client["rng"], "config": client["config"],
                      "model_config": meta["model_config"]}
+
+
+# torch.load unpickles, and a pickle may name any function for the reader to call:
+# a downloaded checkpoint could run a command on every rank that reads it. So
+# every checkpoint file is read as weights_only: tensors, numbers, strings and
+# containers, plus the few types below, which rebuild data and call nothing else.
+# DeepSpeed's own reads (engine.load_checkpoint, zero_to_fp32) pass
+# weights_only=False; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that.
+
+def _data_types() -> list:
+    """numpy's ndarray, for np.random's state in every checkpoint's "rng";
+    DeepSpeed's enum, loss scalers and fragment addresses, in its optimizer files."""
+    rebuild = np.zeros(0).__reduce__()[0]  # numpy's array reconstructor, under both its module names:
+    types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # the state's key array is uint32
+             (rebuild, "numpy._core.multiarray._reconstruct"),  # numpy 2
+             (rebuild, "numpy.core.multiarray._reconstruct")]  # numpy 1's checkpoints
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+        types += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    except ImportError:  # no DeepSpeed here: no file needs its types
+        pass
+    return types
+
+
+@contextlib.contextmanager
+def data_only_loads(where: str):
+    """Every torch.load inside, DeepSpeed's included, reads data only
+    (weights_only=True). A file that holds anything else is not read: one
+    line names it and what it holds."""
+    force, before = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ[force] = "1"
+    try:
+        with torch.serialization.safe_globals(_data_types()):
+            try:
+                yield
+            except pickle.UnpicklingError as e:
+                raise UsageError(_code_in_files(where, e)) from None
+    finally:
+        if before is None:
+            del os.environ[force]
+        else:
+            os.environ[force] = before
+
+
+def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
+    """Which files under `where` hold more than data, found without unpickling
+    them (a static scan); else what the unpickler refused."""
+    files = sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]
+    unsafe = {f: torch.serialization.get_unsafe_globals_in_checkpoint(f) for f in files}
+    shown = "; ".join(f"{f} holds {', '.join(found)}" for f, found in unsafe.items() if found)
+    if not shown:
+        reason = [line for line in str(error).splitlines() if "global" in line or "got <" in line]
+        shown = f"a file there holds {(reason or ['more than data'])[0].strip()}"
+    return (f"refusing to read the checkpoint in {where}: {shown}, not data (tensors, numbers, "
+            f"containers); a file like that can run code when it is read. Load checkpoints only "
+            f"from a source you trust")
 
 
 # ----------------------------------------------------------------------------
@@ -446,8 +507,11 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
                 f"(add --no-load-optim: any layout loads them), or convert the optimizer states with "
                 f"DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal; "
                 f"checkpoints written at tensor- and pipeline-parallel size 1)")
-    _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
-                                       load_optimizer_states=True, load_lr_scheduler_states=False)
+    with data_only_loads(found.path):
+        _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
+                                           load_optimizer_states=True, load_lr_scheduler_states=False)
+    # Each stage read its own model-parallel file: its "rng" is this stage's own streams.
+    client["pipeline_rng"] = [client["rng"]] * parallel.pp_size()
     return start_position(cfg, client, found.path, log)
 
 
@@ -468,7 +532,7 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
         for r in range(stage * tp, (stage + 1) * tp):
             files = sorted(glob.glob(os.path.join(tag_dir, f"*mp_rank_{r:02d}_*.pt")))
             if meta["zero_stage"] == 0:
-                shards.append(stage0_master_weights(torch.load(files[0], map_location="cpu", weights_only=False)))
+                shards.append(stage0_master_weights(torch.load(files[0], map_location="cpu")))
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 os.makedirs(os.path.join(tmp, "rank"))

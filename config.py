@@ -491,6 +491,13 @@ def validate_pipeline(cfg: TrainConfig) -> None:
         raise UsageError("--deepspeed over pipeline stages runs fp32 (ZeRO 0 or 1) or --bf16 with "
                          "--zero-stage 1: DeepSpeed's other 16-bit optimizers scale and copy the "
                          "gradients in their own backward, which the stages' schedule replaces")
+    if pp > 1 and cfg.deepspeed and cfg.bf16 and cfg.deepspeed_config:
+        accum = (read_deepspeed_json(cfg.deepspeed_config).get("data_types") or {}).get("grad_accum_dtype")
+        if accum not in (None, "bf16", "bfloat16", "torch.bfloat16"):
+            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: data_types.grad_accum_dtype={accum} "
+                             f"with --bf16 selects DeepSpeed's BF16 optimizer, which accumulates gradients in "
+                             f"its own backward, and pipeline stages run their own; drop grad_accum_dtype "
+                             f"(ZeRO-1 accumulates in bf16) or --pipeline-model-parallel-size {pp}")
     if pp > 1 and cfg.compile:
         raise UsageError("--compile compiles the whole model's forward, which a pipeline stage does not "
                          "run: drop --compile or --pipeline-model-parallel-size")

@@ -202,6 +202,12 @@ class DeepSpeedTraining:
         # world with new_group, which drops --distributed-timeout-minutes.
         mpu = DeepSpeedMPU()
         config = deepspeed_config(cfg, parallel.dp_size(), accum)
+        if parallel.pp_size() > 1 and config["zero_optimization"].get("overlap_comm"):
+            # ZeRO-1's overlapped reduction runs in backward hooks, and only at the accumulation
+            # boundary, which the stages' schedule never sets: the ranks would never average.
+            config["zero_optimization"]["overlap_comm"] = False
+            log("overlap_comm: off over pipeline stages, as in DeepSpeed's own pipeline engine; "
+                "the gradients are reduced once the stages' schedule ends")
         stage = config["zero_optimization"]["stage"]
         model = (build_model_zero3(cfg, ds, config, build_model) if stage == 3
                  else build_model(cfg, env.device))

@@ -23,7 +23,7 @@ import torch
 import checkpoint
 import train
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
-from conftest import ROOT, TINY, read_metrics, run_train, tiny, tiny_model, tokens
+from conftest import ROOT, TINY, read_metrics, run_bounded, run_train, tiny, tiny_model, tokens
 from launch import UsageError
 from gpt import GPT, LLAMA_OPTIONS
 
@@ -196,6 +196,34 @@ def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpu
 # -----------------------------------------------------------------------------
 # Which checkpoint --load reads (the DeepSpeed runs that mix both kinds in
 # one directory: test_zero.py)
+
+
+class _RunsACommand:
+    """Unpickled without weights_only, this is os.system(command)."""
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
+    """A model_optim_rng.pt whose unpickling would run a shell command, under
+    its pointer as a real checkpoint: --load, --export-from and evaluate.py
+    each stop with one line that names the file, and the command never runs."""
+    ckpt, ran = tmp_path / "ckpt", tmp_path / "the-command-ran"
+    bad = ckpt / "iter_0000002" / checkpoint.PLAIN_FILE
+    bad.parent.mkdir(parents=True)
+    torch.save({"model": {}, "iteration": 2, "consumed_samples": 8, "hook": _RunsACommand(f"touch {ran}")}, bad)
+    (ckpt / checkpoint.LATEST).write_text("2")
+    for args in (["train.py", *TINY, "--data-path", corpus, "--train-iters", "3", "--load", str(ckpt)],
+                 ["train.py", "--export-from", str(ckpt), "--export-to", str(tmp_path / "exported")],
+                 ["evaluate.py", "--task", "GENERATE", "--load", str(ckpt), "--num-samples", "1"]):
+        proc = run_bounded([sys.executable, *args], 120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode != 0 and not ran.exists(), proc.stderr[-2000:]
+        message = [line for line in proc.stderr.splitlines() if "refusing to read" in line]
+        assert len(message) == 1 and f"{bad} holds posix.system" in message[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
 
 
 def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp_path):

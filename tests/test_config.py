@@ -206,6 +206,20 @@ def test_what_pipeline_stages_do_not_run_with_is_named(flags, message):
         parse("--pipeline-model-parallel-size", "2", *flags)
 
 
+def test_deepspeeds_bf16_optimizer_is_refused_over_pipeline_stages(tmp_path):
+    """grad_accum_dtype fp32 with bf16 picks DeepSpeed's BF16 optimizer, which
+    gathers gradients only from its own backward: refused in one line that names
+    the setting (it used to die at the first step inside DeepSpeed)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}))
+    flags = ["--deepspeed", "--bf16", "--deepspeed_config", str(path)]
+    with pytest.raises(ValueError, match=r"data_types.grad_accum_dtype=fp32 with --bf16 .* drop grad_accum_dtype"):
+        parse("--pipeline-model-parallel-size", "2", *flags)
+    parse(*flags)  # without stages DeepSpeed's own backward runs: accepted
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "bf16"}}))
+    parse("--pipeline-model-parallel-size", "2", *flags)
+
+
 def test_evaluate_runs_whole_models():
     with pytest.raises(ValueError, match="evaluate.py runs whole models"):
         config_lib.parse_args(["--preset", "tiny", "--pipeline-model-parallel-size", "2"], tool=config_lib.EVALUATE)

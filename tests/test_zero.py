@@ -210,6 +210,15 @@ def worker(out: str, plan: str) -> None:
         worker_run(out, "tp2_z1_sp_recompute", ["--deepspeed", "--zero-stage", "1", "--recompute-activations",
                                                 "--train-iters", "6", "--lr-decay-iters", str(STEPS), *sp])
         export_and_eval(out, ck("tp2_z3"), "export_tp2", tp)
+        # ZeRO-1 over PP=2 x D=2, its JSON asking for overlap_comm (DeepSpeed's reduction hooks).
+        overlap = os.path.join(out, "overlap_comm.json")
+        if rank == 0:
+            with open(overlap, "w") as f:
+                json.dump({"zero_optimization": {"stage": 1, "overlap_comm": True}}, f)
+        dist.barrier()
+        worker_run(out, "pp2_dp2_z1_overlap", ["--deepspeed", "--deepspeed_config", overlap,
+                                               "--pipeline-model-parallel-size", "2", "--train-iters", "4",
+                                               "--lr-decay-iters", str(STEPS)])
     dist.barrier()
     dist.destroy_process_group()
 
@@ -259,8 +268,11 @@ def export_and_eval(out, saved, name, extra):
 # ----------------------------------------------------------------------------
 
 def launch(out: str, plan: str, nproc: int) -> None:
-    torchrun(os.path.abspath(__file__), "worker", out, plan, nproc=nproc, env={"PYTHONWARNINGS": "ignore"},
-             timeout=600)
+    """One launch of the worker; what its ranks printed goes to OUT/PLAN.log."""
+    proc = torchrun(os.path.abspath(__file__), "worker", out, plan, nproc=nproc,
+                    env={"PYTHONWARNINGS": "ignore"}, timeout=600)
+    with open(os.path.join(out, plan + ".log"), "w") as f:
+        f.write(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -370,6 +382,19 @@ def test_zero1_over_pipeline_stages_matches_zero1_and_resumes_bit_identically(ru
     resumed = metrics(runs, "pp2_z1_resume")
     assert [m["iteration"] for m in resumed] == [4, 5, 6]
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in got[3:]]
+    # Each stage resumed its own random streams, and the log says nothing else.
+    log = open(os.path.join(runs, "dp.log")).read()
+    assert "pp2_z1_resume/iter_0000003 (iteration 3)" in log
+    assert "first stage's" not in log
+
+
+def test_zero1_overlap_comm_over_pipeline_and_data_parallel_ranks_averages_the_gradients(runs):
+    """A DeepSpeed JSON's "overlap_comm": true at PP=2 x D=2 trains ZeRO-1's
+    curve: it is turned off, as DeepSpeed's pipeline engine does, and said so.
+    (Left on, ZeRO-1's boundary-only reduction hooks never averaged over the
+    data-parallel ranks, and the tied embedding's copies drifted apart.)"""
+    assert_same_steps(metrics(runs, "z1")[:4], metrics(runs, "pp2_dp2_z1_overlap"))
+    assert "overlap_comm: off over pipeline stages" in open(os.path.join(runs, "tp.log")).read()
 
 
 @pytest.mark.parametrize("stage", [1, 3])
