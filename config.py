@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -250,11 +251,14 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
         given.pop(launcher_only, None)
     tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig)}
     others = sorted(name for name in given if tool not in tools[name])
-    if others:
-        hint = {TRAIN: "evaluate.py's flags; run evaluate.py to evaluate a checkpoint",
-                EVALUATE: "train.py's flags; evaluate.py takes the model, layout, precision, --load "
-                          "and its task's flags"}[tool]
-        raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in others)}: {hint}")
+    if others and tool == TRAIN:
+        raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in others)}: evaluate.py's flags; "
+                         f"run evaluate.py to evaluate a checkpoint")
+    if others:  # a training script's arguments reused, as Megatron's tasks/main.py takes them
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{tool}: ignoring {', '.join('--' + f.replace('_', '-') for f in others)}: train.py's "
+                  f"flags, which do not apply to evaluation", flush=True)
+        given = {name: value for name, value in given.items() if name not in others}
     cfg = TrainConfig(**given)
     if cfg.deepspeed_config:
         cfg = fill_from_deepspeed_json(cfg, set(given))

@@ -417,6 +417,19 @@ def test_bad_flags(flags, message):
         evaluate.parse_args(flags)
 
 
+def test_a_training_scripts_flags_are_ignored_in_one_line(capsys):
+    """Megatron users reuse the training script's arguments to evaluate (as
+    Megatron's tasks/main.py accepts them): train.py's flags that do not apply
+    to evaluation are dropped, and one line names them."""
+    task = ["--task", "GENERATE", "--load", "c", "--num-samples", "2", "--seq-length", "64"]
+    training = ["--global-batch-size", "512", "--train-iters", "20000", "--lr", "6e-4", "--save", "ckpt",
+                "--hidden-dropout", "0.1", "--data-path", "data/x_text_document", "--split", "969,30,1"]
+    assert evaluate.parse_args([*task, *training]) == evaluate.parse_args(task)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["evaluate.py: ignoring --data-path, --global-batch-size, --hidden-dropout, --lr, --save, "
+                       "--split, --train-iters: train.py's flags, which do not apply to evaluation"]
+
+
 def test_a_checkpoint_longer_than_the_model_and_a_wrong_preset_are_named(files, tmp_path):
     path = tmp_path / "l.jsonl"
     path.write_text('{"text": "a b c"}\n')
