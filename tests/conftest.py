@@ -127,8 +127,9 @@ def run_together(cmds, timeout, **popen_kwargs) -> list[subprocess.CompletedProc
             outputs.append(proc.communicate(timeout=max(0.0, deadline - time.monotonic())))
     except subprocess.TimeoutExpired:
         tree = [pid for proc in procs for pid in (proc.pid, *_descendants(proc.pid))]
-        _signal_all(tree, signal.SIGABRT)
-        time.sleep(3)  # time for each faulthandler to write its stacks
+        for pid in tree:  # one at a time, so that their stacks do not interleave in the pipe
+            _signal_all([pid], signal.SIGABRT)
+            time.sleep(0.5)  # time for its faulthandler to write them
         _signal_all(tree, signal.SIGKILL)
         outputs += [proc.communicate() for proc in procs[len(outputs):]]
         report = "".join(f"\n=== {_shown(proc.args)}\n{err[-12000:]}\n--- stdout ---\n{out[-3000:]}"
