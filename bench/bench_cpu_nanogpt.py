@@ -1,6 +1,12 @@
 """Training speed on CPU against nanoGPT at the same shape: wall time of
 iterations 11-60 and the peak resident memory, the two run interleaved.
 
+One clock for both: this script stamps each program's log lines as they
+arrive (both run unbuffered, logging every iteration) and times the span
+from the iteration-10 line to the iteration-60 line. Neither program's own
+timer is trusted: nanoGPT's per-iteration `time` and train.py's tokens/s
+measure different spans of an iteration.
+
     git clone https://github.com/karpathy/nanoGPT bench/ref/nanoGPT   # git-ignored
     python prepare.py                                                  # the default corpus
     python bench/bench_cpu_nanogpt.py --rounds 2 [--batch 8]
@@ -12,44 +18,53 @@ stream as its train.bin). train.py runs its defaults, then without linear
 biases (nanoGPT has none), then also with --loss-impl full.
 """
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"train.py": [], "--disable-bias-linear": ["--disable-bias-linear"],
             "--disable-bias-linear --loss-impl full": ["--disable-bias-linear", "--loss-impl", "full"]}
 
 
-def timed(cmd, cwd) -> tuple[str, int]:
-    """(stdout, peak RSS in bytes) of one run, with 2 threads."""
-    proc = subprocess.run(["/usr/bin/time", "-f", "peak-rss-kb %M", *cmd], cwd=cwd, capture_output=True,
-                          text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    return proc.stdout, int(re.search(r"peak-rss-kb (\d+)", proc.stderr).group(1)) * 1024
+def timed(cmd, cwd, iteration) -> tuple[float, int]:
+    """(seconds from the iteration-10 line to the iteration-60 line, on this
+    script's clock; peak RSS in bytes) of one run, with 2 threads.
+    iteration(line): the iteration a log line reports, or None."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(["/usr/bin/time", "-f", "peak-rss-kb %M", *cmd], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = {}
+    for line in proc.stdout:
+        i = iteration(line)
+        if i is not None:
+            seen[i] = time.monotonic()
+    err = proc.stderr.read()
+    if proc.wait() != 0:
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed:\n{err[-3000:]}")
+    return seen[60] - seen[10], int(re.search(r"peak-rss-kb (\d+)", err).group(1)) * 1024
 
 
 def nanogpt(args, work) -> tuple[float, int]:
-    out, rss = timed([sys.executable, "train.py", "--dataset=bench", "--device=cpu", "--compile=False",
-                      "--dtype=float32", "--n_layer=4", "--n_head=4", "--n_embd=256", "--block_size=256",
-                      f"--batch_size={args.batch}", "--gradient_accumulation_steps=1", "--dropout=0.0",
-                      "--max_iters=60", "--lr_decay_iters=60", "--eval_interval=100000", "--eval_iters=1",
-                      "--log_interval=1", "--always_save_checkpoint=False", f"--out_dir={work}"], args.nanogpt)
-    ms = {int(i): float(t) for i, t in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", out)}
-    return sum(ms[i] for i in range(11, 61)) / 1e3, rss
+    line = re.compile(r"iter (\d+): loss")
+    return timed([sys.executable, "train.py", "--dataset=bench", "--device=cpu", "--compile=False",
+                  "--dtype=float32", "--n_layer=4", "--n_head=4", "--n_embd=256", "--block_size=256",
+                  f"--batch_size={args.batch}", "--gradient_accumulation_steps=1", "--dropout=0.0",
+                  "--max_iters=60", "--lr_decay_iters=60", "--eval_interval=100000", "--eval_iters=1",
+                  "--log_interval=1", "--always_save_checkpoint=False", f"--out_dir={work}"], args.nanogpt,
+                 lambda text: int(m.group(1)) if (m := line.match(text)) else None)
 
 
-def ours(args, work, flags) -> tuple[float, int]:
-    metrics = os.path.join(work, "metrics.jsonl")
-    _, rss = timed([sys.executable, "train.py", "--preset", "cpu", "--data-path", args.data,
-                    "--seq-length", "256", "--micro-batch-size", str(args.batch), "--global-batch-size",
-                    str(args.batch), "--train-iters", "60", "--eval-interval", "0", "--log-interval", "1",
-                    "--sample-tokens", "0", "--metrics-file", metrics, *flags], ROOT)
-    rows = [json.loads(line) for line in open(metrics)]
-    tokens = args.batch * 256
-    return sum(tokens / r["tokens_per_sec"] for r in rows if 11 <= r["iteration"] <= 60), rss
+def ours(args, flags) -> tuple[float, int]:
+    line = re.compile(r"iter +(\d+) \|")
+    return timed([sys.executable, "train.py", "--preset", "cpu", "--data-path", args.data,
+                  "--seq-length", "256", "--micro-batch-size", str(args.batch), "--global-batch-size",
+                  str(args.batch), "--train-iters", "60", "--eval-interval", "0", "--log-interval", "1",
+                  "--sample-tokens", "0", *flags], ROOT,
+                 lambda text: int(m.group(1)) if (m := line.match(text)) else None)
 
 
 def main():
@@ -71,7 +86,7 @@ def main():
             base, rss = nanogpt(args, work)
             print(f"| {r} | nanoGPT | {base:.1f} | 1.00x | {rss / 1e9:.2f} |", flush=True)
             for name, flags in VARIANTS.items():
-                seconds, rss = ours(args, work, flags)
+                seconds, rss = ours(args, flags)
                 print(f"| {r} | {name} | {seconds:.1f} | {seconds / base:.2f}x | {rss / 1e9:.2f} |",
                       flush=True)
 
