@@ -263,7 +263,7 @@ def replay(timelines: list, m: int, v: int) -> list[float]:
     ending = {(t + pipeline.TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     for t in range(len(ticks)):
         done = [free[r] + took[r].get(t, 0.0) for r in range(pp)]
-        to = [(parallel._messages(ending.get((t, r)), r, pp, v) or (None,))[0] for r in range(pp)]  # whom r sends to
+        to = [(pipeline._messages(ending.get((t, r)), r, pp, v) or (None,))[0] for r in range(pp)]  # whom r sends to
         for r in range(pp):
             partners = {to[r]} - {None} | {n for n in range(pp) if to[n] == r}
             free[r] = max([done[r]] + [done[n] for n in partners])
