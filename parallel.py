@@ -55,8 +55,8 @@ tp, at the cost of one full weight per layer held temporarily.
 
 Sections:
 
-    1. process groups, raw collectives (and their torch.compile forms),
-       divisibility checks
+    1. process groups, raw collectives (one form for eager mode and
+       torch.compile), divisibility checks
     2. the communication operators: f, g, sequence parallelism's, Domino's
     3. ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     4. Domino's schedule
@@ -258,27 +258,30 @@ def check_divisible(config, tp: int | None = None) -> None:
 
 
 # --------------------------------------------------------------------------
-# Raw collectives on the TP group. They never modify their input in place:
-# autograd may hand the same gradient to several branches (residual adds).
-# And all_reduce on a non-contiguous tensor reduces a temporary copy.
+# Raw collectives on the TP group, in one form for eager mode and
+# torch.compile: functional collectives, which Dynamo traces into the graph
+# (a work handle would break it) and eager mode runs as they are. A launch
+# returns a new tensor, read only through wait(); the graph keeps the two as
+# two nodes, and what runs between them overlaps the collective, eager or
+# compiled (Domino). They never modify their input: autograd may hand the
+# same gradient to several branches (residual adds).
 # --------------------------------------------------------------------------
 
-def _all_reduce_owned(out: torch.Tensor, async_op: bool = False):
-    """In-place sum over the TP group of a contiguous tensor nobody else holds;
-    returns the work handle (None when synchronous)."""
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The launched collective's result, once it has landed."""
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def launch_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Start sum_r x_r over the TP group; wait() gives a new contiguous tensor."""
+    return torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", tp_group().group_name)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum x over the TP group into a new contiguous tensor."""
     if tp_size() == 1:
-        return None
-    return dist.all_reduce(out, group=tp_group(), async_op=async_op)
-
-
-def all_reduce(x: torch.Tensor, async_op: bool = False):
-    """Sum x over the TP group into a new contiguous tensor; with async_op,
-    (tensor, work handle or None), the sum landing at handle.wait()."""
-    if torch.compiler.is_compiling() and not async_op:
-        return wait(launch_all_reduce(x))
-    out = x.clone(memory_format=torch.contiguous_format)
-    handle = _all_reduce_owned(out, async_op)
-    return (out, handle) if async_op else out
+        return x.clone(memory_format=torch.contiguous_format)
+    return wait(launch_all_reduce(x))
 
 
 def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -297,76 +300,37 @@ def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
 # tokens x[:, r*s:(r+1)*s] are not contiguous when B > 1.
 # --------------------------------------------------------------------------
 
-class PendingSequenceGather:
-    """An all-gather along the sequence, maybe still in flight: every rank's
-    (B, T/tp, ...) slice, joined in rank order by wait() into (B, T, ...)."""
-
-    def __init__(self, x: torch.Tensor, async_op: bool = False):
-        x = x.contiguous()
-        self._handle = self._in_flight = None
-        if torch.compiler.is_compiling():  # a functional collective, launched either way
-            self._in_flight = launch_all_gather(x)            # (tp * B, T/tp, ...)
-            return
-        self._buffer = x.new_empty((tp_size(), *x.shape))     # (tp, B, T/tp, ...): rank r's at [r]
-        self._handle = dist.all_gather_single(self._buffer.flatten(0, 1), x, group=tp_group(),
-                                              async_op=async_op)
-
-    def wait(self) -> torch.Tensor:
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
-        if self._in_flight is not None:
-            self._buffer = wait(self._in_flight).unflatten(0, (tp_size(), -1))
-            self._in_flight = None
-        tp, B, s = self._buffer.shape[:3]
-        # (tp, B, s, ...) -> (B, tp, s, ...) -> (B, tp*s, ...): a copy unless B == 1
-        return self._buffer.movedim(0, 1).reshape(B, tp * s, *self._buffer.shape[3:])
-
-
-def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
-    """(B, T/tp, ...) on every rank -> (B, T, ...), the slices in rank order."""
-    return PendingSequenceGather(x).wait()
-
-
-def reduce_scatter_sequence(x: torch.Tensor, async_op: bool = False):
-    """Sum x (B, T, ...) over the TP group and keep this rank's tokens,
-    (B, T/tp, ...), in a new tensor; async_op as in all_reduce."""
-    if torch.compiler.is_compiling() and not async_op:
-        return wait(launch_reduce_scatter_sequence(x))
-    parts = _sequence_parts(x)                                    # (tp, B, T/tp, ...)
-    out = parts.new_empty(parts.shape[1:])                        # (B, T/tp, ...)
-    handle = dist.reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group(), async_op=async_op)
-    return (out, handle) if async_op else out
-
-
-# --------------------------------------------------------------------------
-# The same collectives under torch.compile: functional collectives, which
-# Dynamo traces into the graph (a work handle breaks it). A launch returns a
-# tensor read only through wait(); the graph keeps the two as two nodes, and
-# what runs between them overlaps the collective, as in eager mode (Domino).
-# --------------------------------------------------------------------------
-
-def wait(t: torch.Tensor) -> torch.Tensor:
-    """The launched collective's result, once it has landed."""
-    return torch.ops._c10d_functional.wait_tensor(t)
-
-
-def launch_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Start sum_r x_r over the TP group; wait() gives a new tensor."""
-    return torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", tp_group().group_name)
-
-
-def launch_reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
-    """Start reduce_scatter_sequence(x): (B, T, ...) -> (B, T/tp, ...) after wait()."""
-    return torch.ops._c10d_functional.reduce_scatter_tensor(_sequence_parts(x).flatten(0, 1), "sum",
-                                                            tp_size(), tp_group().group_name)
-
-
 def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
     """Start the all-gather of every rank's x (B, ...) along dim 0: (tp * B, ...),
     rank r's rows at [r * B, (r + 1) * B), after wait()."""
     return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), tp_size(),
                                                              tp_group().group_name)
+
+
+def gathered_sequence(in_flight: torch.Tensor) -> torch.Tensor:
+    """The landed launch_all_gather of every rank's (B, T/tp, ...): the
+    slices joined in rank order, (B, T, ...)."""
+    parts = wait(in_flight).unflatten(0, (tp_size(), -1))     # (tp, B, T/tp, ...): rank r's at [r]
+    tp, B, s = parts.shape[:3]
+    # (tp, B, s, ...) -> (B, tp, s, ...) -> (B, tp*s, ...): a copy unless B == 1
+    return parts.movedim(0, 1).reshape(B, tp * s, *parts.shape[3:])
+
+
+def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """(B, T/tp, ...) on every rank -> (B, T, ...), the slices in rank order."""
+    return gathered_sequence(launch_all_gather(x))
+
+
+def launch_reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Start the sum of x (B, T, ...) over the TP group, of which this rank
+    keeps its tokens: (B, T/tp, ...) after wait()."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor(_sequence_parts(x).flatten(0, 1), "sum",
+                                                            tp_size(), tp_group().group_name)
+
+
+def reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Sum x (B, T, ...) over the TP group and keep this rank's tokens (B, T/tp, ...)."""
+    return wait(launch_reduce_scatter_sequence(x))
 
 
 def _sequence_parts(x: torch.Tensor) -> torch.Tensor:
@@ -397,15 +361,42 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     """g: forward y = sum_r x_r (partial products -> full result); backward
-    dx_r = dy, the sum passes the same gradient to every summand."""
+    dx_r = dy, the sum passes the same gradient to every summand. Under
+    sequence parallelism, out of the tensor-parallel region (after a
+    row-parallel layer or the vocab-parallel embedding), g with each rank
+    keeping only its tokens:
+        forward   y_r = (sum_q x_q)[r-th slice]    reduce-scatter along the sequence
+        backward  dx = [dy_0; ...; dy_{tp-1}]      all-gather
+    forward returns `reduced`, the landed collective of `partial` that
+    PendingReduce launched. It enters the graph only AFTER landing: gloo
+    finishes a reduce-scatter with a copy_ into the output on its own
+    thread, which autograd would record, cutting the gradient's way back."""
 
     @staticmethod
-    def forward(ctx, x):
-        return all_reduce(x)
+    def forward(ctx, partial, reduced, sequence_parallel: bool):
+        ctx.sequence_parallel = sequence_parallel
+        return reduced.view_as(reduced)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return (all_gather_sequence(grad) if ctx.sequence_parallel else grad), None, None
+
+
+class PendingReduce:
+    """g (under sequence parallelism its reduce-scatter) of a row-parallel
+    layer's partial sum, launched and left in flight; wait() returns the sum
+    plus bias. Domino waits when the chunk enters its next sublayer."""
+
+    def __init__(self, partial: torch.Tensor, bias: torch.Tensor | None = None,
+                 sequence_parallel: bool = False):
+        self._partial, self._bias, self._sequence_parallel = partial, bias, sequence_parallel
+        launch = launch_reduce_scatter_sequence if sequence_parallel else launch_all_reduce
+        self._in_flight = launch(partial.detach())    # -> (B, T/tp, out) or (B, T, out)
+
+    def wait(self) -> torch.Tensor:
+        out = _ReduceFromTensorParallelRegion.apply(self._partial, wait(self._in_flight),
+                                                    self._sequence_parallel)
+        return out if self._bias is None else out + self._bias
 
 
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
@@ -413,15 +404,28 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
     dx_r = dy[..., r-th slice]."""
 
     @staticmethod
-    def forward(ctx, x):
-        if torch.compiler.is_compiling():  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
-            return torch.cat(wait(launch_all_gather(x)).chunk(tp_size(), dim=0), dim=-1)
-        return gather_tensor(x, dim=-1)
+    def forward(ctx, x):  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
+        return torch.cat(wait(launch_all_gather(x)).chunk(tp_size(), dim=0), dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
         chunk = grad.shape[-1] // tp_size()  # a copy of this rank's slice, which frees the rest
         return grad[..., tp_rank() * chunk:(tp_rank() + 1) * chunk].contiguous()
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Into the tensor-parallel region (before a column-parallel layer or the
+    LM head); each rank's dy is a partial gradient, as in f's backward:
+        forward   y = [x_0; x_1; ...; x_{tp-1}]   all-gather along the sequence
+        backward  dx_r = (sum_q dy_q)[r-th slice]  reduce-scatter"""
+
+    @staticmethod
+    def forward(ctx, x):
+        return all_gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad)
 
 
 def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -440,51 +444,27 @@ class DeferredCollectives:
     one chunk. dX's reduction (all-reduce, or under sequence parallelism
     reduce-scatter): wait_in_backward(h) returns h through an identity node
     whose BACKWARD waits for it; pass the result and this object to the
-    ColumnParallelLinear, whose backward launches it and leaves the handle
-    here (section 4 says why the wait is a separate node). Under sequence
+    ColumnParallelLinear, whose backward launches it and returns it still in
+    flight (section 4 says why the wait is a separate node). Under sequence
     parallelism, gather_input(h) launches the all-gather of the layer's
     input, which its forward waits for only when it runs."""
 
     def __init__(self):
-        self.handle = None
-        self.gathered_input = None   # a PendingSequenceGather, or None
+        self.gathered_input = None   # the all-gather in flight (launch_all_gather), or None
 
     def wait_in_backward(self, h: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # see _WaitForGradInGraph
-            return _WaitForGradInGraph.apply(h)
-        return _WaitForDeferredGrad.apply(h, self)
+        return _WaitForDeferredGrad.apply(h)
 
     def gather_input(self, h: torch.Tensor) -> None:
         """Launch the all-gather of h's tokens (B, T/tp, C) for the layer's forward."""
-        self.gathered_input = PendingSequenceGather(in_autocast_dtype(h.detach()), async_op=True)
-
-    def wait(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
+        self.gathered_input = launch_all_gather(in_autocast_dtype(h.detach()))
 
 
 class _WaitForDeferredGrad(torch.autograd.Function):
-    """forward y = x; backward: wait for the deferred reduction filling grad,
-    then dx = grad, now summed over the TP group."""
-
-    @staticmethod
-    def forward(ctx, x, deferred: DeferredCollectives):
-        ctx.deferred = deferred
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.deferred.wait()
-        return grad, None
-
-
-class _WaitForGradInGraph(torch.autograd.Function):
-    """_WaitForDeferredGrad under torch.compile: backward dx = wait(grad), grad
-    being the column-parallel layer's dX collective still in flight. Dynamo
-    traces a backward once, during forward, when DeferredCollectives.handle
-    is still None, so that check would never wait; here the collective
-    travels through the graph as a tensor."""
+    """forward y = x; backward dx = wait(grad): grad is the column-parallel
+    layer's dX reduction, still in flight, now summed over the TP group. It
+    reaches this node as a tensor, through autograd in eager mode as through
+    the compiled graph."""
 
     @staticmethod
     def forward(ctx, x):
@@ -495,97 +475,6 @@ class _WaitForGradInGraph(torch.autograd.Function):
         return wait(grad)
 
 
-class _LaunchReduceInGraph(torch.autograd.Function):
-    """PendingReduce's collective under torch.compile: forward returns the
-    all-reduce (or reduce-scatter) in flight, read through wait(); backward
-    like g's (identity) or the reduce-scatter's (all-gather)."""
-
-    @staticmethod
-    def forward(ctx, partial, sequence_parallel: bool):
-        ctx.sequence_parallel = sequence_parallel
-        return launch_reduce_scatter_sequence(partial) if sequence_parallel else launch_all_reduce(partial)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (all_gather_sequence(grad) if ctx.sequence_parallel else grad), None
-
-
-class _AlreadyReduced(torch.autograd.Function):
-    """Domino: forward returns `reduced`, the landed all-reduce (or under
-    sequence parallelism reduce-scatter) of `partial`; backward like g's
-    (identity) or the reduce-scatter's (all-gather). It enters the graph only
-    AFTER landing: gloo finishes a reduce-scatter with a copy_ into the output
-    on its own thread, which autograd would record, cutting the gradient's
-    way back to `partial`."""
-
-    @staticmethod
-    def forward(ctx, partial, reduced, sequence_parallel: bool):
-        ctx.sequence_parallel = sequence_parallel
-        return reduced.view_as(reduced)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (all_gather_sequence(grad) if ctx.sequence_parallel else grad), None, None
-
-
-class PendingReduce:
-    """A row-parallel layer's reduction in flight (all-reduce, or under
-    sequence parallelism reduce-scatter); wait() returns the sum plus bias."""
-
-    def __init__(self, partial: torch.Tensor, bias: torch.Tensor | None,
-                 sequence_parallel: bool = False):
-        self._partial, self._bias, self._sequence_parallel = partial, bias, sequence_parallel
-        self._in_flight = None
-        if torch.compiler.is_compiling():  # functional collective: waited for in wait()
-            self._in_flight = _LaunchReduceInGraph.apply(partial, sequence_parallel)
-            self._partial = self._handle = None
-        elif sequence_parallel:
-            self._out, self._handle = reduce_scatter_sequence(partial.detach(), async_op=True)
-        else:
-            self._out, self._handle = all_reduce(partial.detach(), async_op=True)
-
-    def wait(self) -> torch.Tensor:
-        if self._in_flight is not None:
-            self._out, self._in_flight = wait(self._in_flight), None
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
-        if self._partial is not None:
-            self._out = _AlreadyReduced.apply(self._partial, self._out, self._sequence_parallel)
-            self._partial = None
-        return self._out if self._bias is None else self._out + self._bias
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Into the tensor-parallel region (before a column-parallel layer or the
-    LM head); each rank's dy is a partial gradient, as in f's backward:
-        forward   y = [x_0; x_1; ...; x_{tp-1}]   all-gather along the sequence
-        backward  dx_r = (sum_q dy_q)[r-th slice]  reduce-scatter"""
-
-    @staticmethod
-    def forward(ctx, x):
-        return all_gather_sequence(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_sequence(grad)
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Out of it (after a row-parallel layer or the vocab-parallel embedding):
-    g with each rank keeping only its tokens.
-        forward   y_r = (sum_q x_q)[r-th slice]    reduce-scatter along the sequence
-        backward  dx = [dy_0; ...; dy_{tp-1}]      all-gather"""
-
-    @staticmethod
-    def forward(ctx, x):
-        return reduce_scatter_sequence(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad)
-
-
 # With tp=1 every operator is the identity and adds no autograd node at all.
 
 def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
@@ -593,7 +482,7 @@ def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return x if tp_size() == 1 else _ReduceFromTensorParallelRegion.apply(x)
+    return x if tp_size() == 1 else PendingReduce(x).wait()
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
@@ -606,8 +495,8 @@ def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, ...) partial sums -> (B, T/tp, ...); see _ReduceScatterToSequenceParallelRegion."""
-    return x if tp_size() == 1 else _ReduceScatterToSequenceParallelRegion.apply(x)
+    """(B, T, ...) partial sums -> (B, T/tp, ...); see _ReduceFromTensorParallelRegion."""
+    return x if tp_size() == 1 else PendingReduce(x, sequence_parallel=True).wait()
 
 
 # ============================================================================
@@ -667,12 +556,9 @@ class ColumnParallelLinear(nn.Module):
         # Function: Dynamo traces a forward only without side effects on outside objects.
         gathered = None
         if deferred is not None and deferred.gathered_input is not None:
-            gathered, deferred.gathered_input = deferred.gathered_input.wait(), None
-        if torch.compiler.is_compiling():  # the same, with functional collectives
-            return _ColumnParallelLinearInGraph.apply(x, gathered, self.weight, self.bias,
-                                                      deferred is not None, self.sequence_parallel)
-        return _ColumnParallelLinearFunction.apply(x, gathered, self.weight, self.bias, deferred,
-                                                   self.sequence_parallel)
+            gathered, deferred.gathered_input = gathered_sequence(deferred.gathered_input), None
+        return _ColumnParallelLinearFunction.apply(x, gathered, self.weight, self.bias,
+                                                   deferred is not None, self.sequence_parallel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
@@ -689,16 +575,28 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
     """f (under sequence parallelism the all-gather) then y = X W_r^T + b_r.
     Backward launches dX = sum_r dY_r W_r's all-reduce (or reduce-scatter)
     BEFORE the dW = dY^T X GEMM, which runs while dX is on the wire, then
-    waits (Megatron), or leaves the wait to a DeferredCollectives (Domino).
-    On GPU this needs CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware queue
-    the NCCL kernel starts before the GEMM, not behind it. Under sequence
-    parallelism only this rank's tokens of X are kept, and backward
-    all-gathers them again (hidden by the dX GEMM): 1/tp the activations."""
+    waits (Megatron), or with defer_wait returns dX still in flight, for
+    DeferredCollectives' node to wait for after the other chunks' backward
+    GEMMs (Domino). On GPU this needs CUDA_DEVICE_MAX_CONNECTIONS=1: with one
+    hardware queue the NCCL kernel starts before the GEMM, not behind it.
+    Under sequence parallelism only this rank's tokens of X are kept, and
+    backward all-gathers them again (hidden by the dX GEMM): 1/tp the
+    activations."""
 
     @staticmethod
-    def forward(ctx, x, gathered, weight, bias, deferred, sequence_parallel):
-        ctx.deferred = deferred
-        return _column_parallel_forward(ctx, x, gathered, weight, bias, sequence_parallel)
+    def forward(ctx, x, gathered, weight, bias, defer_wait: bool, sequence_parallel: bool):
+        """Keep X and W for backward, return X W^T + b over the whole sequence
+        (`gathered`: X's all-gather, already waited for)."""
+        ctx.input_dtype = x.dtype
+        if sequence_parallel:
+            x = in_autocast_dtype(x)                            # keep and move 16 bits
+        ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
+        ctx.has_bias, ctx.defer_wait = bias is not None, defer_wait
+        ctx.sequence_parallel = sequence_parallel
+        total = x
+        if sequence_parallel:                                   # -> (B, T, in)
+            total = gathered if gathered is not None else all_gather_sequence(x)
+        return F.linear(total, weight, bias)                    # (..., out/tp)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -708,60 +606,13 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         # as autograd does for an autocast F.linear, and cast each gradient
         # back to its input's dtype.
         dtype = grad_out.dtype
-        gather = PendingSequenceGather(x, async_op=True) if ctx.sequence_parallel else None
-        grad_input = handle = None
-        if ctx.needs_input_grad[0]:
-            grad_input = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)  # (..., in) partial
-            if ctx.sequence_parallel:                                    # -> (B, T/tp, in)
-                grad_input, handle = reduce_scatter_sequence(grad_input, async_op=True)
-            else:
-                grad_input = grad_input.contiguous()
-                handle = _all_reduce_owned(grad_input, async_op=True)
-        total = gather.wait() if gather is not None else x               # (..., in)
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight, ctx.has_bias)
-        if ctx.deferred is not None:
-            ctx.deferred.handle = handle   # waited for in _WaitForDeferredGrad
-        elif handle is not None:
-            handle.wait()
-        return grad_input, None, grad_weight, grad_bias, None, None
-
-
-def _column_parallel_forward(ctx, x, gathered, weight, bias, sequence_parallel: bool):
-    """Both column-parallel Functions' forward: keep X and W for backward,
-    return X W^T + b over the whole sequence (`gathered`: already waited for)."""
-    ctx.input_dtype = x.dtype
-    if sequence_parallel:
-        x = in_autocast_dtype(x)                            # keep and move 16 bits
-    ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
-    ctx.has_bias, ctx.sequence_parallel = bias is not None, sequence_parallel
-    total = x
-    if sequence_parallel:                                   # -> (B, T, in)
-        total = gathered if gathered is not None else all_gather_sequence(x)
-    return F.linear(total, weight, bias)                    # (..., out/tp)
-
-
-class _ColumnParallelLinearInGraph(torch.autograd.Function):
-    """_ColumnParallelLinearFunction with functional collectives, for
-    torch.compile. With defer_wait, backward returns dX still in flight, and
-    _WaitForGradInGraph waits for it after the other chunks' backward GEMMs:
-    the compiled graph keeps Domino's order."""
-
-    @staticmethod
-    def forward(ctx, x, gathered, weight, bias, defer_wait: bool, sequence_parallel: bool):
-        ctx.defer_wait = defer_wait
-        return _column_parallel_forward(ctx, x, gathered, weight, bias, sequence_parallel)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        dtype = grad_out.dtype
-        gather = PendingSequenceGather(_after(x, grad_out), async_op=True) if ctx.sequence_parallel else None
+        regather = launch_all_gather(_after(x, grad_out)) if ctx.sequence_parallel else None
         grad_input = None
         if ctx.needs_input_grad[0]:
-            partial = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)   # (..., in)
+            partial = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)  # (..., in) partial
             grad_input = (launch_reduce_scatter_sequence(partial) if ctx.sequence_parallel
-                          else launch_all_reduce(partial))
-        total = gather.wait() if gather is not None else x
+                          else launch_all_reduce(partial))              # -> (B, T/tp, in) or (..., in)
+        total = gathered_sequence(regather) if regather is not None else x  # (..., in)
         grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight, ctx.has_bias)
         if grad_input is not None and not ctx.defer_wait:
             grad_input = wait(grad_input)
@@ -938,9 +789,10 @@ def sequence_parallel_off(module: nn.Module):
 # reduce-scatter is deferred like the all-reduce; the all-gathers of a
 # row-parallel layer's dY are not (its GEMMs need them at once).
 #
-# Under torch.compile a launch and its wait are two graph nodes placed where
-# eager mode launches and waits. tests/test_parallel.py checks this order on
-# two ranks, in eager mode and in the compiled graphs.
+# Eager mode and torch.compile run the same launches and waits (section 1);
+# in the compiled graph each is a node, where eager mode calls it.
+# tests/test_parallel.py checks this order on two ranks, in eager mode and in
+# the compiled graphs.
 
 class Sublayer(NamedTuple):
     norm: nn.Module   # the LayerNorm that enters it

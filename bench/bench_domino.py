@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 # One hardware queue: kernels start in launch order, so an all-reduce launched
 # before a GEMM really runs beside it (see parallel._ColumnParallelLinearFunction).
@@ -95,45 +96,33 @@ def sync(device):
     dist.barrier()
 
 
-class _Done:
-    """What a skipped collective hands back as its work handle."""
-
-    def wait(self):
-        return True
-
-
 @contextlib.contextmanager
 def without_tp_communication():
     """parallel.py's collectives on the tensor-parallel group return at once,
-    leaving their outputs as they are (an all-gather's buffer is zeroed):
-    the same compute with no TP communication (the cross-entropy's small
-    per-token all-reduces in parallel.py are skipped too). Patched from outside, so
-    that parallel.py carries nothing for the benchmark."""
+    leaving their outputs as they are (an all-reduce's is a copy of its input,
+    an all-gather's and a reduce-scatter's are zeros): the same compute with
+    no TP communication (the cross-entropy's small per-token all-reduces in
+    parallel.py are skipped too). Patched from outside, so that parallel.py
+    carries nothing for the benchmark; wait() on a tensor no collective
+    launched returns it at once."""
     real = parallel.dist
+    tp = parallel.tp_size()
 
     class NoTP:
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def _skip(self, collective, output):
-            def call(*args, group=None, async_op=False, **kwargs):
-                if group is not parallel.tp_group():
-                    return collective(*args, group=group, async_op=async_op, **kwargs)
-                if output is not None:
-                    args[output].zero_()
-                return _Done() if async_op else None
-            return call
+        def all_reduce(self, *args, group=None, **kwargs):
+            if group is not parallel.tp_group():
+                return real.all_reduce(*args, group=group, **kwargs)
 
-        def __init__(self):
-            self.all_reduce = self._skip(real.all_reduce, None)
-            self.all_gather_single = self._skip(real.all_gather_single, 0)
-            self.reduce_scatter_single = self._skip(real.reduce_scatter_single, 0)
-
-    parallel.dist = NoTP()
-    try:
+    launches = {
+        "launch_all_reduce": lambda x: x.clone(memory_format=torch.contiguous_format),
+        "launch_all_gather": lambda x: x.new_zeros((tp * x.shape[0], *x.shape[1:])),
+        "launch_reduce_scatter_sequence": lambda x: parallel._sequence_parts(x)[0].zero_(),
+    }
+    with mock.patch.object(parallel, "dist", NoTP()), mock.patch.multiple(parallel, **launches):
         yield
-    finally:
-        parallel.dist = real
 
 
 def timed_step(model, batch, device, skip_comm: bool) -> float:

@@ -552,13 +552,18 @@ class _OverlapRecorder(TorchDispatchMode):
     one Domino chunk. The chunk is told apart by its token count: the batch
     (3, 5) splits into chunks of 2 and 1 rows, 10 and 5 tokens, a size no
     weight of the model has. Under sequence parallelism the collectives move
-    each rank's tokens and the GEMMs see all of them: comm_chunks maps those."""
+    each rank's tokens and the GEMMs see all of them: comm_chunks maps those.
+    The collectives are parallel.py's functional ones, seen as they are
+    dispatched (as _fx_events reads them from a compiled graph). serialize:
+    wait for each all-reduce right after launching it."""
 
-    def __init__(self, gemm_chunks=None, comm_chunks=None):
+    def __init__(self, gemm_chunks=None, comm_chunks=None, serialize=False):
         super().__init__()
         self.gemm_chunks = gemm_chunks or {10: 0, 5: 1}
         self.comm_chunks = comm_chunks or self.gemm_chunks
+        self.serialize = serialize
         self.events = []
+        self.in_flight = {}   # a launched chunk's output (its data pointer) -> (collective, identity)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
@@ -566,25 +571,26 @@ class _OverlapRecorder(TorchDispatchMode):
             for tokens, chunk in self.gemm_chunks.items():
                 if tokens in dims:
                     self.events.append(("gemm", chunk, None))
-        return func(*args, **(kwargs or {}))
-
-    def collective(self, real, name, chunk_tensor):
-        """A stand-in for a dist collective that logs each chunk's launch and
-        wait (the chunk read from chunk_tensor(*args)), and each synchronous call."""
-        def recorded(*args, async_op=False, **kwargs):
-            t = chunk_tensor(*args)
-            chunk = self.comm_chunks.get(t.numel() // t.shape[-1])
-            work = real(*args, async_op=async_op, **kwargs)
-            if chunk is None:
-                return work
-            if not async_op:
-                self.events.append(("sync", chunk, name))
-                return work
+        out = func(*args, **(kwargs or {}))
+        namespace, name = func._schema.name.split("::")
+        if namespace != "_c10d_functional":
+            return out
+        if name == "wait_tensor":
+            launch = self.in_flight.pop(args[0].data_ptr(), None)
+            if launch is not None:
+                self.events.append(("wait", None, launch))
+            return out
+        name = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
+        t = args[0] if name == "all_gather" else out  # the per-rank piece: (..., C) -> tokens
+        chunk = self.comm_chunks.get(t.numel() // t.shape[-1])
+        if chunk is not None:
             launch = (name, object())  # this collective's identity
             self.events.append(("launch", chunk, launch))
-            return SimpleNamespace(wait=lambda: (self.events.append(("wait", None, launch)),
-                                                 work.wait()))
-        return recorded
+            self.in_flight[out.data_ptr()] = launch
+            if self.serialize and name == "all_reduce":
+                torch.ops._c10d_functional.wait_tensor(out)  # not dispatched to this mode again
+                self.events.append(("wait", None, self.in_flight.pop(out.data_ptr())))
+        return out
 
 
 def _unhidden_all_reduces(events, name="all_reduce", other_chunk=True) -> list:
@@ -606,35 +612,24 @@ def _unhidden_all_reduces(events, name="all_reduce", other_chunk=True) -> list:
     return unhidden
 
 
+def _synchronous(events) -> list:
+    """The launches waited for at once: their wait is the very next event."""
+    return [k for k, (kind, _, launch) in enumerate(events[:-1])
+            if kind == "launch" and events[k + 1] == ("wait", None, launch)]
+
+
 def _record_domino_order(serialize: bool, sequence_parallel: bool = False):
     """(forward events, backward events) of one Domino micro-batch on this rank."""
     model = _build_gpt(2, domino_chunks=2, sequence_parallel=sequence_parallel)
     # sequence parallel: 12 tokens a row, so the chunks' GEMMs see 24 and 12
     # tokens and their collectives carry 12 and 6 (the weights: 16, 32, 48, 64)
     ids = torch.randint(0, 100, (3, 13 if sequence_parallel else 6), generator=torch.Generator().manual_seed(0))
-    recorder = _OverlapRecorder({24: 0, 12: 1}, {12: 0, 6: 1}) if sequence_parallel else _OverlapRecorder()
-    real = dist.all_reduce, dist.all_gather_single, dist.reduce_scatter_single
-    real_owned = parallel._all_reduce_owned
-
-    def launch_and_wait_at_once(out, async_op=False):  # what a serialized version does
-        work = real_owned(out, async_op)
-        if work is not None:
-            work.wait()
-        return work
-
-    dist.all_reduce = recorder.collective(real[0], "all_reduce", lambda t, *a: t)
-    dist.all_gather_single = recorder.collective(real[1], "all_gather", lambda out, inp, *a: inp)
-    dist.reduce_scatter_single = recorder.collective(real[2], "reduce_scatter", lambda out, inp, *a: out)
-    if serialize:
-        parallel._all_reduce_owned = launch_and_wait_at_once
-    try:
-        with recorder:
-            loss = model(ids[:, :-1], labels=ids[:, 1:])
-            forward = list(recorder.events)
-            loss.backward()
-    finally:
-        dist.all_reduce, dist.all_gather_single, dist.reduce_scatter_single = real
-        parallel._all_reduce_owned = real_owned
+    chunks = ({24: 0, 12: 1}, {12: 0, 6: 1}) if sequence_parallel else ()
+    recorder = _OverlapRecorder(*chunks, serialize=serialize)
+    with recorder:
+        loss = model(ids[:, :-1], labels=ids[:, 1:])
+        forward = list(recorder.events)
+        loss.backward()
     return forward, recorder.events[len(forward):]
 
 
@@ -659,11 +654,15 @@ def _check_domino_overlaps_every_all_reduce():
     assert _unhidden_all_reduces(forward, "reduce_scatter") == [], forward
     first_gather = next(k for k, (kind, _, launch) in enumerate(forward) if kind == "launch")
     assert _unhidden_all_reduces(forward, "all_gather") == [first_gather], forward
-    assert not any(kind == "sync" for kind, *_ in forward)
+    # none is waited for at once, but that first all-gather
+    assert _synchronous(forward) == [first_gather], forward
     assert _unhidden_all_reduces(backward, "reduce_scatter") == [], backward
-    assert _unhidden_all_reduces(backward, "all_gather", other_chunk=False) == [], backward
-    # ...while the all-gather of a row-parallel layer's dY is synchronous (its GEMMs need it)
-    assert sum(kind == "sync" for kind, *_ in backward) == 8
+    # ...while the all-gather of a row-parallel layer's dY is waited for at
+    # once (its GEMMs need it), 8 of them; the re-gathers run beside the dX GEMM
+    synchronous = _synchronous(backward)
+    assert len(synchronous) == 8 and all(backward[k][2][0] == "all_gather" for k in synchronous), backward
+    regathers = [e for k, e in enumerate(backward) if k not in synchronous and k - 1 not in synchronous]
+    assert _unhidden_all_reduces(regathers, "all_gather", other_chunk=False) == [], regathers
 
 
 @pytest.mark.slow
@@ -855,21 +854,21 @@ def _check_domino_under_bf16_autocast():
     # Sequence parallelism (alone, and with Domino) under autocast: the same
     # training signal, and every layer gathers (and keeps) 16-bit inputs,
     # though a torch LayerNorm hands it fp32.
-    gathered, real_gather = [], dist.all_gather_single
+    gathered, real_gather = [], parallel.launch_all_gather
 
-    def recording_gather(out, inp, *args, **kwargs):
-        gathered.append(inp.dtype)
-        return real_gather(out, inp, *args, **kwargs)
+    def recording_gather(x):
+        gathered.append(x.dtype)
+        return real_gather(x)
     for chunks in (1, 2):
         model = _build_gpt(2, domino_chunks=chunks, sequence_parallel=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(x, labels=y, loss_mask=mask)
-            dist.all_gather_single = recording_gather
+            parallel.launch_all_gather = recording_gather
             try:
                 model.blocks[0](torch.randn(3, 4, 32)) if chunks == 1 else \
                     gpt.domino_blocks(model.blocks, torch.randn(3, 4, 32), 2)
             finally:
-                dist.all_gather_single = real_gather
+                parallel.launch_all_gather = real_gather
         loss.backward()
         assert_close(loss.detach(), loss_plain, tol=1e-2, what=f"bf16 SP loss, {chunks} chunk(s)")
         for name, grad in _full_grads(model).items():
@@ -1276,8 +1275,7 @@ def test_domino_overlap_survives_compilation(compiled, name):
     assert _unhidden_all_reduces(backward, "reduce_scatter") == [], backward
     # a row-parallel layer's dY is all-gathered and waited for at once (its
     # GEMMs need it): launch and wait side by side, 8 of them
-    synchronous = [k for k, (kind, _, launch) in enumerate(backward[:-1])
-                   if kind == "launch" and backward[k + 1] == ("wait", None, launch)]
+    synchronous = _synchronous(backward)
     assert len(synchronous) == 8, backward
     regathers = [e for k, e in enumerate(backward) if k not in synchronous and k - 1 not in synchronous]
     assert _unhidden_all_reduces(regathers, "all_gather", other_chunk=False) == [], regathers
