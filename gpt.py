@@ -298,7 +298,7 @@ class CausalSelfAttention(nn.Module):
         # (head 0's hd columns, then head 1's, ...), the same as HF's c_attn.
         self.qkv = nn.Linear(H, H + 2 * kv, bias=bias)
         self.proj = nn.Linear(H, H, bias=bias)
-        self.proj.residual_out = True  # the scaled init, see init_weights
+        parallel.mark(self.proj, residual_out=True)  # the scaled init, see init_weights
         self.resid_drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def heads(self, x, *deferred, rope=None, cache=None):
@@ -339,7 +339,7 @@ class MLP(nn.Module):
         fc_out = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.fc = nn.Linear(config.hidden_size, fc_out, bias=bias)
         self.proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
-        self.proj.residual_out = True
+        parallel.mark(self.proj, residual_out=True)
         self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def hidden(self, x, *deferred):
@@ -400,10 +400,24 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
     return torch.cat(outputs, dim=0)
 
 
+def tensor_parallel_piece(name: str, piece: nn.Module, cfg: GPTConfig) -> nn.Module:
+    """This rank's tensor-parallel slice of one of GPT's pieces (the layout
+    under shard_block); the piece itself at tp=1."""
+    if parallel.tp_size() == 1:
+        return piece
+    if name == "wte":
+        return parallel.VocabParallelEmbedding.from_embedding(piece, sequence_parallel=cfg.sequence_parallel)
+    if name == "output_layer":  # vocab-parallel like wte: rank r owns the logits of its vocab rows
+        return parallel.ColumnParallelLinear.from_linear(piece)
+    if name.startswith("blocks."):
+        shard_block(piece, cfg)
+    return piece
+
+
 def shard_block(block: Block, cfg: GPTConfig) -> None:
     """Swap a block's big matmuls for Megatron's parallel layers, each keeping
     this rank's slice of the full weight just initialized. The model's layout
-    (GPT.__init__ swaps wte and output_layer):
+    (tensor_parallel_piece swaps wte and output_layer):
 
         wte          VocabParallelEmbedding (vocab rows split; tied head)
         attn.qkv     ColumnParallelLinear, strided: rank r gets [Q_r|K_r|V_r]
@@ -454,60 +468,53 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, chunks: list[range] | None = None):
         """chunks: under pipeline parallelism, the layers of each model chunk
-        this rank holds (parallel.pipeline_chunks); default all of them. The
+        this rank holds (pipeline.pipeline_chunks); default all of them. The
         first layer's holder has the embedding, the last layer's the final
-        norm and the head (and a copy of a tied embedding for it)."""
+        norm and the head (and a copy of a tied embedding for it).
+
+        Every piece of the whole model is built and initialized in one order
+        (_pieces), as on one device, so every layout starts from the same
+        weights; this module keeps the pieces it holds (holds), each cut to
+        this rank's tensor-parallel slice (tensor_parallel_piece) before the
+        next is built: a rank never holds more than its slices plus one full
+        layer. The others are dropped, their random numbers drawn."""
         super().__init__()
         self.config = config
         self.chunks = chunks or [range(config.num_layers)]
-        first, last = self.holds_first_layer, self.holds_last_layer
         # How blocks are recomputed under activation checkpointing; train.py
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
-        tp = parallel.tp_size() > 1
-        if tp:
-            if config.domino_chunks > 1 and config.activation_checkpointing:
-                raise UsageError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
-                                 "turn one of them off")
-            parallel.check_divisible(config)
-        self.sequence_parallel = tp and config.sequence_parallel  # off while generating
-        tied = not config.untie_embeddings_and_output_weights
-        # Each piece is initialized (and under TP sliced) before the next exists:
-        # a rank never holds more than its slices plus one full layer. Pieces of
-        # other pipeline stages are built too, for their random numbers, and
-        # dropped: every layout starts from the same weights.
-        wte = self._build(lambda: nn.Embedding(config.padded_vocab_size, config.hidden_size))
-        if first or (last and tied):
-            self.wte = parallel.VocabParallelEmbedding.from_embedding(
-                wte, sequence_parallel=config.sequence_parallel) if tp else wte
-            # The last stage's copy is the head: its grad is summed with the first's
-            # (train.py), and the grad norm counts it once (parallel.clip_grad_norm_).
-            self.wte.weight.pipeline_copy = not first
-        if config.position_embedding_type == "learned_absolute":  # rope: positions act in attention
-            wpe = self._build(lambda: nn.Embedding(config.max_position_embeddings, config.hidden_size))
-            if first:
-                self.wpe = wpe
+        parallel.check_layout(config)
+        self.sequence_parallel = parallel.tp_size() > 1 and config.sequence_parallel  # off while generating
         self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
-        # Named by layer number (blocks.5 on the stage holding layers 4-7), so that
-        # state dicts have the keys of the whole model.
-        self.blocks = nn.ModuleList()
-        for i in range(config.num_layers):
-            block = self._build(lambda: Block(config))
-            if any(i in layers for layers in self.chunks):
-                if tp:
-                    shard_block(block, config)
-                self.blocks.add_module(str(i), block)
-        ln_f = self._build(lambda: make_layernorm(config, config.hidden_size))
-        if last:
-            self.ln_f = ln_f
-        if not tied:  # else the head is wte (see output_weight)
-            output_layer = self._build(
-                lambda: nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False))
-            if last:  # vocab-parallel like wte: rank r owns the logits of its vocab rows
-                self.output_layer = parallel.ColumnParallelLinear.from_linear(output_layer) \
-                    if tp else output_layer
+        self.blocks = nn.ModuleList()  # blocks.5 on the stage of layers 4-7: the whole model's keys
+        for name, make in self._pieces():
+            piece = self._build(make)
+            if self.holds(name):
+                self._keep(name, tensor_parallel_piece(name, piece, config))
         if self.sequence_parallel:  # norms and biases see T/tp tokens: sum their grads
             parallel.sum_sequence_parallel_grads(self)
+
+    def _pieces(self):
+        """(name, constructor) of every piece of the whole model, in init order."""
+        c = self.config
+        yield "wte", lambda: nn.Embedding(c.padded_vocab_size, c.hidden_size)
+        if c.position_embedding_type == "learned_absolute":  # rope: positions act in attention
+            yield "wpe", lambda: nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        for i in range(c.num_layers):
+            yield f"blocks.{i}", lambda: Block(c)
+        yield "ln_f", lambda: make_layernorm(c, c.hidden_size)
+        if c.untie_embeddings_and_output_weights:  # else the head is wte (see output_weight)
+            yield "output_layer", lambda: nn.Linear(c.hidden_size, c.padded_vocab_size, bias=False)
+
+    def _keep(self, name: str, piece: nn.Module) -> None:
+        kind, _, layer = name.partition(".")
+        if kind == "blocks":
+            self.blocks.add_module(layer, piece)
+            return
+        setattr(self, name, piece)
+        if name == "wte":  # on the last stage alone, a tied head's copy of the embedding
+            parallel.mark(piece.weight, pipeline_copy=not self.holds_first_layer)
 
     def _build(self, make: Callable[[], nn.Module]) -> nn.Module:
         """make() a piece and give it GPT-2's init. Only init_weights draws random

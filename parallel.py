@@ -63,7 +63,8 @@ Sections:
     5. the per-rank random stream for dropout, and checkpointing that replays it
     6. cross entropy on vocab-sharded logits, and the one id-range check
     7. gradients: sequence-parallel sums, the global norm, clipping
-    8. slicing full tensors into shards and back; full state dicts
+    8. slicing full tensors into shards and back; full state dicts; the
+       attributes parameters carry from one module to another (mark)
 """
 from __future__ import annotations
 
@@ -244,10 +245,15 @@ def mp_group():
     return _MP_GROUP if _PP_SIZE > 1 else _TP_GROUP
 
 
-def check_divisible(config, tp: int | None = None) -> None:
-    """Raise UsageError unless tp divides every quantity that gets split
-    (num_query_groups: each rank keeps whole key/value heads)."""
+def check_layout(config, tp: int | None = None) -> None:
+    """Raise UsageError unless tensor parallelism of size tp can split this
+    model: tp divides every quantity that gets split (num_query_groups: each
+    rank keeps whole key/value heads), and Domino, which interleaves the
+    chunks' sublayers, is not asked to recompute them."""
     tp = tp_size() if tp is None else tp
+    if tp > 1 and config.domino_chunks > 1 and config.activation_checkpointing:
+        raise UsageError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
+                         "turn one of them off")
     for name in ("num_attention_heads", "num_query_groups", "hidden_size", "ffn_hidden_size",
                  "padded_vocab_size"):
         value = getattr(config, name)
@@ -1063,7 +1069,6 @@ def sum_sequence_parallel_grads(module: nn.Module) -> None:
     the full gradient (Megatron all-reduces them once per step instead)."""
     for p in module.parameters():
         if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
-            p.sequence_parallel = True
             p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
 
 
@@ -1153,11 +1158,37 @@ def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride=1) -> torch.Ten
     return merge_shards(shards, dim, stride) if first else None
 
 
+def mark(obj, **attributes) -> None:
+    """Set attributes that other modules read on a parameter (or module).
+    This is their list; every one the project sets on an object goes through
+    here (fuses_residual_add is a class attribute, DeepSpeed sets ds_shape).
+
+    On parameters:
+      tensor_model_parallel  True on a TP shard (set here, _mark_sharded);
+                             read by clip_grad_norm_ (counted on every TP rank),
+                             sum_sequence_parallel_grads, the state-dict and
+                             checkpoint gathers, and DeepSpeed's own grad norm
+      partition_dim          the dim a TP shard was cut along (_mark_sharded)
+      partition_stride       how it was cut: 1, a count of equal blocks, or the
+                             blocks' sizes (shard_tensor); read with partition_dim
+                             to gather or re-cut it (checkpoint.py)
+      pipeline_copy          True on the last pipeline stage's copy of a tied
+                             embedding (gpt.GPT); clip_grad_norm_ counts it once
+      ds_pipe_replicated     DeepSpeed's name for pipeline_copy, for its grad norm
+                             (zero.DeepSpeedTraining)
+      ds_shape               DeepSpeed's, set by ZeRO-3 on a partitioned parameter:
+                             the full shape (read by _local_shape, train.param_ndim)
+    On modules:
+      residual_out           a Linear writing into the residual stream (gpt.py);
+                             gpt.init_weights scales its init by 1/sqrt(2 layers)
+      fuses_residual_add     a norm module that also adds the residual
+                             (kernels.TritonLayerNorm; gpt.add_and_norm asks)"""
+    for name, value in attributes.items():
+        setattr(obj, name, value)
+
+
 def _mark_sharded(param: nn.Parameter, dim: int, stride=1) -> nn.Parameter:
-    # DeepSpeed and our clip_grad_norm_ read `tensor_model_parallel`.
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
-    param.partition_stride = stride
+    mark(param, tensor_model_parallel=True, partition_dim=dim, partition_stride=stride)
     return param
 
 
