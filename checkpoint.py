@@ -89,7 +89,7 @@ def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor
     on TP rank 0's host, None on the other TP ranks. A gather straight to the
     CPU: no GPU holds more than one full tensor beyond its own shards."""
     if getattr(param, "tensor_model_parallel", False):
-        t = parallel.gather_tensor_to_first(t, param.partition_dim, param.partition_stride)
+        t = parallel.gather_tensor_to_first(t, param.partition_dim, param.partition_blocks)
     elif parallel.tp_rank() != 0:
         return None
     return None if t is None else t.detach().cpu()
@@ -469,7 +469,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
                                                  save_latest=False), what)
     # what an export needs to merge the shards of any tp: every stage's, on the first (rank 0 writes it)
-    layout = {name: [p.partition_dim, p.partition_stride] for name, p in engine.module.named_parameters()
+    layout = {name: [p.partition_dim, p.partition_blocks] for name, p in engine.module.named_parameters()
               if getattr(p, "tensor_model_parallel", False)}
     if parallel.pp_size() > 1:
         layout = {k: v for stage in gather_stages(layout) or [] for k, v in stage.items()}

@@ -17,7 +17,7 @@
    rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
    A pipeline stage keeps its own layers (GPT(config, chunks)) and runs them
    chunk by chunk (pipeline.py).
-6. The LM head and the loss, fused over chunks of tokens (`fused_lm_loss`).
+6. The LM head and the loss, fused over spans of tokens (`fused_lm_loss`).
 7. Generation: the KV cache and `generate`.
 8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
 Hugging Face GPT-2 and Llama import and export live in checkpoint.py.
@@ -420,9 +420,9 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
     (tensor_parallel_piece swaps wte and output_layer):
 
         wte          VocabParallelEmbedding (vocab rows split; tied head)
-        attn.qkv     ColumnParallelLinear, strided: rank r gets [Q_r|K_r|V_r]
+        attn.qkv     ColumnParallelLinear, in blocks: rank r gets [Q_r|K_r|V_r]
         attn.proj    RowParallelLinear
-        mlp.fc       ColumnParallelLinear (SwiGLU: stride 2, [gate_r|up_r])
+        mlp.fc       ColumnParallelLinear (SwiGLU: 2 blocks, [gate_r|up_r])
         mlp.proj     RowParallelLinear
         output_layer ColumnParallelLinear (untied head; vocab rows split)
         norms, wpe, row-parallel biases: replicated
@@ -434,11 +434,11 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
     Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
     kv = cfg.num_query_groups * cfg.head_dim
     # GQA: K and V are narrower than Q, so the three blocks are named by size
-    qkv_stride = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
-    block.attn.qkv = Column.from_linear(block.attn.qkv, stride=qkv_stride, async_grad_allreduce=domino,
+    qkv_blocks = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
+    block.attn.qkv = Column.from_linear(block.attn.qkv, blocks=qkv_blocks, async_grad_allreduce=domino,
                                         sequence_parallel=sp)
     block.attn.proj = Row.from_linear(block.attn.proj, sequence_parallel=sp)
-    block.mlp.fc = Column.from_linear(block.mlp.fc, stride=2 if cfg.swiglu else 1,
+    block.mlp.fc = Column.from_linear(block.mlp.fc, blocks=2 if cfg.swiglu else 1,
                                       async_grad_allreduce=domino, sequence_parallel=sp)
     block.mlp.proj = Row.from_linear(block.mlp.proj, sequence_parallel=sp)
 
@@ -673,16 +673,16 @@ class GPT(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# The LM head and the loss, fused over chunks of tokens
+# The LM head and the loss, fused over spans of tokens
 #
 # Why: the LM head's output is the largest activation of a GPT step. At GPT-2
 # 124M, micro-batch 8, seq 1024, the logits are 8192 x 50304 values: 1.65 GB
 # in fp32 for a stable softmax, plus as much again for their gradient and the
 # softmax kept for backward. The fused loss (the idea of Liger-Kernel's fused
 # linear cross-entropy and Apple's Cut Cross-Entropy) walks the tokens in
-# chunks, so the (tokens, vocab) logits never exist whole. For each chunk it
+# spans, so the (tokens, vocab) logits never exist whole. For each span it
 #
-#   1. makes the chunk's logits z = h W^T            (n, V) in the matmul dtype,
+#   1. makes the span's logits z = h W^T             (n, V) in the matmul dtype,
 #   2. takes each row's max, sum of exp and target logit in fp32 (the log-sum-
 #      exp, lse), with one pass over z,
 #   3. overwrites z with its gradient (softmax(z) - onehot(target)) * w_i,
@@ -692,7 +692,7 @@ class GPT(nn.Module):
 # and then frees z. The gradient can be made in forward because the loss is a
 # weighted sum of per-token losses, sum_i w_i * loss_i (w_i = loss_mask_i /
 # sum(loss_mask), or 1/N): backward only scales the stored dh and dW by the
-# incoming scalar (under --fp16, the loss scale), in fp32. No chunk keeps
+# incoming scalar (under --fp16, the loss scale), in fp32. No span keeps
 # logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
 #
 # Tensor parallelism (Megatron's vocab-parallel cross-entropy): W is this
@@ -704,22 +704,22 @@ class GPT(nn.Module):
 #
 # On CUDA the row passes of steps 2 and 3 are Triton kernels (one read of the
 # logits for the statistics, one read and one in-place write for the
-# gradient); elsewhere the same maths runs as torch ops, in place on the chunk.
+# gradient); elsewhere the same maths runs as torch ops, in place on the span.
 # loss_impl="full" keeps the unfused path for comparison.
 
-# Logits per chunk (tokens x local vocab), by device: larger chunks make
-# slightly more efficient matmuls, smaller ones save memory. On CUDA a chunk
+# Logits per span (tokens x local vocab), by device: larger spans make
+# slightly more efficient matmuls, smaller ones save memory. On CUDA a span
 # costs its logits alone: 2**28 is 512 MiB in bf16, 5336 tokens of a
-# 50304-row vocabulary. Elsewhere the torch row passes work on fp32 chunks
+# 50304-row vocabulary. Elsewhere the torch row passes work on fp32 spans
 # (16-bit ones get an fp32 copy); 2**24 (64 MiB, 333 tokens) cuts the head +
 # loss peak several-fold against the full logits and runs faster (bench/RESULTS.md).
-CHUNK_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
+SPAN_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
 
 
-def chunk_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = True,
+def span_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = True,
                         triton_kernels: bool | None = None):
-    """One chunk's (lse, target logit), fp32 (n,), over the full vocabulary.
-    z: the chunk's logits (n, V_local); labels (n,): full-vocabulary ids;
+    """One span's (lse, target logit), fp32 (n,), over the full vocabulary.
+    z: the span's logits (n, V_local); labels (n,): full-vocabulary ids;
     weight (n,) fp32: each token's weight. With need_grads, z is overwritten by
     weight * (softmax(z) - onehot(labels)); without, z holds scratch values."""
     # Triton on CUDA only: on CPU the interpreter is far too slow to train.
@@ -728,7 +728,7 @@ def chunk_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = 
         if need_grads:
             kernels.loss_row_grad_(z, labels, lse, weight, vocab_start)
         return lse, z_target
-    # Three in-place passes, no chunk-sized temporary (an fp32 copy when z is 16-bit).
+    # Three in-place passes, no span-sized temporary (an fp32 copy when z is 16-bit).
     zf = z if z.dtype == torch.float32 else z.float()
     local = (labels - vocab_start).clamp(0, z.shape[1] - 1)[:, None]  # (n, 1)
     here = ((labels >= vocab_start) & (labels < vocab_start + z.shape[1])).float()
@@ -745,7 +745,7 @@ def chunk_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = 
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """loss = sum_i w_i * (lse_i - z_i[target_i]) with z = h W^T, in chunks;
+    """loss = sum_i w_i * (lse_i - z_i[target_i]) with z = h W^T, in spans;
     returns the fp32 scalar and keeps only dh (like h) and dW (fp32, like W).
 
     The gradients are made before backward's incoming gradient (under --fp16,
@@ -767,11 +767,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
         w_max = token_weight.max().clamp(min=torch.finfo(torch.float32).tiny)  # all masked: w = 0
         unit_weight = token_weight / w_max                           # in [0, 1]
-        chunk = max(1, CHUNK_LOGITS.get(h.device.type, CHUNK_LOGITS["cpu"]) // vocab_local)
-        for start in range(0, n_tokens, chunk):
-            rows = slice(start, min(start + chunk, n_tokens))
+        span = max(1, SPAN_LOGITS.get(h.device.type, SPAN_LOGITS["cpu"]) // vocab_local)
+        for start in range(0, n_tokens, span):
+            rows = slice(start, min(start + span, n_tokens))
             z = h_c[rows] @ w_c.t()                                  # (n, V_local)
-            lse, z_target = chunk_lse_and_grad_(z, labels[rows], unit_weight[rows], vocab_start,
+            lse, z_target = span_lse_and_grad_(z, labels[rows], unit_weight[rows], vocab_start,
                                                 need_grads)           # z is now dz / w_max
             loss += (token_weight[rows] * (lse - z_target)).sum()
             if not need_grads:  # evaluation: the loss alone

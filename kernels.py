@@ -6,7 +6,7 @@
      its autotuned launchers and autograd
   3. layer_norm(), add_layer_norm(), rms_norm(), add_rms_norm() (residual add
      fused in), and the drop-in modules TritonLayerNorm / TritonRMSNorm
-  4. the row statistics and gradient of a chunk of logits (gpt.fused_lm_loss)
+  4. the row statistics and gradient of a span of logits (gpt.fused_lm_loss)
 
 Without a GPU: with TRITON_INTERPRET=1 set *before* this module is imported
 (Triton decides at decoration time), the same kernels run on CPU tensors
@@ -897,7 +897,7 @@ def _autocast_dtype(x) -> torch.dtype | None:
 
 
 # ============================================================================
-# 4. The fused loss's row passes over a chunk of logits (gpt.fused_lm_loss)
+# 4. The fused loss's row passes over a span of logits (gpt.fused_lm_loss)
 # ============================================================================
 
 if HAS_TRITON:
@@ -956,7 +956,7 @@ def _block_v(V: int, z) -> int:
 def loss_row_stats(z: torch.Tensor, labels: torch.Tensor, vocab_start: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max, sum(exp(z - max)), target logit or 0), fp32 (n,) each, of the rows
-    of a chunk of logits z (n, V_local). A custom operator, as is loss_row_grad_."""
+    of a span of logits z (n, V_local). A custom operator, as is loss_row_grad_."""
     n, V = z.shape
     stats = [torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3)]
     _row_stats_kernel[(n,)](z, labels, *stats, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))

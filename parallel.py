@@ -415,8 +415,8 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        chunk = grad.shape[-1] // tp_size()  # a copy of this rank's slice, which frees the rest
-        return grad[..., tp_rank() * chunk:(tp_rank() + 1) * chunk].contiguous()
+        width = grad.shape[-1] // tp_size()  # a copy of this rank's slice, which frees the rest
+        return grad[..., tp_rank() * width:(tp_rank() + 1) * width].contiguous()
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -515,13 +515,13 @@ def init_normal(std: float = 0.02) -> Callable[[torch.Tensor], None]:
 
 
 def _sharded_master(shape: tuple[int, ...], init_method, dim: int,
-                    stride=1) -> nn.Parameter:
+                    blocks=1) -> nn.Parameter:
     """Build the full master weight with init_method, keep this rank's slice."""
     master = torch.empty(shape)
     with torch.no_grad():
         init_method(master)
-    shard = shard_tensor(master, dim, tp_rank(), tp_size(), stride)
-    return _mark_sharded(nn.Parameter(shard), dim, stride)
+    shard = shard_tensor(master, dim, tp_rank(), tp_size(), blocks)
+    return _mark_sharded(nn.Parameter(shard), dim, blocks)
 
 
 def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
@@ -536,16 +536,16 @@ class ColumnParallelLinear(nn.Module):
     tokens (B, T/tp, in), all-gathered instead, and dX is reduce-scattered."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 stride=1, init_method: Callable[[torch.Tensor], None] = init_normal(),
+                 blocks=1, init_method: Callable[[torch.Tensor], None] = init_normal(),
                  async_grad_allreduce: bool = False, sequence_parallel: bool = False):
         super().__init__()
         # True: f's backward all-reduce overlaps the weight-gradient GEMM (same maths)
         self.async_grad_allreduce = async_grad_allreduce
         self.sequence_parallel = sequence_parallel and tp_size() > 1
-        self.in_features, self.out_features, self.stride = in_features, out_features, stride
-        self.weight = _sharded_master((out_features, in_features), init_method, 0, stride)
+        self.in_features, self.out_features, self.blocks = in_features, out_features, blocks
+        self.weight = _sharded_master((out_features, in_features), init_method, 0, blocks)
         if bias:  # zeros, as in Megatron
-            self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // tp_size())), 0, stride)
+            self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // tp_size())), 0, blocks)
         else:
             self.register_parameter("bias", None)
 
@@ -573,7 +573,7 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {_local_shape(self.weight)[0]}), stride={self.stride}, "
+                f"(local {_local_shape(self.weight)[0]}), blocks={self.blocks}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
 
@@ -1106,47 +1106,48 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
 # 8. Shards and full tensors: parameters, optimizer state, state dicts
 # ============================================================================
 
-def _blocks(full_size: int, stride) -> list[int]:
-    """Block sizes along the split dim: `stride` equal blocks (an int), or the
-    sizes themselves ([Q | K | V] with fewer K/V heads under grouped-query attention)."""
-    if isinstance(stride, int):
-        return [full_size // stride] * stride
-    return [int(s) for s in stride]
+def _block_sizes(full_size: int, blocks) -> list[int]:
+    """A tensor's `blocks` along the split dim, as sizes. `blocks` (Megatron's
+    stride, generalized) is a count of equal blocks (an int), or their sizes
+    ([Q | K | V] with fewer K/V heads under grouped-query attention)."""
+    if isinstance(blocks, int):
+        return [full_size // blocks] * blocks
+    return [int(s) for s in blocks]
 
 
 def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int,
-                 stride=1) -> torch.Tensor:
-    """Rank's slice of `full` along `dim`. With stride > 1 (or block sizes),
-    `full` is made of blocks along dim (e.g. [Q | K | V]) and rank r keeps
-    the r-th piece of every block ([Q_r | K_r | V_r]): whole heads."""
-    sizes = _blocks(full.shape[dim], stride)
+                 blocks=1) -> torch.Tensor:
+    """Rank's slice of `full` along `dim`. With several blocks, `full` is
+    made of them along dim (e.g. [Q | K | V]) and rank r keeps the r-th
+    piece of every block ([Q_r | K_r | V_r]): whole heads."""
+    sizes = _block_sizes(full.shape[dim], blocks)
     if sum(sizes) != full.shape[dim] or any(s % world for s in sizes):
         raise UsageError(f"dim {dim} of size {full.shape[dim]} cannot be split into "
                          f"block(s) {sizes} x {world} rank(s)")
-    blocks = full.split(sizes, dim=dim)
-    return torch.cat([b.chunk(world, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
+    return torch.cat([b.chunk(world, dim=dim)[rank] for b in full.split(sizes, dim=dim)],
+                     dim=dim).contiguous()
 
 
-def merge_shards(shards: list[torch.Tensor], dim: int, stride=1) -> torch.Tensor:
+def merge_shards(shards: list[torch.Tensor], dim: int, blocks=1) -> torch.Tensor:
     """Inverse of shard_tensor: rebuild the full tensor from every rank's shard."""
     world = len(shards)
-    local = [s // world for s in _blocks(shards[0].shape[dim] * world, stride)]
+    local = [s // world for s in _block_sizes(shards[0].shape[dim] * world, blocks)]
     per_rank_blocks = [s.split(local, dim=dim) for s in shards]  # [rank][block]
     blocks = [torch.cat([rb[b] for rb in per_rank_blocks], dim=dim) for b in range(len(local))]
     return torch.cat(blocks, dim=dim)
 
 
-def gather_tensor(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor:
+def gather_tensor(shard: torch.Tensor, dim: int, blocks=1) -> torch.Tensor:
     """All-gather a sharded tensor over the TP group into the full tensor on every rank."""
     if tp_size() == 1:
         return shard
     shard = shard.contiguous()
     shards = [torch.empty_like(shard) for _ in range(tp_size())]
     dist.all_gather(shards, shard, group=tp_group())
-    return merge_shards(shards, dim, stride)
+    return merge_shards(shards, dim, blocks)
 
 
-def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride=1) -> torch.Tensor | None:
+def gather_tensor_to_first(shard: torch.Tensor, dim: int, blocks=1) -> torch.Tensor | None:
     """gather_tensor, but only TP rank 0 receives the full tensor: the others
     return None and never allocate it (checkpoint writes)."""
     if tp_size() == 1:
@@ -1155,7 +1156,7 @@ def gather_tensor_to_first(shard: torch.Tensor, dim: int, stride=1) -> torch.Ten
     first = tp_rank() == 0
     shards = [torch.empty_like(shard) for _ in range(tp_size())] if first else None
     dist.gather(shard, shards, dst=dist.get_global_rank(tp_group(), 0), group=tp_group())
-    return merge_shards(shards, dim, stride) if first else None
+    return merge_shards(shards, dim, blocks) if first else None
 
 
 def mark(obj, **attributes) -> None:
@@ -1169,7 +1170,7 @@ def mark(obj, **attributes) -> None:
                              sum_sequence_parallel_grads, the state-dict and
                              checkpoint gathers, and DeepSpeed's own grad norm
       partition_dim          the dim a TP shard was cut along (_mark_sharded)
-      partition_stride       how it was cut: 1, a count of equal blocks, or the
+      partition_blocks       how it was cut: 1, a count of equal blocks, or the
                              blocks' sizes (shard_tensor); read with partition_dim
                              to gather or re-cut it (checkpoint.py)
       pipeline_copy          True on the last pipeline stage's copy of a tied
@@ -1187,8 +1188,8 @@ def mark(obj, **attributes) -> None:
         setattr(obj, name, value)
 
 
-def _mark_sharded(param: nn.Parameter, dim: int, stride=1) -> nn.Parameter:
-    mark(param, tensor_model_parallel=True, partition_dim=dim, partition_stride=stride)
+def _mark_sharded(param: nn.Parameter, dim: int, blocks=1) -> nn.Parameter:
+    mark(param, tensor_model_parallel=True, partition_dim=dim, partition_blocks=blocks)
     return param
 
 
@@ -1200,14 +1201,14 @@ def gather_like(param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
     """The full tensor of `t`, split the way `param` is (the parameter itself,
     or optimizer state shaped like it); collective for sharded parameters."""
     if getattr(param, "tensor_model_parallel", False):
-        return gather_tensor(t, param.partition_dim, param.partition_stride)
+        return gather_tensor(t, param.partition_dim, param.partition_blocks)
     return t
 
 
 def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """Inverse of gather_like: this rank's slice of `full`, split like `param`."""
     if getattr(param, "tensor_model_parallel", False):
-        return shard_tensor(full, param.partition_dim, tp_rank(), tp_size(), param.partition_stride)
+        return shard_tensor(full, param.partition_dim, tp_rank(), tp_size(), param.partition_blocks)
     return full
 
 

@@ -443,11 +443,11 @@ def problem(N=37, C=24, V=300, seed=0):
 
 
 @pytest.mark.usefixtures("single_rank")
-@pytest.mark.parametrize("chunk_tokens", [1, 5, 37, 1000])  # one token a chunk ... one chunk
+@pytest.mark.parametrize("span_tokens", [1, 5, 37, 1000])  # one token a span ... one span
 @pytest.mark.parametrize("masked", [False, True])
-def test_fused_loss_matches_full_logits_in_fp32(monkeypatch, chunk_tokens, masked):
+def test_fused_loss_matches_full_logits_in_fp32(monkeypatch, span_tokens, masked):
     h, weight, labels = problem()
-    monkeypatch.setitem(gpt.CHUNK_LOGITS, "cpu", chunk_tokens * weight.shape[0])
+    monkeypatch.setitem(gpt.SPAN_LOGITS, "cpu", span_tokens * weight.shape[0])
     mask = None
     if masked:
         mask = (torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) > 0.3).float()

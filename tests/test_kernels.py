@@ -432,7 +432,7 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
 
 
 # ---------------------------------------------------------------------------
-# the fused loss's row kernels (gpt.chunk_lse_and_grad_) against their torch twins
+# the fused loss's row kernels (gpt.span_lse_and_grad_) against their torch twins
 
 @pytest.mark.usefixtures("single_rank")
 @pytest.mark.parametrize("vocab_start", [0, 100])  # a vocab slice: some targets are elsewhere
@@ -449,7 +449,7 @@ def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
     results = []
     for use_triton in (True, False):
         dz = z.clone()
-        lse, target = gpt.chunk_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
+        lse, target = gpt.span_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
                                                    triton_kernels=use_triton)
         results.append((lse, target, dz))
     (lse, target, dz), (lse_t, target_t, dz_t) = results
@@ -592,7 +592,7 @@ def test_fused_loss_row_kernels_compile_whole():
     z, labels, weight = torch.randn(8, 40, generator=g), torch.randint(0, 40, (8,), generator=g), torch.rand(8, generator=g)
 
     def passes(z):
-        lse, target = gpt.chunk_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
+        lse, target = gpt.span_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
         return lse, target, z
     want = passes(z.clone())
     torch._dynamo.reset()

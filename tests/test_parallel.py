@@ -89,31 +89,31 @@ def test_operators_are_free_identities_with_one_rank():
 # --------------------------------------------------------------------------
 
 
-def test_shard_tensor_with_stride_keeps_whole_qkv_pieces():
+def test_shard_tensor_in_blocks_keeps_whole_qkv_pieces():
     H = 4
     q, k, v = (torch.randn(H, 2) for _ in range(3))
     full = torch.cat([q, k, v], dim=0)                   # (3H, 2): [Q | K | V]
-    shards = [parallel.shard_tensor(full, 0, r, 2, stride=3) for r in range(2)]
+    shards = [parallel.shard_tensor(full, 0, r, 2, blocks=3) for r in range(2)]
     assert torch.equal(shards[1], torch.cat([q[2:], k[2:], v[2:]]))
-    assert torch.equal(parallel.merge_shards(shards, 0, stride=3), full)
+    assert torch.equal(parallel.merge_shards(shards, 0, blocks=3), full)
     with pytest.raises(ValueError, match="cannot be split"):
-        parallel.shard_tensor(torch.zeros(10, 2), 0, 0, 2, stride=3)
+        parallel.shard_tensor(torch.zeros(10, 2), 0, 0, 2, blocks=3)
 
 
 def test_shard_tensor_with_block_sizes_splits_gqa_qkv_and_swiglu_fc():
     # GQA: 4 query heads, 2 key/value heads, head dim 1 -> blocks of 4, 2, 2 rows.
     q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
     full = torch.cat([q, k, v])
-    shards = [parallel.shard_tensor(full, 0, r, 2, stride=(4, 2, 2)) for r in range(2)]
+    shards = [parallel.shard_tensor(full, 0, r, 2, blocks=(4, 2, 2)) for r in range(2)]
     assert torch.equal(shards[1], torch.cat([q[2:], k[1:], v[1:]]))  # query heads 2,3 with kv head 1
     # checkpoints store the layout as JSON: a list works like the tuple
     assert torch.equal(parallel.merge_shards(shards, 0, [4, 2, 2]), full)
-    # SwiGLU: [gate | up] with stride 2 gives each rank matching gate and up rows.
+    # SwiGLU: [gate | up] in 2 blocks gives each rank matching gate and up rows.
     gate, up = torch.randn(6, 3), torch.randn(6, 3)
-    shard = parallel.shard_tensor(torch.cat([gate, up]), 0, 2, 3, stride=2)
+    shard = parallel.shard_tensor(torch.cat([gate, up]), 0, 2, 3, blocks=2)
     assert torch.equal(shard, torch.cat([gate[4:], up[4:]]))
     with pytest.raises(ValueError, match="cannot be split"):
-        parallel.shard_tensor(full, 0, 0, 4, stride=(4, 2, 2))  # 2 kv heads over 4 ranks
+        parallel.shard_tensor(full, 0, 0, 4, blocks=(4, 2, 2))  # 2 kv heads over 4 ranks
 
 
 # --------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_shard_tensor_with_block_sizes_splits_gqa_qkv_and_swiglu_fc():
 
 
 def _gathered_grad(p):
-    return parallel.gather_tensor(p.grad, p.partition_dim, p.partition_stride)
+    return parallel.gather_tensor(p.grad, p.partition_dim, p.partition_blocks)
 
 
 def _check_linear_pair():
@@ -169,7 +169,7 @@ def test_column_row_pair_matches_plain_linears():
     run_on_ranks(_check_linear_pair)
 
 
-def _check_qkv_stride():
+def _check_qkv_blocks():
     parallel.initialize(2)
     r = parallel.tp_rank()
     H = 8
@@ -177,18 +177,18 @@ def _check_qkv_stride():
     torch.manual_seed(0)
     with torch.no_grad():  # rank-identical full weights
         qkv.weight.normal_(), qkv.bias.normal_()
-    col = parallel.ColumnParallelLinear.from_linear(qkv, stride=3)
+    col = parallel.ColumnParallelLinear.from_linear(qkv, blocks=3)
     x = torch.randn(2, 5, H)
     q, k, v = qkv(x).split(H, dim=-1)                # full Q, K, V
     half = slice(r * H // 2, (r + 1) * H // 2)       # this rank's heads
     assert_close(col(x), torch.cat([q[..., half], k[..., half], v[..., half]], -1),
-                 what="strided shard = [Q_r | K_r | V_r]")
-    assert_close(parallel.gather_tensor(col.weight, 0, stride=3), qkv.weight, what="regather")
-    assert col.weight.partition_stride == 3
+                 what="shard in blocks = [Q_r | K_r | V_r]")
+    assert_close(parallel.gather_tensor(col.weight, 0, blocks=3), qkv.weight, what="regather")
+    assert col.weight.partition_blocks == 3
 
 
-def test_strided_column_split_gives_each_rank_its_q_k_v_heads():
-    run_on_ranks(_check_qkv_stride)
+def test_column_split_in_blocks_gives_each_rank_its_q_k_v_heads():
+    run_on_ranks(_check_qkv_blocks)
 
 
 # --------------------------------------------------------------------------
