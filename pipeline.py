@@ -1,8 +1,9 @@
 """Pipeline parallelism: the layers split into stages, one per pipeline rank,
 and the micro-batches of a step scheduled through them. Sections:
 
-  1. Stages: which layers (model chunks) a rank holds, a chunk's forward, the
-     tied embedding's two copies
+  1. Stages: which layers (model chunks) a rank holds, the model it builds
+     with them (build_model: at pp = 1 the whole model), a chunk's forward,
+     the tied embedding's two copies
   2. The schedules: 1F1B and interleaved 1F1B, drawn, and timed on one clock
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
      of one rank (run_pipeline)
@@ -12,6 +13,7 @@ and the micro-batches of a step scheduled through them. Sections:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -20,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import parallel
-from config import TrainConfig, autocast
+from config import TrainConfig, autocast, model_config
 from data import to_device
 from gpt import GPT, rope_angles
 from launch import UsageError
@@ -66,6 +68,27 @@ from launch import UsageError
 # ----------------------------------------------------------------------------
 # 1. Stages
 # ----------------------------------------------------------------------------
+
+def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
+    """The run's model on `device`, this rank's layers of it (pipeline_chunks;
+    at pp = 1 all of them), with the kernels chosen for `kernels_for`
+    (default: device; ZeRO-3 under TP builds on the host what runs on a GPU)."""
+    mcfg = model_config(cfg, kernels_for or device)
+    if cfg.domino:
+        mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
+    # Same seed everywhere: every rank builds the same full model (TP ranks keep their
+    # slice, pipeline stages their layers). Dropout over TP-sharded values draws from a
+    # per-TP-rank stream (parallel.py).
+    torch.manual_seed(cfg.seed)
+    parallel.model_parallel_seed(cfg.seed)
+    chunks = pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
+                             cfg.num_layers_per_virtual_pipeline_stage)
+    model = GPT(mcfg, chunks).to(device)
+    if parallel.pp_rank() > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
+        torch.manual_seed(cfg.seed + 100 * parallel.pp_rank())
+        parallel.model_parallel_seed(cfg.seed + 100 * parallel.pp_rank())
+    return model
+
 
 def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
     """The layers of each model chunk of pipeline rank `rank`: one chunk of

@@ -5,15 +5,16 @@ r"""Pretrain a GPT on Megatron-format token data.
         --global-batch-size 256 --train-iters 5000 --bf16
 
 Sections:
-  1. The model, AdamW, the learning-rate schedule, the batch and its ramp.
+  1. The learning-rate schedule, the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
   3. The step: accumulation (or, across pipeline stages, the 1F1B schedule of
      pipeline.py), mixed precision, clipping, the skip decision, the fp16 loss
      scaler; PlainTraining (DeepSpeed's twin: zero.DeepSpeedTraining).
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
-Elsewhere: flags (config.py), launch (launch.py), process groups (parallel.py),
-pipeline stages and their schedules (pipeline.py),
+Elsewhere: flags and AdamW (config.py), launch (launch.py), process groups
+(parallel.py), the model a rank builds, pipeline stages and their schedules
+(pipeline.py),
 checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 """
 from __future__ import annotations
@@ -36,8 +37,8 @@ import launch
 import parallel
 import pipeline
 import zero
-from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, compile_options,
-                    model_config, parse_args)
+from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, build_optimizer,
+                    compile_options, model_config, parse_args)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from launch import UsageError
@@ -45,7 +46,7 @@ from prepare import EOD, load_tokenizer
 
 
 # ----------------------------------------------------------------------------
-# 1. What the flags describe: model, AdamW, schedule, batch
+# 1. What the flags describe: schedule, batch
 
 def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: int | None = None) -> int:
     """global batch = micro batch x data-parallel size x accumulation steps, for this
@@ -58,41 +59,6 @@ def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: in
         raise UsageError(f"{flag} {gbs} is not divisible by --micro-batch-size {cfg.micro_batch_size} x "
                          f"data-parallel size {dp_size} = {per_step}; use a multiple of {per_step}")
     return gbs // per_step
-
-
-def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
-    """The run's model on `device`, with the kernels chosen for `kernels_for`
-    (default: device; ZeRO-3 under TP builds on the host what runs on a GPU)."""
-    mcfg = model_config(cfg, kernels_for or device)
-    if cfg.domino:
-        mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
-    # Same seed everywhere: every rank builds the same full model (TP ranks keep their
-    # slice, pipeline stages their layers). Dropout over TP-sharded values draws from a
-    # per-TP-rank stream (parallel.py).
-    torch.manual_seed(cfg.seed)
-    parallel.model_parallel_seed(cfg.seed)
-    chunks = pipeline.pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
-                                      cfg.num_layers_per_virtual_pipeline_stage)
-    model = GPT(mcfg, chunks).to(device)
-    if parallel.pp_rank() > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
-        torch.manual_seed(cfg.seed + 100 * parallel.pp_rank())
-        parallel.model_parallel_seed(cfg.seed + 100 * parallel.pp_rank())
-    return model
-
-
-def param_ndim(p: torch.nn.Parameter) -> int:
-    # ZeRO-3 swaps p.data for an empty 1-D tensor and keeps the real shape in ds_shape.
-    return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
-    # fused: one kernel for all tensors, which can skip a step on the device (optimizer_step).
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, fused=fused)
 
 
 def lr_span(cfg: TrainConfig) -> tuple[float, int]:
@@ -315,7 +281,7 @@ class PlainTraining:
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log
-        self.raw = build_model(cfg, env.device)
+        self.raw = pipeline.build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
         self.scaler = LossScaler(cfg.initial_loss_scale, env.device) if cfg.fp16 else None
         self.iteration, self.consumed = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
@@ -563,7 +529,7 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
         torch.set_float32_matmul_precision("high")
         logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
-        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer)
+        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print)
     else:
         trainer = PlainTraining(cfg, env, accum, logger.print)
     if trainer.iteration > cfg.train_iters:

@@ -17,7 +17,7 @@ import launch
 import parallel
 import pipeline
 from launch import UsageError
-from config import TrainConfig, compile_options, model_config, read_deepspeed_json
+from config import TrainConfig, build_optimizer, compile_options, model_config, read_deepspeed_json
 from data import to_device
 from gpt import GPT, init_weights
 
@@ -135,17 +135,17 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
                              f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")
 
 
-def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT:
+def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
     """Build the model under deepspeed.zero.Init, each layer partitioned over
     the data-parallel group as soon as it is built: no rank holds the full model.
     GPT's own init then meets emptied partitions, so it is redone one module at
     a time on gathered weights; only init_weights draws random numbers, so the
-    weights are build_model's. With tensor parallelism GPT slices each layer's
+    weights are pipeline.build_model's. With tensor parallelism GPT slices each layer's
     full weight after initializing it, so that case is built outside zero.Init
     (1/tp slices plus one full layer at a time; deepspeed.initialize partitions)."""
     device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
     if parallel.tp_size() > 1:
-        return build_model(cfg, torch.device("cpu"), kernels_for=device)
+        return pipeline.build_model(cfg, torch.device("cpu"), kernels_for=device)
     mcfg = model_config(cfg, device)
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
@@ -189,7 +189,7 @@ class DeepSpeedTraining:
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights."""
 
-    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer):
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log
         # ZeRO-3's zero.Init swaps torch.nn.functional.linear for its own, process-wide, and
         # never swaps it back: close() does, so later models in this process compute as before.
@@ -209,8 +209,7 @@ class DeepSpeedTraining:
             log("overlap_comm: off over pipeline stages, as in DeepSpeed's own pipeline engine; "
                 "the gradients are reduced once the stages' schedule ends")
         stage = config["zero_optimization"]["stage"]
-        model = (build_model_zero3(cfg, ds, config, build_model) if stage == 3
-                 else build_model(cfg, env.device))
+        model = build_model_zero3(cfg, ds, config) if stage == 3 else pipeline.build_model(cfg, env.device)
         for p in model.parameters():  # counted on the first stage (clip_grad_norm_'s rule)
             p.ds_pipe_replicated = getattr(p, "pipeline_copy", False)
         weights_only = found is not None and checkpoint.weights_only(cfg)

@@ -929,7 +929,6 @@ def _check_zero3_builds_the_kernels_of_its_accelerator():
     the kernels are still chosen for the device it will run on (here a
     GPU, as DeepSpeed's accelerator reports it): Triton, not torch's."""
     import config
-    import train
     import zero
     _use_layout(2)
     cfg = config.parse_args(["--preset", "tiny", "--num-attention-heads", "2", "--deepspeed",
@@ -941,7 +940,7 @@ def _check_zero3_builds_the_kernels_of_its_accelerator():
     class DeepSpeed:
         get_accelerator = staticmethod(lambda: GPUAccelerator)
 
-    model = zero.build_model_zero3(cfg, DeepSpeed, {}, train.build_model)
+    model = zero.build_model_zero3(cfg, DeepSpeed, {})
     assert (model.config.attention_impl, model.config.layernorm_impl) == ("triton", "triton")
     assert isinstance(model.blocks[0].attn.qkv, parallel.ColumnParallelLinear)
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -965,7 +964,7 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
     import train
     cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", *precision])
     model = _build_gpt(2)
-    optimizer = train.build_optimizer(model, cfg)
+    optimizer = config.build_optimizer(model, cfg)
     scaler = train.LossScaler(2.0 ** 10, torch.device("cpu")) if cfg.fp16 else None
     param = model.get_parameter(poisoned)
     assert getattr(param, "tensor_model_parallel", False) == (poisoned == "blocks.0.mlp.fc.weight")

@@ -151,7 +151,7 @@ def _check_pipeline_stages_share_one_loss_scale():
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                  vocab_size=100, padded_vocab_size=128)
     model = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, 2, dist.get_rank()))
-    optimizer = train.build_optimizer(model, cfg)
+    optimizer = config.build_optimizer(model, cfg)
     scaler = train.LossScaler(2.0 ** 10, torch.device("cpu"))
     poison = []
     if dist.get_rank() == 1:

@@ -28,6 +28,7 @@ import checkpoint  # noqa: E402  (this file is also a torchrun worker: conftest 
 import config  # noqa: E402
 import data as data_lib  # noqa: E402
 import parallel  # noqa: E402
+import pipeline  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
 from gpt import GPTConfig
@@ -74,7 +75,7 @@ def test_learning_rate_warmup_then_cosine_to_min():
 def test_no_weight_decay_on_biases_and_norms():
     cfg = config.TrainConfig(preset="tiny", weight_decay=0.1)
     model = train.GPT(GPTConfig.from_preset("tiny"))
-    opt = train.build_optimizer(model, cfg)
+    opt = config.build_optimizer(model, cfg)
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     for name, p in model.named_parameters():
         is_matrix = name.endswith("weight") and "ln" not in name
@@ -261,8 +262,8 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(precision, monkeypatch
     own sync detector.)"""
     cfg = config.parse_args(["--preset", "tiny", "--seq-length", "16", "--micro-batch-size", "2",
                              *(["--fp16"] if precision == "fp16" else [])])
-    model = train.build_model(cfg, torch.device("cpu"))
-    optimizer = train.build_optimizer(model, cfg)
+    model = pipeline.build_model(cfg, torch.device("cpu"))
+    optimizer = config.build_optimizer(model, cfg)
     scaler = train.LossScaler(2.0 ** 8, torch.device("cpu")) if cfg.fp16 else None
     batch = {"tokens": torch.randint(0, 1000, (2, 16)), "labels": torch.randint(0, 1000, (2, 16)),
              "position_ids": torch.arange(16).expand(2, 16), "loss_mask": torch.ones(2, 16)}
@@ -291,8 +292,8 @@ def test_gpu_training_steps_never_synchronize():
     device = torch.device("cuda")
     for precision in ("--bf16", "--fp16"):
         cfg = config.parse_args(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4", precision])
-        model = train.build_model(cfg, device)
-        optimizer = train.build_optimizer(model, cfg)
+        model = pipeline.build_model(cfg, device)
+        optimizer = config.build_optimizer(model, cfg)
         scaler = train.LossScaler(2.0 ** 8, device) if cfg.fp16 else None
         batch = {k: v.pin_memory() for k, v in {
             "tokens": torch.randint(0, 1000, (4, 64)), "labels": torch.randint(0, 1000, (4, 64)),
