@@ -564,7 +564,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
-    # fused: one kernel for all tensors, which can skip a step on the device (train.optimizer_step).
+    # fused: one kernel for all tensors, which can skip a step on the device (train.PlainTraining.finish).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              eps=cfg.adam_eps, fused=fused)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel
-from conftest import run_on_ranks, uneven_batch
+from conftest import process_env, run_on_ranks, uneven_batch
 
 
 def assert_close(actual, expected, tol=1e-6, what=""):
@@ -962,10 +962,11 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
     equal across the TP group."""
     import config
     import train
-    cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", *precision])
-    model = _build_gpt(2)
-    optimizer = config.build_optimizer(model, cfg)
-    scaler = train.LossScaler(2.0 ** 10, torch.device("cpu")) if cfg.fp16 else None
+    cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", "--tensor-model-parallel-size", "2",
+                             "--initial-loss-scale", "1024", *precision])
+    _use_layout(2)
+    trainer = train.PlainTraining(cfg, process_env(), 1, print)
+    model, scaler = trainer.raw, trainer.scaler
     param = model.get_parameter(poisoned)
     assert getattr(param, "tensor_model_parallel", False) == (poisoned == "blocks.0.mlp.fc.weight")
     poison = []  # on rank 1 only, while it holds True
@@ -980,7 +981,7 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
         x, y, mask = uneven_batch(i)
         batch = {"tokens": x, "labels": y, "loss_mask": mask,
                  "position_ids": torch.arange(x.shape[1]).expand_as(x)}
-        return train.train_step(model, optimizer, scaler, [batch], cfg, torch.device("cpu"), lr=1e-2)
+        return train.train_step(trainer, [batch], lr=1e-2)
 
     assert step(0)[2] == 0  # not skipped
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
