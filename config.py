@@ -207,7 +207,7 @@ TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tens
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are UsageErrors, printed once from rank 0
-    (launch.launch), not usage and an exit on every rank."""
+    (launch.errors_reported), not usage and an exit on every rank."""
 
     def error(self, message: str):
         raise UsageError(f"{message} ({self.prog} --help lists the flags)")

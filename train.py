@@ -623,21 +623,18 @@ def init_processes(cfg: TrainConfig) -> launch.Dist:
     return env
 
 
-def run(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv, usage=__doc__)
-    if cfg.export_from:
-        checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
-        print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
-        return
-    train(cfg, init_processes(cfg))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: a user's mistake is one line from rank 0 (launch.launch)."""
-    launch.launch(run, argv, "train.py")
+    """train.py's command line: a user's mistake is one line from rank 0 (launch.errors_reported)."""
+    with launch.errors_reported("train.py"):
+        cfg = parse_args(argv, usage=__doc__)
+        if cfg.export_from:
+            checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
+            print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
+            return
+        train(cfg, init_processes(cfg))
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
