@@ -4,7 +4,7 @@
   2. The parser: fields -> argparse, Megatron's other spellings
   3. The DeepSpeed JSON: fills the flags the command line left unset
   4. Checks: a mistake is one line that names the fix (launch.UsageError)
-  5. What the flags describe: the model's GPTConfig, autocast, torch.compile
+  5. What the flags describe: the model's GPTConfig, AdamW, autocast, torch.compile
 """
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tens
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are UsageErrors, printed once from rank 0
-    (launch.launch), not usage and an exit on every rank."""
+    (launch.errors_reported), not usage and an exit on every rank."""
 
     def error(self, message: str):
         raise UsageError(f"{message} ({self.prog} --help lists the flags)")
@@ -555,6 +555,22 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
         raise UsageError(f"--seq-length {cfg.seq_length} exceeds --max-position-embeddings "
                          f"{mcfg.max_position_embeddings}")
     return mcfg
+
+
+def param_ndim(p: torch.nn.Parameter) -> int:
+    # ZeRO-3 swaps p.data for an empty 1-D tensor and keeps the real shape in ds_shape.
+    return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
+    """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay.
+    Both engines build it (train.PlainTraining, zero.DeepSpeedTraining)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
+    # fused: one kernel for all tensors, which can skip a step on the device (train.PlainTraining.finish).
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps, fused=fused)
 
 
 def autocast(cfg: TrainConfig, device: torch.device):

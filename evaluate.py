@@ -361,8 +361,9 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """evaluate.py's command line: a user's mistake is one line from rank 0 (launch.launch)."""
-    launch.launch(run, argv, "evaluate.py")
+    """evaluate.py's command line: a user's mistake is one line from rank 0 (launch.errors_reported)."""
+    with launch.errors_reported("evaluate.py"):
+        run(argv)
 
 
 if __name__ == "__main__":

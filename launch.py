@@ -2,7 +2,7 @@
 module every other may import, so it imports none of them.
 
   1. A user's mistake (UsageError): reported once, by rank 0, as one line;
-     a collective that gave up on a dead or silent peer, named (launch)
+     a collective that gave up on a dead or silent peer, named (errors_reported)
   2. torchrun's environment: the default process group, with a fresh store
      for each restart of an elastic job (init_distributed)
   3. Files that appear whole: written under a temporary name, forced to disk,
@@ -10,6 +10,7 @@ module every other may import, so it imports none of them.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -29,14 +30,16 @@ import torch.distributed as dist
 
 class UsageError(ValueError):
     """A mistake in the flags, the data or a checkpoint; its message says what
-    to do. launch() prints it once, with exit status 2 (other errors are bugs)."""
+    to do. errors_reported prints it once, with exit status 2 (other errors are bugs)."""
 
 
-def launch(entry, argv: list[str] | None, prog: str) -> None:
-    """entry(argv) (train.py's or evaluate.py's run), with a user's mistake
-    reported once, and a collective that gave up on a dead or silent peer named."""
+@contextlib.contextmanager
+def errors_reported(prog: str):
+    """Around a program's whole run (train.py's and evaluate.py's main): a
+    user's mistake reported once, and a collective that gave up on a dead or
+    silent peer named."""
     try:
-        entry(argv)
+        yield
     except UsageError as e:
         report_usage_error(e, prog)
     except RuntimeError as e:  # gloo's and torch.distributed's errors are RuntimeErrors

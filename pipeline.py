@@ -1,8 +1,10 @@
 """Pipeline parallelism: the layers split into stages, one per pipeline rank,
 and the micro-batches of a step scheduled through them. Sections:
 
-  1. Stages: which layers (model chunks) a rank holds, a chunk's forward, the
-     tied embedding's two copies
+  1. Stages: which layers (model chunks) a rank holds, the model it builds
+     with them (build_model: at pp = 1 the whole model), a micro-batch's
+     forward and loss (micro_batch_loss: every engine's, at every layout),
+     a chunk's forward, the tied embedding's two copies
   2. The schedules: 1F1B and interleaved 1F1B, drawn, and timed on one clock
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
      of one rank (run_pipeline)
@@ -12,6 +14,7 @@ and the micro-batches of a step scheduled through them. Sections:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -20,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import parallel
-from config import TrainConfig, autocast
+from config import TrainConfig, model_config
 from data import to_device
 from gpt import GPT, rope_angles
 from launch import UsageError
@@ -66,6 +69,46 @@ from launch import UsageError
 # ----------------------------------------------------------------------------
 # 1. Stages
 # ----------------------------------------------------------------------------
+
+def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
+    """The run's model on `device`, this rank's layers of it (pipeline_chunks;
+    at pp = 1 all of them), with the kernels chosen for `kernels_for`
+    (default: device; ZeRO-3 under TP builds on the host what runs on a GPU)."""
+    mcfg = model_config(cfg, kernels_for or device)
+    if cfg.domino:
+        mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
+    # Same seed everywhere: every rank builds the same full model (TP ranks keep their
+    # slice, pipeline stages their layers). Dropout over TP-sharded values draws from a
+    # per-TP-rank stream (parallel.py).
+    torch.manual_seed(cfg.seed)
+    parallel.model_parallel_seed(cfg.seed)
+    chunks = pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
+                             cfg.num_layers_per_virtual_pipeline_stage)
+    model = GPT(mcfg, chunks).to(device)
+    if parallel.pp_rank() > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
+        torch.manual_seed(cfg.seed + 100 * parallel.pp_rank())
+        parallel.model_parallel_seed(cfg.seed + 100 * parallel.pp_rank())
+    return model
+
+
+def micro_batch_loss(model, batch: dict, precision, chunk: int | None = None, x=None) -> torch.Tensor:
+    """The forward and loss of one micro-batch (on the device), written once
+    for every engine and layout: train.train_step runs it at pp = 1, and the
+    1F1B schedule (pipeline_step) once per model chunk. `precision` is the
+    engine's autocast context (--bf16/--fp16; a nullcontext for none).
+
+    model: the whole model as the engine runs it (a GPT, compiled, in DDP, or
+    DeepSpeed's engine): returns the mean loss. Under pipeline parallelism, this
+    stage's GPT, of which model chunk `chunk` runs on x, the previous stage's
+    output (None where the chunk begins at layer 0): returns the chunk's output,
+    or where it ends with the last layer, the loss."""
+    with precision:
+        if chunk is None:
+            return model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
+                         loss_mask=batch["loss_mask"])
+        return stage_forward(model, chunk, x, batch["tokens"], batch["position_ids"], batch["labels"],
+                             batch["loss_mask"])
+
 
 def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
     """The layers of each model chunk of pipeline rank `rank`: one chunk of
@@ -259,11 +302,13 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
 # 4. The pipelined step
 # ----------------------------------------------------------------------------
 
-def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, scaler=None) -> torch.Tensor:
+def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision, scale=None) -> torch.Tensor:
     """The micro-batches through this rank's pipeline stage in 1F1B order
-    (run_pipeline), forwards and backwards (under torch.no_grad,
-    forwards alone). Returns the mean loss: the last stage computes it, and
-    every stage gets it."""
+    (run_pipeline), forwards (micro_batch_loss, under `precision`) and
+    backwards; under torch.no_grad, forwards alone. The last stage
+    differentiates each micro-batch's share of the step's loss, scaled by the
+    engine's `scale` (its --fp16 loss scaling; None: as it is). Returns the
+    mean loss: the last stage computes it, and every stage gets it."""
     m, v = len(batches), len(model.chunks)
     ticks = pipeline_timeline(parallel.pp_size(), m, v, forward_only=not torch.is_grad_enabled())
     batches = [to_device(b, device) for b in batches]
@@ -271,20 +316,18 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, scaler=No
 
     def forward(chunk: int, micro: int, x):
         nonlocal total
-        b = batches[micro]
-        with autocast(cfg, device):
-            out = stage_forward(model, chunk, x, b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
+        out = micro_batch_loss(model, batches[micro], precision, chunk, x)
         if model.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
         loss = out / m
         total += loss.detach()
-        return scaler.scale(loss) if scaler and torch.is_grad_enabled() else loss
+        return scale(loss) if scale and torch.is_grad_enabled() else loss
 
     tokens = cfg.seq_length // parallel.tp_size() if model.sequence_parallel else cfg.seq_length
     # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
     dtype = next(model.parameters()).dtype
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
-                          dtype)
+                 dtype)
     dist.all_reduce(total, group=parallel.pp_group())  # zero but on the last stage
     return total
 

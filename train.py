@@ -5,14 +5,17 @@ r"""Pretrain a GPT on Megatron-format token data.
         --global-batch-size 256 --train-iters 5000 --bf16
 
 Sections:
-  1. The model, AdamW, the learning-rate schedule, the batch and its ramp.
+  1. The learning-rate schedule, the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
-  3. The step: accumulation (or, across pipeline stages, the 1F1B schedule of
-     pipeline.py), mixed precision, clipping, the skip decision, the fp16 loss
-     scaler; PlainTraining (DeepSpeed's twin: zero.DeepSpeedTraining).
+  3. The step: one train_step for both engines and every layout (accumulation
+     over micro-batches, or across pipeline stages the 1F1B schedule of
+     pipeline.py); PlainTraining, the engine without DeepSpeed (mixed
+     precision, the fp16 loss scaler, clipping, the skip decision), whose
+     twin is zero.DeepSpeedTraining.
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
-Elsewhere: flags (config.py), launch (launch.py), process groups (parallel.py),
+Elsewhere: flags and AdamW (config.py), launch (launch.py), process groups
+(parallel.py), the model a rank builds, a micro-batch's forward and loss,
 pipeline stages and their schedules (pipeline.py),
 checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 """
@@ -36,16 +39,17 @@ import launch
 import parallel
 import pipeline
 import zero
-from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, compile_options,
-                    model_config, parse_args)
+from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, build_optimizer,
+                    compile_options, model_config, parse_args)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from launch import UsageError
+from pipeline import micro_batch_loss
 from prepare import EOD, load_tokenizer
 
 
 # ----------------------------------------------------------------------------
-# 1. What the flags describe: model, AdamW, schedule, batch
+# 1. What the flags describe: schedule, batch
 
 def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: int | None = None) -> int:
     """global batch = micro batch x data-parallel size x accumulation steps, for this
@@ -58,41 +62,6 @@ def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: in
         raise UsageError(f"{flag} {gbs} is not divisible by --micro-batch-size {cfg.micro_batch_size} x "
                          f"data-parallel size {dp_size} = {per_step}; use a multiple of {per_step}")
     return gbs // per_step
-
-
-def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
-    """The run's model on `device`, with the kernels chosen for `kernels_for`
-    (default: device; ZeRO-3 under TP builds on the host what runs on a GPU)."""
-    mcfg = model_config(cfg, kernels_for or device)
-    if cfg.domino:
-        mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
-    # Same seed everywhere: every rank builds the same full model (TP ranks keep their
-    # slice, pipeline stages their layers). Dropout over TP-sharded values draws from a
-    # per-TP-rank stream (parallel.py).
-    torch.manual_seed(cfg.seed)
-    parallel.model_parallel_seed(cfg.seed)
-    chunks = pipeline.pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
-                                      cfg.num_layers_per_virtual_pipeline_stage)
-    model = GPT(mcfg, chunks).to(device)
-    if parallel.pp_rank() > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
-        torch.manual_seed(cfg.seed + 100 * parallel.pp_rank())
-        parallel.model_parallel_seed(cfg.seed + 100 * parallel.pp_rank())
-    return model
-
-
-def param_ndim(p: torch.nn.Parameter) -> int:
-    # ZeRO-3 swaps p.data for an empty 1-D tensor and keeps the real shape in ds_shape.
-    return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
-    # fused: one kernel for all tensors, which can skip a step on the device (optimizer_step).
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, fused=fused)
 
 
 def lr_span(cfg: TrainConfig) -> tuple[float, int]:
@@ -199,10 +168,10 @@ def check_batch(batch: dict, config: GPTConfig) -> dict:
     """Token ids and positions must index the embeddings. Checked on the host, where it is
     cheap: on a GPU a bad id is an opaque device-side assert, and checking costs a sync."""
     vocab = "check the data's tokenizer against the model's vocabulary"
-    parallel.check_ids([
-        (f"batch {name}", batch[name], config.padded_vocab_size, vocab) for name in ("tokens", "labels")
-    ] + [("batch position_ids", batch["position_ids"], config.max_position_embeddings,
-          "check --seq-length against --max-position-embeddings")])
+    parallel.check_ids([("batch tokens", batch["tokens"], config.padded_vocab_size, vocab),
+                        ("batch labels", batch["labels"], config.padded_vocab_size, vocab),
+                        ("batch position_ids", batch["position_ids"], config.max_position_embeddings,
+                         "check --seq-length against --max-position-embeddings")])
     return batch
 
 
@@ -215,66 +184,28 @@ def synchronize(device: torch.device) -> None:
 # ----------------------------------------------------------------------------
 # 3. The step
 
-def train_step(model, optimizer, scaler, batches, cfg: TrainConfig, device, lr: float):
-    """One optimizer step over `len(batches)` accumulated micro-batches. Returns (loss
-    averaged over micro-batches and DP ranks, grad norm, skipped: 1.0 or 0.0), all on
-    the device, so the host never waits for the GPU here."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    if parallel.pp_size() > 1:
-        total = pipeline.pipeline_step(model, batches, cfg, device, scaler)
-        pipeline.reduce_pipeline_grads(model)
-    else:
-        total = accumulate(model, scaler, batches, cfg, device)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if scaler:
-        scaler.unscale_(params)
-    grad_norm = parallel.clip_grad_norm_(params, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
-    skipped = optimizer_step(optimizer, scaler, grad_norm)
+def train_step(trainer, batches: list, lr: float):
+    """One optimizer step over the micro-batches `batches` (host tensors), for
+    either engine: PlainTraining, or zero.DeepSpeedTraining. Each micro-batch's
+    forward and loss is pipeline.micro_batch_loss; the engine says how the step
+    begins, how a micro-batch's loss becomes gradients, and how the step ends.
+    Returns (loss averaged over micro-batches and DP ranks, grad norm, skipped:
+    1.0 or 0.0); the plain engine's stay on the device, so the host never waits
+    for the GPU here."""
+    m = len(batches)
+    trainer.begin(m, lr)
+    if parallel.pp_size() == 1:  # forward and backward of each micro-batch in turn, summed in .grad
+        total = torch.zeros((), device=trainer.device)
+        for i, batch in enumerate(batches):
+            with trainer.micro_batch(last=i == m - 1):
+                loss = micro_batch_loss(trainer.model, to_device(batch, trainer.device), trainer.precision)
+                trainer.backward(loss, m)
+            total += loss.detach() / m
+    else:  # the same forward, a model chunk at a time, in 1F1B order through this rank's stage
+        total = pipeline.pipeline_step(trainer.model, batches, trainer.cfg, trainer.device, trainer.precision,
+                                       trainer.scale)
+    grad_norm, skipped = trainer.finish()
     return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, skipped
-
-
-def micro_batch_loss(model, batch: dict, cfg: TrainConfig, device) -> torch.Tensor:
-    """The model's mean loss on one micro-batch, under --bf16/--fp16 autocast."""
-    batch = to_device(batch, device)
-    with autocast(cfg, device):
-        return model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
-                     loss_mask=batch["loss_mask"])
-
-
-def accumulate(model, scaler, batches, cfg: TrainConfig, device) -> torch.Tensor:
-    """Forward and backward of each micro-batch in turn, gradients summed in
-    .grad; returns the mean loss (on the device)."""
-    total = torch.zeros((), device=device)
-    for i, batch in enumerate(batches):
-        # DDP all-reduces on every backward: only on the last micro-batch, once per step.
-        last = i == len(batches) - 1
-        sync = nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
-        if cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES:
-            torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are consumed
-        with sync:
-            loss = micro_batch_loss(model, batch, cfg, device) / len(batches)
-            (scaler.scale(loss) if scaler else loss).backward()
-        total += loss.detach()
-    return total
-
-
-def optimizer_step(optimizer, scaler, grad_norm: torch.Tensor) -> torch.Tensor:
-    """Update the weights unless the gradient norm is inf or NaN, decided on the device;
-    returns found_inf (1.0 if the step was skipped, else 0.0).
-
-    Every rank decides alike: grad_norm is the whole model's, all-reduced over TP (grads
-    already averaged over DP), so per-shard decisions cannot let replicas drift apart.
-    Fused AdamW takes the flag as a tensor and, when it is 1, leaves weights, moments and
-    step count alone: no host read stalls the GPU queue."""
-    found_inf = (~torch.isfinite(grad_norm)).float()
-    optimizer.grad_scale, optimizer.found_inf = None, found_inf
-    optimizer.step()
-    del optimizer.grad_scale, optimizer.found_inf
-    if scaler:
-        scaler.update(found_inf)
-    return found_inf
 
 
 class LossScaler:
@@ -291,8 +222,8 @@ class LossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_
 
-    def unscale_(self, params: list) -> None:
-        torch._foreach_mul_([p.grad for p in params], self.scale_.reciprocal())
+    def unscale_(self, params) -> None:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], self.scale_.reciprocal())
 
     def update(self, found_inf: torch.Tensor) -> None:
         grow = (self.growth_tracker + 1 >= self.growth_interval) & (found_inf == 0)
@@ -310,12 +241,16 @@ class LossScaler:
 
 
 class PlainTraining:
-    """Model, AdamW and --fp16 loss scaler without DeepSpeed, loaded from --load and wrapped
-    for --compile and DDP (zero.DeepSpeedTraining has the same shape)."""
+    """The engine without DeepSpeed: the model (pipeline.build_model), our AdamW
+    and the --fp16 loss scaler, loaded from --load, wrapped for --compile and,
+    at pp = 1 over several data-parallel ranks, DDP. train_step drives it, as
+    it drives its twin zero.DeepSpeedTraining: begin the step; per micro-batch,
+    forward within micro_batch(), then backward (under stages, the schedule
+    differentiates the loss `scale` gives); finish the step."""
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log
-        self.raw = build_model(cfg, env.device)
+        self.raw = pipeline.build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
         self.scaler = LossScaler(cfg.initial_loss_scale, env.device) if cfg.fp16 else None
         self.iteration, self.consumed = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
@@ -324,10 +259,52 @@ class PlainTraining:
         if parallel.dp_size() > 1 and parallel.pp_size() == 1:  # pipelines: reduce_pipeline_grads
             self.model = DDP(self.model, process_group=parallel.dp_group(),
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        # What every step uses, settled once for the run:
+        self.precision = autocast(cfg, env.device)               # the forward's (--bf16 / --fp16)
+        self.scale = self.scaler.scale if self.scaler else None  # a loss's, before backward
+        self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
+        self.max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
 
-    def step(self, batches: list, lr: float):
-        """(loss, grad norm, skipped), on the device (see train_step)."""
-        return train_step(self.model, self.optimizer, self.scaler, batches, self.cfg, self.device, lr)
+    def begin(self, micro_batches: int, lr: float) -> None:
+        """This step's learning rate; its gradients start from none."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def micro_batch(self, last: bool):
+        """The context of a micro-batch's forward and backward. DDP all-reduces
+        on every backward: here only on the last micro-batch's, once per step."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are consumed
+        return nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
+
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        """A micro-batch's loss -> its share of the step's gradients, summed in
+        .grad (under --fp16 scaled first, so that small gradients stay fp16 numbers)."""
+        share = loss / micro_batches
+        (self.scale(share) if self.scale else share).backward()
+
+    def finish(self):
+        """Clip, then update the weights unless the gradient norm is inf or NaN,
+        decided on the device. Returns (grad norm, found_inf: 1.0 if the step was
+        skipped, else 0.0), both on the device.
+
+        Every rank decides alike: grad_norm is the whole model's, all-reduced over TP (grads
+        already averaged over DP), so per-shard decisions cannot let replicas drift apart.
+        Fused AdamW takes the flag as a tensor and, when it is 1, leaves weights, moments and
+        step count alone: no host read stalls the GPU queue."""
+        if parallel.pp_size() > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
+            pipeline.reduce_pipeline_grads(self.raw)
+        if self.scaler:
+            self.scaler.unscale_(self.raw.parameters())
+        grad_norm = parallel.clip_grad_norm_(self.raw.parameters(), self.max_norm)
+        found_inf = (~torch.isfinite(grad_norm)).float()
+        self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf
+        self.optimizer.step()
+        del self.optimizer.grad_scale, self.optimizer.found_inf
+        if self.scaler:
+            self.scaler.update(found_inf)
+        return grad_norm, found_inf
 
     def save(self, iteration: int, consumed: int) -> None:
         checkpoint.save_checkpoint(self.cfg, self.raw, self.optimizer, self.scaler, iteration,
@@ -342,14 +319,17 @@ class PlainTraining:
 
 @torch.no_grad()
 def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int) -> float:
-    """Mean loss over --eval-iters global batches, averaged over data-parallel ranks."""
+    """Mean loss over --eval-iters global batches, averaged over data-parallel ranks
+    (under --bf16 / --fp16 autocast, with either engine)."""
     model.eval()
     it = data_iterator(dataset, cfg, consumed)
+    precision = autocast(cfg, device)
     if parallel.pp_size() > 1:  # a global batch at a time through the stages
-        losses = [pipeline.pipeline_step(model, [next(it) for _ in range(accum)], cfg, device)
+        losses = [pipeline.pipeline_step(model, [next(it) for _ in range(accum)], cfg, device, precision)
                   for _ in range(cfg.eval_iters)]
     else:
-        losses = [micro_batch_loss(model, next(it), cfg, device).float() for _ in range(cfg.eval_iters * accum)]
+        losses = [micro_batch_loss(model, to_device(next(it), device), precision).float()
+                  for _ in range(cfg.eval_iters * accum)]
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.dp_group()).item()
 
@@ -563,7 +543,7 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
         torch.set_float32_matmul_precision("high")
         logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
-        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer)
+        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print)
     else:
         trainer = PlainTraining(cfg, env, accum, logger.print)
     if trainer.iteration > cfg.train_iters:
@@ -601,11 +581,13 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
     meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
+    dp = parallel.dp_size()
     while iteration < cfg.train_iters:
-        batch_size = global_batch_at(consumed, cfg, parallel.dp_size())
+        batch_size = global_batch_at(consumed, cfg, dp)
         lr = learning_rate(consumed, cfg, batch_size) if cfg.train_samples else learning_rate(iteration, cfg)
-        micro_batches = gradient_accumulation_steps(cfg, parallel.dp_size(), batch_size)
-        loss, grad_norm, skipped = trainer.step([check_batch(next(batches), mcfg) for _ in range(micro_batches)], lr)
+        count = batch_size // (cfg.micro_batch_size * dp)  # a whole number: plan_batches checked each batch
+        micro_batches = [check_batch(next(batches), mcfg) for _ in range(count)]
+        loss, grad_norm, skipped = train_step(trainer, micro_batches, lr)
         iteration, consumed = iteration + 1, consumed + batch_size
         pending.append((iteration, loss))
         last = iteration == cfg.train_iters
@@ -641,21 +623,18 @@ def init_processes(cfg: TrainConfig) -> launch.Dist:
     return env
 
 
-def run(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv, usage=__doc__)
-    if cfg.export_from:
-        checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
-        print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
-        return
-    train(cfg, init_processes(cfg))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: a user's mistake is one line from rank 0 (launch.launch)."""
-    launch.launch(run, argv, "train.py")
+    """train.py's command line: a user's mistake is one line from rank 0 (launch.errors_reported)."""
+    with launch.errors_reported("train.py"):
+        cfg = parse_args(argv, usage=__doc__)
+        if cfg.export_from:
+            checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
+            print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
+            return
+        train(cfg, init_processes(cfg))
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """DeepSpeed ZeRO (--deepspeed): importing DeepSpeed, its config from train.py's
 flags, the model built (ZeRO-3: partitioned as it is built) and loaded, and
-DeepSpeedTraining with its step, the twin of train.PlainTraining. Its
-checkpoints are in checkpoint.py.
+DeepSpeedTraining, the engine train.train_step drives as it drives
+train.PlainTraining: how DeepSpeed begins a step, turns a micro-batch's loss
+into gradients, and ends the step. Its checkpoints are in checkpoint.py.
 """
 from __future__ import annotations
 
 import math
 import os
-from types import SimpleNamespace
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,7 @@ import launch
 import parallel
 import pipeline
 from launch import UsageError
-from config import TrainConfig, compile_options, model_config, read_deepspeed_json
-from data import to_device
+from config import TrainConfig, autocast, build_optimizer, compile_options, model_config, read_deepspeed_json
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
@@ -135,17 +135,17 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
                              f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")
 
 
-def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT:
+def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
     """Build the model under deepspeed.zero.Init, each layer partitioned over
     the data-parallel group as soon as it is built: no rank holds the full model.
     GPT's own init then meets emptied partitions, so it is redone one module at
     a time on gathered weights; only init_weights draws random numbers, so the
-    weights are build_model's. With tensor parallelism GPT slices each layer's
+    weights are pipeline.build_model's. With tensor parallelism GPT slices each layer's
     full weight after initializing it, so that case is built outside zero.Init
     (1/tp slices plus one full layer at a time; deepspeed.initialize partitions)."""
     device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
     if parallel.tp_size() > 1:
-        return build_model(cfg, torch.device("cpu"), kernels_for=device)
+        return pipeline.build_model(cfg, torch.device("cpu"), kernels_for=device)
     mcfg = model_config(cfg, device)
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
@@ -189,7 +189,7 @@ class DeepSpeedTraining:
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights."""
 
-    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer):
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log
         # ZeRO-3's zero.Init swaps torch.nn.functional.linear for its own, process-wide, and
         # never swaps it back: close() does, so later models in this process compute as before.
@@ -209,8 +209,7 @@ class DeepSpeedTraining:
             log("overlap_comm: off over pipeline stages, as in DeepSpeed's own pipeline engine; "
                 "the gradients are reduced once the stages' schedule ends")
         stage = config["zero_optimization"]["stage"]
-        model = (build_model_zero3(cfg, ds, config, build_model) if stage == 3
-                 else build_model(cfg, env.device))
+        model = build_model_zero3(cfg, ds, config) if stage == 3 else pipeline.build_model(cfg, env.device)
         for p in model.parameters():  # counted on the first stage (clip_grad_norm_'s rule)
             p.ds_pipe_replicated = getattr(p, "pipeline_copy", False)
         weights_only = found is not None and checkpoint.weights_only(cfg)
@@ -224,7 +223,7 @@ class DeepSpeedTraining:
         # On CPU the unfused AdamW: with the fused CPU kernel a resumed ZeRO-2 run's
         # grad norms differ from the uninterrupted run's in the last bit.
         optimizer = build_optimizer(model, cfg, fused=env.device.type == "cuda")
-        # No lr_scheduler: deepspeed_train_step sets each step's learning rate
+        # No lr_scheduler: begin sets each step's learning rate
         # (the schedule may count samples and the batch ramp).
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
         if cfg.compile:
@@ -240,16 +239,70 @@ class DeepSpeedTraining:
         self.raw = self.engine.module
         # evaluate runs the pipeline's stages on the module (engine.config is DeepSpeed's)
         self.model = self.raw if parallel.pp_size() > 1 else self.engine
+        # The engine runs its 16-bit module without autocast; our stages' schedule runs it as the plain engine's.
+        self.precision = autocast(cfg, env.device) if parallel.pp_size() > 1 else nullcontext()
+        self.scale = getattr(self.engine.optimizer, "scale_if_loss", None)  # ZeRO's, as in engine.backward
         self.iteration, self.consumed = 0, 0
         if weights_only:
             self.iteration, self.consumed = checkpoint.start_position(cfg, state, found.path, log)
         elif found is not None:
             self.iteration, self.consumed = checkpoint.load_deepspeed_checkpoint(cfg, self.engine, found, log)
 
-    def step(self, batches: list, lr: float):
+    def begin(self, micro_batches: int, lr: float) -> None:
+        """This step's batch size (--rampup-batch-size) and learning rate; under
+        stages, every backward of the schedule comes before the boundary."""
+        global_batch = micro_batches * self.cfg.micro_batch_size * parallel.dp_size()
+        if self.engine.train_batch_size() != global_batch:
+            self.engine.set_train_batch_size(global_batch)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
         if parallel.pp_size() > 1:
-            return deepspeed_pipeline_step(self.engine, batches, self.cfg, self.device, lr)
-        return deepspeed_train_step(self.engine, batches, self.cfg, self.device, lr)
+            self.engine.set_gradient_accumulation_boundary(False)
+
+    def micro_batch(self, last: bool):
+        """Before a micro-batch's forward: DeepSpeed averages the gradients over
+        the data-parallel group, and steps, at the boundary it is told, the last
+        micro-batch. The batch may change between steps (--rampup-batch-size), so
+        the boundary is said rather than counted from the start of the run."""
+        self.engine.set_gradient_accumulation_boundary(last)
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        """engine.backward divides the loss by the accumulation steps (begin set
+        them to micro_batches), scales it under --fp16, and at the boundary
+        averages the gradients. engine.step follows every backward and updates
+        at the boundary only: that one is finish's, after our clipping."""
+        self.engine.backward(loss)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()
+
+    def finish(self):
+        """The step's end: our clipping where DeepSpeed does not clip, then
+        engine.step. Returns (grad norm, 1.0 if the step was skipped else 0.0):
+        DeepSpeed's fp16 path skips an overflowing step itself, deciding over
+        the model-parallel group (the mpu) as Megatron does.
+
+        Under stages (ZeRO 0 or 1) it goes as in DeepSpeed's PipelineEngine: our
+        1F1B schedule ran backward itself on the last stage's loss divided by
+        the accumulation and passed through `scale`, ZeRO's scale_if_loss, as
+        engine.backward does (config.py refuses the 16-bit optimizers that scale
+        otherwise), and the gradients stayed local. So first the tied
+        embedding's are summed over its two stages, then DeepSpeed averages
+        over the data-parallel group at a gradient-accumulation boundary."""
+        engine = self.engine
+        if parallel.pp_size() > 1:
+            tied = pipeline.tied_embedding_copy(engine.module)
+            if tied is not None:  # ZeRO-1 may hold the grad in its own accumulator
+                grad = engine.optimizer.get_gradient_for_reduction(tied) \
+                    if hasattr(engine.optimizer, "get_gradient_for_reduction") else tied.grad
+                dist.all_reduce(grad, group=parallel.embedding_group())
+            engine.set_gradient_accumulation_boundary(True)
+            engine.allreduce_gradients()
+        grad_norm = clip_if_ours(engine, self.cfg)
+        engine.step()
+        if grad_norm is None:
+            grad_norm = engine.get_global_grad_norm()
+        return float(grad_norm), float(not engine.was_step_applied())
 
     def save(self, iteration: int, consumed: int) -> None:
         checkpoint.save_deepspeed_checkpoint(self.cfg, self.engine, iteration, consumed, self.log)
@@ -267,39 +320,6 @@ def clips_itself(stage: int, cfg: TrainConfig) -> bool:
     return stage == 0 and not (cfg.bf16 or cfg.fp16)
 
 
-def start_step(engine, batches: list, cfg: TrainConfig, lr: float) -> None:
-    """This step's batch size (--rampup-batch-size) and learning rate."""
-    global_batch = len(batches) * cfg.micro_batch_size * parallel.dp_size()
-    if engine.train_batch_size() != global_batch:
-        engine.set_train_batch_size(global_batch)
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-
-
-def deepspeed_train_step(engine, batches, cfg: TrainConfig, device, lr: float):
-    """One optimizer step over the micro-batches: engine.backward scales each
-    loss by 1/accumulation and averages gradients over the data-parallel group,
-    engine.step updates (with clipping) on the last. Returns (loss averaged like
-    train_step's, grad norm, 1.0 if the step was skipped else 0.0). The batch
-    may change between steps (--rampup-batch-size), so the step's end is said
-    explicitly rather than counted from the start of the run."""
-    start_step(engine, batches, cfg, lr)
-    total = torch.zeros((), device=device)
-    grad_norm = None
-    for i, batch in enumerate(batches):
-        last = i == len(batches) - 1
-        engine.set_gradient_accumulation_boundary(last)
-        batch = to_device(batch, device)
-        loss = engine(batch["tokens"], position_ids=batch["position_ids"],
-                      labels=batch["labels"], loss_mask=batch["loss_mask"])
-        engine.backward(loss)
-        if last:
-            grad_norm = clip_if_ours(engine, cfg)
-        engine.step()
-        total += loss.detach().float() / len(batches)
-    return step_figures(engine, total, grad_norm)
-
-
 def clip_if_ours(engine, cfg: TrainConfig) -> torch.Tensor | None:
     """Where we clip (clips_itself): clip to --clip-grad and return the norm;
     else None (DeepSpeed clips in engine.step and reports the norm)."""
@@ -307,38 +327,3 @@ def clip_if_ours(engine, cfg: TrainConfig) -> torch.Tensor | None:
         return None
     max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
     return parallel.clip_grad_norm_([p for p in engine.module.parameters() if p.grad is not None], max_norm)
-
-
-def step_figures(engine, total: torch.Tensor, grad_norm: torch.Tensor | None):
-    """After engine.step: (loss averaged over DP, grad norm, 1.0 if the step
-    was skipped). DeepSpeed's fp16 path skips an overflowing step itself,
-    deciding over the model-parallel group (the mpu) as Megatron does."""
-    if grad_norm is None:
-        grad_norm = engine.get_global_grad_norm()
-    return parallel.all_reduce_mean(total, parallel.dp_group()), float(grad_norm), \
-        float(not engine.was_step_applied())
-
-
-def deepspeed_pipeline_step(engine, batches, cfg: TrainConfig, device, lr: float):
-    """deepspeed_train_step for a pipeline stage (ZeRO 0 or 1), the way
-    DeepSpeed's PipelineEngine does it: our 1F1B schedule (pipeline.pipeline_step)
-    runs backward itself, the last stage's loss divided by the accumulation
-    (and passed through the ZeRO optimizer's scale_if_loss, as engine.backward
-    does; config.py refuses the 16-bit optimizers that scale otherwise); the
-    gradients stay local until the schedule ends. Then the tied embedding's
-    grads are summed over its two stages, DeepSpeed averages over the data-
-    parallel group at a gradient-accumulation boundary, and steps."""
-    start_step(engine, batches, cfg, lr)
-    engine.set_gradient_accumulation_boundary(False)
-    scale = getattr(engine.optimizer, "scale_if_loss", None)  # ZeRO's (fp16: the loss scale)
-    total = pipeline.pipeline_step(engine.module, batches, cfg, device, scale and SimpleNamespace(scale=scale))
-    tied, optimizer = pipeline.tied_embedding_copy(engine.module), engine.optimizer
-    if tied is not None:  # ZeRO-1 may hold the grad in its own accumulator
-        grad = optimizer.get_gradient_for_reduction(tied) \
-            if hasattr(optimizer, "get_gradient_for_reduction") else tied.grad
-        dist.all_reduce(grad, group=parallel.embedding_group())
-    engine.set_gradient_accumulation_boundary(True)
-    engine.allreduce_gradients()
-    grad_norm = clip_if_ours(engine, cfg)
-    engine.step()
-    return step_figures(engine, total, grad_norm)

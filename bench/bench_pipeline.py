@@ -201,7 +201,7 @@ def host_waits_for_device(device):
 
 def pipeline_step(model, batches, v: int, device, timeline=None, memory=None) -> None:
     """Forwards and backwards of the micro-batches through this rank's stage:
-    train.pipeline_step without autocast, loss scaling and the loss's
+    pipeline.pipeline_step without autocast, loss scaling and the loss's
     all-reduce, and with run_pipeline's timeline."""
     m, (b, T) = len(batches), batches[0][0].shape
     ticks = pipeline.pipeline_timeline(parallel.pp_size(), m, v)

@@ -300,6 +300,17 @@ def single_rank():
     parallel.destroy()
 
 
+def process_env(device=None):
+    """This process as launch.Dist (on CPU unless `device`): what an engine
+    (train.PlainTraining) is built with, in a world the test has set up."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    from launch import Dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return Dist(rank, world, 0, device or torch.device("cpu"), datetime.timedelta(minutes=1))
+
+
 def tiny(**overrides):
     """GPTConfig of the "tiny" preset (2 layers, 64 wide, 4 heads, 64 positions), SMALL vocabulary."""
     from gpt import GPTConfig

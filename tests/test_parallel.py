@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel
-from conftest import run_on_ranks, uneven_batch
+from conftest import process_env, run_on_ranks, uneven_batch
 
 
 def assert_close(actual, expected, tol=1e-6, what=""):
@@ -937,7 +937,6 @@ def _check_zero3_builds_the_kernels_of_its_accelerator():
     the kernels are still chosen for the device it will run on (here a
     GPU, as DeepSpeed's accelerator reports it): Triton, not torch's."""
     import config
-    import train
     import zero
     _use_layout(2)
     cfg = config.parse_args(["--preset", "tiny", "--num-attention-heads", "2", "--deepspeed",
@@ -949,7 +948,7 @@ def _check_zero3_builds_the_kernels_of_its_accelerator():
     class DeepSpeed:
         get_accelerator = staticmethod(lambda: GPUAccelerator)
 
-    model = zero.build_model_zero3(cfg, DeepSpeed, {}, train.build_model)
+    model = zero.build_model_zero3(cfg, DeepSpeed, {})
     assert (model.config.attention_impl, model.config.layernorm_impl) == ("triton", "triton")
     assert isinstance(model.blocks[0].attn.qkv, parallel.ColumnParallelLinear)
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -971,10 +970,11 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
     equal across the TP group."""
     import config
     import train
-    cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", *precision])
-    model = _build_gpt(2)
-    optimizer = train.build_optimizer(model, cfg)
-    scaler = train.LossScaler(2.0 ** 10, torch.device("cpu")) if cfg.fp16 else None
+    cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", "--tensor-model-parallel-size", "2",
+                             "--initial-loss-scale", "1024", *precision])
+    _use_layout(2)
+    trainer = train.PlainTraining(cfg, process_env(), 1, print)
+    model, scaler = trainer.raw, trainer.scaler
     param = model.get_parameter(poisoned)
     assert getattr(param, "tensor_model_parallel", False) == (poisoned == "blocks.0.mlp.fc.weight")
     poison = []  # on rank 1 only, while it holds True
@@ -989,7 +989,7 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
         x, y, mask = uneven_batch(i)
         batch = {"tokens": x, "labels": y, "loss_mask": mask,
                  "position_ids": torch.arange(x.shape[1]).expand_as(x)}
-        return train.train_step(model, optimizer, scaler, [batch], cfg, torch.device("cpu"), lr=1e-2)
+        return train.train_step(trainer, [batch], lr=1e-2)
 
     assert step(0)[2] == 0  # not skipped
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

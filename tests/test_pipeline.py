@@ -1,6 +1,7 @@
 """Pipeline parallelism (pipeline.py): the schedules as pure functions, then
 stages on 2 gloo ranks against the whole model on one."""
 import weakref
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ import torch.distributed as dist
 
 import parallel
 import pipeline
-from conftest import run_on_ranks, uneven_batch
+from conftest import process_env, run_on_ranks, uneven_batch
 from gpt import GPT, GPTConfig
 from launch import UsageError
 
@@ -84,7 +85,6 @@ class _InFlight:
 
 
 def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
-    import train
     m, pp, rank = 4, 2, dist.get_rank()
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                  vocab_size=100, padded_vocab_size=128, activation_checkpointing=recompute)
@@ -99,7 +99,11 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
     parallel.initialize(1)
     torch.manual_seed(0)
     whole = GPT(GPTConfig(**shape))
-    want_loss = train.accumulate(whole, None, batches, cfg, torch.device("cpu"))
+    want_loss = torch.zeros(())
+    for batch in batches:
+        loss = pipeline.micro_batch_loss(whole, batch, nullcontext()) / m
+        loss.backward()
+        want_loss += loss.detach()
     # two stages: each builds the same model and keeps its layers
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=pp)
@@ -116,7 +120,7 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
     pipeline.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
     try:
         with torch.autograd.graph.saved_tensors_hooks(in_flight.pack, lambda saved: saved.t):
-            loss = pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"))
+            loss = pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext())
     finally:
         pipeline.run_pipeline, pipeline.stage_forward = run_pipeline, forward
     pipeline.reduce_pipeline_grads(stage)
@@ -144,15 +148,12 @@ def _check_pipeline_stages_share_one_loss_scale():
     import config
     import train
     cfg = config.parse_args(["--preset", "tiny", "--num-layers", "4", "--clip-grad", "1.0", "--fp16",
-                             "--seq-length", "8", "--micro-batch-size", "3"])
+                             "--initial-loss-scale", "1024", "--seq-length", "8", "--micro-batch-size", "3",
+                             "--pipeline-model-parallel-size", "2"])
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=2)
-    torch.manual_seed(0)
-    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                 vocab_size=100, padded_vocab_size=128)
-    model = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, 2, dist.get_rank()))
-    optimizer = train.build_optimizer(model, cfg)
-    scaler = train.LossScaler(2.0 ** 10, torch.device("cpu"))
+    trainer = train.PlainTraining(cfg, process_env(), 1, print)  # its stage of the model
+    model, scaler = trainer.raw, trainer.scaler
     poison = []
     if dist.get_rank() == 1:
         model.get_parameter("blocks.3.mlp.fc.weight").register_post_accumulate_grad_hook(
@@ -164,7 +165,7 @@ def _check_pipeline_stages_share_one_loss_scale():
             x, y, mask = uneven_batch(j)
             batches.append({"tokens": x, "labels": y, "loss_mask": mask,
                             "position_ids": torch.arange(x.shape[1]).expand_as(x)})
-        return train.train_step(model, optimizer, scaler, batches, cfg, torch.device("cpu"), lr=1e-2)
+        return train.train_step(trainer, batches, lr=1e-2)
 
     assert step(0)[2] == 0
     poison.append(True)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (ROOT, TINY, free_port, losses, read_metrics, run_bounded, run_together,  # puts ROOT on sys.path
+from conftest import (ROOT, TINY, free_port, losses, process_env, read_metrics, run_bounded, run_together,  # puts ROOT on sys.path
                       run_train, torchrun)
 import checkpoint  # noqa: E402  (this file is also a torchrun worker: conftest first)
 import config  # noqa: E402
@@ -74,7 +74,7 @@ def test_learning_rate_warmup_then_cosine_to_min():
 def test_no_weight_decay_on_biases_and_norms():
     cfg = config.TrainConfig(preset="tiny", weight_decay=0.1)
     model = train.GPT(GPTConfig.from_preset("tiny"))
-    opt = train.build_optimizer(model, cfg)
+    opt = config.build_optimizer(model, cfg)
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     for name, p in model.named_parameters():
         is_matrix = name.endswith("weight") and "ln" not in name
@@ -260,10 +260,9 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(precision, monkeypatch
     test_gpu_training_steps_never_synchronize checks the same with CUDA's
     own sync detector.)"""
     cfg = config.parse_args(["--preset", "tiny", "--seq-length", "16", "--micro-batch-size", "2",
-                             *(["--fp16"] if precision == "fp16" else [])])
-    model = train.build_model(cfg, torch.device("cpu"))
-    optimizer = train.build_optimizer(model, cfg)
-    scaler = train.LossScaler(2.0 ** 8, torch.device("cpu")) if cfg.fp16 else None
+                             "--initial-loss-scale", "256", *(["--fp16"] if precision == "fp16" else [])])
+    trainer = train.PlainTraining(cfg, process_env(), 1, print)
+    model, scaler = trainer.raw, trainer.scaler
     batch = {"tokens": torch.randint(0, 1000, (2, 16)), "labels": torch.randint(0, 1000, (2, 16)),
              "position_ids": torch.arange(16).expand(2, 16), "loss_mask": torch.ones(2, 16)}
     # The id-range checks read CPU tensors by design (free there); on a GPU the
@@ -272,11 +271,10 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(precision, monkeypatch
     monkeypatch.setattr(parallel, "check_ids", lambda checks: None)
     poison = model.wte.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     with HostReads() as host:
-        _, _, skipped_inf = train.train_step(model, optimizer, scaler, [batch, batch], cfg,
-                                             torch.device("cpu"), 1e-3)
+        _, _, skipped_inf = train.train_step(trainer, [batch, batch], 1e-3)
         poison.remove()
         before = [p.detach().clone() for p in model.parameters()]
-        _, _, skipped_ok = train.train_step(model, optimizer, scaler, [batch], cfg, torch.device("cpu"), 1e-3)
+        _, _, skipped_ok = train.train_step(trainer, [batch], 1e-3)
     assert host.reads == []
     assert (skipped_inf.item(), skipped_ok.item()) == (1.0, 0.0)
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # it stepped
@@ -290,19 +288,18 @@ def test_gpu_training_steps_never_synchronize():
     steps between log intervals (bf16 and fp16, Triton kernels) have none."""
     device = torch.device("cuda")
     for precision in ("--bf16", "--fp16"):
-        cfg = config.parse_args(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4", precision])
-        model = train.build_model(cfg, device)
-        optimizer = train.build_optimizer(model, cfg)
-        scaler = train.LossScaler(2.0 ** 8, device) if cfg.fp16 else None
+        cfg = config.parse_args(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4",
+                                 "--initial-loss-scale", "256", precision])
+        trainer = train.PlainTraining(cfg, process_env(device), 1, print)
         batch = {k: v.pin_memory() for k, v in {
             "tokens": torch.randint(0, 1000, (4, 64)), "labels": torch.randint(0, 1000, (4, 64)),
             "position_ids": torch.arange(64).expand(4, 64).contiguous(), "loss_mask": torch.ones(4, 64)}.items()}
-        train.train_step(model, optimizer, scaler, [batch], cfg, device, 1e-3)  # first call: checks, autotune
+        train.train_step(trainer, [batch], 1e-3)  # first call: checks, autotune
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
-                train.train_step(model, optimizer, scaler, [batch, batch], cfg, device, 1e-3)
+                train.train_step(trainer, [batch, batch], 1e-3)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -443,7 +440,7 @@ def test_two_nodes_restart_together_when_only_one_agent_counts_the_restart(corpu
 RANK_1_STOPS_ANSWERING = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
-import train, zero
+import train
 calls = []
 
 def silent_at_step_3(real_step):
@@ -457,8 +454,7 @@ def silent_at_step_3(real_step):
         return real_step(*args, **kwargs)
     return step
 
-train.train_step = silent_at_step_3(train.train_step)
-zero.deepspeed_train_step = silent_at_step_3(zero.deepspeed_train_step)
+train.train_step = silent_at_step_3(train.train_step)  # both engines' step
 train.main(sys.argv[1:])
 """
 
@@ -485,8 +481,8 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp
     assert elapsed < 120, elapsed
     last = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error")]
     assert len(last) == 1, proc.stderr[-4000:]
-    where = r"zero\.py:\d+ in deepspeed_train_step \(`engine\.backward\(loss\)`\)" if engine else \
-        r"train\.py:\d+ in accumulate \(`\(scaler\.scale\(loss\) if scaler else loss\)\.backward\(\)`\)"
+    where = r"zero\.py:\d+ in backward \(`self\.engine\.backward\(loss\)`\)" if engine else \
+        r"train\.py:\d+ in backward \(`\(self\.scale\(share\) if self\.scale else share\)\.backward\(\)`\)"
     assert re.match(r"train\.py: error \(rank 0\): the gradient all-reduce \(run inside backward\) "
                     f"failed at {where}: ", last[0]), last[0]
     assert "Timed out waiting 3000ms" in last[0]
