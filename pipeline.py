@@ -260,42 +260,55 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
     sent back, and sends x's gradient on. Under torch.no_grad (evaluation)
     the ticks hold forwards alone. timeline: (tick, action, start, end) of
     each action is appended to it."""
-    rank, pp = parallel.pp_rank(), parallel.pp_size()
+    rank, pp, group = parallel.pp_rank(), parallel.pp_size(), parallel.pp_group()
     ending = {(t + TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
     in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until backward
-    outgoing = None                           # what this rank's running action sends when it ends
+    posted: dict[int, list] = {}              # tick -> receives posted before the action spanning it
+
+    def receives(t: int) -> list:  # what the neighbours' actions ending at tick t send here
+        ops = []
+        for neighbour in {(rank - 1) % pp, (rank + 1) % pp} - {rank}:
+            sent = _messages(ending.get((t, neighbour)), neighbour, pp, v)
+            if sent is not None and sent[0] == rank:
+                received[sent[1]] = buffer = torch.empty(shape, dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=neighbour))
+        return ops
+
     for t, row in enumerate(ticks):
-        a, ops = row[rank], []
+        a = row[rank]
         if a is not None:
+            # A message due while this action runs (a backward spans two ticks) is received
+            # into a buffer posted now, so its sender need not wait for the action to end.
+            for due in range(t, t + TICKS[a.kind] - 1):
+                posted[due] = (ops := receives(due)) and dist.batch_isend_irecv(ops)
             start = time.perf_counter()
-            if a.kind == "F":
-                x = received.pop(("F", a.chunk, a.micro), None)
-                y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
-                if torch.is_grad_enabled():
-                    in_flight[(a.chunk, a.micro)] = (x, y)
-                outgoing = y.detach()
-            else:
-                x, y = in_flight.pop((a.chunk, a.micro))
-                torch.autograd.backward(y, received.pop(("B", a.chunk, a.micro), None))
-                outgoing = x.grad if x is not None else None
-                del x, y  # the graph goes now, not at the next action
+            outgoing = _act(a, forward, received, in_flight)
             if timeline is not None:
                 timeline.append((t, a, start, time.perf_counter()))
+        ops = [] if t in posted else receives(t)
         sent = _messages(ending.get((t, rank)), rank, pp, v)
         if sent is not None:
             if outgoing.shape != shape or outgoing.dtype != dtype:
                 raise RuntimeError(f"stage output {tuple(outgoing.shape)} {outgoing.dtype}, "
                                    f"expected {shape} {dtype}")
-            ops.append(dist.P2POp(dist.isend, outgoing.contiguous(), group=parallel.pp_group(), group_peer=sent[0]))
-        for neighbour in {(rank - 1) % pp, (rank + 1) % pp} - {rank}:
-            sent = _messages(ending.get((t, neighbour)), neighbour, pp, v)
-            if sent is not None and sent[0] == rank:
-                received[sent[1]] = buffer = torch.empty(shape, dtype=dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, buffer, group=parallel.pp_group(), group_peer=neighbour))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            ops.append(dist.P2POp(dist.isend, outgoing.contiguous(), group=group, group_peer=sent[0]))
+        for work in (posted.pop(t, None) or []) + (dist.batch_isend_irecv(ops) if ops else []):
+            work.wait()
+
+
+def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | None:
+    """Run action a; returns what it sends on: a forward's output, a
+    backward's gradient w.r.t. its input (None on the first virtual stage)."""
+    if a.kind == "F":
+        x = received.pop(("F", a.chunk, a.micro), None)
+        y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
+        if torch.is_grad_enabled():
+            in_flight[(a.chunk, a.micro)] = (x, y)
+        return y.detach()
+    x, y = in_flight.pop((a.chunk, a.micro))
+    torch.autograd.backward(y, received.pop(("B", a.chunk, a.micro), None))
+    return x.grad if x is not None else None  # (the graph goes as x and y do, on return)
 
 
 # ----------------------------------------------------------------------------

@@ -252,10 +252,12 @@ def replay(timelines: list, m: int, v: int) -> list[float]:
     """Each rank's bubble had messages cost nothing: the measured action times
     run through run_pipeline's coupling, where at every tick a rank waits
     until each neighbour it sends to or receives from has finished that
-    tick's action (one batch_isend_irecv on both sides). Its gap to the tick
-    clock's figure is the schedule's, from actions of unequal length (a
-    backward takes about two forwards); the measured figure's gap to it is
-    communication and noise."""
+    tick's action (one batch_isend_irecv on both sides), except a receiver
+    still inside a longer action (a backward spans two ticks): it posted its
+    receive before that action began, so its sender does not wait for it.
+    Its gap to the tick clock's figure is the schedule's, from actions of
+    unequal length; the measured figure's gap to it is communication and noise.
+    timelines[r]: rank r's (tick, start, end) of each action."""
     pp = len(timelines)
     took = [{t: e - s for t, s, e in tl} for tl in timelines]
     free = [0.0] * pp  # when each rank is done with the ticks so far
@@ -265,9 +267,17 @@ def replay(timelines: list, m: int, v: int) -> list[float]:
         done = [free[r] + took[r].get(t, 0.0) for r in range(pp)]
         to = [(pipeline._messages(ending.get((t, r)), r, pp, v) or (None,))[0] for r in range(pp)]  # whom r sends to
         for r in range(pp):
-            partners = {to[r]} - {None} | {n for n in range(pp) if to[n] == r}
+            partners = {n for n in range(pp) if to[n] == r}
+            if to[r] is not None and not _inside_action(ticks, to[r], t):
+                partners.add(to[r])
             free[r] = max([done[r]] + [done[n] for n in partners])
     return [1 - sum(tk.values()) / max(free) for tk in took]
+
+
+def _inside_action(ticks: list, rank: int, t: int) -> bool:
+    """Whether rank's action spans tick t without ending there."""
+    started = [s for s in range(t + 1) if ticks[s][rank]]
+    return bool(started) and started[-1] + pipeline.TICKS[ticks[started[-1]][rank].kind] - 1 > t
 
 
 def measure_memory(model, batches, v: int, device) -> list:
