@@ -272,6 +272,9 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     pointer may name it (DeepSpeed's alone: copied by hand, say); if they
     differ (a crash between a DeepSpeed save's two pointer writes) the newer
     wins. The kind is what the directory holds, not the pointer's."""
+    if os.path.isfile(load_dir):
+        raise UsageError(f"{load_dir} is a file, not a checkpoint directory: give the directory that "
+                         f"holds {LATEST} (the one train.py's --save wrote)")
     named = []
     if os.path.exists(os.path.join(load_dir, LATEST)):
         with open(os.path.join(load_dir, LATEST)) as f:
