@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import glob
+import hashlib
 import json
 import os
 import pickle
@@ -40,6 +42,7 @@ LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds w
 PLAIN_FILE = "model_optim_rng.pt"
 DS_LATEST = "latest"  # DeepSpeed's own pointer file name, so its tools work on our checkpoints
 DS_META = "trainer_state.json"
+DIGESTS = "checksums.sha256"  # every file's sha256, in sha256sum's format (`sha256sum -c` reads it)
 
 
 def rng_state() -> dict:
@@ -193,6 +196,7 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     torch.save(state, os.path.join(tmp, PLAIN_FILE))
+    write_digests(tmp, digest_files(tmp, [PLAIN_FILE]))
     publish(tmp, final, "plain", state["iteration"])
     return final
 
@@ -225,16 +229,74 @@ def on_every_rank(fn, what: str) -> None:
         fn()
     except Exception as e:  # noqa: BLE001 -- re-raised below, after the vote
         error = e
-    mine = f"{type(error).__name__}: {error}" if error else None
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    mine = (f"{type(error).__name__}: {error}", full) if error else None
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
+    for rank, (message, full) in ((r, m) for r, m in enumerate(everyone) if m):
+        if full:  # the user's to fix: one line from rank 0 (launch.report_usage_error)
+            raise UsageError(f"{what} failed on rank {rank}, the disk is full ({message}); the previous "
+                             f"checkpoint and its pointer are intact: free space, then resume with --load")
     if error is not None:
         raise error
     for rank, message in enumerate(everyone):
         if message:
-            raise SystemExit(f"rank {dist.get_rank()}: stopping, {what} failed on rank {rank}: {message}")
+            raise SystemExit(f"rank {dist.get_rank()}: stopping, {what} failed on rank {rank}: {message[0]}")
+
+
+# Digests: each save lists every file's sha256 beside them (DIGESTS), from the
+# bytes on disk; a load checks them before it reads, and a damaged or
+# incomplete checkpoint gives way to the newest intact one (verified_checkpoint).
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def digest_files(directory: str, names: list[str]) -> dict[str, str]:
+    return {name: sha256_of(os.path.join(directory, name)) for name in names}
+
+
+def digests_of_every_rank(directory: str, what: str) -> dict[str, str]:
+    """The sha256 of every file in directory, rank r hashing files r, r+W, ...
+    of the sorted list (collective; every rank's writes must be done)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    names, mine = sorted(os.listdir(directory)), {}
+    on_every_rank(lambda: mine.update(digest_files(directory, names[rank::world])), what)
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    return {name: d for share in everyone for name, d in share.items()}
+
+
+def write_digests(directory: str, digests: dict[str, str]) -> None:
+    text = "".join(f"{d}  {name}\n" for name, d in sorted(digests.items()))
+    atomic_write(os.path.join(directory, DIGESTS), lambda f: f.write(text.encode()))
+
+
+def damage(found: Found) -> str | None:
+    """What is wrong with a checkpoint, or None: every file its DIGESTS
+    lists is there, with that sha256 (or it predates digests)."""
+    directory, listed = found.path, os.path.join(found.path, DIGESTS)
+    if found.kind is None:
+        return f"it holds no checkpoint (neither {PLAIN_FILE} nor {DS_META})"
+    if not os.path.exists(listed):
+        return None
+    with open(listed) as f:
+        for line in f:
+            digest, name = line.rstrip("\n").split("  ", 1)
+            path = os.path.join(directory, name)
+            if not os.path.exists(path):
+                return f"{name} is missing"
+            if sha256_of(path) != digest:
+                return f"{name} is damaged (its sha256 is not the one {DIGESTS} records)"
+    return None
 
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
@@ -261,8 +323,8 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
 
 @dataclasses.dataclass
 class Found:
-    """A complete checkpoint in a --load directory."""
-    kind: str       # "plain" (train.py's own) or "deepspeed"
+    """A checkpoint in a --load directory."""
+    kind: str | None  # "plain" (train.py's own), "deepspeed", or None: named by a pointer, not there
     iteration: int
     path: str       # its directory, SAVE/iter_0000100
 
@@ -272,6 +334,9 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     pointer may name it (DeepSpeed's alone: copied by hand, say); if they
     differ (a crash between a DeepSpeed save's two pointer writes) the newer
     wins. The kind is what the directory holds, not the pointer's."""
+    if os.path.isfile(load_dir):
+        raise UsageError(f"{load_dir} is a file, not a checkpoint directory: give the directory that "
+                         f"holds {LATEST} (the one train.py's --save wrote)")
     named = []
     if os.path.exists(os.path.join(load_dir, LATEST)):
         with open(os.path.join(load_dir, LATEST)) as f:
@@ -288,8 +353,39 @@ def latest_checkpoint(load_dir: str) -> Found | None:
         return Found("plain", iteration, path)
     if os.path.exists(os.path.join(path, DS_META)):
         return Found("deepspeed", iteration, path)
-    raise UsageError(f"{os.path.join(load_dir, pointer)} names iteration {iteration}, but "
-                     f"{path} holds no checkpoint (neither {PLAIN_FILE} nor {DS_META})")
+    return Found(None, iteration, path)  # named, but incomplete or gone (see damage)
+
+
+def verified_checkpoint(load_dir: str, log) -> Found | None:
+    """The newest intact checkpoint in load_dir, or None where it holds none.
+    A damaged or incomplete one is reported in one line, and the next older
+    is tried; with checkpoints there but none intact, an error names the
+    damage (a run never silently starts from scratch)."""
+    found, problems = latest_checkpoint(load_dir), []
+    while found is not None:
+        problem = damage(found)
+        if problem is None:
+            if problems:
+                log(f"falling back to {found.path} (iteration {found.iteration}), the newest intact checkpoint")
+            return found
+        log(f"checkpoint {found.path} cannot be loaded: {problem}")
+        problems.append(f"{found.path}: {problem}")
+        found = older_checkpoint(load_dir, found.iteration)
+    if problems:
+        raise UsageError(f"no intact checkpoint in {load_dir}: {'; '.join(problems)}")
+    return None
+
+
+def older_checkpoint(load_dir: str, before: int) -> Found | None:
+    """The newest complete checkpoint of either kind below iteration `before`."""
+    iterations = sorted((int(name[5:]) for name in os.listdir(load_dir)
+                         if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit()), reverse=True)
+    for iteration in (i for i in iterations if i < before):
+        path = os.path.join(load_dir, f"iter_{iteration:07d}")
+        for kind, marker in (("plain", PLAIN_FILE), ("deepspeed", DS_META)):
+            if os.path.exists(os.path.join(path, marker)):
+                return Found(kind, iteration, path)
+    return None
 
 
 def read_deepspeed_meta(tag_dir: str) -> dict:
@@ -306,7 +402,7 @@ def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
     """The one decision about --load, plain or DeepSpeed: its checkpoint (None:
     start from scratch), refused where this run cannot take it. A full resume
     needs the run's own kind; weights_only runs take either kind, any layout."""
-    found = latest_checkpoint(cfg.load) if cfg.load else None
+    found = verified_checkpoint(cfg.load, log) if cfg.load else None
     if found is None:
         if cfg.load:
             log(f"no checkpoint in {cfg.load}; starting from scratch")
@@ -480,10 +576,13 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
             "model_config": dataclasses.asdict(engine.module.config),
             "tensor_parallel_layout": layout}
 
+    digests = digests_of_every_rank(tmp, what)
+
     def publish_on_first():
         if first:
             text = json.dumps(meta, indent=1)
             atomic_write(os.path.join(tmp, DS_META), lambda f: f.write(text.encode()))
+            write_digests(tmp, {**digests, **digest_files(tmp, [DS_META])})
             publish(tmp, final, "deepspeed", iteration)
             log(f"saved checkpoint {final}")
             remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
@@ -572,7 +671,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.tp_size() > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
-    found = latest_checkpoint(checkpoint)
+    found = verified_checkpoint(checkpoint, print)
     if found is None:
         raise UsageError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
                          f"{LATEST} nor DeepSpeed's {DS_LATEST})")

@@ -63,8 +63,8 @@ def _dtype_code(dtype) -> int:
     return _CODE_OF_DTYPE[dtype]
 
 
-def _corrupt(path: str, problem: str) -> ValueError:
-    return ValueError(f"{path}: {problem}; the file is truncated or corrupt, re-run prepare.py to rebuild it")
+def _corrupt(path: str, problem: str) -> UsageError:
+    return UsageError(f"{path}: {problem}; the file is truncated or corrupt, re-run prepare.py to rebuild it")
 
 
 class IndexedDataset(torch.utils.data.Dataset):

@@ -129,7 +129,8 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
     if cfg.hf:
         model = checkpoint.from_hf(cfg.hf, **runtime)
     else:
-        found = checkpoint.latest_checkpoint(cfg.load)
+        first = not dist.is_initialized() or dist.get_rank() == 0
+        found = checkpoint.verified_checkpoint(cfg.load, log=print if first else lambda message: None)
         if found is None:
             raise UsageError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
                              f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")

@@ -10,9 +10,11 @@ in test_train.py. The Hugging Face tests build random transformers models and
 check that ours computes the same logits, both ways.
 """
 import dataclasses
+import errno
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -106,9 +108,10 @@ def test_checkpoint_reaches_the_disk_before_it_is_published(tmp_path, monkeypatc
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", os.path.basename(b))),
                                                       real_replace(a, b))[1])
     checkpoint.write_plain_checkpoint(str(tmp_path / "ckpt"), {"iteration": 5})
-    order = [e for e in events if e[1] in ("model_optim_rng.pt", "iter_0000005.tmp", "iter_0000005",
-                                            "ckpt", checkpoint.LATEST)]
-    assert order == [("fsync", "model_optim_rng.pt"), ("fsync", "iter_0000005.tmp"),
+    order = [e for e in events if e[1] in ("model_optim_rng.pt", checkpoint.DIGESTS, "iter_0000005.tmp",
+                                            "iter_0000005", "ckpt", checkpoint.LATEST)]
+    assert order == [("rename", checkpoint.DIGESTS), ("fsync", "iter_0000005.tmp"),  # the digests, whole
+                     ("fsync", checkpoint.DIGESTS), ("fsync", "model_optim_rng.pt"), ("fsync", "iter_0000005.tmp"),
                      ("rename", "iter_0000005"), ("fsync", "ckpt"),
                      ("rename", checkpoint.LATEST), ("fsync", "ckpt")]
     assert any(e[0] == "fsync" and e[1].startswith(checkpoint.LATEST + ".tmp") for e in events)
@@ -227,6 +230,95 @@ def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+# -----------------------------------------------------------------------------
+# Damaged checkpoints: found by their digests, and passed over for the newest
+# intact one
+
+
+@pytest.fixture(scope="module")
+def two_saves(corpus, tmp_path_factory):
+    """A tiny run's checkpoints at iterations 2 and 4 (don't modify: copy)."""
+    ckpt = str(tmp_path_factory.mktemp("saves") / "ckpt")
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
+                "--eval-interval", "0"])
+    return ckpt
+
+
+def test_every_save_lists_its_files_digests_in_sha256sums_format(two_saves):
+    for tag in ("iter_0000002", "iter_0000004"):
+        proc = subprocess.run(["sha256sum", "-c", checkpoint.DIGESTS], cwd=os.path.join(two_saves, tag),
+                              capture_output=True, text=True)
+        assert proc.returncode == 0 and proc.stdout == f"{checkpoint.PLAIN_FILE}: OK\n", proc.stdout + proc.stderr
+
+
+def _damage(path: str, how: str) -> None:
+    if how == "a flipped byte":
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        os.remove(path)
+
+
+@pytest.mark.parametrize("how", ["a flipped byte", "truncated", "missing"])
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_before(
+        corpus, two_saves, tmp_path, capsys, how):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(two_saves, ckpt)
+    _damage(os.path.join(ckpt, "iter_0000004", checkpoint.PLAIN_FILE), how)
+    metrics = tmp_path / "m.jsonl"
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", ckpt, "--eval-interval", "0",
+                "--metrics-file", str(metrics)])
+    out = capsys.readouterr().out
+    problem = {"missing": "it holds no checkpoint"}.get(how, "model_optim_rng.pt is damaged")
+    assert f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {problem}" in out
+    assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in out
+    assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
+
+
+def test_with_no_intact_checkpoint_left_the_run_stops_naming_the_damage(corpus, two_saves, tmp_path, capsys):
+    """Never a silent start from scratch; export says the same."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(two_saves, ckpt)
+    for tag in ("iter_0000002", "iter_0000004"):
+        _damage(os.path.join(ckpt, tag, checkpoint.PLAIN_FILE), "a flipped byte")
+    with pytest.raises(SystemExit) as stop:
+        train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", ckpt])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == [f"train.py: error: no intact checkpoint in {ckpt}: {ckpt}/iter_0000004: model_optim_rng.pt "
+                     f"is damaged (its sha256 is not the one checksums.sha256 records); {ckpt}/iter_0000002: "
+                     f"model_optim_rng.pt is damaged (its sha256 is not the one checksums.sha256 records)"]
+    with pytest.raises(UsageError, match="no intact checkpoint"):
+        checkpoint.export_weights(ckpt, str(tmp_path / "out"))
+
+
+def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoint(
+        corpus, tmp_path, monkeypatch, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    real_save = torch.save
+
+    def save(obj, path, *a, **k):
+        if "iter_0000004" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(obj, path, *a, **k)
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(SystemExit) as stop:
+        train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
+                    "--eval-interval", "0"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"train.py: error: saving checkpoint 4 to {ckpt} failed on "
+                                                   f"rank 0, the disk is full (OSError: [Errno 28] No space left"), error
+    assert "the previous checkpoint and its pointer are intact" in error[0]
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
+    assert checkpoint.verified_checkpoint(ckpt, print).iteration == 2
+
+
 def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp_path):
     """A directory written before both kinds wrote Megatron's pointer (or a
     crash between a DeepSpeed save's two pointer writes): Megatron's pointer
@@ -242,9 +334,13 @@ def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp
     found = checkpoint.latest_checkpoint(save)
     assert (found.kind, found.iteration) == ("deepspeed", 4)
     with open(os.path.join(save, checkpoint.LATEST), "w") as f:
-        f.write("6")  # Megatron's pointer names a checkpoint that is gone: said, not skipped
-    with pytest.raises(UsageError, match=r"latest_checkpointed_iteration.txt names iteration 6"):
-        checkpoint.latest_checkpoint(save)
+        f.write("6")  # Megatron's pointer names a checkpoint that is gone: said, then the newest intact one
+    said = []
+    found = checkpoint.verified_checkpoint(save, said.append)
+    assert (found.kind, found.iteration) == ("deepspeed", 4)
+    assert said == [f"checkpoint {save}/iter_0000006 cannot be loaded: it holds no checkpoint "
+                    f"(neither model_optim_rng.pt nor trainer_state.json)",
+                    f"falling back to {save}/iter_0000004 (iteration 4), the newest intact checkpoint"]
 
 
 # -----------------------------------------------------------------------------

@@ -499,6 +499,7 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp
                                      "(train.py --help lists the flags)\n"),
     (["--load", "{corpus}"], ""),  # after the process group exists: not a checkpoint, so none loads
     (["--data-path", "/nonexistent/corpus_text_document"], "train.py: error: /nonexistent/corpus_text_document"),
+    (["--load", "README.md"], "train.py: error: README.md is a file, not a checkpoint directory"),
 ])
 def test_a_user_mistake_is_one_line_from_rank_0(corpus, flags, message):
     """A bad flag (checked before the process group) or bad data (after it):
@@ -512,6 +513,19 @@ def test_a_user_mistake_is_one_line_from_rank_0(corpus, flags, message):
     assert proc.returncode != 0
     assert proc.stderr.count("train.py: error") == 1 and message in proc.stderr, proc.stderr[-3000:]
     assert 'train.py", line' not in proc.stderr  # no traceback through our code
+
+
+def test_a_truncated_index_is_one_line(corpus, tmp_path):
+    """Damaged data is the user's to fix: one line naming the file, no traceback."""
+    truncated = str(tmp_path / "cut_text_document")
+    with open(corpus + ".idx", "rb") as f:
+        open(truncated + ".idx", "wb").write(f.read(100))
+    os.symlink(corpus + ".bin", truncated + ".bin")
+    proc = run_train([*TINY, "--data-path", truncated, "--train-iters", "2"], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error")]
+    assert len(errors) == 1 and f"{truncated}.idx" in errors[0] and "truncated or corrupt" in errors[0]
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("nodelist, head", [("gpu[07-09,12],cpu3", "gpu07"), ("node5", "node5"),

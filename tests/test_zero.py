@@ -365,6 +365,29 @@ def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs)
         zero.DeepSpeedTraining(cfg, train.init_processes(cfg), 1, print)
 
 
+def test_a_damaged_deepspeed_checkpoint_gives_way_to_the_one_before(runs, tmp_path):
+    """DeepSpeed's checkpoints carry the same digests as plain ones (each rank
+    hashes its share of the files): sha256sum -c reads them, and one flipped
+    byte in a ZeRO shard of the newest sends --load to the previous one."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(runs, "ckpt_z1"), ckpt)
+    for tag in ("iter_0000015", "iter_0000030"):
+        check = subprocess.run(["sha256sum", "-c", checkpoint.DIGESTS], cwd=os.path.join(ckpt, tag),
+                               capture_output=True, text=True)
+        assert check.returncode == 0 and "zero_pp_rank_1_mp_rank_00_optim_states.pt: OK" in check.stdout
+    shard = os.path.join(ckpt, "iter_0000030", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    said = []
+    found = checkpoint.verified_checkpoint(ckpt, said.append)
+    assert (found.kind, found.iteration) == ("deepspeed", 15)
+    assert said[0] == (f"checkpoint {ckpt}/iter_0000030 cannot be loaded: zero_pp_rank_1_mp_rank_00_optim_states.pt "
+                       f"is damaged (its sha256 is not the one checksums.sha256 records)")
+
+
 def test_keep_last_checkpoints_works_for_deepspeed_checkpoints(runs):
     saved = os.path.join(runs, "ckpt_z1_keep")
     assert sorted(n for n in os.listdir(saved) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
