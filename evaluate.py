@@ -257,7 +257,7 @@ def lambada_results(loss_sum: float, count: int, hits: int, data: dict) -> dict:
 TASKS = {"WIKITEXT103": (wikitext103, wikitext103_results), "LAMBADA": (lambada, lambada_results)}
 
 
-def evaluate(cfg: TrainConfig, env: launch.Dist) -> dict:
+def run_task(cfg: TrainConfig, env: launch.Dist) -> dict:
     """Run --task in an initialized world; print and write the results (rank 0), return them."""
     if cfg.task == "GENERATE":
         return write_samples(cfg, sample(cfg, env), env)
@@ -355,7 +355,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def run(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    evaluate(cfg, init_processes(cfg))
+    run_task(cfg, init_processes(cfg))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

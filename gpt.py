@@ -15,8 +15,8 @@
    and initialized exactly as for tp=1, then sliced (shard_block) before the
    next is built, so every tp trains the same model from the same seed and no
    rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
-   A pipeline stage keeps its own layers (GPT(config, chunks)) and runs them
-   chunk by chunk (pipeline.py).
+   A pipeline stage keeps its own layers (GPT(config, layers)) and runs them
+   one virtual stage at a time (pipeline.py).
 6. The LM head and the loss, fused over spans of tokens (`fused_lm_loss`).
 7. Generation: the KV cache and `generate`.
 8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
@@ -48,7 +48,7 @@ from launch import UsageError
 
 ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.flash_attention (FlashAttention-2)
 LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.TritonLayerNorm (fused LayerNorm)
-LOSS_IMPLS = ("fused", "full")         # "fused": fused_lm_loss (head + loss in chunks)
+LOSS_IMPLS = ("fused", "full")         # "fused": fused_lm_loss (head + loss in spans of tokens)
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -466,9 +466,10 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, chunks: list[range] | None = None):
-        """chunks: under pipeline parallelism, the layers of each model chunk
-        this rank holds (pipeline.pipeline_chunks); default all of them. The
+    def __init__(self, config: GPTConfig, layers: list[range] | None = None):
+        """layers: the layers this module holds, as ranges; under pipeline
+        parallelism one range per virtual stage of this rank
+        (pipeline.pipeline_chunks); default all of them. The
         first layer's holder has the embedding, the last layer's the final
         norm and the head (and a copy of a tied embedding for it).
 
@@ -480,7 +481,7 @@ class GPT(nn.Module):
         layer. The others are dropped, their random numbers drawn."""
         super().__init__()
         self.config = config
-        self.chunks = chunks or [range(config.num_layers)]
+        self.layers = layers or [range(config.num_layers)]
         # How blocks are recomputed under activation checkpointing; train.py
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
@@ -647,11 +648,11 @@ class GPT(nn.Module):
 
     @property
     def holds_first_layer(self) -> bool:  # and so the embedding (the pipeline's first stage)
-        return self.chunks[0].start == 0
+        return self.layers[0].start == 0
 
     @property
     def holds_last_layer(self) -> bool:  # and so the final norm, the head and the loss
-        return self.chunks[-1].stop == self.config.num_layers
+        return self.layers[-1].stop == self.config.num_layers
 
     def holds(self, key: str) -> bool:
         """Whether the whole model's state-dict `key` belongs to this stage. A
@@ -662,7 +663,7 @@ class GPT(nn.Module):
         first, last = self.holds_first_layer, self.holds_last_layer
         if piece == "blocks":
             layer = int(rest.partition(".")[0])
-            return layer >= c.num_layers or any(layer in chunk for chunk in self.chunks)
+            return layer >= c.num_layers or any(layer in held for held in self.layers)
         tied = not c.untie_embeddings_and_output_weights
         stage_of = {"wte": first or (last and tied), "ln_f": last}  # pieces every model has
         if c.position_embedding_type == "learned_absolute":

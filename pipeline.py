@@ -129,7 +129,7 @@ def stage_forward(model: GPT, chunk: int, x, input_ids, position_ids, labels, lo
     (B, T[/tp], C) is the previous stage's output, or None where the chunk
     begins at layer 0 and embeds input_ids. Returns the chunk's output, or,
     where it ends with the last layer, the loss (as GPT.forward)."""
-    layers = model.chunks[chunk]
+    layers = model.layers[chunk]
     if layers.start == 0:
         model.check_inputs(input_ids, position_ids, labels)
         x, rope = model.embed(input_ids, position_ids)
@@ -194,7 +194,7 @@ def check_micro_batches(m: int, pp: int, v: int) -> None:
 # weights are a matmul each), so the clock gives it two ticks; a schedule
 # timed with equal ticks would make neighbours wait on each other's
 # backwards at every exchange.
-TICKS = {"F": 1, "B": 2}
+DURATION = {"F": 1, "B": 2}
 
 
 def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action | None]]:
@@ -217,8 +217,8 @@ def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -
             if a is None or (needs is not None and done.get(needs, t) >= t):
                 row.append(None)
                 continue
-            done[(a.kind, a.chunk * pp + r, a.micro)] = t + TICKS[a.kind] - 1
-            position[r], free[r] = position[r] + 1, t + TICKS[a.kind]
+            done[(a.kind, a.chunk * pp + r, a.micro)] = t + DURATION[a.kind] - 1
+            position[r], free[r] = position[r] + 1, t + DURATION[a.kind]
             row.append(a)
         if not any(row) and all(f <= t for f in free):
             raise RuntimeError(f"pipeline schedule stalls at tick {t}: {orders}")
@@ -227,9 +227,11 @@ def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -
 
 
 def _input_of(a: Action, s: int, last: int) -> tuple[str, int, int] | None:
-    """(kind, virtual stage, micro) of the action whose end action a, run by
-    virtual stage s, waits for: the previous stage's forward (none on the
-    first stage), the next stage's backward (the last stage's own forward)."""
+    """What action a, run by virtual stage s, waits for: the (kind, virtual
+    stage, micro-batch) of the action whose end gives a its input. A forward
+    waits for the previous stage's forward (on the first stage, for nothing);
+    a backward for the next stage's backward (on the last stage, for its own
+    forward)."""
     if a.kind == "F":
         return ("F", s - 1, a.micro) if s > 0 else None
     return ("B", s + 1, a.micro) if s < last else ("F", s, a.micro)
@@ -261,7 +263,7 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
     the ticks hold forwards alone. timeline: (tick, action, start, end) of
     each action is appended to it."""
     rank, pp, group = parallel.pp_rank(), parallel.pp_size(), parallel.pp_group()
-    ending = {(t + TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
+    ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
     in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until backward
     posted: dict[int, list] = {}              # tick -> receives posted before the action spanning it
@@ -280,7 +282,7 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
         if a is not None:
             # A message due while this action runs (a backward spans two ticks) is received
             # into a buffer posted now, so its sender need not wait for the action to end.
-            for due in range(t, t + TICKS[a.kind] - 1):
+            for due in range(t, t + DURATION[a.kind] - 1):
                 posted[due] = (ops := receives(due)) and dist.batch_isend_irecv(ops)
             start = time.perf_counter()
             outgoing = _act(a, forward, received, in_flight)
@@ -322,7 +324,7 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
     differentiates each micro-batch's share of the step's loss, scaled by the
     engine's `scale` (its --fp16 loss scaling; None: as it is). Returns the
     mean loss: the last stage computes it, and every stage gets it."""
-    m, v = len(batches), len(model.chunks)
+    m, v = len(batches), len(model.layers)
     ticks = pipeline_timeline(parallel.pp_size(), m, v, forward_only=not torch.is_grad_enabled())
     batches = [to_device(b, device) for b in batches]
     total = torch.zeros((), device=device)
@@ -330,7 +332,7 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
     def forward(chunk: int, micro: int, x):
         nonlocal total
         out = micro_batch_loss(model, batches[micro], precision, chunk, x)
-        if model.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
+        if model.layers[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
         loss = out / m
         total += loss.detach()

@@ -318,7 +318,7 @@ class PlainTraining:
 # 4. Evaluation, logging, MFU
 
 @torch.no_grad()
-def evaluate(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int) -> float:
+def validation_loss(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int) -> float:
     """Mean loss over --eval-iters global batches, averaged over data-parallel ranks
     (under --bf16 / --fp16 autocast, with either engine)."""
     model.eval()
@@ -602,7 +602,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
             metrics = {"iteration": iteration, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                        **meter.figures(), "batch_size": batch_size, "consumed_samples": consumed}
             if eval_now:
-                metrics["val_loss"] = evaluate(trainer.model, valid_ds, cfg, env.device,
+                metrics["val_loss"] = validation_loss(trainer.model, valid_ds, cfg, env.device,
                                                eval_consumed(iteration, cfg, global_batch), accum)
                 metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 20.0))
             logger.log(metrics)

@@ -212,7 +212,7 @@ def pipeline_step(model, batches, v: int, device, timeline=None, memory=None) ->
             memory.current = (chunk, micro)
         tokens, labels = batches[micro]
         out = pipeline.stage_forward(model, chunk, x, tokens, positions, labels, None)
-        if model.chunks[chunk].stop == model.config.num_layers:
+        if model.layers[chunk].stop == model.config.num_layers:
             out = out / m                                  # the loss, averaged over the step
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -262,7 +262,7 @@ def replay(timelines: list, m: int, v: int) -> list[float]:
     took = [{t: e - s for t, s, e in tl} for tl in timelines]
     free = [0.0] * pp  # when each rank is done with the ticks so far
     ticks = pipeline.pipeline_timeline(pp, m, v)
-    ending = {(t + pipeline.TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
+    ending = {(t + pipeline.DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     for t in range(len(ticks)):
         done = [free[r] + took[r].get(t, 0.0) for r in range(pp)]
         to = [(pipeline._messages(ending.get((t, r)), r, pp, v) or (None,))[0] for r in range(pp)]  # whom r sends to
@@ -277,7 +277,7 @@ def replay(timelines: list, m: int, v: int) -> list[float]:
 def _inside_action(ticks: list, rank: int, t: int) -> bool:
     """Whether rank's action spans tick t without ending there."""
     started = [s for s in range(t + 1) if ticks[s][rank]]
-    return bool(started) and started[-1] + pipeline.TICKS[ticks[started[-1]][rank].kind] - 1 > t
+    return bool(started) and started[-1] + pipeline.DURATION[ticks[started[-1]][rank].kind] - 1 > t
 
 
 def measure_memory(model, batches, v: int, device) -> list:
@@ -295,7 +295,7 @@ def measure_memory(model, batches, v: int, device) -> list:
 def tick_bubble(pp: int, m: int, v: int, rank: int) -> Fraction:
     """The rank's idle ticks / all ticks of the schedule (a backward is two ticks)."""
     ticks = pipeline.pipeline_timeline(pp, m, v)
-    busy = sum(pipeline.TICKS[row[rank].kind] for row in ticks if row[rank])
+    busy = sum(pipeline.DURATION[row[rank].kind] for row in ticks if row[rank])
     return Fraction(len(ticks) - busy, len(ticks))
 
 

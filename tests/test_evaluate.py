@@ -284,7 +284,7 @@ def worker(out: str, *model: str) -> None:
     for task in TASKS:
         cfg = evaluate.parse_args([*evaluate_flags(files, task, os.path.join(out, task + ".json")), *model])
         env = env or evaluate.init_processes(cfg)
-        evaluate.evaluate(cfg, env)
+        evaluate.run_task(cfg, env)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -43,7 +43,7 @@ def test_run_pipelines_coupling_idles_as_the_schedules_formula(pp, m, v):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from bench_pipeline import replay
     ticks = pipeline.pipeline_timeline(pp, m, v)
-    clock = [[(t, t, t + pipeline.TICKS[row[r].kind]) for t, row in enumerate(ticks) if row[r]] for r in range(pp)]
+    clock = [[(t, t, t + pipeline.DURATION[row[r].kind]) for t, row in enumerate(ticks) if row[r]] for r in range(pp)]
     for bubble in replay(clock, m, v):
         assert bubble == pytest.approx((pp - 1) / (v * m + pp - 1))
 
@@ -61,7 +61,7 @@ def test_1f1b_warms_up_with_pp_minus_1_minus_rank_forwards_then_alternates(pp, m
 def test_bubble_of_the_schedule_is_narayanan_et_al_s(pp, m, v):
     """Idle ticks / all ticks: (pp-1)/(m+pp-1), and interleaved (pp-1)/(v*m+pp-1)."""
     ticks = pipeline.pipeline_timeline(pp, m, v)
-    busy = sum(pipeline.TICKS[a.kind] for row in ticks for a in row if a)  # a backward: 2 ticks
+    busy = sum(pipeline.DURATION[a.kind] for row in ticks for a in row if a)  # a backward: 2 ticks
     assert 1 - busy / (len(ticks) * pp) == pytest.approx((pp - 1) / (v * m + pp - 1))
     for rank in range(pp):  # every forward and backward of every chunk, once
         done = [row[rank] for row in ticks if row[rank] is not None]
@@ -181,12 +181,12 @@ def _check_a_receive_due_inside_an_action_is_posted_before_it():
         pipeline.run_pipeline(ticks, v, forward, (2, 4), torch.device("cpu"))
     finally:
         dist.batch_isend_irecv, pipeline._act = real_batch, real_act
-    ending = {(t + pipeline.TICKS[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
+    ending = {(t + pipeline.DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     to_me = {t for (t, r), a in ending.items() if (pipeline._messages(a, r, pp, v) or (None,))[0] == rank}
     inside = 0
     for t, row in enumerate(ticks):
         a = row[rank]
-        due = len(to_me & set(range(t, t + pipeline.TICKS[a.kind] - 1))) if a else 0
+        due = len(to_me & set(range(t, t + pipeline.DURATION[a.kind] - 1))) if a else 0
         if due:  # posted for just before the action starts, receives only
             assert events[events.index(("act", a)) - 1] == ("post", due, 0), (t, a)
             inside += due
