@@ -73,6 +73,8 @@ def main():
     p.add_argument("--data", default=os.path.join(ROOT, "data", "shakespeare_text_document"))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="which train.py runs to time against nanoGPT in each round (default: all)")
     args = p.parse_args()
     data_dir = os.path.join(args.nanogpt, "data", "bench")
     os.makedirs(data_dir, exist_ok=True)
@@ -85,7 +87,7 @@ def main():
         with tempfile.TemporaryDirectory() as work:
             base, rss = nanogpt(args, work)
             print(f"| {r} | nanoGPT | {base:.1f} | 1.00x | {rss / 1e9:.2f} |", flush=True)
-            for name, flags in VARIANTS.items():
+            for name, flags in ((n, VARIANTS[n]) for n in args.variants):
                 seconds, rss = ours(args, flags)
                 print(f"| {r} | {name} | {seconds:.1f} | {seconds / base:.2f}x | {rss / 1e9:.2f} |",
                       flush=True)
