@@ -488,7 +488,6 @@ class GPT(nn.Module):
         parallel.check_layout(config)
         self.sequence_parallel = parallel.tp_size() > 1 and config.sequence_parallel  # off while generating
         self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
-        self.blocks = nn.ModuleList()  # blocks.5 on the stage of layers 4-7: the whole model's keys
         for name, make in self._pieces():
             piece = self._build(make)
             if self.holds(name):
@@ -511,6 +510,10 @@ class GPT(nn.Module):
     def _keep(self, name: str, piece: nn.Module) -> None:
         kind, _, layer = name.partition(".")
         if kind == "blocks":
+            # Registered as it comes, so named_modules() walks the pieces in
+            # init order (zero.build_model_zero3 re-initializes in that order).
+            if "blocks" not in self._modules:  # blocks.5 on the stage of layers 4-7: the whole model's keys
+                self.blocks = nn.ModuleList()
             self.blocks.add_module(layer, piece)
             return
         setattr(self, name, piece)

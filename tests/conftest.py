@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import pytest
 
@@ -201,6 +202,7 @@ def run_on_ranks(fn, *args, world_size=2, timeout=RANKS_TIMEOUT):
     No launch waits forever: past `timeout` seconds every rank writes each
     thread's stack (faulthandler), is killed, and the test fails with them."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
     # Read once, when the first launch starts the server; a module a later fn
     # lives in is imported by its ranks (cheap, with these already loaded).
     mp.set_forkserver_preload(["torch", "torch.distributed", "parallel", "gpt", fn.__module__])
@@ -208,15 +210,37 @@ def run_on_ranks(fn, *args, world_size=2, timeout=RANKS_TIMEOUT):
         ranks = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args), nprocs=world_size,
                                    join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout
-        while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                _signal_all(ranks.pids(), signal.SIGABRT)
-                time.sleep(3)
-                _signal_all(ranks.pids(), signal.SIGKILL)
-                stacks = "\n".join(f"--- rank {r} ---\n" + open(os.path.join(tmp, f"stacks{r}")).read()
-                                    for r in range(world_size))
-                raise AssertionError(f"{fn.__name__} still running on its ranks after {timeout} s: killed. "
-                                     f"Each rank's stacks:\n{stacks}")
+        try:
+            while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    _signal_all(ranks.pids(), signal.SIGABRT)
+                    time.sleep(3)
+                    _signal_all(ranks.pids(), signal.SIGKILL)
+                    raise AssertionError(f"{fn.__name__} still running on its ranks after {timeout} s: "
+                                         f"killed. Each rank's stacks:\n{_rank_reports(tmp, world_size)}")
+        except ProcessException:
+            # torch names the first failed rank it happens to look at, and that
+            # is often a victim: a rank whose peer died fails in its next
+            # collective ("Connection closed by peer"). Show every rank's error,
+            # the earliest first, and the stacks of any that died by a signal.
+            raise AssertionError(f"{fn.__name__} failed on its ranks:\n{_rank_reports(tmp, world_size)}") from None
+
+
+def _rank_reports(tmp: str, world_size: int) -> str:
+    """What each rank left in `tmp`: its error (with when it happened), earliest
+    first, then each rank's stacks file (written on SIGABRT or a fatal signal)."""
+    errors = sorted((os.path.getmtime(path), path) for path in glob.glob(os.path.join(tmp, "error*")))
+    report = []
+    for when, path in errors:
+        rank = os.path.basename(path)[len("error"):]
+        report.append(f"--- rank {rank}'s error, {when - errors[0][0]:.1f} s after the first ---\n"
+                      + open(path).read())
+    for r in range(world_size):
+        path = os.path.join(tmp, f"stacks{r}")
+        stacks = open(path).read() if os.path.exists(path) else ""
+        if stacks.strip():
+            report.append(f"--- rank {r}'s stacks ---\n{stacks}")
+    return "\n".join(report) or "(no rank left an error or a stack)"
 
 
 def _rank_main(rank, world_size, tmp, fn, args):
@@ -229,6 +253,10 @@ def _rank_main(rank, world_size, tmp, fn, args):
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         fn(*args)
+    except BaseException:
+        with open(os.path.join(tmp, f"error{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         parallel.destroy()
         dist.destroy_process_group()

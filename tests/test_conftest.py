@@ -58,5 +58,22 @@ def test_hung_ranks_fail_with_each_ranks_stack():
     with pytest.raises(AssertionError, match="still running on its ranks after 5 s") as failure:
         run_on_ranks(_rank_one_waits_forever, timeout=5)
     message = str(failure.value)
-    assert "--- rank 0 ---" in message and "--- rank 1 ---" in message
+    assert "--- rank 0's stacks ---" in message and "--- rank 1's stacks ---" in message
     assert message.count("_rank_one_waits_forever") >= 2  # each rank's stack names where it waits
+
+
+def _rank_one_fails():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1's own mistake")
+    dist.barrier()  # rank 0 would fail here, a victim of rank 1
+
+
+def test_a_failed_rank_is_reported_by_its_own_error():
+    """The report leads with the rank that failed first, not with whichever
+    rank torch looked at first (often a peer failing in a collective)."""
+    with pytest.raises(AssertionError, match="_rank_one_fails failed on its ranks") as failure:
+        run_on_ranks(_rank_one_fails)
+    message = str(failure.value)
+    assert "--- rank 1's error, 0.0 s after the first ---" in message
+    assert "ValueError: rank 1's own mistake" in message

@@ -144,6 +144,23 @@ def test_gpt2_init_scales_residual_projections():
     assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.1)
 
 
+@pytest.mark.parametrize("options", [{}, ALL_OPTIONS], ids=["gpt2", "all-options"])
+def test_modules_are_registered_in_init_order(options):
+    """The weights depend on the seed and the order the pieces are initialized
+    in. ZeRO-3 builds the model on emptied partitions and re-initializes it one
+    module at a time in named_modules() order (zero.build_model_zero3), so that
+    order must be the init order: redone so, the weights are the same."""
+    model = tiny_model(seed=3, **options)
+    torch.manual_seed(3)
+    redone = tiny_model(seed=5, **options)
+    torch.manual_seed(3)
+    for module in redone.modules():
+        if list(module.parameters(recurse=False)):
+            gpt.init_weights(module, redone.config)
+    for (name, want), got in zip(model.state_dict().items(), redone.state_dict().values()):
+        assert torch.equal(want, got), name
+
+
 def test_param_count_of_124M_matches_hf_gpt2():
     # HF's GPT-2 small has 124,439,808 parameters (50257-row embedding, tied head).
     with torch.device("meta"):  # no memory, no init cost

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -65,7 +66,11 @@ def worker_run(out: str, name: str, extra: list[str]) -> None:
                                      "--data-cache-path", os.path.join(out, "cache"),
                                      "--metrics-file", os.path.join(out, name + ".jsonl"), *extra])
     parallel.destroy()
-    train.train(cfg, train.init_processes(cfg))
+    start = time.monotonic()
+    env = train.init_processes(cfg)
+    train.train(cfg, env)
+    if env.rank == 0:  # where the launch's time goes, in OUT/PLAN.log
+        print(f"[{name}: {time.monotonic() - start:.1f} s]", flush=True)
 
 
 def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
