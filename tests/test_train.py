@@ -758,10 +758,10 @@ GPT_ARGS=" \\
     --num-layers 2 \\
     --hidden-size 64 \\
     --num-attention-heads 4 \\
-    --seq-length 64 \\
+    --seq-length 32 \\
     --max-position-embeddings 64 \\
-    --micro-batch-size 4 \\
-    --global-batch-size 8 \\
+    --micro-batch-size 1 \\
+    --global-batch-size 2 \\
     --lr 0.00015 \\
     --train-iters 12 \\
     --lr-decay-iters 10 \\
