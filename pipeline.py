@@ -9,8 +9,9 @@ and the micro-batches of a step scheduled through them. Sections:
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
      of one rank (run_pipeline)
   4. The pipelined step: a step's micro-batches through this rank's stage
-  5. The gradient reductions stages need: over data parallelism, and the
-     tied embedding's over its two stages
+  5. The gradient reductions stages need: over data parallelism (started
+     on a chunk's gradients as soon as they are final), and the tied
+     embedding's over its two stages
 """
 from __future__ import annotations
 
@@ -254,14 +255,15 @@ def _messages(a: Action | None, sender: int, pp: int, v: int):
 # ----------------------------------------------------------------------------
 
 def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple, device,
-                 dtype=torch.float32, timeline: list | None = None) -> None:
+                 dtype=torch.float32, timeline: list | None = None, after=None) -> None:
     """This rank's part of `ticks`. forward(chunk, micro, x) runs a model chunk
     on x, the previous stage's output (None on the first virtual stage), and
     returns its output, on the last virtual stage the loss to differentiate.
     A backward differentiates that output with the gradient the next stage
     sent back, and sends x's gradient on. Under torch.no_grad (evaluation)
     the ticks hold forwards alone. timeline: (tick, action, start, end) of
-    each action is appended to it."""
+    each action is appended to it. after(action), if given, runs as each
+    action ends, before its tick's exchange."""
     rank, pp, group = parallel.pp_rank(), parallel.pp_size(), parallel.pp_group()
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
@@ -288,6 +290,8 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
             outgoing = _act(a, forward, received, in_flight)
             if timeline is not None:
                 timeline.append((t, a, start, time.perf_counter()))
+            if after is not None:
+                after(a)
         ops = [] if t in posted else receives(t)
         sent = _messages(ending.get((t, rank)), rank, pp, v)
         if sent is not None:
@@ -317,13 +321,17 @@ def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | 
 # 4. The pipelined step
 # ----------------------------------------------------------------------------
 
-def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision, scale=None) -> torch.Tensor:
+def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision, scale=None,
+                  averager: GradientAverager | None = None) -> torch.Tensor:
     """The micro-batches through this rank's pipeline stage in 1F1B order
     (run_pipeline), forwards (micro_batch_loss, under `precision`) and
     backwards; under torch.no_grad, forwards alone. The last stage
     differentiates each micro-batch's share of the step's loss, scaled by the
     engine's `scale` (its --fp16 loss scaling; None: as it is). Returns the
-    mean loss: the last stage computes it, and every stage gets it."""
+    mean loss: the last stage computes it, and every stage gets it.
+    averager: the engine's data-parallel averaging (GradientAverager), which
+    starts on gradients as they become final (None: the engine reduces after
+    the step)."""
     m, v = len(batches), len(model.layers)
     ticks = pipeline_timeline(parallel.pp_size(), m, v, forward_only=not torch.is_grad_enabled())
     batches = [to_device(b, device) for b in batches]
@@ -341,20 +349,26 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
     tokens = cfg.seq_length // parallel.tp_size() if model.sequence_parallel else cfg.seq_length
     # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
     dtype = next(model.parameters()).dtype
+
+    def after(a: Action) -> None:  # a chunk's last backward: the rest of its gradients are final
+        if averager is not None and a.kind == "B":
+            averager.flush()
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
-                 dtype)
+                 dtype, after=after)
     dist.all_reduce(total, group=parallel.pp_group())  # zero but on the last stage
     return total
 
 
-def reduce_pipeline_grads(model: GPT) -> None:
+def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) -> None:
     """Under pipeline parallelism, after the schedule: average the gradients
-    over data parallelism (DDP's job at pp=1), and sum the tied embedding's
-    over the two stages that hold it, so both copies take the same step
-    (Megatron's embedding all-reduce)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if parallel.dp_size() > 1:
-        all_reduce_gradients(params, parallel.dp_group())
+    over data parallelism (DDP's job at pp = 1; with an averager, landing the
+    all-reduces pipeline_step started), then sum the tied embedding's over the
+    two stages that hold it, so both copies take the same step (Megatron's
+    embedding all-reduce)."""
+    if averager is not None:
+        averager.wait()
+    elif parallel.dp_size() > 1:  # all at once (GradientAverager starts them as they become final)
+        average([p.grad for p in model.parameters() if p.grad is not None], parallel.dp_group())()
     tied = tied_embedding_copy(model)
     if tied is not None:
         dist.all_reduce(tied.grad, group=parallel.embedding_group())
@@ -364,14 +378,65 @@ def reduce_pipeline_grads(model: GPT) -> None:
 # 5. The gradient reductions stages need
 # ----------------------------------------------------------------------------
 
-def all_reduce_gradients(params: list[nn.Parameter], group) -> None:
-    """Average the gradients over a data-parallel group in one flat buffer
-    (DDP's job; under pipeline parallelism done here once, after the
-    schedule: DDP's reducer expects each forward's backward before the next
-    forward, and 1F1B keeps several micro-batches in flight)."""
-    grads = [p.grad for p in params]
+def average(grads: list[torch.Tensor], group):
+    """Start averaging `grads` over a data-parallel group, in one flat buffer
+    (one all-reduce for many small tensors). Returns land(), which waits for
+    the all-reduce and writes the averages back into `grads`."""
     flat = torch.cat([g.flatten().float() for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
+    work = dist.all_reduce(flat, group=group, async_op=True)
+
+    def land() -> None:
+        work.wait()
+        flat.div_(dist.get_world_size(group))
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+    return land
+
+
+class GradientAverager:
+    """Averages a stage's gradients over its data-parallel group while the
+    schedule still runs (DDP's job at pp = 1; DDP's reducer cannot do it here:
+    it expects each forward's backward before the next forward, and 1F1B keeps
+    several micro-batches in flight).
+
+    A parameter's gradient is final once the step's last micro-batch has been
+    through its backward: a hook counts the accumulations. Final gradients
+    gather in a bucket (DDP's 25 MB), whose all-reduce is launched when it
+    fills, so it runs during the rest of that backward (Megatron's
+    --overlap-grad-reduce); flush() launches a partial bucket as each backward
+    ends. In 1F1B's drain the last stage ends first, and its all-reduces run
+    while stage 0 drains. wait(), before the optimizer step, lands them all."""
+
+    def __init__(self, model: nn.Module, group, bucket_bytes: int = 25 * 2**20):
+        self.group, self.bucket_bytes = group, bucket_bytes
+        self.bucket, self.pending, self.accumulated, self.micro_batches = [], [], {}, 0
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def begin(self, micro_batches: int) -> None:
+        """A step of `micro_batches` backwards through every parameter starts
+        (until then, and after wait(), the hooks do nothing)."""
+        self.accumulated, self.micro_batches = {}, micro_batches
+
+    def _accumulated(self, p: nn.Parameter) -> None:
+        self.accumulated[p] = n = self.accumulated.get(p, 0) + 1
+        if n == self.micro_batches:  # final: into the bucket
+            self.bucket.append(p)
+            if sum(q.grad.numel() * 4 for q in self.bucket) >= self.bucket_bytes:  # fp32 bytes
+                self.flush()
+
+    def flush(self) -> None:
+        """Launch the bucket's all-reduce, if it holds any gradient."""
+        if self.bucket:
+            self.pending.append(average([p.grad for p in self.bucket], self.group))
+            self.bucket = []
+
+    def wait(self) -> None:
+        # a parameter some micro-batches left out is averaged here
+        self.bucket += [p for p, n in self.accumulated.items() if n < self.micro_batches]
+        self.flush()
+        self.micro_batches = 0
+        for land in self.pending:
+            land()
+        self.pending = []

@@ -203,7 +203,7 @@ def train_step(trainer, batches: list, lr: float):
             total += loss.detach() / m
     else:  # the same forward, a model chunk at a time, in 1F1B order through this rank's stage
         total = pipeline.pipeline_step(trainer.model, batches, trainer.cfg, trainer.device, trainer.precision,
-                                       trainer.scale)
+                                       trainer.scale, trainer.averager)
     grad_norm, skipped = trainer.finish()
     return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, skipped
 
@@ -256,12 +256,15 @@ class PlainTraining:
         self.iteration, self.consumed = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
                                                                    self.scaler, log)
         self.model = torch.compile(self.raw, **compile_options(cfg)) if cfg.compile else self.raw
-        if parallel.dp_size() > 1 and parallel.pp_size() == 1:  # pipelines: reduce_pipeline_grads
+        if parallel.dp_size() > 1 and parallel.pp_size() == 1:  # pipelines: pipeline.GradientAverager
             self.model = DDP(self.model, process_group=parallel.dp_group(),
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
         # What every step uses, settled once for the run:
         self.precision = autocast(cfg, env.device)               # the forward's (--bf16 / --fp16)
         self.scale = self.scaler.scale if self.scaler else None  # a loss's, before backward
+        # Under stages, the data-parallel average of each gradient starts as soon as it is final
+        self.averager = pipeline.GradientAverager(self.raw, parallel.dp_group()) \
+            if parallel.pp_size() > 1 and parallel.dp_size() > 1 else None
         self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         self.max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
 
@@ -270,6 +273,8 @@ class PlainTraining:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        if self.averager:
+            self.averager.begin(micro_batches)
 
     def micro_batch(self, last: bool):
         """The context of a micro-batch's forward and backward. DDP all-reduces
@@ -294,7 +299,7 @@ class PlainTraining:
         Fused AdamW takes the flag as a tensor and, when it is 1, leaves weights, moments and
         step count alone: no host read stalls the GPU queue."""
         if parallel.pp_size() > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
-            pipeline.reduce_pipeline_grads(self.raw)
+            pipeline.reduce_pipeline_grads(self.raw, self.averager)
         if self.scaler:
             self.scaler.unscale_(self.raw.parameters())
         grad_norm = parallel.clip_grad_norm_(self.raw.parameters(), self.max_norm)

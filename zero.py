@@ -242,6 +242,7 @@ class DeepSpeedTraining:
         # The engine runs its 16-bit module without autocast; our stages' schedule runs it as the plain engine's.
         self.precision = autocast(cfg, env.device) if parallel.pp_size() > 1 else nullcontext()
         self.scale = getattr(self.engine.optimizer, "scale_if_loss", None)  # ZeRO's, as in engine.backward
+        self.averager = None  # under stages the engine averages after the schedule (finish)
         self.iteration, self.consumed = 0, 0
         if weights_only:
             self.iteration, self.consumed = checkpoint.start_position(cfg, state, found.path, log)

@@ -2,6 +2,7 @@
 stages on 2 gloo ranks against the whole model on one."""
 import os
 import sys
+import time
 import weakref
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -243,3 +244,61 @@ def _check_pipeline_stages_share_one_loss_scale():
 
 def test_pipeline_stages_share_one_loss_scale():
     run_on_ranks(_check_pipeline_stages_share_one_loss_scale)
+
+
+def _check_data_parallel_average_starts_as_gradients_become_final():
+    pp, m, v = 2, 4, 2
+    parallel.destroy()
+    parallel.initialize(1, pipeline_model_parallel_size=pp)  # 4 ranks: PP=2 x DP=2
+    shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                 vocab_size=100, padded_vocab_size=128)
+    torch.manual_seed(0)
+    stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, parallel.pp_rank(), 1))
+    cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2)
+    batches = []
+    for i in range(m):  # each data-parallel rank its own micro-batches
+        x, y, mask = uneven_batch(10 * parallel.dp_rank() + i, batch_size=2)
+        batches.append({"tokens": x, "labels": y, "loss_mask": mask, "position_ids": torch.arange(8).expand(2, 8)})
+    # after the schedule, one blocking all-reduce: the reference gradients
+    pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext())
+    pipeline.reduce_pipeline_grads(stage)
+    want = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    # with an averager whose buckets hold 4 KB: launched as gradients become final
+    stage.zero_grad(set_to_none=True)
+    averager = pipeline.GradientAverager(stage, parallel.dp_group(), bucket_bytes=4096)
+    events, real_flush, real_act = [], averager.flush, pipeline._act
+    averager.flush = lambda: (events.append(("launch", len(averager.bucket), time.time())), real_flush())[1]
+    pipeline._act = lambda a, *args: (events.append(("start", a, time.time())), real_act(a, *args),
+                                      events.append(("end", a, time.time())))[1]
+    try:
+        averager.begin(m)
+        pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext(), averager=averager)
+    finally:
+        pipeline._act = real_act
+    pipeline.reduce_pipeline_grads(stage, averager)
+    for name, p in stage.named_parameters():  # the same numbers, bit for bit
+        assert torch.equal(p.grad, want[name]), name
+    launches = [e for e in events if e[0] == "launch" and e[1]]
+    assert sum(e[1] for e in launches) == len(list(stage.parameters()))  # each parameter once
+    # Buckets were launched during each chunk's last backward, not after it
+    for c in range(v):
+        start = next(i for i, e in enumerate(events) if e[:2] == ("start", pipeline.Action("B", c, m - 1)))
+        end = next(i for i, e in enumerate(events) if e[:2] == ("end", pipeline.Action("B", c, m - 1)))
+        assert any(e[0] == "launch" and e[1] for e in events[start:end]), (c, events[start:end])
+    # The last stage's last all-reduce started before stage 0 ended its drain.
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (parallel.pp_rank(), parallel.dp_rank(), events))
+    by_stage = {(pp_rank, dp_rank): events for pp_rank, dp_rank, events in seen}
+    launched = max(e[2] for e in by_stage[(1, 0)] if e[0] == "launch" and e[1])
+    drained = max(e[2] for e in by_stage[(0, 0)] if e[0] == "end")
+    assert launched < drained, "stage 1 started averaging only after stage 0's drain"
+
+
+@pytest.mark.slow
+def test_data_parallel_average_starts_as_gradients_become_final():
+    """PP=2 x DP=2, interleaved: each gradient's average over its
+    data-parallel pair is launched, in a bucket, during the backward that
+    makes it final (the step's last micro-batch's), and the last stage's
+    while stage 0 still drains the pipeline; every parameter's once, and
+    bit for bit the gradients of one all-reduce after the schedule."""
+    run_on_ranks(_check_data_parallel_average_starts_as_gradients_become_final, world_size=4)
