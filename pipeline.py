@@ -9,9 +9,9 @@ and the micro-batches of a step scheduled through them. Sections:
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
      of one rank (run_pipeline)
   4. The pipelined step: a step's micro-batches through this rank's stage
-  5. The gradient reductions stages need: over data parallelism (started
-     on a chunk's gradients as soon as they are final), and the tied
-     embedding's over its two stages
+  5. The gradient reductions stages need: over data parallelism (each
+     gradient's started as soon as it is final), and the tied embedding's
+     over its two stages
 """
 from __future__ import annotations
 
@@ -350,7 +350,7 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
     # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
     dtype = next(model.parameters()).dtype
 
-    def after(a: Action) -> None:  # a chunk's last backward: the rest of its gradients are final
+    def after(a: Action) -> None:  # a backward ended: launch the final gradients a partial bucket holds
         if averager is not None and a.kind == "B":
             averager.flush()
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
