@@ -93,7 +93,7 @@ def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor
     CPU: no GPU holds more than one full tensor beyond its own shards."""
     if getattr(param, "tensor_model_parallel", False):
         t = parallel.gather_tensor_to_first(t, param.partition_dim, param.partition_blocks)
-    elif parallel.tp_rank() != 0:
+    elif parallel.layout.tp_rank != 0:
         return None
     return None if t is None else t.detach().cpu()
 
@@ -103,18 +103,18 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
     unsharded, assembled tensor by tensor on global rank 0; (None, None)
     elsewhere. Only the first DP replica takes part. (Gathering on every rank
     would put 16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
-    if parallel.dp_rank() != 0:
+    if parallel.layout.dp_rank != 0:
         return None, None
     params = dict(model.named_parameters())
     model_sd = {name: gather_to_writer(params[name], t) if name in params
-                else (t.detach().cpu() if parallel.tp_rank() == 0 else None)
+                else (t.detach().cpu() if parallel.layout.tp_rank == 0 else None)
                 for name, t in model.state_dict().items()}
     optim = {name: {k: gather_to_writer(p, v) if torch.is_tensor(v) and v.shape == p.shape else v
                     for k, v in optimizer.state.get(p, {}).items()}
              for name, p in params.items()}
-    if parallel.tp_rank() != 0:
+    if parallel.layout.tp_rank != 0:
         return None, None
-    if parallel.pp_size() > 1:
+    if parallel.layout.pp_size > 1:
         model_sd, optim = whole_pipeline(model_sd, optim)
         if model_sd is None:
             return None, None
@@ -124,9 +124,10 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
 def gather_stages(obj) -> list | None:
     """Every pipeline stage's `obj`, in stage order, on this pipeline's first
     stage; None on the others. Collective over the pipeline group."""
-    first = parallel.pp_rank() == 0
-    stages = [None] * parallel.pp_size() if first else None
-    dist.gather_object(obj, stages, dst=dist.get_global_rank(parallel.pp_group(), 0), group=parallel.pp_group())
+    first = parallel.layout.pp_rank == 0
+    stages = [None] * parallel.layout.pp_size if first else None
+    group = parallel.layout.pp_group
+    dist.gather_object(obj, stages, dst=dist.get_global_rank(group, 0), group=group)
     return stages
 
 
@@ -306,7 +307,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
     model_sd, optim_sd = states_for_writer(model, optimizer)
     rng = rng_state()  # collective too
     # under pipeline parallelism every stage's own streams too (dropout differs by stage)
-    stages_rng = gather_stages(rng) if parallel.pp_size() > 1 else None
+    stages_rng = gather_stages(rng) if parallel.layout.pp_size > 1 else None
 
     def write():
         if model_sd is None:
@@ -442,9 +443,9 @@ def stage_rng(state: dict, log) -> dict:
     """This pipeline stage's saved random streams: its own where the
     checkpoint has one per stage at this pipeline size, else the first's."""
     stages = state.get("pipeline_rng") or [state["rng"]]
-    if len(stages) == parallel.pp_size():
-        return stages[parallel.pp_rank()]
-    if parallel.pp_size() > 1:
+    if len(stages) == parallel.layout.pp_size:
+        return stages[parallel.layout.pp_rank]
+    if parallel.layout.pp_size > 1:
         log(f"the random streams were saved at pipeline size {len(stages)}: every stage starts "
             f"from the first stage's")
     return stages[0]
@@ -557,7 +558,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
                     "config": dataclasses.asdict(cfg)}
-    if parallel.tp_size() == 1 and parallel.pp_size() == 1:
+    if parallel.layout.tp_size == 1 and parallel.layout.pp_size == 1:
         # For ds_to_universal: at tp=1 nothing is split, and the version says so. At tp > 1 the
         # strided QKV split has no description, so it refuses the checkpoint rather than merge QKV
         # wrongly (and at pp > 1 its "model-parallel" files are stages, which it would merge as shards).
@@ -567,12 +568,12 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     # what an export needs to merge the shards of any tp: every stage's, on the first (rank 0 writes it)
     layout = {name: [p.partition_dim, p.partition_blocks] for name, p in engine.module.named_parameters()
               if getattr(p, "tensor_model_parallel", False)}
-    if parallel.pp_size() > 1:
+    if parallel.layout.pp_size > 1:
         layout = {k: v for stage in gather_stages(layout) or [] for k, v in stage.items()}
     meta = {"iteration": iteration, "consumed_samples": consumed,
-            "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.dp_size(),
-            "tensor_model_parallel_size": parallel.tp_size(),
-            "pipeline_model_parallel_size": parallel.pp_size(),
+            "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.layout.dp_size,
+            "tensor_model_parallel_size": parallel.layout.tp_size,
+            "pipeline_model_parallel_size": parallel.layout.pp_size,
             "model_config": dataclasses.asdict(engine.module.config),
             "tensor_parallel_layout": layout}
 
@@ -594,9 +595,9 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
     """Resume everything from the DeepSpeed checkpoint `found`, written with
     this run's layout. (Weights only, from any checkpoint: zero.DeepSpeedTraining.)"""
     meta = read_deepspeed_meta(found.path)
-    layout = {"data-parallel": (meta["data_parallel_size"], parallel.dp_size()),
-              "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.tp_size()),
-              "pipeline-parallel": (meta.get("pipeline_model_parallel_size", 1), parallel.pp_size())}
+    layout = {"data-parallel": (meta["data_parallel_size"], parallel.layout.dp_size),
+              "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.layout.tp_size),
+              "pipeline-parallel": (meta.get("pipeline_model_parallel_size", 1), parallel.layout.pp_size)}
     for name, (saved, now) in layout.items():
         if saved != now and (name != "data-parallel" or meta["zero_stage"] > 0):
             raise UsageError(
@@ -610,7 +611,7 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
         _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
                                            load_optimizer_states=True, load_lr_scheduler_states=False)
     # Each stage read its own model-parallel file: its "rng" is this stage's own streams.
-    client["pipeline_rng"] = [client["rng"]] * parallel.pp_size()
+    client["pipeline_rng"] = [client["rng"]] * parallel.layout.pp_size
     return start_position(cfg, client, found.path, log)
 
 
@@ -669,7 +670,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="plain": a weights-only plain checkpoint (resume it with --load OUT
                  --no-load-optim, any layout, with or without --deepspeed);
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
-    if parallel.tp_size() > 1:
+    if parallel.layout.tp_size > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
     found = verified_checkpoint(checkpoint, print)
     if found is None:

@@ -186,12 +186,12 @@ def score(model: GPT, batch: list[Example], cfg: TrainConfig, device) -> torch.T
 def score_all(model: GPT, examples: list[Example], cfg: TrainConfig, device) -> tuple[float, int, int]:
     """(loss sum, targets scored, hits) over all examples: data-parallel rank r
     scores examples r, r + D, ...; the fp64 sums are all-reduced."""
-    mine = examples[parallel.dp_rank()::parallel.dp_size()]
+    mine = examples[parallel.layout.dp_rank::parallel.layout.dp_size]
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for i in range(0, len(mine), cfg.micro_batch_size):
         totals += score(model, mine[i:i + cfg.micro_batch_size], cfg, device)
-    if parallel.dp_size() > 1:
-        dist.all_reduce(totals, group=parallel.dp_group())
+    if parallel.layout.dp_size > 1:
+        dist.all_reduce(totals, group=parallel.layout.dp_group)
     loss_sum, count, hits = totals.tolist()
     return loss_sum, int(count), int(hits)
 
@@ -287,7 +287,7 @@ def sample(cfg: TrainConfig, env: launch.Dist) -> list[dict]:
         prompts = read_text(cfg.sample_input_file, "--sample-input-file").rstrip("\n").split("\n")
     model = load_model(cfg, env.device)
     mine = {}
-    for i in range(parallel.dp_rank(), len(prompts), parallel.dp_size()):
+    for i in range(parallel.layout.dp_rank, len(prompts), parallel.layout.dp_size):
         ids = enc.encode_ordinary(prompts[i]) or [EOD]  # empty: from <|endoftext|>
         if len(ids) >= model.config.max_position_embeddings:
             raise UsageError(f"--sample-input-file line {i + 1}: {len(ids)} tokens, the model sees "
@@ -299,9 +299,9 @@ def sample(cfg: TrainConfig, env: launch.Dist) -> list[dict]:
                            eos_token_id=EOD, generator=gen)[0, len(ids):].tolist()
         new = out[:out.index(EOD)] if EOD in out else out
         mine[i] = {"prompt": prompts[i], "text": enc.decode(new), "tokens": new}
-    if parallel.dp_size() > 1:  # every rank's samples, back in prompt order
-        everyone = [None] * parallel.dp_size()
-        dist.all_gather_object(everyone, mine, group=parallel.dp_group())
+    if parallel.layout.dp_size > 1:  # every rank's samples, back in prompt order
+        everyone = [None] * parallel.layout.dp_size
+        dist.all_gather_object(everyone, mine, group=parallel.layout.dp_group)
         mine = {i: s for part in everyone for i, s in part.items()}
     return [mine[i] for i in range(len(prompts))]
 

@@ -282,7 +282,7 @@ class Dropout(nn.Dropout):
     def forward(self, x):
         if not self.training or self.p == 0:
             return x
-        with parallel.fork_rng_if(self.per_rank and parallel.tp_size() > 1):
+        with parallel.fork_rng_if(self.per_rank and parallel.layout.tp_size > 1):
             # native_dropout keeps a 1-byte bool mask on every device, as
             # F.dropout does on CUDA only, so CPU measures GPU's activation memory.
             return torch.native_dropout(x, self.p, True)[0]
@@ -403,7 +403,7 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
 def tensor_parallel_piece(name: str, piece: nn.Module, cfg: GPTConfig) -> nn.Module:
     """This rank's tensor-parallel slice of one of GPT's pieces (the layout
     under shard_block); the piece itself at tp=1."""
-    if parallel.tp_size() == 1:
+    if parallel.layout.tp_size == 1:
         return piece
     if name == "wte":
         return parallel.VocabParallelEmbedding.from_embedding(piece, sequence_parallel=cfg.sequence_parallel)
@@ -486,7 +486,7 @@ class GPT(nn.Module):
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
         parallel.check_layout(config)
-        self.sequence_parallel = parallel.tp_size() > 1 and config.sequence_parallel  # off while generating
+        self.sequence_parallel = parallel.layout.tp_size > 1 and config.sequence_parallel  # off while generating
         self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
         for name, make in self._pieces():
             piece = self._build(make)
@@ -536,11 +536,11 @@ class GPT(nn.Module):
         """Fail loudly on out-of-range ids (CUDA's embedding lookup would die
         with an opaque device-side assert). On a GPU the check is a host sync, so
         it runs only until one call passes: train.check_batch checks every batch."""
-        if self.sequence_parallel and input_ids.shape[-1] % parallel.tp_size():
+        if self.sequence_parallel and input_ids.shape[-1] % parallel.layout.tp_size:
             raise UsageError(
-                f"sequence parallelism splits each sequence over the {parallel.tp_size()} "
+                f"sequence parallelism splits each sequence over the {parallel.layout.tp_size} "
                 f"tensor-parallel ranks, but it has {input_ids.shape[-1]} tokens: use a "
-                f"--seq-length divisible by {parallel.tp_size()} (generation runs under "
+                f"--seq-length divisible by {parallel.layout.tp_size} (generation runs under "
                 f"parallel.sequence_parallel_off, as generate does)")
         T = start + input_ids.shape[-1]  # start: positions already in a KV cache
         if T > self.config.max_position_embeddings:
@@ -600,7 +600,7 @@ class GPT(nn.Module):
         if self.config.position_embedding_type == "rope":  # in attention, which sees all T
             return self.drop(x), rope_angles(self.config, position_ids)  # (T, R/2) or (B, 1, T, R/2)
         if self.sequence_parallel:
-            s, r = position_ids.shape[-1] // parallel.tp_size(), parallel.tp_rank()
+            s, r = position_ids.shape[-1] // parallel.layout.tp_size, parallel.layout.tp_rank
             position_ids = position_ids[..., r * s:(r + 1) * s]     # this rank's tokens
         return self.drop(x + self.wpe(position_ids)), None
 
@@ -610,7 +610,7 @@ class GPT(nn.Module):
                 x = block(x, rope, functools.partial(kv_cache.extend, i))
             return x
         n_chunks = min(self.config.domino_chunks, x.shape[0])
-        if parallel.tp_size() > 1 and n_chunks > 1:
+        if parallel.layout.tp_size > 1 and n_chunks > 1:
             return domino_blocks(blocks, x, n_chunks, rope)
         for block in blocks:
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -764,7 +764,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, labels, token_weight, compute_dtype, need_grads):
         n_tokens, _ = h.shape
         vocab_local = weight.shape[0]
-        vocab_start = parallel.tp_rank() * vocab_local
+        vocab_start = parallel.layout.tp_rank * vocab_local
         h_c, w_c = h.to(compute_dtype), weight.to(compute_dtype)
         dh = torch.empty_like(h_c)
         dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)

@@ -69,6 +69,7 @@ Sections:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 from typing import Callable, Iterable, NamedTuple
 
@@ -97,15 +98,30 @@ from launch import UsageError
 # TP talks every layer (one node); a stage sends only its output activations
 # to the next (point to point), which is why PP is the dimension that spans nodes.
 
-_INITIALIZED = False
-_TP_GROUP = None   # None when torch.distributed is not in use (single process)
-_DP_GROUP = None
-_PP_GROUP = None
-_EMBEDDING_GROUP = None  # the first and last stage of this rank's pipeline
-_MP_GROUP = None   # pp > 1: TP x PP, the ranks holding the pieces of one model replica
-_TP_SIZE, _TP_RANK = 1, 0
-_DP_SIZE, _DP_RANK = 1, 0
-_PP_SIZE, _PP_RANK = 1, 0
+@dataclasses.dataclass
+class Layout:
+    """This rank's place in the TP x DP x PP layout: its process group in each
+    dimension (None in a single process), the dimension's size and this rank's
+    index in it. embedding_group: the first and last stage of this rank's
+    pipeline (None at pp = 1), which both hold the tied embedding. mp_group:
+    model parallelism, TP x PP, the ranks with this rank's DP rank that
+    together hold one replica (the TP group at pp = 1); DeepSpeed sums its
+    grad norm and checks overflow over it (zero.DeepSpeedMPU)."""
+    tp_group: object = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_group: object = None
+    dp_size: int = 1
+    dp_rank: int = 0
+    pp_group: object = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    embedding_group: object = None
+    mp_group: object = None
+    initialized: bool = False
+
+
+layout = Layout()  # read it as parallel.layout.tp_size: initialize() replaces it
 
 
 def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None,
@@ -114,8 +130,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     rank (new_group is collective); without torch.distributed, a single-rank
     world. Pass init_process_group's `timeout`: new_group does not inherit
     it, and torch's 30-minute default would let a dead peer hang DDP that long."""
-    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _MP_GROUP
-    global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
+    global layout
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     for name, size in (("tensor", tp), ("pipeline", pp)):
         if not isinstance(size, int) or size < 1:
@@ -127,7 +142,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
                 f"torch.distributed: launch with `torchrun --nproc_per_node {tp * pp} ...` and call "
                 "torch.distributed.init_process_group() before parallel.initialize()")
         destroy()  # no groups: the sizes and ranks of one process
-        _INITIALIZED = True
+        layout = Layout(initialized=True)
         return
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % (tp * pp) != 0:
@@ -137,112 +152,42 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
             f"or pick sizes whose product divides {world}")
     dp = world // (tp * pp)
     stage_size = dp * tp  # ranks per pipeline stage
+    new = Layout(tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank % stage_size // tp,
+                 pp_size=pp, pp_rank=rank // stage_size, initialized=True)
     # Every rank must create every group, in the same order.
     for start in range(0, world, tp):                                 # TP: consecutive ranks
         group = dist.new_group(list(range(start, start + tp)), timeout=timeout)
         if start <= rank < start + tp:
-            _TP_GROUP = group
+            new.tp_group = new.mp_group = group
     for stage in range(pp):                                           # DP: same stage and TP rank
         for tp_r in range(tp):
             ranks = list(range(stage * stage_size + tp_r, (stage + 1) * stage_size, tp))
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
-                _DP_GROUP = group
+                new.dp_group = group
     for first in range(stage_size):                                   # PP: same DP and TP rank
         ranks = list(range(first, world, stage_size))
         group = dist.new_group(ranks, timeout=timeout)
         embedding = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
         if rank in ranks:
-            _PP_GROUP, _EMBEDDING_GROUP = group, embedding
+            new.pp_group, new.embedding_group = group, embedding
     for dp_r in range(dp if pp > 1 else 0):                           # TP x PP: same DP rank
         ranks = [s * stage_size + dp_r * tp + t for s in range(pp) for t in range(tp)]
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
-            _MP_GROUP = group
-    _TP_SIZE, _TP_RANK = tp, rank % tp
-    _DP_SIZE, _DP_RANK = dp, rank % stage_size // tp
-    _PP_SIZE, _PP_RANK = pp, rank // stage_size
-    _INITIALIZED = True
+            new.mp_group = group
+    layout = new
 
 
 def destroy() -> None:
     """Forget the groups (the world group itself belongs to the caller)."""
-    global _INITIALIZED, _TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _MP_GROUP
-    global _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK
-    for group in {_TP_GROUP, _DP_GROUP, _PP_GROUP, _EMBEDDING_GROUP, _MP_GROUP} - {None}:
+    global layout
+    groups = {layout.tp_group, layout.dp_group, layout.pp_group, layout.embedding_group,
+              layout.mp_group} - {None}
+    for group in groups:
         if dist.is_initialized():
             dist.destroy_process_group(group)
-    _TP_GROUP = _DP_GROUP = _PP_GROUP = _EMBEDDING_GROUP = _MP_GROUP = None
-    _TP_SIZE, _TP_RANK, _DP_SIZE, _DP_RANK, _PP_SIZE, _PP_RANK = 1, 0, 1, 0, 1, 0
-    _INITIALIZED = False
-
-
-def _check_initialized() -> None:
-    # A multi-rank job that forgot initialize() would otherwise silently train
-    # as if every rank were alone.
-    if not _INITIALIZED and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1:
-        raise RuntimeError("call parallel.initialize(tensor_model_parallel_size) first")
-
-
-def tp_group():
-    _check_initialized()
-    return _TP_GROUP
-
-
-def tp_rank() -> int:
-    _check_initialized()
-    return _TP_RANK
-
-
-def tp_size() -> int:
-    _check_initialized()
-    return _TP_SIZE
-
-
-def dp_group():
-    _check_initialized()
-    return _DP_GROUP
-
-
-def dp_rank() -> int:
-    _check_initialized()
-    return _DP_RANK
-
-
-def dp_size() -> int:
-    _check_initialized()
-    return _DP_SIZE
-
-
-def pp_group():
-    _check_initialized()
-    return _PP_GROUP
-
-
-def pp_rank() -> int:
-    _check_initialized()
-    return _PP_RANK
-
-
-def pp_size() -> int:
-    _check_initialized()
-    return _PP_SIZE
-
-
-def embedding_group():
-    """The first and last stage of this rank's pipeline (None at pp=1): both
-    hold the tied embedding, which the first reads and the last's head uses."""
-    _check_initialized()
-    return _EMBEDDING_GROUP
-
-
-def mp_group():
-    """Model parallelism's group, TP x PP: the ranks with this rank's DP rank,
-    which together hold one replica (the TP group at pp=1). DeepSpeed sums its
-    grad norm and checks overflow over it (zero.DeepSpeedMPU)."""
-    _check_initialized()
-    return _MP_GROUP if _PP_SIZE > 1 else _TP_GROUP
+    layout = Layout()
 
 
 def check_layout(config, tp: int | None = None) -> None:
@@ -250,7 +195,13 @@ def check_layout(config, tp: int | None = None) -> None:
     model: tp divides every quantity that gets split (num_query_groups: each
     rank keeps whole key/value heads), and Domino, which interleaves the
     chunks' sublayers, is not asked to recompute them."""
-    tp = tp_size() if tp is None else tp
+    if tp is None:  # the model being built: at this process's layout
+        # A multi-rank job that forgot initialize() would otherwise silently
+        # train as if every rank were alone.
+        if not layout.initialized and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            raise RuntimeError("call parallel.initialize(tensor_model_parallel_size) first")
+        tp = layout.tp_size
     if tp > 1 and config.domino_chunks > 1 and config.activation_checkpointing:
         raise UsageError("domino_chunks > 1 cannot be combined with activation_checkpointing; "
                          "turn one of them off")
@@ -280,12 +231,12 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
 def launch_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Start sum_r x_r over the TP group; wait() gives a new contiguous tensor."""
-    return torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", tp_group().group_name)
+    return torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", layout.tp_group.group_name)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the TP group into a new contiguous tensor."""
-    if tp_size() == 1:
+    if layout.tp_size == 1:
         return x.clone(memory_format=torch.contiguous_format)
     return wait(launch_all_reduce(x))
 
@@ -309,14 +260,14 @@ def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
 def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
     """Start the all-gather of every rank's x (B, ...) along dim 0: (tp * B, ...),
     rank r's rows at [r * B, (r + 1) * B), after wait()."""
-    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), tp_size(),
-                                                             tp_group().group_name)
+    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), layout.tp_size,
+                                                             layout.tp_group.group_name)
 
 
 def gathered_sequence(in_flight: torch.Tensor) -> torch.Tensor:
     """The landed launch_all_gather of every rank's (B, T/tp, ...): the
     slices joined in rank order, (B, T, ...)."""
-    parts = wait(in_flight).unflatten(0, (tp_size(), -1))     # (tp, B, T/tp, ...): rank r's at [r]
+    parts = wait(in_flight).unflatten(0, (layout.tp_size, -1))     # (tp, B, T/tp, ...): rank r's at [r]
     tp, B, s = parts.shape[:3]
     # (tp, B, s, ...) -> (B, tp, s, ...) -> (B, tp*s, ...): a copy unless B == 1
     return parts.movedim(0, 1).reshape(B, tp * s, *parts.shape[3:])
@@ -331,7 +282,7 @@ def launch_reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
     """Start the sum of x (B, T, ...) over the TP group, of which this rank
     keeps its tokens: (B, T/tp, ...) after wait()."""
     return torch.ops._c10d_functional.reduce_scatter_tensor(_sequence_parts(x).flatten(0, 1), "sum",
-                                                            tp_size(), tp_group().group_name)
+                                                            layout.tp_size, layout.tp_group.group_name)
 
 
 def reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
@@ -341,7 +292,7 @@ def reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
 
 def _sequence_parts(x: torch.Tensor) -> torch.Tensor:
     """(B, T, ...) -> (tp, B, T/tp, ...), contiguous: rank r's tokens at [r]."""
-    B, T, tp = x.shape[0], x.shape[1], tp_size()
+    B, T, tp = x.shape[0], x.shape[1], layout.tp_size
     if T % tp != 0:
         raise UsageError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
     return x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()
@@ -411,12 +362,12 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
-        return torch.cat(wait(launch_all_gather(x)).chunk(tp_size(), dim=0), dim=-1)
+        return torch.cat(wait(launch_all_gather(x)).chunk(layout.tp_size, dim=0), dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        width = grad.shape[-1] // tp_size()  # a copy of this rank's slice, which frees the rest
-        return grad[..., tp_rank() * width:(tp_rank() + 1) * width].contiguous()
+        width = grad.shape[-1] // layout.tp_size  # a copy of this rank's slice, which frees the rest
+        return grad[..., layout.tp_rank * width:(layout.tp_rank + 1) * width].contiguous()
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -484,25 +435,25 @@ class _WaitForDeferredGrad(torch.autograd.Function):
 # With tp=1 every operator is the identity and adds no autograd node at all.
 
 def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return x if tp_size() == 1 else _CopyToTensorParallelRegion.apply(x)
+    return x if layout.tp_size == 1 else _CopyToTensorParallelRegion.apply(x)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return x if tp_size() == 1 else PendingReduce(x).wait()
+    return x if layout.tp_size == 1 else PendingReduce(x).wait()
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return x if tp_size() == 1 else _GatherFromTensorParallelRegion.apply(x)
+    return x if layout.tp_size == 1 else _GatherFromTensorParallelRegion.apply(x)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """(B, T/tp, ...) -> (B, T, ...); see _GatherFromSequenceParallelRegion."""
-    return x if tp_size() == 1 else _GatherFromSequenceParallelRegion.apply(x)
+    return x if layout.tp_size == 1 else _GatherFromSequenceParallelRegion.apply(x)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """(B, T, ...) partial sums -> (B, T/tp, ...); see _ReduceFromTensorParallelRegion."""
-    return x if tp_size() == 1 else PendingReduce(x, sequence_parallel=True).wait()
+    return x if layout.tp_size == 1 else PendingReduce(x, sequence_parallel=True).wait()
 
 
 # ============================================================================
@@ -520,7 +471,7 @@ def _sharded_master(shape: tuple[int, ...], init_method, dim: int,
     master = torch.empty(shape)
     with torch.no_grad():
         init_method(master)
-    shard = shard_tensor(master, dim, tp_rank(), tp_size(), blocks)
+    shard = shard_tensor(master, dim, layout.tp_rank, layout.tp_size, blocks)
     return _mark_sharded(nn.Parameter(shard), dim, blocks)
 
 
@@ -541,11 +492,11 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         # True: f's backward all-reduce overlaps the weight-gradient GEMM (same maths)
         self.async_grad_allreduce = async_grad_allreduce
-        self.sequence_parallel = sequence_parallel and tp_size() > 1
+        self.sequence_parallel = sequence_parallel and layout.tp_size > 1
         self.in_features, self.out_features, self.blocks = in_features, out_features, blocks
         self.weight = _sharded_master((out_features, in_features), init_method, 0, blocks)
         if bias:  # zeros, as in Megatron
-            self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // tp_size())), 0, blocks)
+            self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // layout.tp_size)), 0, blocks)
         else:
             self.register_parameter("bias", None)
 
@@ -555,7 +506,7 @@ class ColumnParallelLinear(nn.Module):
         deferred.wait_in_backward, where backward waits for dX's all-reduce."""
         if deferred is not None and not self.async_grad_allreduce:
             raise UsageError("a DeferredCollectives needs async_grad_allreduce=True")
-        if not (self.sequence_parallel or (self.async_grad_allreduce and tp_size() > 1)):
+        if not (self.sequence_parallel or (self.async_grad_allreduce and layout.tp_size > 1)):
             x = copy_to_tensor_parallel_region(x)           # (..., in)
             return F.linear(x, self.weight, self.bias)      # (..., out/tp)
         # Wait for the input all-gather Domino launched early here, outside the
@@ -662,7 +613,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         # True: reduce-scatter the sum to this rank's tokens (B, T/tp, out)
-        self.sequence_parallel = sequence_parallel and tp_size() > 1
+        self.sequence_parallel = sequence_parallel and layout.tp_size > 1
         self.weight = _sharded_master((out_features, in_features), init_method, 1)
         # Replicated (under sequence parallelism its grad is summed: sum_sequence_parallel_grads)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -709,13 +660,13 @@ class VocabParallelEmbedding(nn.Module):
                  init_method: Callable[[torch.Tensor], None] = init_normal(),
                  sequence_parallel: bool = False):
         super().__init__()
-        self.sequence_parallel = sequence_parallel and tp_size() > 1
-        if num_embeddings % tp_size() != 0:
-            raise UsageError(f"tensor_model_parallel_size={tp_size()} must divide "
+        self.sequence_parallel = sequence_parallel and layout.tp_size > 1
+        if num_embeddings % layout.tp_size != 0:
+            raise UsageError(f"tensor_model_parallel_size={layout.tp_size} must divide "
                              f"num_embeddings={num_embeddings} (pad the vocabulary)")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        per_rank = num_embeddings // tp_size()
-        self.vocab_start, self.vocab_end = tp_rank() * per_rank, (tp_rank() + 1) * per_rank
+        per_rank = num_embeddings // layout.tp_size
+        self.vocab_start, self.vocab_end = layout.tp_rank * per_rank, (layout.tp_rank + 1) * per_rank
         self.weight = _sharded_master((num_embeddings, embedding_dim), init_method, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -724,7 +675,7 @@ class VocabParallelEmbedding(nn.Module):
         if not ids.is_cuda:
             check_ids([("token ids", ids, self.num_embeddings,
                         "check the tokenizer vocab against padded_vocab_size")])
-        if tp_size() == 1:
+        if layout.tp_size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)      # (B, T)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
@@ -923,26 +874,26 @@ def model_parallel_seed(seed: int) -> None:
     """Seed the tensor-parallel stream (TP ranks differ, DP replicas agree).
     Call on every rank, after parallel.initialize(), next to torch.manual_seed."""
     _TRACKER.set_states({})
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank())
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + layout.tp_rank)
 
 
 def rng_tracker_states_of_every_tp_rank() -> list[dict]:
     """Every TP rank's tracker states, in TP-rank order (collective)."""
     mine = _TRACKER.get_states()
-    if tp_size() == 1:
+    if layout.tp_size == 1:
         return [mine]
-    everyone = [None] * tp_size()
-    dist.all_gather_object(everyone, mine, group=tp_group())
+    everyone = [None] * layout.tp_size
+    dist.all_gather_object(everyone, mine, group=layout.tp_group)
     return everyone
 
 
 def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     """Inverse: this rank takes its own. False (and nothing changes) when
     they were saved at another TP size or on other devices."""
-    if len(states) != tp_size() or any(s.keys() != _current_state().keys()
-                                       for s in states[tp_rank()].values()):
+    if len(states) != layout.tp_size or any(s.keys() != _current_state().keys()
+                                       for s in states[layout.tp_rank].values()):
         return False
-    _TRACKER.set_states(states[tp_rank()])
+    _TRACKER.set_states(states[layout.tp_rank])
     return True
 
 
@@ -991,7 +942,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target):
         ctx.logits_dtype = logits.dtype
         logits = logits.float()                                   # (..., V/tp) fp32
-        start = tp_rank() * logits.shape[-1]
+        start = layout.tp_rank * logits.shape[-1]
         # The target logit: only the rank that owns the target id contributes.
         outside = (target < start) | (target >= start + logits.shape[-1])
         local_target = (target - start).masked_fill(outside, 0)
@@ -1016,14 +967,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 loss (...) from logits sharded over the vocab (..., V/tp)
     and full target ids (...). With tp=1 this is F.cross_entropy."""
-    if tp_size() == 1:  # F.cross_entropy checks the range itself
+    if layout.tp_size == 1:  # F.cross_entropy checks the range itself
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                target.reshape(-1), reduction="none")
         return loss.view(target.shape)
     # No rank sees the whole vocab, so an out-of-range target would silently
     # get a loss of log(sum exp) (no rank owns it) instead of an error.
     if not target.is_cuda:  # as in VocabParallelEmbedding.forward
-        check_ids([("target ids", target, logits.shape[-1] * tp_size(),
+        check_ids([("target ids", target, logits.shape[-1] * layout.tp_size,
                     "check the labels against padded_vocab_size")])
     return _VocabParallelCrossEntropy.apply(logits, target)
 
@@ -1032,11 +983,11 @@ def vocab_parallel_lse(row_max, sum_exp, z_target):
     """(lse, target logit) per row from this rank's slice's max, sum of
     exp(z - max) and target logit (0 where another slice holds the target),
     combined over the TP group with two all-reduces of per-row scalars."""
-    if tp_size() > 1:
+    if layout.tp_size > 1:
         global_max = row_max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group())
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=layout.tp_group)
         both = torch.stack([sum_exp * (row_max - global_max).exp(), z_target])  # one all-reduce
-        dist.all_reduce(both, group=tp_group())
+        dist.all_reduce(both, group=layout.tp_group)
         row_max, (sum_exp, z_target) = global_max, both
     return row_max + sum_exp.log(), z_target
 
@@ -1087,10 +1038,10 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     device = params[0].grad.device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        counted = (getattr(p, "tensor_model_parallel", False) or tp_rank() == 0) \
+        counted = (getattr(p, "tensor_model_parallel", False) or layout.tp_rank == 0) \
             and not getattr(p, "pipeline_copy", False)
         sq += p.grad.detach().float().pow(2).sum() * (1.0 if counted else 0.0)
-    for size, group in ((tp_size(), tp_group()), (pp_size(), pp_group())):
+    for size, group in ((layout.tp_size, layout.tp_group), (layout.pp_size, layout.pp_group)):
         if size > 1:
             dist.all_reduce(sq, group=group)
     total_norm = sq.sqrt()
@@ -1139,23 +1090,23 @@ def merge_shards(shards: list[torch.Tensor], dim: int, blocks=1) -> torch.Tensor
 
 def gather_tensor(shard: torch.Tensor, dim: int, blocks=1) -> torch.Tensor:
     """All-gather a sharded tensor over the TP group into the full tensor on every rank."""
-    if tp_size() == 1:
+    if layout.tp_size == 1:
         return shard
     shard = shard.contiguous()
-    shards = [torch.empty_like(shard) for _ in range(tp_size())]
-    dist.all_gather(shards, shard, group=tp_group())
+    shards = [torch.empty_like(shard) for _ in range(layout.tp_size)]
+    dist.all_gather(shards, shard, group=layout.tp_group)
     return merge_shards(shards, dim, blocks)
 
 
 def gather_tensor_to_first(shard: torch.Tensor, dim: int, blocks=1) -> torch.Tensor | None:
     """gather_tensor, but only TP rank 0 receives the full tensor: the others
     return None and never allocate it (checkpoint writes)."""
-    if tp_size() == 1:
+    if layout.tp_size == 1:
         return shard
     shard = shard.contiguous()
-    first = tp_rank() == 0
-    shards = [torch.empty_like(shard) for _ in range(tp_size())] if first else None
-    dist.gather(shard, shards, dst=dist.get_global_rank(tp_group(), 0), group=tp_group())
+    first = layout.tp_rank == 0
+    shards = [torch.empty_like(shard) for _ in range(layout.tp_size)] if first else None
+    dist.gather(shard, shards, dst=dist.get_global_rank(layout.tp_group, 0), group=layout.tp_group)
     return merge_shards(shards, dim, blocks) if first else None
 
 
@@ -1208,7 +1159,7 @@ def gather_like(param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
 def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """Inverse of gather_like: this rank's slice of `full`, split like `param`."""
     if getattr(param, "tensor_model_parallel", False):
-        return shard_tensor(full, param.partition_dim, tp_rank(), tp_size(), param.partition_blocks)
+        return shard_tensor(full, param.partition_dim, layout.tp_rank, layout.tp_size, param.partition_blocks)
     return full
 
 

@@ -83,12 +83,12 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     # per-TP-rank stream (parallel.py).
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
-    chunks = pipeline_chunks(mcfg.num_layers, parallel.pp_size(), parallel.pp_rank(),
+    chunks = pipeline_chunks(mcfg.num_layers, parallel.layout.pp_size, parallel.layout.pp_rank,
                              cfg.num_layers_per_virtual_pipeline_stage)
     model = GPT(mcfg, chunks).to(device)
-    if parallel.pp_rank() > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
-        torch.manual_seed(cfg.seed + 100 * parallel.pp_rank())
-        parallel.model_parallel_seed(cfg.seed + 100 * parallel.pp_rank())
+    if parallel.layout.pp_rank > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
+        torch.manual_seed(cfg.seed + 100 * parallel.layout.pp_rank)
+        parallel.model_parallel_seed(cfg.seed + 100 * parallel.layout.pp_rank)
     return model
 
 
@@ -264,7 +264,7 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
     the ticks hold forwards alone. timeline: (tick, action, start, end) of
     each action is appended to it. after(action), if given, runs as each
     action ends, before its tick's exchange."""
-    rank, pp, group = parallel.pp_rank(), parallel.pp_size(), parallel.pp_group()
+    rank, pp, group = parallel.layout.pp_rank, parallel.layout.pp_size, parallel.layout.pp_group
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
     in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until backward
@@ -333,7 +333,7 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
     starts on gradients as they become final (None: the engine reduces after
     the step)."""
     m, v = len(batches), len(model.layers)
-    ticks = pipeline_timeline(parallel.pp_size(), m, v, forward_only=not torch.is_grad_enabled())
+    ticks = pipeline_timeline(parallel.layout.pp_size, m, v, forward_only=not torch.is_grad_enabled())
     batches = [to_device(b, device) for b in batches]
     total = torch.zeros((), device=device)
 
@@ -346,7 +346,7 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
         total += loss.detach()
         return scale(loss) if scale and torch.is_grad_enabled() else loss
 
-    tokens = cfg.seq_length // parallel.tp_size() if model.sequence_parallel else cfg.seq_length
+    tokens = cfg.seq_length // parallel.layout.tp_size if model.sequence_parallel else cfg.seq_length
     # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
     dtype = next(model.parameters()).dtype
 
@@ -355,7 +355,7 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
             averager.flush()
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
                  dtype, after=after)
-    dist.all_reduce(total, group=parallel.pp_group())  # zero but on the last stage
+    dist.all_reduce(total, group=parallel.layout.pp_group)  # zero but on the last stage
     return total
 
 
@@ -367,11 +367,11 @@ def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) 
     embedding all-reduce)."""
     if averager is not None:
         averager.wait()
-    elif parallel.dp_size() > 1:  # all at once (GradientAverager starts them as they become final)
-        average([p.grad for p in model.parameters() if p.grad is not None], parallel.dp_group())()
+    elif parallel.layout.dp_size > 1:  # all at once (GradientAverager starts them as they become final)
+        average([p.grad for p in model.parameters() if p.grad is not None], parallel.layout.dp_group)()
     tied = tied_embedding_copy(model)
     if tied is not None:
-        dist.all_reduce(tied.grad, group=parallel.embedding_group())
+        dist.all_reduce(tied.grad, group=parallel.layout.embedding_group)
 
 
 # ----------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def build_datasets(cfg: TrainConfig, global_batch: int):
 def data_iterator(dataset, cfg: TrainConfig, consumed_samples: int):
     """Yields this rank's micro-batches, starting after `consumed_samples` (all ranks)."""
     sampler = data_lib.PretrainingSampler(len(dataset), consumed_samples, cfg.micro_batch_size,
-                                          parallel.dp_rank(), parallel.dp_size())
+                                          parallel.layout.dp_rank, parallel.layout.dp_size)
     # A generator of its own: by default each new iterator draws its workers' seed from the
     # global stream, which dropout uses, and a resumed run would draw one more than the original.
     return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
@@ -194,7 +194,7 @@ def train_step(trainer, batches: list, lr: float):
     for the GPU here."""
     m = len(batches)
     trainer.begin(m, lr)
-    if parallel.pp_size() == 1:  # forward and backward of each micro-batch in turn, summed in .grad
+    if parallel.layout.pp_size == 1:  # forward and backward of each micro-batch in turn, summed in .grad
         total = torch.zeros((), device=trainer.device)
         for i, batch in enumerate(batches):
             with trainer.micro_batch(last=i == m - 1):
@@ -205,7 +205,7 @@ def train_step(trainer, batches: list, lr: float):
         total = pipeline.pipeline_step(trainer.model, batches, trainer.cfg, trainer.device, trainer.precision,
                                        trainer.scale, trainer.averager)
     grad_norm, skipped = trainer.finish()
-    return parallel.all_reduce_mean(total, parallel.dp_group()), grad_norm, skipped
+    return parallel.all_reduce_mean(total, parallel.layout.dp_group), grad_norm, skipped
 
 
 class LossScaler:
@@ -256,15 +256,15 @@ class PlainTraining:
         self.iteration, self.consumed = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
                                                                    self.scaler, log)
         self.model = torch.compile(self.raw, **compile_options(cfg)) if cfg.compile else self.raw
-        if parallel.dp_size() > 1 and parallel.pp_size() == 1:  # pipelines: pipeline.GradientAverager
-            self.model = DDP(self.model, process_group=parallel.dp_group(),
+        if parallel.layout.dp_size > 1 and parallel.layout.pp_size == 1:  # pipelines: pipeline.GradientAverager
+            self.model = DDP(self.model, process_group=parallel.layout.dp_group,
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
         # What every step uses, settled once for the run:
         self.precision = autocast(cfg, env.device)               # the forward's (--bf16 / --fp16)
         self.scale = self.scaler.scale if self.scaler else None  # a loss's, before backward
         # Under stages, the data-parallel average of each gradient starts as soon as it is final
-        self.averager = pipeline.GradientAverager(self.raw, parallel.dp_group()) \
-            if parallel.pp_size() > 1 and parallel.dp_size() > 1 else None
+        self.averager = pipeline.GradientAverager(self.raw, parallel.layout.dp_group) \
+            if parallel.layout.pp_size > 1 and parallel.layout.dp_size > 1 else None
         self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         self.max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
 
@@ -298,7 +298,7 @@ class PlainTraining:
         already averaged over DP), so per-shard decisions cannot let replicas drift apart.
         Fused AdamW takes the flag as a tensor and, when it is 1, leaves weights, moments and
         step count alone: no host read stalls the GPU queue."""
-        if parallel.pp_size() > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
+        if parallel.layout.pp_size > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
             pipeline.reduce_pipeline_grads(self.raw, self.averager)
         if self.scaler:
             self.scaler.unscale_(self.raw.parameters())
@@ -329,14 +329,14 @@ def validation_loss(model, dataset, cfg: TrainConfig, device, consumed: int, acc
     model.eval()
     it = data_iterator(dataset, cfg, consumed)
     precision = autocast(cfg, device)
-    if parallel.pp_size() > 1:  # a global batch at a time through the stages
+    if parallel.layout.pp_size > 1:  # a global batch at a time through the stages
         losses = [pipeline.pipeline_step(model, [next(it) for _ in range(accum)], cfg, device, precision)
                   for _ in range(cfg.eval_iters)]
     else:
         losses = [micro_batch_loss(model, to_device(next(it), device), precision).float()
                   for _ in range(cfg.eval_iters * accum)]
     model.train()
-    return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.dp_group()).item()
+    return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.layout.dp_group).item()
 
 
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation), matched against
@@ -520,12 +520,12 @@ class Meter:
 def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     """(cfg with the run's length in iterations, accumulation steps, final global batch).
     Every batch of a --rampup-batch-size is checked here too."""
-    dp = parallel.dp_size()
+    dp = parallel.layout.dp_size
     cfg = with_run_length(batch_from_deepspeed_json(cfg, dp), dp)  # --train-samples -> iterations
     accum = gradient_accumulation_steps(cfg, dp)
     global_batch = cfg.micro_batch_size * dp * accum
     ramp = range(cfg.rampup_batch_size[0], global_batch, cfg.rampup_batch_size[1]) if cfg.rampup_batch_size else []
-    pp = parallel.pp_size()
+    pp = parallel.layout.pp_size
     if pp > 1:  # the layers must divide into stages: the model chunks a rank holds
         v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
                                          cfg.num_layers_per_virtual_pipeline_stage))
@@ -540,7 +540,7 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
     cfg, accum, global_batch = plan_batches(cfg)
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
-    if cfg.domino and parallel.tp_size() == 1:
+    if cfg.domino and parallel.layout.tp_size == 1:
         logger.print("--domino has nothing to overlap at tensor-parallel size 1: it is off")
     if env.device.type == "cuda" and not (cfg.bf16 or cfg.fp16):
         # fp32 matmuls run on CUDA cores at a fraction of tensor-core speed; TF32 keeps fp32
@@ -557,13 +557,14 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
                          f"continue that run, or add --finetune to start a new run from its weights")
     datasets = build_datasets(cfg, global_batch)
     ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
+    lay = parallel.layout
     logger.print(f"model: {count_parameters(trainer.raw.config):,} parameters | world {env.world_size} = "
-                 f"TP {parallel.tp_size()} x DP {parallel.dp_size()} x PP {parallel.pp_size()} | global batch {global_batch} "
-                 f"= {cfg.micro_batch_size} x {parallel.dp_size()} x {accum} accumulation{ramp} | "
+                 f"TP {lay.tp_size} x DP {lay.dp_size} x PP {lay.pp_size} | global batch {global_batch} "
+                 f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
     iteration = loop(cfg, env, trainer, datasets, logger, global_batch, accum)
     if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
-        if parallel.pp_size() > 1:
+        if parallel.layout.pp_size > 1:
             logger.print("no sample printed: the model is split into pipeline stages; sample from the saved "
                          "checkpoint with evaluate.py --task GENERATE --load SAVE (any checkpoint loads there)")
         else:
@@ -586,7 +587,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
     meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
-    dp = parallel.dp_size()
+    dp = parallel.layout.dp_size
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, dp)
         lr = learning_rate(consumed, cfg, batch_size) if cfg.train_samples else learning_rate(iteration, cfg)

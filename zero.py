@@ -70,18 +70,20 @@ class DeepSpeedMPU:
     Megatron-core's name), and a stage's copy of the tied embedding not at all
     (`ds_pipe_replicated`)."""
 
-    def get_model_parallel_rank(self): return parallel.pp_rank() * parallel.tp_size() + parallel.tp_rank()
-    def get_model_parallel_world_size(self): return parallel.pp_size() * parallel.tp_size()
-    def get_model_parallel_group(self): return parallel.mp_group()
-    def get_data_parallel_rank(self): return parallel.dp_rank()
-    def get_data_parallel_world_size(self): return parallel.dp_size()
-    def get_data_parallel_group(self): return parallel.dp_group()
-    def get_tensor_model_parallel_rank(self): return parallel.tp_rank()
-    def get_tensor_model_parallel_world_size(self): return parallel.tp_size()
-    def get_tensor_model_parallel_group(self): return parallel.tp_group()
+    def get_model_parallel_rank(self):
+        return parallel.layout.pp_rank * parallel.layout.tp_size + parallel.layout.tp_rank
+
+    def get_model_parallel_world_size(self): return parallel.layout.pp_size * parallel.layout.tp_size
+    def get_model_parallel_group(self): return parallel.layout.mp_group
+    def get_data_parallel_rank(self): return parallel.layout.dp_rank
+    def get_data_parallel_world_size(self): return parallel.layout.dp_size
+    def get_data_parallel_group(self): return parallel.layout.dp_group
+    def get_tensor_model_parallel_rank(self): return parallel.layout.tp_rank
+    def get_tensor_model_parallel_world_size(self): return parallel.layout.tp_size
+    def get_tensor_model_parallel_group(self): return parallel.layout.tp_group
 
     def get_tensor_model_parallel_src_rank(self):
-        return dist.get_rank() - parallel.tp_rank()  # TP groups are consecutive ranks
+        return dist.get_rank() - parallel.layout.tp_rank  # TP groups are consecutive ranks
 
 
 def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
@@ -144,12 +146,12 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
     full weight after initializing it, so that case is built outside zero.Init
     (1/tp slices plus one full layer at a time; deepspeed.initialize partitions)."""
     device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
-    if parallel.tp_size() > 1:
+    if parallel.layout.tp_size > 1:
         return pipeline.build_model(cfg, torch.device("cpu"), kernels_for=device)
     mcfg = model_config(cfg, device)
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
-    with ds.zero.Init(data_parallel_group=parallel.dp_group(), config_dict_or_path=ds_config):
+    with ds.zero.Init(data_parallel_group=parallel.layout.dp_group, config_dict_or_path=ds_config):
         model = GPT(mcfg)
     each_module_gathered(model, ds, lambda _, module: init_weights(module, mcfg))
     return model
@@ -201,8 +203,8 @@ class DeepSpeedTraining:
         # The mpu hands ZeRO our groups, at any tp: without it DeepSpeed clones the
         # world with new_group, which drops --distributed-timeout-minutes.
         mpu = DeepSpeedMPU()
-        config = deepspeed_config(cfg, parallel.dp_size(), accum)
-        if parallel.pp_size() > 1 and config["zero_optimization"].get("overlap_comm"):
+        config = deepspeed_config(cfg, parallel.layout.dp_size, accum)
+        if parallel.layout.pp_size > 1 and config["zero_optimization"].get("overlap_comm"):
             # ZeRO-1's overlapped reduction runs in backward hooks, and only at the accumulation
             # boundary, which the stages' schedule never sets: the ranks would never average.
             config["zero_optimization"]["overlap_comm"] = False
@@ -232,15 +234,15 @@ class DeepSpeedTraining:
                 ds.zero.register_external_parameter(model, model.output_weight)
             kwargs = compile_options(cfg)
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
-        if self.engine.dp_world_size != parallel.dp_size():
+        if self.engine.dp_world_size != parallel.layout.dp_size:
             raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the "
-                               f"data-parallel size is {parallel.dp_size()} (world / (tp x pp)): "
+                               f"data-parallel size is {parallel.layout.dp_size} (world / (tp x pp)): "
                                f"the mpu was not applied")
         self.raw = self.engine.module
         # evaluate runs the pipeline's stages on the module (engine.config is DeepSpeed's)
-        self.model = self.raw if parallel.pp_size() > 1 else self.engine
+        self.model = self.raw if parallel.layout.pp_size > 1 else self.engine
         # The engine runs its 16-bit module without autocast; our stages' schedule runs it as the plain engine's.
-        self.precision = autocast(cfg, env.device) if parallel.pp_size() > 1 else nullcontext()
+        self.precision = autocast(cfg, env.device) if parallel.layout.pp_size > 1 else nullcontext()
         self.scale = getattr(self.engine.optimizer, "scale_if_loss", None)  # ZeRO's, as in engine.backward
         self.averager = None  # under stages the engine averages after the schedule (finish)
         self.iteration, self.consumed = 0, 0
@@ -252,12 +254,12 @@ class DeepSpeedTraining:
     def begin(self, micro_batches: int, lr: float) -> None:
         """This step's batch size (--rampup-batch-size) and learning rate; under
         stages, every backward of the schedule comes before the boundary."""
-        global_batch = micro_batches * self.cfg.micro_batch_size * parallel.dp_size()
+        global_batch = micro_batches * self.cfg.micro_batch_size * parallel.layout.dp_size
         if self.engine.train_batch_size() != global_batch:
             self.engine.set_train_batch_size(global_batch)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        if parallel.pp_size() > 1:
+        if parallel.layout.pp_size > 1:
             self.engine.set_gradient_accumulation_boundary(False)
 
     def micro_batch(self, last: bool):
@@ -291,12 +293,12 @@ class DeepSpeedTraining:
         embedding's are summed over its two stages, then DeepSpeed averages
         over the data-parallel group at a gradient-accumulation boundary."""
         engine = self.engine
-        if parallel.pp_size() > 1:
+        if parallel.layout.pp_size > 1:
             tied = pipeline.tied_embedding_copy(engine.module)
             if tied is not None:  # ZeRO-1 may hold the grad in its own accumulator
                 grad = engine.optimizer.get_gradient_for_reduction(tied) \
                     if hasattr(engine.optimizer, "get_gradient_for_reduction") else tied.grad
-                dist.all_reduce(grad, group=parallel.embedding_group())
+                dist.all_reduce(grad, group=parallel.layout.embedding_group)
             engine.set_gradient_accumulation_boundary(True)
             engine.allreduce_gradients()
         grad_norm = clip_if_ours(engine, self.cfg)

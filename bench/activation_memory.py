@@ -60,7 +60,7 @@ def layer_activation_bytes(config: GPTConfig, seq_length: int, micro_batch: int)
     torch.manual_seed(0)
     parallel.model_parallel_seed(0)
     model = GPT(config).to(torch.bfloat16).train()
-    tokens = seq_length // parallel.tp_size() if model.sequence_parallel else seq_length
+    tokens = seq_length // parallel.layout.tp_size if model.sequence_parallel else seq_length
     x = torch.randn(micro_batch, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return saved_bytes(model.blocks[0], x, exclude=params)

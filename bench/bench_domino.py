@@ -106,14 +106,14 @@ def without_tp_communication():
     carries nothing for the benchmark; wait() on a tensor no collective
     launched returns it at once."""
     real = parallel.dist
-    tp = parallel.tp_size()
+    tp = parallel.layout.tp_size
 
     class NoTP:
         def __getattr__(self, name):
             return getattr(real, name)
 
         def all_reduce(self, *args, group=None, **kwargs):
-            if group is not parallel.tp_group():
+            if group is not parallel.layout.tp_group:
                 return real.all_reduce(*args, group=group, **kwargs)
 
     launches = {
@@ -169,7 +169,7 @@ def report(args, device, dtype, med):
     print(f"GPT L={args.num_layers} H={args.hidden_size} heads={args.num_attention_heads} "
           f"seq={args.seq_length} vocab={args.padded_vocab_size} "
           f"micro-batch={args.micro_batch_size} | "
-          f"TP={parallel.tp_size()} DP={parallel.dp_size()} | {device.type} {str(dtype)[6:]} | "
+          f"TP={parallel.layout.tp_size} DP={parallel.layout.dp_size} | {device.type} {str(dtype)[6:]} | "
           f"domino chunks={args.domino_chunks} | median of {args.iters} fwd+bwd steps")
     for name, t in med.items():
         print(f"  {name:<18} {t * 1e3:9.1f} ms")

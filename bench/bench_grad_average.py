@@ -67,16 +67,17 @@ def main():
                        vocab_size=args.padded_vocab_size, padded_vocab_size=args.padded_vocab_size)
     torch.manual_seed(0)
     per_chunk = args.num_layers // (pp * args.virtual_stages)
-    stage = GPT(config, pipeline.pipeline_chunks(args.num_layers, pp, parallel.pp_rank(), per_chunk)).to(d.device)
+    chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.layout.pp_rank, per_chunk)
+    stage = GPT(config, chunks).to(d.device)
     cfg = SimpleNamespace(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
-    g = torch.Generator().manual_seed(parallel.dp_rank())
+    g = torch.Generator().manual_seed(parallel.layout.dp_rank)
     shape = (args.micro_batch_size, args.seq_length)
     batches = [{"tokens": torch.randint(0, args.padded_vocab_size, shape, generator=g),
                 "labels": torch.randint(0, args.padded_vocab_size, shape, generator=g),
                 "loss_mask": torch.ones(shape), "position_ids": torch.arange(args.seq_length).expand(shape)}
                for _ in range(args.micro_batches)]
     times = {"after": [], "overlapped": []}
-    overlapping = pipeline.GradientAverager(stage, parallel.dp_group())  # its hooks idle until begin()
+    overlapping = pipeline.GradientAverager(stage, parallel.layout.dp_group)  # its hooks idle until begin()
     for i in range(2 * (args.warmup + args.iters)):
         way = "after" if i % 2 == 0 else "overlapped"
         averager = overlapping if way == "overlapped" else None
@@ -92,10 +93,10 @@ def main():
         if i >= 2 * args.warmup:
             times[way].append((end - start, end - schedule_end))
     rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (parallel.pp_rank(), parallel.dp_rank(), times))
+    dist.all_gather_object(rows, (parallel.layout.pp_rank, parallel.layout.dp_rank, times))
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in stage.parameters())
-        print(f"PP={pp} x DP={parallel.dp_size()}, v={args.virtual_stages}, m={args.micro_batches}, "
+        print(f"PP={pp} x DP={parallel.layout.dp_size}, v={args.virtual_stages}, m={args.micro_batches}, "
               f"{args.num_layers} layers x {args.hidden_size}, vocab {args.padded_vocab_size}; "
               f"stage 0 all-reduces {params:,} gradients; medians of {args.iters} steps each, ms\n")
         print("| stage | DP rank | step, after | exposed, after | step, overlapped | exposed, overlapped |")

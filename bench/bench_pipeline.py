@@ -106,9 +106,10 @@ def build(args, device, v: int) -> GPT:
                        num_attention_heads=args.num_attention_heads,
                        max_position_embeddings=args.seq_length,
                        vocab_size=args.padded_vocab_size, padded_vocab_size=args.padded_vocab_size)
-    pp = parallel.pp_size()
+    pp = parallel.layout.pp_size
     torch.manual_seed(0)
-    chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.pp_rank(), args.num_layers // (pp * v))
+    chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.layout.pp_rank,
+                                      args.num_layers // (pp * v))
     return GPT(config, chunks).to(device)
 
 
@@ -204,7 +205,7 @@ def pipeline_step(model, batches, v: int, device, timeline=None, memory=None) ->
     pipeline.pipeline_step without autocast, loss scaling and the loss's
     all-reduce, and with run_pipeline's timeline."""
     m, (b, T) = len(batches), batches[0][0].shape
-    ticks = pipeline.pipeline_timeline(parallel.pp_size(), m, v)
+    ticks = pipeline.pipeline_timeline(parallel.layout.pp_size, m, v)
     positions = torch.arange(T, device=device)
 
     def forward(chunk: int, micro: int, x):
@@ -329,7 +330,7 @@ def main():
 
 
 def report(args, device, steps, memory):
-    pp, m = parallel.pp_size(), args.micro_batches
+    pp, m = parallel.layout.pp_size, args.micro_batches
     print(f"GPT L={args.num_layers} H={args.hidden_size} heads={args.num_attention_heads} "
           f"seq={args.seq_length} vocab={args.padded_vocab_size} micro-batch={args.micro_batch_size} | "
           f"P={pp} m={m} | {device.type} fp32 {dist.get_backend()} | median of {args.iters} steps "

@@ -93,7 +93,7 @@ def bench_stage(stage: int, args, env) -> dict:
         times.append(time.time() - t0)
     result = {"stage": stage, **model_state_bytes(engine, stage), "grads": grads,
               "num_params": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
-              "dp_size": parallel.dp_size(),
+              "dp_size": parallel.layout.dp_size,
               "step_ms": 1000 * sorted(times[1:] or times)[len(times[1:] or times) // 2]}
     if env.device.type == "cuda":
         result["max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20

@@ -33,7 +33,7 @@ def assert_close(actual, expected, tol=1e-6, what=""):
 
 def _check_comm_ops():
     parallel.initialize(2)
-    r = parallel.tp_rank()
+    r = parallel.layout.tp_rank
     # Per-rank data built from .t() so every input is NON-contiguous.
     per_rank = [torch.arange(12.0).view(3, 4).t() * (k + 1) for k in range(2)]  # (4, 3)
     mine = per_rank[r]
@@ -171,7 +171,7 @@ def test_column_row_pair_matches_plain_linears():
 
 def _check_qkv_blocks():
     parallel.initialize(2)
-    r = parallel.tp_rank()
+    r = parallel.layout.tp_rank
     H = 8
     qkv = nn.Linear(H, 3 * H)
     torch.manual_seed(0)
@@ -220,7 +220,7 @@ def _check_vocab_parallel():
     # Cross entropy on vocab-sharded logits, including large logits (stability).
     full = torch.randn(2, 3, V, generator=torch.Generator().manual_seed(4)) * 30
     target = torch.tensor([[0, 4, 5], [9, 2, 7]])
-    r = parallel.tp_rank()
+    r = parallel.layout.tp_rank
     shard = full[..., r * 5:(r + 1) * 5].clone().requires_grad_()
     full_ref = full.clone().requires_grad_()
     loss = parallel.vocab_parallel_cross_entropy(shard, target)
@@ -301,18 +301,19 @@ def test_clip_grad_norm_with_one_rank_equals_torch():
 
 
 def _check_groups_and_bad_layout():
-    with pytest.raises(RuntimeError, match="initialize"):
-        parallel.tp_size()  # forgot initialize() in a multi-rank job
+    from gpt import GPT, GPTConfig
+    with pytest.raises(RuntimeError, match="initialize"):  # forgot it in a multi-rank job
+        GPT(GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16))
     with pytest.raises(ValueError, match="does not divide the world size 2"):
         parallel.initialize(3)
     parallel.initialize(1)  # T=1 on 2 ranks: pure data parallelism
-    assert (parallel.tp_size(), parallel.dp_size(), parallel.dp_rank()) == (1, 2, dist.get_rank())
+    assert (parallel.layout.tp_size, parallel.layout.dp_size, parallel.layout.dp_rank) == (1, 2, dist.get_rank())
     t = torch.ones(1)
-    dist.all_reduce(t, group=parallel.tp_group())  # really a 1-rank group
+    dist.all_reduce(t, group=parallel.layout.tp_group)  # really a 1-rank group
     assert t.item() == 1.0
     parallel.destroy()
     parallel.initialize(2)
-    assert (parallel.tp_size(), parallel.tp_rank(), parallel.dp_size()) == (2, dist.get_rank(), 1)
+    assert (parallel.layout.tp_size, parallel.layout.tp_rank, parallel.layout.dp_size) == (2, dist.get_rank(), 1)
 
 
 def test_process_groups_and_world_size_check():

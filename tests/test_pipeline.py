@@ -164,7 +164,7 @@ def _check_a_receive_due_inside_an_action_is_posted_before_it():
     pp, m, v = 2, 8, 2
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=pp)
-    rank, last = parallel.pp_rank(), pp * v - 1
+    rank, last = parallel.layout.pp_rank, pp * v - 1
     w = torch.nn.Linear(4, 4)
 
     def forward(chunk, micro, x):  # the last virtual stage returns a loss, the others (2, 4)
@@ -253,11 +253,11 @@ def _check_data_parallel_average_starts_as_gradients_become_final():
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                  vocab_size=100, padded_vocab_size=128)
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, parallel.pp_rank(), 1))
+    stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank, 1))
     cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2)
     batches = []
     for i in range(m):  # each data-parallel rank its own micro-batches
-        x, y, mask = uneven_batch(10 * parallel.dp_rank() + i, batch_size=2)
+        x, y, mask = uneven_batch(10 * parallel.layout.dp_rank + i, batch_size=2)
         batches.append({"tokens": x, "labels": y, "loss_mask": mask, "position_ids": torch.arange(8).expand(2, 8)})
     # after the schedule, one blocking all-reduce: the reference gradients
     pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext())
@@ -265,7 +265,7 @@ def _check_data_parallel_average_starts_as_gradients_become_final():
     want = {n: p.grad.clone() for n, p in stage.named_parameters()}
     # with an averager whose buckets hold 4 KB: launched as gradients become final
     stage.zero_grad(set_to_none=True)
-    averager = pipeline.GradientAverager(stage, parallel.dp_group(), bucket_bytes=4096)
+    averager = pipeline.GradientAverager(stage, parallel.layout.dp_group, bucket_bytes=4096)
     events, real_flush, real_act = [], averager.flush, pipeline._act
     averager.flush = lambda: (events.append(("launch", len(averager.bucket), time.time())), real_flush())[1]
     pipeline._act = lambda a, *args: (events.append(("start", a, time.time())), real_act(a, *args),
@@ -287,7 +287,7 @@ def _check_data_parallel_average_starts_as_gradients_become_final():
         assert any(e[0] == "launch" and e[1] for e in events[start:end]), (c, events[start:end])
     # The last stage's last all-reduce started before stage 0 ended its drain.
     seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (parallel.pp_rank(), parallel.dp_rank(), events))
+    dist.all_gather_object(seen, (parallel.layout.pp_rank, parallel.layout.dp_rank, events))
     by_stage = {(pp_rank, dp_rank): events for pp_rank, dp_rank, events in seen}
     launched = max(e[2] for e in by_stage[(1, 0)] if e[0] == "launch" and e[1])
     drained = max(e[2] for e in by_stage[(0, 0)] if e[0] == "end")

@@ -85,8 +85,8 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
     cfg = dataclasses.replace(cfg, load=export, no_load_optim=True)
     model = pipeline.build_model(cfg, env.device)
     checkpoint.load_checkpoint(cfg, model, None, None, lambda message: None)
-    accum = train.gradient_accumulation_steps(cfg, parallel.dp_size())
-    gb = cfg.micro_batch_size * parallel.dp_size() * accum
+    accum = train.gradient_accumulation_steps(cfg, parallel.layout.dp_size)
+    gb = cfg.micro_batch_size * parallel.layout.dp_size * accum
     _, valid = train.build_datasets(cfg, gb)
     loss = train.validation_loss(model, valid, cfg, env.device, train.eval_consumed(STEPS, cfg, gb), accum)
     if env.rank == 0:
