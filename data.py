@@ -370,7 +370,8 @@ class GPTDataset(torch.utils.data.Dataset):
         if d0 == d1:
             return np.array(get(int(doc[d0]), int(o0), int(o1 - o0 + 1)))
         parts = [get(int(doc[d0]), int(o0))]
-        parts += [get(int(doc[d])) for d in range(d0 + 1, d1)]
+        for d in range(d0 + 1, d1):  # whole documents in between
+            parts.append(get(int(doc[d])))
         parts.append(get(int(doc[d1]), 0, int(o1 + 1)))
         return np.concatenate(parts)
 

@@ -535,7 +535,7 @@ class GPT(nn.Module):
     def check_inputs(self, input_ids, position_ids, labels, start: int = 0):
         """Fail loudly on out-of-range ids (CUDA's embedding lookup would die
         with an opaque device-side assert). On a GPU the check is a host sync, so
-        it runs only until one call passes: train.check_batch checks every batch."""
+        it runs only until one call passes: train.check_batches checks every batch."""
         if self.sequence_parallel and input_ids.shape[-1] % parallel.layout.tp_size:
             raise UsageError(
                 f"sequence parallelism splits each sequence over the {parallel.layout.tp_size} "

@@ -996,13 +996,19 @@ def check_ids(checks) -> None:
     """The one id-range check: checks = [(name, ids, limit, fix), ...]; raise a
     UsageError naming the first `ids` with a value outside [0, limit), and the
     fix (empty or None ids pass). ONE host read for all bounds: a sync on a
-    GPU, so train.check_batch checks on the host and the model only its first
+    GPU, so train.check_batches checks on the host and the model only its first
     GPU call."""
-    checks = [c for c in checks if c[1] is not None and c[1].numel() > 0]
-    if not checks or torch.compiler.is_compiling():  # .tolist() would break the graph
+    if torch.compiler.is_compiling():  # .tolist() would break the graph
         return
-    bounds = torch.stack([m.long() for _, ids, _, _ in checks for m in ids.aminmax()]).tolist()
-    for (name, _, limit, fix), lo, hi in zip(checks, bounds[::2], bounds[1::2]):
+    named, extremes = [], []
+    for name, ids, limit, fix in checks:
+        if ids is not None and ids.numel() > 0:
+            named.append((name, limit, fix))
+            extremes.append(torch.stack(ids.aminmax()).long())  # (2,): min, max
+    if not named:
+        return
+    bounds = torch.cat(extremes).tolist()
+    for (name, limit, fix), lo, hi in zip(named, bounds[::2], bounds[1::2]):
         if lo < 0 or hi >= limit:
             raise UsageError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
 

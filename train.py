@@ -22,6 +22,7 @@ checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -64,22 +65,16 @@ def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: in
     return gbs // per_step
 
 
-def lr_span(cfg: TrainConfig) -> tuple[float, int]:
-    """(warmup, decay end) in iterations, or with --train-samples in samples (as Megatron)."""
-    if cfg.train_samples is None:
+def learning_rate(done: int, cfg: TrainConfig, step: int = 1) -> float:
+    """Linear warmup to --lr, then cosine/linear decay to --min-lr, then constant.
+    done: iterations before this step (step=1), or with --train-samples samples consumed
+    (step = this step's global batch); --train-samples N x B is --train-iters N."""
+    if cfg.train_samples is None:  # the warmup and decay end: iterations, or samples (as Megatron)
         warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
     else:
         warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
     if cfg.lr_warmup_fraction is not None:
         warmup = cfg.lr_warmup_fraction * decay
-    return warmup, decay
-
-
-def learning_rate(done: int, cfg: TrainConfig, step: int = 1) -> float:
-    """Linear warmup to --lr, then cosine/linear decay to --min-lr, then constant.
-    done: iterations before this step (step=1), or with --train-samples samples consumed
-    (step = this step's global batch); --train-samples N x B is --train-iters N."""
-    warmup, decay = lr_span(cfg)
     if done < warmup:
         return cfg.lr * min(1.0, (done + step) / warmup)
     if cfg.lr_decay_style == "constant" or done >= decay:
@@ -164,15 +159,19 @@ def data_iterator(dataset, cfg: TrainConfig, consumed_samples: int):
                                             generator=torch.Generator().manual_seed(cfg.seed)))
 
 
-def check_batch(batch: dict, config: GPTConfig) -> dict:
-    """Token ids and positions must index the embeddings. Checked on the host, where it is
-    cheap: on a GPU a bad id is an opaque device-side assert, and checking costs a sync."""
-    vocab = "check the data's tokenizer against the model's vocabulary"
-    parallel.check_ids([("batch tokens", batch["tokens"], config.padded_vocab_size, vocab),
-                        ("batch labels", batch["labels"], config.padded_vocab_size, vocab),
-                        ("batch position_ids", batch["position_ids"], config.max_position_embeddings,
-                         "check --seq-length against --max-position-embeddings")])
-    return batch
+def check_batches(batches: list[dict], config: GPTConfig) -> list[dict]:
+    """Token ids and positions must index the embeddings: one check of a step's
+    micro-batches, on the host, where it is cheap (on a GPU a bad id is an
+    opaque device-side assert, and checking there costs a sync)."""
+    vocab, positions = "check the data's tokenizer against the model's vocabulary", \
+        "check --seq-length against --max-position-embeddings"
+    checks = []
+    for b in batches:
+        checks += [("batch tokens", b["tokens"], config.padded_vocab_size, vocab),
+                   ("batch labels", b["labels"], config.padded_vocab_size, vocab),
+                   ("batch position_ids", b["position_ids"], config.max_position_embeddings, positions)]
+    parallel.check_ids(checks)
+    return batches
 
 
 def synchronize(device: torch.device) -> None:
@@ -592,7 +591,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
         batch_size = global_batch_at(consumed, cfg, dp)
         lr = learning_rate(consumed, cfg, batch_size) if cfg.train_samples else learning_rate(iteration, cfg)
         count = batch_size // (cfg.micro_batch_size * dp)  # a whole number: plan_batches checked each batch
-        micro_batches = [check_batch(next(batches), mcfg) for _ in range(count)]
+        micro_batches = check_batches(list(itertools.islice(batches, count)), mcfg)
         loss, grad_norm, skipped = train_step(trainer, micro_batches, lr)
         iteration, consumed = iteration + 1, consumed + batch_size
         pending.append((iteration, loss))

@@ -340,7 +340,8 @@ def test_train_samples_is_train_iters_times_the_batch():
     assert [train.learning_rate(i, by_iters) for i in range(50)] == \
         pytest.approx([train.learning_rate(8 * i, by_samples, 8) for i in range(50)], abs=1e-12)
     fraction = parse("--train-iters", "50", "--lr-warmup-fraction", "0.1")
-    assert train.lr_span(fraction) == (5.0, 50)
+    assert [train.learning_rate(i, fraction) / fraction.lr for i in (0, 4, 5)] == pytest.approx([0.2, 1.0, 1.0])
+    assert train.learning_rate(50, fraction) == fraction.min_lr  # the decay ends with the run
 
 
 def test_batch_ramp_follows_megatron():

@@ -51,13 +51,13 @@ def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
     mcfg = config.model_config(config.parse_args(["--preset", "tiny", "--seq-length", "8"]))
     batch = {"tokens": torch.zeros(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long),
              "position_ids": torch.arange(8).expand(2, 8)}
-    assert train.check_batch(batch, mcfg) is batch
+    assert train.check_batches([batch, batch], mcfg) == [batch, batch]
     bad_labels = {**batch, "labels": torch.full((2, 8), mcfg.padded_vocab_size)}
     with pytest.raises(ValueError, match=r"batch labels must lie in \[0, \d+\).*tokenizer"):
-        train.check_batch(bad_labels, mcfg)
+        train.check_batches([batch, bad_labels], mcfg)  # any micro-batch of the step
     bad_positions = {**batch, "position_ids": torch.arange(8).expand(2, 8) + mcfg.max_position_embeddings}
     with pytest.raises(ValueError, match="batch position_ids.*--max-position-embeddings"):
-        train.check_batch(bad_positions, mcfg)
+        train.check_batches([bad_positions], mcfg)
 
 
 def test_learning_rate_warmup_then_cosine_to_min():
@@ -266,7 +266,7 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(precision, monkeypatch
     batch = {"tokens": torch.randint(0, 1000, (2, 16)), "labels": torch.randint(0, 1000, (2, 16)),
              "position_ids": torch.arange(16).expand(2, 16), "loss_mask": torch.ones(2, 16)}
     # The id-range checks read CPU tensors by design (free there); on a GPU the
-    # model checks only its first call and train.check_batch checks the batch on the host.
+    # model checks only its first call and train.check_batches checks the batch on the host.
     import parallel
     monkeypatch.setattr(parallel, "check_ids", lambda checks: None)
     poison = model.wte.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
