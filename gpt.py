@@ -291,7 +291,7 @@ class Dropout(nn.Dropout):
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.config = config
+        self.config, self.head_dim = config, config.head_dim
         H, bias = config.hidden_size, not config.disable_bias_linear
         kv = config.num_query_groups * config.head_dim  # K (and V) width: < H under GQA
         # One matmul for Q, K and V; output layout [Q | K | V], each head-major
@@ -307,8 +307,7 @@ class CausalSelfAttention(nn.Module):
         attends with its nh/tp query and G/tp key/value heads (under sequence
         parallelism qkv gathers all T tokens). rope: rope_angles(...) or None;
         `deferred`: see domino_blocks; cache: KVCache.extend for this layer."""
-        cfg = self.config
-        hd = cfg.head_dim
+        cfg, hd = self.config, self.head_dim
         qkv = self.qkv(x, *deferred)                     # (B, T, (nh + 2G) * hd / tp)
         B, T, _ = qkv.shape
         tp = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd // qkv.shape[-1]
