@@ -179,6 +179,28 @@ def run_train(args, nproc=1, env=None, check=True, timeout=300):
     return _run([sys.executable, "train.py", *args], "train.py", args, env, check, timeout)
 
 
+def train_on_ranks(args, nproc=1):
+    """train.py's main(ARGS) on NPROC gloo ranks started by run_on_ranks, with
+    the environment torchrun gives each process (at NPROC = 1: alone, as
+    `python train.py`). The same command line, without a new interpreter
+    importing torch in every process of every launch, which is most of a tiny
+    run's time on the 2-core CI box. For the many runs whose curves tests
+    compare; what the launch itself does (torchrun's agent, exit codes, the
+    one-line errors in stderr) is tested through run_train."""
+    run_on_ranks(_train_main, list(args), world_size=nproc)
+
+
+def _train_main(args):
+    import torch.distributed as dist
+    import train
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    if world == 1:  # a single process has no process group
+        dist.destroy_process_group()
+    sys.argv = ["train.py", *args]
+    train.main(args)
+
+
 # How long run_on_ranks waits for its ranks; the compile-every-layout fixture,
 # the longest launch, takes about 2 minutes from a cold compile cache.
 RANKS_TIMEOUT = 420
@@ -205,7 +227,7 @@ def run_on_ranks(fn, *args, world_size=2, timeout=RANKS_TIMEOUT):
     from torch.multiprocessing.spawn import ProcessException
     # Read once, when the first launch starts the server; a module a later fn
     # lives in is imported by its ranks (cheap, with these already loaded).
-    mp.set_forkserver_preload(["torch", "torch.distributed", "parallel", "gpt", fn.__module__])
+    mp.set_forkserver_preload(["torch", "torch.distributed", "parallel", "gpt", "train", fn.__module__])
     with tempfile.TemporaryDirectory() as tmp:
         ranks = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args), nprocs=world_size,
                                    join=False, start_method="forkserver")
@@ -259,7 +281,8 @@ def _rank_main(rank, world_size, tmp, fn, args):
         raise
     finally:
         parallel.destroy()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # train.main ends its own
+            dist.destroy_process_group()
 
 
 def read_metrics(path):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, TINY, free_port, losses, process_env, read_metrics, run_bounded, run_together,  # puts ROOT on sys.path
-                      run_train, torchrun)
+                      run_train, torchrun, train_on_ranks)
 import checkpoint  # noqa: E402  (this file is also a torchrun worker: conftest first)
 import config  # noqa: E402
 import data as data_lib  # noqa: E402
@@ -128,7 +128,7 @@ def six_steps(corpus, tmp_path_factory):
     the end, run once for two tests: the 2-process run's reference, and the
     checkpoint a shorter run starts from. -> (its metrics file, its --save)."""
     out = tmp_path_factory.mktemp("six_steps")
-    run_train([*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8",
+    train_on_ranks([*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8",
                "--save", str(out / "ckpt"), "--metrics-file", str(out / "m.jsonl")])
     return out / "m.jsonl", str(out / "ckpt")
 
@@ -136,7 +136,7 @@ def six_steps(corpus, tmp_path_factory):
 def test_two_process_ddp_matches_one_process(corpus, six_steps, tmp_path):
     """Same global batch (8): 1 process x 2 accumulation steps == 2 processes x 1."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8"]
-    run_train([*common, "--metrics-file", str(tmp_path / "two.jsonl")], nproc=2)
+    train_on_ranks([*common, "--metrics-file", str(tmp_path / "two.jsonl")], nproc=2)
     one, two = losses(six_steps[0]), losses(tmp_path / "two.jsonl")
     np.testing.assert_allclose(two, one, rtol=1e-5)
     assert one[0] != one[-1]  # the model did train
@@ -157,12 +157,12 @@ def test_compile_trains_the_same_model(corpus, tmp_path):
 
 def test_resume_is_bit_identical(corpus, tmp_path):
     common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8"]
-    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
+    train_on_ranks([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
     ckpt = str(tmp_path / "ckpt")
-    run_train([*common, "--save", ckpt, "--exit-interval", "4",
+    train_on_ranks([*common, "--save", ckpt, "--exit-interval", "4",
                "--metrics-file", str(tmp_path / "part.jsonl")])
     assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "4"
-    run_train([*common, "--load", ckpt, "--save", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
+    train_on_ranks([*common, "--load", ckpt, "--save", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
     assert losses(tmp_path / "part.jsonl") == losses(tmp_path / "full.jsonl")  # exact, not close
     assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 9))
 
@@ -193,13 +193,13 @@ def test_batch_ramp_resumes_exactly_mid_ramp(corpus, tmp_path):
               "--eval-interval", "0", "--log-interval", "1", "--sample-tokens", "0", "--seed", "7",
               "--data-path", corpus, "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "24",
               "--train-samples", "80", "--lr-warmup-samples", "16"]
-    run_train([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
+    train_on_ranks([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
     full = read_metrics(tmp_path / "full.jsonl")
     assert [m["batch_size"] for m in full] == [4, 4, 8, 12, 16, 16, 16]
     assert full[-1]["consumed_samples"] == 76  # one more step of 16 would pass 80
     ckpt = str(tmp_path / "ckpt")
-    run_train([*common, "--save", ckpt, "--exit-interval", "3", "--metrics-file", str(tmp_path / "part.jsonl")])
-    run_train([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
+    train_on_ranks([*common, "--save", ckpt, "--exit-interval", "3", "--metrics-file", str(tmp_path / "part.jsonl")])
+    train_on_ranks([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
     part = read_metrics(tmp_path / "part.jsonl")
     assert [(m["loss"], m["lr"], m["batch_size"]) for m in part] == \
         [(m["loss"], m["lr"], m["batch_size"]) for m in full]
@@ -209,7 +209,7 @@ def test_batch_ramp_resumes_exactly_mid_ramp(corpus, tmp_path):
 def test_mixed_precision_trains(corpus, tmp_path, precision, tp):
     """bf16 autocast, and fp16 autocast with dynamic loss scaling, on CPU;
     fp16 also at tp=2, where both ranks must make the same skip decisions."""
-    run_train([*TINY, "--data-path", corpus, "--train-iters", "6", precision,
+    train_on_ranks([*TINY, "--data-path", corpus, "--train-iters", "6", precision,
                "--tensor-model-parallel-size", str(tp), "--metrics-file", str(tmp_path / "m.jsonl")],
               nproc=tp)
     values = losses(tmp_path / "m.jsonl")
@@ -576,13 +576,13 @@ def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layout
     depend on the layout)."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "4",
               "--micro-batch-size", "4"]  # batch 4 splits into Domino chunks 2+2
-    run_train([*common, "--metrics-file", str(tmp_path / "t1.jsonl")])
+    train_on_ranks([*common, "--metrics-file", str(tmp_path / "t1.jsonl")])
     ckpt = str(tmp_path / "ckpt")
-    run_train([*common, "--tensor-model-parallel-size", "2", "--domino", "--save", ckpt,
+    train_on_ranks([*common, "--tensor-model-parallel-size", "2", "--domino", "--save", ckpt,
                "--exit-interval", "4", "--metrics-file", str(tmp_path / "t2.jsonl")], nproc=2)
     shutil.copyfile(tmp_path / "t2.jsonl", tmp_path / "sp.jsonl")
-    run_train([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "t2.jsonl")])
-    run_train([*common, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--load", ckpt,
+    train_on_ranks([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "t2.jsonl")])
+    train_on_ranks([*common, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--load", ckpt,
                "--metrics-file", str(tmp_path / "sp.jsonl")], nproc=2)
     t1 = read_metrics(tmp_path / "t1.jsonl")
     for resumed in ("t2.jsonl", "sp.jsonl"):  # at T=1, and at T=2 under sequence parallelism
@@ -603,10 +603,10 @@ def test_sequence_parallel_with_dropout_resumes_bit_identically(corpus, tmp_path
               "--tensor-model-parallel-size", "2", "--sequence-parallel",
               "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     ckpt = tmp_path / "ckpt"
-    run_train([*common, "--save", str(ckpt), "--save-interval", "3",
+    train_on_ranks([*common, "--save", str(ckpt), "--save-interval", "3",
                "--metrics-file", str(tmp_path / "full.jsonl")], nproc=2)
     (ckpt / checkpoint.LATEST).write_text("3")
-    run_train([*common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "resumed.jsonl")], nproc=2)
+    train_on_ranks([*common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "resumed.jsonl")], nproc=2)
     assert [r["iteration"] for r in read_metrics(tmp_path / "resumed.jsonl")] == [4, 5, 6]
     assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "full.jsonl")[3:]  # exact, not close
 
@@ -619,7 +619,7 @@ def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
     prints, writes the metrics and writes TensorBoard."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "4", "--global-batch-size", "8",
               "--micro-batch-size", "4", "--tensor-model-parallel-size", "2", "--eval-interval", "0"]
-    run_train([*common, "--metrics-file", str(tmp_path / "one_agent.jsonl")], nproc=4)
+    train_on_ranks([*common, "--metrics-file", str(tmp_path / "one_agent.jsonl")], nproc=4)
     port = free_port()
     args = [*common, "--metrics-file", str(tmp_path / "two_agents.jsonl"),
             "--tensorboard-dir", str(tmp_path / "tb")]
@@ -989,7 +989,7 @@ def pipeline_runs(corpus, tmp_path_factory):
 
     def run(name, nproc, *flags):
         path = str(out / f"{name}.jsonl")
-        run_train([*PIPELINE_RUN, "--data-path", corpus, "--metrics-file", path, *flags], nproc=nproc)
+        train_on_ranks([*PIPELINE_RUN, "--data-path", corpus, "--metrics-file", path, *flags], nproc=nproc)
         return {m["iteration"]: m for m in read_metrics(path)}
     runs = {"PP=1": run("pp1", 1, "--save", str(out / "pp1"), "--save-interval", "4")}
     pp2 = ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), "--save-interval", "4"]
