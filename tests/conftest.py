@@ -190,12 +190,19 @@ def train_on_ranks(args, nproc=1):
     run_on_ranks(_train_main, list(args), world_size=nproc)
 
 
+def as_torchrun_rank() -> None:
+    """Give a run_on_ranks rank the variables torchrun sets, which the
+    programs read (RANK, LOCAL_RANK, WORLD_SIZE: one node)."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+
+
 def _train_main(args):
     import torch.distributed as dist
     import train
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    if world == 1:  # a single process has no process group
+    as_torchrun_rank()
+    if dist.get_world_size() == 1:  # a single process has no process group
         dist.destroy_process_group()
     sys.argv = ["train.py", *args]
     train.main(args)

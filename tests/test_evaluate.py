@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 import evaluate  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
-from conftest import torchrun  # noqa: E402
+from conftest import as_torchrun_rank, run_on_ranks, torchrun  # noqa: E402
 
 TINY = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4", "--lr", "3e-3",
         "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-interval", "0", "--log-interval", "10",
@@ -275,10 +275,10 @@ def test_hugging_face_directory_is_a_model_too(files, reference, tmp_path):
 
 
 def worker(out: str, *model: str) -> None:
-    """Under torchrun: every evaluation in one world (one launch per layout),
-    which ends as evaluate.run ends it: gloo's threads torn down at exit
-    with the group still alive can abort the process."""
+    """On run_on_ranks' ranks, as torchrun starts them: every evaluation in
+    one world (one launch per layout), which ends as evaluate.run ends it."""
     import torch.distributed as dist
+    as_torchrun_rank()
     files = json.loads(open(os.path.join(out, "files.json")).read())
     env = None
     for task in TASKS:
@@ -294,9 +294,7 @@ def worker(out: str, *model: str) -> None:
 def test_two_ranks_give_the_same_numbers(files, reference, t1, layout, tmp_path):
     """T=2 splits every layer; DP=2 splits the windows and texts. Both on 2 processes."""
     (tmp_path / "files.json").write_text(json.dumps({k: str(v) for k, v in files.items() if k != "texts"}))
-    proc = torchrun(os.path.abspath(__file__), "worker", str(tmp_path), "--load", files["ckpt"], *layout,
-                    nproc=2, env=QUIET, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_on_ranks(worker, str(tmp_path), "--load", files["ckpt"], *layout)
     for task in TASKS:
         results = read_results(tmp_path / f"{task}.json")
         assert_matches_reference(results, reference, task)
@@ -451,6 +449,3 @@ def test_bad_input_on_two_ranks_is_one_line_from_rank_0(files, tmp_path):
     assert f'evaluate.py: error: --valid-data {path}:2: no "text" string' in proc.stderr
     assert 'evaluate.py", line' not in proc.stderr  # no traceback through our code
 
-
-if __name__ == "__main__" and sys.argv[1] == "worker":
-    worker(*sys.argv[2:])
