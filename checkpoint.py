@@ -123,7 +123,8 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
 
 def gather_stages(obj) -> list | None:
     """Every pipeline stage's `obj`, in stage order, on this pipeline's first
-    stage; None on the others. Collective over the pipeline group."""
+    stage; None on the others. Collective over the pipeline group. For small
+    things (names, shapes, random streams): gather_object pickles them whole."""
     first = parallel.pp_rank() == 0
     stages = [None] * parallel.pp_size() if first else None
     dist.gather_object(obj, stages, dst=dist.get_global_rank(parallel.pp_group(), 0), group=parallel.pp_group())
@@ -133,16 +134,33 @@ def gather_stages(obj) -> list | None:
 def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[None, None]:
     """Every pipeline stage's states, sent to the first stage (global rank 0)
     and merged into the whole model's, with the same keys as at pp=1; (None,
-    None) on the other stages. A tied embedding is on two stages: the
-    first's copy is kept (the two are equal)."""
-    stages = gather_stages((model_sd, optim))
+    None) on the other stages. First each stage's list of tensors (names,
+    shapes), then the tensors one at a time, point to point: no device holds
+    more than one of another stage's tensors. A tied embedding is on two
+    stages: the first's copy is kept (the two are equal)."""
+    items = {("model", k): v for k, v in model_sd.items()}
+    items.update({("optimizer", name, k): v for name, state in optim.items() for k, v in state.items()})
+    listed = {key: (v.shape, v.dtype) if torch.is_tensor(v) else v for key, v in items.items()}
+    stages = gather_stages((listed, list(optim)))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     if stages is None:
+        for v in (v for v in items.values() if torch.is_tensor(v)):
+            dist.send(v.to(device), dst=dist.get_global_rank(parallel.pp_group(), 0))
         return None, None
     merged = ({}, {})  # (model, optimizer)
-    for stage in stages:
-        for whole, part in zip(merged, stage):
-            for k, v in part.items():
-                whole.setdefault(k, v)
+    for stage, (stage_listed, names) in enumerate(stages):
+        for name in names:
+            merged[1].setdefault(name, {})
+        for key, value in stage_listed.items():
+            if stage == 0:
+                value = items[key]
+            elif isinstance(value, tuple):  # (shape, dtype): the tensor comes next
+                shape, dtype = value
+                value = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(value, src=dist.get_global_rank(parallel.pp_group(), stage))
+                value = value.cpu()
+            whole = merged[0] if key[0] == "model" else merged[1][key[1]]
+            whole.setdefault(key[-1], value)
     return merged
 
 

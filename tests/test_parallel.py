@@ -1048,6 +1048,48 @@ def test_checkpoint_states_are_assembled_on_the_writer_only(tp):
     run_on_ranks(_check_checkpoint_states_are_assembled_on_the_writer_only, tp)
 
 
+def _check_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor():
+    """At pp=2 the torch format's save assembles the whole model's states on
+    rank 0 from both stages: stage 1's tensors come one at a time, point to
+    point; what gather_object carries holds no tensor (names and shapes)."""
+    import checkpoint
+    import pipeline
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                 vocab_size=100, padded_vocab_size=128)
+    models = {}
+    for pp in (1, 2):  # the whole model, then this rank's stage: the same weights, the same gradients
+        parallel.destroy()
+        parallel.initialize(1, pipeline_model_parallel_size=pp)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(2, pp, parallel.pp_rank(), None))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        models[pp] = model, opt
+    gathered, gather_object = [], dist.gather_object
+    dist.gather_object = lambda obj, *a, **k: gathered.append(obj) or gather_object(obj, *a, **k)
+    try:
+        model_sd, optim_sd = checkpoint.states_for_writer(*models[2])
+    finally:
+        dist.gather_object = gather_object
+    assert gathered and "Tensor(" not in repr(gathered) and "tensor(" not in repr(gathered)
+    if dist.get_rank() != 0:
+        assert model_sd is None and optim_sd is None
+        return
+    whole, whole_opt = models[1]
+    assert model_sd.keys() == whole.state_dict().keys()
+    for name, t in whole.state_dict().items():
+        assert torch.equal(model_sd[name], t), name
+    for name, p in whole.named_parameters():
+        for k, v in whole_opt.state[p].items():
+            assert torch.equal(optim_sd["state"][name][k], v), (name, k)
+
+
+def test_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor():
+    run_on_ranks(_check_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor)
+
+
 # --------------------------------------------------------------------------
 # torch.compile over the whole model at every layout
 # --------------------------------------------------------------------------
