@@ -74,7 +74,7 @@ def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str
            "--preset", preset, "--tensor-model-parallel-size", str(tp),
            *(["--pipeline-model-parallel-size", str(pp)] if pp > 1 else []),
            *(["--ckpt-format", fmt] if fmt else []),
-           "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "1",
+           "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", str(pp),  # >= a micro-batch a stage
            "--train-iters", "1", "--eval-interval", "0", "--log-interval", "1",
            "--sample-tokens", "0", "--data-path", corpus, "--split", "100,0,0",
            "--data-cache-path", os.path.join(workdir, "cache"),

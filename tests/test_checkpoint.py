@@ -4,9 +4,10 @@ Hugging Face GPT-2 and Llama directories in and out.
 A save is atomic (written under a temporary name, fsynced, renamed into place,
 then the `latest` pointer replaced), so a crash or a power loss leaves the
 previous checkpoint readable; a diverged model never reaches one; --load reads
-the newest checkpoint of either kind. The DeepSpeed runs that write ZeRO
-checkpoints (and their export) are in test_zero.py; resuming across layouts
-in test_train.py. The Hugging Face tests build random transformers models and
+the newest checkpoint of any kind. The DeepSpeed runs that write ZeRO
+checkpoints (and their export) are in test_zero.py; resuming across layouts,
+--ckpt-format torch_dist's included, in test_train.py (here: torch_dist in
+one process against the torch format). The Hugging Face tests build random transformers models and
 check that ours computes the same logits, both ways.
 """
 import dataclasses
