@@ -1090,6 +1090,31 @@ def test_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor():
     run_on_ranks(_check_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor)
 
 
+def _check_torch_dist_saves_fused_shards_as_pieces_of_the_full_tensor(tmp: str):
+    """--ckpt-format torch_dist writes a TP=2 shard of a fused block ([Q | K | V]
+    with fewer K/V heads, [gate | up]) as its pieces of the full tensor
+    (checkpoint.as_shards): read back at TP=1 every tensor is the whole one."""
+    import checkpoint
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    model = _build_gpt(2, **ALL_OPTIONS)
+    assert model.blocks[0].attn.qkv.weight.partition_blocks != 1  # the fused blocks are exercised
+    dcp.save(checkpoint.dist_model_state(model), checkpoint_id=tmp,
+             planner=DefaultSavePlanner(**checkpoint.AS_THEY_ARE))
+    full = parallel.full_state_dict(model)
+    whole = _build_gpt(1, **ALL_OPTIONS)
+    for t in whole.state_dict().values():
+        t.zero_()
+    dcp.load(checkpoint.dist_model_state(whole), checkpoint_id=tmp, planner=DefaultLoadPlanner(**checkpoint.AS_THEY_ARE))
+    assert whole.state_dict().keys() == full.keys()
+    for name, t in whole.state_dict().items():
+        assert torch.equal(t, full[name]), name
+
+
+def test_torch_dist_saves_fused_shards_as_pieces_of_the_full_tensor(tmp_path):
+    run_on_ranks(_check_torch_dist_saves_fused_shards_as_pieces_of_the_full_tensor, str(tmp_path))
+
+
 # --------------------------------------------------------------------------
 # torch.compile over the whole model at every layout
 # --------------------------------------------------------------------------
