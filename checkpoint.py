@@ -2,12 +2,14 @@
 Face directories, and weight export. Sections:
 
   1. plain: SAVE/iter_0000100/model_optim_rng.pt + latest_checkpointed_iteration.txt,
-     full (unsharded) states, so any TP and DP size loads them; which
-     checkpoint --load reads, and what it may take from it
+     full (unsharded) states, so any TP and DP size loads them (--ckpt-format
+     torch), or the same states, each rank writing its own shards, through
+     torch.distributed.checkpoint (torch_dist); which checkpoint --load reads,
+     and what it may take from it
   2. DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
      so its tools (zero_to_fp32) read it; export of either kind's weights
   3. Hugging Face GPT-2 and Llama directories in and out (from_hf, to_hf)
-Both kinds are written under a temporary name, renamed into place, then
+Every kind is written under a temporary name, renamed into place, then
 pointed at (publish): a crash at any point leaves the previous checkpoint
 and the pointer to it intact.
 """
@@ -15,19 +17,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import errno
 import glob
 import hashlib
+import io
 import json
 import os
 import pickle
 import random
 import shutil
 import tempfile
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 import parallel
 from config import TrainConfig
@@ -42,6 +52,8 @@ LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds w
 PLAIN_FILE = "model_optim_rng.pt"
 DS_LATEST = "latest"  # DeepSpeed's own pointer file name, so its tools work on our checkpoints
 DS_META = "trainer_state.json"
+DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last: a torch_dist checkpoint
+MARKERS = (("plain", PLAIN_FILE), ("torch_dist", DIST_METADATA), ("deepspeed", DS_META))  # kind: its file
 DIGESTS = "checksums.sha256"  # every file's sha256, in sha256sum's format (`sha256sum -c` reads it)
 
 
@@ -68,17 +80,18 @@ def set_rng_state(state: dict, log) -> None:
             f"or on another device; they start afresh from --seed")
 
 
-def load_full_optimizer_state(model: GPT, optimizer, saved: dict) -> None:
+def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like=parallel.shard_like) -> None:
     """Inverse of states_for_writer: slice this rank's shards, in torch's own
     format (parameters numbered in param-group order), so that torch places
-    every tensor on the right device."""
+    every tensor on the right device. (torch_dist reads the shards themselves:
+    shard_like is then the identity.)"""
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
     for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         name = names[id(p)]
         if name not in saved["state"]:
             raise KeyError(f"checkpoint has no optimizer state for parameter {name!r}")
-        state[index] = {k: parallel.shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
+        state[index] = {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
                         for k, v in saved["state"][name].items()}
     # The saved hyperparameters, with this optimizer's own numbering of its parameters
     # (a pipeline stage holds some of the saved ones).
@@ -123,7 +136,8 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
 
 def gather_stages(obj) -> list | None:
     """Every pipeline stage's `obj`, in stage order, on this pipeline's first
-    stage; None on the others. Collective over the pipeline group."""
+    stage; None on the others. Collective over the pipeline group. For small
+    things (names, shapes, random streams): gather_object pickles them whole."""
     first = parallel.layout.pp_rank == 0
     stages = [None] * parallel.layout.pp_size if first else None
     group = parallel.layout.pp_group
@@ -134,16 +148,33 @@ def gather_stages(obj) -> list | None:
 def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[None, None]:
     """Every pipeline stage's states, sent to the first stage (global rank 0)
     and merged into the whole model's, with the same keys as at pp=1; (None,
-    None) on the other stages. A tied embedding is on two stages: the
-    first's copy is kept (the two are equal)."""
-    stages = gather_stages((model_sd, optim))
+    None) on the other stages. First each stage's list of tensors (names,
+    shapes), then the tensors one at a time, point to point: no device holds
+    more than one of another stage's tensors. A tied embedding is on two
+    stages: the first's copy is kept (the two are equal)."""
+    items = {("model", k): v for k, v in model_sd.items()}
+    items.update({("optimizer", name, k): v for name, state in optim.items() for k, v in state.items()})
+    listed = {key: (v.shape, v.dtype) if torch.is_tensor(v) else v for key, v in items.items()}
+    stages = gather_stages((listed, list(optim)))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     if stages is None:
+        for v in (v for v in items.values() if torch.is_tensor(v)):
+            dist.send(v.to(device), dst=dist.get_global_rank(parallel.layout.pp_group, 0))
         return None, None
     merged = ({}, {})  # (model, optimizer)
-    for stage in stages:
-        for whole, part in zip(merged, stage):
-            for k, v in part.items():
-                whole.setdefault(k, v)
+    for stage, (stage_listed, names) in enumerate(stages):
+        for name in names:
+            merged[1].setdefault(name, {})
+        for key, value in stage_listed.items():
+            if stage == 0:
+                value = items[key]
+            elif isinstance(value, tuple):  # (shape, dtype): the tensor comes next
+                shape, dtype = value
+                value = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(value, src=dist.get_global_rank(parallel.layout.pp_group, stage))
+                value = value.cpu()
+            whole = merged[0] if key[0] == "model" else merged[1][key[1]]
+            whole.setdefault(key[-1], value)
     return merged
 
 
@@ -174,7 +205,7 @@ def point_at(save_dir: str, kind: str, iteration: int) -> None:
     deleted) checkpoint, so it goes first: a crash in between leaves
     Megatron's naming the previous complete checkpoint."""
     ds_pointer = os.path.join(save_dir, DS_LATEST)
-    if kind == "plain" and os.path.exists(ds_pointer):
+    if kind != "deepspeed" and os.path.exists(ds_pointer):
         os.remove(ds_pointer)
         fsync_path(save_dir)
     atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(str(iteration).encode()))
@@ -286,7 +317,7 @@ def damage(found: Found) -> str | None:
     lists is there, with that sha256 (or it predates digests)."""
     directory, listed = found.path, os.path.join(found.path, DIGESTS)
     if found.kind is None:
-        return f"it holds no checkpoint (neither {PLAIN_FILE} nor {DS_META})"
+        return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
     if not os.path.exists(listed):
         return None
     with open(listed) as f:
@@ -300,10 +331,33 @@ def damage(found: Found) -> str | None:
     return None
 
 
+def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None) -> None:
+    """A checkpoint every rank writes part of (torch_dist, DeepSpeed): each
+    writes into SAVE/iter_N.tmp (write(tmp)), they hash the files, then rank 0
+    adds its own (extra(tmp) -> their names), the digests, and publishes."""
+    final = os.path.join(cfg.save, f"iter_{iteration:07d}")
+    tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
+    on_every_rank(lambda: write(tmp), what)
+    digests = digests_of_every_rank(tmp, what)
+
+    def publish_on_first():
+        if first:
+            write_digests(tmp, {**digests, **digest_files(tmp, extra(tmp) if extra else [])})
+            publish(tmp, final, kind, iteration)
+            log(f"saved checkpoint {final}")
+            remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
+
+    on_every_rank(publish_on_first, what)
+
+
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
                     consumed_samples: int, log) -> None:
-    """Gather the full states on global rank 0 and write them there.
-    Collective: every rank calls it."""
+    """Gather the full states on global rank 0 and write them there (or, with
+    --ckpt-format torch_dist, every rank its own). Collective: every rank calls it."""
+    if cfg.ckpt_format == "torch_dist":
+        return save_dist_checkpoint(cfg, model, optimizer, scaler, iteration, consumed_samples, log)
     model_sd, optim_sd = states_for_writer(model, optimizer)
     rng = rng_state()  # collective too
     # under pipeline parallelism every stage's own streams too (dropout differs by stage)
@@ -325,7 +379,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
 @dataclasses.dataclass
 class Found:
     """A checkpoint in a --load directory."""
-    kind: str | None  # "plain" (train.py's own), "deepspeed", or None: named by a pointer, not there
+    kind: str | None  # "plain" (train.py's own), "torch_dist", "deepspeed", or None: named, not there
     iteration: int
     path: str       # its directory, SAVE/iter_0000100
 
@@ -350,11 +404,11 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     if not named:
         return None
     iteration, path, pointer = max(named, key=lambda n: n[0])
-    if os.path.exists(os.path.join(path, PLAIN_FILE)):
-        return Found("plain", iteration, path)
-    if os.path.exists(os.path.join(path, DS_META)):
-        return Found("deepspeed", iteration, path)
-    return Found(None, iteration, path)  # named, but incomplete or gone (see damage)
+    return Found(kind_of(path), iteration, path)  # kind None: named, but incomplete or gone (see damage)
+
+
+def kind_of(path: str) -> str | None:
+    return next((kind for kind, marker in MARKERS if os.path.exists(os.path.join(path, marker))), None)
 
 
 def verified_checkpoint(load_dir: str, log) -> Found | None:
@@ -378,14 +432,13 @@ def verified_checkpoint(load_dir: str, log) -> Found | None:
 
 
 def older_checkpoint(load_dir: str, before: int) -> Found | None:
-    """The newest complete checkpoint of either kind below iteration `before`."""
+    """The newest complete checkpoint of any kind below iteration `before`."""
     iterations = sorted((int(name[5:]) for name in os.listdir(load_dir)
                          if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit()), reverse=True)
     for iteration in (i for i in iterations if i < before):
         path = os.path.join(load_dir, f"iter_{iteration:07d}")
-        for kind, marker in (("plain", PLAIN_FILE), ("deepspeed", DS_META)):
-            if os.path.exists(os.path.join(path, marker)):
-                return Found(kind, iteration, path)
+        if kind_of(path):
+            return Found(kind_of(path), iteration, path)
     return None
 
 
@@ -457,6 +510,8 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
     found = checkpoint_to_load(cfg, log)
     if found is None:
         return 0, 0
+    if found.kind == "torch_dist":
+        return load_dist_checkpoint(cfg, model, optimizer, scaler, found, log)
     weights, state = read_weights(found)
     if state.get("optimizer") is None and not weights_only(cfg):
         raise UsageError(f"--load {cfg.load} holds weights only (an --export-to plain export): "
@@ -472,7 +527,9 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
 def read_weights(found: Found) -> tuple[dict, dict]:
     """(full fp32 weights, the rest: iteration, consumed_samples, rng, config,
     model_config, and a plain one's optimizer and scaler) of a checkpoint of
-    either kind, any ZeRO stage and TP size. Needs no process group."""
+    any kind, any ZeRO stage and TP size. Needs no process group."""
+    if found.kind == "torch_dist":
+        return read_dist_weights(found.path)
     with data_only_loads(found.path):
         if found.kind == "plain":
             state = torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu")
@@ -543,6 +600,159 @@ def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
             f"from a source you trust")
 
 
+# --ckpt-format torch_dist: the states above under the same names, flat
+# ("model.NAME", "optimizer.NAME.exp_avg", ...), written through
+# torch.distributed.checkpoint (DCP): each rank writes the pieces it holds,
+# each piece once (DCP's planner drops the copies other data-parallel replicas
+# or stages hold), and a load reads, of every saved piece, the part that
+# overlaps what this rank holds: resharding to any layout, with nothing whole
+# anywhere. The non-tensors (iteration, config, ...) are written by rank 0;
+# each stage's random streams are a byte tensor its first rank writes.
+
+# DCP warns whenever it runs in one process; read_dist and a one-process save ask for that.
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+AS_THEY_ARE = dict(flatten_state_dict=False, flatten_sharded_tensors=False)  # our state is flat already
+
+
+def as_shards(param, t: torch.Tensor) -> torch.Tensor:
+    """`t` (a parameter, or optimizer state shaped like it) as DCP sees it:
+    a tensor of the full shape. A TP shard becomes a ShardedTensor of the
+    pieces it is, at their places in the full tensor: one for a plain split,
+    one a block for a fused one ([Q_r | K_r | V_r] of [Q | K | V]: no
+    DTensor placement describes that). Its pieces are views of t, so a load
+    writes straight into the parameter or state."""
+    if not getattr(param, "tensor_model_parallel", False) or parallel.layout.tp_size == 1:
+        return t
+    dim, tp, group = param.partition_dim, parallel.layout.tp_size, parallel.layout.tp_group
+    full = list(t.shape)
+    full[dim] *= tp
+    mine, everyone = [], []
+    for r in range(tp):
+        for start, local, length in parallel.shard_pieces(full[dim], param.partition_blocks, r, tp):
+            offsets, sizes = [0] * t.dim(), list(t.shape)
+            offsets[dim], sizes[dim] = start, length
+            piece = ShardMetadata(offsets, sizes, f"rank:{dist.get_global_rank(group, r)}/{t.device}")
+            everyone.append(piece)
+            if r == parallel.layout.tp_rank:
+                mine.append(Shard(t.narrow(dim, local, length), piece))
+    properties = TensorProperties(dtype=t.dtype, layout=t.layout, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        mine, ShardedTensorMetadata(everyone, torch.Size(full), properties))
+
+
+def dist_model_state(model: GPT) -> dict:
+    params = dict(model.named_parameters())
+    return {f"model.{name}": as_shards(params.get(name), t) for name, t in model.state_dict().items()}
+
+
+def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
+                         consumed_samples: int, log) -> None:
+    """--ckpt-format torch_dist: every rank writes its own shards (dcp.save,
+    collective), rank 0 publishes (write_every_rank). Nothing is gathered."""
+    state = dist_model_state(model)
+    for name, p in model.named_parameters():
+        state.update({f"optimizer.{name}.{k}": as_shards(p, v) if v.shape == p.shape else v
+                      for k, v in optimizer.state.get(p, {}).items()})
+    rng = rng_state()  # collective over TP
+    if parallel.layout.tp_rank == 0 and parallel.layout.dp_rank == 0:
+        buffer = io.BytesIO()
+        torch.save(rng, buffer)
+        state[f"rng.stage{parallel.layout.pp_rank}"] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    state.update({"optimizer.param_groups": optimizer.state_dict()["param_groups"],
+                  "scaler": scaler.state_dict() if scaler else None, "iteration": iteration,
+                  "consumed_samples": consumed_samples, "config": dataclasses.asdict(cfg),
+                  "model_config": dataclasses.asdict(model.config)})
+    write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(tmp), planner=DefaultSavePlanner(**AS_THEY_ARE),
+        no_dist=not dist.is_initialized()), log)
+
+
+def load_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, found: Found, log):
+    """Resume from a torch_dist checkpoint of any layout: each rank reads
+    its own shards, into its parameters and new optimizer states."""
+    saved = read_dist_metadata(found.path).state_dict_metadata
+    state, optim = dist_model_state(model), {}
+    for name, p in model.named_parameters() if not weights_only(cfg) else ():
+        optim[name] = {}
+        for key in (key for key in saved if key.startswith(f"optimizer.{name}.")):
+            dtype, size = saved[key].properties.dtype, saved[key].size
+            if len(size) == p.dim():  # shaped like p: p's shard of it
+                optim[name][key.rsplit(".", 1)[1]] = t = torch.empty(p.shape, dtype=dtype, device=p.device)
+                state[key] = as_shards(p, t)
+            else:
+                optim[name][key.rsplit(".", 1)[1]] = state[key] = torch.empty(size, dtype=dtype)
+    if optim:
+        state.update({"optimizer.param_groups": None, "scaler": None})
+    state = read_dist(found.path, state)
+    if optim:
+        load_full_optimizer_state(model, optimizer, {"state": optim, "param_groups": state["optimizer.param_groups"]},
+                                  shard_like=lambda p, v: v)
+        if scaler and state["scaler"]:
+            scaler.load_state_dict(state["scaler"])
+    return start_position(cfg, state, found.path, log)
+
+
+def read_dist_weights(path: str) -> tuple[dict, dict]:
+    """read_weights of a torch_dist checkpoint: every tensor of "model." whole."""
+    saved = read_dist_metadata(path).state_dict_metadata
+    state = read_dist(path, {key: torch.empty(md.size, dtype=md.properties.dtype)
+                             for key, md in saved.items() if key.startswith("model.")}, no_dist=True)
+    return {key[len("model."):]: t for key, t in state.items() if key.startswith("model.")}, state
+
+
+def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
+    """`state` (name: this rank's tensor, or None for a non-tensor) read from
+    the torch_dist checkpoint at path, with the iteration, consumed samples,
+    configs and every stage's random streams ("rng", "pipeline_rng")."""
+    saved = read_dist_metadata(path).state_dict_metadata
+    missing = sorted(set(state) - set(saved))
+    if missing:
+        raise UsageError(f"{path} has no {', '.join(missing[:3])}: a checkpoint of another model")
+    stages = sorted((key for key in saved if key.startswith("rng.stage")), key=lambda k: int(k[9:]))
+    state.update({key: torch.empty(saved[key].size, dtype=torch.uint8) for key in stages})
+    state.update(dict.fromkeys(("iteration", "consumed_samples", "config", "model_config")))
+    with data_only_loads(path):
+        dcp.load(state, storage_reader=DistReader(path), planner=DefaultLoadPlanner(**AS_THEY_ARE),
+                 no_dist=no_dist or not dist.is_initialized())
+        state["pipeline_rng"] = [torch.load(io.BytesIO(state[key].numpy().tobytes())) for key in stages]
+    state["rng"] = state["pipeline_rng"][0]
+    return state
+
+
+class DistReader(dcp.FileSystemReader):
+    """DCP's reader, but its index (DIST_METADATA, a pickle) is read with
+    only DCP's metadata classes and torch's dtypes allowed: a torch_dist
+    checkpoint never runs code from its files either (see data_only_loads)."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, DIST_METADATA), "rb") as f:
+            metadata = DistMetadataUnpickler(f).load()
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class DistMetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes (dataclasses and enums), torch's dtypes, and the
+    few helpers its pickle names; any other global is refused."""
+    ALSO = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name) if module.startswith("torch") or (module, name) in self.ALSO \
+            else None
+        if (module, name) in self.ALSO or isinstance(found, torch.dtype) or (
+                module.startswith("torch.distributed.checkpoint.") and isinstance(found, type)
+                and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))):
+            return found
+        raise pickle.UnpicklingError(f"the global {module}.{name} in {DIST_METADATA}")
+
+
+def read_dist_metadata(path: str):
+    with data_only_loads(path):
+        return DistReader(path).read_metadata()
+
+
 # ----------------------------------------------------------------------------
 # 2. DeepSpeed's checkpoints (--deepspeed), and weight export from either kind
 # ----------------------------------------------------------------------------
@@ -551,11 +761,6 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
                               log) -> None:
     """engine.save_checkpoint under a temporary tag, published (publish) by
     rank 0 once every rank has written."""
-    tag = f"iter_{iteration:07d}"
-    final, tmp = os.path.join(cfg.save, tag), os.path.join(cfg.save, tag + ".tmp")
-    first = dist.get_rank() == 0
-    what = f"saving checkpoint {iteration} to {cfg.save}"
-    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
                     "config": dataclasses.asdict(cfg)}
     if parallel.layout.tp_size == 1 and parallel.layout.pp_size == 1:
@@ -563,8 +768,6 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
         # strided QKV split has no description, so it refuses the checkpoint rather than merge QKV
         # wrongly (and at pp > 1 its "model-parallel" files are stages, which it would merge as shards).
         client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
-    on_every_rank(lambda: engine.save_checkpoint(cfg.save, tag=tag + ".tmp", client_state=client_state,
-                                                 save_latest=False), what)
     # what an export needs to merge the shards of any tp: every stage's, on the first (rank 0 writes it)
     layout = {name: [p.partition_dim, p.partition_blocks] for name, p in engine.module.named_parameters()
               if getattr(p, "tensor_model_parallel", False)}
@@ -577,18 +780,13 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
             "model_config": dataclasses.asdict(engine.module.config),
             "tensor_parallel_layout": layout}
 
-    digests = digests_of_every_rank(tmp, what)
+    def write_meta(tmp):
+        text = json.dumps(meta, indent=1)
+        atomic_write(os.path.join(tmp, DS_META), lambda f: f.write(text.encode()))
+        return [DS_META]
 
-    def publish_on_first():
-        if first:
-            text = json.dumps(meta, indent=1)
-            atomic_write(os.path.join(tmp, DS_META), lambda f: f.write(text.encode()))
-            write_digests(tmp, {**digests, **digest_files(tmp, [DS_META])})
-            publish(tmp, final, "deepspeed", iteration)
-            log(f"saved checkpoint {final}")
-            remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
-
-    on_every_rank(publish_on_first, what)
+    write_every_rank(cfg, "deepspeed", iteration, lambda tmp: engine.save_checkpoint(
+        cfg.save, tag=os.path.basename(tmp), client_state=client_state, save_latest=False), log, write_meta)
 
 
 def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tuple[int, int]:

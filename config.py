@@ -141,6 +141,8 @@ class TrainConfig:
     # checkpoints
     save: str | None = flag(None, "checkpoint directory to write")
     load: str | None = flag(None, "checkpoint directory to resume from (evaluate.py: to evaluate)", BOTH)
+    ckpt_format: str = flag("torch", "torch: one file, gathered tensor by tensor on rank 0 | torch_dist: "
+                                     "every rank writes its own shards (torch.distributed.checkpoint)")
     save_interval: int | None = flag(None, "save every N steps (and at the end, on SIGTERM and at --exit-interval)")
     exit_interval: int | None = flag(None, "save and stop after every N steps")
     keep_last_checkpoints: int | None = flag(None, "after each save, delete all but the newest K checkpoints "
@@ -523,6 +525,11 @@ def validate_deepspeed(cfg: TrainConfig) -> None:
         raise UsageError("--export-from needs --export-to PATH")
     if cfg.export_format not in ("plain", "hf"):
         raise UsageError(f"--export-format {cfg.export_format!r}: use plain or hf")
+    if cfg.ckpt_format not in ("torch", "torch_dist"):
+        raise UsageError(f"--ckpt-format {cfg.ckpt_format!r}: use torch or torch_dist")
+    if cfg.deepspeed and cfg.ckpt_format != "torch":
+        raise UsageError("--ckpt-format torch_dist is for plain runs: --deepspeed writes DeepSpeed's own "
+                         "checkpoints (each rank its own files already); drop one of them")
 
 
 # ----------------------------------------------------------------------------

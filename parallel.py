@@ -1085,6 +1085,17 @@ def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int,
                      dim=dim).contiguous()
 
 
+def shard_pieces(full_size: int, blocks, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """Where rank's shard_tensor slice lies along the split dim, one piece a
+    block: (offset in the full tensor, offset in the shard, length). A
+    torch_dist checkpoint writes and reads each piece where it lies."""
+    pieces, start, local = [], 0, 0
+    for size in _block_sizes(full_size, blocks):
+        pieces.append((start + rank * (size // world), local, size // world))
+        start, local = start + size, local + size // world
+    return pieces
+
+
 def merge_shards(shards: list[torch.Tensor], dim: int, blocks=1) -> torch.Tensor:
     """Inverse of shard_tensor: rebuild the full tensor from every rank's shard."""
     world = len(shards)

@@ -4,9 +4,10 @@ Hugging Face GPT-2 and Llama directories in and out.
 A save is atomic (written under a temporary name, fsynced, renamed into place,
 then the `latest` pointer replaced), so a crash or a power loss leaves the
 previous checkpoint readable; a diverged model never reaches one; --load reads
-the newest checkpoint of either kind. The DeepSpeed runs that write ZeRO
-checkpoints (and their export) are in test_zero.py; resuming across layouts
-in test_train.py. The Hugging Face tests build random transformers models and
+the newest checkpoint of any kind. The DeepSpeed runs that write ZeRO
+checkpoints (and their export) are in test_zero.py; resuming across layouts,
+--ckpt-format torch_dist's included, in test_train.py (here: torch_dist in
+one process against the torch format). The Hugging Face tests build random transformers models and
 check that ours computes the same logits, both ways.
 """
 import dataclasses
@@ -14,6 +15,7 @@ import errno
 import glob
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -244,11 +246,24 @@ def two_saves(corpus, tmp_path_factory):
     return ckpt
 
 
-def test_every_save_lists_its_files_digests_in_sha256sums_format(two_saves):
+@pytest.fixture(scope="module")
+def dist_saves(corpus, tmp_path_factory):
+    """two_saves' run, the same flags and seed, saved as --ckpt-format
+    torch_dist (DCP: .metadata and one __0_0.distcp file; don't modify: copy)."""
+    ckpt = str(tmp_path_factory.mktemp("dist_saves") / "ckpt")
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
+                "--eval-interval", "0", "--ckpt-format", "torch_dist"])
+    return ckpt
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_every_save_lists_its_files_digests_in_sha256sums_format(two_saves, dist_saves, fmt):
+    saves, files = {"torch": (two_saves, [checkpoint.PLAIN_FILE]),
+                    "torch_dist": (dist_saves, [checkpoint.DIST_METADATA, "__0_0.distcp"])}[fmt]
     for tag in ("iter_0000002", "iter_0000004"):
-        proc = subprocess.run(["sha256sum", "-c", checkpoint.DIGESTS], cwd=os.path.join(two_saves, tag),
+        proc = subprocess.run(["sha256sum", "-c", checkpoint.DIGESTS], cwd=os.path.join(saves, tag),
                               capture_output=True, text=True)
-        assert proc.returncode == 0 and proc.stdout == f"{checkpoint.PLAIN_FILE}: OK\n", proc.stdout + proc.stderr
+        assert proc.returncode == 0 and proc.stdout == "".join(f"{f}: OK\n" for f in files), proc.stdout + proc.stderr
 
 
 def _damage(path: str, how: str) -> None:
@@ -264,17 +279,19 @@ def _damage(path: str, how: str) -> None:
         os.remove(path)
 
 
-@pytest.mark.parametrize("how", ["a flipped byte", "truncated", "missing"])
+@pytest.mark.parametrize("fmt, how", [("torch", "a flipped byte"), ("torch", "truncated"), ("torch", "missing"),
+                                      ("torch_dist", "a flipped byte"), ("torch_dist", "missing")])
 def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_before(
-        corpus, two_saves, tmp_path, capsys, how):
-    ckpt = str(tmp_path / "ckpt")
-    shutil.copytree(two_saves, ckpt)
-    _damage(os.path.join(ckpt, "iter_0000004", checkpoint.PLAIN_FILE), how)
+        corpus, two_saves, dist_saves, tmp_path, capsys, fmt, how):
+    ckpt, name = str(tmp_path / "ckpt"), {"torch": checkpoint.PLAIN_FILE, "torch_dist": "__0_0.distcp"}[fmt]
+    shutil.copytree(two_saves if fmt == "torch" else dist_saves, ckpt)
+    _damage(os.path.join(ckpt, "iter_0000004", name), how)
     metrics = tmp_path / "m.jsonl"
     train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", ckpt, "--eval-interval", "0",
                 "--metrics-file", str(metrics)])
     out = capsys.readouterr().out
-    problem = {"missing": "it holds no checkpoint"}.get(how, "model_optim_rng.pt is damaged")
+    problem = {("torch", "missing"): "it holds no checkpoint",
+               ("torch_dist", "missing"): f"{name} is missing"}.get((fmt, how), f"{name} is damaged")
     assert f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {problem}" in out
     assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in out
     assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
@@ -295,6 +312,49 @@ def test_with_no_intact_checkpoint_left_the_run_stops_naming_the_damage(corpus, 
                      f"model_optim_rng.pt is damaged (its sha256 is not the one checksums.sha256 records)"]
     with pytest.raises(UsageError, match="no intact checkpoint"):
         checkpoint.export_weights(ckpt, str(tmp_path / "out"))
+
+
+def test_pytorchs_converter_gives_a_torch_dist_checkpoint_as_the_torch_formats_states(
+        two_saves, dist_saves, tmp_path):
+    """`python -m torch.distributed.checkpoint.format_utils dcp_to_torch` reads
+    a torch_dist checkpoint whole: the torch format's states under flat names
+    (model.NAME, optimizer.NAME.exp_avg, ...), bit for bit those that the same
+    run saved in the torch format; so does --export-from."""
+    out = tmp_path / "converted.pt"
+    proc = run_bounded([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
+                        os.path.join(dist_saves, "iter_0000004"), str(out)], 120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    converted = torch.load(out, weights_only=True)
+    with checkpoint.data_only_loads(two_saves):
+        plain = torch.load(os.path.join(two_saves, "iter_0000004", checkpoint.PLAIN_FILE))
+    assert {k[len("model."):] for k in converted if k.startswith("model.")} == plain["model"].keys()
+    for name, t in plain["model"].items():
+        assert torch.equal(converted[f"model.{name}"], t), name
+    for name, state in plain["optimizer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(converted[f"optimizer.{name}.{k}"], v), (name, k)
+    assert (converted["iteration"], converted["consumed_samples"]) == (4, plain["consumed_samples"])
+    from safetensors.torch import load_file
+    for saves in (two_saves, dist_saves):  # --export-from reads either format: the same weights
+        checkpoint.export_weights(saves, str(tmp_path / os.path.basename(os.path.dirname(saves))), "hf")
+    exported = [load_file(str(tmp_path / os.path.basename(os.path.dirname(s)) / "model.safetensors"))
+                for s in (two_saves, dist_saves)]
+    assert exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
+
+
+def test_a_torch_dist_index_that_would_run_code_is_refused(dist_saves, tmp_path):
+    """DCP's index (.metadata) is a pickle: read with DCP's metadata classes
+    alone, so one naming os.system, even with its digest rewritten to match,
+    is refused in one line and never runs."""
+    ckpt, ran = tmp_path / "ckpt", tmp_path / "the-command-ran"
+    shutil.copytree(dist_saves, ckpt)
+    tag = ckpt / "iter_0000004"
+    (tag / checkpoint.DIST_METADATA).write_bytes(pickle.dumps(_RunsACommand(f"touch {ran}")))
+    checkpoint.write_digests(str(tag), checkpoint.digest_files(str(tag), [checkpoint.DIST_METADATA, "__0_0.distcp"]))
+    with pytest.raises(UsageError, match="refusing to read the checkpoint .* the global posix.system in .metadata"):
+        checkpoint.export_weights(str(ckpt), str(tmp_path / "out"))
+    assert not ran.exists()
 
 
 def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoint(
@@ -339,7 +399,7 @@ def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp
     found = checkpoint.verified_checkpoint(save, said.append)
     assert (found.kind, found.iteration) == ("deepspeed", 4)
     assert said == [f"checkpoint {save}/iter_0000006 cannot be loaded: it holds no checkpoint "
-                    f"(neither model_optim_rng.pt nor trainer_state.json)",
+                    f"(none of model_optim_rng.pt, .metadata, trainer_state.json)",
                     f"falling back to {save}/iter_0000004 (iteration 4), the newest intact checkpoint"]
 
 

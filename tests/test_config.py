@@ -114,6 +114,8 @@ def test_megatron_flags_fill_typed_config():
      "--seq-length 30 must be divisible by --tensor-model-parallel-size 4"),
     (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "2", "--deepspeed",
       "--recompute-activations", "--partition-activations"], "drop --partition-activations"),
+    (["--preset", "tiny", "--ckpt-format", "zarr"], "--ckpt-format 'zarr': use torch or torch_dist"),
+    (["--preset", "tiny", "--ckpt-format", "torch_dist", "--deepspeed"], "writes DeepSpeed's own checkpoints"),
 ])
 def test_bad_flags_are_clear_errors(argv, message):
     with pytest.raises(ValueError, match=message):

@@ -1049,6 +1049,73 @@ def test_checkpoint_states_are_assembled_on_the_writer_only(tp):
     run_on_ranks(_check_checkpoint_states_are_assembled_on_the_writer_only, tp)
 
 
+def _check_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor():
+    """At pp=2 the torch format's save assembles the whole model's states on
+    rank 0 from both stages: stage 1's tensors come one at a time, point to
+    point; what gather_object carries holds no tensor (names and shapes)."""
+    import checkpoint
+    import pipeline
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                 vocab_size=100, padded_vocab_size=128)
+    models = {}
+    for pp in (1, 2):  # the whole model, then this rank's stage: the same weights, the same gradients
+        parallel.destroy()
+        parallel.initialize(1, pipeline_model_parallel_size=pp)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(2, pp, parallel.layout.pp_rank, None))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        models[pp] = model, opt
+    gathered, gather_object = [], dist.gather_object
+    dist.gather_object = lambda obj, *a, **k: gathered.append(obj) or gather_object(obj, *a, **k)
+    try:
+        model_sd, optim_sd = checkpoint.states_for_writer(*models[2])
+    finally:
+        dist.gather_object = gather_object
+    assert gathered and "Tensor(" not in repr(gathered) and "tensor(" not in repr(gathered)
+    if dist.get_rank() != 0:
+        assert model_sd is None and optim_sd is None
+        return
+    whole, whole_opt = models[1]
+    assert model_sd.keys() == whole.state_dict().keys()
+    for name, t in whole.state_dict().items():
+        assert torch.equal(model_sd[name], t), name
+    for name, p in whole.named_parameters():
+        for k, v in whole_opt.state[p].items():
+            assert torch.equal(optim_sd["state"][name][k], v), (name, k)
+
+
+def test_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor():
+    run_on_ranks(_check_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor)
+
+
+def _check_torch_dist_saves_fused_shards_as_pieces_of_the_full_tensor(tmp: str):
+    """--ckpt-format torch_dist writes a TP=2 shard of a fused block ([Q | K | V]
+    with fewer K/V heads, [gate | up]) as its pieces of the full tensor
+    (checkpoint.as_shards): read back at TP=1 every tensor is the whole one."""
+    import checkpoint
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    model = _build_gpt(2, **ALL_OPTIONS)
+    assert model.blocks[0].attn.qkv.weight.partition_blocks != 1  # the fused blocks are exercised
+    dcp.save(checkpoint.dist_model_state(model), checkpoint_id=tmp,
+             planner=DefaultSavePlanner(**checkpoint.AS_THEY_ARE))
+    full = parallel.full_state_dict(model)
+    whole = _build_gpt(1, **ALL_OPTIONS)
+    for t in whole.state_dict().values():
+        t.zero_()
+    dcp.load(checkpoint.dist_model_state(whole), checkpoint_id=tmp, planner=DefaultLoadPlanner(**checkpoint.AS_THEY_ARE))
+    assert whole.state_dict().keys() == full.keys()
+    for name, t in whole.state_dict().items():
+        assert torch.equal(t, full[name]), name
+
+
+def test_torch_dist_saves_fused_shards_as_pieces_of_the_full_tensor(tmp_path):
+    run_on_ranks(_check_torch_dist_saves_fused_shards_as_pieces_of_the_full_tensor, str(tmp_path))
+
+
 # --------------------------------------------------------------------------
 # torch.compile over the whole model at every layout
 # --------------------------------------------------------------------------

@@ -979,12 +979,20 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
 }
 
 
+DIST_WRITER = "PP=2 x TP=2, sequence parallel, Domino"
+DIST_READERS = {  # name: (processes, flags) of a run resuming DIST_WRITER's torch_dist checkpoint
+    "torch_dist of PP=2 x TP=2, resumed at PP=1": (1, []),
+    "torch_dist of PP=2 x TP=2, resumed at TP=2": (2, ["--tensor-model-parallel-size", "2"]),
+    "torch_dist of PP=2 x TP=2, resumed at its own layout": PIPELINE_LAYOUTS[DIST_WRITER],
+}
+
+
 @pytest.fixture(scope="module")
 def pipeline_runs(corpus, tmp_path_factory):
     """{name: {iteration: metrics}} of each run: PP=1 (saving at iteration 4),
     PP=2 stopped at 4 (--exit-interval), PP=1 resumed from PP=2's iteration 4,
-    PP=2 resumed from PP=1's, PIPELINE_LAYOUTS, and PP=2 with dropout, whole
-    and resumed from its own iteration 4."""
+    PP=2 resumed from PP=1's, PIPELINE_LAYOUTS (DIST_WRITER saving torch_dist),
+    DIST_READERS, and PP=2 with dropout, whole and resumed from its own iteration 4."""
     out = tmp_path_factory.mktemp("pipeline")
 
     def run(name, nproc, *flags):
@@ -1001,7 +1009,14 @@ def pipeline_runs(corpus, tmp_path_factory):
     runs["PP=1's checkpoint resumed at PP=2"] = run(
         "pp1-to-pp2", 2, "--pipeline-model-parallel-size", "2", "--load", str(out / "pp1-to-pp2"))
     for name, (nproc, flags) in PIPELINE_LAYOUTS.items():
+        if name == DIST_WRITER:  # also saves --ckpt-format torch_dist at 4 and 8
+            flags = [*flags, "--ckpt-format", "torch_dist", "--save", str(out / "dist"), "--save-interval", "4"]
         runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
+    for name, (nproc, flags) in DIST_READERS.items():  # each from the torch_dist checkpoint of iteration 4
+        slug = name.split(", ")[-1].replace(" ", "_").replace("=", "")
+        shutil.copytree(out / "dist", out / slug)
+        (out / slug / checkpoint.LATEST).write_text("4")
+        runs[name] = run(slug, nproc, *flags, "--load", str(out / slug))
     dropout = ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.2", "--save-interval", "4"]
     runs["PP=2 with dropout"] = run("drop", 2, *dropout, "--save", str(out / "drop"))
     (out / "drop" / checkpoint.LATEST).write_text("4")
@@ -1014,7 +1029,7 @@ def pipeline_runs(corpus, tmp_path_factory):
 def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipeline_runs):
     """PP=2's checkpoint (iteration 4) is the whole model: exported to Hugging
     Face it holds PP=1's weights of iteration 4 (the same curve), and
-    evaluate.py samples from it."""
+    evaluate.py samples from a pipelined run's (DIST_WRITER's torch_dist)."""
     out = pipeline_runs["dir"]
     for name in ("pp1-to-pp2", "pp2"):  # pp1-to-pp2: a copy of PP=1's run pointing at iteration 4
         checkpoint.export_weights(str(out / name), str(out / f"{name}-hf"), "hf")
@@ -1023,7 +1038,7 @@ def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipe
     assert whole.keys() == pipelined.keys()
     for key in whole:
         torch.testing.assert_close(pipelined[key], whole[key], rtol=0, atol=1e-5, msg=key)
-    proc = torchrun("evaluate.py", "--task", "GENERATE", "--load", str(out / "pp2"), "--num-samples", "1",
+    proc = torchrun("evaluate.py", "--task", "GENERATE", "--load", str(out / "dist"), "--num-samples", "1",
                     "--out-seq-length", "4", "--seq-length", "32")
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
 
@@ -1039,6 +1054,30 @@ def test_pipeline_stages_draw_their_own_dropout_and_resume_it(pipeline_runs):
     assert want[8]["loss"] != pipeline_runs["PP=1"][8]["loss"]  # dropout is on
 
 
+@pytest.mark.slow
+def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_runs):
+    """PP=2 x TP=2 (SP, Domino) resumed from its own torch_dist checkpoint of
+    iteration 4 retraces the uninterrupted run exactly; every rank wrote its
+    own file, and PyTorch's converter gives PP=1's weights of iteration 4
+    (the same curve: to 1e-5) from the shards of four ranks."""
+    want, got = pipeline_runs[DIST_WRITER], pipeline_runs["torch_dist of PP=2 x TP=2, resumed at its own layout"]
+    assert sorted(got) == [5, 6, 7, 8]
+    for i in got:
+        assert (got[i]["loss"], got[i]["grad_norm"]) == (want[i]["loss"], want[i]["grad_norm"]), i
+    out = pipeline_runs["dir"]
+    tag = out / "dist" / "iter_0000004"
+    assert sorted(p.name for p in tag.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    proc = run_bounded([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
+                        str(tag), str(out / "dist.pt")], 120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    converted = torch.load(out / "dist.pt", weights_only=True)
+    with checkpoint.data_only_loads(str(out)):
+        whole = torch.load(out / "pp1" / "iter_0000004" / checkpoint.PLAIN_FILE)["model"]
+    assert {k for k in converted if k.startswith("model.")} == {f"model.{k}" for k in whole}
+    for key, t in whole.items():
+        torch.testing.assert_close(converted[f"model.{key}"], t, rtol=0, atol=1e-5, msg=key)
+
+
 def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
     proc = run_train([*PIPELINE_RUN, "--num-layers", "3", "--pipeline-model-parallel-size", "2",
                       "--data-path", corpus], nproc=2, check=False)
@@ -1051,7 +1090,8 @@ def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, iterations", [
     *((name, range(1, 9)) for name in PIPELINE_LAYOUTS), ("PP=2, stopped at 4", range(1, 5)),
-    ("PP=2's checkpoint resumed at PP=1", range(5, 9)), ("PP=1's checkpoint resumed at PP=2", range(5, 9))])
+    ("PP=2's checkpoint resumed at PP=1", range(5, 9)), ("PP=1's checkpoint resumed at PP=2", range(5, 9)),
+    *((name, range(5, 9)) for name in DIST_READERS)])
 def test_every_pipeline_layout_trains_the_curve_of_one_stage(pipeline_runs, name, iterations):
     """Each layout, from scratch or from a checkpoint of another layout, takes
     PP=1's steps (resuming in one layout: the dropout test below, bit for bit)."""
