@@ -68,7 +68,8 @@ def main():
     torch.manual_seed(0)
     per_chunk = args.num_layers // (pp * args.virtual_stages)
     stage = GPT(config, pipeline.pipeline_chunks(args.num_layers, pp, parallel.pp_rank(), per_chunk)).to(d.device)
-    cfg = SimpleNamespace(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+    cfg = SimpleNamespace(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                          enable_zero_bubble=False)
     g = torch.Generator().manual_seed(parallel.dp_rank())
     shape = (args.micro_batch_size, args.seq_length)
     batches = [{"tokens": torch.randint(0, args.padded_vocab_size, shape, generator=g),
