@@ -563,9 +563,9 @@ class ColumnParallelLinear(nn.Module):
         gathered = None
         if deferred is not None and deferred.gathered_input is not None:
             gathered, deferred.gathered_input = gathered_sequence(deferred.gathered_input), None
-        store = _WEIGHT_GRAD_STORE if torch.is_grad_enabled() else None  # (zero-bubble pipelines)
-        return _ColumnParallelLinearFunction.apply(x, gathered, self.weight, self.bias,
-                                                   deferred is not None, self.sequence_parallel, store)
+        weight, dw_to = _deferring(self.weight)  # (zero-bubble pipelines)
+        return _ColumnParallelLinearFunction.apply(x, gathered, weight, self.bias,
+                                                   deferred is not None, self.sequence_parallel, dw_to)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
@@ -592,16 +592,16 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gathered, weight, bias, defer_wait: bool, sequence_parallel: bool,
-                store: list | None = None):
+                dw_to: tuple | None = None):
         """Keep X and W for backward, return X W^T + b over the whole sequence
-        (`gathered`: X's all-gather, already waited for; `store`: where a
-        zero-bubble pipeline's backward leaves dW, see deferred_weight_grads)."""
+        (`gathered`: X's all-gather, already waited for; `dw_to`: where a
+        zero-bubble pipeline's backward leaves dW, see _deferring)."""
         ctx.input_dtype = x.dtype
         if sequence_parallel:
             x = in_autocast_dtype(x)                            # keep and move 16 bits
         ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
         ctx.has_bias, ctx.defer_wait = bias is not None, defer_wait
-        ctx.sequence_parallel, ctx.store, ctx.weight = sequence_parallel, store, weight
+        ctx.sequence_parallel, ctx.dw_to = sequence_parallel, dw_to
         total = x
         if sequence_parallel:                                   # -> (B, T, in)
             total = gathered if gathered is not None else all_gather_sequence(x)
@@ -625,7 +625,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         # Under a zero-bubble pipeline dW waits for W (in its store, with the
         # gathered X): then nothing here runs while dX is on the wire, and
         # Domino's other chunk's dX GEMMs alone hide it (section 4).
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, ctx.weight, ctx.has_bias, ctx.store)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight, ctx.has_bias, ctx.dw_to)
         if grad_input is not None and not ctx.defer_wait:
             grad_input = wait(grad_input)
         return grad_input, None, grad_weight, grad_bias, None, None, None
@@ -646,18 +646,17 @@ def _(x, dependency):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool, store: list | None = None):
+def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool, dw_to: tuple | None = None):
     """dW = dY^T X (the GEMM that hides dX's collective) and db = sum dY, in
     dY's dtype, returned in the weight's. With a zero-bubble pipeline's
-    `store` (deferred_weight_grads) dW is left there for the schedule's W:
-    (weight, dY, X) is appended and None returned; db, small, is computed now.
-    The weight must then be the parameter itself (ctx.weight): under
-    saved-tensor hooks the saved one can be another tensor, whose .grad is not
-    the parameter's."""
+    dw_to = (store, parameter) (_deferring) dW is left for the schedule's W:
+    (parameter, dY, X) is appended to the store and None returned; db, small,
+    is computed now."""
     g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/tp)
     grad_bias = g2d.sum(dim=0).to(weight.dtype) if has_bias else None
-    if store is not None:
-        store.append((weight, grad_out, x))
+    if dw_to is not None:
+        store, parameter = dw_to
+        store.append((parameter, grad_out, x))
         return None, grad_bias
     x2d = x.reshape(-1, x.shape[-1]).to(grad_out.dtype)              # (N, in)
     return (g2d.t() @ x2d).to(weight.dtype), grad_bias
@@ -700,19 +699,31 @@ def weight_grads(store: list) -> None:
         torch.autograd.backward(list(grads), list(grads.values()))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, whose dW, inside deferred_weight_grads, waits for W."""
+def _deferring(weight: nn.Parameter) -> tuple[torch.Tensor, tuple | None]:
+    """(the weight to compute with, dw_to): inside deferred_weight_grads, the
+    weight detached and dw_to = (store, the parameter), which rides past
+    autograd's inputs. The parameter's AccumulateGrad is then no node of the
+    graph: it would run, gradient-less, in B, and the post-accumulate hooks
+    that count a step's micro-batches (GradientAverager) would count it."""
     if _WEIGHT_GRAD_STORE is None or not torch.is_grad_enabled():
+        return weight, None
+    return weight.detach(), (_WEIGHT_GRAD_STORE, weight)
+
+
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, whose dW, inside deferred_weight_grads, waits for W."""
+    weight, dw_to = _deferring(weight)
+    if dw_to is None:
         return F.linear(x, weight, bias)
-    return _LinearDeferringWeightGrad.apply(x, weight, bias, _WEIGHT_GRAD_STORE)
+    return _LinearDeferringWeightGrad.apply(x, weight, bias, dw_to)
 
 
 class _LinearDeferringWeightGrad(torch.autograd.Function):
-    """y = X W^T + b; backward returns dX and db, and leaves dW in `store`."""
+    """y = X W^T + b; backward returns dX and db, and leaves dW to W (dw_to)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store: list):
-        ctx.input_dtype, ctx.has_bias, ctx.store, ctx.weight = x.dtype, bias is not None, store, weight
+    def forward(ctx, x, weight, bias, dw_to: tuple):
+        ctx.input_dtype, ctx.has_bias, ctx.dw_to = x.dtype, bias is not None, dw_to
         x = in_autocast_dtype(x)            # keep the 16 bits autocast's F.linear keeps
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
@@ -721,7 +732,7 @@ class _LinearDeferringWeightGrad(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_input = (grad_out @ weight.to(grad_out.dtype)).to(ctx.input_dtype)  # (..., in)
-        _, grad_bias = _weight_and_bias_grads(grad_out, x, ctx.weight, ctx.has_bias, ctx.store)
+        _, grad_bias = _weight_and_bias_grads(grad_out, x, weight, ctx.has_bias, ctx.dw_to)
         return grad_input, None, grad_bias, None
 
 

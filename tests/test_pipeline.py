@@ -333,3 +333,35 @@ def test_data_parallel_average_starts_as_gradients_become_final():
     while stage 0 still drains the pipeline; every parameter's once, and
     bit for bit the gradients of one all-reduce after the schedule."""
     run_on_ranks(_check_data_parallel_average_starts_as_gradients_become_final, world_size=4)
+
+
+def _check_zb_h1_averages_over_data_parallel_as_1f1b():
+    m, pp = 4, 2
+    parallel.destroy()
+    parallel.initialize(1, pipeline_model_parallel_size=pp)  # 4 ranks: PP=2 x DP=2
+    torch.manual_seed(0)
+    stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                          vocab_size=100, padded_vocab_size=128), pipeline.pipeline_chunks(4, pp, parallel.pp_rank()))
+    batches = []
+    for i in range(m):  # each data-parallel rank its own micro-batches
+        x, y, mask = uneven_batch(10 * parallel.dp_rank() + i, batch_size=2)
+        batches.append({"tokens": x, "labels": y, "loss_mask": mask, "position_ids": torch.arange(8).expand(2, 8)})
+    grads = []
+    for zb in (False, True):
+        cfg = SimpleNamespace(seq_length=8, micro_batch_size=2, enable_zero_bubble=zb)
+        averager = pipeline.GradientAverager(stage, parallel.dp_group(), bucket_bytes=4096)
+        averager.begin(m)
+        pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext(), averager=averager)
+        pipeline.reduce_pipeline_grads(stage, averager)
+        grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
+        stage.zero_grad(set_to_none=True)
+    for name, want in grads[0].items():
+        assert_close(grads[1][name], want, tol=1e-6, what=name)
+
+
+def test_zb_h1_averages_over_data_parallel_ranks_as_1f1b():
+    """PP=2 x DP=2: ZB-H1's weight gradients, accumulated in W, reach the
+    data-parallel averager as final exactly once (an AccumulateGrad left in
+    the graph of I ran gradient-less there, and the averager, counting the
+    micro-batches, sent the weights' gradients off before their last W)."""
+    run_on_ranks(_check_zb_h1_averages_over_data_parallel_as_1f1b, world_size=4)
