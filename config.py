@@ -73,7 +73,8 @@ class TrainConfig:
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "interleaved 1F1B: each pipeline rank holds num_layers/(pp x this) model chunks of this many layers")
     enable_zero_bubble: bool = flag(False, "zero-bubble pipeline schedule ZB-H1 (Qi et al. 2024): weight gradients "
-                                           "deferred to fill 1F1B's idle ticks, at 1F1B's activation memory")
+                                           "deferred to fill 1F1B's idle ticks; 1F1B's saved activations, plus "
+                                           "the linears' inputs the deferred gradients need")
     distributed_backend: str | None = flag(None, "nccl | gloo (default: nccl on GPUs, gloo on CPU)", BOTH)
     ddp_impl: str = flag("torch", "torch | local: both are torch DDP here", BOTH)
     distributed_timeout_minutes: float = flag(10.0, "process-group timeout: a collective (or the start-up) "

@@ -663,9 +663,9 @@ def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool, dw_to: tuple | N
 
 
 # Zero-bubble pipelines (pipeline.py, --enable-zero-bubble) split a stage's
-# backward in two: B, the gradient w.r.t. the stage's input, which the
-# previous stage waits for, and W, the weight gradients, which nothing waits
-# for and the schedule runs later. The linears do the split: inside
+# backward in two: I (the paper's B), the gradient w.r.t. the stage's input,
+# which the previous stage waits for, and W, the weight gradients, which
+# nothing waits for and the schedule runs later. The linears do the split: inside
 # deferred_weight_grads(store), their backward computes dX (and the bias's
 # small db) and appends (weight, dY, X) to the micro-batch's store;
 # weight_grads(store), the W, computes every dW = dY^T X from it. X and dY
@@ -703,7 +703,7 @@ def _deferring(weight: nn.Parameter) -> tuple[torch.Tensor, tuple | None]:
     """(the weight to compute with, dw_to): inside deferred_weight_grads, the
     weight detached and dw_to = (store, the parameter), which rides past
     autograd's inputs. The parameter's AccumulateGrad is then no node of the
-    graph: it would run, gradient-less, in B, and the post-accumulate hooks
+    graph: it would run, gradient-less, in I, and the post-accumulate hooks
     that count a step's micro-batches (GradientAverager) would count it."""
     if _WEIGHT_GRAD_STORE is None or not torch.is_grad_enabled():
         return weight, None

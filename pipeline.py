@@ -381,7 +381,8 @@ def _act(a: Action, forward, received: dict, in_flight: dict, split: bool = Fals
 def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision, scale=None,
                   averager: GradientAverager | None = None) -> torch.Tensor:
     """The micro-batches through this rank's pipeline stage in the schedule's
-    order (1F1B, interleaved, or ZB-H1 under --enable-zero-bubble; run_pipeline), forwards (micro_batch_loss, under `precision`) and
+    order (1F1B, interleaved, or ZB-H1 under --enable-zero-bubble;
+    run_pipeline), forwards (micro_batch_loss, under `precision`) and
     backwards; under torch.no_grad, forwards alone. The last stage
     differentiates each micro-batch's share of the step's loss, scaled by the
     engine's `scale` (its --fp16 loss scaling; None: as it is). Returns the
