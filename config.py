@@ -72,6 +72,9 @@ class TrainConfig:
                                                 "(1F1B schedule; ranks: TP fastest, then DP, then PP)", BOTH)
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "interleaved 1F1B: each pipeline rank holds num_layers/(pp x this) model chunks of this many layers")
+    enable_zero_bubble: bool = flag(False, "zero-bubble pipeline schedule ZB-H1 (Qi et al. 2024): weight gradients "
+                                           "deferred to fill 1F1B's idle ticks; 1F1B's saved activations, plus "
+                                           "the linears' inputs the deferred gradients need")
     distributed_backend: str | None = flag(None, "nccl | gloo (default: nccl on GPUs, gloo on CPU)", BOTH)
     ddp_impl: str = flag("torch", "torch | local: both are torch DDP here", BOTH)
     distributed_timeout_minutes: float = flag(10.0, "process-group timeout: a collective (or the start-up) "
@@ -488,6 +491,12 @@ def validate_pipeline(cfg: TrainConfig) -> None:
     if n is not None and pp == 1:
         raise UsageError("--num-layers-per-virtual-pipeline-stage interleaves pipeline stages: it needs "
                          "--pipeline-model-parallel-size > 1")
+    if cfg.enable_zero_bubble and pp == 1:
+        raise UsageError("--enable-zero-bubble schedules pipeline stages: it needs --pipeline-model-parallel-size > 1")
+    clash = "--deepspeed" if cfg.deepspeed else "--num-layers-per-virtual-pipeline-stage" if n else None
+    if cfg.enable_zero_bubble and clash:  # ZB-V would be zero bubble's interleaving; DeepSpeed's backward is whole
+        raise UsageError(f"--enable-zero-bubble (ZB-H1, one model chunk a rank, weight gradients split "
+                         f"from our own backward) does not run with {clash}")
     if pp > 1 and cfg.deepspeed and cfg.zero_stage not in (None, 0, 1):
         raise UsageError(f"ZeRO stage {cfg.zero_stage} (--zero-stage, --deepspeed_config) partitions "
                          f"gradients, which pipeline stages accumulate over the micro-batches of a step: "

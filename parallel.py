@@ -508,14 +508,15 @@ class ColumnParallelLinear(nn.Module):
             raise UsageError("a DeferredCollectives needs async_grad_allreduce=True")
         if not (self.sequence_parallel or (self.async_grad_allreduce and layout.tp_size > 1)):
             x = copy_to_tensor_parallel_region(x)           # (..., in)
-            return F.linear(x, self.weight, self.bias)      # (..., out/tp)
+            return linear(x, self.weight, self.bias)        # (..., out/tp)
         # Wait for the input all-gather Domino launched early here, outside the
         # Function: Dynamo traces a forward only without side effects on outside objects.
         gathered = None
         if deferred is not None and deferred.gathered_input is not None:
             gathered, deferred.gathered_input = gathered_sequence(deferred.gathered_input), None
-        return _ColumnParallelLinearFunction.apply(x, gathered, self.weight, self.bias,
-                                                   deferred is not None, self.sequence_parallel)
+        weight, dw_to = _deferring(self.weight)  # (zero-bubble pipelines)
+        return _ColumnParallelLinearFunction.apply(x, gathered, weight, self.bias,
+                                                   deferred is not None, self.sequence_parallel, dw_to)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
@@ -541,15 +542,17 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
     activations."""
 
     @staticmethod
-    def forward(ctx, x, gathered, weight, bias, defer_wait: bool, sequence_parallel: bool):
+    def forward(ctx, x, gathered, weight, bias, defer_wait: bool, sequence_parallel: bool,
+                dw_to: tuple | None = None):
         """Keep X and W for backward, return X W^T + b over the whole sequence
-        (`gathered`: X's all-gather, already waited for)."""
+        (`gathered`: X's all-gather, already waited for; `dw_to`: where a
+        zero-bubble pipeline's backward leaves dW, see _deferring)."""
         ctx.input_dtype = x.dtype
         if sequence_parallel:
             x = in_autocast_dtype(x)                            # keep and move 16 bits
         ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
         ctx.has_bias, ctx.defer_wait = bias is not None, defer_wait
-        ctx.sequence_parallel = sequence_parallel
+        ctx.sequence_parallel, ctx.dw_to = sequence_parallel, dw_to
         total = x
         if sequence_parallel:                                   # -> (B, T, in)
             total = gathered if gathered is not None else all_gather_sequence(x)
@@ -570,10 +573,13 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
             grad_input = (launch_reduce_scatter_sequence(partial) if ctx.sequence_parallel
                           else launch_all_reduce(partial))              # -> (B, T/tp, in) or (..., in)
         total = gathered_sequence(regather) if regather is not None else x  # (..., in)
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight, ctx.has_bias)
+        # Under a zero-bubble pipeline dW waits for W (in its store, with the
+        # gathered X): then nothing here runs while dX is on the wire, and
+        # Domino's other chunk's dX GEMMs alone hide it (section 4).
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight, ctx.has_bias, ctx.dw_to)
         if grad_input is not None and not ctx.defer_wait:
             grad_input = wait(grad_input)
-        return grad_input, None, grad_weight, grad_bias, None, None
+        return grad_input, None, grad_weight, grad_bias, None, None, None
 
 
 @torch.library.custom_op("parallel::after", mutates_args=())
@@ -591,14 +597,103 @@ def _(x, dependency):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool):
+def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool, dw_to: tuple | None = None):
     """dW = dY^T X (the GEMM that hides dX's collective) and db = sum dY, in
-    dY's dtype, returned in the weight's."""
+    dY's dtype, returned in the weight's. With a zero-bubble pipeline's
+    dw_to = (store, parameter) (_deferring) dW is left for the schedule's W:
+    (parameter, dY, X) is appended to the store and None returned; db, small,
+    is computed now."""
     g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/tp)
-    x2d = x.reshape(-1, x.shape[-1]).to(grad_out.dtype)              # (N, in)
-    grad_weight = (g2d.t() @ x2d).to(weight.dtype)
     grad_bias = g2d.sum(dim=0).to(weight.dtype) if has_bias else None
-    return grad_weight, grad_bias
+    if dw_to is not None:
+        store, parameter = dw_to
+        store.append((parameter, grad_out, x))
+        return None, grad_bias
+    x2d = x.reshape(-1, x.shape[-1]).to(grad_out.dtype)              # (N, in)
+    return (g2d.t() @ x2d).to(weight.dtype), grad_bias
+
+
+# Zero-bubble pipelines (pipeline.py, --enable-zero-bubble) split a stage's
+# backward in two: I (the paper's B), the gradient w.r.t. the stage's input,
+# which the previous stage waits for, and W, the weight gradients, which
+# nothing waits for and the schedule runs later. The linears do the split: inside
+# deferred_weight_grads(store), their backward computes dX (and the bias's
+# small db) and appends (weight, dY, X) to the micro-batch's store;
+# weight_grads(store), the W, computes every dW = dY^T X from it. X and dY
+# stay alive until then: the memory W costs.
+_WEIGHT_GRAD_STORE: list | None = None
+
+
+@contextlib.contextmanager
+def deferred_weight_grads(store: list | None):
+    """Linears run (forward, and backward with its recomputation) inside
+    leave their dW in `store` (None: computed in backward as usual)."""
+    global _WEIGHT_GRAD_STORE
+    previous, _WEIGHT_GRAD_STORE = _WEIGHT_GRAD_STORE, store
+    try:
+        yield
+    finally:
+        _WEIGHT_GRAD_STORE = previous
+
+
+def weight_grads(store: list) -> None:
+    """W: every dW left in `store`, summed per weight (Domino's chunks use each
+    weight twice) and accumulated into .grad through autograd, so that the
+    weights' hooks (data-parallel averaging) run as after a plain backward."""
+    grads = {}
+    with torch.no_grad():  # as in backward: X is an activation, and dW no node of any graph
+        for weight, grad_out, x in store:
+            g = _weight_and_bias_grads(grad_out, x, weight, False)[0]
+            grads[weight] = grads[weight] + g if weight in grads else g
+    store.clear()
+    if grads:
+        torch.autograd.backward(list(grads), list(grads.values()))
+
+
+def _deferring(weight: nn.Parameter) -> tuple[torch.Tensor, tuple | None]:
+    """(the weight to compute with, dw_to): inside deferred_weight_grads, the
+    weight detached and dw_to = (store, the parameter), which rides past
+    autograd's inputs. The parameter's AccumulateGrad is then no node of the
+    graph: it would run, gradient-less, in I, and the post-accumulate hooks
+    that count a step's micro-batches (GradientAverager) would count it."""
+    if _WEIGHT_GRAD_STORE is None or not torch.is_grad_enabled():
+        return weight, None
+    return weight.detach(), (_WEIGHT_GRAD_STORE, weight)
+
+
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, whose dW, inside deferred_weight_grads, waits for W."""
+    weight, dw_to = _deferring(weight)
+    if dw_to is None:
+        return F.linear(x, weight, bias)
+    return _LinearDeferringWeightGrad.apply(x, weight, bias, dw_to)
+
+
+class _LinearDeferringWeightGrad(torch.autograd.Function):
+    """y = X W^T + b; backward returns dX and db, and leaves dW to W (dw_to)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dw_to: tuple):
+        ctx.input_dtype, ctx.has_bias, ctx.dw_to = x.dtype, bias is not None, dw_to
+        x = in_autocast_dtype(x)            # keep the 16 bits autocast's F.linear keeps
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_input = (grad_out @ weight.to(grad_out.dtype)).to(ctx.input_dtype)  # (..., in)
+        _, grad_bias = _weight_and_bias_grads(grad_out, x, weight, ctx.has_bias, ctx.dw_to)
+        return grad_input, None, grad_bias, None
+
+
+class Linear(nn.Linear):
+    """nn.Linear through linear(): the blocks' matmuls at tp = 1, whose dW a
+    zero-bubble pipeline defers as the parallel layers' (shard_block swaps
+    them for those under TP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -619,7 +714,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)                          # (B, T, out), this rank's share
+        partial = linear(x, self.weight)                            # (B, T, out), this rank's share
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial)  # (B, T/tp, out)
         else:
@@ -628,7 +723,7 @@ class RowParallelLinear(nn.Module):
 
     def forward_async(self, x: torch.Tensor) -> PendingReduce:
         """Like forward, the reduction left in flight: call .wait() on the result."""
-        return PendingReduce(F.linear(x, self.weight), self.bias, self.sequence_parallel)
+        return PendingReduce(linear(x, self.weight), self.bias, self.sequence_parallel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
@@ -745,6 +840,13 @@ def sequence_parallel_off(module: nn.Module):
 # previous chunk's row GEMM runs meanwhile). In backward the dX
 # reduce-scatter is deferred like the all-reduce; the all-gathers of a
 # row-parallel layer's dY are not (its GEMMs need them at once).
+#
+# Under a zero-bubble pipeline (pipeline.py's ZB-H1) the backward is split:
+# the dW GEMMs leave it for the schedule's W (deferred_weight_grads), so
+# between a chunk's dX launch and its wait only the other chunk's dX GEMMs
+# (and its attention or GeLU backward) run, about half the compute that hid
+# it before; W runs later with no collective in flight. The stages gain more
+# than that back: W fills the pipeline's idle ticks.
 #
 # Eager mode and torch.compile run the same launches and waits (section 1);
 # in the compiled graph each is a node, where eager mode calls it.

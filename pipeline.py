@@ -5,7 +5,8 @@ and the micro-batches of a step scheduled through them. Sections:
      with them (build_model: at pp = 1 the whole model), a micro-batch's
      forward and loss (micro_batch_loss: every engine's, at every layout),
      a chunk's forward, the tied embedding's two copies
-  2. The schedules: 1F1B and interleaved 1F1B, drawn, and timed on one clock
+  2. The schedules: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), drawn,
+     and timed on one clock
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
      of one rank (run_pipeline)
   4. The pipelined step: a step's micro-batches through this rank's stage
@@ -56,6 +57,28 @@ from launch import UsageError
 # micro-batch goes round the ranks v times. A tick is then 1/v as long, and
 # the bubble (pp-1)/(v*m+pp-1): about v times smaller, for v times more
 # point-to-point messages.
+#
+# Zero bubble, ZB-H1 (--enable-zero-bubble; Qi et al., "Zero Bubble Pipeline
+# Parallelism", ICLR 2024) splits each backward in two: I (the paper's B),
+# the gradient w.r.t. the stage's input, which the previous stage waits for,
+# and W, the weight gradients, which nothing waits for. Each takes one tick
+# (digit F, lower-case letter I, upper-case W; pp=4, m=8):
+#
+#     stage 0  0123...aA4bB5cC6dD7eEfFgGhH
+#     stage 1  .012..a3bA4cB5dC6eD7fEgFhGH
+#     stage 2  ..01.a2b3cA4dB5eC6fD7gEhFGH
+#     stage 3  ...0a1b2c3dA4eB5fC6gD7hEFGH
+#
+# The F's and I's keep 1F1B's order, so a stage holds as many micro-batches'
+# activations as in 1F1B; stage s runs each W s micro-batches after its I,
+# and those W's fill the drain where 1F1B idles. A stage idles pp-1 ticks
+# of 3m+pp-1, (pp-1)/(3m+pp-1) (3 of 27 here; 1F1B: 3(pp-1) of 3m+3(pp-1),
+# 9 of 33). The price: a W keeps the inputs and output gradients of the
+# linears it needs (X, dY) from its I until it runs, s micro-batches' worth
+# on stage s. What W computes: the dW of the blocks' linears (attention's
+# qkv and proj, the MLP's fc and proj, parallel.deferred_weight_grads); the
+# biases, norms, embeddings and the LM head (small, or on one stage only)
+# get their gradients in I.
 #
 # How it runs here: pipeline_timeline places every rank's actions (in
 # Megatron's order) on one clock, each action at the first tick its input
@@ -154,21 +177,25 @@ def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
 # ----------------------------------------------------------------------------
 
 class Action(NamedTuple):
-    kind: str    # "F" forward or "B" backward
+    kind: str    # "F" forward, "B" backward; zero bubble: "I" input gradient, "W" weight gradients
     chunk: int   # which of this rank's model chunks (0 unless interleaved)
     micro: int   # which micro-batch
 
 
-def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = False) -> list[Action]:
+def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = False,
+               zero_bubble: bool = False) -> list[Action]:
     """One rank's actions, in Megatron's order. The k-th of its m*v forwards
     runs chunk (k mod pp*v) // pp: micro-batches go through the chunks in
-    groups of pp (the backwards through the chunks in reverse)."""
+    groups of pp (the backwards through the chunks in reverse). zero_bubble:
+    ZB-H1's order (zb_h1_order)."""
     def action(kind: str, k: int) -> Action:
         chunk = k % (pp * v) // pp
         return Action(kind, v - 1 - chunk if kind == "B" else chunk, k // (pp * v) * pp + k % pp)
     total = m * v
     if forward_only:
         return [action("F", k) for k in range(total)]
+    if zero_bubble:
+        return zb_h1_order(pp, rank, m)
     # Forwards before the first backward: enough to fill the pipe below this rank
     # (interleaved: twice that, plus one round of the other chunks).
     warmup = min(total, pp - rank - 1 if v == 1 else 2 * (pp - rank - 1) + (v - 1) * pp)
@@ -176,6 +203,18 @@ def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = Fals
     for k in range(total - warmup):
         order += [action("F", warmup + k), action("B", k)]
     return order + [action("B", k) for k in range(total - warmup, total)]
+
+
+def zb_h1_order(pp: int, rank: int, m: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024, drawn above): for x = 0, 1, ..., the triple
+    F x, I x-(pp-1-rank), W x-(pp-1), each where its micro-batch exists. The
+    I's lag 1F1B's backwards as much as 1F1B's; the W's lag the I's by
+    `rank`, which fills the drain where 1F1B idles."""
+    order = []
+    for x in range(m + pp - 1):
+        order += [Action(kind, 0, k) for kind, k in (("F", x), ("I", x - (pp - 1 - rank)), ("W", x - (pp - 1)))
+                  if 0 <= k < m]
+    return order
 
 
 def check_micro_batches(m: int, pp: int, v: int) -> None:
@@ -194,19 +233,23 @@ def check_micro_batches(m: int, pp: int, v: int) -> None:
 # A backward costs about two forwards (the gradients w.r.t. inputs and
 # weights are a matmul each), so the clock gives it two ticks; a schedule
 # timed with equal ticks would make neighbours wait on each other's
-# backwards at every exchange.
-DURATION = {"F": 1, "B": 2}
+# backwards at every exchange. Zero bubble splits it into its two halves.
+DURATION = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
-def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action | None]]:
+def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False,
+                      zero_bubble: bool = False) -> list[list[Action | None]]:
     """Every rank's actions on a common clock: ticks[t][rank] is the action the
     rank starts at tick t, or None (busy with a backward, or idle: the
     bubble). An action starts at the first tick after the one that finished
     its input: the previous virtual stage's forward, or the next one's
-    backward (the last's: its own forward)."""
+    backward (the last's: its own forward). zero_bubble: ZB-H1's order."""
     if not forward_only:
         check_micro_batches(m, pp, v)
-    orders = [rank_order(pp, r, m, v, forward_only) for r in range(pp)]
+    if zero_bubble and v > 1:
+        raise UsageError("--enable-zero-bubble runs ZB-H1, one model chunk a rank: drop "
+                         "--num-layers-per-virtual-pipeline-stage")
+    orders = [rank_order(pp, r, m, v, forward_only, zero_bubble) for r in range(pp)]
     done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> tick it ends
     last = pp * v - 1
     ticks, position, free = [], [0] * pp, [0] * pp  # free: the first tick a rank is not busy
@@ -231,18 +274,20 @@ def _input_of(a: Action, s: int, last: int) -> tuple[str, int, int] | None:
     """What action a, run by virtual stage s, waits for: the (kind, virtual
     stage, micro-batch) of the action whose end gives a its input. A forward
     waits for the previous stage's forward (on the first stage, for nothing);
-    a backward for the next stage's backward (on the last stage, for its own
-    forward)."""
+    a backward (or input gradient) for the next stage's (on the last stage,
+    for its own forward); weight gradients for their own input gradient."""
     if a.kind == "F":
         return ("F", s - 1, a.micro) if s > 0 else None
-    return ("B", s + 1, a.micro) if s < last else ("F", s, a.micro)
+    if a.kind == "W":
+        return ("I", s, a.micro)
+    return (a.kind, s + 1, a.micro) if s < last else ("F", s, a.micro)
 
 
 def _messages(a: Action | None, sender: int, pp: int, v: int):
     """(receiver, (kind, receiver's chunk, micro)) of what `sender`'s action a
     sends when it ends: a forward's output goes to the next virtual stage, a
-    backward's input gradient to the previous one."""
-    if a is None:
+    backward's (or I's) input gradient to the previous one; W sends nothing."""
+    if a is None or a.kind == "W":
         return None
     s = a.chunk * pp + sender + (1 if a.kind == "F" else -1)
     if not 0 <= s < pp * v:
@@ -265,9 +310,10 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
     each action is appended to it. after(action), if given, runs as each
     action ends, before its tick's exchange."""
     rank, pp, group = parallel.layout.pp_rank, parallel.layout.pp_size, parallel.layout.pp_group
+    split = any(a.kind == "W" for row in ticks for a in row if a)  # zero bubble: I and W
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
-    in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until backward
+    in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output, dW store) until backward
     posted: dict[int, list] = {}              # tick -> receives posted before the action spanning it
 
     def receives(t: int) -> list:  # what the neighbours' actions ending at tick t send here
@@ -287,7 +333,7 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
             for due in range(t, t + DURATION[a.kind] - 1):
                 posted[due] = (ops := receives(due)) and dist.batch_isend_irecv(ops)
             start = time.perf_counter()
-            outgoing = _act(a, forward, received, in_flight)
+            outgoing = _act(a, forward, received, in_flight, split)
             if timeline is not None:
                 timeline.append((t, a, start, time.perf_counter()))
             if after is not None:
@@ -303,17 +349,28 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
             work.wait()
 
 
-def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | None:
+def _act(a: Action, forward, received: dict, in_flight: dict, split: bool = False) -> torch.Tensor | None:
     """Run action a; returns what it sends on: a forward's output, a
-    backward's gradient w.r.t. its input (None on the first virtual stage)."""
+    backward's (or I's) gradient w.r.t. its input (None on the first virtual
+    stage). split (zero bubble): each micro-batch's linears leave their dW in
+    a store of its own (parallel.deferred_weight_grads), which its I keeps
+    and its W empties."""
+    if a.kind == "W":
+        parallel.weight_grads(in_flight.pop(("W", a.chunk, a.micro)))
+        return None
     if a.kind == "F":
         x = received.pop(("F", a.chunk, a.micro), None)
-        y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
+        store = [] if split and torch.is_grad_enabled() else None
+        with parallel.deferred_weight_grads(store):
+            y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
         if torch.is_grad_enabled():
-            in_flight[(a.chunk, a.micro)] = (x, y)
+            in_flight[(a.chunk, a.micro)] = (x, y, store)
         return y.detach()
-    x, y = in_flight.pop((a.chunk, a.micro))
-    torch.autograd.backward(y, received.pop(("B", a.chunk, a.micro), None))
+    x, y, store = in_flight.pop((a.chunk, a.micro))
+    with parallel.deferred_weight_grads(store):  # (a recomputed forward defers as the first did)
+        torch.autograd.backward(y, received.pop((a.kind, a.chunk, a.micro), None))
+    if store is not None:
+        in_flight[("W", a.chunk, a.micro)] = store
     return x.grad if x is not None else None  # (the graph goes as x and y do, on return)
 
 
@@ -323,8 +380,9 @@ def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | 
 
 def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision, scale=None,
                   averager: GradientAverager | None = None) -> torch.Tensor:
-    """The micro-batches through this rank's pipeline stage in 1F1B order
-    (run_pipeline), forwards (micro_batch_loss, under `precision`) and
+    """The micro-batches through this rank's pipeline stage in the schedule's
+    order (1F1B, interleaved, or ZB-H1 under --enable-zero-bubble;
+    run_pipeline), forwards (micro_batch_loss, under `precision`) and
     backwards; under torch.no_grad, forwards alone. The last stage
     differentiates each micro-batch's share of the step's loss, scaled by the
     engine's `scale` (its --fp16 loss scaling; None: as it is). Returns the
@@ -333,7 +391,8 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
     starts on gradients as they become final (None: the engine reduces after
     the step)."""
     m, v = len(batches), len(model.layers)
-    ticks = pipeline_timeline(parallel.layout.pp_size, m, v, forward_only=not torch.is_grad_enabled())
+    ticks = pipeline_timeline(parallel.layout.pp_size, m, v, forward_only=not torch.is_grad_enabled(),
+                              zero_bubble=cfg.enable_zero_bubble)
     batches = [to_device(b, device) for b in batches]
     total = torch.zeros((), device=device)
 
@@ -350,8 +409,8 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
     # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
     dtype = next(model.parameters()).dtype
 
-    def after(a: Action) -> None:  # a backward ended: launch the final gradients a partial bucket holds
-        if averager is not None and a.kind == "B":
+    def after(a: Action) -> None:  # a backward (I, W) ended: launch the final gradients a partial bucket holds
+        if averager is not None and a.kind != "F":
             averager.flush()
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
                  dtype, after=after)

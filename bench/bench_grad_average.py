@@ -69,7 +69,8 @@ def main():
     per_chunk = args.num_layers // (pp * args.virtual_stages)
     chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.layout.pp_rank, per_chunk)
     stage = GPT(config, chunks).to(d.device)
-    cfg = SimpleNamespace(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+    cfg = SimpleNamespace(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                          enable_zero_bubble=False)
     g = torch.Generator().manual_seed(parallel.layout.dp_rank)
     shape = (args.micro_batch_size, args.seq_length)
     batches = [{"tokens": torch.randint(0, args.padded_vocab_size, shape, generator=g),

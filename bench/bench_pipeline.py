@@ -1,15 +1,17 @@
-"""Pipeline parallelism: the bubble and the activation memory of 1F1B and
-interleaved 1F1B, measured beside Narayanan et al.'s formulas.
+"""Pipeline parallelism: the bubble and the activation memory of 1F1B,
+interleaved 1F1B and zero bubble (ZB-H1), measured beside their formulas.
 
 One training step (forwards and backwards of m micro-batches, no optimizer)
 of a small GPT split into P stages, one per rank, through train.py's path:
 pipeline.pipeline_timeline places the actions on a tick clock and
 pipeline.run_pipeline runs them, recording each action's wall-clock start
-and end. Two schedules:
+and end. Three schedules:
 
     1F1B           v = 1 model chunk per rank
     interleaved    v = 2 chunks per rank (--num-layers-per-virtual-pipeline-stage
                    = num_layers / (2P)): a micro-batch goes round the ranks twice
+    ZB-H1          v = 1, each backward split into I (input gradient) and W
+                   (weight gradients), W deferred (--enable-zero-bubble)
 
 Bubble (the fraction of the step a rank sits idle), four ways:
 
@@ -19,10 +21,11 @@ Bubble (the fraction of the step a rank sits idle), four ways:
     replayed   the same with messages free: the measured action times run
                through run_pipeline's tick-by-tick coupling (see replay)
     ticks      idle ticks / total ticks of pipeline_timeline: the schedule's own,
-               a forward one tick long, a backward two
+               a forward one tick long, a backward two (ZB-H1: I one, W one)
     formula    (P-1)/(m+P-1) for 1F1B, (P-1)/(v*m+P-1) interleaved (Narayanan
                et al., "Efficient Large-Scale Language Model Training on GPU
-               Clusters Using Megatron-LM", 2021)
+               Clusters Using Megatron-LM", 2021), (P-1)/(3m+P-1) ZB-H1 (Qi et
+               al., "Zero Bubble Pipeline Parallelism", 2024, with F = I = W)
 
 Activation memory per stage, in an extra untimed step: a saved-tensor hook
 counts the bytes autograd keeps for backward (each storage once, parameters
@@ -31,9 +34,13 @@ a holder whose deletion (autograd frees it in the backward) takes its bytes
 off again. Peaks per rank: bytes, and micro-batches in flight (interleaved:
 (chunk, micro-batch) pairs / v). Formula: 1F1B stage s holds at most P-s
 micro-batches (GPipe, all forwards first, would hold m); interleaved rank r
-holds (2(P-r-1) + (v-1)P + 1)/v, i.e. P + (P-1)/v on stage 0.
+holds (2(P-r-1) + (v-1)P + 1)/v, i.e. P + (P-1)/v on stage 0. ZB-H1 holds
+1F1B's saved activations, and beyond them the inputs its deferred W's need
+(each linear's X and dY, kept from I to W: s micro-batches' on stage s);
+"+ W inputs" is the peak of both together (the storages the micro-batches'
+weight-gradient stores hold, counted at each action's end).
 
-The schedules are timed round-robin (1F1B, interleaved, 1F1B, ...) after
+The schedules are timed round-robin (1F1B, interleaved, ZB-H1, 1F1B, ...) after
 warm-up steps; each figure is the median over iterations. Rank 0 prints one
 markdown table.
 
@@ -55,6 +62,7 @@ import statistics
 import sys
 import time
 from fractions import Fraction
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -67,6 +75,14 @@ import pipeline  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
+class Schedule(NamedTuple):
+    v: int              # model chunks per rank
+    zero_bubble: bool   # ZB-H1's split backward
+
+
+SCHEDULES = {"1F1B": Schedule(1, False), "interleaved v=2": Schedule(2, False), "ZB-H1": Schedule(1, True)}
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-layers", type=int, default=8, help="divisible by 2P (interleaved, v=2)")
@@ -77,7 +93,7 @@ def parse_args():
     p.add_argument("--padded-vocab-size", type=int, default=512,
                    help="small keeps the last stage's LM head from outweighing the other stages")
     p.add_argument("--micro-batches", type=int, default=8, help="m; a multiple of P (interleaved)")
-    p.add_argument("--virtual-stages", type=int, nargs="+", default=[1, 2], help="v of each schedule")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="a tiny model, 1 warm-up, 2 iterations")
@@ -124,8 +140,9 @@ class SavedActivations:
         self.storages = {}                        # data_ptr -> [bytes, holders alive]
         self.owners = collections.Counter()       # (chunk, micro) -> holders alive
         self.first_bytes = collections.Counter()  # (chunk, micro) -> bytes it added
-        self.live = self.peak_bytes = self.peak_in_flight = 0
+        self.live = self.peak_bytes = self.peak_in_flight = self.peak_with_w = 0
         self.current = None
+        self.stores = []                          # ZB-H1: every micro-batch's weight-gradient store
 
     class Holder:
         """A packed tensor; autograd drops it once the backward has used it."""
@@ -164,12 +181,37 @@ class SavedActivations:
         if self.owners[owner] == 0:
             del self.owners[owner]
 
+    def action_ended(self) -> None:
+        """Peak of the saved bytes and the deferred W's inputs (X, dY) together."""
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for store in self.stores for _, dy, x in store for t in (dy, x)}
+        held = sum(n for ptr, n in held.items() if ptr not in self.storages)
+        self.peak_with_w = max(self.peak_with_w, self.live + held)
+
     def bytes_per_micro_batch(self) -> int:
         """One micro-batch's bytes on this stage: all its chunks (the largest micro-batch)."""
         per_micro = collections.Counter()
         for (_, micro), n in self.first_bytes.items():
             per_micro[micro] += n
         return max(per_micro.values())
+
+
+@contextlib.contextmanager
+def watch(memory: SavedActivations | None):
+    """memory's saved-tensor hooks, and every weight-gradient store that a
+    ZB-H1 micro-batch opens (parallel.deferred_weight_grads) kept in memory.stores."""
+    if memory is None:
+        yield
+        return
+    deferred = parallel.deferred_weight_grads
+
+    def keep(store):
+        if store is not None and all(store is not s for s in memory.stores):
+            memory.stores.append(store)
+        return deferred(store)
+    with torch.autograd.graph.saved_tensors_hooks(memory.pack, memory.unpack), \
+            mock.patch.object(parallel, "deferred_weight_grads", keep):
+        yield
 
 
 @contextlib.contextmanager
@@ -200,12 +242,12 @@ def host_waits_for_device(device):
         yield
 
 
-def pipeline_step(model, batches, v: int, device, timeline=None, memory=None) -> None:
+def pipeline_step(model, batches, s: Schedule, device, timeline=None, memory=None) -> None:
     """Forwards and backwards of the micro-batches through this rank's stage:
     pipeline.pipeline_step without autocast, loss scaling and the loss's
     all-reduce, and with run_pipeline's timeline."""
     m, (b, T) = len(batches), batches[0][0].shape
-    ticks = pipeline.pipeline_timeline(parallel.layout.pp_size, m, v)
+    ticks = pipeline.pipeline_timeline(parallel.layout.pp_size, m, s.v, zero_bubble=s.zero_bubble)
     positions = torch.arange(T, device=device)
 
     def forward(chunk: int, micro: int, x):
@@ -219,37 +261,35 @@ def pipeline_step(model, batches, v: int, device, timeline=None, memory=None) ->
             torch.cuda.synchronize(device)
         return out
 
-    hooks = torch.autograd.graph.saved_tensors_hooks(memory.pack, memory.unpack) \
-        if memory is not None else contextlib.nullcontext()
-    with hooks, host_waits_for_device(device):
-        pipeline.run_pipeline(ticks, v, forward, (b, T, model.config.hidden_size), device,
-                              timeline=timeline)
+    with watch(memory), host_waits_for_device(device):
+        pipeline.run_pipeline(ticks, s.v, forward, (b, T, model.config.hidden_size), device,
+                              timeline=timeline, after=memory and (lambda a: memory.action_ended()))
     model.zero_grad(set_to_none=True)
 
 
-def timed_step(model, batches, v: int, device) -> list:
+def timed_step(model, batches, s: Schedule, device) -> list:
     """Every rank's actions, (tick, start, end) in seconds from a barrier all
     ranks leave together: their clocks then agree (to the barrier's skew)."""
     timeline = []
     dist.barrier()
     t0 = time.perf_counter()
-    pipeline_step(model, batches, v, device, timeline=timeline)
+    pipeline_step(model, batches, s, device, timeline=timeline)
     mine = [(t, start - t0, end - t0) for t, _, start, end in timeline]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
 
 
-def bubble(timelines: list, m: int, v: int) -> tuple[float, list[float], list[float], list[float]]:
+def bubble(timelines: list, m: int, s: Schedule) -> tuple[float, list[float], list[float], list[float]]:
     """(step seconds, each rank's busy seconds, each rank's bubble fraction,
     each rank's bubble replayed): the step runs from the first action's start
     to the last one's end."""
     step = max(e for tl in timelines for _, _, e in tl) - min(s for tl in timelines for _, s, _ in tl)
     busy = [sum(e - s for _, s, e in tl) for tl in timelines]
-    return step, busy, [1 - b / step for b in busy], replay(timelines, m, v)
+    return step, busy, [1 - b / step for b in busy], replay(timelines, m, s.v, s.zero_bubble)
 
 
-def replay(timelines: list, m: int, v: int) -> list[float]:
+def replay(timelines: list, m: int, v: int, zero_bubble: bool = False) -> list[float]:
     """Each rank's bubble had messages cost nothing: the measured action times
     run through run_pipeline's coupling, where at every tick a rank waits
     until each neighbour it sends to or receives from has finished that
@@ -258,11 +298,11 @@ def replay(timelines: list, m: int, v: int) -> list[float]:
     receive before that action began, so its sender does not wait for it.
     Its gap to the tick clock's figure is the schedule's, from actions of
     unequal length; the measured figure's gap to it is communication and noise.
-    timelines[r]: rank r's (tick, start, end) of each action."""
+    timelines[r]: rank r's (tick, start, end) of each action; zero_bubble: ZB-H1's."""
     pp = len(timelines)
     took = [{t: e - s for t, s, e in tl} for tl in timelines]
     free = [0.0] * pp  # when each rank is done with the ticks so far
-    ticks = pipeline.pipeline_timeline(pp, m, v)
+    ticks = pipeline.pipeline_timeline(pp, m, v, zero_bubble=zero_bubble)
     ending = {(t + pipeline.DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     for t in range(len(ticks)):
         done = [free[r] + took[r].get(t, 0.0) for r in range(pp)]
@@ -281,21 +321,23 @@ def _inside_action(ticks: list, rank: int, t: int) -> bool:
     return bool(started) and started[-1] + pipeline.DURATION[ticks[started[-1]][rank].kind] - 1 > t
 
 
-def measure_memory(model, batches, v: int, device) -> list:
+def measure_memory(model, batches, s: Schedule, device) -> list:
     """Every rank's (peak saved bytes, bytes of one micro-batch, peak
-    (chunk, micro) pairs in flight), from one untimed step (the hooks cost time)."""
+    (chunk, micro) pairs in flight, peak saved + W inputs bytes), from one
+    untimed step (the hooks cost time)."""
     memory = SavedActivations(model)
-    pipeline_step(model, batches, v, device, memory=memory)
+    pipeline_step(model, batches, s, device, memory=memory)
     if memory.live or memory.owners:
         raise RuntimeError(f"saved tensors outlived the backward: {memory.live} bytes of {dict(memory.owners)}")
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (memory.peak_bytes, memory.bytes_per_micro_batch(), memory.peak_in_flight))
+    dist.all_gather_object(everyone, (memory.peak_bytes, memory.bytes_per_micro_batch(), memory.peak_in_flight,
+                                      max(memory.peak_bytes, memory.peak_with_w)))
     return everyone
 
 
-def tick_bubble(pp: int, m: int, v: int, rank: int) -> Fraction:
+def tick_bubble(pp: int, m: int, s: Schedule, rank: int) -> Fraction:
     """The rank's idle ticks / all ticks of the schedule (a backward is two ticks)."""
-    ticks = pipeline.pipeline_timeline(pp, m, v)
+    ticks = pipeline.pipeline_timeline(pp, m, s.v, zero_bubble=s.zero_bubble)
     busy = sum(pipeline.DURATION[row[rank].kind] for row in ticks if row[rank])
     return Fraction(len(ticks) - busy, len(ticks))
 
@@ -311,18 +353,18 @@ def in_flight_formula(pp: int, m: int, v: int, rank: int) -> Fraction:
 def main():
     args = parse_args()
     device = setup()
-    models = {v: build(args, device, v) for v in args.virtual_stages}
+    models = {name: build(args, device, SCHEDULES[name].v) for name in args.schedules}
     m, b, T = args.micro_batches, args.micro_batch_size, args.seq_length
     g = torch.Generator().manual_seed(1)  # the same batches on every rank
     ids = torch.randint(0, args.padded_vocab_size, (m, b, T + 1), generator=g).to(device)
     batches = [(ids[i, :, :-1], ids[i, :, 1:]) for i in range(m)]
-    steps = {v: [] for v in models}
+    steps = {name: [] for name in models}
     for it in range(args.warmup + args.iters):
-        for v, model in models.items():  # round-robin: drifts hit every schedule alike
-            timelines = timed_step(model, batches, v, device)
+        for name, model in models.items():  # round-robin: drifts hit every schedule alike
+            timelines = timed_step(model, batches, SCHEDULES[name], device)
             if it >= args.warmup:
-                steps[v].append(bubble(timelines, args.micro_batches, v))
-    memory = {v: measure_memory(model, batches, v, device) for v, model in models.items()}
+                steps[name].append(bubble(timelines, args.micro_batches, SCHEDULES[name]))
+    memory = {name: measure_memory(model, batches, SCHEDULES[name], device) for name, model in models.items()}
     if dist.get_rank() == 0:
         report(args, device, steps, memory)
     parallel.destroy()
@@ -336,21 +378,21 @@ def report(args, device, steps, memory):
           f"P={pp} m={m} | {device.type} fp32 {dist.get_backend()} | median of {args.iters} steps "
           f"after {args.warmup} warm-up\n")
     print("| schedule | stage | step ms | busy ms | bubble measured | bubble replayed | bubble ticks | bubble formula "
-          "| peak saved MiB | MiB / micro-batch | peak / one micro-batch | in flight measured "
+          "| peak saved MiB | + W inputs MiB | MiB / micro-batch | peak / one micro-batch | in flight measured "
           "| in flight formula |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for v, runs in steps.items():
-        name = "1F1B" if v == 1 else f"interleaved v={v}"
-        step = statistics.median(run[0] for run in runs)
-        formula = Fraction(pp - 1, v * m + pp - 1)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, runs in steps.items():
+        s, step = SCHEDULES[name], statistics.median(run[0] for run in runs)
+        formula = Fraction(pp - 1, (3 if s.zero_bubble else s.v) * m + pp - 1)
         for r in range(pp):
             busy, measured, replayed = (statistics.median(run[i][r] for run in runs) for i in (1, 2, 3))
-            ticks = tick_bubble(pp, m, v, r)
-            peak, per_micro, pairs = memory[v][r]
+            ticks = tick_bubble(pp, m, s, r)
+            peak, per_micro, pairs, with_w = memory[name][r]
             print(f"| {name} | {r} | {step * 1e3:.1f} | {busy * 1e3:.1f} | {measured:.3f} | {replayed:.3f} "
                   f"| {ticks} = {float(ticks):.3f}{'' if ticks == formula else ' (differs!)'} "
-                  f"| {formula} = {float(formula):.3f} | {peak / 2**20:.2f} | {per_micro / 2**20:.2f} "
-                  f"| {peak / per_micro:.2f} | {fmt(Fraction(pairs, v))} | {fmt(in_flight_formula(pp, m, v, r))} |")
+                  f"| {formula} = {float(formula):.3f} | {peak / 2**20:.2f} | {with_w / 2**20:.2f} "
+                  f"| {per_micro / 2**20:.2f} | {peak / per_micro:.2f} | {fmt(Fraction(pairs, s.v))} "
+                  f"| {fmt(in_flight_formula(pp, m, s.v, r))} |")
     print(f"\nreplayed: the measured action times through run_pipeline's tick-by-tick coupling, "
           f"messages free. GPipe would hold all m = {m} micro-batches on every stage.")
 

@@ -202,6 +202,12 @@ def test_zero_2_and_3_refuse_pipeline_stages(stage):
     (["--compile"], "--compile compiles the whole model's forward"),
     (["--pipeline-model-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage", "1"],
      "needs --pipeline-model-parallel-size > 1"),
+    (["--pipeline-model-parallel-size", "1", "--enable-zero-bubble"],
+     "--enable-zero-bubble schedules pipeline stages: it needs --pipeline-model-parallel-size > 1"),
+    (["--enable-zero-bubble", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--enable-zero-bubble .ZB-H1, one model chunk a rank.* does not run with --num-layers-per-virtual-pipeline-stage$"),
+    (["--enable-zero-bubble", "--deepspeed"], "--enable-zero-bubble .ZB-H1.* does not run with --deepspeed$"),
+    (["--enable-zero-bubble", "--compile"], "--compile compiles the whole model's forward"),
 ])
 def test_what_pipeline_stages_do_not_run_with_is_named(flags, message):
     with pytest.raises(ValueError, match=message):

@@ -628,19 +628,26 @@ def _synchronous(events) -> list:
             if kind == "launch" and events[k + 1] == ("wait", None, launch)]
 
 
-def _record_domino_order(serialize: bool, sequence_parallel: bool = False):
-    """(forward events, backward events) of one Domino micro-batch on this rank."""
+def _record_domino_order(serialize: bool, sequence_parallel: bool = False, zero_bubble: bool = False):
+    """(forward events, backward events) of one Domino micro-batch on this rank;
+    zero_bubble: the backward is a zero-bubble pipeline's I (its dW left in a
+    store, parallel.deferred_weight_grads), and W's events come third."""
     model = _build_gpt(2, domino_chunks=2, sequence_parallel=sequence_parallel)
     # sequence parallel: 12 tokens a row, so the chunks' GEMMs see 24 and 12
     # tokens and their collectives carry 12 and 6 (the weights: 16, 32, 48, 64)
     ids = torch.randint(0, 100, (3, 13 if sequence_parallel else 6), generator=torch.Generator().manual_seed(0))
     chunks = ({24: 0, 12: 1}, {12: 0, 6: 1}) if sequence_parallel else ()
-    recorder = _OverlapRecorder(*chunks, serialize=serialize)
-    with recorder:
+    recorder, store = _OverlapRecorder(*chunks, serialize=serialize), [] if zero_bubble else None
+    with recorder, parallel.deferred_weight_grads(store):
         loss = model(ids[:, :-1], labels=ids[:, 1:])
         forward = list(recorder.events)
         loss.backward()
-    return forward, recorder.events[len(forward):]
+    backward = recorder.events[len(forward):]
+    if not zero_bubble:
+        return forward, backward
+    with recorder:
+        parallel.weight_grads(store)
+    return forward, backward, recorder.events[len(forward) + len(backward):]
 
 
 def _check_domino_overlaps_every_all_reduce():
@@ -673,6 +680,18 @@ def _check_domino_overlaps_every_all_reduce():
     assert len(synchronous) == 8 and all(backward[k][2][0] == "all_gather" for k in synchronous), backward
     regathers = [e for k, e in enumerate(backward) if k not in synchronous and k - 1 not in synchronous]
     assert _unhidden_all_reduces(regathers, "all_gather", other_chunk=False) == [], regathers
+    # Zero bubble: the dW GEMMs (2 layers x 4 linears x 2 chunks) leave the
+    # backward (I) for W, where no collective is in flight; every dX
+    # all-reduce (SP: reduce-scatter) but the last still has the other
+    # chunk's dX GEMMs beside it, now all that hides it.
+    gemms = lambda events: sum(kind == "gemm" for kind, *_ in events)  # noqa: E731
+    for sp, name in ((False, "all_reduce"), (True, "reduce_scatter")):
+        plain = _record_domino_order(serialize=False, sequence_parallel=sp)[1]
+        _, backward, w = _record_domino_order(serialize=False, sequence_parallel=sp, zero_bubble=True)
+        assert gemms(w) == 16 and gemms(backward) == gemms(plain) - 16, (w, backward)
+        assert all(kind == "gemm" for kind, *_ in w), w
+        assert sum(kind == "launch" and launch[0] == name for kind, _, launch in backward) == 8
+        assert _unhidden_all_reduces(backward, name) == [], backward
 
 
 @pytest.mark.slow
@@ -680,7 +699,9 @@ def test_domino_runs_another_chunks_gemms_while_each_all_reduce_is_in_flight():
     """Domino's point, checked from the order of operations on 2 ranks: in
     forward and in backward, between the launch of every chunk's all-reduce
     (but the last) and its wait, a GEMM of the other chunk runs; under
-    sequence parallelism, the same for its reduce-scatters and all-gathers."""
+    sequence parallelism, the same for its reduce-scatters and all-gathers;
+    under a zero-bubble pipeline's split backward, the same in I, the weight
+    gradients' GEMMs in W."""
     run_on_ranks(_check_domino_overlaps_every_all_reduce)
 
 
@@ -897,7 +918,7 @@ def test_gpt_with_one_rank_is_the_plain_model():
     parallel.initialize(1)
     try:
         model = _build_gpt(1, domino_chunks=2)  # Domino is a no-op without TP
-        assert type(model.blocks[0].attn.qkv) is nn.Linear
+        assert type(model.blocks[0].attn.qkv) is parallel.Linear  # nn.Linear whose dW a zero-bubble pipeline defers
         assert type(model.wte) is nn.Embedding
         assert not any(hasattr(p, "tensor_model_parallel") for p in model.parameters())
     finally:

@@ -33,20 +33,21 @@ def test_pipeline_stages_hold_consecutive_layers_and_virtual_stages_go_round():
         pipeline.pipeline_chunks(8, 2, 0, layers_per_virtual_stage=3)
 
 
-@pytest.mark.parametrize("pp,m,v", [(2, 8, 1), (2, 8, 2), (4, 8, 1), (4, 8, 2)])
-def test_run_pipelines_coupling_idles_as_the_schedules_formula(pp, m, v):
+@pytest.mark.parametrize("pp,m,v,zb", [(2, 8, 1, False), (2, 8, 2, False), (4, 8, 1, False), (4, 8, 2, False),
+                                       (2, 8, 1, True), (4, 8, 1, True)])
+def test_run_pipelines_coupling_idles_as_the_schedules_formula(pp, m, v, zb):
     """Actions of the tick clock's lengths (a forward 1, a backward 2) run
     through run_pipeline's exchanges (bench_pipeline.replay models them)
     idle (pp-1)/(v*m+pp-1) of the step on every rank. Interleaved at pp=2
     idled 0.238, not 0.059, while a rank inside a backward held up the
     neighbour sending to it until the backward ended; it now posts that
-    receive before the backward starts."""
+    receive before the backward starts. ZB-H1 (zb): (pp-1)/(3m+pp-1)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from bench_pipeline import replay
-    ticks = pipeline.pipeline_timeline(pp, m, v)
+    ticks = pipeline.pipeline_timeline(pp, m, v, zero_bubble=zb)
     clock = [[(t, t, t + pipeline.DURATION[row[r].kind]) for t, row in enumerate(ticks) if row[r]] for r in range(pp)]
-    for bubble in replay(clock, m, v):
-        assert bubble == pytest.approx((pp - 1) / (v * m + pp - 1))
+    for bubble in replay(clock, m, v, zero_bubble=zb):
+        assert bubble == pytest.approx((pp - 1) / (3 * m + pp - 1) if zb else (pp - 1) / (v * m + pp - 1))
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4)])
@@ -69,12 +70,34 @@ def test_bubble_of_the_schedule_is_narayanan_et_al_s(pp, m, v):
         assert sorted(done) == sorted(pipeline.Action(k, c, i) for k in "FB" for c in range(v) for i in range(m))
 
 
+@pytest.mark.parametrize("pp,m", [(4, 8), (2, 8), (2, 4), (4, 4), (3, 5)])
+def test_zb_h1_idles_pp_minus_1_ticks_a_stage_a_third_of_1f1b(pp, m):
+    """ZB-H1 on the same clock, F, I and W a tick each (1F1B's backward, I+W,
+    two): every stage idles pp-1 of 3m+pp-1 ticks, against 1F1B's 3(pp-1)
+    of 3m+3(pp-1). At pp=4, m=8: 3/27 = 0.111 against 9/33 = 0.273."""
+    ticks = pipeline.pipeline_timeline(pp, m, zero_bubble=True)
+    assert len(ticks) == 3 * m + pp - 1
+    for rank in range(pp):
+        done = [row[rank] for row in ticks if row[rank] is not None]
+        assert sum(pipeline.DURATION[a.kind] for a in done) == len(ticks) - (pp - 1)  # pp-1 idle ticks
+        assert sorted(done) == sorted(pipeline.Action(k, 0, i) for k in "FIW" for i in range(m))
+        kinds = "".join(a.kind for a in done)  # the forwards and input gradients in 1F1B's order
+        warmup = pp - 1 - rank
+        assert kinds.replace("W", "") == "F" * warmup + "FI" * (m - warmup) + "I" * warmup
+    one_f_one_b = pipeline.pipeline_timeline(pp, m)
+    assert len(one_f_one_b) == 3 * m + 3 * (pp - 1)
+    if (pp, m) == (4, 8):
+        assert (len(ticks), len(one_f_one_b)) == (27, 33)  # idle 3/27 = 0.111 vs 9/33 = 0.273
+
+
 def test_too_few_micro_batches_for_the_pipeline_name_the_flags():
     with pytest.raises(UsageError, match="1 micro-batch.*cannot fill 2 pipeline stages.*--global-batch-size"):
         pipeline.check_micro_batches(1, 2, 1)
     with pytest.raises(UsageError, match="groups of --pipeline-model-parallel-size 2: 3 micro-batches"):
         pipeline.check_micro_batches(3, 2, 2)
     pipeline.check_micro_batches(3, 2, 1)  # plain 1F1B takes any m >= pp
+    with pytest.raises(UsageError, match="--enable-zero-bubble runs ZB-H1, one model chunk a rank"):
+        pipeline.pipeline_timeline(2, 4, 2, zero_bubble=True)
 
 
 class _Saved:
@@ -103,7 +126,7 @@ class _InFlight:
         self.alive[micro] -= 1
 
 
-def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
+def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, zb: bool = False):
     m, pp, rank = 4, 2, dist.get_rank()
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                  vocab_size=100, padded_vocab_size=128, activation_checkpointing=recompute)
@@ -112,7 +135,8 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
         x, y, mask = uneven_batch(i, batch_size=2)
         batches.append({"tokens": x, "labels": y, "loss_mask": mask,
                         "position_ids": torch.arange(8).expand(2, 8)})
-    cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2)
+    cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2,
+                          enable_zero_bubble=zb)
     # the whole model, one process: micro-batches accumulated in turn
     parallel.destroy()
     parallel.initialize(1)
@@ -134,30 +158,36 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool):
     def counted(model, chunk, *args):
         in_flight.micro = next(calls) if chunk == 0 else in_flight.micro
         return forward(model, chunk, *args)
-    run_pipeline = pipeline.run_pipeline
+    run_pipeline, weight_grads, deferred = pipeline.run_pipeline, parallel.weight_grads, []
     pipeline.stage_forward = counted
     pipeline.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
+    parallel.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
     try:
         with torch.autograd.graph.saved_tensors_hooks(in_flight.pack, lambda saved: saved.t):
             loss = pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext())
     finally:
         pipeline.run_pipeline, pipeline.stage_forward = run_pipeline, forward
+        parallel.weight_grads = weight_grads
     pipeline.reduce_pipeline_grads(stage)
     assert_close(loss, want_loss, tol=1e-6, what="loss")
     wanted = dict(whole.named_parameters())
     for name, p in stage.named_parameters():
         assert_close(p.grad, wanted[name].grad, tol=1e-5, what=f"grad of {name}")
-    # the schedule ran as drawn, and stage 0 held at most pp micro-batches' activations
-    ticks = pipeline.pipeline_timeline(pp, m, v)
+    # the schedule ran as drawn, and stage s held at most pp-s micro-batches' saved
+    # activations (ZB-H1 as 1F1B; its W's inputs, beyond, are in bench_pipeline's table)
+    ticks = pipeline.pipeline_timeline(pp, m, v, zero_bubble=zb)
     assert [(t, a) for t, a, _, _ in timeline] == [(t, row[rank]) for t, row in enumerate(ticks) if row[rank]]
-    if v == 1 and rank == 0:
-        assert in_flight.peak == pp, in_flight.peak
+    if v == 1:
+        assert in_flight.peak == pp - rank, in_flight.peak
+    # ZB-H1: each W computed the dW of its micro-batch's 2 blocks x 4 linears (none, 1F1B)
+    assert deferred == ([2 * 4] * m if zb else []), deferred
 
 
-@pytest.mark.parametrize("v,recompute", [(1, False), (2, False), (1, True)],
-                         ids=["1F1B", "interleaved", "1F1B-recompute"])
-def test_pipeline_stage_pair_matches_the_whole_model(v, recompute):
-    run_on_ranks(_check_pipeline_stage_pair_matches_the_whole_model, v, recompute)
+@pytest.mark.parametrize("v,recompute,zb", [(1, False, False), (2, False, False), (1, True, False),
+                                            (1, False, True), (1, True, True)],
+                         ids=["1F1B", "interleaved", "1F1B-recompute", "ZB-H1", "ZB-H1-recompute"])
+def test_pipeline_stage_pair_matches_the_whole_model(v, recompute, zb):
+    run_on_ranks(_check_pipeline_stage_pair_matches_the_whole_model, v, recompute, zb)
 
 
 def _check_a_receive_due_inside_an_action_is_posted_before_it():
@@ -254,7 +284,8 @@ def _check_data_parallel_average_starts_as_gradients_become_final():
                  vocab_size=100, padded_vocab_size=128)
     torch.manual_seed(0)
     stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank, 1))
-    cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2)
+    cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2,
+                          enable_zero_bubble=False)
     batches = []
     for i in range(m):  # each data-parallel rank its own micro-batches
         x, y, mask = uneven_batch(10 * parallel.layout.dp_rank + i, batch_size=2)
@@ -302,3 +333,35 @@ def test_data_parallel_average_starts_as_gradients_become_final():
     while stage 0 still drains the pipeline; every parameter's once, and
     bit for bit the gradients of one all-reduce after the schedule."""
     run_on_ranks(_check_data_parallel_average_starts_as_gradients_become_final, world_size=4)
+
+
+def _check_zb_h1_averages_over_data_parallel_as_1f1b():
+    m, pp = 4, 2
+    parallel.destroy()
+    parallel.initialize(1, pipeline_model_parallel_size=pp)  # 4 ranks: PP=2 x DP=2
+    torch.manual_seed(0)
+    stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                          vocab_size=100, padded_vocab_size=128), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
+    batches = []
+    for i in range(m):  # each data-parallel rank its own micro-batches
+        x, y, mask = uneven_batch(10 * parallel.layout.dp_rank + i, batch_size=2)
+        batches.append({"tokens": x, "labels": y, "loss_mask": mask, "position_ids": torch.arange(8).expand(2, 8)})
+    grads = []
+    for zb in (False, True):
+        cfg = SimpleNamespace(seq_length=8, micro_batch_size=2, enable_zero_bubble=zb)
+        averager = pipeline.GradientAverager(stage, parallel.layout.dp_group, bucket_bytes=4096)
+        averager.begin(m)
+        pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext(), averager=averager)
+        pipeline.reduce_pipeline_grads(stage, averager)
+        grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
+        stage.zero_grad(set_to_none=True)
+    for name, want in grads[0].items():
+        assert_close(grads[1][name], want, tol=1e-6, what=name)
+
+
+def test_zb_h1_averages_over_data_parallel_ranks_as_1f1b():
+    """PP=2 x DP=2: ZB-H1's weight gradients, accumulated in W, reach the
+    data-parallel averager as final exactly once (an AccumulateGrad left in
+    the graph of I ran gradient-less there, and the averager, counting the
+    micro-batches, sent the weights' gradients off before their last W)."""
+    run_on_ranks(_check_zb_h1_averages_over_data_parallel_as_1f1b, world_size=4)

@@ -976,6 +976,11 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
     "PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
                                                    "--tensor-model-parallel-size", "2",
                                                    "--sequence-parallel", "--domino"]),
+    "ZB-H1 PP=2": (2, ["--pipeline-model-parallel-size", "2", "--enable-zero-bubble"]),
+    "ZB-H1 PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
+                                                         "--tensor-model-parallel-size", "2",
+                                                         "--sequence-parallel", "--domino",
+                                                         "--enable-zero-bubble"]),
 }
 
 
