@@ -296,8 +296,8 @@ class CausalSelfAttention(nn.Module):
         kv = config.num_query_groups * config.head_dim  # K (and V) width: < H under GQA
         # One matmul for Q, K and V; output layout [Q | K | V], each head-major
         # (head 0's hd columns, then head 1's, ...), the same as HF's c_attn.
-        self.qkv = parallel.Linear(H, H + 2 * kv, bias=bias)
-        self.proj = parallel.Linear(H, H, bias=bias)
+        self.qkv = nn.Linear(H, H + 2 * kv, bias=bias)
+        self.proj = nn.Linear(H, H, bias=bias)
         parallel.mark(self.proj, residual_out=True)  # the scaled init, see init_weights
         self.resid_drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
@@ -336,8 +336,8 @@ class MLP(nn.Module):
         bias, self.swiglu = not config.disable_bias_linear, config.swiglu
         # SwiGLU: fc's output is [gate | up], each ffn wide (under TP rank r holds [gate_r | up_r]).
         fc_out = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
-        self.fc = parallel.Linear(config.hidden_size, fc_out, bias=bias)
-        self.proj = parallel.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
+        self.fc = nn.Linear(config.hidden_size, fc_out, bias=bias)
+        self.proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
         parallel.mark(self.proj, residual_out=True)
         self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 

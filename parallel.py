@@ -688,12 +688,21 @@ class _LinearDeferringWeightGrad(torch.autograd.Function):
 
 
 class Linear(nn.Linear):
-    """nn.Linear through linear(): the blocks' matmuls at tp = 1, whose dW a
-    zero-bubble pipeline defers as the parallel layers' (shard_block swaps
-    them for those under TP)."""
+    """nn.Linear through linear(), whose dW a zero-bubble pipeline defers (as
+    the parallel linears' at tp > 1); see deferrable."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def deferrable(model: nn.Module) -> nn.Module:
+    """A zero-bubble run's model: its nn.Linear become Linear in place (the
+    same parameters and marks). The plain model keeps nn.Linear, so a step
+    without stages never passes through the store's checks."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = Linear
+    return model
 
 
 class RowParallelLinear(nn.Module):

@@ -109,6 +109,8 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     chunks = pipeline_chunks(mcfg.num_layers, parallel.layout.pp_size, parallel.layout.pp_rank,
                              cfg.num_layers_per_virtual_pipeline_stage)
     model = GPT(mcfg, chunks).to(device)
+    if cfg.enable_zero_bubble:  # the linears' weight gradients can wait for the schedule's W
+        parallel.deferrable(model)
     if parallel.layout.pp_rank > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
         torch.manual_seed(cfg.seed + 100 * parallel.layout.pp_rank)
         parallel.model_parallel_seed(cfg.seed + 100 * parallel.layout.pp_rank)

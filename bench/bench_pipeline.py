@@ -126,7 +126,8 @@ def build(args, device, v: int) -> GPT:
     torch.manual_seed(0)
     chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.layout.pp_rank,
                                       args.num_layers // (pp * v))
-    return GPT(config, chunks).to(device)
+    # deferrable: ZB-H1's W takes the linears' dW; without a store they run as nn.Linear
+    return parallel.deferrable(GPT(config, chunks).to(device))
 
 
 class SavedActivations:

@@ -918,7 +918,7 @@ def test_gpt_with_one_rank_is_the_plain_model():
     parallel.initialize(1)
     try:
         model = _build_gpt(1, domino_chunks=2)  # Domino is a no-op without TP
-        assert type(model.blocks[0].attn.qkv) is parallel.Linear  # nn.Linear whose dW a zero-bubble pipeline defers
+        assert type(model.blocks[0].attn.qkv) is nn.Linear
         assert type(model.wte) is nn.Embedding
         assert not any(hasattr(p, "tensor_model_parallel") for p in model.parameters())
     finally:

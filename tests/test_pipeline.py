@@ -152,6 +152,8 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     parallel.initialize(1, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
     stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
+    if zb:
+        parallel.deferrable(stage)  # as pipeline.build_model does under --enable-zero-bubble
     in_flight, calls, timeline = _InFlight(), iter(range(100)), []
     forward = pipeline.stage_forward
 
@@ -342,6 +344,7 @@ def _check_zb_h1_averages_over_data_parallel_as_1f1b():
     torch.manual_seed(0)
     stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                           vocab_size=100, padded_vocab_size=128), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
+    parallel.deferrable(stage)  # (for both schedules: without a store, as nn.Linear)
     batches = []
     for i in range(m):  # each data-parallel rank its own micro-batches
         x, y, mask = uneven_batch(10 * parallel.layout.dp_rank + i, batch_size=2)
