@@ -84,7 +84,8 @@ from launch import UsageError
 # ============================================================================
 # 1. Process groups and raw collectives
 # ============================================================================
-# The project's only global state, with the RNG tracker of section 5.
+# The project's global state, with the RNG tracker of section 5 and, set only
+# inside a zero-bubble schedule's actions, its weight-gradient store (section 3).
 #
 # Megatron's order of ranks: TP varies fastest, then DP, then PP, so
 # rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank. TP=2 x DP=2 x PP=2:
@@ -621,6 +622,8 @@ def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool, dw_to: tuple | N
 # small db) and appends (weight, dY, X) to the micro-batch's store;
 # weight_grads(store), the W, computes every dW = dY^T X from it. X and dY
 # stay alive until then: the memory W costs.
+# The store is dynamic scope, as autocast's state is: the linears deep in a
+# model's forward see it without every forward passing it along.
 _WEIGHT_GRAD_STORE: list | None = None
 
 
