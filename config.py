@@ -513,9 +513,9 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                              f"with --bf16 selects DeepSpeed's BF16 optimizer, which accumulates gradients in "
                              f"its own backward, and pipeline stages run their own; drop grad_accum_dtype "
                              f"(ZeRO-1 accumulates in bf16) or --pipeline-model-parallel-size {pp}")
-    if pp > 1 and cfg.compile:
-        raise UsageError("--compile compiles the whole model's forward, which a pipeline stage does not "
-                         "run: drop --compile or --pipeline-model-parallel-size")
+    if cfg.enable_zero_bubble and cfg.compile:  # its store is Python state no graph sees
+        raise UsageError("--enable-zero-bubble defers weight gradients outside autograd, which "
+                         "--compile cannot capture: drop one of them")
 
 
 def validate_deepspeed(cfg: TrainConfig) -> None:

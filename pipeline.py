@@ -3,8 +3,8 @@ and the micro-batches of a step scheduled through them. Sections:
 
   1. Stages: which layers (model chunks) a rank holds, the model it builds
      with them (build_model: at pp = 1 the whole model), a micro-batch's
-     forward and loss (micro_batch_loss: every engine's, at every layout),
-     a chunk's forward, the tied embedding's two copies
+     forward and loss (micro_batch_loss: every engine's, at every layout;
+     a chunk's forward is gpt.GPT.run_chunk), the tied embedding's two copies
   2. The schedules: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), drawn,
      and timed on one clock
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
@@ -27,7 +27,7 @@ import torch.nn as nn
 import parallel
 from config import TrainConfig, model_config
 from data import to_device
-from gpt import GPT, rope_angles
+from gpt import GPT
 from launch import UsageError
 
 # The layers are split into pp stages, one per pipeline rank (Huang et al.,
@@ -129,11 +129,8 @@ def micro_batch_loss(model, batch: dict, precision, chunk: int | None = None, x=
     output (None where the chunk begins at layer 0): returns the chunk's output,
     or where it ends with the last layer, the loss."""
     with precision:
-        if chunk is None:
-            return model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
-                         loss_mask=batch["loss_mask"])
-        return stage_forward(model, chunk, x, batch["tokens"], batch["position_ids"], batch["labels"],
-                             batch["loss_mask"])
+        return model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     loss_mask=batch["loss_mask"], chunk=chunk, x=x)
 
 
 def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
@@ -148,21 +145,6 @@ def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stag
         raise UsageError(f"--num-layers-per-virtual-pipeline-stage {n} x --pipeline-model-parallel-size "
                          f"{pp} must divide --num-layers {num_layers}")
     return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(num_layers // (pp * n))]
-
-
-def stage_forward(model: GPT, chunk: int, x, input_ids, position_ids, labels, loss_mask):
-    """Model chunk `chunk` of this pipeline stage (run_pipeline runs them): x
-    (B, T[/tp], C) is the previous stage's output, or None where the chunk
-    begins at layer 0 and embeds input_ids. Returns the chunk's output, or,
-    where it ends with the last layer, the loss (as GPT.forward)."""
-    layers = model.layers[chunk]
-    if layers.start == 0:
-        model.check_inputs(input_ids, position_ids, labels)
-        x, rope = model.embed(input_ids, position_ids)
-    else:
-        rope = rope_angles(model.config, position_ids) if model.config.position_embedding_type == "rope" else None
-    x = model.run_blocks(x, rope, None, [model.blocks.get_submodule(str(i)) for i in layers])
-    return x if layers.stop < model.config.num_layers else model.head(x, labels, loss_mask)
 
 
 def tied_embedding_copy(model: GPT) -> nn.Parameter | None:

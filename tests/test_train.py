@@ -1124,6 +1124,10 @@ COMPILE = ["--compile", "--compile-backend", "aot_eager"]
 TRAIN_RUNS = {  # name: flags; each runs eagerly and with COMPILE
     "tp2-sp-domino": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--domino"],
     **{f"zero{stage}": ["--deepspeed", "--zero-stage", str(stage)] for stage in (1, 2, 3)},
+    # pipeline stages: each rank compiles its model chunks (GPT.forward's chunk path)
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                        "--num-layers-per-virtual-pipeline-stage", "1"],
 }
 
 
@@ -1165,7 +1169,8 @@ def test_train_py_compile_follows_eager_mode(train_runs, name):
     """train.py --compile (aot_eager graphs) takes the same 4 steps as eager
     mode, loss and gradient norm to 1e-5: tensor parallelism with sequence
     parallelism and Domino (wrong gradients there would show as NaN norms
-    and skipped steps), and ZeRO 1, 2 and 3. Each compiled run really compiled
+    and skipped steps), ZeRO 1, 2 and 3, and pipeline stages (1F1B and
+    interleaved, each rank compiling its model chunks). Each compiled run really compiled
     (Dynamo made a graph), with no graph break but under ZeRO-3."""
     out, counters = train_runs
 
