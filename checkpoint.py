@@ -437,8 +437,8 @@ def older_checkpoint(load_dir: str, before: int) -> Found | None:
                          if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit()), reverse=True)
     for iteration in (i for i in iterations if i < before):
         path = os.path.join(load_dir, f"iter_{iteration:07d}")
-        if kind_of(path):
-            return Found(kind_of(path), iteration, path)
+        if kind := kind_of(path):
+            return Found(kind, iteration, path)
     return None
 
 
