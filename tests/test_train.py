@@ -1128,6 +1128,7 @@ TRAIN_RUNS = {  # name: flags; each runs eagerly and with COMPILE
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                         "--num-layers-per-virtual-pipeline-stage", "1"],
+    "pp2-zero1": ["--pipeline-model-parallel-size", "2", "--deepspeed", "--zero-stage", "1"],
 }
 
 
@@ -1169,8 +1170,8 @@ def test_train_py_compile_follows_eager_mode(train_runs, name):
     """train.py --compile (aot_eager graphs) takes the same 4 steps as eager
     mode, loss and gradient norm to 1e-5: tensor parallelism with sequence
     parallelism and Domino (wrong gradients there would show as NaN norms
-    and skipped steps), ZeRO 1, 2 and 3, and pipeline stages (1F1B and
-    interleaved, each rank compiling its model chunks). Each compiled run really compiled
+    and skipped steps), ZeRO 1, 2 and 3, and pipeline stages (1F1B,
+    interleaved, and under ZeRO-1; each rank compiling its model chunks). Each compiled run really compiled
     (Dynamo made a graph), with no graph break but under ZeRO-3."""
     out, counters = train_runs
 
