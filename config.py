@@ -469,6 +469,10 @@ def validate_compile(cfg: TrainConfig) -> None:
     if cfg.compile_mode != "default" and cfg.compile_backend != "inductor":
         raise UsageError(f"--compile-mode {cfg.compile_mode} is an Inductor mode: drop it or "
                          f"--compile-backend {cfg.compile_backend}")
+    if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.pipeline_model_parallel_size > 1:
+        # a replay overwrites the last one's outputs, and a stage keeps several micro-batches' alive
+        raise UsageError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) does not run pipeline stages, "
+                         f"which keep several micro-batches in flight: use --compile alone")
     if cfg.compile_mode in CUDA_GRAPH_MODES and not torch.cuda.is_available():
         raise UsageError(f"--compile-mode {cfg.compile_mode} replays the step as CUDA graphs, which "
                          f"needs a GPU: on CPU use --compile alone")
