@@ -557,24 +557,30 @@ class GPT(nn.Module):
         self._ids_checked_on_gpu = input_ids.is_cuda
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None,
-                chunk: int | None = None, x=None):
+                chunk: int = 0, x=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
         the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
         a KVCache holding the positions before input_ids, which it extends.
         Under sequence parallelism the blocks hold this rank's T/tp tokens.
-        chunk: a pipeline stage's model chunk instead (run_chunk), on x."""
-        if chunk is not None:  # through forward, so torch.compile(model) compiles chunks too
-            return self.run_chunk(chunk, x, input_ids, position_ids, labels, loss_mask)
-        B, T = input_ids.shape
+
+        Under pipeline parallelism, model chunk `chunk` of this stage
+        (pipeline.run_pipeline runs them, through here so that
+        torch.compile(model) compiles each chunk): where it does not begin at
+        layer 0 it runs on x (B, T[/tp], C), the previous stage's output, and
+        where it does not end with the last layer it returns its own output."""
+        layers, T = self.layers[chunk], input_ids.shape[1]
         start = kv_cache.length if kv_cache is not None else 0
-        self.check_inputs(input_ids, position_ids, labels, start)
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
-        x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
-        x = self.run_blocks(x, rope, kv_cache, self.blocks)
+        if layers.start == 0:
+            self.check_inputs(input_ids, position_ids, labels, start)
+            x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
+        else:
+            rope = rope_angles(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
+        x = self.run_blocks(x, rope, kv_cache, [self.blocks.get_submodule(str(i)) for i in layers])
         if kv_cache is not None:
             kv_cache.length += T
-        return self.head(x, labels, loss_mask)
+        return x if layers.stop < self.config.num_layers else self.head(x, labels, loss_mask)
 
     def head(self, x, labels, loss_mask):
         """The final norm and the LM head: (B, T[/tp], C) -> logits, or the loss:
@@ -606,20 +612,6 @@ class GPT(nn.Module):
             s, r = position_ids.shape[-1] // parallel.layout.tp_size, parallel.layout.tp_rank
             position_ids = position_ids[..., r * s:(r + 1) * s]     # this rank's tokens
         return self.drop(x + self.wpe(position_ids)), None
-
-    def run_chunk(self, chunk: int, x, input_ids, position_ids, labels, loss_mask):
-        """Model chunk `chunk` of this pipeline stage (pipeline.run_pipeline
-        runs them): x (B, T[/tp], C) is the previous stage's output, or None
-        where the chunk begins at layer 0 and embeds input_ids. Returns the
-        chunk's output, or, where it ends with the last layer, the loss."""
-        layers = self.layers[chunk]
-        if layers.start == 0:
-            self.check_inputs(input_ids, position_ids, labels)
-            x, rope = self.embed(input_ids, position_ids)
-        else:
-            rope = rope_angles(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
-        x = self.run_blocks(x, rope, None, [self.blocks.get_submodule(str(i)) for i in layers])
-        return x if layers.stop < self.config.num_layers else self.head(x, labels, loss_mask)
 
     def run_blocks(self, x, rope, kv_cache, blocks):
         if kv_cache is not None:  # inference: plain order, each layer reads and extends its cache

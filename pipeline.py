@@ -4,7 +4,7 @@ and the micro-batches of a step scheduled through them. Sections:
   1. Stages: which layers (model chunks) a rank holds, the model it builds
      with them (build_model: at pp = 1 the whole model), a micro-batch's
      forward and loss (micro_batch_loss: every engine's, at every layout;
-     a chunk's forward is gpt.GPT.run_chunk), the tied embedding's two copies
+     a chunk's forward is gpt.GPT.forward's), the tied embedding's two copies
   2. The schedules: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), drawn,
      and timed on one clock
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
@@ -117,7 +117,7 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     return model
 
 
-def micro_batch_loss(model, batch: dict, precision, chunk: int | None = None, x=None) -> torch.Tensor:
+def micro_batch_loss(model, batch: dict, precision, chunk: int = 0, x=None) -> torch.Tensor:
     """The forward and loss of one micro-batch (on the device), written once
     for every engine and layout: train.train_step runs it at pp = 1, and the
     1F1B schedule (pipeline_step) once per model chunk. `precision` is the

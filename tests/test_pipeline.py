@@ -155,20 +155,20 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     if zb:
         parallel.deferrable(stage)  # as pipeline.build_model does under --enable-zero-bubble
     in_flight, calls, timeline = _InFlight(), iter(range(100)), []
-    forward = stage.run_chunk
+    forward = stage.forward
 
-    def counted(chunk, *args):
+    def counted(*args, chunk, **kwargs):
         in_flight.micro = next(calls) if chunk == 0 else in_flight.micro
-        return forward(chunk, *args)
+        return forward(*args, chunk=chunk, **kwargs)
     run_pipeline, weight_grads, deferred = pipeline.run_pipeline, parallel.weight_grads, []
-    stage.run_chunk = counted
+    stage.forward = counted
     pipeline.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
     parallel.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
     try:
         with torch.autograd.graph.saved_tensors_hooks(in_flight.pack, lambda saved: saved.t):
             loss = pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext())
     finally:
-        pipeline.run_pipeline, stage.run_chunk = run_pipeline, forward
+        pipeline.run_pipeline, stage.forward = run_pipeline, forward
         parallel.weight_grads = weight_grads
     pipeline.reduce_pipeline_grads(stage)
     assert_close(loss, want_loss, tol=1e-6, what="loss")
