@@ -192,6 +192,44 @@ def test_pipeline_stage_pair_matches_the_whole_model(v, recompute, zb):
     run_on_ranks(_check_pipeline_stage_pair_matches_the_whole_model, v, recompute, zb)
 
 
+def _check_zb_h1_takes_1f1bs_gradients_in_16_bit(dtype):
+    m, pp = 4, 2
+    parallel.destroy()
+    parallel.initialize(1, pipeline_model_parallel_size=pp)
+    torch.manual_seed(0)
+    stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                          vocab_size=100, padded_vocab_size=128, hidden_dropout=0.1, attention_dropout=0.1),
+                pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
+    parallel.deferrable(stage)  # (for both schedules: without a store, as nn.Linear)
+    batches = []
+    for i in range(m):
+        x, y, mask = uneven_batch(i, batch_size=2)
+        batches.append({"tokens": x, "labels": y, "loss_mask": mask, "position_ids": torch.arange(8).expand(2, 8)})
+    scale = (lambda loss: loss * 1024.0) if dtype == torch.float16 else None  # --fp16's loss scale
+    grads, weight_grads, deferred = [], parallel.weight_grads, []
+    parallel.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
+    try:
+        for zb in (False, True):
+            cfg = SimpleNamespace(seq_length=8, micro_batch_size=2, enable_zero_bubble=zb)
+            torch.manual_seed(1)  # the same dropout masks for both schedules
+            pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), torch.autocast("cpu", dtype=dtype), scale)
+            grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
+            stage.zero_grad(set_to_none=True)
+    finally:
+        parallel.weight_grads = weight_grads
+    assert deferred == [2 * 4] * m  # ZB-H1's W ran, with each micro-batch's 2 blocks x 4 linears
+    for name, want in grads[0].items():
+        assert torch.equal(grads[1][name], want), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_zb_h1_takes_1f1bs_gradients_in_16_bit_with_dropout(dtype):
+    """Under --bf16 / --fp16 autocast (fp16: through a loss scale), with
+    dropout, ZB-H1's deferred W computes 1F1B's weight gradients bit for
+    bit: dW from the same 16-bit dY and X, returned in the weight's dtype."""
+    run_on_ranks(_check_zb_h1_takes_1f1bs_gradients_in_16_bit, dtype)
+
+
 def _check_a_receive_due_inside_an_action_is_posted_before_it():
     pp, m, v = 2, 8, 2
     parallel.destroy()

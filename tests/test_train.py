@@ -976,7 +976,6 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
     "PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
                                                    "--tensor-model-parallel-size", "2",
                                                    "--sequence-parallel", "--domino"]),
-    "ZB-H1 PP=2": (2, ["--pipeline-model-parallel-size", "2", "--enable-zero-bubble"]),
     "ZB-H1 PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
                                                          "--tensor-model-parallel-size", "2",
                                                          "--sequence-parallel", "--domino",
@@ -997,7 +996,8 @@ def pipeline_runs(corpus, tmp_path_factory):
     """{name: {iteration: metrics}} of each run: PP=1 (saving at iteration 4),
     PP=2 stopped at 4 (--exit-interval), PP=1 resumed from PP=2's iteration 4,
     PP=2 resumed from PP=1's, PIPELINE_LAYOUTS (DIST_WRITER saving torch_dist),
-    DIST_READERS, and PP=2 with dropout, whole and resumed from its own iteration 4."""
+    DIST_READERS, PP=2 with dropout, whole and resumed from its own iteration 4,
+    and ZB-H1 with dropout: whole, resumed from its own iteration 4 and from 1F1B's."""
     out = tmp_path_factory.mktemp("pipeline")
 
     def run(name, nproc, *flags):
@@ -1026,6 +1026,14 @@ def pipeline_runs(corpus, tmp_path_factory):
     runs["PP=2 with dropout"] = run("drop", 2, *dropout, "--save", str(out / "drop"))
     (out / "drop" / checkpoint.LATEST).write_text("4")
     runs["PP=2 with dropout, resumed at 4"] = run("drop-resumed", 2, *dropout, "--load", str(out / "drop"))
+    zb = [*dropout, "--enable-zero-bubble"]  # ZB-H1: whole, resumed from its own iteration 4, and from 1F1B's
+    runs["ZB-H1 PP=2 with dropout"] = run("zb-drop", 2, *zb, "--save", str(out / "zb-drop"))
+    (out / "zb-drop" / checkpoint.LATEST).write_text("4")
+    runs["ZB-H1 PP=2 with dropout, resumed at 4"] = run("zb-drop-resumed", 2, *zb, "--load", str(out / "zb-drop"))
+    shutil.copytree(out / "drop", out / "drop-to-zb")
+    (out / "drop-to-zb" / checkpoint.LATEST).write_text("4")
+    runs["ZB-H1 PP=2 with dropout, from 1F1B's iteration 4"] = run("drop-to-zb", 2, *zb, "--load",
+                                                                   str(out / "drop-to-zb"))
     runs["dir"] = out
     return runs
 
@@ -1057,6 +1065,23 @@ def test_pipeline_stages_draw_their_own_dropout_and_resume_it(pipeline_runs):
     for i in got:
         assert (got[i]["loss"], got[i]["grad_norm"]) == (want[i]["loss"], want[i]["grad_norm"]), i
     assert want[8]["loss"] != pipeline_runs["PP=1"][8]["loss"]  # dropout is on
+
+
+@pytest.mark.slow
+def test_zb_h1_takes_1f1bs_steps_resumes_bit_for_bit_and_from_1f1bs_checkpoint(pipeline_runs):
+    """With dropout (each stage its own streams), ZB-H1 at PP=2 takes 1F1B's
+    steps; resumed from its own iteration 4 it retraces itself bit for bit,
+    and from 1F1B's checkpoint of iteration 4 it goes on along 1F1B's curve."""
+    one_f_one_b, zb = pipeline_runs["PP=2 with dropout"], pipeline_runs["ZB-H1 PP=2 with dropout"]
+    resumed = pipeline_runs["ZB-H1 PP=2 with dropout, resumed at 4"]
+    crossed = pipeline_runs["ZB-H1 PP=2 with dropout, from 1F1B's iteration 4"]
+    assert sorted(zb) == list(range(1, 9)) and sorted(resumed) == sorted(crossed) == [5, 6, 7, 8]
+    for i in zb:
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert zb[i].get(key) == pytest.approx(one_f_one_b[i].get(key), abs=1e-5), (i, key)
+            if i > 4:
+                assert resumed[i].get(key) == zb[i].get(key), (i, key)
+                assert crossed[i].get(key) == pytest.approx(one_f_one_b[i].get(key), abs=1e-5), (i, key)
 
 
 @pytest.mark.slow
