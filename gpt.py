@@ -577,7 +577,8 @@ class GPT(nn.Module):
             x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
         else:
             rope = rope_angles(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
-        x = self.run_blocks(x, rope, kv_cache, [self.blocks.get_submodule(str(i)) for i in layers])
+        n = len(layers)  # every chunk holds n layers (pipeline_chunks), in self.blocks in layer order
+        x = self.run_blocks(x, rope, kv_cache, self.blocks[chunk * n:(chunk + 1) * n])
         if kv_cache is not None:
             kv_cache.length += T
         return x if layers.stop < self.config.num_layers else self.head(x, labels, loss_mask)
