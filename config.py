@@ -497,10 +497,9 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                          "--pipeline-model-parallel-size > 1")
     if cfg.enable_zero_bubble and pp == 1:
         raise UsageError("--enable-zero-bubble schedules pipeline stages: it needs --pipeline-model-parallel-size > 1")
-    clash = "--deepspeed" if cfg.deepspeed else "--num-layers-per-virtual-pipeline-stage" if n else None
-    if cfg.enable_zero_bubble and clash:  # ZB-V would be zero bubble's interleaving; DeepSpeed's backward is whole
-        raise UsageError(f"--enable-zero-bubble (ZB-H1, one model chunk a rank, weight gradients split "
-                         f"from our own backward) does not run with {clash}")
+    if cfg.enable_zero_bubble and n:  # ZB-V would be zero bubble's interleaving
+        raise UsageError("--enable-zero-bubble runs ZB-H1, one model chunk a rank: drop "
+                         "--num-layers-per-virtual-pipeline-stage")
     if pp > 1 and cfg.deepspeed and cfg.zero_stage not in (None, 0, 1):
         raise UsageError(f"ZeRO stage {cfg.zero_stage} (--zero-stage, --deepspeed_config) partitions "
                          f"gradients, which pipeline stages accumulate over the micro-batches of a step: "

@@ -225,6 +225,8 @@ def worker(out: str, plan: str) -> None:
         worker_run(out, "pp2_dp2_z1_overlap", ["--deepspeed", "--deepspeed_config", overlap,
                                                "--pipeline-model-parallel-size", "2", "--train-iters", "4",
                                                "--lr-decay-iters", str(STEPS)])
+        worker_run(out, "pp2_dp2_z1_zb", ["--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2",
+                                          "--enable-zero-bubble", "--train-iters", "4", "--lr-decay-iters", str(STEPS)])
     dist.barrier()
     dist.destroy_process_group()
 
@@ -423,6 +425,14 @@ def test_zero1_overlap_comm_over_pipeline_and_data_parallel_ranks_averages_the_g
     data-parallel ranks, and the tied embedding's copies drifted apart.)"""
     assert_same_steps(metrics(runs, "z1")[:4], metrics(runs, "pp2_dp2_z1_overlap"))
     assert "overlap_comm: off over pipeline stages" in open(os.path.join(runs, "tp.log")).read()
+
+
+def test_zero1_under_the_zero_bubble_schedule_trains_zero1s_curve(runs):
+    """ZB-H1 at PP=2 x D=2 under DeepSpeed's ZeRO-1: the weight gradients its
+    W accumulates after the step's last input-gradient backward still reach
+    DeepSpeed's data-parallel reduction, and the tied embedding's two copies
+    stay one: ZeRO-1's curve without stages."""
+    assert_same_steps(metrics(runs, "z1")[:4], metrics(runs, "pp2_dp2_z1_zb"))
 
 
 @pytest.mark.parametrize("stage", [1, 3])
