@@ -810,7 +810,7 @@ $LAUNCHER $CMD
 
 def test_bigscience_deepspeed_recipe_with_batch_rampup_as_pasted(bigscience):
     """ZeRO-1 through the deepspeed launcher on 2 ranks, the global batch
-    ramping from 2 (100 samples never reach the end of the 1000-sample ramp)."""
+    ramping from 2 (40 samples never reach the end of the 1000-sample ramp)."""
     script = f"""CHECKPOINT_PATH=checkpoints/gpt2-ds
 VOCAB_FILE=gpt2-vocab.json
 MERGE_FILE=gpt2-merges.txt
@@ -834,7 +834,7 @@ GPT_ARGS=" \\
     --micro-batch-size $MICRO_BATCH_SIZE \\
     --rampup-batch-size 2 2 1_000 \\
     --global-batch-size $GLOBAL_BATCH_SIZE \\
-    --train-samples 100 \\
+    --train-samples 40 \\
     --optimizer adam \\
     --adam-beta1 0.9 \\
     --adam-beta2 0.95 \\
@@ -919,9 +919,9 @@ $CMD
     proc = run_recipe(script, bigscience)
     assert "world 2 = TP 1 x DP 2" in proc.stdout and "(ramped up from 2)" in proc.stdout
     scalars = tensorboard_scalars(bigscience / "output_dir/tensorboard")
-    assert scalars["train/batch_size"] == [2] * 5  # iterations 10 ... 50: still ramping
-    assert scalars["train/consumed_samples"][-1] == 100 and len(scalars["valid/ppl"]) == 1
-    assert open(bigscience / "checkpoints/gpt2-ds/latest").read() == "iter_0000050"
+    assert scalars["train/batch_size"] == [2] * 2  # iterations 10 and 20: still ramping
+    assert scalars["train/consumed_samples"][-1] == 40 and len(scalars["valid/ppl"]) == 1
+    assert open(bigscience / "checkpoints/gpt2-ds/latest").read() == "iter_0000020"
 
 
 def test_bigscience_tensor_and_pipeline_parallel_launch_as_pasted(bigscience):
