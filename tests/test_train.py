@@ -987,6 +987,9 @@ DIST_WRITER = "PP=2 x TP=2, sequence parallel, Domino"
 DIST_READERS = {  # name: (processes, flags) of a run resuming DIST_WRITER's torch_dist checkpoint
     "torch_dist of PP=2 x TP=2, resumed at PP=1": (1, []),
     "torch_dist of PP=2 x TP=2, resumed at TP=2": (2, ["--tensor-model-parallel-size", "2"]),
+    "torch_dist of PP=2 x TP=2, resumed at interleaved PP=2": PIPELINE_LAYOUTS[
+        "interleaved PP=2, 2 virtual stages a rank"],
+    "torch_dist of PP=2 x TP=2, resumed at DP=4": (4, []),
     "torch_dist of PP=2 x TP=2, resumed at its own layout": PIPELINE_LAYOUTS[DIST_WRITER],
 }
 
