@@ -124,7 +124,9 @@ class TrainConfig:
     data_path: list[str] = flag(["data/shakespeare_text_document"], "PREFIX, or a weighted blend: W1 PREFIX1 "
                                                                    "W2 PREFIX2 ...", nargs="+")
     data_impl: str = flag("mmap", "mmap (Megatron's .bin/.idx; alias --dataset-impl)", BOTH)
-    tokenizer_type: str = flag("GPT2BPETokenizer", "GPT2BPETokenizer (the only one)", BOTH)
+    tokenizer_type: str = flag("GPT2BPETokenizer", "GPT2BPETokenizer, or NullTokenizer: the data's ids as they "
+                                                   "are, --vocab-size of them (Megatron's; no text)", BOTH)
+    vocab_size: int | None = flag(None, "NullTokenizer's vocabulary: ids 0..N-1, and N ends a document", BOTH)
     vocab_file: str | None = flag(None, "GPT-2's gpt2-vocab.json, checked if given", BOTH)
     merge_file: str | None = flag(None, "GPT-2's gpt2-merges.txt, checked if given", BOTH)
     split: str = flag("969,30,1", "train,valid,test weights, split by documents")
@@ -409,7 +411,21 @@ def validate_megatron_flags(cfg: TrainConfig) -> None:
                          f"--dataset-impl mmap)")
     if cfg.make_vocab_size_divisible_by < 1:
         raise UsageError("--make-vocab-size-divisible-by must be >= 1")
-    check_gpt2_bpe(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
+    if cfg.tokenizer_type == "NullTokenizer":
+        if cfg.vocab_size is None or cfg.vocab_size < 1:
+            raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size N (token ids 0..N-1; "
+                             "N ends a document)")
+    elif cfg.vocab_size is not None:
+        raise UsageError(f"--vocab-size sets NullTokenizer's vocabulary; {cfg.tokenizer_type} has its own: "
+                         f"drop --vocab-size, or add --tokenizer-type NullTokenizer")
+    else:
+        check_gpt2_bpe(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file)
+
+
+def eod_token(cfg: TrainConfig) -> int:
+    """The id that ends every document: GPT-2's <|endoftext|> (50256), or, as
+    in Megatron, NullTokenizer's --vocab-size (the one id past the data's)."""
+    return cfg.vocab_size if cfg.tokenizer_type == "NullTokenizer" else GPTConfig.vocab_size - 1
 
 
 def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
@@ -560,7 +576,8 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
                                         "disable_bias_linear") if getattr(cfg, k)})
     # Padded to a multiple of --make-vocab-size-divisible-by alone (Megatron multiplies it
     # by the TP size): the embedding's shape, and every checkpoint, fit any layout.
-    overrides["padded_vocab_size"] = pad_vocab_size(GPTConfig.vocab_size, cfg.make_vocab_size_divisible_by)
+    overrides["vocab_size"] = eod_token(cfg) + 1
+    overrides["padded_vocab_size"] = pad_vocab_size(overrides["vocab_size"], cfg.make_vocab_size_divisible_by)
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                      activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl,
                      sequence_parallel=cfg.sequence_parallel)

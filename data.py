@@ -569,9 +569,9 @@ def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
                    merge_file: str | None = None) -> None:
     """Megatron recipes name the tokenizer and its files: they must be GPT2BPETokenizer and,
     where given, GPT-2's files (tokenization uses the installed copy, gpt2_bpe_files)."""
-    if tokenizer_type != "GPT2BPETokenizer":
+    if tokenizer_type != "GPT2BPETokenizer":  # (train.py's NullTokenizer has no text to tokenize)
         raise UsageError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
-                         f"(GPT-2's BPE, {VOCAB_SIZE} tokens)")
+                         f"(GPT-2's BPE, {VOCAB_SIZE} tokens) tokenizes text here")
     def digest(path, flag, read):
         try:
             with open(path, encoding="utf-8") as f:

@@ -41,12 +41,12 @@ import parallel
 import pipeline
 import zero
 from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, build_optimizer,
-                    compile_options, model_config, parse_args)
+                    compile_options, eod_token, model_config, parse_args)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from launch import UsageError
 from pipeline import micro_batch_loss
-from prepare import EOD, load_tokenizer
+from prepare import load_tokenizer
 
 
 # ----------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def build_datasets(cfg: TrainConfig, global_batch: int):
     num_samples = (train_samples, eval_runs * cfg.eval_iters * global_batch, 0)
     build = lambda: data_lib.build_train_valid_test_datasets(  # noqa: E731
         data_path=cfg.data_path, split=cfg.split, num_samples=num_samples, seq_length=cfg.seq_length,
-        seed=cfg.seed, cache_dir=cfg.data_cache_path, eod_token=EOD,
+        seed=cfg.seed, cache_dir=cfg.data_cache_path, eod_token=eod_token(cfg),
         reset_position_ids=cfg.reset_position_ids, eod_mask_loss=cfg.eod_mask_loss)[:2]
     if not dist.is_initialized():
         return build()
@@ -475,12 +475,16 @@ def check_losses(pending: list, logger: Logger, last_saved: int) -> float:
 
 
 def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
-    enc = load_tokenizer()  # a UsageError if requirements.txt's BPE package is missing
-    ids = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
+    eod = eod_token(cfg)
+    if cfg.tokenizer_type == "NullTokenizer":  # no text: ids, from a document's start (as Megatron's prints them)
+        prompt, decode = [eod], lambda ids: " ".join(map(str, ids))
+    else:
+        enc = load_tokenizer()  # a UsageError if requirements.txt's BPE package is missing
+        prompt, decode = enc.encode_ordinary(cfg.sample_prompt), enc.decode
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # same on every tensor-parallel rank
-    out = generate(model, ids, max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=200,
-                   eos_token_id=EOD, generator=gen)
-    return enc.decode([t for t in out[0].tolist() if t < EOD])
+    out = generate(model, torch.tensor([prompt], device=device), max_new_tokens=cfg.sample_tokens,
+                   temperature=0.8, top_k=200, eos_token_id=eod, generator=gen)
+    return decode([t for t in out[0].tolist() if t < eod])
 
 
 class Meter:

@@ -146,10 +146,22 @@ def test_megatron_spellings_are_accepted():
     assert parse("--use-flash-attn").attention_impl == "triton"
 
 
+def test_null_tokenizer_takes_the_vocabulary_from_vocab_size_and_ends_documents_with_it():
+    """Megatron's NullTokenizer: ids 0..N-1 as the data holds them, and N
+    (one past them) ends a document, so the model has N + 1 rows, padded."""
+    cfg = config_lib.parse_args(["--preset", "tiny", "--tokenizer-type", "NullTokenizer", "--vocab-size", "2000"])
+    mcfg = config_lib.model_config(cfg)
+    assert (mcfg.vocab_size, mcfg.padded_vocab_size, config_lib.eod_token(cfg)) == (2001, 2048, 2000)
+    gpt2 = config_lib.parse_args(["--preset", "tiny"])
+    assert config_lib.eod_token(gpt2) == 50256 and config_lib.model_config(gpt2).vocab_size == 50257
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--data-impl", "lazy"], "only mmap"),
     (["--dataset-impl", "cached"], "only mmap"),
     (["--tokenizer-type", "BertWordPieceLowerCase"], "only GPT2BPETokenizer"),
+    (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --vocab-size N"),
+    (["--vocab-size", "2000"], "--vocab-size sets NullTokenizer's vocabulary; GPT2BPETokenizer has its own"),
     (["--optimizer", "sgd"], "only adam"),
     (["--DDP-impl", "apex"], "use torch"),
     (["--distributed-backend", "mpi"], "use nccl .GPUs. or gloo"),

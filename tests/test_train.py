@@ -696,6 +696,25 @@ def test_without_the_bpe_package_the_run_ends_saying_why_no_sample(corpus, monke
     assert "no sample printed" in out and "pip install -r requirements.txt" in out and "sample -" not in out
 
 
+def test_null_tokenizer_trains_on_the_ids_a_corpus_holds_and_samples_ids(tmp_path, capsys):
+    """--tokenizer-type NullTokenizer --vocab-size 500 (Megatron's): a corpus of
+    ids 0..499, each document ended by 500; the model's head has 501 rows
+    (padded to 512), and the closing sample is printed as ids."""
+    rng, prefix = np.random.default_rng(0), str(tmp_path / "ids_text_document")
+    builder = data_lib.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(60):
+        builder.add_document([*rng.integers(0, 500, size=int(rng.integers(20, 80))), 500])
+    builder.finalize(prefix + ".idx")
+    train.main([*TINY, "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
+                "--train-iters", "2", "--sample-tokens", "8", "--save", str(tmp_path / "ckpt")])
+    out = capsys.readouterr().out
+    sample = out.split(" sample ")[1].splitlines()[1].split()
+    assert sample and all(0 <= int(t) < 500 for t in sample), sample
+    with checkpoint.data_only_loads(str(tmp_path)):
+        saved = torch.load(tmp_path / "ckpt" / "iter_0000002" / checkpoint.PLAIN_FILE)
+    assert saved["model"]["wte.weight"].shape[0] == 512 and saved["model_config"]["vocab_size"] == 501
+
+
 # ----------------------------------------------------------------------------
 # The BigScience Megatron-DeepSpeed README, pasted: preprocessing, the
 # single-GPU pretraining command, the DeepSpeed one with its ds_config.json
