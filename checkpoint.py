@@ -252,10 +252,10 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
         log(f"removed checkpoint iter_{iteration:07d} (--keep-last-checkpoints {keep})")
 
 
-def on_every_rank(fn, what: str) -> None:
-    """Run fn(), then agree with every rank on whether all succeeded: a rank
-    whose part failed raises its own error, the others stop with one line
-    naming it. (At a bare barrier they would wait forever.)"""
+def on_every_rank(fn, what: str, group=None) -> None:
+    """Run fn(), then agree with every rank (of `group`, default all) on
+    whether all succeeded: a rank whose part failed raises its own error, the
+    others stop with one line naming it. (At a bare barrier they would wait forever.)"""
     error = None
     try:
         fn()
@@ -264,9 +264,9 @@ def on_every_rank(fn, what: str) -> None:
     full = isinstance(error, OSError) and error.errno == errno.ENOSPC
     mine = (f"{type(error).__name__}: {error}", full) if error else None
     everyone = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
     for rank, (message, full) in ((r, m) for r, m in enumerate(everyone) if m):
         if full:  # the user's to fix: one line from rank 0 (launch.report_usage_error)
             raise UsageError(f"{what} failed on rank {rank}, the disk is full ({message}); the previous "
@@ -294,16 +294,16 @@ def digest_files(directory: str, names: list[str]) -> dict[str, str]:
     return {name: sha256_of(os.path.join(directory, name)) for name in names}
 
 
-def digests_of_every_rank(directory: str, what: str) -> dict[str, str]:
+def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, str]:
     """The sha256 of every file in directory, rank r hashing files r, r+W, ...
     of the sorted list (collective; every rank's writes must be done)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     names, mine = sorted(os.listdir(directory)), {}
-    on_every_rank(lambda: mine.update(digest_files(directory, names[rank::world])), what)
+    on_every_rank(lambda: mine.update(digest_files(directory, names[rank::world])), what, group)
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=group)
     return {name: d for share in everyone for name, d in share.items()}
 
 
@@ -331,16 +331,17 @@ def damage(found: Found) -> str | None:
     return None
 
 
-def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None) -> None:
+def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None, group=None) -> None:
     """A checkpoint every rank writes part of (torch_dist, DeepSpeed): each
     writes into SAVE/iter_N.tmp (write(tmp)), they hash the files, then rank 0
-    adds its own (extra(tmp) -> their names), the digests, and publishes."""
+    adds its own (extra(tmp) -> their names), the digests, and publishes.
+    Every collective on `group` (default: all ranks)."""
     final = os.path.join(cfg.save, f"iter_{iteration:07d}")
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
-    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
-    on_every_rank(lambda: write(tmp), what)
-    digests = digests_of_every_rank(tmp, what)
+    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what, group)
+    on_every_rank(lambda: write(tmp), what, group)
+    digests = digests_of_every_rank(tmp, what, group)
 
     def publish_on_first():
         if first:
@@ -349,7 +350,7 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
             log(f"saved checkpoint {final}")
             remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
-    on_every_rank(publish_on_first, what)
+    on_every_rank(publish_on_first, what, group)
 
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
