@@ -29,6 +29,7 @@ import random
 import shutil
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 import parallel
 from config import TrainConfig
@@ -335,7 +337,7 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
     """A checkpoint every rank writes part of (torch_dist, DeepSpeed): each
     writes into SAVE/iter_N.tmp (write(tmp)), they hash the files, then rank 0
     adds its own (extra(tmp) -> their names), the digests, and publishes.
-    Every collective on `group` (default: all ranks)."""
+    Every collective on `group` (AsyncSave's, for a write in the background)."""
     final = os.path.join(cfg.save, f"iter_{iteration:07d}")
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
@@ -354,11 +356,12 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
 
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
-                    consumed_samples: int, log) -> None:
+                    consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
     """Gather the full states on global rank 0 and write them there (or, with
-    --ckpt-format torch_dist, every rank its own). Collective: every rank calls it."""
+    --ckpt-format torch_dist, every rank its own; with a saver, in the
+    background). Collective: every rank calls it."""
     if cfg.ckpt_format == "torch_dist":
-        return save_dist_checkpoint(cfg, model, optimizer, scaler, iteration, consumed_samples, log)
+        return save_dist_checkpoint(cfg, model, optimizer, scaler, iteration, consumed_samples, log, saver)
     model_sd, optim_sd = states_for_writer(model, optimizer)
     rng = rng_state()  # collective too
     # under pipeline parallelism every stage's own streams too (dropout differs by stage)
@@ -648,9 +651,10 @@ def dist_model_state(model: GPT) -> dict:
 
 
 def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
-                         consumed_samples: int, log) -> None:
+                         consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
     """--ckpt-format torch_dist: every rank writes its own shards (dcp.save,
-    collective), rank 0 publishes (write_every_rank). Nothing is gathered."""
+    collective), rank 0 publishes (write_every_rank). Nothing is gathered.
+    With a saver (--async-save) all that runs in the background."""
     state = dist_model_state(model)
     for name, p in model.named_parameters():
         state.update({f"optimizer.{name}.{k}": as_shards(p, v) if v.shape == p.shape else v
@@ -664,9 +668,45 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
                   "scaler": scaler.state_dict() if scaler else None, "iteration": iteration,
                   "consumed_samples": consumed_samples, "config": dataclasses.asdict(cfg),
                   "model_config": dataclasses.asdict(model.config)})
-    write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp.save(
-        state, storage_writer=dcp.FileSystemWriter(tmp), planner=DefaultSavePlanner(**AS_THEY_ARE),
-        no_dist=not dist.is_initialized()), log)
+
+    def write(state: dict, group=None) -> None:
+        write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp.save(
+            state, storage_writer=dcp.FileSystemWriter(tmp), planner=DefaultSavePlanner(**AS_THEY_ARE),
+            process_group=group, no_dist=not dist.is_initialized()), log, group=group)
+
+    if saver is None:
+        return write(state)
+    saver.start(state, write)
+    log(f"staged checkpoint {iteration} in host memory; writing it to {cfg.save} in the background")
+
+
+class AsyncSave:
+    """--async-save: the loop waits only while DCP's stager copies the state
+    to host memory (new tensors, CPU ones and ShardedTensor shards included,
+    which training's in-place updates leave alone); a thread then writes,
+    hashes and publishes that copy (write_every_rank) as training goes on.
+    One write is in flight at a time: the next save and the end of the run
+    (a stop or an error included) wait for it, and raise its error. Its
+    collectives, DCP's and ours, run on a gloo group of its own, so they
+    never interleave with the training's on one communicator. Every rank
+    creates it at the same point (new_group is collective)."""
+
+    def __init__(self, timeout):
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self.pending = None  # the write in flight: a Future
+
+    def start(self, state: dict, write) -> None:
+        """write(a host copy of state, group) in the background, once the previous write is done."""
+        self.wait()
+        staged = BlockingAsyncStager().stage(state)
+        thread = ThreadPoolExecutor(1, thread_name_prefix="async-save")
+        self.pending = thread.submit(write, staged, self.group)
+        thread.shutdown(wait=False)  # its one thread ends with the write
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()  # a failed write raises here: on_every_rank's one line
 
 
 def load_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, found: Found, log):
