@@ -39,7 +39,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import parallel
 from config import TrainConfig
@@ -654,11 +654,14 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
                          consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
     """--ckpt-format torch_dist: every rank writes its own shards (dcp.save,
     collective), rank 0 publishes (write_every_rank). Nothing is gathered.
-    With a saver (--async-save) all that runs in the background."""
-    state = dist_model_state(model)
-    for name, p in model.named_parameters():
-        state.update({f"optimizer.{name}.{k}": as_shards(p, v) if v.shape == p.shape else v
-                      for k, v in optimizer.state.get(p, {}).items()})
+    With a saver (--async-save) the loop waits only for a host copy of the
+    state, and all that runs in the background."""
+    params, state, like = dict(model.named_parameters()), {}, {}  # like: the parameter a tensor is shaped like
+    for name, t in model.state_dict().items():
+        state[f"model.{name}"], like[f"model.{name}"] = t, params.get(name)
+    for name, p in params.items():
+        for k, v in optimizer.state.get(p, {}).items():
+            state[f"optimizer.{name}.{k}"], like[f"optimizer.{name}.{k}"] = v, p if v.shape == p.shape else None
     rng = rng_state()  # collective over TP
     if parallel.layout.tp_rank == 0 and parallel.layout.dp_rank == 0:
         buffer = io.BytesIO()
@@ -670,8 +673,10 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
                   "model_config": dataclasses.asdict(model.config)})
 
     def write(state: dict, group=None) -> None:
+        # TP shards as ShardedTensors from here on, of the host copy if staged (DCP's stager copies none)
+        shards = {key: as_shards(like.get(key), v) for key, v in state.items()}
         write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp.save(
-            state, storage_writer=dcp.FileSystemWriter(tmp), planner=DefaultSavePlanner(**AS_THEY_ARE),
+            shards, storage_writer=dcp.FileSystemWriter(tmp), planner=DefaultSavePlanner(**AS_THEY_ARE),
             process_group=group, no_dist=not dist.is_initialized()), log, group=group)
 
     if saver is None:
@@ -682,9 +687,10 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
 
 class AsyncSave:
     """--async-save: the loop waits only while DCP's stager copies the state
-    to host memory (new tensors, CPU ones and ShardedTensor shards included,
-    which training's in-place updates leave alone); a thread then writes,
-    hashes and publishes that copy (write_every_rank) as training goes on.
+    to host memory (a copy even of CPU tensors, which training's in-place
+    updates leave alone; it keeps each tensor's copy for the next save, which
+    then copies into memory already in place); a thread then writes, hashes
+    and publishes that copy (write_every_rank) as training goes on.
     One write is in flight at a time: the next save and the end of the run
     (a stop or an error included) wait for it, and raise its error. Its
     collectives, DCP's and ours, run on a gloo group of its own, so they
@@ -693,12 +699,14 @@ class AsyncSave:
 
     def __init__(self, timeout):
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
         self.pending = None  # the write in flight: a Future
 
     def start(self, state: dict, write) -> None:
         """write(a host copy of state, group) in the background, once the previous write is done."""
         self.wait()
-        staged = BlockingAsyncStager().stage(state)
+        staged = self.stager.stage(state)
         thread = ThreadPoolExecutor(1, thread_name_prefix="async-save")
         self.pending = thread.submit(write, staged, self.group)
         thread.shutdown(wait=False)  # its one thread ends with the write

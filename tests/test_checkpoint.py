@@ -415,7 +415,7 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
     write is slowed by a second, so a save that did not wait would see no
     pointer), and train.main returns with 4 published (slowed alike)."""
     ckpt, stepped, events = str(tmp_path / "ckpt"), threading.Event(), []
-    real_step, real_save, real_stage = train.train_step, checkpoint.dcp.save, checkpoint.BlockingAsyncStager.stage
+    real_step, real_save, real_stage = train.train_step, checkpoint.dcp.save, checkpoint.DefaultStager.stage
     pointer = os.path.join(ckpt, checkpoint.LATEST)
     latest = lambda: open(pointer).read() if os.path.exists(pointer) else None
 
@@ -436,7 +436,7 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
         time.sleep(1)
         return real_save(state, **k)
     monkeypatch.setattr(train, "train_step", step)
-    monkeypatch.setattr(checkpoint.BlockingAsyncStager, "stage", stage)
+    monkeypatch.setattr(checkpoint.DefaultStager, "stage", stage)
     monkeypatch.setattr(checkpoint.dcp, "save", save)
     train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
                 "--eval-interval", "0", "--ckpt-format", "torch_dist", "--async-save"])
