@@ -448,10 +448,10 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
 
 
 def test_a_run_resumed_from_an_async_save_repeats_the_uninterrupted_run_bit_for_bit(corpus, tmp_path):
-    """2 ranks at TP=2 (ShardedTensor shards staged, the checkpoint group
-    used by DCP and the publish), saving at 2, 4 and 6 in the background;
-    resumed from 2, the run repeats the uninterrupted one's losses and
-    gradient norms exactly."""
+    """2 ranks at TP=2 (TP shards staged, then described as ShardedTensors of
+    the copy; the checkpoint group used by DCP and the publish), saving at 2,
+    4 and 6 in the background; resumed from 2, the run repeats the
+    uninterrupted one's losses and gradient norms exactly."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--eval-interval", "0",
               "--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]
     ckpt, full, resumed = tmp_path / "ckpt", str(tmp_path / "full.jsonl"), str(tmp_path / "resumed.jsonl")
