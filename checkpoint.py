@@ -29,6 +29,7 @@ import random
 import shutil
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import parallel
 from config import TrainConfig
@@ -252,10 +254,10 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
         log(f"removed checkpoint iter_{iteration:07d} (--keep-last-checkpoints {keep})")
 
 
-def on_every_rank(fn, what: str) -> None:
-    """Run fn(), then agree with every rank on whether all succeeded: a rank
-    whose part failed raises its own error, the others stop with one line
-    naming it. (At a bare barrier they would wait forever.)"""
+def on_every_rank(fn, what: str, group=None) -> None:
+    """Run fn(), then agree with every rank (of `group`, default all) on
+    whether all succeeded: a rank whose part failed raises its own error, the
+    others stop with one line naming it. (At a bare barrier they would wait forever.)"""
     error = None
     try:
         fn()
@@ -264,9 +266,9 @@ def on_every_rank(fn, what: str) -> None:
     full = isinstance(error, OSError) and error.errno == errno.ENOSPC
     mine = (f"{type(error).__name__}: {error}", full) if error else None
     everyone = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
     for rank, (message, full) in ((r, m) for r, m in enumerate(everyone) if m):
         if full:  # the user's to fix: one line from rank 0 (launch.report_usage_error)
             raise UsageError(f"{what} failed on rank {rank}, the disk is full ({message}); the previous "
@@ -294,16 +296,16 @@ def digest_files(directory: str, names: list[str]) -> dict[str, str]:
     return {name: sha256_of(os.path.join(directory, name)) for name in names}
 
 
-def digests_of_every_rank(directory: str, what: str) -> dict[str, str]:
+def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, str]:
     """The sha256 of every file in directory, rank r hashing files r, r+W, ...
     of the sorted list (collective; every rank's writes must be done)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     names, mine = sorted(os.listdir(directory)), {}
-    on_every_rank(lambda: mine.update(digest_files(directory, names[rank::world])), what)
+    on_every_rank(lambda: mine.update(digest_files(directory, names[rank::world])), what, group)
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=group)
     return {name: d for share in everyone for name, d in share.items()}
 
 
@@ -331,16 +333,17 @@ def damage(found: Found) -> str | None:
     return None
 
 
-def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None) -> None:
+def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None, group=None) -> None:
     """A checkpoint every rank writes part of (torch_dist, DeepSpeed): each
     writes into SAVE/iter_N.tmp (write(tmp)), they hash the files, then rank 0
-    adds its own (extra(tmp) -> their names), the digests, and publishes."""
+    adds its own (extra(tmp) -> their names), the digests, and publishes.
+    Every collective on `group` (AsyncSave's, for a write in the background)."""
     final = os.path.join(cfg.save, f"iter_{iteration:07d}")
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
-    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what)
-    on_every_rank(lambda: write(tmp), what)
-    digests = digests_of_every_rank(tmp, what)
+    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what, group)
+    on_every_rank(lambda: write(tmp), what, group)
+    digests = digests_of_every_rank(tmp, what, group)
 
     def publish_on_first():
         if first:
@@ -349,15 +352,16 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
             log(f"saved checkpoint {final}")
             remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
-    on_every_rank(publish_on_first, what)
+    on_every_rank(publish_on_first, what, group)
 
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
-                    consumed_samples: int, log) -> None:
+                    consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
     """Gather the full states on global rank 0 and write them there (or, with
-    --ckpt-format torch_dist, every rank its own). Collective: every rank calls it."""
+    --ckpt-format torch_dist, every rank its own; with a saver, in the
+    background). Collective: every rank calls it."""
     if cfg.ckpt_format == "torch_dist":
-        return save_dist_checkpoint(cfg, model, optimizer, scaler, iteration, consumed_samples, log)
+        return save_dist_checkpoint(cfg, model, optimizer, scaler, iteration, consumed_samples, log, saver)
     model_sd, optim_sd = states_for_writer(model, optimizer)
     rng = rng_state()  # collective too
     # under pipeline parallelism every stage's own streams too (dropout differs by stage)
@@ -647,13 +651,17 @@ def dist_model_state(model: GPT) -> dict:
 
 
 def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
-                         consumed_samples: int, log) -> None:
+                         consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
     """--ckpt-format torch_dist: every rank writes its own shards (dcp.save,
-    collective), rank 0 publishes (write_every_rank). Nothing is gathered."""
-    state = dist_model_state(model)
-    for name, p in model.named_parameters():
-        state.update({f"optimizer.{name}.{k}": as_shards(p, v) if v.shape == p.shape else v
-                      for k, v in optimizer.state.get(p, {}).items()})
+    collective), rank 0 publishes (write_every_rank). Nothing is gathered.
+    With a saver (--async-save) the loop waits only for a host copy of the
+    state, and all that runs in the background."""
+    params, state, like = dict(model.named_parameters()), {}, {}  # like: the parameter a tensor is shaped like
+    for name, t in model.state_dict().items():
+        state[f"model.{name}"], like[f"model.{name}"] = t, params.get(name)
+    for name, p in params.items():
+        for k, v in optimizer.state.get(p, {}).items():
+            state[f"optimizer.{name}.{k}"], like[f"optimizer.{name}.{k}"] = v, p if v.shape == p.shape else None
     rng = rng_state()  # collective over TP
     if parallel.layout.tp_rank == 0 and parallel.layout.dp_rank == 0:
         buffer = io.BytesIO()
@@ -663,9 +671,50 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
                   "scaler": scaler.state_dict() if scaler else None, "iteration": iteration,
                   "consumed_samples": consumed_samples, "config": dataclasses.asdict(cfg),
                   "model_config": dataclasses.asdict(model.config)})
-    write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp.save(
-        state, storage_writer=dcp.FileSystemWriter(tmp), planner=DefaultSavePlanner(**AS_THEY_ARE),
-        no_dist=not dist.is_initialized()), log)
+
+    def write(state: dict, group=None) -> None:
+        # TP shards as ShardedTensors from here on, of the host copy if staged (DCP's stager copies none)
+        shards = {key: as_shards(like.get(key), v) for key, v in state.items()}
+        write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp.save(
+            shards, storage_writer=dcp.FileSystemWriter(tmp), planner=DefaultSavePlanner(**AS_THEY_ARE),
+            process_group=group, no_dist=not dist.is_initialized()), log, group=group)
+
+    if saver is None:
+        return write(state)
+    saver.start(state, write)
+    log(f"staged checkpoint {iteration} in host memory; writing it to {cfg.save} in the background")
+
+
+class AsyncSave:
+    """--async-save: the loop waits only while DCP's stager copies the state
+    to host memory (a copy even of CPU tensors, which training's in-place
+    updates leave alone; it keeps each tensor's copy for the next save, which
+    then copies into memory already in place); a thread then writes, hashes
+    and publishes that copy (write_every_rank) as training goes on.
+    One write is in flight at a time: the next save and the end of the run
+    (a stop or an error included) wait for it, and raise its error. Its
+    collectives, DCP's and ours, run on a gloo group of its own, so they
+    never interleave with the training's on one communicator. Every rank
+    creates it at the same point (new_group is collective)."""
+
+    def __init__(self, timeout):
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+        self.pending = None  # the write in flight: a Future
+
+    def start(self, state: dict, write) -> None:
+        """write(a host copy of state, group) in the background, once the previous write is done."""
+        self.wait()
+        staged = self.stager.stage(state)
+        thread = ThreadPoolExecutor(1, thread_name_prefix="async-save")
+        self.pending = thread.submit(write, staged, self.group)
+        thread.shutdown(wait=False)  # its one thread ends with the write
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()  # a failed write raises here: on_every_rank's one line
 
 
 def load_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, found: Found, log):

@@ -148,6 +148,8 @@ class TrainConfig:
     load: str | None = flag(None, "checkpoint directory to resume from (evaluate.py: to evaluate)", BOTH)
     ckpt_format: str = flag("torch", "torch: one file, gathered tensor by tensor on rank 0 | torch_dist: "
                                      "every rank writes its own shards (torch.distributed.checkpoint)")
+    async_save: bool = flag(False, "torch_dist: write each checkpoint in the background; the loop waits only "
+                                   "while the state is copied to host memory")
     save_interval: int | None = flag(None, "save every N steps (and at the end, on SIGTERM and at --exit-interval)")
     exit_interval: int | None = flag(None, "save and stop after every N steps")
     keep_last_checkpoints: int | None = flag(None, "after each save, delete all but the newest K checkpoints "
@@ -558,6 +560,10 @@ def validate_deepspeed(cfg: TrainConfig) -> None:
     if cfg.deepspeed and cfg.ckpt_format != "torch":
         raise UsageError("--ckpt-format torch_dist is for plain runs: --deepspeed writes DeepSpeed's own "
                          "checkpoints (each rank its own files already); drop one of them")
+    if cfg.async_save and cfg.ckpt_format != "torch_dist":
+        raise UsageError("--async-save writes torch_dist checkpoints in the background (as Megatron): add "
+                         "--ckpt-format torch_dist" + (" and drop --deepspeed" if cfg.deepspeed else "")
+                         + ", or drop --async-save")
 
 
 # ----------------------------------------------------------------------------

@@ -266,6 +266,7 @@ class PlainTraining:
             if parallel.layout.pp_size > 1 and parallel.layout.dp_size > 1 else None
         self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         self.max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
+        self.saver = checkpoint.AsyncSave(env.timeout) if cfg.async_save else None  # --async-save's write in flight
 
     def begin(self, micro_batches: int, lr: float) -> None:
         """This step's learning rate; its gradients start from none."""
@@ -312,7 +313,7 @@ class PlainTraining:
 
     def save(self, iteration: int, consumed: int) -> None:
         checkpoint.save_checkpoint(self.cfg, self.raw, self.optimizer, self.scaler, iteration,
-                                   consumed, self.log)
+                                   consumed, self.log, self.saver)
 
     def close(self) -> None:
         pass
@@ -565,7 +566,11 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
                  f"TP {lay.tp_size} x DP {lay.dp_size} x PP {lay.pp_size} | global batch {global_batch} "
                  f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
-    iteration = loop(cfg, env, trainer, datasets, logger, global_batch, accum)
+    try:
+        iteration = loop(cfg, env, trainer, datasets, logger, global_batch, accum)
+    finally:  # at the end, a stop (SIGTERM) or an error: a checkpoint still being written is published first
+        if trainer.saver:
+            trainer.saver.wait()
     if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
         if parallel.layout.pp_size > 1:
             logger.print("no sample printed: the model is split into pipeline stages; sample from the saved "

@@ -190,6 +190,7 @@ class DeepSpeedTraining:
     DeepSpeed's own checkpoint (this layout only). With --no-load-optim or
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights."""
+    saver = None  # its saves are synchronous (--async-save needs --ckpt-format torch_dist)
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log

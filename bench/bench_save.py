@@ -3,6 +3,7 @@
     python bench/bench_save.py                          # 350M, tp=2, CPU
     python bench/bench_save.py --repo OTHER_CHECKOUT    # the same for another commit
     python bench/bench_save.py --ckpt-format torch_dist --pp 2    # every rank its shards, tp=2 x pp=2
+    python bench/bench_save.py --async-save    # torch_dist, synchronous then --async-save, 2 saves each
 
 Runs `torchrun --nproc_per_node 2 train.py --preset 350M
 --tensor-model-parallel-size 2 --train-iters 1 --save DIR` (any train.py with
@@ -14,7 +15,14 @@ right after it, so
     before save   the rank's resident memory at that line (model, AdamW, grads)
     save peak     the highest resident memory after it, until the rank exits
     added         save peak - before save: what the save itself costs
-    save s        from that line to train.py's "saved checkpoint" line
+    save s        from that line to train.py's "saved checkpoint" line (published)
+    blocked s     from that line until the loop goes on: the same as save s, or
+                  with --async-save to its "staged checkpoint" line; at a later
+                  save from the later of the step's line and the previous
+                  checkpoint's "saved" line (the end of the wait for its write)
+
+--async-save runs 2 iterations, saving after each: the first save allocates
+the host copy, the second copies into it.
 
 CPU only (it reads host memory). On a GPU the same gather happened on the
 device in the old code; the figures here show where the full states live.
@@ -23,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,19 +76,22 @@ def worker_pids(launcher_pid: int) -> list[int]:
     return sorted(int(p) for p in out.split())
 
 
-def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str | None = None) -> dict:
+def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str | None = None,
+            flags: tuple = (), saves: int = 1) -> tuple[dict, list]:
     corpus = os.path.join(workdir, "corpus_text_document")
-    make_corpus(corpus)
+    if not os.path.exists(corpus + ".idx"):
+        make_corpus(corpus)
+    shutil.rmtree(os.path.join(workdir, "ckpt"), ignore_errors=True)
     cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={tp * pp}", os.path.join(repo, "train.py"),
            "--preset", preset, "--tensor-model-parallel-size", str(tp),
            *(["--pipeline-model-parallel-size", str(pp)] if pp > 1 else []),
            *(["--ckpt-format", fmt] if fmt else []),
            "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", str(pp),  # >= a micro-batch a stage
-           "--train-iters", "1", "--eval-interval", "0", "--log-interval", "1",
+           "--train-iters", str(saves), "--save-interval", "1", "--eval-interval", "0", "--log-interval", "1",
            "--sample-tokens", "0", "--data-path", corpus, "--split", "100,0,0",
            "--data-cache-path", os.path.join(workdir, "cache"),
-           "--save", os.path.join(workdir, "ckpt")]
+           "--save", os.path.join(workdir, "ckpt"), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -96,26 +109,32 @@ def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str
 
     sampler = threading.Thread(target=poll, daemon=True)
     sampler.start()
-    save_starts, saved, lines = None, None, []
-    for line in proc.stdout:
-        lines.append(line)
-        if save_starts is None and line.lstrip().startswith("iter") and "loss" in line:
-            save_starts = time.time()  # the step's log line; the save comes next
-        if saved is None and line.startswith("saved checkpoint"):
-            saved = time.time()
+    lines = [(time.time(), line) for line in proc.stdout]  # each with the time it arrived
     proc.wait()
     done.set()
     sampler.join()
-    if proc.returncode != 0 or save_starts is None:
-        raise SystemExit("train.py failed or printed no step line:\n" + "".join(lines[-40:]))
+
+    def when(pattern: str) -> float | None:
+        return next((t for t, line in lines if re.match(pattern, line)), None)
+
+    steps = [when(rf"\s*iter\s+{k} \|") for k in range(1, saves + 1)]  # each step's line; its save comes next
+    saved = [when(rf"saved checkpoint .*iter_{k:07d}$") for k in range(1, saves + 1)]
+    if proc.returncode != 0 or None in steps or None in saved:
+        raise SystemExit("train.py failed or printed no step line:\n" + "".join(l for _, l in lines[-40:]))
+    timings = []
+    for k in range(1, saves + 1):
+        starts = max(steps[k - 1], saved[k - 2] if k > 1 else 0)  # once the previous write is waited for
+        timings.append({"blocked_s": (when(rf"staged checkpoint {k} ") or saved[k - 1]) - starts,
+                        "save_s": saved[k - 1] - steps[k - 1]})
+    save_starts = steps[0]
     per_rank = {}
     for rank, pid in enumerate(sorted({pid for _, pid, _ in samples})):
         mine = [(t, m) for t, p, m in samples if p == pid]
         before = [m for t, m in mine if t <= save_starts]
         after = [m for t, m in mine if t > save_starts]
         per_rank[rank] = {"before_save_mib": before[-1], "save_peak_mib": max(after),
-                          "added_mib": max(after) - before[-1], "save_s": saved - save_starts}
-    return per_rank
+                          "added_mib": max(after) - before[-1]}
+    return per_rank, timings
 
 
 def main() -> None:
@@ -125,14 +144,30 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ckpt-format", help="train.py's --ckpt-format (default: its default)")
+    ap.add_argument("--async-save", action="store_true",
+                    help="torch_dist twice, synchronous then --async-save, and the loop's blocked time of each")
     args = ap.parse_args()
+    runs = {"torch_dist": ("torch_dist", ()), "torch_dist --async-save": ("torch_dist", ("--async-save",))} \
+        if args.async_save else {args.ckpt_format or "default": (args.ckpt_format, ())}
+    results = {}
     with tempfile.TemporaryDirectory() as workdir:
-        result = measure(os.path.abspath(args.repo), args.preset, args.tp, workdir, args.pp, args.ckpt_format)
-    print(f"{args.preset}, tp={args.tp}, pp={args.pp}, --ckpt-format {args.ckpt_format or 'default'}, {args.repo}")
-    print(f"{'rank':>4} {'before save MiB':>16} {'save peak MiB':>14} {'added MiB':>10} {'save s':>7}")
-    for rank, r in result.items():
-        print(f"{rank:>4} {r['before_save_mib']:>16.0f} {r['save_peak_mib']:>14.0f} {r['added_mib']:>10.0f} "
-              f"{r['save_s']:>7.1f}")
+        for name, (fmt, flags) in runs.items():
+            results[name] = measure(os.path.abspath(args.repo), args.preset, args.tp, workdir, args.pp, fmt, flags,
+                                    saves=2 if args.async_save else 1)
+    print(f"{args.preset}, tp={args.tp}, pp={args.pp}, {args.repo}")
+    print(f"{'--ckpt-format':>24} {'rank':>4} {'before save MiB':>16} {'save peak MiB':>14} {'added MiB':>10}")
+    for name, (per_rank, _) in results.items():
+        for rank, r in per_rank.items():
+            print(f"{name:>24} {rank:>4} {r['before_save_mib']:>16.0f} {r['save_peak_mib']:>14.0f} "
+                  f"{r['added_mib']:>10.0f}")
+    print(f"\n{'--ckpt-format':>24} {'save':>4} {'blocked s':>9} {'save s':>7}")
+    for name, (_, timings) in results.items():
+        for k, t in enumerate(timings, 1):
+            print(f"{name:>24} {k:>4} {t['blocked_s']:>9.1f} {t['save_s']:>7.1f}")
+    if args.async_save:
+        sync, background = (results[name][1] for name in runs)
+        print("the loop blocked with --async-save / without: " + ", ".join(
+            f"save {k}: {b['blocked_s'] / s['blocked_s']:.0%}" for k, (s, b) in enumerate(zip(sync, background), 1)))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/soak_restart.py                      # 10 tries, plain DDP, 2 CPU ranks
     python bench/soak_restart.py --engine zero2       # the same under DeepSpeed ZeRO-2
+    python bench/soak_restart.py --engine async       # DDP, --ckpt-format torch_dist --async-save
     python bench/soak_restart.py --tries 3 --iters 20 # a quick look
 
 Each try launches, as a cluster user would,
@@ -46,7 +47,8 @@ LOADED_LINE = re.compile(r"loaded checkpoint .*\(iteration (\d+)")
 
 
 def train_command(args, corpus: str, workdir: str, restarts: int) -> list[str]:
-    engine = ["--deepspeed", "--zero-stage", "2"] if args.engine == "zero2" else []
+    engine = {"ddp": [], "zero2": ["--deepspeed", "--zero-stage", "2"],
+              "async": ["--ckpt-format", "torch_dist", "--async-save"]}[args.engine]
     return [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             f"--max-restarts={restarts}", os.path.join(HERE, "train.py"),
             "--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
@@ -127,7 +129,7 @@ def one_try(args, corpus: str, workdir: str, kill_at: int, reference: dict) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tries", type=int, default=10)
-    p.add_argument("--engine", choices=("ddp", "zero2"), default="ddp")
+    p.add_argument("--engine", choices=("ddp", "zero2", "async"), default="ddp")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--save-interval", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a try may take before it counts as hung")

@@ -17,8 +17,10 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -28,7 +30,8 @@ import checkpoint
 import pipeline
 import train
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
-from conftest import ROOT, TINY, read_metrics, run_bounded, run_train, tiny, tiny_model, tokens
+from conftest import (ROOT, TINY, _train_main, read_metrics, run_bounded, run_on_ranks, run_train, tiny,
+                      tiny_model, tokens, train_on_ranks)
 from launch import UsageError
 from gpt import GPT, LLAMA_OPTIONS
 
@@ -256,6 +259,14 @@ def dist_saves(corpus, tmp_path_factory):
     return ckpt
 
 
+def dist_tensors(path: str) -> dict:
+    """Every tensor of a torch_dist checkpoint (model, optimizer, RNG), read whole."""
+    saved = checkpoint.read_dist_metadata(path).state_dict_metadata
+    return {k: v for k, v in checkpoint.read_dist(path, {k: torch.empty(md.size, dtype=md.properties.dtype)
+                                                         for k, md in saved.items() if hasattr(md, "properties")},
+                                                  no_dist=True).items() if torch.is_tensor(v)}
+
+
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_every_save_lists_its_files_digests_in_sha256sums_format(two_saves, dist_saves, fmt):
     saves, files = {"torch": (two_saves, [checkpoint.PLAIN_FILE]),
@@ -357,19 +368,30 @@ def test_a_torch_dist_index_that_would_run_code_is_refused(dist_saves, tmp_path)
     assert not ran.exists()
 
 
+@pytest.mark.parametrize("flags", [[], ["--ckpt-format", "torch_dist", "--async-save"]])
 def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoint(
-        corpus, tmp_path, monkeypatch, capsys):
+        corpus, tmp_path, monkeypatch, capsys, flags):
+    """With --async-save the write fails in the background; the end of the
+    run, which waits for it, stops with the same line."""
     ckpt = str(tmp_path / "ckpt")
-    real_save = torch.save
+    real_save, real_dcp_save = torch.save, checkpoint.dcp.save
 
-    def save(obj, path, *a, **k):
+    def full(path):
         if "iter_0000004" in str(path):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def save(obj, path, *a, **k):
+        full(path)
         return real_save(obj, path, *a, **k)
+
+    def dcp_save(state, storage_writer, **k):
+        full(storage_writer.path)
+        return real_dcp_save(state, storage_writer=storage_writer, **k)
     monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(checkpoint.dcp, "save", dcp_save)
     with pytest.raises(SystemExit) as stop:
         train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
-                    "--eval-interval", "0"])
+                    "--eval-interval", "0", *flags])
     assert stop.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith(f"train.py: error: saving checkpoint 4 to {ckpt} failed on "
@@ -377,6 +399,99 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoin
     assert "the previous checkpoint and its pointer are intact" in error[0]
     assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
     assert checkpoint.verified_checkpoint(ckpt, print).iteration == 2
+
+
+# --async-save: the loop waits while the state is copied to host memory; the
+# write, digests and publish run in the background
+
+
+def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_next_save_and_the_end(
+        corpus, dist_saves, tmp_path, monkeypatch):
+    """dist_saves' run with --async-save. The write of checkpoint 2 is held
+    until the loop has finished step 3 (which never comes if the save blocks
+    the loop), yet it holds iteration 2's tensors bit for bit: the staged
+    copy is independent of the parameters and optimizer states that step 3
+    updated in place. The save at 4 stages only once 2 is published (its
+    write is slowed by a second, so a save that did not wait would see no
+    pointer), and train.main returns with 4 published (slowed alike)."""
+    ckpt, stepped, events = str(tmp_path / "ckpt"), threading.Event(), []
+    real_step, real_save, real_stage = train.train_step, checkpoint.dcp.save, checkpoint.DefaultStager.stage
+    pointer = os.path.join(ckpt, checkpoint.LATEST)
+    latest = lambda: open(pointer).read() if os.path.exists(pointer) else None
+
+    def step(*a):
+        events.append("step")
+        result = real_step(*a)
+        if events.count("step") == 3:
+            stepped.set()
+        return result
+
+    def stage(self, state):
+        events.append(f"stage {state['iteration']}, latest {latest()}")
+        return real_stage(self, state)
+
+    def save(state, **k):  # the background write
+        if state["iteration"] == 2:
+            assert stepped.wait(60), "the loop waited for the write"
+        time.sleep(1)
+        return real_save(state, **k)
+    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(checkpoint.DefaultStager, "stage", stage)
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
+                "--eval-interval", "0", "--ckpt-format", "torch_dist", "--async-save"])
+    assert latest() == "4"
+    assert [e for e in events if e.startswith("stage")] == ["stage 2, latest None", "stage 4, latest 2"]
+    for name in ("iter_0000002", "iter_0000004"):
+        want, got = dist_tensors(os.path.join(dist_saves, name)), dist_tensors(os.path.join(ckpt, name))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+
+
+def test_a_run_resumed_from_an_async_save_repeats_the_uninterrupted_run_bit_for_bit(corpus, tmp_path):
+    """2 ranks at TP=2 (TP shards staged, then described as ShardedTensors of
+    the copy; the checkpoint group used by DCP and the publish), saving at 2,
+    4 and 6 in the background; resumed from 2, the run repeats the
+    uninterrupted one's losses and gradient norms exactly."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--eval-interval", "0",
+              "--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]
+    ckpt, full, resumed = tmp_path / "ckpt", str(tmp_path / "full.jsonl"), str(tmp_path / "resumed.jsonl")
+    train_on_ranks([*common, "--save", str(ckpt), "--save-interval", "2", "--async-save", "--metrics-file", full],
+                   nproc=2)
+    assert (ckpt / checkpoint.LATEST).read_text() == "6"
+    (ckpt / checkpoint.LATEST).write_text("2")
+    train_on_ranks([*common, "--load", str(ckpt), "--metrics-file", resumed], nproc=2)
+    curve = lambda path: [(m["iteration"], m["loss"], m["grad_norm"]) for m in read_metrics(path)]
+    assert curve(resumed) == curve(full)[2:]  # exact, not close
+
+
+def _train_killed_after_writing_checkpoint_4(args):
+    """conftest's rank main, SIGKILLed (no handler runs) in its background
+    write of checkpoint 4: its files are written, not yet hashed or published."""
+    real_save = checkpoint.dcp.save
+
+    def save(state, **k):
+        real_save(state, **k)
+        if state["iteration"] == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint.dcp.save = save
+    _train_main(args)
+
+
+def test_a_kill_during_an_async_write_leaves_the_previous_checkpoint_and_its_pointer(corpus, tmp_path, capsys):
+    """iter_0000004.tmp holds every file DCP writes, .metadata included, but
+    was never published: `latest` still names 2, which loads, and the resumed
+    run removes the leftover when it publishes its own save."""
+    ckpt = str(tmp_path / "ckpt")
+    args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--save", ckpt, "--save-interval", "2",
+            "--eval-interval", "0", "--ckpt-format", "torch_dist", "--async-save"]
+    with pytest.raises(AssertionError, match="failed on its ranks"):
+        run_on_ranks(_train_killed_after_writing_checkpoint_4, args, world_size=1)
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "2"
+    assert os.path.exists(os.path.join(ckpt, "iter_0000004.tmp", checkpoint.DIST_METADATA))
+    train.main([*args, "--load", ckpt, "--train-iters", "3"])
+    assert f"loaded checkpoint {os.path.join(ckpt, 'iter_0000002')} (iteration 2)" in capsys.readouterr().out
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "3"
+    assert not glob.glob(os.path.join(ckpt, "*.tmp"))
 
 
 def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp_path):

@@ -116,6 +116,9 @@ def test_megatron_flags_fill_typed_config():
       "--recompute-activations", "--partition-activations"], "drop --partition-activations"),
     (["--preset", "tiny", "--ckpt-format", "zarr"], "--ckpt-format 'zarr': use torch or torch_dist"),
     (["--preset", "tiny", "--ckpt-format", "torch_dist", "--deepspeed"], "writes DeepSpeed's own checkpoints"),
+    (["--preset", "tiny", "--async-save"], "^--async-save writes torch_dist checkpoints in the background "
+     r"\(as Megatron\): add --ckpt-format torch_dist, or drop --async-save$"),
+    (["--preset", "tiny", "--async-save", "--deepspeed"], "add --ckpt-format torch_dist and drop --deepspeed"),
 ])
 def test_bad_flags_are_clear_errors(argv, message):
     with pytest.raises(ValueError, match=message):
