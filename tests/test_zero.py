@@ -30,18 +30,18 @@ import zero  # noqa: E402
 from conftest import deepspeed_launcher, free_port, torchrun  # noqa: E402
 
 STEPS, RESUME_AT = 12, 6
-# The corpus holds random ids below VOCAB, each document ended by VOCAB: Megatron's
-# NullTokenizer. A 2,048-row head instead of GPT-2's 50,304 is about 20x less of a
-# CPU step's time in bf16/fp16 (about 2x in fp32), and the launches check numbers, not text.
+# The launches' corpus holds ids below VOCAB, each document ended by VOCAB, read with
+# Megatron's NullTokenizer (IDS). A 2,048-row head instead of GPT-2's 50,304 takes
+# about 20x less of a CPU step's time in bf16/fp16 (about 2x in fp32); they check numbers, not text.
 VOCAB = 2000
+IDS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
 # Global batch 8 = micro-batch 2 x D=2 x 2 accumulation steps; clipping at 0.05
 # is active on every step (grad norms are ~0.3-1).
 COMMON = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
           "--global-batch-size", "8", "--train-iters", str(STEPS), "--lr", "3e-3",
           "--min-lr", "3e-4", "--lr-warmup-iters", "3", "--clip-grad", "0.05",
           "--eval-interval", str(STEPS), "--eval-iters", "2", "--log-interval", "1",
-          "--sample-tokens", "0", "--seed", "11", "--split", "90,10,0",
-          "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+          "--sample-tokens", "0", "--seed", "11", "--split", "90,10,0"]
 
 
 # The Llama-shaped preset: every architecture option on (GPTConfig.LLAMA_OPTIONS + GQA).
@@ -49,14 +49,16 @@ LLAMA = ["--preset", "llama-tiny"]
 
 
 def make_corpus(prefix: str) -> None:
-    """Random token documents, each ended by VOCAB (NullTokenizer), in the Megatron format:
-    the launches' own corpus (not conftest's), as their thresholds were set on
-    it (clipping active on every step, the fine-tuned loss 0.5 below a fresh one)."""
+    """Random documents of ids drawn by Zipf's law (p(k) ~ 1/(k+1), as words
+    are: learnable, where uniform ids are not), each ended by VOCAB, in the
+    Megatron format: the launches' own corpus (not conftest's), as their
+    thresholds were set on it (clipping active on every step, the fine-tuned
+    loss 0.5 below a fresh one)."""
     import data as data_lib
-    rng = np.random.default_rng(0)
+    rng, zipf = np.random.default_rng(0), 1.0 / np.arange(1, VOCAB + 1)
     builder = data_lib.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     for _ in range(300):
-        builder.add_document(list(rng.integers(0, VOCAB, size=int(rng.integers(20, 120)))) + [VOCAB])
+        builder.add_document(list(rng.choice(VOCAB, size=int(rng.integers(20, 120)), p=zipf / zipf.sum())) + [VOCAB])
     builder.finalize(prefix + ".idx")
 
 
@@ -67,9 +69,9 @@ def make_corpus(prefix: str) -> None:
 def worker_run(out: str, name: str, extra: list[str]) -> None:
     """train.train() once in the existing world, metrics to OUT/NAME.jsonl."""
     import parallel
-    cfg = config.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
-                                     "--data-cache-path", os.path.join(out, "cache"),
-                                     "--metrics-file", os.path.join(out, name + ".jsonl"), *extra])
+    cfg = config.parse_args(COMMON + IDS + ["--data-path", os.path.join(out, "corpus_text_document"),
+                                           "--data-cache-path", os.path.join(out, "cache"),
+                                           "--metrics-file", os.path.join(out, name + ".jsonl"), *extra])
     parallel.destroy()
     start = time.monotonic()
     env = train.init_processes(cfg)
@@ -83,8 +85,8 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
     plain path at the final iteration's evaluation position."""
     import dataclasses
     import parallel
-    cfg = config.parse_args(COMMON + ["--data-path", os.path.join(out, "corpus_text_document"),
-                                     "--data-cache-path", os.path.join(out, "cache"), *extra])
+    cfg = config.parse_args(COMMON + IDS + ["--data-path", os.path.join(out, "corpus_text_document"),
+                                           "--data-cache-path", os.path.join(out, "cache"), *extra])
     parallel.destroy()
     env = train.init_processes(cfg)
     cfg = dataclasses.replace(cfg, load=export, no_load_optim=True)
