@@ -40,7 +40,7 @@ import config
 from config import EVALUATE, TrainConfig, autocast, model_config
 from gpt import GPT, GPTConfig, generate
 from launch import UsageError
-from prepare import EOD, load_tokenizer
+from prepare import load_tokenizer
 from train import init_processes
 
 # ----------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def score(model: GPT, batch: list[Example], cfg: TrainConfig, device) -> torch.T
     right-padded (causal attention: padding changes nothing before it); every TP
     rank gets the full logits; only the true vocabulary is scored."""
     n = max(len(e.tokens) for e in batch) - 1
-    tokens = torch.full((len(batch), n + 1), EOD, dtype=torch.long)
+    tokens = torch.zeros((len(batch), n + 1), dtype=torch.long)  # padded with id 0: any id would do
     scored = torch.zeros(len(batch), n, dtype=torch.bool)
     for i, e in enumerate(batch):
         tokens[i, :len(e.tokens)] = torch.tensor(e.tokens)
@@ -262,7 +262,7 @@ def run_task(cfg: TrainConfig, env: launch.Dist) -> dict:
     if cfg.task == "GENERATE":
         return write_samples(cfg, sample(cfg, env), env)
     read, summarize = TASKS[cfg.task]
-    examples, data = read(cfg, load_tokenizer(cfg.tokenizer_type))  # data mistakes before the model loads
+    examples, data = read(cfg, load_tokenizer(cfg.tokenizer_type, cfg.vocab_size))  # data mistakes before the model loads
     model = load_model(cfg, env.device)
     results = {"task": cfg.task, **summarize(*score_all(model, examples, cfg, env.device), data)}
     if env.is_main:
@@ -282,13 +282,14 @@ def sample(cfg: TrainConfig, env: launch.Dist) -> list[dict]:
     empty ones), in order. Data-parallel ranks take every D-th prompt; prompt i
     samples with a generator seeded --seed + i, so the samples depend on the
     seed alone, not on the layout."""
-    enc, prompts = load_tokenizer(cfg.tokenizer_type), [""] * cfg.num_samples
+    enc, prompts = load_tokenizer(cfg.tokenizer_type, cfg.vocab_size), [""] * cfg.num_samples
+    eod = enc.eot_token
     if cfg.sample_input_file:  # a blank line: an unconditional sample
         prompts = read_text(cfg.sample_input_file, "--sample-input-file").rstrip("\n").split("\n")
     model = load_model(cfg, env.device)
     mine = {}
     for i in range(parallel.layout.dp_rank, len(prompts), parallel.layout.dp_size):
-        ids = enc.encode_ordinary(prompts[i]) or [EOD]  # empty: from <|endoftext|>
+        ids = enc.encode_ordinary(prompts[i]) or [eod]  # empty: from <|endoftext|>
         if len(ids) >= model.config.max_position_embeddings:
             raise UsageError(f"--sample-input-file line {i + 1}: {len(ids)} tokens, the model sees "
                              f"{model.config.max_position_embeddings}; shorten the prompt")
@@ -296,8 +297,8 @@ def sample(cfg: TrainConfig, env: launch.Dist) -> list[dict]:
         with autocast(cfg, env.device):
             out = generate(model, torch.tensor([ids], device=env.device), cfg.out_seq_length,
                            cfg.temperature, cfg.top_k or None, cfg.top_p or None,
-                           eos_token_id=EOD, generator=gen)[0, len(ids):].tolist()
-        new = out[:out.index(EOD)] if EOD in out else out
+                           eos_token_id=eod, generator=gen)[0, len(ids):].tolist()
+        new = out[:out.index(eod)] if eod in out else out
         mine[i] = {"prompt": prompts[i], "text": enc.decode(new), "tokens": new}
     if parallel.layout.dp_size > 1:  # every rank's samples, back in prompt order
         everyone = [None] * parallel.layout.dp_size

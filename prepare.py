@@ -99,9 +99,30 @@ def _gpt2_encoding(vocab_file: str):
                              special_tokens={"<|endoftext|>": EOD}, explicit_n_vocab=VOCAB_SIZE)
 
 
-def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer"):
+class NullTokenizer:
+    """Megatron's NullTokenizer (--tokenizer-type NullTokenizer --vocab-size N):
+    a text is its token ids, with spaces between; N ends a document."""
+
+    def __init__(self, vocab_size: int):
+        self.eot_token = vocab_size
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        try:
+            return [int(word) for word in text.split()]
+        except ValueError:
+            raise UsageError(f"NullTokenizer reads a text as token ids with spaces between, not "
+                             f"{text[:40]!r}") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", vocab_size: int | None = None):
     """GPT-2 BPE as a tiktoken Encoding, built from the installed files (~0.2 s once per
-    process), never from a download or tiktoken's cache, so tokens never depend on a cache."""
+    process), never from a download or tiktoken's cache, so tokens never depend on a cache.
+    (NullTokenizer, with its vocab_size: ids for text, as in Megatron.)"""
+    if tokenizer_type == "NullTokenizer" and vocab_size:
+        return NullTokenizer(vocab_size)
     check_gpt2_bpe(tokenizer_type)
     return _gpt2_encoding(gpt2_bpe_files()[0])
 

