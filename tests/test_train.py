@@ -1106,7 +1106,7 @@ def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_
     """PP=2 x TP=2 (SP, Domino) resumed from its own torch_dist checkpoint of
     iteration 4 retraces the uninterrupted run exactly; every rank wrote its
     own file, and PyTorch's converter gives PP=1's weights of iteration 4
-    (the same curve: to 1e-5) from the shards of four ranks."""
+    (the same curve: to 5e-5) from the shards of four ranks."""
     want, got = pipeline_runs[DIST_WRITER], pipeline_runs["torch_dist of PP=2 x TP=2, resumed at its own layout"]
     assert sorted(got) == [5, 6, 7, 8]
     for i in got:
@@ -1121,8 +1121,9 @@ def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_
     with checkpoint.data_only_loads(str(out)):
         whole = torch.load(out / "pp1" / "iter_0000004" / checkpoint.PLAIN_FILE)["model"]
     assert {k for k in converted if k.startswith("model.")} == {f"model.{k}" for k in whole}
-    for key, t in whole.items():
-        torch.testing.assert_close(converted[f"model.{key}"], t, rtol=0, atol=1e-5, msg=key)
+    for key, t in whole.items():  # (Adam turns float-order differences in near-zero gradients into a
+        # few weights 2e-5 apart after 4 steps at lr 3e-3; a misplaced shard is 1e-2 off)
+        torch.testing.assert_close(converted[f"model.{key}"], t, rtol=0, atol=5e-5, msg=key)
 
 
 def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
