@@ -235,6 +235,12 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     return final
 
 
+def saved_iterations(save_dir: str) -> list[int]:
+    """The iterations of save_dir's iter_NNNNNNN directories, in order."""
+    return sorted(int(name[5:]) for name in os.listdir(save_dir)
+                  if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit())
+
+
 def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
     """Once `current` is published: delete unfinished saves (iter_N.tmp; one
     job saves at a time, so none is in progress) and, with `keep`, all but
@@ -246,10 +252,7 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
             log(f"removed {name}, the leftover of a save that did not complete")
     if not keep:
         return
-    iterations = sorted(int(name[5:]) for name in os.listdir(save_dir)
-                        if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit()
-                        and int(name[5:]) <= current)
-    for iteration in iterations[:-keep]:
+    for iteration in [i for i in saved_iterations(save_dir) if i <= current][:-keep]:
         shutil.rmtree(os.path.join(save_dir, f"iter_{iteration:07d}"))
         log(f"removed checkpoint iter_{iteration:07d} (--keep-last-checkpoints {keep})")
 
@@ -437,9 +440,7 @@ def verified_checkpoint(load_dir: str, log) -> Found | None:
 
 def older_checkpoint(load_dir: str, before: int) -> Found | None:
     """The newest complete checkpoint of any kind below iteration `before`."""
-    iterations = sorted((int(name[5:]) for name in os.listdir(load_dir)
-                         if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit()), reverse=True)
-    for iteration in (i for i in iterations if i < before):
+    for iteration in reversed([i for i in saved_iterations(load_dir) if i < before]):
         path = os.path.join(load_dir, f"iter_{iteration:07d}")
         if kind := kind_of(path):
             return Found(kind, iteration, path)
