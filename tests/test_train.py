@@ -1172,6 +1172,7 @@ TRAIN_RUNS = {  # name: flags; each runs eagerly and with COMPILE
     "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                         "--num-layers-per-virtual-pipeline-stage", "1"],
     "pp2-zero1": ["--pipeline-model-parallel-size", "2", "--deepspeed", "--zero-stage", "1"],
+    "pp2-bf16-recompute": ["--pipeline-model-parallel-size", "2", "--bf16", "--recompute-activations"],
 }
 
 
@@ -1182,7 +1183,7 @@ def compile_worker(out: str, data: str) -> None:
     found = {}
     for name, flags in TRAIN_RUNS.items():
         for run, extra in ((name, []), (name + "-compiled", COMPILE)):
-            cfg = config.parse_args([*RUN, "--data-path", data, "--data-cache-path", os.path.join(out, "cache"),
+            cfg = config.parse_args([*RUN, *IDS, "--data-path", data, "--data-cache-path", os.path.join(out, "cache"),
                                      "--metrics-file", os.path.join(out, run + ".jsonl"), *flags, *extra])
             parallel.destroy()
             torch._dynamo.reset()
@@ -1199,9 +1200,9 @@ def compile_worker(out: str, data: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def train_runs(corpus, tmp_path_factory):
+def train_runs(ids_corpus, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("train"))
-    torchrun(os.path.abspath(__file__), "compile-worker", out, corpus, nproc=2, env={"PYTHONWARNINGS": "ignore"},
+    torchrun(os.path.abspath(__file__), "compile-worker", out, ids_corpus, nproc=2, env={"PYTHONWARNINGS": "ignore"},
              timeout=600)
     with open(os.path.join(out, "counters.json")) as f:
         return out, json.load(f)
@@ -1214,7 +1215,8 @@ def test_train_py_compile_follows_eager_mode(train_runs, name):
     mode, loss and gradient norm to 1e-5: tensor parallelism with sequence
     parallelism and Domino (wrong gradients there would show as NaN norms
     and skipped steps), ZeRO 1, 2 and 3, and pipeline stages (1F1B,
-    interleaved, and under ZeRO-1; each rank compiling its model chunks). Each compiled run really compiled
+    interleaved, under ZeRO-1, and in bf16 with recomputation; each rank
+    compiling its model chunks). Each compiled run really compiled
     (Dynamo made a graph), with no graph break but under ZeRO-3."""
     out, counters = train_runs
 
