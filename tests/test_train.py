@@ -341,8 +341,8 @@ def die_after(iteration):
         open(marker, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)  # a dead node: no handler runs
 
-def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log):
-    real_save(cfg, model, optimizer, scaler, iteration, consumed, log)
+def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log, *saver):
+    real_save(cfg, model, optimizer, scaler, iteration, consumed, log, *saver)
     die_after(iteration)
 
 def ds_save_then_die(cfg, engine, iteration, consumed, log):
@@ -388,8 +388,8 @@ with open({starts!r}, "a") as f:  # the attempt as this node's agent counts it
 first_attempt = not os.path.exists({marker!r})
 real_save, real_step, steps = checkpoint.save_checkpoint, train.train_step, []
 
-def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log):
-    real_save(cfg, model, optimizer, scaler, iteration, consumed, log)
+def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log, *saver):
+    real_save(cfg, model, optimizer, scaler, iteration, consumed, log, *saver)
     if first_attempt and iteration == 4 and os.environ["RANK"] == "1":
         open({marker!r}, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)  # a dead node: no handler runs
