@@ -712,10 +712,23 @@ class AsyncSave:
         self.pending = thread.submit(write, staged, self.group)
         thread.shutdown(wait=False)  # its one thread ends with the write
 
-    def wait(self) -> None:
+    def wait(self, report: bool = True) -> None:
+        """Until the write in flight is done. A failed write raises here
+        (on_every_rank's one line), unless not `report`."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            pending.result()  # a failed write raises here: on_every_rank's one line
+            try:
+                pending.result()
+            except BaseException:
+                if report:
+                    raise
+
+    def close(self) -> None:
+        """Once the last write is done: the host copy and the group go."""
+        self.wait()
+        self.stager.close()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
 
 
 def load_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, found: Found, log):
@@ -1005,7 +1018,7 @@ def hf_architecture(config: GPTConfig) -> str:
 
 
 def _eos(config: GPTConfig) -> int:
-    return min(50256, config.vocab_size - 1)  # GPT-2's <|endoftext|>, the tokenizer here
+    return config.vocab_size - 1  # the end of a document: GPT-2's <|endoftext|>, or NullTokenizer's N
 
 
 # -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from contextlib import nullcontext
 
@@ -163,12 +164,12 @@ def check_batches(batches: list[dict], config: GPTConfig) -> list[dict]:
     """Token ids and positions must index the embeddings: one check of a step's
     micro-batches, on the host, where it is cheap (on a GPU a bad id is an
     opaque device-side assert, and checking there costs a sync)."""
-    vocab, positions = "check the data's tokenizer against the model's vocabulary", \
-        "check --seq-length against --max-position-embeddings"
+    vocab, positions = "check the data's tokenizer against the model's vocabulary (--tokenizer-type, " \
+        "--vocab-size)", "check --seq-length against --max-position-embeddings"
     checks = []
-    for b in batches:
-        checks += [("batch tokens", b["tokens"], config.padded_vocab_size, vocab),
-                   ("batch labels", b["labels"], config.padded_vocab_size, vocab),
+    for b in batches:  # the true vocabulary: an id in the padding rows would train them silently
+        checks += [("batch tokens", b["tokens"], config.vocab_size, vocab),
+                   ("batch labels", b["labels"], config.vocab_size, vocab),
                    ("batch position_ids", b["position_ids"], config.max_position_embeddings, positions)]
     parallel.check_ids(checks)
     return batches
@@ -316,7 +317,8 @@ class PlainTraining:
                                    consumed, self.log, self.saver)
 
     def close(self) -> None:
-        pass
+        if self.saver:
+            self.saver.close()
 
 
 # ----------------------------------------------------------------------------
@@ -560,15 +562,17 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
     datasets = build_datasets(cfg, global_batch)
     ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
     lay = parallel.layout
+    schedule = "" if lay.pp_size == 1 else " (ZB-H1)" if cfg.enable_zero_bubble else \
+        " (interleaved 1F1B)" if cfg.num_layers_per_virtual_pipeline_stage else " (1F1B)"
     logger.print(f"model: {count_parameters(trainer.raw.config):,} parameters | world {env.world_size} = "
-                 f"TP {lay.tp_size} x DP {lay.dp_size} x PP {lay.pp_size} | global batch {global_batch} "
+                 f"TP {lay.tp_size} x DP {lay.dp_size} x PP {lay.pp_size}{schedule} | global batch {global_batch} "
                  f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
     try:
         iteration = loop(cfg, env, trainer, datasets, logger, global_batch, accum)
     finally:  # at the end, a stop (SIGTERM) or an error: a checkpoint still being written is published first
-        if trainer.saver:
-            trainer.saver.wait()
+        if trainer.saver:  # (its own error, after the loop's, would hide that one: reported only alone)
+            trainer.saver.wait(report=sys.exc_info()[0] is None)
     if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
         if parallel.layout.pp_size > 1:
             logger.print("no sample printed: the model is split into pipeline stages; sample from the saved "
