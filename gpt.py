@@ -468,7 +468,8 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, layers: list[range] | None = None):
         """layers: the layers this module holds, as ranges; under pipeline
         parallelism one range per virtual stage of this rank
-        (pipeline.pipeline_chunks); default all of them. The
+        (pipeline.pipeline_chunks), each as long, in layer order (forward
+        slices self.blocks so); default all of them. The
         first layer's holder has the embedding, the last layer's the final
         norm and the head (and a copy of a tied embedding for it).
 
@@ -481,6 +482,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.layers = layers or [range(config.num_layers)]
+        if len(set(map(len, self.layers))) > 1 or self.layers != sorted(self.layers, key=lambda r: r.start):
+            raise ValueError(f"layers {self.layers}: ranges of as many layers each, in layer order")
         # How blocks are recomputed under activation checkpointing; train.py
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)

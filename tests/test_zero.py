@@ -275,8 +275,8 @@ def launch(out: str, plan: str, nproc: int) -> None:
 def runs(tmp_path_factory):
     """Both launches' outputs (one directory), computed once for the module."""
     out = str(tmp_path_factory.mktemp("ds"))
-    # the launches' own corpus (not the session's), as their thresholds were set on it
-    # (clipping active on every step, the fine-tuned loss 0.5 below a fresh one)
+    # the session's id corpus, written again beside the launches' cache and checkpoints (the
+    # thresholds were set on it: clipping active on every step, the fine-tuned loss 0.5 below a fresh one)
     write_zipf_corpus(os.path.join(out, "corpus_text_document"))
     launch(out, "dp", 2)
     launch(out, "tp", 4)
@@ -423,6 +423,7 @@ def test_zero1_under_the_zero_bubble_schedule_trains_zero1s_curve(runs):
     DeepSpeed's data-parallel reduction, and the tied embedding's two copies
     stay one: ZeRO-1's curve without stages."""
     assert_same_steps(metrics(runs, "z1")[:4], metrics(runs, "pp2_dp2_z1_zb"))
+    assert "world 4 = TP 1 x DP 2 x PP 2 (ZB-H1)" in open(os.path.join(runs, "tp.log")).read()
 
 
 @pytest.mark.parametrize("stage", [1, 3])
