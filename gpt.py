@@ -580,8 +580,10 @@ class GPT(nn.Module):
             x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
         else:
             rope = rope_angles(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
-        n = len(layers)  # every chunk holds n layers (pipeline_chunks), in self.blocks in layer order
-        x = self.run_blocks(x, rope, kv_cache, self.blocks[chunk * n:(chunk + 1) * n])
+        # every chunk holds n layers (pipeline_chunks), in self.blocks in layer order; a slice of
+        # the list, as a slice of the ModuleList would build a new module every forward (0.2 ms at 48)
+        n = len(layers)
+        x = self.run_blocks(x, rope, kv_cache, list(self.blocks)[chunk * n:(chunk + 1) * n])
         if kv_cache is not None:
             kv_cache.length += T
         return x if layers.stop < self.config.num_layers else self.head(x, labels, loss_mask)
