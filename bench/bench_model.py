@@ -11,6 +11,9 @@ step's time (compilation and autotuning) is reported separately.
     torch            our model, F.scaled_dot_product_attention + nn.LayerNorm
     torch-compile    torch kernels under --compile
     triton-compile   Triton kernels under --compile
+    torch-graphs     torch kernels under --compile --compile-mode reduce-overhead
+                     (the step replayed as CUDA graphs)
+    triton-graphs    Triton kernels, likewise
     nanogpt-compile  nanoGPT's model.py at the same shape, torch.compile'd, its
                      fused AdamW, bf16 autocast: a yardstick, not part of this
                      project. Fetch it first (git-ignored):
@@ -44,6 +47,10 @@ VARIANTS = {
     "torch": ["--attention-impl", "torch", "--layernorm-impl", "torch"],
     "torch-compile": ["--attention-impl", "torch", "--layernorm-impl", "torch", "--compile"],
     "triton-compile": ["--attention-impl", "triton", "--layernorm-impl", "triton", "--compile"],
+    "torch-graphs": ["--attention-impl", "torch", "--layernorm-impl", "torch", "--compile",
+                     "--compile-mode", "reduce-overhead"],
+    "triton-graphs": ["--attention-impl", "triton", "--layernorm-impl", "triton", "--compile",
+                      "--compile-mode", "reduce-overhead"],
     "nanogpt-compile": None,  # not train.py: see run_nanogpt
 }
 NANOGPT = os.path.join(ROOT, "bench", "ref", "nanogpt", "model.py")

@@ -1,9 +1,11 @@
 """Where a training step spends its GPU time: a torch.profiler trace of a few
-steps of GPT-2 (bf16 autocast, fused AdamW, clipping as train.py does),
-summed by kernel category.
+of train.py's own steps (its engine, train.PlainTraining, and train.train_step:
+bf16 autocast, fused AdamW, clipping), summed by kernel category. Flags this
+script does not know are train.py's, so any layout of one GPU can be profiled.
 
     python bench/profile_step.py                          # 124M, Triton kernels, micro-batch 16
     python bench/profile_step.py --preset 350M --impl torch --trace step.json
+    python bench/profile_step.py --compile                # the compiled step
 
 Categories are matched on kernel names: attention (ours or flash), matmul
 (cuBLAS / CUTLASS GEMMs), LayerNorm, cross-entropy (log-softmax, NLL and
@@ -49,38 +51,40 @@ def main():
     p.add_argument("--smoke", action="store_true",
                    help="CPU, fp32, the tiny preset (Triton kernels interpreted: TRITON_INTERPRET=1), "
                         "CPU op times instead of kernels: checks that the script runs")
-    args = p.parse_args()
+    args, train_flags = p.parse_known_args()
     if args.smoke:
         args.preset, args.micro_batch_size, args.seq_length, args.steps = "tiny", 2, 32, 1
     elif not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA GPU")
-    dev = "cpu" if args.smoke else "cuda"
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+    import datetime
+    import config
+    import launch
     import parallel
-    from gpt import GPT, GPTConfig
+    import train
     from torch.profiler import ProfilerActivity, profile
     parallel.initialize(1)
-    tiny = dict(num_attention_heads=2) if args.smoke else {}  # head dim 32, which the kernels have
-    config = GPTConfig.from_preset(args.preset, attention_impl=args.impl, layernorm_impl=args.impl,
-                                   max_position_embeddings=max(1024, args.seq_length), **tiny)
-    model = GPT(config).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     B, T = args.micro_batch_size, args.seq_length
-    tokens = torch.randint(0, 50257, (B, T + 1), device=dev)
+    flags = ["--preset", args.preset, "--attention-impl", args.impl, "--layernorm-impl", args.impl,
+             "--micro-batch-size", str(B), "--seq-length", str(T), "--max-position-embeddings", str(max(1024, T))]
+    flags += ["--num-attention-heads", "2"] if args.smoke else ["--bf16"]  # smoke: head dim 32, as the kernels have
+    cfg = config.parse_args(flags + train_flags)
+    trainer = train.PlainTraining(cfg, launch.Dist(0, 1, 0, dev, datetime.timedelta(minutes=5)), 1, print)
+    tokens = torch.randint(0, 50257, (B, T + 1))
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(T).expand(B, T).contiguous(), "loss_mask": torch.ones(B, T)}
+    if dev.type == "cuda":  # as the data loader hands them over
+        batch = {k: v.pin_memory() for k, v in batch.items()}
 
     def step():
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
-        loss.backward()
-        parallel.clip_grad_norm_(list(model.parameters()), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train.train_step(trainer, [batch], 1e-4)
 
     for _ in range(1 if args.smoke else 3):  # warm-up: compile, autotune, allocate
         step()
     sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -91,9 +95,9 @@ def main():
         prof.export_chrome_trace(args.trace)
 
     kernels = {}  # on CPU (--smoke): the ops' own CPU time
-    kind = torch.autograd.DeviceType.CUDA if dev == "cuda" else torch.autograd.DeviceType.CPU
+    kind = torch.autograd.DeviceType.CUDA if dev.type == "cuda" else torch.autograd.DeviceType.CPU
     for evt in prof.key_averages():
-        us = (getattr(evt, "self_device_time_total", 0) if dev == "cuda" else evt.self_cpu_time_total) or 0
+        us = (getattr(evt, "self_device_time_total", 0) if dev.type == "cuda" else evt.self_cpu_time_total) or 0
         if us > 0 and evt.device_type == kind:
             kernels[evt.key] = kernels.get(evt.key, 0) + us / 1e3 / args.steps  # ms per step
     busy = sum(kernels.values())
@@ -101,7 +105,8 @@ def main():
     for name, ms in kernels.items():
         by_cat[category(name)] = by_cat.get(category(name), 0) + ms
     where = "CPU, fp32 (--smoke)" if args.smoke else f"bf16, on {torch.cuda.get_device_name()}"
-    print(f"## Profile: GPT {args.preset}, {args.impl} kernels, micro-batch {B}, seq {T}, {where}\n")
+    extra = f", {' '.join(train_flags)}" if train_flags else ""
+    print(f"## Profile: GPT {args.preset}, {args.impl} kernels, micro-batch {B}, seq {T}, {where}{extra}\n")
     print(f"step wall time {wall_ms:.1f} ms, kernels {busy:.1f} ms, GPU idle "
           f"{max(wall_ms - busy, 0):.1f} ms ({100 * max(wall_ms - busy, 0) / wall_ms:.0f}%)\n")
     print("| category | ms per step | % of kernel time |\n|---|---|---|")
