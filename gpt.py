@@ -792,7 +792,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             z = h_c[rows] @ w_c.t()                                  # (n, V_local)
             lse, z_target = span_lse_and_grad_(z, labels[rows], unit_weight[rows], vocab_start,
                                                 need_grads)           # z is now dz / w_max
-            loss += (token_weight[rows] * (lse - z_target)).sum()
+            # Not `loss +=`: under torch 2.11's compile, an autograd.Function whose returned
+            # tensor was updated in place gets all-zero gradients (2.13's does not)
+            loss = loss + (token_weight[rows] * (lse - z_target)).sum()
             if not need_grads:  # evaluation: the loss alone
                 continue
             torch.mm(z, w_c, out=dh[rows])                           # (n, C), partial under TP

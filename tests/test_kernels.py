@@ -677,21 +677,26 @@ def test_gpu_inductor_compiles_the_model_with_the_triton_kernels(options):
     ids = torch.randint(0, 1000, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
     def losses(model, forward):
+        """Three steps' losses, and the first step's gradients by name."""
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        out = []
+        out, first = [], None
         for _ in range(3):
             with torch.autocast("cuda", torch.bfloat16):
                 loss = forward(ids[:, :-1], labels=ids[:, 1:])
             loss.backward()
+            first = first or {n: p.grad.clone() for n, p in model.named_parameters()}
             opt.step()
             opt.zero_grad()
             out.append(loss.item())
-        return out
-    want = losses(model := build(), model)
+        return out, first
+    want, want_grads = losses(model := build(), model)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    got = losses(model := build(), torch.compile(model, fullgraph=True))
+    got, got_grads = losses(model := build(), torch.compile(model, fullgraph=True))
     assert not torch._dynamo.utils.counters["graph_break"]
+    # torch 2.11 once compiled the fused loss to all-zero gradients (bench/RESULTS.md, 2026-11-27)
+    off = {n: ((got_grads[n] - g).norm() / g.norm()).item() for n, g in want_grads.items()}
+    assert max(off.values()) < 5e-2, off  # bf16 rounding; zero gradients give 1
     torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
 
 

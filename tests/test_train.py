@@ -289,6 +289,7 @@ def test_gpu_training_steps_never_synchronize():
     device = torch.device("cuda")
     for precision in ("--bf16", "--fp16"):
         cfg = config.parse_args(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4",
+                                 "--num-attention-heads", "2",  # head dim 32: the Triton kernels' smallest
                                  "--initial-loss-scale", "256", precision])
         trainer = train.PlainTraining(cfg, process_env(device), 1, print)
         batch = {k: v.pin_memory() for k, v in {
@@ -1270,13 +1271,13 @@ def test_train_py_compile_follows_eager_mode(train_runs, name):
 
 
 @pytest.mark.gpu
-def test_gpu_reduce_overhead_replays_the_step_as_cuda_graphs(corpus, tmp_path):
+def test_gpu_reduce_overhead_replays_the_step_as_cuda_graphs(ids_corpus, tmp_path):
     """--compile --compile-mode reduce-overhead: the fixed-shape step is
     captured once and replayed (Inductor's cudagraph trees: no step is
     skipped for CUDA graphs), and trains like --compile alone."""
     common = ["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
               "--train-iters", "6", "--eval-interval", "0", "--log-interval", "1", "--sample-tokens", "0",
-              "--data-path", corpus, "--bf16"]
+              "--data-path", ids_corpus, *IDS, "--bf16"]
     run_train([*common, "--compile", "--metrics-file", str(tmp_path / "compiled.jsonl")])
     proc = run_train([*common, "--compile", "--compile-mode", "reduce-overhead",
                       "--metrics-file", str(tmp_path / "graphs.jsonl")],
