@@ -1009,12 +1009,17 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
 }
 
 
-BF16_LAYOUTS = {  # name: (processes, flags), each in bf16 against PP=1 in bf16
+HALF_LAYOUTS = {  # name: (processes, flags), each against PP=1 in its own 16-bit format
     "bf16 PP=1": (1, ["--bf16"]),
     "bf16 PP=2": (2, ["--bf16", "--pipeline-model-parallel-size", "2"]),
     "bf16 interleaved PP=2": (2, ["--bf16", "--pipeline-model-parallel-size", "2",
                                   "--num-layers-per-virtual-pipeline-stage", "1"]),
     "bf16 ZB-H1 PP=2": (2, ["--bf16", "--pipeline-model-parallel-size", "2", "--enable-zero-bubble"]),
+    # fp16 from a loss scale of 2**20, which overflows step 1's gradients: skipped, then halved
+    "fp16 PP=1": (1, ["--fp16", "--initial-loss-scale", "1048576"]),
+    "fp16 PP=2": (2, ["--fp16", "--initial-loss-scale", "1048576", "--pipeline-model-parallel-size", "2"]),
+    "fp16 interleaved PP=2": (2, ["--fp16", "--initial-loss-scale", "1048576", "--pipeline-model-parallel-size",
+                                  "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
 }
 
 
@@ -1055,7 +1060,7 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
         if name == DIST_WRITER:  # also saves --ckpt-format torch_dist at 4 and 8
             flags = [*flags, "--ckpt-format", "torch_dist", "--save", str(out / "dist"), "--save-interval", "4"]
         runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
-    for name, (nproc, flags) in BF16_LAYOUTS.items():
+    for name, (nproc, flags) in HALF_LAYOUTS.items():
         runs[name] = run(name.replace(" ", "_"), nproc, *flags)
     for name, (nproc, flags) in DIST_READERS.items():  # each from the torch_dist checkpoint of iteration 4
         slug = name.split(", ")[-1].replace(" ", "_").replace("=", "")
@@ -1063,9 +1068,11 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
         (out / slug / checkpoint.LATEST).write_text("4")
         runs[name] = run(slug, nproc, *flags, "--load", str(out / slug))
     dropout = ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.2", "--save-interval", "4"]
-    runs["PP=2 with dropout"] = run("drop", 2, *dropout, "--save", str(out / "drop"))
-    (out / "drop" / checkpoint.LATEST).write_text("4")
-    runs["PP=2 with dropout, resumed at 4"] = run("drop-resumed", 2, *dropout, "--load", str(out / "drop"))
+    for name, flags in (("PP=2", dropout), ("interleaved PP=2", [*dropout, "--num-layers-per-virtual-pipeline-stage", "1"])):
+        slug = "drop" if name == "PP=2" else "idrop"
+        runs[f"{name} with dropout"] = run(slug, 2, *flags, "--save", str(out / slug))
+        (out / slug / checkpoint.LATEST).write_text("4")
+        runs[f"{name} with dropout, resumed at 4"] = run(f"{slug}-resumed", 2, *flags, "--load", str(out / slug))
     zb = [*dropout, "--enable-zero-bubble"]  # ZB-H1: whole, resumed from its own iteration 4, and from 1F1B's
     runs["ZB-H1 PP=2 with dropout"] = run("zb-drop", 2, *zb, "--save", str(out / "zb-drop"))
     (out / "zb-drop" / checkpoint.LATEST).write_text("4")
@@ -1097,10 +1104,12 @@ def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipe
 
 
 @pytest.mark.slow
-def test_pipeline_stages_draw_their_own_dropout_and_resume_it(pipeline_runs):
+@pytest.mark.parametrize("schedule", ["PP=2", "interleaved PP=2"])
+def test_pipeline_stages_draw_their_own_dropout_and_resume_it(pipeline_runs, schedule):
     """Each stage keeps its own random streams in the checkpoint: a PP=2 run
-    with dropout resumed at iteration 4 retraces the uninterrupted run."""
-    want, got = pipeline_runs["PP=2 with dropout"], pipeline_runs["PP=2 with dropout, resumed at 4"]
+    with dropout (1F1B, or interleaved: two model chunks a rank) resumed at
+    iteration 4 retraces the uninterrupted run."""
+    want, got = pipeline_runs[f"{schedule} with dropout"], pipeline_runs[f"{schedule} with dropout, resumed at 4"]
     assert sorted(got) == [5, 6, 7, 8]
     for i in got:
         assert (got[i]["loss"], got[i]["grad_norm"]) == (want[i]["loss"], want[i]["grad_norm"]), i
@@ -1159,17 +1168,22 @@ def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in BF16_LAYOUTS if name != "bf16 PP=1"])
-def test_every_schedule_in_bf16_trains_the_bf16_curve_of_one_stage(pipeline_runs, name):
-    """Under --bf16 autocast the stages (1F1B, interleaved, ZB-H1) exchange the
-    residual stream in fp32, as one stage keeps it: PP=1's bf16 steps, to a
-    relative 5e-4 (measured: loss 1.6e-5, grad norm 1.1e-4 at most, where
-    bf16 itself resolves 4e-3; a wrong gradient is off by percents)."""
-    want, got = pipeline_runs["bf16 PP=1"], pipeline_runs[name]
+@pytest.mark.parametrize("name", [name for name in HALF_LAYOUTS if not name.endswith(" PP=1")])
+def test_every_schedule_in_16_bits_trains_the_16_bit_curve_of_one_stage(pipeline_runs, name):
+    """Under --bf16 or --fp16 autocast the stages (1F1B, interleaved, ZB-H1)
+    exchange the residual stream in fp32, as one stage keeps it: PP=1's steps
+    in the same format, to a relative 5e-4 (measured in bf16: loss 1.6e-5,
+    grad norm 1.1e-4 at most, where bf16 itself resolves 4e-3; a wrong
+    gradient is off by percents). Under --fp16 the stages also skip the steps
+    one stage skips for overflow."""
+    want, got = pipeline_runs[name.split()[0] + " PP=1"], pipeline_runs[name]
     assert sorted(got) == sorted(want) == list(range(1, 9))
     for i, m in got.items():
         for key in ("loss", "grad_norm", "val_loss"):
             assert m.get(key) == pytest.approx(want[i].get(key), rel=5e-4), (name, i, key)
+        assert m.get("skipped_iterations") == want[i].get("skipped_iterations"), (name, i)
+    if name.startswith("fp16"):
+        assert [got[i]["skipped_iterations"] for i in (1, 2)] == [1, 0]  # the overflow and the halved scale
 
 
 @pytest.mark.slow

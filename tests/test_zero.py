@@ -215,6 +215,12 @@ def worker(out: str, plan: str) -> None:
                                                "--lr-decay-iters", str(STEPS)])
         worker_run(out, "pp2_dp2_z1_zb", ["--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2",
                                           "--enable-zero-bubble", "--train-iters", "4", "--lr-decay-iters", str(STEPS)])
+        # The interleaved schedule (4 layers: two model chunks a rank) against ZeRO-1 over D=4
+        four = ["--deepspeed", "--zero-stage", "1", "--num-layers", "4", "--train-iters", "4",
+                "--lr-decay-iters", str(STEPS)]
+        worker_run(out, "dp4_z1_4layers", four)
+        worker_run(out, "pp2_dp2_z1_interleaved", [*four, "--pipeline-model-parallel-size", "2",
+                                                   "--num-layers-per-virtual-pipeline-stage", "1"])
     dist.barrier()
     dist.destroy_process_group()
 
@@ -424,6 +430,14 @@ def test_zero1_under_the_zero_bubble_schedule_trains_zero1s_curve(runs):
     stay one: ZeRO-1's curve without stages."""
     assert_same_steps(metrics(runs, "z1")[:4], metrics(runs, "pp2_dp2_z1_zb"))
     assert "world 4 = TP 1 x DP 2 x PP 2 (ZB-H1)" in open(os.path.join(runs, "tp.log")).read()
+
+
+def test_zero1_under_the_interleaved_schedule_trains_zero1s_curve(runs):
+    """Interleaved 1F1B (two model chunks a rank) at PP=2 x D=2 under
+    DeepSpeed's ZeRO-1: every chunk's gradients reach DeepSpeed's reduction
+    and step, the tied embedding's copies stay one: ZeRO-1's curve over D=4."""
+    assert_same_steps(metrics(runs, "dp4_z1_4layers"), metrics(runs, "pp2_dp2_z1_interleaved"))
+    assert "world 4 = TP 1 x DP 2 x PP 2 (interleaved 1F1B)" in open(os.path.join(runs, "tp.log")).read()
 
 
 @pytest.mark.parametrize("stage", [1, 3])
