@@ -461,6 +461,8 @@ def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
     """The one decision about --load, plain or DeepSpeed: its checkpoint (None:
     start from scratch), refused where this run cannot take it. A full resume
     needs the run's own kind; weights_only runs take either kind, any layout."""
+    if cfg.load:  # verifying and reading a large checkpoint takes a while: say when it starts
+        log(f"loading --load {cfg.load}")
     found = verified_checkpoint(cfg.load, log) if cfg.load else None
     if found is None:
         if cfg.load:

@@ -24,6 +24,11 @@ right after it, so
 --async-save runs 2 iterations, saving after each: the first save allocates
 the host copy, the second copies into it.
 
+--load-tp/--load-pp then resume the checkpoint at that layout (one more
+iteration, no save) and report, per rank, the time from train.py's
+"loading --load" line to its "loaded checkpoint" line (verifying the digests,
+reading, resharding) and the host memory that adds.
+
 CPU only (it reads host memory). On a GPU the same gather happened on the
 device in the old code; the figures here show where the full states live.
 """
@@ -76,22 +81,22 @@ def worker_pids(launcher_pid: int) -> list[int]:
     return sorted(int(p) for p in out.split())
 
 
-def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str | None = None,
-            flags: tuple = (), saves: int = 1) -> tuple[dict, list]:
+def train_command(repo: str, preset: str, tp: int, pp: int, workdir: str, iters: int, *flags) -> list[str]:
     corpus = os.path.join(workdir, "corpus_text_document")
     if not os.path.exists(corpus + ".idx"):
         make_corpus(corpus)
-    shutil.rmtree(os.path.join(workdir, "ckpt"), ignore_errors=True)
-    cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={tp * pp}", os.path.join(repo, "train.py"),
-           "--preset", preset, "--tensor-model-parallel-size", str(tp),
-           *(["--pipeline-model-parallel-size", str(pp)] if pp > 1 else []),
-           *(["--ckpt-format", fmt] if fmt else []),
-           "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", str(pp),  # >= a micro-batch a stage
-           "--train-iters", str(saves), "--save-interval", "1", "--eval-interval", "0", "--log-interval", "1",
-           "--sample-tokens", "0", "--data-path", corpus, "--split", "100,0,0",
-           "--data-cache-path", os.path.join(workdir, "cache"),
-           "--save", os.path.join(workdir, "ckpt"), *flags]
+    return [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={tp * pp}", os.path.join(repo, "train.py"),
+            "--preset", preset, "--tensor-model-parallel-size", str(tp),
+            *(["--pipeline-model-parallel-size", str(pp)] if pp > 1 else []),
+            "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", str(pp),  # >= a micro-batch a stage
+            "--train-iters", str(iters), "--eval-interval", "0", "--log-interval", "1",
+            "--sample-tokens", "0", "--data-path", corpus, "--split", "100,0,0",
+            "--data-cache-path", os.path.join(workdir, "cache"), *flags]
+
+
+def run_sampled(cmd: list[str], repo: str) -> tuple[object, list, list]:
+    """Run cmd; (process, [(time, line)] as they arrived, [(time, pid, MiB)] of its workers)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -113,6 +118,27 @@ def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str
     proc.wait()
     done.set()
     sampler.join()
+    return proc, lines, samples
+
+
+def added_memory(samples: list, start: float, end: float = float("inf")) -> dict:
+    """{rank: resident MiB at `start`, the peak from then to `end`, and the difference}."""
+    per_rank = {}
+    for rank, pid in enumerate(sorted({pid for _, pid, _ in samples})):
+        mine = [(t, m) for t, p, m in samples if p == pid]
+        before = [m for t, m in mine if t <= start]
+        after = [m for t, m in mine if start < t <= end]
+        per_rank[rank] = {"before_save_mib": before[-1], "save_peak_mib": max(after),
+                          "added_mib": max(after) - before[-1]}
+    return per_rank
+
+
+def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str | None = None,
+            flags: tuple = (), saves: int = 1) -> tuple[dict, list]:
+    shutil.rmtree(os.path.join(workdir, "ckpt"), ignore_errors=True)
+    cmd = train_command(repo, preset, tp, pp, workdir, saves, *(["--ckpt-format", fmt] if fmt else []),
+                        "--save-interval", "1", "--save", os.path.join(workdir, "ckpt"), *flags)
+    proc, lines, samples = run_sampled(cmd, repo)
 
     def when(pattern: str) -> float | None:
         return next((t for t, line in lines if re.match(pattern, line)), None)
@@ -126,15 +152,19 @@ def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str
         starts = max(steps[k - 1], saved[k - 2] if k > 1 else 0)  # once the previous write is waited for
         timings.append({"blocked_s": (when(rf"staged checkpoint {k} ") or saved[k - 1]) - starts,
                         "save_s": saved[k - 1] - steps[k - 1]})
-    save_starts = steps[0]
-    per_rank = {}
-    for rank, pid in enumerate(sorted({pid for _, pid, _ in samples})):
-        mine = [(t, m) for t, p, m in samples if p == pid]
-        before = [m for t, m in mine if t <= save_starts]
-        after = [m for t, m in mine if t > save_starts]
-        per_rank[rank] = {"before_save_mib": before[-1], "save_peak_mib": max(after),
-                          "added_mib": max(after) - before[-1]}
-    return per_rank, timings
+    return added_memory(samples, steps[0]), timings
+
+
+def measure_load(repo: str, preset: str, tp: int, pp: int, workdir: str, saves: int) -> tuple[float, dict]:
+    """Resume workdir/ckpt at tp x pp: (seconds from "loading --load" to
+    "loaded checkpoint", {rank: memory added between those lines})."""
+    cmd = train_command(repo, preset, tp, pp, workdir, saves + 1, "--load", os.path.join(workdir, "ckpt"))
+    proc, lines, samples = run_sampled(cmd, repo)
+    start = next((t for t, line in lines if line.startswith("loading --load")), None)
+    end = next((t for t, line in lines if line.startswith("loaded checkpoint")), None)
+    if proc.returncode != 0 or start is None or end is None:
+        raise SystemExit("the resume failed or printed no load lines:\n" + "".join(l for _, l in lines[-40:]))
+    return end - start, added_memory(samples, start, end)
 
 
 def main() -> None:
@@ -146,6 +176,8 @@ def main() -> None:
     ap.add_argument("--ckpt-format", help="train.py's --ckpt-format (default: its default)")
     ap.add_argument("--async-save", action="store_true",
                     help="torch_dist twice, synchronous then --async-save, and the loop's blocked time of each")
+    ap.add_argument("--load-tp", type=int, help="then resume the (last) checkpoint at this TP size ...")
+    ap.add_argument("--load-pp", type=int, default=1, help="... and this PP size, and time its load")
     args = ap.parse_args()
     runs = {"torch_dist": ("torch_dist", ()), "torch_dist --async-save": ("torch_dist", ("--async-save",))} \
         if args.async_save else {args.ckpt_format or "default": (args.ckpt_format, ())}
@@ -154,6 +186,9 @@ def main() -> None:
         for name, (fmt, flags) in runs.items():
             results[name] = measure(os.path.abspath(args.repo), args.preset, args.tp, workdir, args.pp, fmt, flags,
                                     saves=2 if args.async_save else 1)
+        if args.load_tp:  # the last format's checkpoint, read at another layout
+            load_s, load_mem = measure_load(os.path.abspath(args.repo), args.preset, args.load_tp, args.load_pp,
+                                            workdir, saves=2 if args.async_save else 1)
     print(f"{args.preset}, tp={args.tp}, pp={args.pp}, {args.repo}")
     print(f"{'--ckpt-format':>24} {'rank':>4} {'before save MiB':>16} {'save peak MiB':>14} {'added MiB':>10}")
     for name, (per_rank, _) in results.items():
@@ -164,6 +199,10 @@ def main() -> None:
     for name, (_, timings) in results.items():
         for k, t in enumerate(timings, 1):
             print(f"{name:>24} {k:>4} {t['blocked_s']:>9.1f} {t['save_s']:>7.1f}")
+    if args.load_tp:
+        print(f"\nloaded at tp={args.load_tp}, pp={args.load_pp} in {load_s:.1f} s (\"loading --load\" to "
+              f"\"loaded checkpoint\"); added MiB per rank: "
+              + ", ".join(f"{r['added_mib']:.0f}" for r in load_mem.values()))
     if args.async_save:
         sync, background = (results[name][1] for name in runs)
         print("the loop blocked with --async-save / without: " + ", ".join(
