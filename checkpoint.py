@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import parallel
-from config import TrainConfig
+from config import TrainConfig, model_config
 from gpt import GPT, GPTConfig, pad_vocab_size
 from launch import UsageError, atomic_write, fsync_path
 
@@ -484,10 +484,32 @@ def weights_only(cfg: TrainConfig) -> bool:
     return cfg.no_load_optim or cfg.finetune
 
 
+# What a checkpoint's weights compute. Weights of the same shapes can load into
+# another model (a --vocab-size of the same padding, another epsilon or RoPE
+# base), so a resume or fine-tune checks these; the kernels, dropout,
+# recomputation and the layout stay the run's own choice.
+ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
+                "normalization", "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear",
+                "num_query_groups")
+
+
+def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
+    """One line if the run's model is not the one `saved` (a model_config) describes."""
+    mine = dataclasses.asdict(model_config(cfg))
+    differ = [f"{k} {saved[k]} (this run: {mine[k]})" for k in ARCHITECTURE
+              if saved and k in saved and saved[k] != mine[k]]
+    if differ:
+        raise UsageError(f"checkpoint {path} is another model: {', '.join(differ)}; "
+                         f"give this run the checkpoint's flags")
+
+
 def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int]:
     """(iteration, consumed samples) to continue from, once `state` is
-    loaded; restores its RNG unless told not to. --finetune starts a new
-    run: iteration, samples and the learning-rate schedule begin at zero."""
+    loaded (and shown to be this run's model); restores its RNG unless told
+    not to. --finetune starts a new run: iteration, samples and the
+    learning-rate schedule begin at zero."""
+    check_same_model(cfg, state.get("model_config"), path)
     if cfg.finetune:
         log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
             f"starting at iteration 0")

@@ -709,6 +709,12 @@ def test_null_tokenizer_trains_on_the_ids_a_corpus_holds_and_samples_ids(ids_cor
     with checkpoint.data_only_loads(str(tmp_path)):
         saved = torch.load(tmp_path / "ckpt" / "iter_0000002" / checkpoint.PLAIN_FILE)
     assert saved["model"]["wte.weight"].shape[0] == 2048 and saved["model_config"]["vocab_size"] == 2001
+    # Another --vocab-size pads to the same 2048 rows: the weights would load, so the model's config says no
+    with pytest.raises(SystemExit):
+        train.main([*TINY, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1990", "--data-path", ids_corpus,
+                    "--train-iters", "3", "--load", str(tmp_path / "ckpt")])
+    assert (f"train.py: error: checkpoint {tmp_path / 'ckpt' / 'iter_0000002'} is another model: vocab_size "
+            f"2001 (this run: 1991); give this run the checkpoint's flags") in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------
