@@ -179,15 +179,17 @@ def run_train(args, nproc=1, env=None, check=True, timeout=300):
     return _run([sys.executable, "train.py", *args], "train.py", args, env, check, timeout)
 
 
-def train_on_ranks(args, nproc=1):
+def train_on_ranks(args, nproc=1, compile_counts=None):
     """train.py's main(ARGS) on NPROC gloo ranks started by run_on_ranks, with
     the environment torchrun gives each process (at NPROC = 1: alone, as
     `python train.py`). The same command line, without a new interpreter
     importing torch in every process of every launch, which is most of a tiny
     run's time on the 2-core CI box. For the many runs whose curves tests
     compare; what the launch itself does (torchrun's agent, exit codes, the
-    one-line errors in stderr) is tested through run_train."""
-    run_on_ranks(_train_main, list(args), world_size=nproc)
+    one-line errors in stderr) is tested through run_train. compile_counts:
+    a path; each rank writes its torch.compile graphs and graph breaks to
+    PATH.RANK as JSON."""
+    run_on_ranks(_train_main, list(args), compile_counts, world_size=nproc)
 
 
 def as_torchrun_rank() -> None:
@@ -198,14 +200,22 @@ def as_torchrun_rank() -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
 
 
-def _train_main(args):
+def _train_main(args, compile_counts=None):
+    import torch
     import torch.distributed as dist
     import train
     as_torchrun_rank()
+    rank = dist.get_rank()
     if dist.get_world_size() == 1:  # a single process has no process group
         dist.destroy_process_group()
     sys.argv = ["train.py", *args]
+    torch._dynamo.utils.counters.clear()
     train.main(args)
+    if compile_counts:
+        counters = torch._dynamo.utils.counters
+        with open(f"{compile_counts}.{rank}", "w") as f:
+            json.dump({"graphs": counters["stats"]["unique_graphs"],
+                       "graph_breaks": sum(counters["graph_break"].values())}, f)
 
 
 # How long run_on_ranks waits for its ranks; the compile-every-layout fixture,

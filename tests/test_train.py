@@ -1051,7 +1051,9 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
 
     def run(name, nproc, *flags):
         path = str(out / f"{name}.jsonl")
-        train_on_ranks([*PIPELINE_RUN, *IDS, "--data-path", ids_corpus, "--metrics-file", path, *flags], nproc=nproc)
+        counts = str(out / f"{name}.compiled") if "--compile" in flags else None  # graphs and breaks per rank
+        train_on_ranks([*PIPELINE_RUN, *IDS, "--data-path", ids_corpus, "--metrics-file", path, *flags], nproc=nproc,
+                       compile_counts=counts)
         return {m["iteration"]: m for m in read_metrics(path)}
     runs = {"PP=1": run("pp1", 1, "--save", str(out / "pp1"), "--save-interval", "4")}
     pp2 = ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), "--save-interval", "4"]
@@ -1107,6 +1109,17 @@ def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipe
     proc = torchrun("evaluate.py", "--task", "GENERATE", "--load", str(out / "dist"), "--num-samples", "1",
                     "--out-seq-length", "4", "--seq-length", "32", *IDS)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
+
+
+@pytest.mark.slow
+def test_four_compiled_ranks_of_two_stages_compile_their_chunks_whole(pipeline_runs):
+    """PP=2 x TP=2 with sequence parallelism and Domino under --compile: every
+    rank compiles its stage's model chunk (forward and backward) with no graph
+    break, as the compile worker checks at two ranks."""
+    name = "PP=2 x TP=2, sequence parallel, Domino, compiled"
+    prefix = pipeline_runs["dir"] / (name.replace(" ", "_").replace(",", "") + ".compiled")
+    counts = [json.loads(open(f"{prefix}.{rank}").read()) for rank in range(4)]
+    assert all(c["graphs"] >= 1 and c["graph_breaks"] == 0 for c in counts), counts
 
 
 @pytest.mark.slow
