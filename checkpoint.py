@@ -487,7 +487,8 @@ def weights_only(cfg: TrainConfig) -> bool:
 # What a checkpoint's weights compute. Weights of the same shapes can load into
 # another model (a --vocab-size of the same padding, another epsilon or RoPE
 # base), so a resume or fine-tune checks these; the kernels, dropout,
-# recomputation and the layout stay the run's own choice.
+# recomputation and the layout stay the run's own choice, and a fine-tune may
+# change the RoPE base (as long-context fine-tunes do).
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                 "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
                 "normalization", "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear",
@@ -498,7 +499,7 @@ def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
     """One line if the run's model is not the one `saved` (a model_config) describes."""
     mine = dataclasses.asdict(model_config(cfg))
     differ = [f"{k} {saved[k]} (this run: {mine[k]})" for k in ARCHITECTURE
-              if saved and k in saved and saved[k] != mine[k]]
+              if saved and k in saved and saved[k] != mine[k] and not (cfg.finetune and k == "rotary_base")]
     if differ:
         raise UsageError(f"checkpoint {path} is another model: {', '.join(differ)}; "
                          f"give this run the checkpoint's flags")

@@ -695,3 +695,22 @@ def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(
     assert checkpoint.hf_architecture(tiny_model().config) == "gpt2"
     assert checkpoint.hf_architecture(tiny_model(**LLAMA).config) == "llama"
 
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_a_finetune_may_change_the_rope_base():
+    """check_same_model: the run's architecture against the checkpoint's
+    model_config. Any difference is one line naming both values, except the
+    RoPE base under --finetune (long-context fine-tunes change it)."""
+    import config
+    flags = ["--preset", "tiny", "--position-embedding-type", "rope"]
+    cfg = config.parse_args(flags)
+    saved = dataclasses.asdict(config.model_config(cfg))
+    checkpoint.check_same_model(cfg, saved, "ckpt/iter_0000002")  # its own model
+    for key, value in (("layernorm_epsilon", 1e-6), ("rotary_base", 500000.0), ("num_query_groups", 2)):
+        with pytest.raises(UsageError, match=rf"^checkpoint ckpt/iter_0000002 is another model: {key} {value} "
+                                             rf"\(this run: {saved[key]}\); give this run the checkpoint's flags$"):
+            checkpoint.check_same_model(cfg, {**saved, key: value}, "ckpt/iter_0000002")
+    finetune = config.parse_args([*flags, "--finetune", "--load", "ckpt"])
+    checkpoint.check_same_model(finetune, {**saved, "rotary_base": 500000.0}, "ckpt/iter_0000002")
+    with pytest.raises(UsageError, match="vocab_size"):
+        checkpoint.check_same_model(finetune, {**saved, "vocab_size": 1000}, "ckpt/iter_0000002")
