@@ -17,6 +17,15 @@
 # STAGE_TIMEOUT (seconds, default 420) bounds each stage. At the end every
 # log is gathered into OUT_DIR/RESULTS.md, ready to paste into bench/RESULTS.md.
 #
+# Within a 15-minute lease (the machine's start included), one call of about
+# 8 minutes fits; the 2026-11-27 call (bench/RESULTS.md) ran the GPU tests,
+# then the whole-model runs, e.g.
+#   STAGES="env tests model" STAGE_TIMEOUT=240 MODEL_ARGS="--models 124M \
+#     --micro-batch-size 32 --iters 30 --variants triton-compile nanogpt-compile triton triton-graphs" \
+#     bash bench/run_gpu.sh OUT_DIR
+# (nanogpt-compile needs bench/ref/nanogpt/model.py, git-ignored: carry it).
+# The GPU tests run on 4 workers where pytest-xdist is installed (145 s then).
+#
 # --smoke runs every stage on CPU in about two minutes: the Triton kernels in
 # the interpreter, tiny shapes, fp32 (each script's --smoke). Its figures mean
 # nothing; it shows that the script works before it first meets a GPU.
@@ -86,7 +95,8 @@ collect() {  # every stage's log in one file, in stage order
 export OUT WORK
 export -f env_report first_step profile_all
 stage env env.txt env_report
-stage tests tests.log "python -m pytest -p no:cacheprovider -m gpu tests/ -q -rfEs"
+XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
+stage tests tests.log "python -m pytest -p no:cacheprovider -m gpu tests/ -q -rfEs $XDIST"
 stage kernels kernels.md "python bench/bench_kernels.py --autotune-log $OUT/autotune.json $SMOKE"
 stage profile profile.md profile_all
 stage model model.md "python bench/bench_model.py --workdir $WORK/model ${MODEL_ARGS:-} $SMOKE"
