@@ -1049,11 +1049,15 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
     and ZB-H1 with dropout: whole, resumed from its own iteration 4 and from 1F1B's."""
     out = tmp_path_factory.mktemp("pipeline")
 
+    compiled = {}  # run: each rank's graphs and graph breaks, for the --compile runs
+
     def run(name, nproc, *flags):
         path = str(out / f"{name}.jsonl")
-        counts = str(out / f"{name}.compiled") if "--compile" in flags else None  # graphs and breaks per rank
+        counts = str(out / f"{name}.compiled") if "--compile" in flags else None
         train_on_ranks([*PIPELINE_RUN, *IDS, "--data-path", ids_corpus, "--metrics-file", path, *flags], nproc=nproc,
                        compile_counts=counts)
+        if counts:
+            compiled[name] = [json.loads(open(f"{counts}.{rank}").read()) for rank in range(nproc)]
         return {m["iteration"]: m for m in read_metrics(path)}
     runs = {"PP=1": run("pp1", 1, "--save", str(out / "pp1"), "--save-interval", "4")}
     pp2 = ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), "--save-interval", "4"]
@@ -1076,8 +1080,8 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
         (out / slug / checkpoint.LATEST).write_text("4")
         runs[name] = run(slug, nproc, *flags, "--load", str(out / slug))
     dropout = ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.2", "--save-interval", "4"]
-    for name, flags in (("PP=2", dropout), ("interleaved PP=2", [*dropout, "--num-layers-per-virtual-pipeline-stage", "1"])):
-        slug = "drop" if name == "PP=2" else "idrop"
+    for name, slug, flags in (("PP=2", "drop", dropout),
+                              ("interleaved PP=2", "idrop", [*dropout, "--num-layers-per-virtual-pipeline-stage", "1"])):
         runs[f"{name} with dropout"] = run(slug, 2, *flags, "--save", str(out / slug))
         (out / slug / checkpoint.LATEST).write_text("4")
         runs[f"{name} with dropout, resumed at 4"] = run(f"{slug}-resumed", 2, *flags, "--load", str(out / slug))
@@ -1089,7 +1093,7 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
     (out / "drop-to-zb" / checkpoint.LATEST).write_text("4")
     runs["ZB-H1 PP=2 with dropout, from 1F1B's iteration 4"] = run("drop-to-zb", 2, *zb, "--load",
                                                                    str(out / "drop-to-zb"))
-    runs["dir"] = out
+    runs["dir"], runs["compile counts"] = out, compiled
     return runs
 
 
@@ -1116,10 +1120,8 @@ def test_four_compiled_ranks_of_two_stages_compile_their_chunks_whole(pipeline_r
     """PP=2 x TP=2 with sequence parallelism and Domino under --compile: every
     rank compiles its stage's model chunk (forward and backward) with no graph
     break, as the compile worker checks at two ranks."""
-    name = "PP=2 x TP=2, sequence parallel, Domino, compiled"
-    prefix = pipeline_runs["dir"] / (name.replace(" ", "_").replace(",", "") + ".compiled")
-    counts = [json.loads(open(f"{prefix}.{rank}").read()) for rank in range(4)]
-    assert all(c["graphs"] >= 1 and c["graph_breaks"] == 0 for c in counts), counts
+    (counts,) = pipeline_runs["compile counts"].values()  # the one compiled run
+    assert len(counts) == 4 and all(c["graphs"] >= 1 and c["graph_breaks"] == 0 for c in counts), counts
 
 
 @pytest.mark.slow
