@@ -174,7 +174,7 @@ def main():
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s")
     p.add_argument("--nanogpt-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--smoke", action="store_true",
-                   help="CPU, fp32, the tiny preset, 4 iterations, triton (interpreted: "
+                   help="CPU, fp32, the tiny preset, 2 iterations (the second timed), triton (interpreted: "
                         "TRITON_INTERPRET=1) and torch variants: checks that the script runs")
     args = p.parse_args()
     if args.nanogpt_worker:
@@ -184,7 +184,7 @@ def main():
     import torch
     if args.smoke:
         args.models, args.micro_batch_size, args.seq_length = ["tiny"], [2], 32
-        args.iters, args.log_interval = 4, 1
+        args.iters, args.log_interval = 2, 1
         args.variants = [v for v in args.variants if v in ("triton", "torch")]
     elif not torch.cuda.is_available():
         sys.exit("bench_model.py needs a CUDA GPU (torch.cuda.is_available() is False)")

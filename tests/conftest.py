@@ -244,7 +244,10 @@ def run_on_ranks(fn, *args, world_size=2, timeout=RANKS_TIMEOUT):
     from torch.multiprocessing.spawn import ProcessException
     # Read once, when the first launch starts the server; a module a later fn
     # lives in is imported by its ranks (cheap, with these already loaded).
-    mp.set_forkserver_preload(["torch", "torch.distributed", "parallel", "gpt", "train", fn.__module__])
+    # torch._dynamo too: torch.optim imports it when an optimizer is built,
+    # seconds of every rank's launch otherwise (it starts no thread).
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "parallel", "gpt", "train",
+                               fn.__module__])
     with tempfile.TemporaryDirectory() as tmp:
         ranks = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args), nprocs=world_size,
                                    join=False, start_method="forkserver")
