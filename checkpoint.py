@@ -469,6 +469,7 @@ def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
             log(f"no checkpoint in {cfg.load}; starting from scratch")
         return None
     if weights_only(cfg) or (found.kind == "deepspeed") == cfg.deepspeed:
+        check_same_model(cfg, saved_model_config(found), found.path)  # before a tensor is read
         return found
     if cfg.deepspeed:
         raise UsageError(f"--load {cfg.load} holds a plain train.py checkpoint: resume it without "
@@ -505,12 +506,21 @@ def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
                          f"give this run the checkpoint's flags")
 
 
+def saved_model_config(found: Found) -> dict | None:
+    """The model_config a checkpoint of any kind records, read without its tensors."""
+    if found.kind == "deepspeed":
+        return read_deepspeed_meta(found.path).get("model_config")
+    if found.kind == "torch_dist":
+        return read_dist(found.path, {}, no_dist=True)["model_config"]
+    with data_only_loads(found.path):  # mmap: the file's tensors stay on disk
+        return torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu", mmap=True).get("model_config")
+
+
 def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int]:
     """(iteration, consumed samples) to continue from, once `state` is
-    loaded (and shown to be this run's model); restores its RNG unless told
-    not to. --finetune starts a new run: iteration, samples and the
-    learning-rate schedule begin at zero."""
-    check_same_model(cfg, state.get("model_config"), path)
+    loaded (checkpoint_to_load showed it is this run's model); restores its
+    RNG unless told not to. --finetune starts a new run: iteration, samples
+    and the learning-rate schedule begin at zero."""
     if cfg.finetune:
         log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
             f"starting at iteration 0")

@@ -697,6 +697,23 @@ def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(
 
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("how", ["resumed", "--no-load-optim"])
+def test_a_checkpoint_of_other_shapes_is_one_line_before_any_tensor_is_read(
+        corpus, two_saves, dist_saves, capsys, fmt, how):
+    """--hidden-size 128 against a checkpoint of width 64: the one line of
+    any other difference of architecture, not torch's size-mismatch error
+    for every tensor (the model is checked before the loader reads one)."""
+    ckpt = two_saves if fmt == "torch" else dist_saves
+    with pytest.raises(SystemExit) as stop:
+        train.main([*TINY, "--data-path", corpus, "--train-iters", "6", "--load", ckpt, "--hidden-size", "128",
+                    *([how] if how.startswith("--") else [])])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"train.py: error: checkpoint {ckpt}/iter_0000004 is another model: hidden_size 64 (this run: 128), "
+        f"ffn_hidden_size 256 (this run: 512); give this run the checkpoint's flags"]
+
+
 def test_a_checkpoint_of_another_model_is_refused_and_a_finetune_may_change_the_rope_base():
     """check_same_model: the run's architecture against the checkpoint's
     model_config. Any difference is one line naming both values, except the

@@ -27,6 +27,7 @@ import config  # noqa: E402
 import pipeline  # noqa: E402
 import train  # noqa: E402
 import zero  # noqa: E402
+from launch import UsageError  # noqa: E402
 from conftest import IDS, VOCAB, deepspeed_launcher, free_port, torchrun, write_zipf_corpus  # noqa: E402
 
 STEPS, RESUME_AT = 12, 6
@@ -366,6 +367,17 @@ def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs)
     cfg = config.parse_args(COMMON + ["--deepspeed", "--load", os.path.join(runs, "ckpt_ddp")])
     with pytest.raises(ValueError, match="holds a plain train.py checkpoint: resume it without --deepspeed"):
         zero.DeepSpeedTraining(cfg, train.init_processes(cfg), 1, print)
+
+
+@pytest.mark.parametrize("flags", [["--deepspeed"], ["--no-load-optim"]])
+def test_a_deepspeed_checkpoint_of_another_width_is_one_line_before_deepspeed_reads_it(runs, flags):
+    """A resume under DeepSpeed, or a plain run from its weights, of another
+    --hidden-size: refused from the checkpoint's trainer_state.json, before
+    DeepSpeed's engine (or the weights' reader) opens a tensor file."""
+    cfg = config.parse_args(COMMON + [*IDS, *flags, "--hidden-size", "128", "--load", os.path.join(runs, "ckpt_z2")])
+    with pytest.raises(UsageError, match=r"^checkpoint .*ckpt_z2/iter_0000012 is another model: hidden_size 64 "
+                                         r"\(this run: 128\), ffn_hidden_size 256 \(this run: 512\); give this"):
+        checkpoint.checkpoint_to_load(cfg, print)
 
 
 def test_a_damaged_deepspeed_checkpoint_gives_way_to_the_one_before(runs, tmp_path):
