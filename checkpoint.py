@@ -731,21 +731,38 @@ class AsyncSave:
     (a stop or an error included) wait for it, and raise its error. Its
     collectives, DCP's and ours, run on a gloo group of its own, so they
     never interleave with the training's on one communicator. Every rank
-    creates it at the same point (new_group is collective)."""
+    creates it at the same point (new_group is collective).
 
-    def __init__(self, timeout):
+    The host copy itself is first made in the background after the first
+    optimizer step (when AdamW's moments exist), so the first save, like
+    every later one, copies into memory already in place: memory touched for
+    the first time is several times slower to fill (bench/RESULTS.md)."""
+
+    def __init__(self, timeout, optimizer):
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=False))
-        self.pending = None  # the write in flight: a Future
+        self.pending = None  # the write (or the first copy) in flight: a Future
+        self.first_step = optimizer.register_step_post_hook(self._make_host_copy)
+
+    def _make_host_copy(self, optimizer, args, kwargs) -> None:
+        """Once, after the first step: stage the parameters and optimizer states
+        in the background (what is copied does not matter; the copy's memory
+        stays in the stager for every save)."""
+        self.first_step.remove()
+        tensors = [p for group in optimizer.param_groups for p in group["params"]]
+        tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        self._in_background(self.stager.stage, dict(enumerate(tensors)))
 
     def start(self, state: dict, write) -> None:
         """write(a host copy of state, group) in the background, once the previous write is done."""
         self.wait()
-        staged = self.stager.stage(state)
+        self._in_background(write, self.stager.stage(state), self.group)
+
+    def _in_background(self, fn, *args) -> None:
         thread = ThreadPoolExecutor(1, thread_name_prefix="async-save")
-        self.pending = thread.submit(write, staged, self.group)
-        thread.shutdown(wait=False)  # its one thread ends with the write
+        self.pending = thread.submit(fn, *args)
+        thread.shutdown(wait=False)  # its one thread ends with fn
 
     def wait(self, report: bool = True) -> None:
         """Until the write in flight is done. A failed write raises here

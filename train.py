@@ -267,7 +267,8 @@ class PlainTraining:
             if parallel.layout.pp_size > 1 and parallel.layout.dp_size > 1 else None
         self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         self.max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
-        self.saver = checkpoint.AsyncSave(env.timeout) if cfg.async_save else None  # --async-save's write in flight
+        # --async-save: the host copy and the write in flight
+        self.saver = checkpoint.AsyncSave(env.timeout, self.optimizer) if cfg.async_save and cfg.save else None
 
     def begin(self, micro_batches: int, lr: float) -> None:
         """This step's learning rate; its gradients start from none."""

@@ -21,8 +21,9 @@ right after it, so
                   save from the later of the step's line and the previous
                   checkpoint's "saved" line (the end of the wait for its write)
 
---async-save runs 2 iterations, saving after each: the first save allocates
-the host copy, the second copies into it.
+--async-save saves twice, at --save-interval and twice that: train.py makes
+the host copy in the background after the first step, and both saves copy
+into it (at --save-interval 1 the first save waits for that copy to finish).
 
 --load-tp/--load-pp then resume the checkpoint at that layout (one more
 iteration, no save) and report, per rank, the time from train.py's
@@ -134,23 +135,24 @@ def added_memory(samples: list, start: float, end: float = float("inf")) -> dict
 
 
 def measure(repo: str, preset: str, tp: int, workdir: str, pp: int = 1, fmt: str | None = None,
-            flags: tuple = (), saves: int = 1) -> tuple[dict, list]:
+            flags: tuple = (), saves: int = 1, interval: int = 1) -> tuple[dict, list]:
     shutil.rmtree(os.path.join(workdir, "ckpt"), ignore_errors=True)
-    cmd = train_command(repo, preset, tp, pp, workdir, saves, *(["--ckpt-format", fmt] if fmt else []),
-                        "--save-interval", "1", "--save", os.path.join(workdir, "ckpt"), *flags)
+    cmd = train_command(repo, preset, tp, pp, workdir, saves * interval, *(["--ckpt-format", fmt] if fmt else []),
+                        "--save-interval", str(interval), "--save", os.path.join(workdir, "ckpt"), *flags)
     proc, lines, samples = run_sampled(cmd, repo)
 
     def when(pattern: str) -> float | None:
         return next((t for t, line in lines if re.match(pattern, line)), None)
 
-    steps = [when(rf"\s*iter\s+{k} \|") for k in range(1, saves + 1)]  # each step's line; its save comes next
-    saved = [when(rf"saved checkpoint .*iter_{k:07d}$") for k in range(1, saves + 1)]
+    at = [k * interval for k in range(1, saves + 1)]  # the saved iterations
+    steps = [when(rf"\s*iter\s+{k} \|") for k in at]  # each one's step line; its save comes next
+    saved = [when(rf"saved checkpoint .*iter_{k:07d}$") for k in at]
     if proc.returncode != 0 or None in steps or None in saved:
         raise SystemExit("train.py failed or printed no step line:\n" + "".join(l for _, l in lines[-40:]))
     timings = []
     for k in range(1, saves + 1):
         starts = max(steps[k - 1], saved[k - 2] if k > 1 else 0)  # once the previous write is waited for
-        timings.append({"blocked_s": (when(rf"staged checkpoint {k} ") or saved[k - 1]) - starts,
+        timings.append({"blocked_s": (when(rf"staged checkpoint {at[k - 1]} ") or saved[k - 1]) - starts,
                         "save_s": saved[k - 1] - steps[k - 1]})
     return added_memory(samples, steps[0]), timings
 
@@ -176,6 +178,7 @@ def main() -> None:
     ap.add_argument("--ckpt-format", help="train.py's --ckpt-format (default: its default)")
     ap.add_argument("--async-save", action="store_true",
                     help="torch_dist twice, synchronous then --async-save, and the loop's blocked time of each")
+    ap.add_argument("--save-interval", type=int, default=1, help="train.py's; the first save is at this iteration")
     ap.add_argument("--load-tp", type=int, help="then resume the (last) checkpoint at this TP size ...")
     ap.add_argument("--load-pp", type=int, default=1, help="... and this PP size, and time its load")
     args = ap.parse_args()
@@ -185,10 +188,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for name, (fmt, flags) in runs.items():
             results[name] = measure(os.path.abspath(args.repo), args.preset, args.tp, workdir, args.pp, fmt, flags,
-                                    saves=2 if args.async_save else 1)
+                                    saves=2 if args.async_save else 1, interval=args.save_interval)
         if args.load_tp:  # the last format's checkpoint, read at another layout
             load_s, load_mem = measure_load(os.path.abspath(args.repo), args.preset, args.load_tp, args.load_pp,
-                                            workdir, saves=2 if args.async_save else 1)
+                                            workdir, saves=(2 if args.async_save else 1) * args.save_interval)
     print(f"{args.preset}, tp={args.tp}, pp={args.pp}, {args.repo}")
     print(f"{'--ckpt-format':>24} {'rank':>4} {'before save MiB':>16} {'save peak MiB':>14} {'added MiB':>10}")
     for name, (per_rank, _) in results.items():

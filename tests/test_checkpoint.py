@@ -413,8 +413,10 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
     copy is independent of the parameters and optimizer states that step 3
     updated in place. The save at 4 stages only once 2 is published (its
     write is slowed by a second, so a save that did not wait would see no
-    pointer), and train.main returns with 4 published (slowed alike)."""
-    ckpt, stepped, events = str(tmp_path / "ckpt"), threading.Event(), []
+    pointer), and train.main returns with 4 published (slowed alike). The
+    host copy is made once, in the background after step 1: both saves copy
+    into its memory (none is allocated while the loop waits)."""
+    ckpt, stepped, events, host, reused = str(tmp_path / "ckpt"), threading.Event(), [], set(), []
     real_step, real_save, real_stage = train.train_step, checkpoint.dcp.save, checkpoint.DefaultStager.stage
     pointer = os.path.join(ckpt, checkpoint.LATEST)
     latest = lambda: open(pointer).read() if os.path.exists(pointer) else None
@@ -427,8 +429,15 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
         return result
 
     def stage(self, state):
+        if "iteration" not in state:  # the host copy, of the parameters and AdamW's states
+            events.append(f"host copy after step {events.count('step')}, on {threading.current_thread().name}")
+            host.update(t.data_ptr() for t in real_stage(self, state).values())
+            return None
         events.append(f"stage {state['iteration']}, latest {latest()}")
-        return real_stage(self, state)
+        staged = real_stage(self, state)
+        reused.append(all(staged[k].data_ptr() in host for k, v in state.items()
+                          if k.startswith(("model.", "optimizer.")) and torch.is_tensor(v)))
+        return staged
 
     def save(state, **k):  # the background write
         if state["iteration"] == 2:
@@ -441,7 +450,9 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
     train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
                 "--eval-interval", "0", "--ckpt-format", "torch_dist", "--async-save"])
     assert latest() == "4"
-    assert [e for e in events if e.startswith("stage")] == ["stage 2, latest None", "stage 4, latest 2"]
+    assert [e for e in events if not e.startswith("step")] == [
+        "host copy after step 1, on async-save_0", "stage 2, latest None", "stage 4, latest 2"]
+    assert reused == [True, True]
     for name in ("iter_0000002", "iter_0000004"):
         want, got = dist_tensors(os.path.join(dist_saves, name)), dist_tensors(os.path.join(ckpt, name))
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
