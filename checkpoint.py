@@ -29,6 +29,7 @@ import random
 import shutil
 import tempfile
 import warnings
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -489,7 +490,9 @@ def weights_only(cfg: TrainConfig) -> bool:
 # another model (a --vocab-size of the same padding, another epsilon or RoPE
 # base), so a resume or fine-tune checks these; the kernels, dropout,
 # recomputation and the layout stay the run's own choice, and a fine-tune may
-# change the RoPE base (as long-context fine-tunes do).
+# change the RoPE base (as long-context fine-tunes do). Learned positions are
+# weights too: their number (max_position_embeddings, which --seq-length sets
+# by default) is checked for them alone.
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                 "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
                 "normalization", "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear",
@@ -499,7 +502,9 @@ ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
 def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
     """One line if the run's model is not the one `saved` (a model_config) describes."""
     mine = dataclasses.asdict(model_config(cfg))
-    differ = [f"{k} {saved[k]} (this run: {mine[k]})" for k in ARCHITECTURE
+    keys = ARCHITECTURE + (("max_position_embeddings",) if mine["position_embedding_type"] == "learned_absolute"
+                           else ())
+    differ = [f"{k} {saved[k]} (this run: {mine[k]})" for k in keys
               if saved and k in saved and saved[k] != mine[k] and not (cfg.finetune and k == "rotary_base")]
     if differ:
         raise UsageError(f"checkpoint {path} is another model: {', '.join(differ)}; "
@@ -512,8 +517,9 @@ def saved_model_config(found: Found) -> dict | None:
         return read_deepspeed_meta(found.path).get("model_config")
     if found.kind == "torch_dist":
         return read_dist(found.path, {}, no_dist=True)["model_config"]
-    with data_only_loads(found.path):  # mmap: the file's tensors stay on disk
-        return torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu", mmap=True).get("model_config")
+    path = os.path.join(found.path, PLAIN_FILE)
+    with data_only_loads(found.path):  # mmap: the file's tensors stay on disk (a zip file's; torch's older
+        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path)).get("model_config")  # format, read)
 
 
 def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int]:
@@ -743,25 +749,43 @@ class AsyncSave:
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=False))
         self.pending = None  # the write (or the first copy) in flight: a Future
-        self.first_step = optimizer.register_step_post_hook(self._make_host_copy)
+        self.first_step = optimizer.register_step_post_hook(self._make_host_copy)  # removed by start()
 
     def _make_host_copy(self, optimizer, args, kwargs) -> None:
         """Once, after the first step: stage the parameters and optimizer states
         in the background (what is copied does not matter; the copy's memory
-        stays in the stager for every save)."""
-        self.first_step.remove()
+        stays in the stager for every save). Only a head start: if it fails,
+        the first save makes the copy, and meets the error, itself."""
+        if self.pending is not None:  # made already (or a save came first)
+            return
         tensors = [p for group in optimizer.param_groups for p in group["params"]]
         tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        self._in_background(self.stager.stage, dict(enumerate(tensors)))
+        self._in_background(self._stage_quietly, dict(enumerate(tensors)))
+
+    def _stage_quietly(self, tensors: dict) -> None:
+        try:
+            self.stager.stage(tensors)
+        except Exception:  # e.g. out of host memory: the first save will say so
+            pass
 
     def start(self, state: dict, write) -> None:
         """write(a host copy of state, group) in the background, once the previous write is done."""
         self.wait()
+        if self.first_step is not None:  # no head start needed any more
+            self.first_step.remove()
+            self.first_step = None
         self._in_background(write, self.stager.stage(state), self.group)
 
     def _in_background(self, fn, *args) -> None:
+        """fn(*args) on a thread of its own, on this rank's GPU (a new thread's is GPU 0)."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def run():
+            if device is not None:
+                torch.cuda.set_device(device)
+            return fn(*args)
         thread = ThreadPoolExecutor(1, thread_name_prefix="async-save")
-        self.pending = thread.submit(fn, *args)
+        self.pending = thread.submit(run)
         thread.shutdown(wait=False)  # its one thread ends with fn
 
     def wait(self, report: bool = True) -> None:

@@ -742,3 +742,10 @@ def test_a_checkpoint_of_another_model_is_refused_and_a_finetune_may_change_the_
     checkpoint.check_same_model(finetune, {**saved, "rotary_base": 500000.0}, "ckpt/iter_0000002")
     with pytest.raises(UsageError, match="vocab_size"):
         checkpoint.check_same_model(finetune, {**saved, "vocab_size": 1000}, "ckpt/iter_0000002")
+    # Positions: learned ones are weights (wpe's rows), RoPE's are not (a longer context is a fine-tune's choice)
+    longer = {**saved, "max_position_embeddings": 4 * saved["max_position_embeddings"]}
+    checkpoint.check_same_model(cfg, longer, "ckpt/iter_0000002")
+    learned = config.parse_args(["--preset", "tiny"])
+    with pytest.raises(UsageError, match=r"is another model: max_position_embeddings \d+ \(this run: \d+\)"):
+        checkpoint.check_same_model(learned, {**dataclasses.asdict(config.model_config(learned)),
+                                              "max_position_embeddings": longer["max_position_embeddings"]}, "ckpt")
