@@ -1007,6 +1007,10 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
                                                                "--sequence-parallel", "--domino"]),
     "interleaved PP=2 with recomputation": (2, ["--pipeline-model-parallel-size", "2", "--recompute-activations",
                                                 "--num-layers-per-virtual-pipeline-stage", "1"]),
+    # ZB-H1 over data-parallel replicas (each gradient averaged once its last W is done), and recomputing
+    "ZB-H1 PP=2 x DP=2": (4, ["--pipeline-model-parallel-size", "2", "--enable-zero-bubble"]),
+    "ZB-H1 PP=2 with recomputation": (2, ["--pipeline-model-parallel-size", "2", "--recompute-activations",
+                                          "--enable-zero-bubble"]),
     # --compile with stages at 4 ranks (the compile worker's pipeline runs, at 2, also count graph breaks)
     "PP=2 x TP=2, sequence parallel, Domino, compiled": (4, ["--pipeline-model-parallel-size", "2",
                                                              "--tensor-model-parallel-size", "2",
@@ -1026,6 +1030,8 @@ HALF_LAYOUTS = {  # name: (processes, flags), each against PP=1 in its own 16-bi
     "fp16 PP=2": (2, ["--fp16", "--initial-loss-scale", "1048576", "--pipeline-model-parallel-size", "2"]),
     "fp16 interleaved PP=2": (2, ["--fp16", "--initial-loss-scale", "1048576", "--pipeline-model-parallel-size",
                                   "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "fp16 ZB-H1 PP=2": (2, ["--fp16", "--initial-loss-scale", "1048576", "--pipeline-model-parallel-size", "2",
+                            "--enable-zero-bubble"]),
 }
 
 
@@ -1033,6 +1039,7 @@ DIST_WRITER = "PP=2 x TP=2, sequence parallel, Domino"
 DIST_READERS = {  # name: (processes, flags) of a run resuming DIST_WRITER's torch_dist checkpoint
     "torch_dist of PP=2 x TP=2, resumed at PP=1": (1, []),
     "torch_dist of PP=2 x TP=2, resumed at TP=2": (2, ["--tensor-model-parallel-size", "2"]),
+    "torch_dist of PP=2 x TP=2, resumed at PP=2": (2, ["--pipeline-model-parallel-size", "2"]),
     "torch_dist of PP=2 x TP=2, resumed at interleaved PP=2": PIPELINE_LAYOUTS[
         "interleaved PP=2, 2 virtual stages a rank"],
     "torch_dist of PP=2 x TP=2, resumed at DP=4": (4, []),
@@ -1069,8 +1076,9 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
     runs["PP=1's checkpoint resumed at PP=2"] = run(
         "pp1-to-pp2", 2, "--pipeline-model-parallel-size", "2", "--load", str(out / "pp1-to-pp2"))
     for name, (nproc, flags) in PIPELINE_LAYOUTS.items():
-        if name == DIST_WRITER:  # also saves --ckpt-format torch_dist at 4 and 8
-            flags = [*flags, "--ckpt-format", "torch_dist", "--save", str(out / "dist"), "--save-interval", "4"]
+        if name == DIST_WRITER:  # also saves --ckpt-format torch_dist at 4 and 8, in the background
+            flags = [*flags, "--ckpt-format", "torch_dist", "--async-save", "--save", str(out / "dist"),
+                     "--save-interval", "4"]
         runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
     for name, (nproc, flags) in HALF_LAYOUTS.items():
         runs[name] = run(name.replace(" ", "_"), nproc, *flags)
@@ -1157,7 +1165,8 @@ def test_zb_h1_takes_1f1bs_steps_resumes_bit_for_bit_and_from_1f1bs_checkpoint(p
 @pytest.mark.slow
 def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_runs):
     """PP=2 x TP=2 (SP, Domino) resumed from its own torch_dist checkpoint of
-    iteration 4 retraces the uninterrupted run exactly; every rank wrote its
+    iteration 4 (written with --async-save: each stage's shards staged, then
+    written in the background) retraces the uninterrupted run exactly; every rank wrote its
     own file, and PyTorch's converter gives PP=1's weights of iteration 4
     (the same curve: to 5e-5) from the shards of four ranks."""
     want, got = pipeline_runs[DIST_WRITER], pipeline_runs["torch_dist of PP=2 x TP=2, resumed at its own layout"]
