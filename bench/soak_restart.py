@@ -3,6 +3,7 @@
     python bench/soak_restart.py                      # 10 tries, plain DDP, 2 CPU ranks
     python bench/soak_restart.py --engine zero2       # the same under DeepSpeed ZeRO-2
     python bench/soak_restart.py --engine async       # DDP, --ckpt-format torch_dist --async-save
+    python bench/soak_restart.py --engine tp2         # also zero1, zero3, pp2 (ENGINES)
     python bench/soak_restart.py --tries 3 --iters 20 # a quick look
 
 Each try launches, as a cluster user would,
@@ -44,11 +45,14 @@ from bench_save import make_corpus, worker_pids
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITER_LINE = re.compile(r"^iter\s+(\d+) \|")
 LOADED_LINE = re.compile(r"loaded checkpoint .*\(iteration (\d+)")
+ENGINES = {  # --engine: train.py's flags on the 2 ranks
+    "ddp": [], **{f"zero{stage}": ["--deepspeed", "--zero-stage", str(stage)] for stage in (1, 2, 3)},
+    "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
+    "async": ["--ckpt-format", "torch_dist", "--async-save"]}
 
 
 def train_command(args, corpus: str, workdir: str, restarts: int) -> list[str]:
-    engine = {"ddp": [], "zero2": ["--deepspeed", "--zero-stage", "2"],
-              "async": ["--ckpt-format", "torch_dist", "--async-save"]}[args.engine]
+    engine = ENGINES[args.engine]
     return [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             f"--max-restarts={restarts}", os.path.join(HERE, "train.py"),
             "--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
@@ -129,7 +133,7 @@ def one_try(args, corpus: str, workdir: str, kill_at: int, reference: dict) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tries", type=int, default=10)
-    p.add_argument("--engine", choices=("ddp", "zero2", "async"), default="ddp")
+    p.add_argument("--engine", choices=list(ENGINES), default="ddp")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--save-interval", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a try may take before it counts as hung")
