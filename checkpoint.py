@@ -512,14 +512,16 @@ def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
 
 
 def saved_model_config(found: Found) -> dict | None:
-    """The model_config a checkpoint of any kind records, read without its tensors."""
+    """The model_config a checkpoint of any kind records, read without its
+    tensors (a plain file is mapped, mmap, and only its pickle read; a file
+    in torch's pre-zip format, which cannot be mapped, is read whole)."""
     if found.kind == "deepspeed":
         return read_deepspeed_meta(found.path).get("model_config")
     if found.kind == "torch_dist":
         return read_dist(found.path, {}, no_dist=True)["model_config"]
     path = os.path.join(found.path, PLAIN_FILE)
-    with data_only_loads(found.path):  # mmap: the file's tensors stay on disk (a zip file's; torch's older
-        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path)).get("model_config")  # format, read)
+    with data_only_loads(found.path):
+        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path)).get("model_config")
 
 
 def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int]:

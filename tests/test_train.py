@@ -1169,8 +1169,8 @@ def test_zb_h1_takes_1f1bs_steps_resumes_bit_for_bit_and_from_1f1bs_checkpoint(p
 def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_runs):
     """PP=2 x TP=2 (SP, Domino) resumed from its own torch_dist checkpoint of
     iteration 4 (written with --async-save: each stage's shards staged, then
-    written in the background) retraces the uninterrupted run exactly; every rank wrote its
-    own file, and PyTorch's converter gives PP=1's weights of iteration 4
+    written in the background) retraces the uninterrupted run exactly; every
+    rank wrote its own file, and PyTorch's converter gives PP=1's weights of iteration 4
     (the same curve: to 5e-5) from the shards of four ranks."""
     want, got = pipeline_runs[DIST_WRITER], pipeline_runs["torch_dist of PP=2 x TP=2, resumed at its own layout"]
     assert sorted(got) == [5, 6, 7, 8]
