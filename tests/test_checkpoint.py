@@ -458,6 +458,30 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
 
 
+def test_the_async_host_copy_is_made_only_for_a_run_that_saves_and_its_failure_loses_nothing(
+        corpus, tmp_path, monkeypatch):
+    """--async-save without --save makes no host copy (it would only hold
+    memory). With --save, a head-start copy that fails (say, out of host
+    memory) is only a lost head start: the save makes its own copy, and the
+    checkpoint is written and published."""
+    real_stage, staged = checkpoint.DefaultStager.stage, []
+
+    def stage(self, state):
+        staged.append(state.get("iteration", "head start"))
+        if "iteration" not in state:
+            raise MemoryError("no host memory for the head start")
+        return real_stage(self, state)
+    monkeypatch.setattr(checkpoint.DefaultStager, "stage", stage)
+    run = [*TINY, "--data-path", corpus, "--train-iters", "2", "--eval-interval", "0",
+           "--ckpt-format", "torch_dist", "--async-save"]
+    train.main(run)
+    assert staged == []
+    ckpt = tmp_path / "ckpt"
+    train.main([*run, "--save", str(ckpt)])
+    assert staged == ["head start", 2]
+    assert (ckpt / checkpoint.LATEST).read_text() == "2"
+
+
 def test_a_run_resumed_from_an_async_save_repeats_the_uninterrupted_run_bit_for_bit(corpus, tmp_path):
     """2 ranks at TP=2 (TP shards staged, then described as ShardedTensors of
     the copy; the checkpoint group used by DCP and the publish), saving at 2,
