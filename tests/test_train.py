@@ -1004,6 +1004,10 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
                                                          "--tensor-model-parallel-size", "2",
                                                          "--sequence-parallel", "--domino",
                                                          "--enable-zero-bubble"]),
+    # every kind of parallelism at once: 8 ranks, each micro-batch through 2 stages of 2 TP ranks (also DIST_WRITER)
+    "PP=2 x TP=2 x DP=2, sequence parallel, Domino": (8, ["--pipeline-model-parallel-size", "2",
+                                                          "--tensor-model-parallel-size", "2",
+                                                          "--sequence-parallel", "--domino"]),
     "interleaved PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
                                                                "--num-layers-per-virtual-pipeline-stage", "1",
                                                                "--tensor-model-parallel-size", "2",
@@ -1038,15 +1042,15 @@ HALF_LAYOUTS = {  # name: (processes, flags), each against PP=1 in its own 16-bi
 }
 
 
-DIST_WRITER = "PP=2 x TP=2, sequence parallel, Domino"
+DIST_WRITER = "PP=2 x TP=2 x DP=2, sequence parallel, Domino"
 DIST_READERS = {  # name: (processes, flags) of a run resuming DIST_WRITER's torch_dist checkpoint
-    "torch_dist of PP=2 x TP=2, resumed at PP=1": (1, []),
-    "torch_dist of PP=2 x TP=2, resumed at TP=2": (2, ["--tensor-model-parallel-size", "2"]),
-    "torch_dist of PP=2 x TP=2, resumed at PP=2": (2, ["--pipeline-model-parallel-size", "2"]),
-    "torch_dist of PP=2 x TP=2, resumed at interleaved PP=2": PIPELINE_LAYOUTS[
+    "torch_dist of PP=2 x TP=2 x DP=2, resumed at PP=1": (1, []),
+    "torch_dist of PP=2 x TP=2 x DP=2, resumed at TP=2": (2, ["--tensor-model-parallel-size", "2"]),
+    "torch_dist of PP=2 x TP=2 x DP=2, resumed at PP=2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "torch_dist of PP=2 x TP=2 x DP=2, resumed at interleaved PP=2": PIPELINE_LAYOUTS[
         "interleaved PP=2, 2 virtual stages a rank"],
-    "torch_dist of PP=2 x TP=2, resumed at DP=4": (4, []),
-    "torch_dist of PP=2 x TP=2, resumed at its own layout": PIPELINE_LAYOUTS[DIST_WRITER],
+    "torch_dist of PP=2 x TP=2 x DP=2, resumed at DP=4": (4, []),
+    "torch_dist of PP=2 x TP=2 x DP=2, resumed at its own layout": PIPELINE_LAYOUTS[DIST_WRITER],
 }
 
 
@@ -1167,18 +1171,25 @@ def test_zb_h1_takes_1f1bs_steps_resumes_bit_for_bit_and_from_1f1bs_checkpoint(p
 
 @pytest.mark.slow
 def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_runs):
-    """PP=2 x TP=2 (SP, Domino) resumed from its own torch_dist checkpoint of
-    iteration 4 (written with --async-save: each stage's shards staged, then
-    written in the background) retraces the uninterrupted run exactly; every
-    rank wrote its own file, and PyTorch's converter gives PP=1's weights of iteration 4
-    (the same curve: to 5e-5) from the shards of four ranks."""
-    want, got = pipeline_runs[DIST_WRITER], pipeline_runs["torch_dist of PP=2 x TP=2, resumed at its own layout"]
+    """PP=2 x TP=2 x DP=2 (SP, Domino) resumed from its own torch_dist
+    checkpoint of iteration 4 (written with --async-save: each rank's shards
+    staged, then written in the background) retraces the uninterrupted run
+    exactly. Each of the 8 ranks wrote its own file, and the files hold each
+    piece once: of what two data-parallel replicas hold, one copy.
+    PyTorch's converter gives PP=1's weights of iteration 4 (the same curve:
+    to 5e-5) from those shards."""
+    want, got = pipeline_runs[DIST_WRITER], pipeline_runs[
+        "torch_dist of PP=2 x TP=2 x DP=2, resumed at its own layout"]
     assert sorted(got) == [5, 6, 7, 8]
     for i in got:
         assert (got[i]["loss"], got[i]["grad_norm"]) == (want[i]["loss"], want[i]["grad_norm"]), i
     out = pipeline_runs["dir"]
     tag = out / "dist" / "iter_0000004"
-    assert sorted(p.name for p in tag.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    files = sorted(tag.glob("*.distcp"))
+    assert [p.name for p in files] == [f"__{r}_0.distcp" for r in range(8)]
+    # together about what one process writes of the same state (measured: 1.14x, DCP's framing; twice that with both replicas' copies)
+    plain = out / "pp1" / "iter_0000004" / checkpoint.PLAIN_FILE
+    assert sum(p.stat().st_size for p in files) < 1.5 * plain.stat().st_size
     proc = run_bounded([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
                         str(tag), str(out / "dist.pt")], 120)
     assert proc.returncode == 0, proc.stderr[-2000:]
