@@ -35,12 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import parallel
 from config import TrainConfig, model_config
@@ -657,6 +651,9 @@ def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
 # anywhere. The non-tensors (iteration, config, ...) are written by rank 0;
 # each stage's random streams are a byte tensor its first rank writes.
 
+# DCP, and the ShardedTensor it saves, take about a second to import (DTensor's
+# operator tables), paid by every rank at every launch; only torch_dist needs
+# them, so the functions below import them when they run.
 # DCP warns whenever it runs in one process; read_dist and a one-process save ask for that.
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 AS_THEY_ARE = dict(flatten_state_dict=False, flatten_sharded_tensors=False)  # our state is flat already
@@ -669,6 +666,9 @@ def as_shards(param, t: torch.Tensor) -> torch.Tensor:
     one a block for a fused one ([Q_r | K_r | V_r] of [Q | K | V]: no
     DTensor placement describes that). Its pieces are views of t, so a load
     writes straight into the parameter or state."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
     if not getattr(param, "tensor_model_parallel", False) or parallel.layout.tp_size == 1:
         return t
     dim, tp, group = param.partition_dim, parallel.layout.tp_size, parallel.layout.tp_group
@@ -700,6 +700,7 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
     collective), rank 0 publishes (write_every_rank). Nothing is gathered.
     With a saver (--async-save) the loop waits only for a host copy of the
     state, and all that runs in the background."""
+    import torch.distributed.checkpoint as dcp
     params, state, like = dict(model.named_parameters()), {}, {}  # like: the parameter a tensor is shaped like
     for name, t in model.state_dict().items():
         state[f"model.{name}"], like[f"model.{name}"] = t, params.get(name)
@@ -720,7 +721,7 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
         # TP shards as ShardedTensors from here on, of the host copy if staged (DCP's stager copies none)
         shards = {key: as_shards(like.get(key), v) for key, v in state.items()}
         write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp.save(
-            shards, storage_writer=dcp.FileSystemWriter(tmp), planner=DefaultSavePlanner(**AS_THEY_ARE),
+            shards, storage_writer=dcp.FileSystemWriter(tmp), planner=dcp.DefaultSavePlanner(**AS_THEY_ARE),
             process_group=group, no_dist=not dist.is_initialized()), log, group=group)
 
     if saver is None:
@@ -747,6 +748,7 @@ class AsyncSave:
     the first time is several times slower to fill (bench/RESULTS.md)."""
 
     def __init__(self, timeout, optimizer):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=False))
@@ -846,6 +848,7 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     """`state` (name: this rank's tensor, or None for a non-tensor) read from
     the torch_dist checkpoint at path, with the iteration, consumed samples,
     configs and every stage's random streams ("rng", "pipeline_rng")."""
+    import torch.distributed.checkpoint as dcp
     saved = read_dist_metadata(path).state_dict_metadata
     missing = sorted(set(state) - set(saved))
     if missing:
@@ -854,24 +857,28 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     state.update({key: torch.empty(saved[key].size, dtype=torch.uint8) for key in stages})
     state.update(dict.fromkeys(("iteration", "consumed_samples", "config", "model_config")))
     with data_only_loads(path):
-        dcp.load(state, storage_reader=DistReader(path), planner=DefaultLoadPlanner(**AS_THEY_ARE),
+        dcp.load(state, storage_reader=dist_reader(path), planner=dcp.DefaultLoadPlanner(**AS_THEY_ARE),
                  no_dist=no_dist or not dist.is_initialized())
         state["pipeline_rng"] = [torch.load(io.BytesIO(state[key].numpy().tobytes())) for key in stages]
     state["rng"] = state["pipeline_rng"][0]
     return state
 
 
-class DistReader(dcp.FileSystemReader):
+def dist_reader(path: str):
     """DCP's reader, but its index (DIST_METADATA, a pickle) is read with
     only DCP's metadata classes and torch's dtypes allowed: a torch_dist
     checkpoint never runs code from its files either (see data_only_loads)."""
+    import torch.distributed.checkpoint as dcp
+    reader = dcp.FileSystemReader(path)
 
-    def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, DIST_METADATA), "rb") as f:
+    def read_metadata(*args, **kwargs):
+        with open(os.path.join(path, DIST_METADATA), "rb") as f:
             metadata = DistMetadataUnpickler(f).load()
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = reader.load_id
         return metadata
+    reader.read_metadata = read_metadata  # in place of DCP's unpickling of the index
+    return reader
 
 
 class DistMetadataUnpickler(pickle.Unpickler):
@@ -891,7 +898,7 @@ class DistMetadataUnpickler(pickle.Unpickler):
 
 def read_dist_metadata(path: str):
     with data_only_loads(path):
-        return DistReader(path).read_metadata()
+        return dist_reader(path).read_metadata()
 
 
 # ----------------------------------------------------------------------------
