@@ -245,9 +245,10 @@ def run_on_ranks(fn, *args, world_size=2, timeout=RANKS_TIMEOUT):
     # Read once, when the first launch starts the server; a module a later fn
     # lives in is imported by its ranks (cheap, with these already loaded).
     # torch._dynamo too: torch.optim imports it when an optimizer is built,
-    # seconds of every rank's launch otherwise (it starts no thread).
-    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "parallel", "gpt", "train",
-                               fn.__module__])
+    # seconds of every rank's launch otherwise (it starts no thread); and
+    # torch.distributed.checkpoint, which checkpoint.py imports only for torch_dist.
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
+                               "parallel", "gpt", "train", fn.__module__])
     with tempfile.TemporaryDirectory() as tmp:
         ranks = mp.start_processes(_rank_main, args=(world_size, tmp, fn, args), nprocs=world_size,
                                    join=False, start_method="forkserver")

@@ -25,6 +25,8 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp  # checkpoint.py's torch_dist calls: patched below
+from torch.distributed.checkpoint.staging import DefaultStager
 
 import checkpoint
 import pipeline
@@ -374,7 +376,7 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoin
     """With --async-save the write fails in the background; the end of the
     run, which waits for it, stops with the same line."""
     ckpt = str(tmp_path / "ckpt")
-    real_save, real_dcp_save = torch.save, checkpoint.dcp.save
+    real_save, real_dcp_save = torch.save, dcp.save
 
     def full(path):
         if "iter_0000004" in str(path):
@@ -388,7 +390,7 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoin
         full(storage_writer.path)
         return real_dcp_save(state, storage_writer=storage_writer, **k)
     monkeypatch.setattr(torch, "save", save)
-    monkeypatch.setattr(checkpoint.dcp, "save", dcp_save)
+    monkeypatch.setattr(dcp, "save", dcp_save)
     with pytest.raises(SystemExit) as stop:
         train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
                     "--eval-interval", "0", *flags])
@@ -417,7 +419,7 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
     host copy is made once, in the background after step 1: both saves copy
     into its memory (none is allocated while the loop waits)."""
     ckpt, stepped, events, host, reused = str(tmp_path / "ckpt"), threading.Event(), [], set(), []
-    real_step, real_save, real_stage = train.train_step, checkpoint.dcp.save, checkpoint.DefaultStager.stage
+    real_step, real_save, real_stage = train.train_step, dcp.save, DefaultStager.stage
     pointer = os.path.join(ckpt, checkpoint.LATEST)
     latest = lambda: open(pointer).read() if os.path.exists(pointer) else None
 
@@ -445,8 +447,8 @@ def test_an_async_save_is_written_while_training_goes_on_and_waited_for_by_the_n
         time.sleep(1)
         return real_save(state, **k)
     monkeypatch.setattr(train, "train_step", step)
-    monkeypatch.setattr(checkpoint.DefaultStager, "stage", stage)
-    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    monkeypatch.setattr(DefaultStager, "stage", stage)
+    monkeypatch.setattr(dcp, "save", save)
     train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
                 "--eval-interval", "0", "--ckpt-format", "torch_dist", "--async-save"])
     assert latest() == "4"
@@ -464,14 +466,14 @@ def test_the_async_host_copy_is_made_only_for_a_run_that_saves_and_its_failure_l
     memory). With --save, a head-start copy that fails (say, out of host
     memory) is only a lost head start: the save makes its own copy, and the
     checkpoint is written and published."""
-    real_stage, staged = checkpoint.DefaultStager.stage, []
+    real_stage, staged = DefaultStager.stage, []
 
     def stage(self, state):
         staged.append(state.get("iteration", "head start"))
         if "iteration" not in state:
             raise MemoryError("no host memory for the head start")
         return real_stage(self, state)
-    monkeypatch.setattr(checkpoint.DefaultStager, "stage", stage)
+    monkeypatch.setattr(DefaultStager, "stage", stage)
     run = [*TINY, "--data-path", corpus, "--train-iters", "2", "--eval-interval", "0",
            "--ckpt-format", "torch_dist", "--async-save"]
     train.main(run)
@@ -502,13 +504,13 @@ def test_a_run_resumed_from_an_async_save_repeats_the_uninterrupted_run_bit_for_
 def _train_killed_after_writing_checkpoint_4(args):
     """conftest's rank main, SIGKILLed (no handler runs) in its background
     write of checkpoint 4: its files are written, not yet hashed or published."""
-    real_save = checkpoint.dcp.save
+    real_save = dcp.save
 
     def save(state, **k):
         real_save(state, **k)
         if state["iteration"] == 4:
             os.kill(os.getpid(), signal.SIGKILL)
-    checkpoint.dcp.save = save
+    dcp.save = save
     _train_main(args)
 
 
