@@ -394,7 +394,7 @@ def _forward_backward(model: GPT):
     return logits, loss.detach(), grads, norm, clipped
 
 
-def _train_losses(model: GPT, steps: int = 20) -> list:
+def _train_losses(model: GPT, steps: int = 8) -> list:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(steps):
@@ -551,7 +551,7 @@ def test_sequence_parallel_matches_single_gpu(tp, options):
     """Sequence parallelism, alone and with Domino (2 and 3 chunks), equals
     the single-device model in fp32: logits, loss, every gradient (the
     norms' weights and the row-parallel biases, summed over the sequence
-    slices, included), the clipped norm, and 20 AdamW steps. Every rank
+    slices, included), the clipped norm, and 8 AdamW steps. Every rank
     compares its own replicated gradients, so a rank that kept only its
     tokens' share fails."""
     run_on_ranks(_check_sequence_parallel_matches_single_gpu, options, tp, world_size=tp)
