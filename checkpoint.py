@@ -654,6 +654,7 @@ def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
 # DCP, and the ShardedTensor it saves, take about a second to import (DTensor's
 # operator tables), paid by every rank at every launch; only torch_dist needs
 # them, so the functions below import them when they run.
+
 # DCP warns whenever it runs in one process; read_dist and a one-process save ask for that.
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 AS_THEY_ARE = dict(flatten_state_dict=False, flatten_sharded_tensors=False)  # our state is flat already
@@ -666,11 +667,11 @@ def as_shards(param, t: torch.Tensor) -> torch.Tensor:
     one a block for a fused one ([Q_r | K_r | V_r] of [Q | K | V]: no
     DTensor placement describes that). Its pieces are views of t, so a load
     writes straight into the parameter or state."""
+    if not getattr(param, "tensor_model_parallel", False) or parallel.layout.tp_size == 1:
+        return t
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-    if not getattr(param, "tensor_model_parallel", False) or parallel.layout.tp_size == 1:
-        return t
     dim, tp, group = param.partition_dim, parallel.layout.tp_size, parallel.layout.tp_group
     full = list(t.shape)
     full[dim] *= tp

@@ -1187,7 +1187,8 @@ def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_
     tag = out / "dist" / "iter_0000004"
     files = sorted(tag.glob("*.distcp"))
     assert [p.name for p in files] == [f"__{r}_0.distcp" for r in range(8)]
-    # together about what one process writes of the same state (measured: 1.14x, DCP's framing; twice that with both replicas' copies)
+    # together about what one process writes of the same state (measured: 1.14x, DCP's framing;
+    # twice that with both replicas' copies)
     plain = out / "pp1" / "iter_0000004" / checkpoint.PLAIN_FILE
     assert sum(p.stat().st_size for p in files) < 1.5 * plain.stat().st_size
     proc = run_bounded([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
