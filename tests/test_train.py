@@ -316,13 +316,14 @@ RESTART_RUN = [*TINY, "--train-iters", "8", "--global-batch-size", "8", "--eval-
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, tmp_path_factory):
     """engine flags -> the losses of an uninterrupted 2-process run of the
-    restart tests' 8 steps (RESTART_RUN), each engine's run once for them."""
+    restart tests' 8 steps (RESTART_RUN), each engine's run once for them
+    (on run_on_ranks' ranks: the launch under test is the restarted one)."""
     runs = {}
 
     def losses_of(engine):
         if tuple(engine) not in runs:
             metrics = tmp_path_factory.mktemp("uninterrupted") / "full.jsonl"
-            run_train([*RESTART_RUN, "--data-path", corpus, *engine, "--metrics-file", str(metrics)], nproc=2)
+            train_on_ranks([*RESTART_RUN, "--data-path", corpus, *engine, "--metrics-file", str(metrics)], nproc=2)
             runs[tuple(engine)] = losses(metrics)
         return runs[tuple(engine)]
     return losses_of
