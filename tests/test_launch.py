@@ -35,16 +35,20 @@ def test_the_import_graph_has_no_circle():
     assert order[0] == "launch" and project_imports("launch") == set()
 
 
+def modules_loaded_by(imports: str) -> set[str]:
+    """Every module a fresh interpreter holds after `import IMPORTS`."""
+    return set(subprocess.run([sys.executable, "-c", f"import sys, {imports}; print(' '.join(sys.modules))"],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.split())
+
+
 def test_preparing_data_loads_no_model_code():
-    loaded = subprocess.run([sys.executable, "-c", "import sys, prepare; print(' '.join(sorted(sys.modules)))"],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    assert not {"gpt", "kernels", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & set(loaded)
+    loaded = modules_loaded_by("prepare")
+    assert not {"gpt", "kernels", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & loaded
 
 
 def test_only_torch_dist_imports_pytorchs_distributed_checkpoint():
     """torch.distributed.checkpoint (DTensor's tables with it: about a second of
     every rank's start) is imported by the torch_dist functions when they run,
     not by train.py or evaluate.py."""
-    loaded = subprocess.run([sys.executable, "-c", "import sys, train, evaluate; print(' '.join(sorted(sys.modules)))"],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    loaded = modules_loaded_by("train, evaluate")
     assert "checkpoint" in loaded and "torch.distributed.checkpoint" not in loaded
