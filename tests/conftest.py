@@ -97,8 +97,16 @@ def _run(cmd, script, args, env, check, timeout):
     proc = run_bounded(cmd, timeout, cwd=ROOT, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{os.path.basename(script)} {' '.join(args[:2])} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+                             f"{proc.stdout[-3000:]}\n{fatal_report(proc.stderr)}{proc.stderr[-6000:]}")
     return proc
+
+
+def fatal_report(stderr: str) -> str:
+    """The faulthandler's report of the first rank killed by a signal
+    (SIGSEGV, SIGABRT: its Python stack), or "". The other ranks' tracebacks,
+    printed after it as their peer vanishes, would push it out of the tail."""
+    at = stderr.find("Fatal Python error")
+    return "" if at < 0 else f"the first fatal error:\n{stderr[at:at + 4000]}\n...\n"
 
 
 def run_bounded(cmd, timeout, **popen_kwargs) -> subprocess.CompletedProcess:

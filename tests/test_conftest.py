@@ -1,12 +1,13 @@
 """The test harness's own promise: no launch waits forever. A command or a
 group of ranks that hangs fails its test after the bound, with the stack of
-every process it started, and leaves none of them running."""
+every process it started, and leaves none of them running. A rank that a
+signal kills (a segfault) fails its test with that rank's stack."""
 import sys
 import time
 
 import pytest
 
-from conftest import run_bounded, run_on_ranks
+from conftest import run_bounded, run_on_ranks, torchrun
 
 # A worker that starts a grandchild in a session of its own (as torchrun
 # starts its workers), then both wait forever.
@@ -77,3 +78,30 @@ def test_a_failed_rank_is_reported_by_its_own_error():
     message = str(failure.value)
     assert "--- rank 1's error, 0.0 s after the first ---" in message
     assert "ValueError: rank 1's own mistake" in message
+
+
+# Rank 1 dies of a signal; rank 0, stopped by torchrun, then prints far more
+# than a failure message keeps of the tail, as real victims' tracebacks do.
+SEGFAULT = """
+import os, signal, sys, time
+def rank_one_dies_of_a_segfault():
+    os.kill(os.getpid(), signal.SIGSEGV)
+def victim(*_):
+    sys.stderr.write("RuntimeError: Connection closed by peer\\n" * 500)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, victim)
+if os.environ["RANK"] == "1":
+    time.sleep(1)  # rank 0 is up, its handler in place
+    rank_one_dies_of_a_segfault()
+time.sleep(60)
+"""
+
+
+def test_a_rank_killed_by_a_signal_fails_with_its_stack_whatever_the_others_print(tmp_path):
+    script = tmp_path / "segfault.py"
+    script.write_text(SEGFAULT)
+    with pytest.raises(AssertionError, match="the first fatal error") as failure:
+        torchrun(str(script), nproc=2, timeout=60)
+    message = str(failure.value)
+    assert "Segmentation fault" in message and "in rank_one_dies_of_a_segfault" in message
+    assert message.count("Connection closed by peer") > 100  # the tail is still shown
