@@ -1131,12 +1131,12 @@ def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) 
         if hf.get(key, want) != want:
             raise UsageError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
     vocab = hf.get("vocab_size", 50257)
-    return GPTConfig(
+    return GPTConfig(**{**dict(
         num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
         ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
         vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        init_method_std=hf.get("initializer_range", 0.02), **overrides)
+        init_method_std=hf.get("initializer_range", 0.02)), **overrides})  # the caller's choices win
 
 
 def config_to_hf(config: GPTConfig) -> dict:
@@ -1246,7 +1246,7 @@ def llama_config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overr
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         raise UsageError("HF attention_bias and mlp_bias differ; --disable-bias-linear sets both")
     G, vocab = hf.get("num_key_value_heads") or nh, hf["vocab_size"]
-    return GPTConfig(
+    return GPTConfig(**{**dict(
         num_layers=hf["num_hidden_layers"], hidden_size=H, num_attention_heads=nh,
         num_query_groups=None if G == nh else G, ffn_hidden_size=hf["intermediate_size"],
         max_position_embeddings=hf["max_position_embeddings"], vocab_size=vocab,
@@ -1255,7 +1255,8 @@ def llama_config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overr
         attention_dropout=hf.get("attention_dropout", 0.0), position_embedding_type="rope",
         rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         normalization="RMSNorm", swiglu=True, disable_bias_linear=not hf.get("attention_bias", False),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), **overrides)
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False)),
+        **overrides})  # the caller's choices win (evaluate.py: no dropout)
 
 
 def llama_config_to_hf(config: GPTConfig) -> dict:

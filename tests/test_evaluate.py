@@ -96,8 +96,8 @@ def files(tmp_path_factory):
 def reference_perplexity(hf_dir: str, wiki_path: str, seq: int, stride: int) -> tuple[float, int]:
     """Windows of `seq` inputs at 0, stride, 2 stride, ...; each scores the
     targets after the last one already scored. -> (perplexity, tokens scored)."""
-    from transformers import GPT2LMHeadModel
-    model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     raw = open(wiki_path, encoding="utf-8").read()
     tokens = encoder().encode_ordinary(evaluate.wikitext_detokenize(raw))
     total, scored_up_to, start = 0.0, 0, 0  # targets 1..scored_up_to are done
@@ -272,6 +272,21 @@ def test_hugging_face_directory_is_a_model_too(files, reference, tmp_path):
     for task in ("wiki_overlap", "lambada"):
         assert_matches_reference(evaluate_here(files, task, ["--hf", files["hf"]], tmp_path),
                                  reference, task)
+
+
+def test_a_hugging_face_llama_directory_is_a_model_too(files, tmp_path):
+    """--hf of a Llama that transformers made (random weights; grouped-query
+    attention, untied head): transformers' own perplexity on the same windows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    llama = str(tmp_path / "llama")
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=50257,
+                                 max_position_embeddings=64)).save_pretrained(llama)
+    results = evaluate_here(files, "wiki", ["--hf", llama], tmp_path)
+    ppl, scored = reference_perplexity(llama, files["wiki"], SEQ, SEQ)
+    assert results["tokens_scored"] == scored
+    assert results["ppl"] == pytest.approx(ppl, rel=1e-5)
 
 
 def worker(out: str, *model: str) -> None:
