@@ -314,12 +314,12 @@ def write_digests(directory: str, digests: dict[str, str]) -> None:
 
 def damage(found: Found) -> str | None:
     """What is wrong with a checkpoint, or None: every file its DIGESTS
-    lists is there, with that sha256 (or it predates digests)."""
+    lists is there, with that sha256 (without DIGESTS: none is cut short)."""
     directory, listed = found.path, os.path.join(found.path, DIGESTS)
     if found.kind is None:
         return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
     if not os.path.exists(listed):
-        return None
+        return cut_short(found)
     with open(listed) as f:
         for line in f:
             digest, name = line.rstrip("\n").split("  ", 1)
@@ -328,6 +328,28 @@ def damage(found: Found) -> str | None:
                 return f"{name} is missing"
             if sha256_of(path) != digest:
                 return f"{name} is damaged (its sha256 is not the one {DIGESTS} records)"
+    return None
+
+
+def cut_short(found: Found) -> str | None:
+    """Without digests (a checkpoint from before them, or copied without
+    them), a file cut short is still found, by its own index: a torch.save
+    file is a zip whose directory is its last bytes, and DCP's .metadata
+    gives the extent of every piece in its shard files."""
+    if found.kind == "torch_dist":
+        ends = {}
+        for info in read_dist_metadata(found.path).storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            path = os.path.join(found.path, name)
+            if not os.path.exists(path) or os.path.getsize(path) < end:
+                return f"{name} is {'missing' if not os.path.exists(path) else 'truncated'}"
+        return None
+    for name in sorted(n for n in os.listdir(found.path) if n.endswith(".pt")):
+        with open(os.path.join(found.path, name), "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"  # not torch's pre-zip format, which has no index
+        if zipped and not zipfile.is_zipfile(os.path.join(found.path, name)):
+            return f"{name} is truncated (its zip directory is gone)"
     return None
 
 
@@ -387,26 +409,47 @@ class Found:
 
 
 def latest_checkpoint(load_dir: str) -> Found | None:
-    """The latest checkpoint in load_dir, of either kind, or None. Either
-    pointer may name it (DeepSpeed's alone: copied by hand, say); if they
-    differ (a crash between a DeepSpeed save's two pointer writes) the newer
-    wins. The kind is what the directory holds, not the pointer's."""
-    if os.path.isfile(load_dir):
-        raise UsageError(f"{load_dir} is a file, not a checkpoint directory: give the directory that "
-                         f"holds {LATEST} (the one train.py's --save wrote)")
+    """The latest checkpoint in load_dir, of either kind, or None (nothing of
+    a checkpoint there). Either pointer may name it (DeepSpeed's alone:
+    copied by hand, say); if they differ (a crash between a DeepSpeed save's
+    two pointer writes) the newer wins. With neither (checkpoints copied
+    without one, a first save cut short before it) the newest iter_N is it.
+    The kind is what the directory holds, not the pointer's."""
+    what_is_there(load_dir)
     named = []
     if os.path.exists(os.path.join(load_dir, LATEST)):
         with open(os.path.join(load_dir, LATEST)) as f:
-            iteration = int(f.read().strip())
-        named.append((iteration, checkpoint_dir(load_dir, f"iter_{iteration:07d}"), LATEST))
+            text = f.read().strip()
+        if not text.isdigit():  # Megatron's "release", or a damaged file
+            raise UsageError(f"{os.path.join(load_dir, LATEST)} holds {text[:40]!r}, not an iteration number: "
+                             f"write the iteration to load into it, or delete it to load the newest iter_N there")
+        named.append((int(text), checkpoint_dir(load_dir, f"iter_{int(text):07d}"), LATEST))
     if os.path.exists(os.path.join(load_dir, DS_LATEST)):
         with open(os.path.join(load_dir, DS_LATEST)) as f:
             tag_dir = checkpoint_dir(load_dir, f.read().strip())
         named.append((read_deepspeed_meta(tag_dir)["iteration"], tag_dir, DS_LATEST))
+    if not named and os.path.isdir(load_dir) and saved_iterations(load_dir):
+        iteration = saved_iterations(load_dir)[-1]
+        named.append((iteration, os.path.join(load_dir, f"iter_{iteration:07d}"), None))
     if not named:
         return None
     iteration, path, pointer = max(named, key=lambda n: n[0])
     return Found(kind_of(path), iteration, path)  # kind None: named, but incomplete or gone (see damage)
+
+
+def what_is_there(load_dir: str) -> None:
+    """--load takes the directory --save wrote: one line for what else it was given."""
+    if os.path.isfile(load_dir):
+        raise UsageError(f"{load_dir} is a file, not a checkpoint directory: give the directory that "
+                         f"holds {LATEST} (the one train.py's --save wrote)")
+    if kind_of(load_dir):
+        raise UsageError(f"{load_dir} is one checkpoint's own directory: give the directory above it, "
+                         f"{os.path.dirname(os.path.abspath(load_dir))} (the one --save wrote; its {LATEST} "
+                         f"names the iteration that loads)")
+    if os.path.isfile(os.path.join(load_dir, "config.json")):
+        raise UsageError(f"{load_dir} is a Hugging Face model directory, not a train.py checkpoint: "
+                         f"evaluate.py reads it with --hf, and train.py --export-from {load_dir} --export-to "
+                         f"DIR makes one that --load DIR --finetune trains from")
 
 
 def kind_of(path: str) -> str | None:
@@ -951,9 +994,7 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
                 f"{found.path} was written with {name} size {saved}, this run has {now}: ZeRO, "
                 f"tensor- and pipeline-parallel shards only fit the layout they were written with. Relaunch with "
                 f"the old layout, or continue from its weights with fresh optimizer states "
-                f"(add --no-load-optim: any layout loads them), or convert the optimizer states with "
-                f"DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal; "
-                f"checkpoints written at tensor- and pipeline-parallel size 1)")
+                f"(add --no-load-optim: any layout loads them)")
     with data_only_loads(found.path):
         _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
                                            load_optimizer_states=True, load_lr_scheduler_states=False)
@@ -1013,23 +1054,28 @@ def stage0_master_weights(model_states: dict) -> dict:
 
 
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
-    """Write the consolidated fp32 weights of a checkpoint of either kind as
+    """Write the consolidated fp32 weights of a checkpoint of either kind, or
+    of a Hugging Face directory (Hugging Face in: a fine-tune's start), as
     fmt="plain": a weights-only plain checkpoint (resume it with --load OUT
-                 --no-load-optim, any layout, with or without --deepspeed);
+                 --no-load-optim, or --finetune, any layout, with or without --deepspeed);
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.layout.tp_size > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
-    found = verified_checkpoint(checkpoint, print)
-    if found is None:
-        raise UsageError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
-                         f"{LATEST} nor DeepSpeed's {DS_LATEST})")
-    full, state = read_weights(found)
-    model = GPT(GPTConfig(**state["model_config"]))  # tp=1, on CPU
-    model.load_full_state_dict(full)
+    if os.path.isfile(os.path.join(checkpoint, "config.json")):
+        model, state = from_hf(checkpoint), {"iteration": 0, "consumed_samples": 0, "rng": None, "config": None}
+    else:
+        found = verified_checkpoint(checkpoint, print)
+        if found is None:
+            raise UsageError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
+                             f"{LATEST} nor DeepSpeed's {DS_LATEST})")
+        full, state = read_weights(found)
+        model = GPT(GPTConfig(**state["model_config"]))  # tp=1, on CPU
+        model.load_full_state_dict(full)
     if fmt == "hf":
         to_hf(model, out)
         return
-    state.update(model=model.full_state_dict(), optimizer=None, scaler=None)
+    state.update(model=model.full_state_dict(), optimizer=None, scaler=None,
+                 model_config=dataclasses.asdict(model.config))
     write_plain_checkpoint(out, state)
 
 

@@ -168,7 +168,7 @@ class TrainConfig:
     partition_activations: bool = flag(False, "with --recompute-activations under DeepSpeed: split saved "
                                               "inputs over TP ranks")
     # weight export from a checkpoint, plain or DeepSpeed (then exit)
-    export_from: str | None = flag(None, "export the weights of this checkpoint (plain or DeepSpeed), then exit")
+    export_from: str | None = flag(None, "export the weights of this checkpoint (any kind) or Hugging Face directory, then exit")
     export_to: str | None = flag(None, "where the export goes")
     export_format: str = flag("plain", "plain (train.py checkpoint) | hf (Hugging Face GPT-2 or Llama)")
     # zero-shot evaluation of a checkpoint (Megatron's tasks/zeroshot_gpt)

@@ -32,8 +32,8 @@ import checkpoint
 import pipeline
 import train
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
-from conftest import (ROOT, TINY, _train_main, read_metrics, run_bounded, run_on_ranks, run_train, tiny,
-                      tiny_model, tokens, train_on_ranks)
+from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_train,
+                      tiny, tiny_model, tokens, train_on_ranks)
 from launch import UsageError
 from gpt import GPT, LLAMA_OPTIONS
 
@@ -286,14 +286,17 @@ def _damage(path: str, how: str) -> None:
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
-    elif how == "truncated":
+    elif how.startswith("truncated"):
         os.truncate(path, os.path.getsize(path) // 2)
+        if how == "truncated, no digests":  # a checkpoint from before them, or copied without them
+            os.remove(os.path.join(os.path.dirname(path), checkpoint.DIGESTS))
     else:
         os.remove(path)
 
 
 @pytest.mark.parametrize("fmt, how", [("torch", "a flipped byte"), ("torch", "truncated"), ("torch", "missing"),
-                                      ("torch_dist", "a flipped byte"), ("torch_dist", "missing")])
+                                      ("torch", "truncated, no digests"), ("torch_dist", "a flipped byte"),
+                                      ("torch_dist", "missing"), ("torch_dist", "truncated, no digests")])
 def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_before(
         corpus, two_saves, dist_saves, tmp_path, capsys, fmt, how):
     ckpt, name = str(tmp_path / "ckpt"), {"torch": checkpoint.PLAIN_FILE, "torch_dist": "__0_0.distcp"}[fmt]
@@ -304,7 +307,9 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_b
                 "--metrics-file", str(metrics)])
     out = capsys.readouterr().out
     problem = {("torch", "missing"): "it holds no checkpoint",
-               ("torch_dist", "missing"): f"{name} is missing"}.get((fmt, how), f"{name} is damaged")
+               ("torch_dist", "missing"): f"{name} is missing",
+               ("torch", "truncated, no digests"): f"{name} is truncated (its zip directory is gone)",
+               ("torch_dist", "truncated, no digests"): f"{name} is truncated"}.get((fmt, how), f"{name} is damaged")
     assert f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {problem}" in out
     assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in out
     assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
@@ -555,6 +560,49 @@ def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp
                     f"falling back to {save}/iter_0000004 (iteration 4), the newest intact checkpoint"]
 
 
+def test_a_directory_without_a_pointer_loads_its_newest_checkpoint(corpus, two_saves, tmp_path, capsys):
+    """Checkpoints copied without latest_checkpointed_iteration.txt (or a
+    first save cut short before it): --load takes the newest iter_N there,
+    never a start from scratch that would save over them."""
+    ckpt, metrics = str(tmp_path / "ckpt"), tmp_path / "m.jsonl"
+    shutil.copytree(two_saves, ckpt)
+    os.remove(os.path.join(ckpt, checkpoint.LATEST))
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", ckpt, "--eval-interval", "0",
+                "--metrics-file", str(metrics)])
+    assert f"loaded checkpoint {ckpt}/iter_0000004 (iteration 4)" in capsys.readouterr().out
+    assert [m["iteration"] for m in read_metrics(metrics)] == [5]
+
+
+@pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "an iteration's directory",
+                                   "a Hugging Face directory"])
+def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_saves, tmp_path, capsys, given):
+    """Megatron's "release" pointer, a damaged one, a checkpoint's own
+    iter_N directory, a transformers model: one line that says what to give."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(two_saves, ckpt)
+    pointer, load = os.path.join(ckpt, checkpoint.LATEST), ckpt
+    if "pointer" in given:
+        with open(pointer, "w") as f:
+            f.write("release\n" if "release" in given else "")
+        message = (f"{pointer} holds {'release' if 'release' in given else ''!r}, not an iteration number: "
+                   f"write the iteration to load into it, or delete it to load the newest iter_N there")
+    elif given == "an iteration's directory":
+        load = os.path.join(ckpt, "iter_0000002")
+        message = (f"{load} is one checkpoint's own directory: give the directory above it, {ckpt} "
+                   f"(the one --save wrote; its {checkpoint.LATEST} names the iteration that loads)")
+    else:
+        load = str(tmp_path / "hf")
+        random_hf_model().save_pretrained(load)
+        capsys.readouterr()  # transformers' own warnings
+        message = (f"{load} is a Hugging Face model directory, not a train.py checkpoint: evaluate.py reads it "
+                   f"with --hf, and train.py --export-from {load} --export-to DIR makes one that --load DIR "
+                   f"--finetune trains from")
+    with pytest.raises(SystemExit) as stop:
+        train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", load])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"train.py: error: {message}"]
+
+
 # -----------------------------------------------------------------------------
 # Export: --export-from a checkpoint --export-format hf
 
@@ -639,6 +687,29 @@ def test_state_dict_conversion_transposes_conv1d_and_pads_vocab():
     back = hf_to_ours(hf, config)
     assert back.keys() == ours.keys()
     assert torch.equal(back["wte.weight"][100:], torch.zeros(28, 64))
+
+
+def test_a_hugging_face_model_exported_to_a_checkpoint_is_where_a_finetune_starts(ids_corpus, tmp_path, capsys):
+    """Hugging Face in, from the command line: --export-from a transformers
+    directory writes its weights (from_hf's, which give transformers'
+    logits: above) as a weights-only checkpoint, and --load it --finetune
+    trains from exactly them (at --lr 0 they stay as they are)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf, weights, tuned = str(tmp_path / "hf"), str(tmp_path / "weights"), str(tmp_path / "tuned")
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(  # --preset tiny's shape, the ids' vocabulary
+        vocab_size=VOCAB + 1, n_positions=64, n_embd=64, n_layer=2, n_head=4)).save_pretrained(hf)
+    train.main(["--export-from", hf, "--export-to", weights])
+    want = from_hf(hf).full_state_dict()
+    exported = torch.load(os.path.join(weights, "iter_0000000", checkpoint.PLAIN_FILE), weights_only=False)
+    assert exported["model"].keys() == want.keys() and exported["optimizer"] is None
+    assert all(torch.equal(exported["model"][k], want[k]) for k in want)
+    train.main(["--preset", "tiny", *IDS, "--data-path", ids_corpus, "--seq-length", "32", "--micro-batch-size", "2",
+                "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--eval-interval", "0", "--sample-tokens", "0",
+                "--load", weights, "--finetune", "--save", tuned])
+    assert f"--finetune: loaded the weights of {weights}/iter_0000000" in capsys.readouterr().out
+    after = torch.load(os.path.join(tuned, "iter_0000001", checkpoint.PLAIN_FILE), weights_only=False)["model"]
+    assert all(torch.equal(after[k], want[k]) for k in want)
 
 
 def test_from_hf_rejects_untied_head_and_missing_dir(tmp_path):

@@ -618,8 +618,8 @@ def test_deepspeeds_zero_to_fp32_reads_our_zero3_checkpoint(runs, tmp_path):
 
 
 def test_deepspeeds_universal_checkpoint_converts_our_zero2_checkpoint(runs, tmp_path):
-    """ds_to_universal (which train.py names when a layout change needs it)
-    converts our ZeRO-2 checkpoint; its fp32 weights are the trained ones."""
+    """DeepSpeed's ds_to_universal converts our ZeRO-2 checkpoint; its fp32
+    weights are the trained ones. (train.py does not load the result.)"""
     tag = os.path.join(runs, "ckpt_z2", f"iter_{STEPS:07d}")
     out = tmp_path / "universal"
     deepspeed_tool(["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
@@ -631,6 +631,22 @@ def test_deepspeeds_universal_checkpoint_converts_our_zero2_checkpoint(runs, tmp
         fp32 = torch.load(out / "zero" / name / "fp32.pt", weights_only=False)
         fp32 = fp32["param"] if isinstance(fp32, dict) else fp32
         torch.testing.assert_close(fp32, value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_zero_checkpoint_resumed_at_another_data_parallel_size_is_one_line(runs):
+    """ZeRO-2's partitions fit the D=2 they were written at: one process
+    resuming them is told the sizes and what does load (--no-load-optim)."""
+    data = ["--data-path", os.path.join(runs, "corpus_text_document"), "--data-cache-path", os.path.join(runs, "cache")]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *COMMON, *IDS, *data,
+                           "--train-iters", str(STEPS + 2), "--deepspeed", "--zero-stage", "2",
+                           "--load", os.path.join(runs, "ckpt_z2")],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"iter_{STEPS:07d} was written with data-parallel size 2, this run has 1" in errors[0]
+    assert errors[0].endswith("(add --no-load-optim: any layout loads them)")
+    assert "Traceback" not in proc.stderr
 
 
 def test_checkpoint_layout_is_crash_safe(runs):
