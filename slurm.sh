@@ -16,7 +16,15 @@
 # node's processes consecutively, so a TP group never spans two nodes as long
 # as --tensor-model-parallel-size divides GPUS_PER_NODE.
 set -euo pipefail
-cd "$(dirname "$0")"
+# train.py beside this script; under sbatch, which runs a copy of the script
+# from Slurm's spool directory, in the directory sbatch was called from (the
+# job's working directory, where relative paths such as --data-path resolve).
+CODE=$(cd "$(dirname "$0")" && pwd)
+[ -f "$CODE/train.py" ] || CODE=${SLURM_SUBMIT_DIR:-$PWD}
+if [ ! -f "$CODE/train.py" ]; then
+    echo "slurm.sh: no train.py beside the script or in $CODE: call sbatch from the repository" >&2
+    exit 2
+fi
 
 : "${SLURM_JOB_NODELIST:?run this inside a Slurm allocation (sbatch/salloc), or set the SLURM_* variables}"
 NNODES=${SLURM_NNODES:?}
@@ -39,7 +47,7 @@ CMD=(srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1
      python -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE"
      --rdzv-backend c10d --rdzv-endpoint "$HEAD:$PORT" --rdzv-id "${SLURM_JOB_ID:-train}"
      --max-restarts "${MAX_RESTARTS:-0}"
-     train.py "$@")
+     "$CODE/train.py" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${CMD[@]}"
     echo

@@ -544,12 +544,32 @@ def test_slurm_script_runs_one_torchrun_per_node_meeting_at_the_first(nodelist, 
     assert proc.returncode == 0, proc.stderr
     cmd = shlex.split(proc.stdout)
     assert cmd[:6] == ["srun", "--nodes", "4", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
-    launcher = cmd[6:cmd.index("train.py")]
+    train_py = os.path.join(ROOT, "train.py")
+    launcher = cmd[6:cmd.index(train_py)]
     assert launcher[:3] == ["python", "-m", "torch.distributed.run"]
     flags = dict(zip(launcher[3::2], launcher[4::2]))
     assert flags == {"--nnodes": "4", "--nproc_per_node": "8", "--rdzv-backend": "c10d",
                      "--rdzv-endpoint": f"{head}:29500", "--rdzv-id": "4242", "--max-restarts": "0"}
-    assert cmd[cmd.index("train.py") + 1:] == ["--preset", "124M", "--data-path", "a b"]
+    assert cmd[cmd.index(train_py) + 1:] == ["--preset", "124M", "--data-path", "a b"]
+
+
+def test_slurm_script_under_sbatch_runs_the_repositorys_train_py(tmp_path):
+    """sbatch runs a copy of the script from Slurm's spool directory, in the
+    directory it was called from: train.py is found there (SLURM_SUBMIT_DIR),
+    and where it is not, one line says where to call sbatch from."""
+    import shlex
+    spool = tmp_path / "job4242"
+    spool.mkdir()
+    shutil.copy(os.path.join(ROOT, "slurm.sh"), spool / "slurm_script")
+    env = {**os.environ, "SLURM_JOB_NODELIST": "node5", "SLURM_NNODES": "1", "DRY_RUN": "1"}
+    proc = subprocess.run(["bash", str(spool / "slurm_script"), "--preset", "124M"], cwd=ROOT,
+                          env={**env, "SLURM_SUBMIT_DIR": ROOT}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert os.path.join(ROOT, "train.py") in shlex.split(proc.stdout)
+    proc = subprocess.run(["bash", str(spool / "slurm_script")], cwd=tmp_path,
+                          env={**env, "SLURM_SUBMIT_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == (f"slurm.sh: no train.py beside the script or in {tmp_path}: "
+                                                    f"call sbatch from the repository\n")
 
 
 def test_readme_main_command(tmp_path):
