@@ -358,8 +358,23 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
 # 4. Checks
 # ----------------------------------------------------------------------------
 
+# Counts and the least each may be: 0 where 0 means "never" (or "none").
+LEAST_COMMON = {"micro_batch_size": 1, "seq_length": 1, "log_interval": 1}
+LEAST_TRAINING = {"train_iters": 1, "train_samples": 1, "global_batch_size": 1, "eval_interval": 0,
+                  "eval_iters": 0, "save_interval": 0, "exit_interval": 0, "lr_warmup_iters": 0,
+                  "lr_warmup_samples": 0, "sample_tokens": 0, "num_workers": 0}
+
+
+def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:
+    for name, low in least.items():
+        value = getattr(cfg, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: it must be at least {low}")
+
+
 def check_common(cfg: TrainConfig) -> None:
     """What cannot run under either tool, in one line that says what to do instead."""
+    check_counts(cfg, LEAST_COMMON)
     if cfg.bf16 and cfg.fp16:
         raise UsageError("--bf16 and --fp16 are mutually exclusive: pick one")
     validate_megatron_flags(cfg)
@@ -375,6 +390,7 @@ def check_common(cfg: TrainConfig) -> None:
 
 def check_training(cfg: TrainConfig, given: set[str]) -> None:
     """train.py's own checks; `given`: the flags on the command line."""
+    check_counts(cfg, LEAST_TRAINING)
     if cfg.lr_decay_style not in ("cosine", "linear", "constant"):
         raise UsageError(f"--lr-decay-style {cfg.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.min_lr > cfg.lr:
@@ -456,6 +472,9 @@ def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
             raise UsageError(f"--rampup-batch-size {start} {increment} ...: needs --global-batch-size "
                              f"G with 0 < START <= G and G - START a multiple of INCREMENT "
                              f"(got G={final})")
+        if cfg.rampup_batch_size[2] <= 0:
+            raise UsageError(f"--rampup-batch-size {start} {increment} {cfg.rampup_batch_size[2]}: the "
+                             f"ramp's samples must be more than 0")
 
 
 def validate_sequence_parallel(cfg: TrainConfig) -> None:

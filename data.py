@@ -501,8 +501,8 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, num_sample
             if len(documents) == 0 or int(ds.sizes[documents].astype(np.int64).sum()) == 0:
                 raise UsageError(f"the {name} split of {ds.path_prefix} gets {len(documents)} of its {len(ds)} "
                                  f"documents and no tokens (split fractions {[round(f, 4) for f in fractions]}), "
-                                 f"but {n_child} {name} samples were asked for; add more documents, give {name} "
-                                 "a larger share in --split, or ask for 0 samples of it")
+                                 f"but {n_child} {name} samples were asked for; add more documents, or give {name} "
+                                 f"a larger share in --split" + (" (or none: no evaluation)" if name == "valid" else ""))
             parts.append(GPTDataset(ds, documents, n_child, seq_length, seed, cache_dir, eod_token,
                                     reset_position_ids, eod_mask_loss, name))
         result.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, n, cache_dir, name))

@@ -126,8 +126,10 @@ def eval_consumed(iteration: int, cfg: TrainConfig, global_batch: int) -> int:
 def build_datasets(cfg: TrainConfig, global_batch: int):
     """(train, valid) datasets for this run's samples; the test split is for offline evaluation."""
     train_samples = cfg.train_samples or cfg.train_iters * global_batch
-    # Validation runs every --eval-interval and once at the end.
-    eval_runs = cfg.train_iters // cfg.eval_interval + 1 if cfg.eval_interval > 0 else 0
+    # Validation runs every --eval-interval and once at the end; never where --split gives
+    # it no share (100,0,0), as in Megatron.
+    evaluates = cfg.eval_interval > 0 and data_lib.parse_split(cfg.split)[1] > 0
+    eval_runs = cfg.train_iters // cfg.eval_interval + 1 if evaluates else 0
     num_samples = (train_samples, eval_runs * cfg.eval_iters * global_batch, 0)
     build = lambda: data_lib.build_train_valid_test_datasets(  # noqa: E731
         data_path=cfg.data_path, split=cfg.split, num_samples=num_samples, seq_length=cfg.seq_length,
@@ -463,10 +465,10 @@ class Preemption:
         return bool(previous[1].item())
 
 
-def check_losses(pending: list, logger: Logger, last_saved: int) -> float:
+def check_losses(pending: list, logger: Logger, last_saved: int) -> None:
     """Read the (iteration, device loss) pairs queued since the last check in one host
-    sync (at log intervals and saves, never per step), stop the run at the first
-    non-finite one, and return the latest value."""
+    sync (at log intervals and saves, never per step); stop the run at the first
+    non-finite one."""
     values = torch.stack([loss.float() for _, loss in pending]).tolist()
     for (iteration, _), value in zip(pending, values):
         if not math.isfinite(value):
@@ -475,7 +477,6 @@ def check_losses(pending: list, logger: Logger, last_saved: int) -> float:
                          f"raise --lr-warmup-iters, or use --bf16 instead of --fp16.")
             raise SystemExit(1)
     pending.clear()
-    return values[-1]
 
 
 def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
@@ -561,6 +562,8 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
                          f"(--train-iters/--train-samples: {cfg.train_iters} iterations): raise it to "
                          f"continue that run, or add --finetune to start a new run from its weights")
     datasets = build_datasets(cfg, global_batch)
+    if datasets[1] is None and cfg.eval_interval > 0 and cfg.eval_iters > 0:
+        logger.print(f"no evaluation: --split {cfg.split} gives the validation set no share")
     ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
     lay = parallel.layout
     schedule = "" if lay.pp_size == 1 else " (ZB-H1)" if cfg.enable_zero_bubble else \
@@ -598,6 +601,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
     meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
+    since_log = []  # the device losses since the last log line
     dp = parallel.layout.dp_size
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, dp)
@@ -607,6 +611,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
         loss, grad_norm, skipped = train_step(trainer, micro_batches, lr)
         iteration, consumed = iteration + 1, consumed + batch_size
         pending.append((iteration, loss))
+        since_log.append(loss)
         last = iteration == cfg.train_iters
         eval_now = valid_ds is not None and cfg.eval_interval > 0 and (iteration % cfg.eval_interval == 0 or last)
         log_now = iteration % cfg.log_interval == 0 or last or eval_now
@@ -614,9 +619,10 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
         stop = preempt.agreed() or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
         save_now = cfg.save and (stop or last or bool(cfg.save_interval and iteration % cfg.save_interval == 0))
         if log_now or save_now:
-            loss_value = check_losses(pending, logger, last_saved)
-        if log_now:
-            metrics = {"iteration": iteration, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+            check_losses(pending, logger, last_saved)
+        if log_now:  # the loss logged is the mean since the last log line, as Megatron's
+            mean_loss, since_log = torch.stack(since_log).float().mean().item(), []
+            metrics = {"iteration": iteration, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
                        **meter.figures(), "batch_size": batch_size, "consumed_samples": consumed}
             if eval_now:
                 metrics["val_loss"] = validation_loss(trainer.model, valid_ds, cfg, env.device,

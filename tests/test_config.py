@@ -7,6 +7,7 @@ and the --compile flags. No process is launched: each test parses a command
 line and reads the config back.
 """
 import json
+import re
 
 import pytest
 import torch
@@ -245,6 +246,23 @@ def test_deepspeeds_bf16_optimizer_is_refused_over_pipeline_stages(tmp_path):
 def test_evaluate_runs_whole_models():
     with pytest.raises(ValueError, match="evaluate.py runs whole models"):
         config_lib.parse_args(["--preset", "tiny", "--pipeline-model-parallel-size", "2"], tool=config_lib.EVALUATE)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--train-iters", "0"], "--train-iters 0: it must be at least 1"),
+    (["--train-iters", "-3"], "--train-iters -3: it must be at least 1"),
+    (["--log-interval", "0"], "--log-interval 0: it must be at least 1"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0: it must be at least 1"),
+    (["--global-batch-size", "0"], "--global-batch-size 0: it must be at least 1"),
+    (["--eval-iters", "-1"], "--eval-iters -1: it must be at least 0"),
+    (["--train-samples", "30", "--global-batch-size", "6", "--rampup-batch-size", "2", "2", "0"],
+     "--rampup-batch-size 2 2 0: the ramp's samples must be more than 0"),
+])
+def test_a_count_out_of_range_is_named(flags, message):
+    """Each used to fail later, with a traceback (a division by zero, a
+    NoneType) or a message about something else (--finetune for -3 steps)."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        parse(*flags)
 
 
 def test_zero_flags_without_deepspeed_are_an_error():

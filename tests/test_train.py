@@ -122,6 +122,27 @@ def test_loss_falls_and_metrics_are_logged(corpus, tmp_path):
     assert "sample" in proc.stdout and "MFU" not in proc.stdout
 
 
+def test_the_logged_loss_is_the_mean_since_the_last_log_line(corpus, tmp_path):
+    """As Megatron's: every --log-interval 2 steps, the mean of their two losses."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "4", "--eval-interval", "0"]
+    train_on_ranks([*common, "--metrics-file", str(tmp_path / "each.jsonl")])
+    train_on_ranks([*common, "--log-interval", "2", "--metrics-file", str(tmp_path / "pairs.jsonl")])
+    each, pairs = losses(tmp_path / "each.jsonl"), read_metrics(tmp_path / "pairs.jsonl")
+    assert [m["iteration"] for m in pairs] == [2, 4]
+    assert [m["loss"] for m in pairs] == pytest.approx([(each[0] + each[1]) / 2, (each[2] + each[3]) / 2],
+                                                       rel=1e-6)
+
+
+def test_a_split_without_validation_trains_without_evaluating(corpus, tmp_path, capsys):
+    """--split 100,0,0 gives the validation set no documents: as in Megatron,
+    no evaluation (said once), where asking it of an empty split is an error."""
+    metrics = tmp_path / "m.jsonl"
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "2", "--split", "100,0,0", "--eval-interval", "1",
+                "--metrics-file", str(metrics)])
+    assert "no evaluation: --split 100,0,0 gives the validation set no share" in capsys.readouterr().out
+    assert [("val_loss" in m) for m in read_metrics(metrics)] == [False, False]
+
+
 @pytest.fixture(scope="module")
 def six_steps(corpus, tmp_path_factory):
     """One process, 6 steps of global batch 8 (2 accumulation steps), saved at
