@@ -66,10 +66,11 @@ def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: in
     return gbs // per_step
 
 
-def learning_rate(done: int, cfg: TrainConfig, step: int = 1) -> float:
-    """Linear warmup to --lr, then cosine/linear decay to --min-lr, then constant.
-    done: iterations before this step (step=1), or with --train-samples samples consumed
-    (step = this step's global batch); --train-samples N x B is --train-iters N."""
+def learning_rate(done: int, cfg: TrainConfig) -> float:
+    """Megatron's schedule: a linear warmup from 0 to --lr, then cosine or linear decay
+    to --min-lr (or --lr kept: constant), then --min-lr. done: the iterations before this
+    step, or with --train-samples the samples consumed before it (--train-samples N x B
+    is --train-iters N). As in Megatron, a warmup's first step has lr 0."""
     if cfg.train_samples is None:  # the warmup and decay end: iterations, or samples (as Megatron)
         warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
     else:
@@ -77,7 +78,7 @@ def learning_rate(done: int, cfg: TrainConfig, step: int = 1) -> float:
     if cfg.lr_warmup_fraction is not None:
         warmup = cfg.lr_warmup_fraction * decay
     if done < warmup:
-        return cfg.lr * min(1.0, (done + step) / warmup)
+        return cfg.lr * done / warmup
     if cfg.lr_decay_style == "constant" or done >= decay:
         return cfg.lr if cfg.lr_decay_style == "constant" else cfg.min_lr
     progress = (done - warmup) / max(1, decay - warmup)
@@ -605,7 +606,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
     dp = parallel.layout.dp_size
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, dp)
-        lr = learning_rate(consumed, cfg, batch_size) if cfg.train_samples else learning_rate(iteration, cfg)
+        lr = learning_rate(consumed if cfg.train_samples else iteration, cfg)
         count = batch_size // (cfg.micro_batch_size * dp)  # a whole number: plan_batches checked each batch
         micro_batches = check_batches(list(itertools.islice(batches, count)), mcfg)
         loss, grad_norm, skipped = train_step(trainer, micro_batches, lr)

@@ -378,9 +378,9 @@ def test_train_samples_is_train_iters_times_the_batch():
                        "--global-batch-size", "8", "--micro-batch-size", "4")
     assert train.with_run_length(by_samples, dp_size=1).train_iters == 50
     assert [train.learning_rate(i, by_iters) for i in range(50)] == \
-        pytest.approx([train.learning_rate(8 * i, by_samples, 8) for i in range(50)], abs=1e-12)
+        pytest.approx([train.learning_rate(8 * i, by_samples) for i in range(50)], abs=1e-12)
     fraction = parse("--train-iters", "50", "--lr-warmup-fraction", "0.1")
-    assert [train.learning_rate(i, fraction) / fraction.lr for i in (0, 4, 5)] == pytest.approx([0.2, 1.0, 1.0])
+    assert [train.learning_rate(i, fraction) / fraction.lr for i in (0, 4, 5)] == pytest.approx([0.0, 0.8, 1.0])
     assert train.learning_rate(50, fraction) == fraction.min_lr  # the decay ends with the run
 
 

@@ -60,15 +60,38 @@ def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
         train.check_batches([bad_positions], mcfg)
 
 
-def test_learning_rate_warmup_then_cosine_to_min():
-    cfg = config.TrainConfig(preset="tiny", lr=1.0, min_lr=0.1, lr_warmup_iters=10, train_iters=110)
-    lrs = [train.learning_rate(i, cfg) for i in range(120)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # reaches the peak
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))                 # then only decays
-    assert lrs[60] == pytest.approx(0.55)                                  # cosine midpoint
-    assert lrs[110] == lrs[119] == pytest.approx(0.1)                      # floor at --min-lr
-    linear = config.TrainConfig(preset="tiny", lr=1.0, min_lr=0.0, lr_decay_style="linear", train_iters=100)
-    assert train.learning_rate(25, linear) == pytest.approx(0.75)
+@pytest.mark.parametrize("flags, per_step", [
+    (["--lr-warmup-iters", "10", "--train-iters", "110"], 1),
+    (["--lr-decay-style", "linear", "--lr-warmup-fraction", "0.05", "--train-iters", "100", "--lr-decay-iters", "80"], 1),
+    (["--lr-decay-style", "constant", "--lr-warmup-iters", "3", "--train-iters", "20"], 1),
+    (["--train-samples", "400", "--lr-warmup-samples", "40", "--lr-decay-samples", "320",
+      "--global-batch-size", "8", "--micro-batch-size", "4"], 8),
+], ids=["cosine", "linear-fraction", "constant", "samples"])
+def test_learning_rate_is_megatrons(flags, per_step):
+    """Step for step, past the decay's end, the lr that megatron-core's own
+    scheduler (OptimizerParamScheduler, which Megatron's training loop steps
+    after each optimizer step by the samples or iterations done) gives the
+    same flags: warmup from 0 (a warmup's first step has lr 0), then cosine or
+    linear decay to --min-lr, or --lr kept."""
+    from types import SimpleNamespace
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    cfg = config.parse_args(["--preset", "tiny", "--lr", "1.0", "--min-lr", "0.1", *flags])
+    sampled = cfg.train_samples is not None
+    decay = (cfg.lr_decay_samples or cfg.train_samples) if sampled else (cfg.lr_decay_iters or cfg.train_iters)
+    warmup = cfg.lr_warmup_fraction * decay if cfg.lr_warmup_fraction is not None else \
+        (cfg.lr_warmup_samples if sampled else cfg.lr_warmup_iters)
+    groups = [{"lr": None, "weight_decay": 0.0}]
+    theirs = OptimizerParamScheduler(SimpleNamespace(param_groups=groups), init_lr=0.0, max_lr=1.0, min_lr=0.1,
+                                     lr_warmup_steps=warmup, lr_decay_steps=decay,
+                                     lr_decay_style=cfg.lr_decay_style, start_wd=0.0, end_wd=0.0,
+                                     wd_incr_steps=decay, wd_incr_style="constant")
+    megatron = []
+    for _ in range(decay // per_step + 10):
+        megatron.append(groups[0]["lr"])
+        theirs.step(per_step)
+    ours = [train.learning_rate(i * per_step, cfg) for i in range(len(megatron))]
+    assert ours == pytest.approx(megatron, rel=1e-12, abs=1e-15)
+    assert ours[0] == 0.0 and max(ours) == 1.0 and ours[-1] == (1.0 if "constant" in flags else 0.1)
 
 
 def test_no_weight_decay_on_biases_and_norms():
