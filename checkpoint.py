@@ -428,9 +428,8 @@ def latest_checkpoint(load_dir: str) -> Found | None:
         with open(os.path.join(load_dir, DS_LATEST)) as f:
             tag_dir = checkpoint_dir(load_dir, f.read().strip())
         named.append((read_deepspeed_meta(tag_dir)["iteration"], tag_dir, DS_LATEST))
-    if not named and os.path.isdir(load_dir) and saved_iterations(load_dir):
-        iteration = saved_iterations(load_dir)[-1]
-        named.append((iteration, os.path.join(load_dir, f"iter_{iteration:07d}"), None))
+    if not named and os.path.isdir(load_dir):
+        named = [(i, os.path.join(load_dir, f"iter_{i:07d}"), None) for i in saved_iterations(load_dir)[-1:]]
     if not named:
         return None
     iteration, path, pointer = max(named, key=lambda n: n[0])
