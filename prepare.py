@@ -423,7 +423,7 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     docs = iter_documents(resolve_inputs(inputs), json_key, text_split) if inputs else iter_shakespeare_documents()
-    docs = (d for d in docs if d.strip())  # whitespace-only documents carry nothing to learn
+    docs = (d for d in docs if d)  # an empty one has no tokens; whitespace is text (Megatron keeps it)
     return write_dataset(docs, output_name(output_prefix, json_key or "text"), load_tokenizer(tokenizer_type),
                          workers, append_eod, log_interval)
 

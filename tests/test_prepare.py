@@ -106,11 +106,14 @@ def test_no_append_eod_stores_bare_tokens(tmp_path, enc):
     assert IndexedDataset(str(tmp_path / "n_text_document"))[0].tolist() == enc.encode_ordinary("hello world")
 
 
-def test_whitespace_only_documents_are_skipped(tmp_path, enc):
+def test_only_empty_documents_are_skipped(tmp_path, enc):
+    """As Megatron's preprocess_data.py: an empty document has no tokens (and
+    no EOD), so it writes no sequence; whitespace is text, tokenized and kept,
+    so the two tools give the same sequences, and GPTDataset the same samples."""
     write_jsonl(tmp_path / "w.jsonl", [{"text": "kept"}, {"text": "   \n"}, {"text": ""}, {"text": "also kept"}])
     stats = prepare.prepare([str(tmp_path / "w.jsonl")], output_prefix=str(tmp_path / "w"), workers=1)
-    assert stats.documents == 2
-    assert decoded_documents(str(tmp_path / "w_text_document"), enc) == ["kept", "also kept"]
+    assert stats.documents == 3
+    assert decoded_documents(str(tmp_path / "w_text_document"), enc) == ["kept", "   \n", "also kept"]
 
 
 def test_json_lines_are_read_by_name_or_as_every_input_given_json_keys(tmp_path, enc, capsys):
