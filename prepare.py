@@ -206,7 +206,8 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
     with open_text(path) as f:  # newline="": keep the text byte-exact
         text = f.read()
     if split == "file":
-        yield text
+        if text.strip():  # a blank file is no document
+            yield text
     elif split == "line":
         yield from (line for line in text.splitlines() if line.strip())
     elif split == "paragraph":
