@@ -208,7 +208,8 @@ ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Co
     (("--top_p",), dict(dest="top_p", type=float)),
 ]
 # Megatron's TensorBoard switches: what they ask for is always logged here
-# (batch size, validation loss and perplexity), or not measured (timers).
+# (batch size, learning rate, validation loss and perplexity), or not at all
+# (timers, memory, world size, the loss scale): README's table says which.
 TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
                         "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
                         "--log-world-size-to-tensorboard", "--log-learning-rate-to-tensorboard",

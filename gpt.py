@@ -58,7 +58,7 @@ class GPTConfig:
     num_layers: int = 12
     hidden_size: int = 768
     num_attention_heads: int = 12
-    ffn_hidden_size: int | None = None  # the MLP's width; None: 4 * hidden_size
+    ffn_hidden_size: int | None = None  # the MLP's width; None: 4 * hidden_size (SwiGLU: 8/3 of it, see below)
     max_position_embeddings: int = 1024
     vocab_size: int = 50257          # true tokenizer vocabulary
     padded_vocab_size: int = 50304   # embedding rows (>= vocab_size)
@@ -90,8 +90,8 @@ class GPTConfig:
     num_query_groups: int | None = None
 
     def __post_init__(self):
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.ffn_hidden_size is None:  # under SwiGLU Megatron's: 3 matrices of about 4h's 2 in parameters
+            self.ffn_hidden_size = int(8 * self.hidden_size / 3) // 64 * 64 if self.swiglu else 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         positive = ("num_layers", "hidden_size", "num_attention_heads",

@@ -67,6 +67,9 @@ def test_flags_reach_the_model_config():
     got = config_lib.model_config(cfg)
     for name, value in ALL_OPTIONS.items():
         assert getattr(got, name) == value, name
+    # --swiglu without --ffn-hidden-size: Megatron's width, int(4h x 2/3 / 64) x 64, not 4h
+    assert got.ffn_hidden_size == 128 and config_lib.model_config(config_lib.parse_args(
+        ["--preset", "124M", "--swiglu"])).ffn_hidden_size == 2048
     # Without the flags: the preset's choices (GPT-2's for "tiny", Llama's for "llama-tiny").
     plain = config_lib.model_config(config_lib.parse_args(["--preset", "tiny", "--seq-length", "64"]))
     assert plain.position_embedding_type == "learned_absolute" and not plain.swiglu
