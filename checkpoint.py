@@ -28,6 +28,7 @@ import pickle
 import random
 import shutil
 import tempfile
+import types
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from config import TrainConfig, model_config
+from config import TrainConfig, lr_schedule, model_config
 from gpt import GPT, GPTConfig, pad_vocab_size
 from launch import UsageError, atomic_write, fsync_path
 
@@ -573,7 +574,24 @@ def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, 
         set_rng_state(stage_rng(state, log), log)
     log(f"loaded checkpoint {path} (iteration {state['iteration']}"
         f"{', weights only' if cfg.no_load_optim else ''})")
+    note_schedule_change(cfg, state.get("config"), log)
     return state["iteration"], state["consumed_samples"]
+
+
+def note_schedule_change(cfg: TrainConfig, saved: dict | None, log) -> None:
+    """A run that continues a checkpoint under another learning-rate schedule
+    (--lr, --min-lr, the warmup or decay, or a longer --train-iters that ends
+    the decay later) takes this run's, and says so: the lr may jump. (Megatron
+    refuses, unless told which to keep.)"""
+    try:
+        theirs = lr_schedule(types.SimpleNamespace(**saved)) if saved else None
+    except (AttributeError, TypeError):  # a config of another version
+        return
+    names = ("--lr", "--min-lr", "decay style", "warmup end", "decay end")
+    changed = [f"{name} {a:g} (checkpoint: {b:g})" if not isinstance(a, str) else f"{name} {a} (checkpoint: {b})"
+               for name, a, b in zip(names, lr_schedule(cfg), theirs or ()) if a != b]
+    if changed:
+        log(f"the learning-rate schedule is not the checkpoint's, this run's goes on: {', '.join(changed)}")
 
 
 def stage_rng(state: dict, log) -> dict:

@@ -298,6 +298,19 @@ DEEPSPEED_JSON_FLAGS = {
 }
 
 
+def lr_schedule(cfg: TrainConfig) -> tuple:
+    """What the learning rate follows (train.learning_rate): (peak, floor, decay
+    style, warmup end, decay end), the ends in iterations, or with
+    --train-samples in samples."""
+    if cfg.train_samples is None:
+        warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
+    else:
+        warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
+    if cfg.lr_warmup_fraction is not None:
+        warmup = cfg.lr_warmup_fraction * decay
+    return cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup, decay
+
+
 def read_deepspeed_json(path: str) -> dict:
     """The --deepspeed_config JSON, its "bfloat16" section (DeepSpeed's other
     spelling) renamed "bf16": else the "bf16" section zero.deepspeed_config

@@ -42,7 +42,7 @@ import parallel
 import pipeline
 import zero
 from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, build_optimizer,
-                    compile_options, eod_token, model_config, parse_args)
+                    compile_options, eod_token, lr_schedule, model_config, parse_args)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from launch import UsageError
@@ -71,19 +71,14 @@ def learning_rate(done: int, cfg: TrainConfig) -> float:
     to --min-lr (or --lr kept: constant), then --min-lr. done: the iterations before this
     step, or with --train-samples the samples consumed before it (--train-samples N x B
     is --train-iters N). As in Megatron, a warmup's first step has lr 0."""
-    if cfg.train_samples is None:  # the warmup and decay end: iterations, or samples (as Megatron)
-        warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
-    else:
-        warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
-    if cfg.lr_warmup_fraction is not None:
-        warmup = cfg.lr_warmup_fraction * decay
+    peak, floor, style, warmup, decay = lr_schedule(cfg)
     if done < warmup:
-        return cfg.lr * done / warmup
-    if cfg.lr_decay_style == "constant" or done >= decay:
-        return cfg.lr if cfg.lr_decay_style == "constant" else cfg.min_lr
+        return peak * done / warmup
+    if style == "constant" or done >= decay:
+        return peak if style == "constant" else floor
     progress = (done - warmup) / max(1, decay - warmup)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.lr_decay_style == "cosine" else 1.0 - progress
-    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * progress)) if style == "cosine" else 1.0 - progress
+    return floor + coeff * (peak - floor)
 
 
 def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:

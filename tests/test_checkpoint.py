@@ -573,6 +573,18 @@ def test_a_directory_without_a_pointer_loads_its_newest_checkpoint(corpus, two_s
     assert [m["iteration"] for m in read_metrics(metrics)] == [5]
 
 
+def test_a_resume_under_another_learning_rate_schedule_says_so(corpus, two_saves, tmp_path, capsys):
+    """The lr would jump without a word: a resume with another --lr, or a
+    longer --train-iters (which ends the decay later), says what changed; the
+    same flags say nothing."""
+    common = [*TINY, "--data-path", corpus, "--load", two_saves, "--eval-interval", "0"]
+    train.main([*common, "--train-iters", "4"])
+    assert "learning-rate schedule" not in capsys.readouterr().out
+    train.main([*common, "--train-iters", "5", "--lr", "1e-2"])
+    assert ("the learning-rate schedule is not the checkpoint's, this run's goes on: --lr 0.01 (checkpoint: "
+            "0.003), decay end 5 (checkpoint: 4)") in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "an iteration's directory",
                                    "a Hugging Face directory"])
 def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_saves, tmp_path, capsys, given):
