@@ -66,12 +66,13 @@ def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: in
     return gbs // per_step
 
 
-def learning_rate(done: int, cfg: TrainConfig) -> float:
+def learning_rate(done: int, schedule: tuple) -> float:
     """Megatron's schedule: a linear warmup from 0 to --lr, then cosine or linear decay
-    to --min-lr (or --lr kept: constant), then --min-lr. done: the iterations before this
-    step, or with --train-samples the samples consumed before it (--train-samples N x B
-    is --train-iters N). As in Megatron, a warmup's first step has lr 0."""
-    peak, floor, style, warmup, decay = lr_schedule(cfg)
+    to --min-lr (or --lr kept: constant), then --min-lr. schedule: config.lr_schedule's;
+    done: the iterations before this step, or with --train-samples the samples consumed
+    before it (--train-samples N x B is --train-iters N). As in Megatron, a warmup's
+    first step has lr 0."""
+    peak, floor, style, warmup, decay = schedule
     if done < warmup:
         return peak * done / warmup
     if style == "constant" or done >= decay:
@@ -598,10 +599,10 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
     meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
     since_log = []  # the device losses since the last log line
-    dp = parallel.layout.dp_size
+    dp, schedule = parallel.layout.dp_size, lr_schedule(cfg)
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, dp)
-        lr = learning_rate(consumed if cfg.train_samples else iteration, cfg)
+        lr = learning_rate(consumed if cfg.train_samples else iteration, schedule)
         count = batch_size // (cfg.micro_batch_size * dp)  # a whole number: plan_batches checked each batch
         micro_batches = check_batches(list(itertools.islice(batches, count)), mcfg)
         loss, grad_norm, skipped = train_step(trainer, micro_batches, lr)

@@ -380,11 +380,13 @@ def test_train_samples_is_train_iters_times_the_batch():
     by_samples = parse("--train-samples", "400", "--lr-warmup-samples", "40", "--lr-decay-samples", "320",
                        "--global-batch-size", "8", "--micro-batch-size", "4")
     assert train.with_run_length(by_samples, dp_size=1).train_iters == 50
-    assert [train.learning_rate(i, by_iters) for i in range(50)] == \
-        pytest.approx([train.learning_rate(8 * i, by_samples) for i in range(50)], abs=1e-12)
+    iters, samples = config_lib.lr_schedule(by_iters), config_lib.lr_schedule(by_samples)
+    assert [train.learning_rate(i, iters) for i in range(50)] == \
+        pytest.approx([train.learning_rate(8 * i, samples) for i in range(50)], abs=1e-12)
     fraction = parse("--train-iters", "50", "--lr-warmup-fraction", "0.1")
-    assert [train.learning_rate(i, fraction) / fraction.lr for i in (0, 4, 5)] == pytest.approx([0.0, 0.8, 1.0])
-    assert train.learning_rate(50, fraction) == fraction.min_lr  # the decay ends with the run
+    by_fraction = config_lib.lr_schedule(fraction)
+    assert [train.learning_rate(i, by_fraction) / fraction.lr for i in (0, 4, 5)] == pytest.approx([0.0, 0.8, 1.0])
+    assert train.learning_rate(50, by_fraction) == fraction.min_lr  # the decay ends with the run
 
 
 def test_batch_ramp_follows_megatron():
