@@ -338,8 +338,14 @@ def cut_short(found: Found) -> str | None:
     file is a zip whose directory is its last bytes, and DCP's .metadata
     gives the extent of every piece in its shard files."""
     if found.kind == "torch_dist":
+        try:
+            metadata = dist_reader(found.path).read_metadata()
+        except (EOFError, pickle.UnpicklingError) as e:  # cut short, or a refused global (said by the read)
+            if isinstance(e, EOFError) or "truncated" in str(e):
+                return f"{DIST_METADATA} is truncated"
+            metadata = read_dist_metadata(found.path)
         ends = {}
-        for info in read_dist_metadata(found.path).storage_data.values():
+        for info in metadata.storage_data.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
         for name, end in sorted(ends.items()):
             path = os.path.join(found.path, name)
@@ -421,7 +427,10 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     if os.path.exists(os.path.join(load_dir, LATEST)):
         with open(os.path.join(load_dir, LATEST)) as f:
             text = f.read().strip()
-        if not text.isdigit():  # Megatron's "release", or a damaged file
+        if text == "release":
+            raise UsageError(f"{os.path.join(load_dir, LATEST)} names Megatron's release/ directory, a "
+                             f"layout train.py does not read (one file per model-parallel rank, its names)")
+        if not text.isdigit():  # a damaged file
             raise UsageError(f"{os.path.join(load_dir, LATEST)} holds {text[:40]!r}, not an iteration number: "
                              f"write the iteration to load into it, or delete it to load the newest iter_N there")
         named.append((int(text), checkpoint_dir(load_dir, f"iter_{int(text):07d}"), LATEST))

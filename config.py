@@ -43,7 +43,7 @@ class TrainConfig:
     num_layers: int | None = flag(None, "transformer layers", BOTH)
     hidden_size: int | None = flag(None, "model width", BOTH)
     num_attention_heads: int | None = flag(None, "attention heads", BOTH)
-    ffn_hidden_size: int | None = flag(None, "MLP width (default 4 x hidden)", BOTH)
+    ffn_hidden_size: int | None = flag(None, "MLP width (default 4 x hidden; with --swiglu Megatron's int(8h/3/64) x 64)", BOTH)
     seq_length: int = flag(1024, "tokens per sample", BOTH)
     max_position_embeddings: int | None = flag(None, "learned positions (default: the preset's, at least --seq-length)", BOTH)
     init_method_std: float | None = flag(None, "std of the normal weight init (default 0.02)")
@@ -376,7 +376,8 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
 LEAST_COMMON = {"micro_batch_size": 1, "seq_length": 1, "log_interval": 1}
 LEAST_TRAINING = {"train_iters": 1, "train_samples": 1, "global_batch_size": 1, "eval_interval": 0,
                   "eval_iters": 0, "save_interval": 0, "exit_interval": 0, "lr_warmup_iters": 0,
-                  "lr_warmup_samples": 0, "sample_tokens": 0, "num_workers": 0}
+                  "lr_warmup_samples": 0, "lr_decay_iters": 1, "lr_decay_samples": 1, "sample_tokens": 0,
+                  "num_workers": 0}
 
 
 def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:

@@ -92,6 +92,9 @@ class GPTConfig:
     def __post_init__(self):
         if self.ffn_hidden_size is None:  # under SwiGLU Megatron's: 3 matrices of about 4h's 2 in parameters
             self.ffn_hidden_size = int(8 * self.hidden_size / 3) // 64 * 64 if self.swiglu else 4 * self.hidden_size
+            if self.ffn_hidden_size == 0:
+                raise UsageError(f"SwiGLU's default MLP width, int(8h/3/64) x 64, is 0 at hidden_size "
+                                 f"{self.hidden_size}: give --ffn-hidden-size")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         positive = ("num_layers", "hidden_size", "num_attention_heads",

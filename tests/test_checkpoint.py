@@ -288,7 +288,7 @@ def _damage(path: str, how: str) -> None:
             f.write(bytes([byte[0] ^ 0xFF]))
     elif how.startswith("truncated"):
         os.truncate(path, os.path.getsize(path) // 2)
-        if how == "truncated, no digests":  # a checkpoint from before them, or copied without them
+        if how.endswith("no digests"):  # a checkpoint from before them, or copied without them
             os.remove(os.path.join(os.path.dirname(path), checkpoint.DIGESTS))
     else:
         os.remove(path)
@@ -296,10 +296,12 @@ def _damage(path: str, how: str) -> None:
 
 @pytest.mark.parametrize("fmt, how", [("torch", "a flipped byte"), ("torch", "truncated"), ("torch", "missing"),
                                       ("torch", "truncated, no digests"), ("torch_dist", "a flipped byte"),
-                                      ("torch_dist", "missing"), ("torch_dist", "truncated, no digests")])
+                                      ("torch_dist", "missing"), ("torch_dist", "truncated, no digests"),
+                                      ("torch_dist", "truncated index, no digests")])
 def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_before(
         corpus, two_saves, dist_saves, tmp_path, capsys, fmt, how):
     ckpt, name = str(tmp_path / "ckpt"), {"torch": checkpoint.PLAIN_FILE, "torch_dist": "__0_0.distcp"}[fmt]
+    name = checkpoint.DIST_METADATA if "index" in how else name
     shutil.copytree(two_saves if fmt == "torch" else dist_saves, ckpt)
     _damage(os.path.join(ckpt, "iter_0000004", name), how)
     metrics = tmp_path / "m.jsonl"
@@ -309,7 +311,8 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_b
     problem = {("torch", "missing"): "it holds no checkpoint",
                ("torch_dist", "missing"): f"{name} is missing",
                ("torch", "truncated, no digests"): f"{name} is truncated (its zip directory is gone)",
-               ("torch_dist", "truncated, no digests"): f"{name} is truncated"}.get((fmt, how), f"{name} is damaged")
+               ("torch_dist", "truncated, no digests"): f"{name} is truncated",
+               ("torch_dist", "truncated index, no digests"): f"{name} is truncated"}.get((fmt, how), f"{name} is damaged")
     assert f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {problem}" in out
     assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in out
     assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
@@ -596,8 +599,10 @@ def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_s
     if "pointer" in given:
         with open(pointer, "w") as f:
             f.write("release\n" if "release" in given else "")
-        message = (f"{pointer} holds {'release' if 'release' in given else ''!r}, not an iteration number: "
-                   f"write the iteration to load into it, or delete it to load the newest iter_N there")
+        message = (f"{pointer} names Megatron's release/ directory, a layout train.py does not read (one file "
+                   f"per model-parallel rank, its names)") if "release" in given else \
+            (f"{pointer} holds '', not an iteration number: write the iteration to load into it, or delete it "
+             f"to load the newest iter_N there")
     elif given == "an iteration's directory":
         load = os.path.join(ckpt, "iter_0000002")
         message = (f"{load} is one checkpoint's own directory: give the directory above it, {ckpt} "

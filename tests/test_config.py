@@ -70,6 +70,8 @@ def test_flags_reach_the_model_config():
     # --swiglu without --ffn-hidden-size: Megatron's width, int(4h x 2/3 / 64) x 64, not 4h
     assert got.ffn_hidden_size == 128 and config_lib.model_config(config_lib.parse_args(
         ["--preset", "124M", "--swiglu"])).ffn_hidden_size == 2048
+    with pytest.raises(ValueError, match="SwiGLU's default MLP width, int.8h/3/64. x 64, is 0 at hidden_size 16"):
+        config_lib.model_config(config_lib.parse_args(["--preset", "tiny", "--hidden-size", "16", "--swiglu"]))
     # Without the flags: the preset's choices (GPT-2's for "tiny", Llama's for "llama-tiny").
     plain = config_lib.model_config(config_lib.parse_args(["--preset", "tiny", "--seq-length", "64"]))
     assert plain.position_embedding_type == "learned_absolute" and not plain.swiglu
@@ -258,6 +260,7 @@ def test_evaluate_runs_whole_models():
     (["--micro-batch-size", "0"], "--micro-batch-size 0: it must be at least 1"),
     (["--global-batch-size", "0"], "--global-batch-size 0: it must be at least 1"),
     (["--eval-iters", "-1"], "--eval-iters -1: it must be at least 0"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters 0: it must be at least 1"),
     (["--train-samples", "30", "--global-batch-size", "6", "--rampup-batch-size", "2", "2", "0"],
      "--rampup-batch-size 2 2 0: the ramp's samples must be more than 0"),
 ])

@@ -116,14 +116,17 @@ def test_only_empty_documents_are_skipped(tmp_path, enc):
     assert decoded_documents(str(tmp_path / "w_text_document"), enc) == ["kept", "   \n", "also kept"]
 
 
-def test_json_lines_are_read_by_name_or_as_every_input_given_json_keys(tmp_path, enc, capsys):
+def test_json_lines_are_read_by_name_or_as_every_input_given_json_keys(tmp_path, enc):
     """JSON lines named .json, .jsonl or .ndjson are read as JSON; given
-    --json-keys, every input is (as Megatron reads them: a dump named
-    otherwise never becomes one document of raw JSON); without, other names
-    are plain text. A flag is never abbreviated (as train.py's)."""
+    --json-keys, every file named is (as Megatron reads them: a dump named
+    otherwise never becomes one document of raw JSON), and a directory gives
+    its JSON files (not its README); without, other names are plain text."""
     objects = [{"text": "first"}, {"text": "second"}]
-    for name, flags in [("a.ndjson", []), ("a.part", ["--json-keys", "text"]), ("a", ["--json-key", "text"])]:
-        path = write_jsonl(tmp_path / name, objects)
+    write(tmp_path / "dir/README.md", "not JSON")
+    write_jsonl(tmp_path / "dir/part.jsonl", objects)
+    for name, flags in [("a.ndjson", []), ("a.part", ["--json-keys", "text"]), ("a", ["--json-key", "text"]),
+                        ("dir", ["--json-keys", "text"])]:
+        path = str(tmp_path / name) if name == "dir" else write_jsonl(tmp_path / name, objects)
         prepare.main(["--input", path, "--output-prefix", str(tmp_path / name.replace(".", "_")), *flags])
         assert decoded_documents(str(tmp_path / name.replace(".", "_")) + "_text_document", enc) == \
             ["first", "second"], name
@@ -131,9 +134,6 @@ def test_json_lines_are_read_by_name_or_as_every_input_given_json_keys(tmp_path,
     with pytest.raises(SystemExit) as stop:
         prepare.main(["--input", text, "--output-prefix", str(tmp_path / "t"), "--json-keys", "text"])
     assert f"{text}:1: invalid JSON" in str(stop.value)
-    with pytest.raises(SystemExit):
-        prepare.main(["--input", text, "--output-pre", str(tmp_path / "t")])
-    assert "unrecognized arguments: --output-pre" in capsys.readouterr().err
 
 
 def test_encode_document_is_encode_ordinary_plus_eod(enc):

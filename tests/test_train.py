@@ -606,7 +606,7 @@ def test_slurm_script_under_sbatch_runs_the_repositorys_train_py(tmp_path):
     spool.mkdir()
     shutil.copy(os.path.join(ROOT, "slurm.sh"), spool / "slurm_script")
     env = {**os.environ, "SLURM_JOB_NODELIST": "node5", "SLURM_NNODES": "1", "DRY_RUN": "1"}
-    proc = subprocess.run(["bash", str(spool / "slurm_script"), "--preset", "124M"], cwd=ROOT,
+    proc = subprocess.run(["bash", str(spool / "slurm_script"), "--preset", "124M"], cwd=tmp_path,
                           env={**env, "SLURM_SUBMIT_DIR": ROOT}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert os.path.join(ROOT, "train.py") in shlex.split(proc.stdout)
