@@ -598,7 +598,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
     meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
-    loss_sum = kept = 0.0  # since the last log line: the losses and count of the steps not skipped
+    since_log = []  # the device losses since the last log line
     dp, schedule = parallel.layout.dp_size, lr_schedule(cfg)
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, dp)
@@ -608,7 +608,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
         loss, grad_norm, skipped = train_step(trainer, micro_batches, lr)
         iteration, consumed = iteration + 1, consumed + batch_size
         pending.append((iteration, loss))
-        loss_sum, kept = loss_sum + loss * (1 - skipped), kept + (1 - skipped)
+        since_log.append(loss)
         last = iteration == cfg.train_iters
         eval_now = valid_ds is not None and cfg.eval_interval > 0 and (iteration % cfg.eval_interval == 0 or last)
         log_now = iteration % cfg.log_interval == 0 or last or eval_now
@@ -617,8 +617,8 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
         save_now = cfg.save and (stop or last or bool(cfg.save_interval and iteration % cfg.save_interval == 0))
         if log_now or save_now:
             check_losses(pending, logger, last_saved)
-        if log_now:  # the loss logged: the mean over the steps since the last log line not skipped, as Megatron's
-            mean_loss, loss_sum, kept = float(loss_sum / max(kept, 1)), 0.0, 0.0
+        if log_now:  # the loss logged is the mean since the last log line, as Megatron's
+            mean_loss, since_log = torch.stack(since_log).float().mean().item(), []
             metrics = {"iteration": iteration, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
                        **meter.figures(), "batch_size": batch_size, "consumed_samples": consumed}
             if eval_now:
