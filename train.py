@@ -462,10 +462,10 @@ class Preemption:
         return bool(previous[1].item())
 
 
-def check_losses(pending: list, logger: Logger, last_saved: int) -> None:
+def check_losses(pending: list, logger: Logger, last_saved: int) -> list[float]:
     """Read the (iteration, device loss) pairs queued since the last check in one host
-    sync (at log intervals and saves, never per step); stop the run at the first
-    non-finite one."""
+    sync (at log intervals and saves, never per step), stop the run at the first
+    non-finite one, and return their values."""
     values = torch.stack([loss.float() for _, loss in pending]).tolist()
     for (iteration, _), value in zip(pending, values):
         if not math.isfinite(value):
@@ -474,6 +474,7 @@ def check_losses(pending: list, logger: Logger, last_saved: int) -> None:
                          f"raise --lr-warmup-iters, or use --bf16 instead of --fp16.")
             raise SystemExit(1)
     pending.clear()
+    return values
 
 
 def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
@@ -598,7 +599,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
     meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
-    since_log = []  # the device losses since the last log line
+    since_log = []  # the losses read since the last log line
     dp, schedule = parallel.layout.dp_size, lr_schedule(cfg)
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, dp)
@@ -608,7 +609,6 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
         loss, grad_norm, skipped = train_step(trainer, micro_batches, lr)
         iteration, consumed = iteration + 1, consumed + batch_size
         pending.append((iteration, loss))
-        since_log.append(loss)
         last = iteration == cfg.train_iters
         eval_now = valid_ds is not None and cfg.eval_interval > 0 and (iteration % cfg.eval_interval == 0 or last)
         log_now = iteration % cfg.log_interval == 0 or last or eval_now
@@ -616,9 +616,9 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
         stop = preempt.agreed() or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
         save_now = cfg.save and (stop or last or bool(cfg.save_interval and iteration % cfg.save_interval == 0))
         if log_now or save_now:
-            check_losses(pending, logger, last_saved)
+            since_log += check_losses(pending, logger, last_saved)
         if log_now:  # the loss logged is the mean since the last log line, as Megatron's
-            mean_loss, since_log = torch.stack(since_log).float().mean().item(), []
+            mean_loss, since_log = sum(since_log) / len(since_log), []
             metrics = {"iteration": iteration, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
                        **meter.figures(), "batch_size": batch_size, "consumed_samples": consumed}
             if eval_now:
