@@ -53,6 +53,7 @@ DS_META = "trainer_state.json"
 DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last: a torch_dist checkpoint
 MARKERS = (("plain", PLAIN_FILE), ("torch_dist", DIST_METADATA), ("deepspeed", DS_META))  # kind: its file
 DIGESTS = "checksums.sha256"  # every file's sha256, in sha256sum's format (`sha256sum -c` reads it)
+HF_CONFIG = "config.json"  # a Hugging Face model directory's (section 3)
 
 
 def rng_state() -> dict:
@@ -455,7 +456,7 @@ def what_is_there(load_dir: str) -> None:
         raise UsageError(f"{load_dir} is one checkpoint's own directory: give the directory above it, "
                          f"{os.path.dirname(os.path.abspath(load_dir))} (the one --save wrote; its {LATEST} "
                          f"names the iteration that loads)")
-    if os.path.isfile(os.path.join(load_dir, "config.json")):
+    if is_hf_directory(load_dir):
         raise UsageError(f"{load_dir} is a Hugging Face model directory, not a train.py checkpoint: "
                          f"evaluate.py reads it with --hf, and train.py --export-from {load_dir} --export-to "
                          f"DIR makes one that --load DIR --finetune trains from")
@@ -1087,7 +1088,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.layout.tp_size > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
-    if os.path.isfile(os.path.join(checkpoint, "config.json")):
+    if is_hf_directory(checkpoint):
         model, state = from_hf(checkpoint), {"iteration": 0, "consumed_samples": 0, "rng": None, "config": None}
     else:
         found = verified_checkpoint(checkpoint, print)
@@ -1144,7 +1145,7 @@ def to_hf(model: GPT, path: str) -> None:
     except ImportError:
         atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
     text = json.dumps(to_config(model.config), indent=2)
-    atomic_write(os.path.join(path, "config.json"), lambda f: f.write(text.encode()))
+    atomic_write(os.path.join(path, HF_CONFIG), lambda f: f.write(text.encode()))
 
 
 def hf_architecture(config: GPTConfig) -> str:
@@ -1387,8 +1388,12 @@ def _pad_vocab_rows(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
 # -----------------------------------------------------------------------------
 # Reading a local directory
 
+def is_hf_directory(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, HF_CONFIG))
+
+
 def _read_hf_config(path: str) -> dict:
-    cfg_path = os.path.join(path, "config.json")
+    cfg_path = os.path.join(path, HF_CONFIG)
     if not os.path.isfile(cfg_path):
         raise UsageError(f"{cfg_path} not found; from_hf needs a local directory "
                          f"written by save_pretrained (no hub downloads)")
