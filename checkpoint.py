@@ -571,37 +571,57 @@ def saved_model_config(found: Found) -> dict | None:
         return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path)).get("model_config")
 
 
-def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int]:
-    """(iteration, consumed samples) to continue from, once `state` is
-    loaded (checkpoint_to_load showed it is this run's model); restores its
-    RNG unless told not to. --finetune starts a new run: iteration, samples
-    and the learning-rate schedule begin at zero."""
+def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int, tuple]:
+    """(iteration, consumed samples, learning-rate schedule) to continue
+    from, once `state` is loaded (checkpoint_to_load showed it is this run's
+    model); restores its RNG unless told not to. --finetune starts a new run:
+    iteration, samples and this run's schedule begin at zero."""
     if cfg.finetune:
         log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
             f"starting at iteration 0")
-        return 0, 0
+        return 0, 0, lr_schedule(cfg)
     if not cfg.no_load_rng and state.get("rng"):
         set_rng_state(stage_rng(state, log), log)
     log(f"loaded checkpoint {path} (iteration {state['iteration']}"
         f"{', weights only' if cfg.no_load_optim else ''})")
-    note_schedule_change(cfg, state.get("config"), log)
-    return state["iteration"], state["consumed_samples"]
+    return state["iteration"], state["consumed_samples"], schedule_to_follow(cfg, state.get("config"), path, log)
 
 
-def note_schedule_change(cfg: TrainConfig, saved: dict | None, log) -> None:
-    """A run that continues a checkpoint under another learning-rate schedule
+def schedule_to_follow(cfg: TrainConfig, saved: dict | None, path: str, log) -> tuple:
+    """The learning-rate schedule (config.lr_schedule) a resume follows: this
+    run's, or with --use-checkpoint-opt_param-scheduler the checkpoint's
+    (`saved`: its run's TrainConfig). Megatron refuses schedules that differ
     (--lr, --min-lr, the warmup or decay, or a longer --train-iters that ends
-    the decay later) takes this run's, and says so: the lr may jump. (Megatron
-    refuses, unless told which to keep.)"""
+    the decay later) unless one of its two flags says which to keep; here
+    this run's goes on by default, with one line that says what changed (the
+    lr may jump), and silently under --override-opt_param-scheduler."""
+    mine = lr_schedule(cfg)
     try:
         theirs = lr_schedule(types.SimpleNamespace(**saved)) if saved else None
     except (AttributeError, TypeError):  # a config of another version
-        return
+        theirs = None
     names = ("--lr", "--min-lr", "decay style", "warmup end", "decay end")
-    changed = [f"{name} {a:g} (checkpoint: {b:g})" if not isinstance(a, str) else f"{name} {a} (checkpoint: {b})"
-               for name, a, b in zip(names, lr_schedule(cfg), theirs or ()) if a != b]
-    if changed:
-        log(f"the learning-rate schedule is not the checkpoint's, this run's goes on: {', '.join(changed)}")
+
+    def differences(follow, other, whose):
+        return ", ".join(f"{name} {a if isinstance(a, str) else f'{a:g}'} ({whose}: "
+                         f"{b if isinstance(b, str) else f'{b:g}'})"
+                         for name, a, b in zip(names, follow, other) if a != b)
+    if cfg.use_checkpoint_opt_param_scheduler:
+        if theirs is None:
+            raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path} records no learning-rate "
+                             f"schedule; drop the flag and give the schedule's flags")
+        units = {False: ("iterations", "--train-iters"), True: ("samples", "--train-samples")}
+        (their_unit, their_flag), (my_unit, _) = units[saved["train_samples"] is not None], \
+            units[cfg.train_samples is not None]
+        if their_unit != my_unit:
+            raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path}'s schedule counts {their_unit}, "
+                             f"this run's {my_unit}: give {their_flag}, as the checkpoint's run did")
+        if changed := differences(theirs, mine, "this run"):
+            log(f"the checkpoint's learning-rate schedule goes on: {changed}")
+        return theirs
+    if (changed := differences(mine, theirs or mine, "checkpoint")) and not cfg.override_opt_param_scheduler:
+        log(f"the learning-rate schedule is not the checkpoint's, this run's goes on: {changed}")
+    return mine
 
 
 def stage_rng(state: dict, log) -> dict:
@@ -618,10 +638,11 @@ def stage_rng(state: dict, log) -> dict:
 
 def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
     """Restore everything (or, weights_only, the weights); returns
-    (iteration, consumed_samples), (0, 0) if --load holds no checkpoint."""
+    start_position's (iteration, consumed_samples, schedule), this run's
+    start if --load holds no checkpoint."""
     found = checkpoint_to_load(cfg, log)
     if found is None:
-        return 0, 0
+        return 0, 0, lr_schedule(cfg)
     if found.kind == "torch_dist":
         return load_dist_checkpoint(cfg, model, optimizer, scaler, found, log)
     weights, state = read_weights(found)

@@ -157,6 +157,13 @@ class TrainConfig:
     no_load_optim: bool = flag(False, "load weights only (fresh optimizer)", BOTH)
     no_load_rng: bool = flag(False, "do not restore the RNG states from --load", BOTH)
     finetune: bool = flag(False, "start from --load's weights: iteration, samples, optimizer and schedule from zero")
+    # Megatron refuses a resume whose schedule differs unless told which to keep; here this run's
+    # is kept by default (in one line that says so), and the two flags make the choice explicit.
+    override_opt_param_scheduler: bool = flag(False, "on resume, follow this run's --lr, --min-lr, warmup "
+                                                     "and decay, not the checkpoint's (alias --override-lr-scheduler)")
+    use_checkpoint_opt_param_scheduler: bool = flag(False, "on resume, follow the checkpoint's --lr, --min-lr, "
+                                                           "warmup and decay, not this run's (alias "
+                                                           "--use-checkpoint-lr-scheduler)")
     # the end-of-run sample
     sample_prompt: str = flag("ROMEO:", "prompt of the sample printed at the end")
     sample_tokens: int = flag(64, "its length; 0 disables")
@@ -206,6 +213,10 @@ ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Co
     (("--deepspeed_config",), dict(dest="deepspeed_config")),  # DeepSpeed's own spelling
     (("--top_k",), dict(dest="top_k", type=int)),              # Megatron's sampling spellings
     (("--top_p",), dict(dest="top_p", type=float)),
+    (("--override-opt_param-scheduler", "--override-lr-scheduler"),  # Megatron-LM's, Megatron-DeepSpeed's
+     dict(dest="override_opt_param_scheduler", action="store_true")),
+    (("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"),
+     dict(dest="use_checkpoint_opt_param_scheduler", action="store_true")),
 ]
 # Megatron's TensorBoard switches: what they ask for is always logged here
 # (batch size, learning rate, validation loss and perplexity), or not at all
@@ -419,6 +430,9 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--keep-last-checkpoints {cfg.keep_last_checkpoints}: keep at least 1")
     if cfg.finetune and not cfg.load:
         raise UsageError("--finetune needs --load CHECKPOINT (the weights to start from)")
+    if cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler:
+        raise UsageError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give one "
+                         "(this run's learning-rate schedule, or the checkpoint's)")
     if cfg.preset is None and cfg.num_layers is None and not cfg.export_from:  # an export reads its model
         raise UsageError("give a model: --preset NAME (one of " + ", ".join(PRESETS) +
                          ") or --num-layers/--hidden-size/--num-attention-heads")

@@ -42,7 +42,7 @@ import parallel
 import pipeline
 import zero
 from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, build_optimizer,
-                    compile_options, eod_token, lr_schedule, model_config, parse_args)
+                    compile_options, eod_token, model_config, parse_args)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from launch import UsageError
@@ -252,8 +252,9 @@ class PlainTraining:
         self.raw = pipeline.build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
         self.scaler = LossScaler(cfg.initial_loss_scale, env.device) if cfg.fp16 else None
-        self.iteration, self.consumed = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
-                                                                   self.scaler, log)
+        # where the run starts: (iteration, consumed samples, learning-rate schedule)
+        self.iteration, self.consumed, self.schedule = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
+                                                                                  self.scaler, log)
         self.model = torch.compile(self.raw, **compile_options(cfg)) if cfg.compile else self.raw
         if parallel.layout.dp_size > 1 and parallel.layout.pp_size == 1:  # pipelines: pipeline.GradientAverager
             self.model = DDP(self.model, process_group=parallel.layout.dp_group,
@@ -600,7 +601,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_b
     meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
     since_log = []  # the losses read since the last log line
-    dp, schedule = parallel.layout.dp_size, lr_schedule(cfg)
+    dp, schedule = parallel.layout.dp_size, trainer.schedule
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, dp)
         lr = learning_rate(consumed if cfg.train_samples else iteration, schedule)

@@ -18,7 +18,8 @@ import launch
 import parallel
 import pipeline
 from launch import UsageError
-from config import TrainConfig, autocast, build_optimizer, compile_options, model_config, read_deepspeed_json
+from config import (TrainConfig, autocast, build_optimizer, compile_options, lr_schedule, model_config,
+                    read_deepspeed_json)
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
@@ -246,11 +247,13 @@ class DeepSpeedTraining:
         self.precision = autocast(cfg, env.device) if parallel.layout.pp_size > 1 else nullcontext()
         self.scale = getattr(self.engine.optimizer, "scale_if_loss", None)  # ZeRO's, as in engine.backward
         self.averager = None  # under stages the engine averages after the schedule (finish)
-        self.iteration, self.consumed = 0, 0
+        # where the run starts: (iteration, consumed samples, learning-rate schedule)
+        self.iteration, self.consumed, self.schedule = 0, 0, lr_schedule(cfg)
         if weights_only:
-            self.iteration, self.consumed = checkpoint.start_position(cfg, state, found.path, log)
+            self.iteration, self.consumed, self.schedule = checkpoint.start_position(cfg, state, found.path, log)
         elif found is not None:
-            self.iteration, self.consumed = checkpoint.load_deepspeed_checkpoint(cfg, self.engine, found, log)
+            self.iteration, self.consumed, self.schedule = checkpoint.load_deepspeed_checkpoint(
+                cfg, self.engine, found, log)
 
     def begin(self, micro_batches: int, lr: float) -> None:
         """This step's batch size (--rampup-batch-size) and learning rate; under

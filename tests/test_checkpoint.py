@@ -588,6 +588,39 @@ def test_a_resume_under_another_learning_rate_schedule_says_so(corpus, two_saves
             "0.003), decay end 5 (checkpoint: 4)") in capsys.readouterr().out
 
 
+def test_megatron_flags_choose_the_checkpoints_schedule_or_this_runs(corpus, two_saves, tmp_path, capsys):
+    """Megatron's --use-checkpoint-opt_param-scheduler (Megatron-DeepSpeed:
+    --use-checkpoint-lr-scheduler) resumes on the checkpoint's schedule
+    whatever this run's flags say: the same learning rates and losses as a
+    resume with the checkpoint's own flags. --override-opt_param-scheduler
+    follows this run's flags without the line that says so."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(two_saves, ckpt)
+    with open(os.path.join(ckpt, checkpoint.LATEST), "w") as f:
+        f.write("2")  # resume mid-schedule, at iteration 2 of 4
+    common = [*TINY, "--data-path", corpus, "--train-iters", "4", "--load", ckpt, "--eval-interval", "0"]
+    other = ["--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "linear", "--lr-warmup-iters", "0"]
+    runs = {}
+    for name, flags in [("same flags", []), ("checkpoint's", [*other, "--use-checkpoint-lr-scheduler"]),
+                        ("this run's", [*other, "--override-opt_param-scheduler"])]:
+        train.main([*common, *flags, "--metrics-file", str(tmp_path / f"{name}.jsonl")])
+        runs[name] = read_metrics(tmp_path / f"{name}.jsonl"), capsys.readouterr().out
+    same, (checkpoints, said), (this_runs, quiet) = runs["same flags"][0], runs["checkpoint's"], runs["this run's"]
+    assert [(m["lr"], m["loss"]) for m in checkpoints] == [(m["lr"], m["loss"]) for m in same]
+    assert ("the checkpoint's learning-rate schedule goes on: --lr 0.003 (this run: 0.01), --min-lr 0.0003 "
+            "(this run: 0.001), decay style cosine (this run: linear), warmup end 2 (this run: 0)") in said
+    assert [m["lr"] for m in this_runs] == pytest.approx([1e-2 - (1e-2 - 1e-3) * done / 4 for done in (2, 3)])
+    assert "learning-rate schedule" not in quiet
+    warmup = TINY.index("--lr-warmup-iters")  # a flag of schedules in iterations
+    with pytest.raises(SystemExit) as stop:  # a schedule in samples cannot follow one in iterations
+        train.main([*TINY[:warmup], *TINY[warmup + 2:], "--data-path", corpus, "--train-samples", "32",
+                    "--load", ckpt, "--use-checkpoint-opt_param-scheduler"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"train.py: error: --use-checkpoint-opt_param-scheduler: {ckpt}/iter_0000002's schedule counts "
+        f"iterations, this run's samples: give --train-iters, as the checkpoint's run did"]
+
+
 @pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "an iteration's directory",
                                    "a Hugging Face directory"])
 def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_saves, tmp_path, capsys, given):

@@ -182,6 +182,7 @@ def test_null_tokenizer_takes_the_vocabulary_from_vocab_size_and_ends_documents_
     (["--global-batch-size", "16", "--train-samples", "99", "--rampup-batch-size", "2", "4", "100"],
      "G - START a multiple of INCREMENT"),
     (["--finetune"], "--finetune needs --load"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], "give one"),
 ])
 def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     with pytest.raises(ValueError, match=message):
