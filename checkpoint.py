@@ -41,6 +41,7 @@ import parallel
 from config import TrainConfig, lr_schedule, model_config
 from gpt import GPT, GPTConfig, pad_vocab_size
 from launch import UsageError, atomic_write, fsync_path
+from prepare import gpt2_bpe_files
 
 # ----------------------------------------------------------------------------
 # 1. train.py's own checkpoints
@@ -1121,6 +1122,8 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
         model.load_full_state_dict(full)
     if fmt == "hf":
         to_hf(model, out)
+        if (state["config"] or {}).get("tokenizer_type") == "GPT2BPETokenizer":  # not NullTokenizer's ids
+            write_hf_tokenizer(out, model.config.max_position_embeddings)
         return
     state.update(model=model.full_state_dict(), optimizer=None, scaler=None,
                  model_config=dataclasses.asdict(model.config))
@@ -1167,6 +1170,23 @@ def to_hf(model: GPT, path: str) -> None:
         atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
     text = json.dumps(to_config(model.config), indent=2)
     atomic_write(os.path.join(path, HF_CONFIG), lambda f: f.write(text.encode()))
+
+
+def write_hf_tokenizer(path: str, max_length: int) -> None:
+    """GPT-2's tokenizer beside an exported model, so that transformers'
+    AutoTokenizer.from_pretrained(path), and pipeline("text-generation",
+    model=path), read text as the model was trained, with no download:
+    vocab.json and merges.txt (Megatron's gpt2-vocab.json and
+    gpt2-merges.txt) and tokenizer_config.json."""
+    vocab, merges = gpt2_bpe_files()
+    for source, name in ((vocab, "vocab.json"), (merges, "merges.txt")):
+        with open(source, "rb") as f:
+            content = f.read()
+        atomic_write(os.path.join(path, name), lambda f: f.write(content))
+    eod = "<|endoftext|>"  # GPT-2's one special token: also its bos and unk
+    text = json.dumps({"tokenizer_class": "GPT2Tokenizer", "model_max_length": max_length, "bos_token": eod,
+                       "eos_token": eod, "unk_token": eod, "add_prefix_space": False}, indent=2)
+    atomic_write(os.path.join(path, "tokenizer_config.json"), lambda f: f.write(text.encode()))
 
 
 def hf_architecture(config: GPTConfig) -> str:

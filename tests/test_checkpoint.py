@@ -34,8 +34,9 @@ import train
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
 from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_train,
                       tiny, tiny_model, tokens, train_on_ranks)
-from launch import UsageError
 from gpt import GPT, LLAMA_OPTIONS
+from launch import UsageError
+from prepare import load_tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -672,6 +673,14 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
         assert json.load(f)["model_type"] == {"tiny": "gpt2", "llama-tiny": "llama"}[preset]
     for name, value in exported.state_dict().items():
         torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
+    # The directory is whole for transformers' own tools: its tokenizer reads
+    # text as prepare.py did, and a text-generation pipeline runs from it alone.
+    import transformers
+    prompt = "To be, or not to be: that is the question."
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    assert tokenizer(prompt)["input_ids"] == load_tokenizer().encode_ordinary(prompt)
+    generated = transformers.pipeline("text-generation", model=hf)(prompt, max_new_tokens=4, do_sample=False)
+    assert generated[0]["generated_text"].startswith(prompt)
 
 
 # -----------------------------------------------------------------------------
