@@ -152,6 +152,8 @@ class TrainConfig:
                                    "while the state is copied to host memory")
     save_interval: int | None = flag(None, "save every N steps (and at the end, on SIGTERM and at --exit-interval)")
     exit_interval: int | None = flag(None, "save and stop after every N steps")
+    exit_duration_in_mins: float | None = flag(None, "save and stop once the run has lasted this many minutes "
+                                                     "(a job's time limit; every rank stops at the same step)")
     keep_last_checkpoints: int | None = flag(None, "after each save, delete all but the newest K checkpoints "
                                                    "(default: keep all)")
     no_load_optim: bool = flag(False, "load weights only (fresh optimizer)", BOTH)
@@ -218,6 +220,50 @@ ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Co
     (("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"),
      dict(dest="use_checkpoint_opt_param_scheduler", action="store_true")),
 ]
+# Megatron-LM's names for our choices: its attention backends (flash and
+# cuDNN's fused are our Triton kernel, unfused and local torch's), and its
+# recomputation granularity (full or selective: here each whole block).
+ATTENTION_BACKENDS = {"auto": None, "flash": "triton", "fused": "triton", "unfused": "torch", "local": "torch"}
+
+
+def attention_backend(name: str) -> str | None:
+    if name not in ATTENTION_BACKENDS:
+        raise argparse.ArgumentTypeError(f"{name!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]
+
+
+def recompute_granularity(name: str) -> bool:
+    if name not in ("full", "selective"):
+        raise argparse.ArgumentTypeError(f"{name!r}: use full or selective (each recomputes whole blocks here)")
+    return True
+
+
+ALIASES += [
+    (("--attention-backend",), dict(dest="attention_impl", type=attention_backend)),
+    (("--recompute-granularity",), dict(dest="recompute_activations", type=recompute_granularity)),
+    (("--use-rotary-position-embeddings",),  # Megatron-DeepSpeed's
+     dict(dest="position_embedding_type", action="store_const", const="rope")),
+]
+# Megatron-LM switches that choose among its own implementations of the same
+# math (kernel fusions, Transformer Engine, how its DDP overlaps, its timers):
+# recipes pass them; here they change nothing, and one line names them.
+NO_EFFECT_SWITCHES = ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                      "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+                      "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                      "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
+                      "--overlap-grad-reduce", "--overlap-param-gather", "--no-async-tensor-model-parallel-allreduce",
+                      "--log-throughput", "--exit-signal-handler")
+NO_EFFECT_VALUES = ("--transformer-impl", "--timing-log-level", "--recompute-method", "--recompute-num-layers")
+
+
+class NoEffect(argparse.Action):
+    """Collects the Megatron flags (and values) given that change nothing here."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = option_string if values in (None, []) else f"{option_string} {values}"
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), given])
+
+
 # Megatron's TensorBoard switches: what they ask for is always logged here
 # (batch size, learning rate, validation loss and perplexity), or not at all
 # (timers, memory, world size, the loss scale): README's table says which.
@@ -259,6 +305,11 @@ def build_parser(tool: str, usage: str) -> argparse.ArgumentParser:
         p.add_argument(*names, **kwargs, help=argparse.SUPPRESS)
     for name in TENSORBOARD_SWITCHES:
         p.add_argument(name, action="store_true", dest="tensorboard_switch", help=argparse.SUPPRESS)
+    for name in NO_EFFECT_SWITCHES + NO_EFFECT_VALUES:
+        p.add_argument(name, action=NoEffect, nargs=0 if name in NO_EFFECT_SWITCHES else None,
+                       dest="no_effect", help=argparse.SUPPRESS)
+    for refused in ("--use-distributed-optimizer", "--no-position-embedding"):  # checked in parse_args
+        p.add_argument(refused, action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return p
 
@@ -267,23 +318,23 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     """Megatron-style flags (and a --deepspeed_config JSON) -> a checked
     TrainConfig, for train.py or evaluate.py (`tool`)."""
     given = vars(build_parser(tool, usage).parse_args(argv))
-    # The deepspeed launcher passes --local_rank (we read torchrun's LOCAL_RANK).
-    for launcher_only in ("local_rank", "tensorboard_switch"):
-        given.pop(launcher_only, None)
+    no_position_embedding = take_field_less_flags(given, tool)
     tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig)}
     others = sorted(name for name in given if tool not in tools[name])
     if others and tool == TRAIN:
         raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in others)}: evaluate.py's flags; "
                          f"run evaluate.py to evaluate a checkpoint")
     if others:  # a training script's arguments reused, as Megatron's tasks/main.py takes them
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{tool}: ignoring {', '.join('--' + f.replace('_', '-') for f in others)}: train.py's "
-                  f"flags, which do not apply to evaluation", flush=True)
+        say(f"{tool}: ignoring {', '.join('--' + f.replace('_', '-') for f in others)}: train.py's "
+            f"flags, which do not apply to evaluation")
         given = {name: value for name, value in given.items() if name not in others}
     cfg = TrainConfig(**given)
     if cfg.deepspeed_config:
         cfg = fill_from_deepspeed_json(cfg, set(given))
     check_common(cfg)
+    if no_position_embedding and model_config(cfg).position_embedding_type != "rope":
+        raise UsageError("--no-position-embedding: a model without positions is not built here; with "
+                         "--position-embedding-type rope it has no learned positions (and the flag no effect)")
     if tool == TRAIN:
         check_training(cfg, set(given))
     elif cfg.pipeline_model_parallel_size != 1:
@@ -291,6 +342,29 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
                          f"runs whole models (split by --tensor-model-parallel-size alone); use 1: "
                          f"checkpoints saved at any pipeline size load there")
     return cfg
+
+
+def take_field_less_flags(given: dict, tool: str) -> bool:
+    """Take out of `given` the flags that fill no TrainConfig field: the
+    deepspeed launcher's --local_rank (we read torchrun's LOCAL_RANK), the
+    TensorBoard switches, the no-effect ones (named in one line) and the
+    refused --use-distributed-optimizer. Returns --no-position-embedding,
+    which parse_args checks against the model."""
+    for launcher_only in ("local_rank", "tensorboard_switch"):
+        given.pop(launcher_only, None)
+    if given.pop("use_distributed_optimizer", False):
+        raise UsageError("--use-distributed-optimizer: optimizer states sharded over data-parallel ranks are "
+                         "ZeRO-1 here, DeepSpeed's: --deepspeed --zero-stage 1 (or drop the flag)")
+    if no_effect := given.pop("no_effect", None):
+        say(f"{tool}: {', '.join(no_effect)}: no effect here (how Megatron computes the same model: its "
+            f"fusions, Transformer Engine, overlap, timers, which blocks recompute)")
+    return given.pop("no_position_embedding", False)
+
+
+def say(line: str) -> None:
+    """A note about the flags, printed once (rank 0), before any process group exists."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
 
 
 # ----------------------------------------------------------------------------

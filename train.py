@@ -431,13 +431,16 @@ class Logger:
 # 5. The loop
 
 class Preemption:
-    """Turns SIGTERM (a cluster's preemption notice) into a flag the loop checks.
-    Every rank must stop (and save) at the same iteration, so the ranks vote with an
-    all-reduce. On CUDA each vote is read one step late, once the next step is queued,
-    so the host never waits for the GPU: the ranks still agree, a step later."""
+    """Turns SIGTERM (a cluster's preemption notice), or the end of
+    --exit-duration-in-mins (a job's time limit, counted from the start of the
+    run), into a flag the loop checks. Every rank must stop (and save) at the
+    same iteration, so the ranks vote with an all-reduce. On CUDA each vote is
+    read one step late, once the next step is queued, so the host never waits
+    for the GPU: the ranks still agree, a step later."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, minutes: float | None = None):
         self.device, self.requested = device, False
+        self.deadline = None if minutes is None else time.monotonic() + 60 * minutes
         self.pending = None  # CUDA: (event, pinned host copy) of the last vote
         signal.signal(signal.SIGTERM, self._handler)
 
@@ -445,9 +448,10 @@ class Preemption:
         self.requested = True
 
     def agreed(self) -> bool:
-        """True on every rank, at the same iteration, once any rank got SIGTERM."""
+        """True on every rank, at the same iteration, once any rank got SIGTERM or is out of time."""
+        stop = self.requested or (self.deadline is not None and time.monotonic() > self.deadline)
         # torch.full fills on the device; torch.tensor would copy from pageable memory and wait.
-        vote = torch.full((1,), float(self.requested), device=self.device)
+        vote = torch.full((1,), float(stop), device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         if self.device.type != "cuda":
@@ -543,6 +547,7 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
 
 def train(cfg: TrainConfig, env: launch.Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
+    preempt = Preemption(env.device, cfg.exit_duration_in_mins)  # the time limit counts the setup too
     cfg, accum, global_batch = plan_batches(cfg)
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
     if cfg.domino and parallel.layout.tp_size == 1:
@@ -572,7 +577,7 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
                  f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
     try:
-        iteration = loop(cfg, env, trainer, datasets, logger, global_batch, accum)
+        iteration = loop(cfg, env, trainer, datasets, logger, preempt, global_batch, accum)
     finally:  # at the end, a stop (SIGTERM) or an error: a checkpoint still being written is published first
         if trainer.saver:  # (its own error, after the loop's, would hide that one: reported only alone)
             trainer.saver.wait(report=sys.exc_info()[0] is None)
@@ -590,15 +595,15 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
     trainer.close()
 
 
-def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, global_batch: int,
-         accum: int) -> int:
+def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, preempt: Preemption,
+         global_batch: int, accum: int) -> int:
     """Train from the trainer's iteration to --train-iters (or a stop); return the last
     iteration. The host never waits for the GPU within an iteration: device values are
     read only at log intervals, evaluations and saves, the preemption vote a step late."""
     train_ds, valid_ds = datasets
     iteration, consumed = trainer.iteration, trainer.consumed
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
-    meter, preempt = Meter(cfg, env, mcfg, logger, iteration + 1), Preemption(env.device)
+    meter = Meter(cfg, env, mcfg, logger, iteration + 1)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
     since_log = []  # the losses read since the last log line
     dp, schedule = parallel.layout.dp_size, trainer.schedule

@@ -183,10 +183,27 @@ def test_null_tokenizer_takes_the_vocabulary_from_vocab_size_and_ends_documents_
      "G - START a multiple of INCREMENT"),
     (["--finetune"], "--finetune needs --load"),
     (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], "give one"),
+    (["--use-distributed-optimizer"], "ZeRO-1 here, DeepSpeed's: --deepspeed --zero-stage 1"),
+    (["--no-position-embedding"], "a model without positions is not built here"),
+    (["--attention-backend", "cudnn"], "use one of auto, flash, fused, unfused, local"),
+    (["--recompute-granularity", "none"], "use full or selective"),
 ])
 def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     with pytest.raises(ValueError, match=message):
         parse(*flags)
+
+
+@pytest.mark.parametrize("flags, field, value", [
+    (["--attention-backend", "auto"], "attention_impl", None),    # the default: Triton on CUDA, torch on CPU
+    (["--attention-backend", "flash"], "attention_impl", "triton"),
+    (["--attention-backend", "unfused"], "attention_impl", "torch"),
+    (["--recompute-granularity", "selective"], "recompute_activations", True),
+    (["--use-rotary-position-embeddings", "--no-position-embedding"], "position_embedding_type", "rope"),
+    (["--override-lr-scheduler"], "override_opt_param_scheduler", True),
+    (["--use-checkpoint-lr-scheduler"], "use_checkpoint_opt_param_scheduler", True),
+])
+def test_megatron_lm_and_megatron_deepspeed_names_of_our_flags(flags, field, value):
+    assert getattr(parse(*flags), field) == value
 
 
 def test_nccl_on_a_machine_without_gpus_says_gloo():

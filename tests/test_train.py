@@ -156,6 +156,46 @@ def test_the_logged_loss_is_the_mean_since_the_last_log_line(corpus, tmp_path):
                                                        rel=1e-6)
 
 
+# Megatron-LM's examples/gpt3/train_gpt3_857m_distributed.sh, its flag arrays
+# at tiny sizes (--fp16 kept), with the switches of Megatron-LM's Llama-style
+# recipes: Megatron's own implementation choices, which change nothing here.
+MEGATRON_LM_RECIPE = """
+    --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
+    --attention-backend auto
+    --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --weight-decay 0.1 --adam-beta1 0.9
+    --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine
+    --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+    --split 949,50,1
+    --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10
+    --use-mcore-models --transformer-impl local --no-masked-softmax-fusion --attention-softmax-in-fp32
+    --overlap-grad-reduce --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+""".split()
+
+
+def test_megatron_lm_gpt3_recipe_as_pasted(corpus, tmp_path, capsys):
+    """Megatron-LM's own GPT-3 example trains as written: --attention-backend
+    auto picks the default attention, --recompute-granularity full recomputes
+    each block, and the flags that only choose Megatron's kernels are named in
+    one line as having no effect."""
+    train.main([*MEGATRON_LM_RECIPE, "--data-path", corpus, "--sample-tokens", "0",
+                "--metrics-file", str(tmp_path / "m.jsonl")])
+    out = capsys.readouterr().out
+    assert ("train.py: --use-mcore-models, --transformer-impl local, --no-masked-softmax-fusion, "
+            "--attention-softmax-in-fp32, --overlap-grad-reduce, --recompute-method uniform, "
+            "--recompute-num-layers 1: no effect here") in out
+    assert [m["iteration"] for m in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
+
+
+def test_exit_duration_in_mins_saves_and_stops_every_rank_at_one_step(corpus, tmp_path, capsys):
+    """Megatron's --exit-duration-in-mins, a job's time limit: once it has
+    passed (here at once), the run saves and stops after the step under way."""
+    ckpt = str(tmp_path / "ckpt")
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--save", ckpt, "--exit-duration-in-mins", "0"])
+    assert "exiting at iteration 1" in capsys.readouterr().out
+    assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "1"
+
+
 def test_a_split_without_validation_trains_without_evaluating(corpus, tmp_path, capsys):
     """--split 100,0,0 gives the validation set no documents: as in Megatron,
     no evaluation (said once), where asking it of an empty split is an error."""
