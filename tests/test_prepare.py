@@ -74,6 +74,16 @@ def test_jsonl_round_trip_and_json_key_names_the_output(tmp_path, enc):
     assert files_in(tmp_path) == ["c.jsonl", "web_body_document.bin", "web_body_document.idx"]
 
 
+def test_several_json_keys_write_a_dataset_for_each(tmp_path, enc):
+    """Megatron's --json-keys text title: PREFIX_text_document and
+    PREFIX_title_document, each the documents under its key."""
+    rows = [{"text": "the body", "title": "One"}, {"text": "another body", "title": "Two"}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    prepare.main(["--input", str(path), "--output-prefix", str(tmp_path / "web"), "--json-keys", "text", "title"])
+    for key in ("text", "title"):
+        assert decoded_documents(str(tmp_path / f"web_{key}_document"), enc) == [r[key] for r in rows]
+
+
 def test_directories_are_searched_recursively_in_sorted_order(tmp_path, enc):
     write(tmp_path / "corpus/b.txt", "from b")
     write(tmp_path / "corpus/a/deep.md", "# from a markdown file, kept verbatim")
