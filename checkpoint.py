@@ -41,6 +41,7 @@ import parallel
 from config import TrainConfig, lr_schedule, model_config
 from gpt import GPT, GPTConfig, pad_vocab_size
 from launch import UsageError, atomic_write, fsync_path
+from data import VOCAB_SIZE
 from prepare import gpt2_bpe_files
 
 # ----------------------------------------------------------------------------
@@ -1122,8 +1123,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
         model.load_full_state_dict(full)
     if fmt == "hf":
         to_hf(model, out)
-        if (state["config"] or {}).get("tokenizer_type") == "GPT2BPETokenizer":  # not NullTokenizer's ids
-            write_hf_tokenizer(out, model.config.max_position_embeddings)
+        write_hf_tokenizer(out, model.config, state["config"], checkpoint if is_hf_directory(checkpoint) else None)
         return
     state.update(model=model.full_state_dict(), optimizer=None, scaler=None,
                  model_config=dataclasses.asdict(model.config))
@@ -1172,21 +1172,33 @@ def to_hf(model: GPT, path: str) -> None:
     atomic_write(os.path.join(path, HF_CONFIG), lambda f: f.write(text.encode()))
 
 
-def write_hf_tokenizer(path: str, max_length: int) -> None:
-    """GPT-2's tokenizer beside an exported model, so that transformers'
+# A Hugging Face directory's tokenizer, in any of its forms
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                      "merges.txt", "tokenizer.model")
+
+
+def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source: str | None) -> None:
+    """The tokenizer beside an exported model, so that transformers'
     AutoTokenizer.from_pretrained(path), and pipeline("text-generation",
-    model=path), read text as the model was trained, with no download:
-    vocab.json and merges.txt (Megatron's gpt2-vocab.json and
-    gpt2-merges.txt) and tokenizer_config.json."""
-    vocab, merges = gpt2_bpe_files()
-    for source, name in ((vocab, "vocab.json"), (merges, "merges.txt")):
+    model=path), read text as the model was trained, with no download
+    (without one they build an empty tokenizer, silently): a Hugging Face
+    source's own files, else GPT-2's for a run on GPT-2's BPE (`run`: its
+    TrainConfig; None for weights that came from Hugging Face: a GPT-2-sized
+    vocabulary), as vocab.json and merges.txt (Megatron's gpt2-vocab.json
+    and gpt2-merges.txt) and tokenizer_config.json."""
+    files = {name: os.path.join(hf_source, name) for name in HF_TOKENIZER_FILES} if hf_source else {}
+    files = {name: source for name, source in files.items() if os.path.isfile(source)}
+    gpt2 = run["tokenizer_type"] == "GPT2BPETokenizer" if run else config.vocab_size == VOCAB_SIZE
+    if not files and gpt2:
+        files = dict(zip(("vocab.json", "merges.txt"), gpt2_bpe_files()))
+        eod = "<|endoftext|>"  # GPT-2's one special token: also its bos and unk
+        text = json.dumps({"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.max_position_embeddings,
+                           "bos_token": eod, "eos_token": eod, "unk_token": eod, "add_prefix_space": False})
+        atomic_write(os.path.join(path, "tokenizer_config.json"), lambda f: f.write(text.encode()))
+    for name, source in files.items():
         with open(source, "rb") as f:
             content = f.read()
         atomic_write(os.path.join(path, name), lambda f: f.write(content))
-    eod = "<|endoftext|>"  # GPT-2's one special token: also its bos and unk
-    text = json.dumps({"tokenizer_class": "GPT2Tokenizer", "model_max_length": max_length, "bos_token": eod,
-                       "eos_token": eod, "unk_token": eod, "add_prefix_space": False}, indent=2)
-    atomic_write(os.path.join(path, "tokenizer_config.json"), lambda f: f.write(text.encode()))
 
 
 def hf_architecture(config: GPTConfig) -> str:

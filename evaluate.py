@@ -37,7 +37,7 @@ import checkpoint
 import launch
 import parallel
 import config
-from config import EVALUATE, TrainConfig, autocast, model_config
+from config import EVALUATE, TrainConfig, autocast, eod_token, model_config
 from gpt import GPT, GPTConfig, generate
 from launch import UsageError
 from prepare import load_tokenizer
@@ -142,7 +142,15 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
 
 
 def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
-    """Model flags are optional; given, they must describe the checkpoint's model."""
+    """Model flags are optional; given, they must describe the checkpoint's
+    model. Its vocabulary must be the tokenizer's, which reads the text."""
+    if mcfg.vocab_size != eod_token(cfg) + 1:  # the end-of-document id is the last
+        tokenizer = f"NullTokenizer's {cfg.vocab_size} ids and its end of document" \
+            if cfg.tokenizer_type == "NullTokenizer" else "GPT-2's BPE"
+        raise UsageError(f"the model's vocabulary has {mcfg.vocab_size:,} tokens, {tokenizer} "
+                         f"{eod_token(cfg) + 1:,}: evaluate.py reads text with GPT-2's BPE, or NullTokenizer "
+                         f"(--tokenizer-type NullTokenizer --vocab-size N for N + 1); evaluate a model of "
+                         f"another tokenizer with that tokenizer")
     if mcfg.max_position_embeddings < cfg.seq_length and cfg.task != "GENERATE":  # samples slide
         raise UsageError(f"--seq-length {cfg.seq_length} exceeds the model's "
                          f"{mcfg.max_position_embeddings} positions: pass --seq-length "
@@ -343,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         raise UsageError(f"--task {cfg.task} needs --valid-data FILE (the task's data)")
     if bool(cfg.load) == bool(cfg.hf):
         raise UsageError("evaluate.py needs a model: --load CHECKPOINT (plain or DeepSpeed) "
-                         "or --hf DIRECTORY (Hugging Face GPT-2), one of them")
+                         "or --hf DIRECTORY (Hugging Face GPT-2 or Llama), one of them")
     if cfg.overlapping_eval is not None and not 0 < cfg.overlapping_eval <= cfg.seq_length:
         raise UsageError(f"--overlapping-eval {cfg.overlapping_eval} must lie in [1, --seq-length "
                          f"{cfg.seq_length}]")

@@ -681,6 +681,16 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
     assert tokenizer(prompt)["input_ids"] == load_tokenizer().encode_ordinary(prompt)
     generated = transformers.pipeline("text-generation", model=hf)(prompt, max_new_tokens=4, do_sample=False)
     assert generated[0]["generated_text"].startswith(prompt)
+    # Hugging Face in and out again: the tokenizer comes along, directly or through a plain export
+    resaved, plain, again = str(tmp_path / "resaved"), str(tmp_path / "plain"), str(tmp_path / "again")
+    transformers.AutoModelForCausalLM.from_pretrained(hf).save_pretrained(resaved)
+    tokenizer.save_pretrained(resaved)  # its own files: tokenizer.json among them
+    for source, out in ((resaved, again), (resaved, plain), (plain, again + "2")):
+        subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--export-from", source, "--export-to",
+                        out, "--export-format", "plain" if out == plain else "hf"], check=True, cwd=ROOT)
+    for out in (again, again + "2"):
+        assert transformers.AutoTokenizer.from_pretrained(out)(prompt)["input_ids"] == tokenizer(prompt)["input_ids"]
+    assert os.path.isfile(os.path.join(again, "tokenizer.json"))  # the source's own, copied
 
 
 # -----------------------------------------------------------------------------

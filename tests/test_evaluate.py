@@ -289,6 +289,23 @@ def test_a_hugging_face_llama_directory_is_a_model_too(files, tmp_path):
     assert results["ppl"] == pytest.approx(ppl, rel=1e-5)
 
 
+def test_a_model_of_another_vocabulary_is_one_line(files, tmp_path, capsys):
+    """A Llama of Llama 3's vocabulary read with GPT-2's BPE would score the
+    wrong ids (or generate ids the BPE cannot decode): one line instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    llama = str(tmp_path / "llama")
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 vocab_size=128256, max_position_embeddings=64)).save_pretrained(llama)
+    capsys.readouterr()  # transformers' progress bars
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main([*evaluate_flags(files, "wiki", tmp_path / "out.json"), "--hf", llama])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "evaluate.py: error: the model's vocabulary has 128,256 tokens, GPT-2's BPE 50,257: evaluate.py reads "
+        "text with GPT-2's BPE, or NullTokenizer (--tokenizer-type NullTokenizer --vocab-size N for N + 1); "
+        "evaluate a model of another tokenizer with that tokenizer"]
+
+
 def worker(out: str, *model: str) -> None:
     """On run_on_ranks' ranks, as torchrun starts them: every evaluation in
     one world (one launch per layout), which ends as evaluate.run ends it."""
