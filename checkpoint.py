@@ -1204,7 +1204,8 @@ def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source
 def hf_architecture(config: GPTConfig) -> str:
     """"gpt2" or "llama": the transformers architecture that computes exactly
     this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
-    or without GQA, biases or a tied head, is Llama). Otherwise a UsageError
+    or without GQA, biases or a tied head, is Llama; either with a head of
+    its own or not). Otherwise a UsageError
     naming the closer one and the flags that would make the model fit it."""
     c = config
     # what each architecture needs: (holds for this config?, the flag that makes it hold)
@@ -1212,7 +1213,6 @@ def hf_architecture(config: GPTConfig) -> str:
                        "--position-embedding-type learned_absolute"),
                       (c.normalization == "LayerNorm", "--normalization LayerNorm"),
                       (not c.swiglu, "no --swiglu"),
-                      (not c.untie_embeddings_and_output_weights, "no --untie-embeddings-and-output-weights"),
                       (not c.disable_bias_linear, "no --disable-bias-linear"),
                       (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")],
              "llama": [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
@@ -1240,11 +1240,12 @@ def _eos(config: GPTConfig) -> int:
 # attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
 # (in, out), the transpose of nn.Linear's (out, in).
 
+_VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
 _HF_RENAMES = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
                "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
 _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
     "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-    "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "add_cross_attention": False,
+    "reorder_and_upcast_attn": False, "add_cross_attention": False,
 }
 
 
@@ -1261,8 +1262,8 @@ def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) 
         num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
         ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
         vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        init_method_std=hf.get("initializer_range", 0.02)), **overrides})  # the caller's choices win
+        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)), **overrides})  # the caller's choices win
 
 
 def config_to_hf(config: GPTConfig) -> dict:
@@ -1274,7 +1275,8 @@ def config_to_hf(config: GPTConfig) -> dict:
         "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
         "attn_pdrop": config.attention_dropout, "layer_norm_epsilon": config.layernorm_epsilon,
         "initializer_range": config.init_method_std,
-        "bos_token_id": _eos(config), "eos_token_id": _eos(config), "tie_word_embeddings": True,
+        "bos_token_id": _eos(config), "eos_token_id": _eos(config),
+        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
     }
 
 
@@ -1283,16 +1285,18 @@ def _is_conv1d_weight(name: str) -> bool:
 
 
 def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte."""
+    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte (and an untied lm_head)."""
     out = {}
     for name, t in sd.items():
         name = name.removeprefix("transformer.")
         if name.endswith((".attn.bias", ".attn.masked_bias")):
             continue  # HF's causal-mask buffers, not weights
         if name == "lm_head.weight":
-            if not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
-                raise UsageError("HF lm_head.weight differs from wte.weight; only tied "
-                                 "embeddings are supported")
+            if config.untie_embeddings_and_output_weights:
+                out["output_layer.weight"] = _pad_vocab_rows(t, config)
+            elif not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
+                raise UsageError("HF lm_head.weight differs from wte.weight, but config.json ties them "
+                                 "(tie_word_embeddings)")
             continue
         if _is_conv1d_weight(name):
             t = t.t()
@@ -1309,11 +1313,14 @@ def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
 
 
 def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF GPT-2's (lm_head omitted: HF re-ties it to wte)."""
+    """Our state dict -> HF GPT-2's (a tied lm_head omitted: HF re-ties it to wte)."""
     out = {}
     for name, t in sd.items():
-        if name == "wte.weight":
+        if name in _VOCAB_TABLES:
             t = t[:config.vocab_size]  # drop the padding rows
+        if name == "output_layer.weight":
+            out["lm_head.weight"] = t.detach().cpu().contiguous().clone()
+            continue
         if name.startswith("blocks."):
             name = "h." + name[len("blocks."):]
         for old, new in _HF_RENAMES.items():
@@ -1332,8 +1339,6 @@ def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
 # model.norm, lm_head. Weights are nn.Linear's (out, in), like ours. Our fused
 # qkv is [q_proj | k_proj | v_proj] and our fc is [gate_proj | up_proj], and
 # both sides rotate half-dims apart (apply_rope), so nothing is permuted.
-
-_VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
 
 
 def _llama_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]]:

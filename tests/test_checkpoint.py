@@ -697,10 +697,10 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
 # Hugging Face GPT-2 in and out (checkpoint.from_hf, to_hf and their state dict maps)
 
 
-def random_hf_model():
+def random_hf_model(tied: bool = True):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(
-        vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=tied,
         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
@@ -710,9 +710,9 @@ def random_hf_model():
     return model
 
 
-@pytest.mark.parametrize("safe_serialization", [True, False])
-def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization):
-    theirs = random_hf_model()
+@pytest.mark.parametrize("safe_serialization, tied", [(True, True), (False, True), (True, False)])
+def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization, tied):
+    theirs = random_hf_model(tied)
     theirs.save_pretrained(tmp_path, safe_serialization=safe_serialization)
     ours = from_hf(str(tmp_path)).eval()
     assert ours.config.vocab_size == 100 and ours.config.padded_vocab_size == 128
@@ -724,9 +724,12 @@ def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization)
     assert torch.all(got[..., 100:] == 0)  # zero padding rows -> zero logits
 
 
-def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path):
+@pytest.mark.parametrize("untie", [False, True])
+def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path, untie):
+    """GPT-2's layout, its head tied to the embedding or (an option of
+    transformers' GPT-2 too) a head of its own."""
     transformers = pytest.importorskip("transformers")
-    ours = tiny_model(max_position_embeddings=32).eval()
+    ours = tiny_model(max_position_embeddings=32, untie_embeddings_and_output_weights=untie).eval()
     with torch.no_grad():  # non-trivial LayerNorms and biases
         for name, p in ours.named_parameters():
             if "ln" in name or name.endswith("bias"):
@@ -740,8 +743,9 @@ def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path):
     # And back again: export -> import is lossless, except that the padding
     # rows (dropped on export) come back as zeros.
     again = from_hf(str(tmp_path), padded_vocab_size=128).state_dict()
+    assert again.keys() == ours.state_dict().keys()
     for k, v in ours.state_dict().items():
-        if k == "wte.weight":
+        if k in ("wte.weight", "output_layer.weight"):
             again[k], v = again[k][:100], v[:100]
         torch.testing.assert_close(again[k], v, atol=0, rtol=0)
 
@@ -781,11 +785,11 @@ def test_a_hugging_face_model_exported_to_a_checkpoint_is_where_a_finetune_start
     assert all(torch.equal(after[k], want[k]) for k in want)
 
 
-def test_from_hf_rejects_untied_head_and_missing_dir(tmp_path):
+def test_from_hf_rejects_a_head_its_config_ties_and_a_missing_dir(tmp_path):
     config = tiny()
     hf = ours_to_hf(GPT(config).state_dict(), config)
     hf["lm_head.weight"] = torch.randn(100, 64)
-    with pytest.raises(ValueError, match="tied"):
+    with pytest.raises(ValueError, match="differs from wte.weight, but config.json ties them"):
         hf_to_ours(hf, config)
     with pytest.raises(UsageError, match="config.json"):
         from_hf(str(tmp_path / "nope"))
@@ -860,7 +864,6 @@ def test_from_hf_reads_a_llama_checkpoint_that_transformers_wrote(tmp_path):
     (dict(position_embedding_type="rope"), "--position-embedding-type learned_absolute"),
     (dict(LLAMA_OPTIONS, normalization="LayerNorm"), "--normalization RMSNorm"),
     (dict(LLAMA_OPTIONS, rotary_percent=0.5), "--rotary-percent 1.0"),
-    (dict(untie_embeddings_and_output_weights=True), "no --untie-embeddings-and-output-weights"),
     (dict(num_query_groups=2), "no --group-query-attention"),
 ])
 def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(tmp_path, options, flag):
