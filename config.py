@@ -241,8 +241,6 @@ def recompute_granularity(name: str) -> bool:
 ALIASES += [
     (("--attention-backend",), dict(dest="attention_impl", type=attention_backend)),
     (("--recompute-granularity",), dict(dest="recompute_activations", type=recompute_granularity)),
-    (("--use-rotary-position-embeddings",),  # Megatron-DeepSpeed's
-     dict(dest="position_embedding_type", action="store_const", const="rope")),
 ]
 # Megatron-LM switches that choose among its own implementations of the same
 # math (kernel fusions, Transformer Engine, how its DDP overlaps, its timers):
@@ -252,7 +250,8 @@ NO_EFFECT_SWITCHES = ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-
                       "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
                       "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
                       "--overlap-grad-reduce", "--overlap-param-gather", "--no-async-tensor-model-parallel-allreduce",
-                      "--log-throughput", "--exit-signal-handler")
+                      "--log-throughput", "--exit-signal-handler", "--no-query-key-layer-scaling",
+                      "--apply-query-key-layer-scaling")
 NO_EFFECT_VALUES = ("--transformer-impl", "--timing-log-level", "--recompute-method", "--recompute-num-layers")
 
 
@@ -270,7 +269,7 @@ class NoEffect(argparse.Action):
 TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
                         "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
                         "--log-world-size-to-tensorboard", "--log-learning-rate-to-tensorboard",
-                        "--log-loss-scale-to-tensorboard")
+                        "--log-loss-scale-to-tensorboard", "--log-optimizer-states-to-tensorboard")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -308,8 +307,9 @@ def build_parser(tool: str, usage: str) -> argparse.ArgumentParser:
     for name in NO_EFFECT_SWITCHES + NO_EFFECT_VALUES:
         p.add_argument(name, action=NoEffect, nargs=0 if name in NO_EFFECT_SWITCHES else None,
                        dest="no_effect", help=argparse.SUPPRESS)
-    for refused in ("--use-distributed-optimizer", "--no-position-embedding"):  # checked in parse_args
-        p.add_argument(refused, action="store_true", help=argparse.SUPPRESS)
+    for checked in ("--use-distributed-optimizer", *LAYOUT_SWITCHES):  # take_field_less_flags
+        p.add_argument(checked, action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--num-key-value-heads", type=int, help=argparse.SUPPRESS)  # Megatron-DeepSpeed's GQA
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return p
 
@@ -318,7 +318,7 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     """Megatron-style flags (and a --deepspeed_config JSON) -> a checked
     TrainConfig, for train.py or evaluate.py (`tool`)."""
     given = vars(build_parser(tool, usage).parse_args(argv))
-    no_position_embedding = take_field_less_flags(given, tool)
+    switches = take_field_less_flags(given, tool)
     tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig)}
     others = sorted(name for name in given if tool not in tools[name])
     if others and tool == TRAIN:
@@ -332,9 +332,7 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     if cfg.deepspeed_config:
         cfg = fill_from_deepspeed_json(cfg, set(given))
     check_common(cfg)
-    if no_position_embedding and model_config(cfg).position_embedding_type != "rope":
-        raise UsageError("--no-position-embedding: a model without positions is not built here; with "
-                         "--position-embedding-type rope it has no learned positions (and the flag no effect)")
+    check_layout_switches(cfg, switches)
     if tool == TRAIN:
         check_training(cfg, set(given))
     elif cfg.pipeline_model_parallel_size != 1:
@@ -344,12 +342,17 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     return cfg
 
 
-def take_field_less_flags(given: dict, tool: str) -> bool:
+# Megatron(-DeepSpeed) switches that hold only in some models or layouts
+LAYOUT_SWITCHES = ("--no-position-embedding", "--use-rotary-position-embeddings", "--no-pipeline-parallel")
+
+
+def take_field_less_flags(given: dict, tool: str) -> set[str]:
     """Take out of `given` the flags that fill no TrainConfig field: the
     deepspeed launcher's --local_rank (we read torchrun's LOCAL_RANK), the
-    TensorBoard switches, the no-effect ones (named in one line) and the
-    refused --use-distributed-optimizer. Returns --no-position-embedding,
-    which parse_args checks against the model."""
+    TensorBoard switches, the no-effect ones (named in one line), the refused
+    --use-distributed-optimizer, and LAYOUT_SWITCHES, returned for
+    check_layout_switches. Megatron-DeepSpeed's --num-key-value-heads N is
+    grouped-query attention, and its rotary switch is rope."""
     for launcher_only in ("local_rank", "tensorboard_switch"):
         given.pop(launcher_only, None)
     if given.pop("use_distributed_optimizer", False):
@@ -358,7 +361,26 @@ def take_field_less_flags(given: dict, tool: str) -> bool:
     if no_effect := given.pop("no_effect", None):
         say(f"{tool}: {', '.join(no_effect)}: no effect here (how Megatron computes the same model: its "
             f"fusions, Transformer Engine, overlap, timers, which blocks recompute)")
-    return given.pop("no_position_embedding", False)
+    if "num_key_value_heads" in given:
+        given.update(group_query_attention=True, num_query_groups=given.pop("num_key_value_heads"))
+    switches = {name for name in LAYOUT_SWITCHES if given.pop(name[2:].replace("-", "_"), False)}
+    if "--use-rotary-position-embeddings" in switches:
+        if "--no-position-embedding" not in switches:  # Megatron-DeepSpeed keeps learned positions too
+            raise UsageError("--use-rotary-position-embeddings: Megatron-DeepSpeed adds RoPE to learned "
+                             "positions unless --no-position-embedding; here rope has no learned positions: "
+                             "add --no-position-embedding (the same model) or drop the flag")
+        given["position_embedding_type"] = "rope"
+    return switches
+
+
+def check_layout_switches(cfg: TrainConfig, switches: set[str]) -> None:
+    """LAYOUT_SWITCHES given where they hold (else one line), and change nothing more."""
+    if "--no-position-embedding" in switches and model_config(cfg).position_embedding_type != "rope":
+        raise UsageError("--no-position-embedding: a model without positions is not built here; with "
+                         "--position-embedding-type rope it has no learned positions (and the flag no effect)")
+    if "--no-pipeline-parallel" in switches and cfg.pipeline_model_parallel_size != 1:
+        raise UsageError(f"--no-pipeline-parallel with --pipeline-model-parallel-size "
+                         f"{cfg.pipeline_model_parallel_size}: give one of them")
 
 
 def say(line: str) -> None:

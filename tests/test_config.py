@@ -187,6 +187,9 @@ def test_null_tokenizer_takes_the_vocabulary_from_vocab_size_and_ends_documents_
     (["--no-position-embedding"], "a model without positions is not built here"),
     (["--attention-backend", "cudnn"], "use one of auto, flash, fused, unfused, local"),
     (["--recompute-granularity", "none"], "use full or selective"),
+    # Megatron-DeepSpeed's rotary switch keeps learned positions unless told: another model
+    (["--use-rotary-position-embeddings"], "adds RoPE to learned positions unless --no-position-embedding"),
+    (["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"], "give one of them"),
 ])
 def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     with pytest.raises(ValueError, match=message):
@@ -199,6 +202,8 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     (["--attention-backend", "unfused"], "attention_impl", "torch"),
     (["--recompute-granularity", "selective"], "recompute_activations", True),
     (["--use-rotary-position-embeddings", "--no-position-embedding"], "position_embedding_type", "rope"),
+    (["--num-key-value-heads", "2"], "num_query_groups", 2),                  # Megatron-DeepSpeed's GQA
+    (["--no-pipeline-parallel"], "pipeline_model_parallel_size", 1),
     (["--override-lr-scheduler"], "override_opt_param_scheduler", True),
     (["--use-checkpoint-lr-scheduler"], "use_checkpoint_opt_param_scheduler", True),
 ])
