@@ -104,6 +104,10 @@ class TrainConfig:
                                                   "--lr-warmup-iters/-samples")
     lr_decay_iters: int | None = flag(None, "decay steps (default: --train-iters)")
     lr_decay_samples: int | None = flag(None, "decay samples (default: --train-samples)")
+    # Megatron-DeepSpeed's token counts, with --train-samples: a sample is --seq-length tokens
+    train_tokens: int | None = flag(None, "also stop once this many tokens are trained (with --train-samples)")
+    lr_warmup_tokens: int | None = flag(None, "linear warmup over this many tokens (with --train-samples)")
+    lr_decay_tokens: int | None = flag(None, "decay over this many tokens (with --train-samples)")
     lr_decay_style: str = flag("cosine", "cosine | linear | constant")
     weight_decay: float = flag(0.1, "AdamW decay of matrices (not biases or norms)")
     adam_beta1: float = flag(0.9, "AdamW beta1")
@@ -411,8 +415,10 @@ def lr_schedule(cfg: TrainConfig) -> tuple:
     --train-samples in samples."""
     if cfg.train_samples is None:
         warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
-    else:
+    else:  # Megatron-DeepSpeed's token counts are samples of --seq-length tokens (fractions of one too)
         warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
+        warmup = warmup if cfg.lr_warmup_tokens is None else cfg.lr_warmup_tokens / cfg.seq_length
+        decay = decay if cfg.lr_decay_tokens is None else cfg.lr_decay_tokens / cfg.seq_length
     if cfg.lr_warmup_fraction is not None:
         warmup = cfg.lr_warmup_fraction * decay
     return cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup, decay
@@ -484,7 +490,7 @@ LEAST_COMMON = {"micro_batch_size": 1, "seq_length": 1, "log_interval": 1}
 LEAST_TRAINING = {"train_iters": 1, "train_samples": 1, "global_batch_size": 1, "eval_interval": 0,
                   "eval_iters": 0, "save_interval": 0, "exit_interval": 0, "lr_warmup_iters": 0,
                   "lr_warmup_samples": 0, "lr_decay_iters": 1, "lr_decay_samples": 1, "sample_tokens": 0,
-                  "num_workers": 0}
+                  "num_workers": 0, "train_tokens": 1, "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
 
 
 def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:
@@ -586,6 +592,14 @@ def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
     for flag, instead in wrong.items():
         raise UsageError(f"--{flag.replace('_', '-')} does not go with {mode}: use "
                          f"--{instead.replace('_', '-')}")
+    tokens = [f"--{f.replace('_', '-')}" for f in ("train_tokens", "lr_warmup_tokens", "lr_decay_tokens") if f in given]
+    if tokens and cfg.train_samples is None:
+        raise UsageError(f"{tokens[0]}: Megatron-DeepSpeed's token counts go with --train-samples (a sample is "
+                         f"--seq-length tokens), as in its scripts: give --train-samples")
+    for a, b in (("lr_warmup_tokens", "lr_warmup_samples"), ("lr_decay_tokens", "lr_decay_samples"),
+                 ("lr_warmup_tokens", "lr_warmup_fraction")):
+        if {a, b} <= given:
+            raise UsageError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')}: give one")
     if cfg.lr_warmup_fraction is not None and {"lr_warmup_iters", "lr_warmup_samples"} & given:
         raise UsageError("--lr-warmup-fraction replaces --lr-warmup-iters/--lr-warmup-samples: give one")
     if cfg.lr_warmup_fraction is not None and not 0 <= cfg.lr_warmup_fraction <= 1:

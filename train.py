@@ -97,11 +97,13 @@ def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:
 
 
 def with_run_length(cfg: TrainConfig, dp_size: int) -> TrainConfig:
-    """With --train-samples, --train-iters becomes the number of whole steps that fit."""
+    """With --train-samples, --train-iters becomes the number of whole steps that fit,
+    and with --train-tokens too, the steps that start below that many tokens (Megatron-DeepSpeed's)."""
     if cfg.train_samples is None:
         return cfg
     iterations, consumed = 0, 0
-    while consumed + (batch := global_batch_at(consumed, cfg, dp_size)) <= cfg.train_samples:
+    while consumed + (batch := global_batch_at(consumed, cfg, dp_size)) <= cfg.train_samples and \
+            (cfg.train_tokens is None or consumed * cfg.seq_length < cfg.train_tokens):
         consumed += batch
         iterations += 1
     if iterations == 0:

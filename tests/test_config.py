@@ -7,6 +7,7 @@ and the --compile flags. No process is launched: each test parses a command
 line and reads the config back.
 """
 import json
+import math
 import re
 
 import pytest
@@ -190,6 +191,8 @@ def test_null_tokenizer_takes_the_vocabulary_from_vocab_size_and_ends_documents_
     # Megatron-DeepSpeed's rotary switch keeps learned positions unless told: another model
     (["--use-rotary-position-embeddings"], "adds RoPE to learned positions unless --no-position-embedding"),
     (["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"], "give one of them"),
+    (["--lr-decay-tokens", "1000"], "token counts go with --train-samples"),
+    (["--train-samples", "100", "--lr-warmup-tokens", "10", "--lr-warmup-fraction", "0.1"], "give one"),
 ])
 def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     with pytest.raises(ValueError, match=message):
@@ -374,6 +377,27 @@ def test_deepspeeds_older_bfloat16_section_means_bf16(tmp_path):
     both = write_json(tmp_path, {"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})
     with pytest.raises(ValueError, match='"bf16" and "bfloat16" .* disagree'):
         parse("--deepspeed", "--deepspeed_config", both)
+
+
+def test_megatron_deepspeed_token_counts_are_samples_of_seq_length_tokens():
+    """--lr-warmup-tokens, --lr-decay-tokens and --train-tokens, as
+    Megatron-DeepSpeed's GPT-3 scripts give them with --train-samples: the
+    learning rate its scheduler computes from the tokens consumed (its
+    get_lr, token-wise, transcribed below), and a stop at the first step that
+    starts with --train-tokens trained."""
+    def megatron_deepspeed_lr(tokens, peak, floor, warmup, decay):
+        if warmup > 0 and tokens <= warmup:
+            return peak * tokens / warmup
+        if tokens > decay:
+            return floor
+        return floor + 0.5 * (math.cos(math.pi * (tokens - warmup) / (decay - warmup)) + 1.0) * (peak - floor)
+    cfg = parse("--seq-length", "32", "--global-batch-size", "2", "--train-samples", "1000", "--lr", "1e-3",
+                "--min-lr", "1e-4", "--lr-warmup-tokens", "100", "--lr-decay-tokens", "1000", "--train-tokens", "700")
+    schedule = config_lib.lr_schedule(cfg)
+    for samples in range(0, 40, 2):  # 64 tokens a step: warmup and decay end within steps
+        assert train.learning_rate(samples, schedule) == pytest.approx(
+            megatron_deepspeed_lr(samples * 32, 1e-3, 1e-4, 100, 1000), abs=1e-12)
+    assert train.with_run_length(cfg, dp_size=1).train_iters == 11  # 10 steps reach 640 tokens, the 11th 704
 
 
 @pytest.mark.parametrize("content", [{"checkpoint": {"writer": {"decoupled": True}}},
