@@ -118,6 +118,8 @@ class TrainConfig:
     bf16: bool = flag(False, "bf16 autocast", BOTH)
     fp16: bool = flag(False, "fp16 autocast with dynamic loss scaling", BOTH)
     initial_loss_scale: float = flag(2.0 ** 16, "first loss scale under --fp16")
+    hysteresis: int | None = flag(None, "--fp16: the non-finite steps since the scale last grew that halve it "
+                                        "(default 1; under --deepspeed DeepSpeed's, 2)")
     compile: bool = flag(False, "torch.compile the model (the whole step: no graph break at any layout)")
     compile_backend: str = flag("inductor", "torch.compile's backend: inductor, or aot_eager (the same graphs, "
                                             "run op by op: tells a compiler difference from a tracing one)")
@@ -405,6 +407,7 @@ DEEPSPEED_JSON_FLAGS = {
     ("bf16", "enabled"): ("bf16", bool),
     ("fp16", "enabled"): ("fp16", bool),
     ("fp16", "initial_scale_power"): ("initial_loss_scale", lambda p: 2.0 ** p),
+    ("fp16", "hysteresis"): ("hysteresis", int),
     ("zero_optimization", "stage"): ("zero_stage", int),
 }
 
@@ -490,7 +493,7 @@ LEAST_COMMON = {"micro_batch_size": 1, "seq_length": 1, "log_interval": 1}
 LEAST_TRAINING = {"train_iters": 1, "train_samples": 1, "global_batch_size": 1, "eval_interval": 0,
                   "eval_iters": 0, "save_interval": 0, "exit_interval": 0, "lr_warmup_iters": 0,
                   "lr_warmup_samples": 0, "lr_decay_iters": 1, "lr_decay_samples": 1, "sample_tokens": 0,
-                  "num_workers": 0, "train_tokens": 1, "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
+                  "num_workers": 0, "hysteresis": 1, "train_tokens": 1, "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
 
 
 def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:

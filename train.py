@@ -210,15 +210,19 @@ def train_step(trainer, batches: list, lr: float):
 
 
 class LossScaler:
-    """Dynamic loss scaling for --fp16 (Micikevicius et al., 2018), on the device. On a
-    non-finite step the scale halves; after `growth_interval` finite steps it doubles.
-    Unlike GradScaler, the caller decides what is non-finite (the whole model's grad
-    norm, the same on every rank); the state dict has GradScaler's keys."""
+    """Dynamic loss scaling for --fp16 (Micikevicius et al., 2018), on the device. The
+    scale halves at the `hysteresis`-th non-finite step since it last grew (Megatron's
+    count: a finite step between two does not reset it; 1: at every one); after
+    `growth_interval` finite steps in a row it doubles. Unlike GradScaler, the caller
+    decides what is non-finite (the whole model's grad norm, the same on every rank);
+    the state dict has GradScaler's keys, and the hysteresis count."""
 
-    def __init__(self, init_scale: float, device: torch.device, growth_interval: int = 2000):
+    def __init__(self, init_scale: float, device: torch.device, growth_interval: int = 2000,
+                 hysteresis: int = 1):
         self.scale_ = torch.full((), init_scale, dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
-        self.growth_interval = growth_interval
+        self.hysteresis_tracker = torch.full((), hysteresis, dtype=torch.int32, device=device)
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_
@@ -227,18 +231,23 @@ class LossScaler:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], self.scale_.reciprocal())
 
     def update(self, found_inf: torch.Tensor) -> None:
-        grow = (self.growth_tracker + 1 >= self.growth_interval) & (found_inf == 0)
-        factor = torch.where(found_inf > 0, 0.5, torch.where(grow, 2.0, 1.0))
-        self.scale_.mul_(factor)
-        self.growth_tracker.copy_(torch.where((found_inf > 0) | grow, 0, self.growth_tracker + 1))
+        inf = found_inf > 0
+        grow = (self.growth_tracker + 1 >= self.growth_interval) & ~inf
+        left = torch.where(inf, self.hysteresis_tracker - 1, torch.where(grow, self.hysteresis,
+                                                                         self.hysteresis_tracker))
+        self.scale_.mul_(torch.where(inf & (left <= 0), 0.5, torch.where(grow, 2.0, 1.0)))
+        self.growth_tracker.copy_(torch.where(inf | grow, 0, self.growth_tracker + 1))
+        self.hysteresis_tracker.copy_(left)
 
     def state_dict(self) -> dict:  # a host read: at checkpoints only
         return {"scale": self.scale_.item(), "_growth_tracker": int(self.growth_tracker.item()),
-                "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": self.growth_interval}
+                "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": self.growth_interval,
+                "hysteresis_tracker": int(self.hysteresis_tracker.item())}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale_.fill_(state["scale"])
         self.growth_tracker.fill_(state["_growth_tracker"])
+        self.hysteresis_tracker.fill_(state.get("hysteresis_tracker", self.hysteresis))
 
 
 class PlainTraining:
@@ -253,7 +262,8 @@ class PlainTraining:
         self.cfg, self.device, self.log = cfg, env.device, log
         self.raw = pipeline.build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
-        self.scaler = LossScaler(cfg.initial_loss_scale, env.device) if cfg.fp16 else None
+        self.scaler = LossScaler(cfg.initial_loss_scale, env.device, hysteresis=cfg.hysteresis or 1) \
+            if cfg.fp16 else None
         # where the run starts: (iteration, consumed samples, learning-rate schedule)
         self.iteration, self.consumed, self.schedule = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
                                                                                   self.scaler, log)

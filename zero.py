@@ -95,7 +95,8 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
         "train_batch_size": cfg.micro_batch_size * dp_size * accum,
         "gradient_clipping": cfg.clip_grad,
         "bf16": {"enabled": cfg.bf16},
-        "fp16": {"enabled": cfg.fp16, "initial_scale_power": int(math.log2(cfg.initial_loss_scale))},
+        "fp16": {"enabled": cfg.fp16, "initial_scale_power": int(math.log2(cfg.initial_loss_scale)),
+                 **({} if cfg.hysteresis is None else {"hysteresis": cfg.hysteresis})},
     }
     user = {}
     if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)

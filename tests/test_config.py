@@ -207,6 +207,7 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     (["--use-rotary-position-embeddings", "--no-position-embedding"], "position_embedding_type", "rope"),
     (["--num-key-value-heads", "2"], "num_query_groups", 2),                  # Megatron-DeepSpeed's GQA
     (["--no-pipeline-parallel"], "pipeline_model_parallel_size", 1),
+    (["--hysteresis", "2"], "hysteresis", 2),
     (["--override-lr-scheduler"], "override_opt_param_scheduler", True),
     (["--use-checkpoint-lr-scheduler"], "use_checkpoint_opt_param_scheduler", True),
 ])

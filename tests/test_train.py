@@ -336,6 +336,29 @@ class HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_the_loss_scale_follows_megatrons_dynamic_grad_scaler(hysteresis):
+    """--hysteresis N: the scale halves at the N-th non-finite step since it
+    last grew, a finite step between two not resetting the count, and
+    doubles after growth_interval finite steps in a row, step for step as
+    Megatron's DynamicGradScaler.update (transcribed below, min_scale aside)."""
+    def megatron_update(state, found_inf):
+        if found_inf:
+            state["growth"], state["hysteresis"] = 0, state["hysteresis"] - 1
+            if state["hysteresis"] <= 0:
+                state["scale"] *= 0.5
+        else:
+            state["growth"] += 1
+            if state["growth"] == 3:
+                state.update(growth=0, hysteresis=hysteresis, scale=state["scale"] * 2.0)
+    ours, theirs = train.LossScaler(2.0 ** 10, torch.device("cpu"), growth_interval=3, hysteresis=hysteresis), \
+        {"scale": 2.0 ** 10, "growth": 0, "hysteresis": hysteresis}
+    for found_inf in [1, 0, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1]:
+        ours.update(torch.tensor(float(found_inf)))
+        megatron_update(theirs, found_inf)
+        assert ours.state_dict()["scale"] == theirs["scale"]
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_a_training_step_never_reads_a_tensor_on_the_host(precision, monkeypatch):
     """train_step, including a skipped step (an inf gradient) and the fp16
