@@ -401,6 +401,33 @@ def test_megatron_deepspeed_token_counts_are_samples_of_seq_length_tokens():
     assert train.with_run_length(cfg, dp_size=1).train_iters == 11  # 10 steps reach 640 tokens, the 11th 704
 
 
+def test_megatron_deepspeed_gpt3_script_flags_as_pasted(tmp_path, capsys):
+    """The flags and ds_config.json of Megatron-DeepSpeed's
+    examples_deepspeed/rebase/ds_pretrain_gpt_1.3B.sh, at tiny sizes (its
+    token counts over 40 samples of 32 tokens), parse to what they mean."""
+    ds_config = write_json(tmp_path, {
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
+        "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "prescale_gradients": False,
+        "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1,
+                 "initial_scale_power": 11}, "wall_clock_breakdown": False})
+    cfg = config_lib.parse_args(f"""
+        --override-opt_param-scheduler --adam-beta1 0.9 --adam-beta2 0.95 --tensor-model-parallel-size 1
+        --init-method-std 0.013 --lr-decay-tokens 1280 --lr-warmup-tokens 320 --micro-batch-size 2
+        --exit-duration-in-mins 30000000 --global-batch-size 4 --num-layers 2 --hidden-size 64
+        --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --train-tokens 1280
+        --train-samples 40 --lr 2.0e-4 --min-lr 1.0e-6 --lr-decay-style cosine --split 949,50,1 --log-interval 1
+        --eval-interval 5 --eval-iters 2 --save-interval 5 --weight-decay 0.1 --clip-grad 1.0 --hysteresis 2
+        --num-workers 0 --fp16 --seed 1234 --load ckpt --save ckpt --no-async-tensor-model-parallel-allreduce
+        --tensorboard-queue-size 1 --log-timers-to-tensorboard --log-batch-size-to-tensorboard
+        --log-validation-ppl-to-tensorboard --tensorboard-dir tb --checkpoint-activations
+        --log-optimizer-states-to-tensorboard --data-impl mmap --deepspeed --deepspeed_config {ds_config}
+        --zero-stage 1 --pipeline-model-parallel-size 1 --no-pipeline-parallel
+        --deepspeed-activation-checkpointing""".split())
+    assert config_lib.lr_schedule(cfg) == (2e-4, 1e-6, "cosine", 10.0, 40.0)  # samples of 32 tokens
+    assert (cfg.hysteresis, cfg.initial_loss_scale, cfg.zero_stage, cfg.recompute_activations) == (2, 2048, 1, True)
+    assert "--no-async-tensor-model-parallel-allreduce: no effect here" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("content", [{"checkpoint": {"writer": {"decoupled": True}}},
                                      {"datastates": {"enabled": True}}])
 def test_an_asynchronous_checkpoint_writer_is_refused(tmp_path, content):
