@@ -598,8 +598,9 @@ def schedule_to_follow(cfg: TrainConfig, saved: dict | None, path: str, log) -> 
     this run's goes on by default, with one line that says what changed (the
     lr may jump), and silently under --override-opt_param-scheduler."""
     mine = lr_schedule(cfg)
-    try:
-        theirs = lr_schedule(types.SimpleNamespace(**saved)) if saved else None
+    try:  # a flag newer than the checkpoint has its default there
+        theirs = lr_schedule(types.SimpleNamespace(**{**dataclasses.asdict(TrainConfig()), **saved})) \
+            if saved else None
     except (AttributeError, TypeError):  # a config of another version
         theirs = None
     names = ("--lr", "--min-lr", "decay style", "warmup end", "decay end")

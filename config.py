@@ -271,7 +271,7 @@ class NoEffect(argparse.Action):
 
 # Megatron's TensorBoard switches: what they ask for is always logged here
 # (batch size, learning rate, validation loss and perplexity), or not at all
-# (timers, memory, world size, the loss scale): README's table says which.
+# (timers, memory, world size, the loss scale, optimizer states): README's table says which.
 TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
                         "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
                         "--log-world-size-to-tensorboard", "--log-learning-rate-to-tensorboard",

@@ -622,6 +622,22 @@ def test_megatron_flags_choose_the_checkpoints_schedule_or_this_runs(corpus, two
         f"iterations, this run's samples: give --train-iters, as the checkpoint's run did"]
 
 
+def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared():
+    """A checkpoint's recorded flags lack those added since (here the token
+    counts of a sample-based run): they take their defaults, so its schedule
+    is still read, compared and, when asked, followed."""
+    import config
+    cfg = config.parse_args(["--preset", "tiny", "--train-samples", "64", "--lr", "1e-3"])
+    saved = {k: v for k, v in dataclasses.asdict(cfg).items() if not k.endswith("_tokens")}
+    saved["lr"] = 2e-3
+    said = []
+    assert checkpoint.schedule_to_follow(cfg, saved, "ckpt", said.append) == config.lr_schedule(cfg)
+    assert said == ["the learning-rate schedule is not the checkpoint's, this run's goes on: --lr 0.001 "
+                    "(checkpoint: 0.002)"]
+    follow = dataclasses.replace(cfg, use_checkpoint_opt_param_scheduler=True)
+    assert checkpoint.schedule_to_follow(follow, saved, "ckpt", said.append)[0] == 2e-3
+
+
 @pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "an iteration's directory",
                                    "a Hugging Face directory"])
 def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_saves, tmp_path, capsys, given):
