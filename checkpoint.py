@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 import parallel
 from config import TrainConfig, lr_schedule, model_config
+from data import VOCAB_SIZE
 from gpt import GPT, GPTConfig, pad_vocab_size
 from launch import UsageError, atomic_write, fsync_path
-from data import VOCAB_SIZE
 from prepare import gpt2_bpe_files
 
 # ----------------------------------------------------------------------------
@@ -613,12 +613,12 @@ def schedule_to_follow(cfg: TrainConfig, saved: dict | None, path: str, log) -> 
         if theirs is None:
             raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path} records no learning-rate "
                              f"schedule; drop the flag and give the schedule's flags")
-        units = {False: ("iterations", "--train-iters"), True: ("samples", "--train-samples")}
-        (their_unit, their_flag), (my_unit, _) = units[saved["train_samples"] is not None], \
-            units[cfg.train_samples is not None]
-        if their_unit != my_unit:
+        theirs_in_samples = saved["train_samples"] is not None
+        if theirs_in_samples != (cfg.train_samples is not None):
+            their_unit, my_unit = ("samples", "iterations") if theirs_in_samples else ("iterations", "samples")
+            flag = "--train-samples" if theirs_in_samples else "--train-iters"
             raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path}'s schedule counts {their_unit}, "
-                             f"this run's {my_unit}: give {their_flag}, as the checkpoint's run did")
+                             f"this run's {my_unit}: give {flag}, as the checkpoint's run did")
         if changed := differences(theirs, mine, "this run"):
             log(f"the checkpoint's learning-rate schedule goes on: {changed}")
         return theirs
@@ -1112,7 +1112,8 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.layout.tp_size > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
-    if is_hf_directory(checkpoint):
+    hf_source = checkpoint if is_hf_directory(checkpoint) else None
+    if hf_source:
         model, state = from_hf(checkpoint), {"iteration": 0, "consumed_samples": 0, "rng": None, "config": None}
     else:
         found = verified_checkpoint(checkpoint, print)
@@ -1124,7 +1125,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
         model.load_full_state_dict(full)
     if fmt == "hf":
         to_hf(model, out)
-        write_hf_tokenizer(out, model.config, state["config"], checkpoint if is_hf_directory(checkpoint) else None)
+        write_hf_tokenizer(out, model.config, state["config"], hf_source)
         return
     state.update(model=model.full_state_dict(), optimizer=None, scaler=None,
                  model_config=dataclasses.asdict(model.config))

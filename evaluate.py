@@ -144,11 +144,12 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
 def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
     """Model flags are optional; given, they must describe the checkpoint's
     model. Its vocabulary must be the tokenizer's, which reads the text."""
-    if mcfg.vocab_size != eod_token(cfg) + 1:  # the end-of-document id is the last
+    tokens = eod_token(cfg) + 1  # the end-of-document id is the last
+    if mcfg.vocab_size != tokens:
         tokenizer = f"NullTokenizer's {cfg.vocab_size} ids and its end of document" \
             if cfg.tokenizer_type == "NullTokenizer" else "GPT-2's BPE"
         raise UsageError(f"the model's vocabulary has {mcfg.vocab_size:,} tokens, {tokenizer} "
-                         f"{eod_token(cfg) + 1:,}: evaluate.py reads text with GPT-2's BPE, or NullTokenizer "
+                         f"{tokens:,}: evaluate.py reads text with GPT-2's BPE, or NullTokenizer "
                          f"(--tokenizer-type NullTokenizer --vocab-size N for N + 1); evaluate a model of "
                          f"another tokenizer with that tokenizer")
     if mcfg.max_position_embeddings < cfg.seq_length and cfg.task != "GENERATE":  # samples slide

@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> PrepareStats | None:
         if argv[:1] == ["merge"]:
             args = build_merge_parser().parse_args(argv[1:])
             one_dir = len(args.input) == 1 and os.path.isdir(args.input[0])
-            runs = [lambda: merge(prefixes_in(args.input[0]) if one_dir else args.input, args.output_prefix)]
+            results = [merge(prefixes_in(args.input[0]) if one_dir else args.input, args.output_prefix)]
         else:
             args = build_parser().parse_args(argv)
             if args.print_bpe_files:
@@ -539,15 +539,14 @@ def main(argv: list[str] | None = None) -> PrepareStats | None:
                 return None
             check_gpt2_bpe(args.tokenizer_type, args.vocab_file, args.merge_file)
             # Megatron's --json-keys: a dataset for each key (here the inputs are read once per key)
-            runs = [functools.partial(prepare, args.input, args.output_prefix, key, args.workers, args.append_eod,
-                                      args.text_split, args.tokenizer_type, args.log_interval)
-                    for key in args.json_keys or [None]]
-        for run in runs:
-            stats = run()
-            print(stats.summary())
+            results = [prepare(args.input, args.output_prefix, key, args.workers, args.append_eod,
+                               args.text_split, args.tokenizer_type, args.log_interval)
+                       for key in args.json_keys or [None]]
     except (ValueError, OSError) as e:
         sys.exit(f"prepare.py: error: {e}")
-    return stats
+    for stats in results:
+        print(stats.summary())
+    return results[-1]
 
 
 if __name__ == "__main__":
