@@ -215,6 +215,13 @@ def test_megatron_lm_and_megatron_deepspeed_names_of_our_flags(flags, field, val
     assert getattr(parse(*flags), field) == value
 
 
+def test_hysteresis_reaches_deepspeeds_fp16_section_only_when_given():
+    """--hysteresis N is DeepSpeed's fp16.hysteresis; left out, DeepSpeed keeps its own default."""
+    given = zero.deepspeed_config(parse("--deepspeed", "--fp16", "--hysteresis", "3"), dp_size=1, accum=1)
+    left_out = zero.deepspeed_config(parse("--deepspeed", "--fp16"), dp_size=1, accum=1)
+    assert given["fp16"]["hysteresis"] == 3 and "hysteresis" not in left_out["fp16"]
+
+
 def test_nccl_on_a_machine_without_gpus_says_gloo():
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")

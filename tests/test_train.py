@@ -187,7 +187,7 @@ def test_megatron_lm_gpt3_recipe_as_pasted(corpus, tmp_path, capsys):
     assert [m["iteration"] for m in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
 
 
-def test_exit_duration_in_mins_saves_and_stops_every_rank_at_one_step(corpus, tmp_path, capsys):
+def test_exit_duration_in_mins_saves_and_stops_after_the_step_under_way(corpus, tmp_path, capsys):
     """Megatron's --exit-duration-in-mins, a job's time limit: once it has
     passed (here at once), the run saves and stops after the step under way."""
     ckpt = str(tmp_path / "ckpt")
@@ -357,6 +357,13 @@ def test_the_loss_scale_follows_megatrons_dynamic_grad_scaler(hysteresis):
         ours.update(torch.tensor(float(found_inf)))
         megatron_update(theirs, found_inf)
         assert ours.state_dict()["scale"] == theirs["scale"]
+    # a checkpoint keeps the count: a resumed scaler backs off where the first would
+    resumed = train.LossScaler(1.0, torch.device("cpu"), growth_interval=3, hysteresis=hysteresis)
+    resumed.load_state_dict(ours.state_dict())
+    for scaler in (ours, resumed):
+        scaler.update(torch.tensor(1.0))
+    megatron_update(theirs, 1)
+    assert ours.state_dict()["scale"] == resumed.state_dict()["scale"] == theirs["scale"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
