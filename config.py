@@ -50,8 +50,10 @@ class TrainConfig:
     make_vocab_size_divisible_by: int = flag(128, "pad the embedding rows to a multiple of this (the TP size must divide the result)", BOTH)
     hidden_dropout: float = flag(0.0, "dropout on embeddings and residual branches")
     attention_dropout: float = flag(0.0, "dropout on attention probabilities")
-    attention_impl: str | None = flag(None, "triton | torch (default: triton on CUDA, torch on CPU)", BOTH)
-    layernorm_impl: str | None = flag(None, "triton | torch (default: triton on CUDA, torch on CPU)", BOTH)
+    attention_impl: str | None = flag(None, "triton | torch (default: triton on CUDA in eager mode, torch on "
+                                            "CPU and under --compile)", BOTH)
+    layernorm_impl: str | None = flag(None, "triton | torch (default: triton on CUDA in eager mode, torch on "
+                                            "CPU and under --compile)", BOTH)
     loss_impl: str = flag("fused", "fused: LM head + cross-entropy in chunks, never the full fp32 logits "
                                    "(gpt.fused_lm_loss); full: the logits, then the loss (for comparison)")
     recompute_activations: bool = flag(False, "activation checkpointing: recompute each block in backward", BOTH)
@@ -738,7 +740,7 @@ def validate_deepspeed(cfg: TrainConfig) -> None:
 
 def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTConfig:
     """The GPTConfig this run trains: the preset, overridden by explicit flags.
-    Kernels default to Triton on CUDA and to torch elsewhere."""
+    Kernels default to Triton on CUDA in eager mode and to torch elsewhere."""
     overrides = {k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
         "max_position_embeddings", "init_method_std", "position_embedding_type", "rotary_base",
@@ -753,7 +755,12 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                      activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl,
                      sequence_parallel=cfg.sequence_parallel)
-    default_impl = "triton" if device is not None and device.type == "cuda" else "torch"
+    # Under --compile, torch's kernels: Inductor launches them from its own code, where
+    # each call of our Triton kernels (custom ops) costs 0.25-0.4 ms of host time, which
+    # a compiled step cannot hide (bench/RESULTS.md, H200 2026-11-27: 350M 174k tokens/s
+    # with torch's kernels, 160k with ours; 124M 507k and 500k).
+    cuda = device is not None and device.type == "cuda"
+    default_impl = "triton" if cuda and not cfg.compile else "torch"
     overrides["attention_impl"] = cfg.attention_impl or default_impl
     overrides["layernorm_impl"] = cfg.layernorm_impl or default_impl
     mcfg = GPTConfig(**overrides) if cfg.preset is None else GPTConfig.from_preset(cfg.preset, **overrides)

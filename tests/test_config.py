@@ -81,6 +81,19 @@ def test_flags_reach_the_model_config():
     assert llama.num_query_groups == 2
 
 
+def test_kernels_default_to_triton_on_cuda_in_eager_mode_only():
+    """Triton on CUDA; torch on CPU, and under --compile, where the compiled step
+    launches torch's kernels faster (bench/RESULTS.md, H200). A flag always wins."""
+    def kernels(*argv, device="cuda"):
+        argv = ["--preset", "tiny", "--num-attention-heads", "2", *argv]  # head dim 32, as Triton has
+        mcfg = config_lib.model_config(config_lib.parse_args(argv), torch.device(device))
+        return mcfg.attention_impl, mcfg.layernorm_impl
+    assert kernels() == ("triton", "triton")
+    assert kernels(device="cpu") == kernels("--compile") == ("torch", "torch")
+    assert kernels("--compile", "--attention-impl", "triton") == ("triton", "torch")
+    assert kernels("--compile", "--layernorm-impl", "triton", device="cpu") == ("torch", "triton")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--num-query-groups", "2"], "needs --group-query-attention"),
     (["--group-query-attention"], "needs --num-query-groups"),
