@@ -7,7 +7,6 @@ Every kernel result is compared with a float64 PyTorch reference; the
 tolerance scales with the dtype and with the size of the reference values.
 Tests marked `gpu` run the compiled kernels at realistic sizes.
 """
-import json
 import os
 import re
 import subprocess
@@ -903,25 +902,25 @@ def test_layer_norm_output_in_the_autocast_dtype_leaves_training_unchanged(monke
 # autotune results persist across runs
 
 AUTOTUNE_PROBE = """
-import json, sys, torch, triton
+import sys, torch
 sys.path.insert(0, {root!r})
 import kernels
-hits = []
-triton.knobs.autotuning.listener = lambda **kw: hits.append(kw["cache_hit"])
 qkv = torch.randn(4, 1024, 3, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 q, k, v = qkv.unbind(2)
 kernels.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).sum().backward()
-print(json.dumps(hits))
+torch.cuda.synchronize()
 """
 
 
 @pytest.mark.gpu
 def test_gpu_a_second_run_reuses_the_first_runs_autotune_results(tmp_path):
-    """Two processes share a Triton cache: the first times the configs (some
-    autotune misses), the second finds every result on disk (only hits)."""
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", AUTOTUNE_PROBE.format(root=ROOT)], cwd=ROOT,
-                                      env=env, capture_output=True, text=True, timeout=600,
-                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
-    assert False in runs[0]
-    assert runs[1] and all(runs[1])
+    """Two processes share a Triton cache: the first times the configs of the
+    three attention kernels, the second finds every result on disk. Triton
+    prints a line for each kernel it times under TRITON_PRINT_AUTOTUNING=1, and
+    none for a result read from its cache (Triton 3.6 and 3.9 alike; the
+    listener hook of later versions is missing from 3.6, the GPU image's)."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "TRITON_PRINT_AUTOTUNING": "1"}
+    timed = [subprocess.run([sys.executable, "-c", AUTOTUNE_PROBE.format(root=ROOT)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600, check=True
+                            ).stdout.count("Triton autotuning for function") for _ in range(2)]
+    assert timed == [3, 0], timed  # forward, dK/dV and dQ timed once, then read back
