@@ -122,6 +122,10 @@ class TrainConfig:
     initial_loss_scale: float = flag(2.0 ** 16, "first loss scale under --fp16")
     hysteresis: int | None = flag(None, "--fp16: the non-finite steps since the scale last grew that halve it "
                                         "(default 1; under --deepspeed DeepSpeed's, 2)")
+    loss_scale_window: int | None = flag(None, "--fp16: the finite steps in a row that double the loss scale "
+                                               "(default 2000; under --deepspeed DeepSpeed's, 1000)")
+    min_loss_scale: float | None = flag(None, "--fp16: the loss scale never halves below this (default: no "
+                                              "floor; under --deepspeed DeepSpeed's, 1)")
     compile: bool = flag(False, "torch.compile the model (the whole step: no graph break at any layout)")
     compile_backend: str = flag("inductor", "torch.compile's backend: inductor, or aot_eager (the same graphs, "
                                             "run op by op: tells a compiler difference from a tracing one)")
@@ -410,6 +414,8 @@ DEEPSPEED_JSON_FLAGS = {
     ("fp16", "enabled"): ("fp16", bool),
     ("fp16", "initial_scale_power"): ("initial_loss_scale", lambda p: 2.0 ** p),
     ("fp16", "hysteresis"): ("hysteresis", int),
+    ("fp16", "loss_scale_window"): ("loss_scale_window", int),
+    ("fp16", "min_loss_scale"): ("min_loss_scale", float),
     ("zero_optimization", "stage"): ("zero_stage", int),
 }
 
@@ -495,7 +501,7 @@ LEAST_COMMON = {"micro_batch_size": 1, "seq_length": 1, "log_interval": 1}
 LEAST_TRAINING = {"train_iters": 1, "train_samples": 1, "global_batch_size": 1, "eval_interval": 0,
                   "eval_iters": 0, "save_interval": 0, "exit_interval": 0, "lr_warmup_iters": 0,
                   "lr_warmup_samples": 0, "lr_decay_iters": 1, "lr_decay_samples": 1, "sample_tokens": 0,
-                  "num_workers": 0, "hysteresis": 1, "train_tokens": 1, "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
+                  "num_workers": 0, "hysteresis": 1, "loss_scale_window": 1, "train_tokens": 1, "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
 
 
 def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:
@@ -528,6 +534,9 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--lr-decay-style {cfg.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.min_lr > cfg.lr:
         raise UsageError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
+    if cfg.min_loss_scale is not None and not 0 < cfg.min_loss_scale <= cfg.initial_loss_scale:
+        raise UsageError(f"--min-loss-scale {cfg.min_loss_scale}: it must be above 0 and at most "
+                         f"--initial-loss-scale ({cfg.initial_loss_scale:g})")
     validate_schedule(cfg, given)
     validate_deepspeed(cfg)
     validate_sequence_parallel(cfg)

@@ -212,17 +212,17 @@ def train_step(trainer, batches: list, lr: float):
 class LossScaler:
     """Dynamic loss scaling for --fp16 (Micikevicius et al., 2018), on the device. The
     scale halves at the `hysteresis`-th non-finite step since it last grew (Megatron's
-    count: a finite step between two does not reset it; 1: at every one); after
-    `growth_interval` finite steps in a row it doubles. Unlike GradScaler, the caller
-    decides what is non-finite (the whole model's grad norm, the same on every rank);
-    the state dict has GradScaler's keys, and the hysteresis count."""
+    count: a finite step between two does not reset it; 1: at every one), never below
+    `min_scale`; after `growth_interval` finite steps in a row it doubles. Unlike
+    GradScaler, the caller decides what is non-finite (the whole model's grad norm, the
+    same on every rank); the state dict has GradScaler's keys, and the hysteresis count."""
 
     def __init__(self, init_scale: float, device: torch.device, growth_interval: int = 2000,
-                 hysteresis: int = 1):
+                 hysteresis: int = 1, min_scale: float = 0.0):
         self.scale_ = torch.full((), init_scale, dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self.hysteresis_tracker = torch.full((), hysteresis, dtype=torch.int32, device=device)
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.growth_interval, self.hysteresis, self.min_scale = growth_interval, hysteresis, min_scale
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_
@@ -235,7 +235,9 @@ class LossScaler:
         grow = (self.growth_tracker + 1 >= self.growth_interval) & ~inf
         left = torch.where(inf, self.hysteresis_tracker - 1, torch.where(grow, self.hysteresis,
                                                                          self.hysteresis_tracker))
-        self.scale_.mul_(torch.where(inf & (left <= 0), 0.5, torch.where(grow, 2.0, 1.0)))
+        back_off = inf & (left <= 0)
+        self.scale_.copy_(torch.where(back_off, (self.scale_ * 0.5).clamp(min=self.min_scale),
+                                      self.scale_ * torch.where(grow, 2.0, 1.0)))
         self.growth_tracker.copy_(torch.where(inf | grow, 0, self.growth_tracker + 1))
         self.hysteresis_tracker.copy_(left)
 
@@ -262,8 +264,8 @@ class PlainTraining:
         self.cfg, self.device, self.log = cfg, env.device, log
         self.raw = pipeline.build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
-        self.scaler = LossScaler(cfg.initial_loss_scale, env.device, hysteresis=cfg.hysteresis or 1) \
-            if cfg.fp16 else None
+        self.scaler = LossScaler(cfg.initial_loss_scale, env.device, cfg.loss_scale_window or 2000,
+                                 cfg.hysteresis or 1, cfg.min_loss_scale or 0.0) if cfg.fp16 else None
         # where the run starts: (iteration, consumed samples, learning-rate schedule)
         self.iteration, self.consumed, self.schedule = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
                                                                                   self.scaler, log)

@@ -96,7 +96,8 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
         "gradient_clipping": cfg.clip_grad,
         "bf16": {"enabled": cfg.bf16},
         "fp16": {"enabled": cfg.fp16, "initial_scale_power": int(math.log2(cfg.initial_loss_scale)),
-                 **({} if cfg.hysteresis is None else {"hysteresis": cfg.hysteresis})},
+                 **{key: value for key, value in (("hysteresis", cfg.hysteresis), ("min_loss_scale", cfg.min_loss_scale),
+                                                  ("loss_scale_window", cfg.loss_scale_window)) if value is not None}},
     }
     user = {}
     if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)

