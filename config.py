@@ -221,7 +221,9 @@ ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Co
     (("--checkpoint-activations", "--deepspeed-activation-checkpointing"),
      dict(dest="recompute_activations", action="store_true")),
     (("--dataset-impl",), dict(dest="data_impl")),
-    (("--use-flash-attn",), dict(dest="attention_impl", action="store_const", const="triton")),
+    (("--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
+      "--use-flash-attn-builder"), dict(dest="attention_impl", action="store_const", const="triton")),
+    (("--rotary-position-embeddings-theta",), dict(dest="rotary_base", type=float)),  # Megatron-DeepSpeed's
     (("--DDP-impl",), dict(dest="ddp_impl")),
     (("--vocab",), dict(dest="vocab_file")),
     (("--deepspeed_config",), dict(dest="deepspeed_config")),  # DeepSpeed's own spelling

@@ -219,6 +219,10 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     (["--recompute-granularity", "selective"], "recompute_activations", True),
     (["--use-rotary-position-embeddings", "--no-position-embedding"], "position_embedding_type", "rope"),
     (["--num-key-value-heads", "2"], "num_query_groups", 2),                  # Megatron-DeepSpeed's GQA
+    (["--use-flash-attn-v2"], "attention_impl", "triton"),                   # and its FlashAttention switches
+    (["--use-flash-attn-triton"], "attention_impl", "triton"),
+    (["--use-rotary-position-embeddings", "--no-position-embedding", "--rotary-position-embeddings-theta",
+      "500000"], "rotary_base", 500000.0),
     (["--no-pipeline-parallel"], "pipeline_model_parallel_size", 1),
     (["--hysteresis", "2"], "hysteresis", 2),
     (["--loss-scale-window", "100"], "loss_scale_window", 100),
