@@ -68,6 +68,7 @@ class TrainConfig:
     group_query_attention: bool = flag(False, "grouped-query attention: needs --num-query-groups")
     num_query_groups: int | None = flag(None, "key/value heads under --group-query-attention; divides the heads "
                                               "(and is divisible by --tensor-model-parallel-size)")
+    kv_channels: int | None = flag(None, "Megatron's head dim; here always --hidden-size / --num-attention-heads")
     # parallelism
     tensor_model_parallel_size: int = flag(1, "tp: ranks that split every layer (consecutive ranks, one node)", BOTH)
     pipeline_model_parallel_size: int = flag(1, "pp: pipeline stages, each holding num_layers/pp consecutive layers "
@@ -780,6 +781,10 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     if cfg.seq_length > mcfg.max_position_embeddings:
         raise UsageError(f"--seq-length {cfg.seq_length} exceeds --max-position-embeddings "
                          f"{mcfg.max_position_embeddings}")
+    head_dim = mcfg.hidden_size // mcfg.num_attention_heads
+    if cfg.kv_channels not in (None, head_dim):
+        raise UsageError(f"--kv-channels {cfg.kv_channels}: each head here is --hidden-size / "
+                         f"--num-attention-heads = {head_dim} wide; drop the flag or change those")
     return mcfg
 
 

@@ -219,6 +219,7 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     (["--recompute-granularity", "selective"], "recompute_activations", True),
     (["--use-rotary-position-embeddings", "--no-position-embedding"], "position_embedding_type", "rope"),
     (["--num-key-value-heads", "2"], "num_query_groups", 2),                  # Megatron-DeepSpeed's GQA
+    (["--kv-channels", "16"], "kv_channels", 16),
     (["--use-flash-attn-v2"], "attention_impl", "triton"),                   # and its FlashAttention switches
     (["--use-flash-attn-triton"], "attention_impl", "triton"),
     (["--use-rotary-position-embeddings", "--no-position-embedding", "--rotary-position-embeddings-theta",
@@ -232,6 +233,15 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
 ])
 def test_megatron_lm_and_megatron_deepspeed_names_of_our_flags(flags, field, value):
     assert getattr(parse(*flags), field) == value
+
+
+def test_kv_channels_is_the_head_dim_or_one_line():
+    """Megatron's --kv-channels, as recipes give it (hidden / heads), builds the
+    same model; another head dim is not built here."""
+    assert config_lib.model_config(parse("--kv-channels", "16")) == config_lib.model_config(parse())  # 64 / 4
+    with pytest.raises(ValueError, match=r"^--kv-channels 32: each head here is --hidden-size / "
+                                         r"--num-attention-heads = 16 wide; drop the flag or change those$"):
+        config_lib.model_config(parse("--kv-channels", "32"))
 
 
 LOSS_SCALE_FLAGS = ["--hysteresis", "3", "--loss-scale-window", "100", "--min-loss-scale", "4"]
