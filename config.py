@@ -526,7 +526,8 @@ def check_common(cfg: TrainConfig) -> None:
     if cfg.group_query_attention and cfg.num_query_groups is None:
         raise UsageError("--group-query-attention needs --num-query-groups G (the key/value heads)")
     rope_flags = cfg.rotary_base is not None or cfg.rotary_percent is not None
-    if rope_flags and cfg.position_embedding_type == "learned_absolute":
+    positions = cfg.position_embedding_type or PRESETS.get(cfg.preset, {}).get("position_embedding_type")
+    if rope_flags and positions != "rope":
         raise UsageError("--rotary-base/--rotary-percent need --position-embedding-type rope")
 
 
@@ -537,9 +538,12 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--lr-decay-style {cfg.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.min_lr > cfg.lr:
         raise UsageError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
-    if cfg.min_loss_scale is not None and not 0 < cfg.min_loss_scale <= cfg.initial_loss_scale:
-        raise UsageError(f"--min-loss-scale {cfg.min_loss_scale}: it must be above 0 and at most "
+    floor = cfg.min_loss_scale
+    if cfg.fp16 and floor is not None and not 0 < floor <= cfg.initial_loss_scale:
+        raise UsageError(f"--min-loss-scale {floor:g}: it must be above 0 and at most "
                          f"--initial-loss-scale ({cfg.initial_loss_scale:g})")
+    if cfg.deepspeed and floor is not None and not float(floor).is_integer():
+        raise UsageError(f"--min-loss-scale {floor:g}: DeepSpeed's fp16.min_loss_scale is a whole number")
     validate_schedule(cfg, given)
     validate_deepspeed(cfg)
     validate_sequence_parallel(cfg)

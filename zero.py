@@ -89,15 +89,18 @@ class DeepSpeedMPU:
 
 def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     """DeepSpeed's JSON config, from train.py's flags (or checked against them)."""
+    fp16 = {"enabled": cfg.fp16, "initial_scale_power": int(math.log2(cfg.initial_loss_scale))}
+    if cfg.fp16:  # the loss scaler's flags where given, else DeepSpeed's defaults; its floor is an int there
+        given = {"hysteresis": cfg.hysteresis, "loss_scale_window": cfg.loss_scale_window,
+                 "min_loss_scale": None if cfg.min_loss_scale is None else int(cfg.min_loss_scale)}
+        fp16.update({key: value for key, value in given.items() if value is not None})
     ours = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": accum,
         "train_batch_size": cfg.micro_batch_size * dp_size * accum,
         "gradient_clipping": cfg.clip_grad,
         "bf16": {"enabled": cfg.bf16},
-        "fp16": {"enabled": cfg.fp16, "initial_scale_power": int(math.log2(cfg.initial_loss_scale)),
-                 **{key: value for key, value in (("hysteresis", cfg.hysteresis), ("min_loss_scale", cfg.min_loss_scale),
-                                                  ("loss_scale_window", cfg.loss_scale_window)) if value is not None}},
+        "fp16": fp16,
     }
     user = {}
     if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)

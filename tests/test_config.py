@@ -99,6 +99,7 @@ def test_kernels_default_to_triton_on_cuda_in_eager_mode_only():
     (["--group-query-attention"], "needs --num-query-groups"),
     (["--rotary-base", "500", "--position-embedding-type", "learned_absolute"],
      "need --position-embedding-type rope"),
+    (["--rotary-position-embeddings-theta", "500000"], "need --position-embedding-type rope"),  # tiny's: learned
 ])
 def test_flags_that_go_in_pairs(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -213,7 +214,7 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
 
 
 @pytest.mark.parametrize("flags, field, value", [
-    (["--attention-backend", "auto"], "attention_impl", None),    # the default: Triton on CUDA, torch on CPU
+    (["--attention-backend", "auto"], "attention_impl", None),    # the default (config.model_config's)
     (["--attention-backend", "flash"], "attention_impl", "triton"),
     (["--attention-backend", "unfused"], "attention_impl", "torch"),
     (["--recompute-granularity", "selective"], "recompute_activations", True),
@@ -249,12 +250,16 @@ LOSS_SCALE_FLAGS = ["--hysteresis", "3", "--loss-scale-window", "100", "--min-lo
 
 def test_loss_scale_flags_reach_deepspeeds_fp16_section_only_when_given():
     """--hysteresis, --loss-scale-window and --min-loss-scale are DeepSpeed's
-    fp16 keys of the same names; left out, DeepSpeed keeps its own defaults."""
+    fp16 keys of the same names, read by DeepSpeed as its loss scaler's
+    arguments; left out, or without --fp16, DeepSpeed keeps its defaults."""
+    from deepspeed.runtime.config import DeepSpeedConfig
     given = zero.deepspeed_config(parse("--deepspeed", "--fp16", *LOSS_SCALE_FLAGS), dp_size=1, accum=1)
-    left_out = zero.deepspeed_config(parse("--deepspeed", "--fp16"), dp_size=1, accum=1)
-    assert {k: given["fp16"][k] for k in ("hysteresis", "loss_scale_window", "min_loss_scale")} == \
-        {"hysteresis": 3, "loss_scale_window": 100, "min_loss_scale": 4.0}
-    assert left_out["fp16"] == {"enabled": True, "initial_scale_power": 16}
+    assert DeepSpeedConfig(given).float16_config.dynamic_loss_scale_args() == {
+        "init_scale": 2 ** 16, "scale_window": 100, "delayed_shift": 3, "consecutive_hysteresis": False,
+        "min_scale": 4}
+    for flags in (["--fp16"], ["--bf16", *LOSS_SCALE_FLAGS]):
+        left_out = zero.deepspeed_config(parse("--deepspeed", *flags), dp_size=1, accum=1)
+        assert set(left_out["fp16"]) == {"enabled", "initial_scale_power"}
 
 
 def test_loss_scale_flags_reach_the_plain_engines_scaler():
@@ -267,12 +272,16 @@ def test_loss_scale_flags_reach_the_plain_engines_scaler():
 
 @pytest.mark.parametrize("flags, message", [
     (["--loss-scale-window", "0"], "--loss-scale-window 0: it must be at least 1"),
-    (["--min-loss-scale", "0"], "--min-loss-scale 0.0: it must be above 0 and at most --initial-loss-scale"),
+    (["--min-loss-scale", "0"], "--min-loss-scale 0: it must be above 0 and at most --initial-loss-scale"),
     (["--min-loss-scale", "1e6", "--initial-loss-scale", "65536"], r"at most --initial-loss-scale \(65536\)"),
+    (["--min-loss-scale", "0.5", "--deepspeed"], "--min-loss-scale 0.5: DeepSpeed's fp16.min_loss_scale is a "
+                                                 "whole number"),
 ])
 def test_loss_scale_bounds_are_one_line(flags, message):
     with pytest.raises(ValueError, match=message):
         parse("--fp16", *flags)
+    if flags[0] == "--min-loss-scale":  # without --fp16 there is no scale to bound (Megatron ignores it too)
+        parse("--bf16", *flags[:2])
 
 
 def test_nccl_on_a_machine_without_gpus_says_gloo():
