@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -538,12 +539,7 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--lr-decay-style {cfg.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.min_lr > cfg.lr:
         raise UsageError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
-    floor = cfg.min_loss_scale
-    if cfg.fp16 and floor is not None and not 0 < floor <= cfg.initial_loss_scale:
-        raise UsageError(f"--min-loss-scale {floor:g}: it must be above 0 and at most "
-                         f"--initial-loss-scale ({cfg.initial_loss_scale:g})")
-    if cfg.deepspeed and floor is not None and not float(floor).is_integer():
-        raise UsageError(f"--min-loss-scale {floor:g}: DeepSpeed's fp16.min_loss_scale is a whole number")
+    validate_loss_scale(cfg)
     validate_schedule(cfg, given)
     validate_deepspeed(cfg)
     validate_sequence_parallel(cfg)
@@ -559,6 +555,25 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
     if cfg.preset is None and cfg.num_layers is None and not cfg.export_from:  # an export reads its model
         raise UsageError("give a model: --preset NAME (one of " + ", ".join(PRESETS) +
                          ") or --num-layers/--hidden-size/--num-attention-heads")
+
+
+def validate_loss_scale(cfg: TrainConfig) -> None:
+    """--fp16's loss scale: above 0, a floor at most the start, and what DeepSpeed's
+    fp16 section can hold (initial_scale_power, a whole min_loss_scale). Without
+    --fp16 there is no scale, and the flags change nothing (as in Megatron)."""
+    start, floor = cfg.initial_loss_scale, cfg.min_loss_scale
+    if not cfg.fp16:
+        return
+    if not start > 0:
+        raise UsageError(f"--initial-loss-scale {start:g}: it must be above 0")
+    if floor is not None and not 0 < floor <= start:
+        raise UsageError(f"--min-loss-scale {floor:g}: it must be above 0 and at most --initial-loss-scale ({start:g})")
+    power = math.log2(start)
+    if cfg.deepspeed and not power.is_integer():
+        raise UsageError(f"--initial-loss-scale {start:g}: DeepSpeed starts from a power of two (its "
+                         f"initial_scale_power); give {2 ** math.floor(power):g} or {2 ** math.ceil(power):g}")
+    if cfg.deepspeed and floor is not None and not float(floor).is_integer():
+        raise UsageError(f"--min-loss-scale {floor:g}: DeepSpeed's fp16.min_loss_scale is a whole number")
 
 
 def validate_megatron_flags(cfg: TrainConfig) -> None:

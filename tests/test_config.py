@@ -273,12 +273,15 @@ def test_loss_scale_flags_reach_the_plain_engines_scaler():
     (["--min-loss-scale", "1e6", "--initial-loss-scale", "65536"], r"at most --initial-loss-scale \(65536\)"),
     (["--min-loss-scale", "0.5", "--deepspeed"], "--min-loss-scale 0.5: DeepSpeed's fp16.min_loss_scale is a "
                                                  "whole number"),
+    (["--initial-loss-scale", "0"], "--initial-loss-scale 0: it must be above 0"),
+    (["--initial-loss-scale", "100", "--deepspeed"], r"--initial-loss-scale 100: DeepSpeed starts from a power "
+                                                     r"of two \(its initial_scale_power\); give 64 or 128"),
 ])
 def test_loss_scale_bounds_are_one_line(flags, message):
     with pytest.raises(ValueError, match=message):
         parse("--fp16", *flags)
-    if flags[0] == "--min-loss-scale":  # without --fp16 there is no scale to bound (Megatron ignores it too)
-        parse("--bf16", *flags[:2])
+    if flags[0] != "--loss-scale-window":  # without --fp16 there is no scale to bound (Megatron ignores it too)
+        parse("--bf16", *flags)
 
 
 def test_nccl_on_a_machine_without_gpus_says_gloo():
