@@ -1265,7 +1265,8 @@ def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) 
         ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
         vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)), **overrides})  # the caller's choices win
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)),
+        **overrides})  # the caller's choices win
 
 
 def config_to_hf(config: GPTConfig) -> dict:

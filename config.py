@@ -391,7 +391,7 @@ def take_field_less_flags(given: dict, tool: str) -> set[str]:
 
 def check_layout_switches(cfg: TrainConfig, switches: set[str]) -> None:
     """LAYOUT_SWITCHES given where they hold (else one line), and change nothing more."""
-    if "--no-position-embedding" in switches and model_config(cfg).position_embedding_type != "rope":
+    if "--no-position-embedding" in switches and position_embedding_type(cfg) != "rope":
         raise UsageError("--no-position-embedding: a model without positions is not built here; with "
                          "--position-embedding-type rope it has no learned positions (and the flag no effect)")
     if "--no-pipeline-parallel" in switches and cfg.pipeline_model_parallel_size != 1:
@@ -505,7 +505,8 @@ LEAST_COMMON = {"micro_batch_size": 1, "seq_length": 1, "log_interval": 1}
 LEAST_TRAINING = {"train_iters": 1, "train_samples": 1, "global_batch_size": 1, "eval_interval": 0,
                   "eval_iters": 0, "save_interval": 0, "exit_interval": 0, "lr_warmup_iters": 0,
                   "lr_warmup_samples": 0, "lr_decay_iters": 1, "lr_decay_samples": 1, "sample_tokens": 0,
-                  "num_workers": 0, "hysteresis": 1, "loss_scale_window": 1, "train_tokens": 1, "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
+                  "num_workers": 0, "hysteresis": 1, "loss_scale_window": 1, "train_tokens": 1,
+                  "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
 
 
 def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:
@@ -527,9 +528,14 @@ def check_common(cfg: TrainConfig) -> None:
     if cfg.group_query_attention and cfg.num_query_groups is None:
         raise UsageError("--group-query-attention needs --num-query-groups G (the key/value heads)")
     rope_flags = cfg.rotary_base is not None or cfg.rotary_percent is not None
-    positions = cfg.position_embedding_type or PRESETS.get(cfg.preset, {}).get("position_embedding_type")
-    if rope_flags and positions != "rope":
+    if rope_flags and position_embedding_type(cfg) != "rope":
         raise UsageError("--rotary-base/--rotary-percent need --position-embedding-type rope")
+
+
+def position_embedding_type(cfg: TrainConfig) -> str:
+    """The run's positions: the flag's, else the preset's (GPT-2's learned ones by default)."""
+    preset = GPTConfig.from_preset(cfg.preset) if cfg.preset else GPTConfig()
+    return cfg.position_embedding_type or preset.position_embedding_type
 
 
 def check_training(cfg: TrainConfig, given: set[str]) -> None:
@@ -561,9 +567,9 @@ def validate_loss_scale(cfg: TrainConfig) -> None:
     """--fp16's loss scale: above 0, a floor at most the start, and what DeepSpeed's
     fp16 section can hold (initial_scale_power, a whole min_loss_scale). Without
     --fp16 there is no scale, and the flags change nothing (as in Megatron)."""
-    start, floor = cfg.initial_loss_scale, cfg.min_loss_scale
     if not cfg.fp16:
         return
+    start, floor = cfg.initial_loss_scale, cfg.min_loss_scale
     if not start > 0:
         raise UsageError(f"--initial-loss-scale {start:g}: it must be above 0")
     if floor is not None and not 0 < floor <= start:
