@@ -280,15 +280,21 @@ class PlainTraining:
         self.averager = pipeline.GradientAverager(self.raw, parallel.layout.dp_group) \
             if parallel.layout.pp_size > 1 and parallel.layout.dp_size > 1 else None
         self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
+        if self.cuda_graphs:  # .grad is our own buffer, zeroed in place (see begin)
+            for p in self.raw.parameters():
+                p.grad = torch.zeros_like(p)
         self.max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
         # --async-save: the host copy and the write in flight
         self.saver = checkpoint.AsyncSave(env.timeout, self.optimizer) if cfg.async_save and cfg.save else None
 
     def begin(self, micro_batches: int, lr: float) -> None:
-        """This step's learning rate; its gradients start from none."""
+        """This step's learning rate; its gradients start from none (zero under CUDA graphs)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        # Under CUDA graphs, autograd would make a replay's output buffer the .grad of
+        # a parameter that has none, and the next micro-batch's replay overwrites it
+        # (pytorch#169545): the gradients accumulate into buffers of our own instead.
+        self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
         if self.averager:
             self.averager.begin(micro_batches)
 
