@@ -295,6 +295,42 @@ def test_clip_grad_norm_with_one_rank_equals_torch():
         parallel.destroy()
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops called under it, not those they call in turn (the CPU runs
+    a foreach op as one op per tensor; a GPU, as a few kernels for the whole list)."""
+    def __init__(self):
+        super().__init__()
+        self.ops = self.depth = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += self.depth == 0
+        self.depth += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.depth -= 1
+
+
+def test_clip_grad_norm_launches_as_many_kernels_for_300_parameters_as_for_3():
+    """The norm and the clip are foreach ops, a few launches for the whole model: a
+    loop over a 350M model's 292 parameters kept an H200 idle 8% of the step."""
+    parallel.initialize(1)
+    try:
+        counts = []
+        for n in (3, 300):
+            params = [nn.Parameter(torch.ones(4)) for _ in range(n)]
+            for p in params:
+                p.grad = torch.full((4,), 10.0)
+            with _CountOps() as count:
+                norm = parallel.clip_grad_norm_(params, 1.0)
+            assert_close(norm, torch.tensor(20.0 * n ** 0.5))  # sqrt(4 n 10^2)
+            assert_close(params[0].grad, torch.full((4,), 10.0 / norm.item()))
+            counts.append(count.ops)
+        assert counts[1] == counts[0] < 30, counts
+    finally:
+        parallel.destroy()
+
+
 # --------------------------------------------------------------------------
 # Process groups and bad layouts
 # --------------------------------------------------------------------------
