@@ -12,6 +12,8 @@ Categories are matched on kernel names: attention (ours or flash), matmul
 the fp32 logits' casts), optimizer (AdamW, grad-norm clipping), and the
 rest (elementwise ops, embedding, copies). "GPU idle" is the wall time of
 the profiled steps not covered by any kernel: host-side stalls and launch gaps.
+With --trace it is also summed by the host op that launched the kernel the GPU
+waited for (idle_by_host_op): a loop of small ops on the host shows up there.
 """
 import argparse
 import os
@@ -37,6 +39,33 @@ def category(name: str) -> str:
         if any(k in low for k in keys):
             return cat
     return "other (elementwise, embedding, copies)"
+
+
+def idle_by_host_op(trace: str, top: int = 12) -> list:
+    """GPU idle time (ms over the trace) by the host op that launched the kernel
+    the GPU waited for: the innermost ATen op whose span holds that launch.
+    A kernel launched from Inductor's generated code has none: "(compiled graph)"."""
+    import bisect
+    import json
+    events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    launch = {e["args"]["correlation"]: e["ts"] for e in events
+              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in ops]
+    idle = {}
+    for done, waited in zip(gpu, gpu[1:]):
+        gap = waited["ts"] - done["ts"] - done["dur"]
+        t = launch.get(waited.get("args", {}).get("correlation"))
+        if gap <= 0 or t is None:
+            continue
+        i = bisect.bisect_right(starts, t) - 1  # latest op to start before the launch ...
+        while i >= 0 and ops[i]["ts"] + ops[i]["dur"] < t:  # ... whose span holds it
+            i -= 1
+        name = ops[i]["name"] if i >= 0 else "(compiled graph)"
+        idle[name] = idle.get(name, 0.0) + gap / 1e3
+    return sorted(idle.items(), key=lambda kv: -kv[1])[:top]
 
 
 def main():
@@ -93,6 +122,12 @@ def main():
         wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
     if args.trace:
         prof.export_chrome_trace(args.trace)
+        if dev.type == "cuda":
+            print(f"## GPU idle by the host op launching the kernel it waited for ({args.steps} steps)\n")
+            print("| host op | idle ms |\n|---|---|")
+            for name, ms in idle_by_host_op(args.trace):
+                print(f"| {name[:70]} | {ms:.2f} |")
+            print()
 
     kernels = {}  # on CPU (--smoke): the ops' own CPU time
     kind = torch.autograd.DeviceType.CUDA if dev.type == "cuda" else torch.autograd.DeviceType.CPU
