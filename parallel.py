@@ -1143,14 +1143,6 @@ def sum_sequence_parallel_grads(module: nn.Module) -> None:
             p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
 
 
-def _sum_of_squares(grads: list, device) -> torch.Tensor:
-    """sum over `grads` of their squared elements, in fp32."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-    return torch.stack(norms).square().sum()
-
-
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip to the TRUE global L2 norm of the full (unsharded) model's grads,
     already averaged over data parallelism; like torch's, return the norm.
@@ -1163,13 +1155,15 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
-    counted = [(getattr(p, "tensor_model_parallel", False) or layout.tp_rank == 0)
-               and not getattr(p, "pipeline_copy", False) for p in params]
-    # Each list's squares in a few kernels (foreach: one launch covers many tensors;
-    # a loop over ~300 parameters kept the GPU waiting on the host, measured on an H200)
-    sq = [_sum_of_squares([p.grad for p, c in zip(params, counted) if c == keep], params[0].grad.device)
-          for keep in (True, False)]
-    sq = sq[0] + sq[1] * 0.0
+    counted, copies = [], []  # copies: replicated grads that another rank counts
+    for p in params:
+        own = (getattr(p, "tensor_model_parallel", False) or layout.tp_rank == 0) \
+            and not getattr(p, "pipeline_copy", False)
+        (counted if own else copies).append(p.grad)
+    # Every grad's norm in a few launches (foreach), not a few per parameter: a loop
+    # over a 350M model's 292 grads kept an H200 waiting on the host (bench/RESULTS.md)
+    squares = torch.stack(torch._foreach_norm(counted + copies, 2.0, dtype=torch.float32)).square()
+    sq = squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0
     for size, group in ((layout.tp_size, layout.tp_group), (layout.pp_size, layout.pp_group)):
         if size > 1:
             dist.all_reduce(sq, group=group)
@@ -1177,7 +1171,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     # Decided on device (no host sync): coef = 1 when the norm is small or non-finite.
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
-    torch._foreach_mul_([p.grad for p in params], coef)
+    torch._foreach_mul_(counted + copies, coef)
     return total_norm
 
 
