@@ -1161,9 +1161,12 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
             and not getattr(p, "pipeline_copy", False)
         (counted if own else copies).append(p.grad)
     # Every grad's norm in a few launches (foreach), not a few per parameter: a loop
-    # over a 350M model's 292 grads kept an H200 waiting on the host (bench/RESULTS.md)
-    squares = torch.stack(torch._foreach_norm(counted + copies, 2.0, dtype=torch.float32)).square()
-    sq = squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0
+    # over a 350M model's 292 grads kept an H200 waiting on the host (bench/RESULTS.md).
+    # The CPU's norm kernel sums in order (off by 2e-5 over a 3M-element embedding,
+    # enough to tell layouts apart after a few Adam steps): there it sums in fp64.
+    fp = torch.float64 if params[0].grad.device.type == "cpu" else torch.float32
+    squares = torch.stack(torch._foreach_norm(counted + copies, 2.0, dtype=fp)).square()
+    sq = (squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0).float()
     for size, group in ((layout.tp_size, layout.tp_group), (layout.pp_size, layout.pp_group)):
         if size > 1:
             dist.all_reduce(sq, group=group)
