@@ -1,12 +1,17 @@
 """launch.py, and the shape it keeps: every module may import it because it
-imports none of them, and the project's imports run one way."""
+imports none of them, and the project's imports run one way. Then launch.py at
+work under torchrun: restarts, timeouts, and two agents meeting as two nodes."""
 import ast
 import glob
 import os
+import re
 import subprocess
 import sys
+import time
 
-from conftest import ROOT
+import pytest
+
+from conftest import ROOT, TINY, free_port, losses, read_metrics, run_bounded, run_together, train_on_ranks
 
 MODULES = sorted(os.path.basename(f)[:-3] for f in glob.glob(os.path.join(ROOT, "*.py")))
 
@@ -52,3 +57,220 @@ def test_only_torch_dist_imports_pytorchs_distributed_checkpoint():
     not by train.py or evaluate.py."""
     loaded = modules_loaded_by("train, evaluate")
     assert "checkpoint" in loaded and "torch.distributed.checkpoint" not in loaded
+
+
+# ----------------------------------------------------------------------------
+# Restarts and timeouts: torchrun's elastic agent, --distributed-timeout-minutes
+
+
+# The restart tests' run: 8 steps of global batch 8 on 2 processes.
+RESTART_RUN = [*TINY, "--train-iters", "8", "--global-batch-size", "8", "--eval-interval", "0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """engine flags -> the losses of an uninterrupted 2-process run of the
+    restart tests' 8 steps (RESTART_RUN), each engine's run once for them
+    (on run_on_ranks' ranks: the launch under test is the restarted one)."""
+    runs = {}
+
+    def losses_of(engine):
+        if tuple(engine) not in runs:
+            metrics = tmp_path_factory.mktemp("uninterrupted") / "full.jsonl"
+            train_on_ranks([*RESTART_RUN, "--data-path", corpus, *engine, "--metrics-file", str(metrics)], nproc=2)
+            runs[tuple(engine)] = losses(metrics)
+        return runs[tuple(engine)]
+    return losses_of
+
+
+KILL_RANK_1_AFTER_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import checkpoint, train
+real_save = checkpoint.save_checkpoint
+
+real_ds_save = checkpoint.save_deepspeed_checkpoint
+
+def die_after(iteration):
+    marker = {marker!r}
+    if iteration == {iteration} and os.environ["RANK"] == "1" and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # a dead node: no handler runs
+
+def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log, *saver):
+    real_save(cfg, model, optimizer, scaler, iteration, consumed, log, *saver)
+    die_after(iteration)
+
+def ds_save_then_die(cfg, engine, iteration, consumed, log):
+    real_ds_save(cfg, engine, iteration, consumed, log)
+    die_after(iteration)
+
+checkpoint.save_checkpoint = save_then_die
+checkpoint.save_deepspeed_checkpoint = ds_save_then_die
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("engine", [[], ["--deepspeed", "--zero-stage", "2"]], ids=["ddp", "zero2"])
+def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(corpus, uninterrupted, tmp_path, engine):
+    """A worker killed (SIGKILL) after the iteration-4 checkpoint, under
+    torchrun --max-restarts 2: the restarted workers meet again (each attempt
+    rendezvous under its own store prefix), resume from that checkpoint, and
+    the losses equal an uninterrupted run's bit for bit (plain DDP, and
+    DeepSpeed ZeRO-2 with its own checkpoints)."""
+    common = [*RESTART_RUN, "--data-path", corpus, *engine]
+    script = tmp_path / "killer.py"
+    script.write_text(KILL_RANK_1_AFTER_SAVE.format(root=ROOT, marker=str(tmp_path / "killed"), iteration=4))
+    ckpt = str(tmp_path / "ckpt")
+    args = [*common, "--save", ckpt, "--load", ckpt, "--save-interval", "2",
+            "--metrics-file", str(tmp_path / "restarted.jsonl")]
+    proc = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "--max-restarts=2", str(script), *args], 240, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert (tmp_path / "killed").exists()  # it did die once
+    assert "loaded checkpoint" in proc.stdout and "(iteration 4)" in proc.stdout
+    restarted = read_metrics(tmp_path / "restarted.jsonl")
+    assert [m["iteration"] for m in restarted] == list(range(1, 9))
+    assert [m["loss"] for m in restarted] == uninterrupted(engine)
+
+
+RANK_1_DIES_WHILE_RANK_0_IS_BUSY = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+import checkpoint, train
+with open({starts!r}, "a") as f:  # the attempt as this node's agent counts it
+    f.write(os.environ["RANK"] + " " + os.environ["TORCHELASTIC_RESTART_COUNT"] + "\\n")
+first_attempt = not os.path.exists({marker!r})
+real_save, real_step, steps = checkpoint.save_checkpoint, train.train_step, []
+
+def save_then_die(cfg, model, optimizer, scaler, iteration, consumed, log, *saver):
+    real_save(cfg, model, optimizer, scaler, iteration, consumed, log, *saver)
+    if first_attempt and iteration == 4 and os.environ["RANK"] == "1":
+        open({marker!r}, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # a dead node: no handler runs
+
+def busy_step(*args, **kwargs):  # rank 0 computes step 5, not yet talking to rank 1
+    steps.append(1)
+    if first_attempt and len(steps) == 5 and os.environ["RANK"] == "0":
+        time.sleep(10)
+    return real_step(*args, **kwargs)
+
+checkpoint.save_checkpoint, train.train_step = save_then_die, busy_step
+train.main(sys.argv[1:])
+"""
+
+
+def test_two_nodes_restart_together_when_only_one_agent_counts_the_restart(corpus, uninterrupted, tmp_path):
+    """Two torchrun agents (two nodes of one worker), --max-restarts 2. Node 1's
+    worker dies after the iteration-4 save while node 0's is busy in step 5:
+    node 1's agent counts a restart, node 0's agent restarts its healthy
+    worker through the membership change and does not, so their
+    TORCHELASTIC_RESTART_COUNT differ (recorded). The new workers still meet
+    (rank 0's fresh store for the attempt), resume from iteration 4 and end
+    on the uninterrupted run's losses, bit for bit (the plain DDP run of
+    test_torchrun_restarts_a_killed_worker_and_resumes_exactly: the timeout
+    changes no number)."""
+    common = [*RESTART_RUN, "--data-path", corpus, "--distributed-timeout-minutes", "1"]
+    script, starts = tmp_path / "node.py", tmp_path / "starts.txt"
+    script.write_text(RANK_1_DIES_WHILE_RANK_0_IS_BUSY.format(
+        root=ROOT, starts=str(starts), marker=str(tmp_path / "killed")))
+    ckpt = str(tmp_path / "ckpt")
+    port = free_port()
+    agents = run_together([
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=restart", "--max-restarts=2", str(script), *common, "--save", ckpt, "--load", ckpt,
+         "--save-interval", "2", "--metrics-file", str(tmp_path / "restarted.jsonl")] for node in (0, 1)],
+        400, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    outputs = [(agent.stdout, agent.stderr) for agent in agents]
+    for agent in agents:
+        assert agent.returncode == 0, agent.stdout[-2000:] + agent.stderr[-4000:]
+    assert sorted(starts.read_text().split("\n")[:-1]) == ["0 0", "0 0", "1 0", "1 1"]
+    assert "(iteration 4)" in outputs[0][0] + outputs[1][0]
+    restarted = read_metrics(tmp_path / "restarted.jsonl")
+    assert [m["iteration"] for m in restarted] == list(range(1, 9))
+    assert [m["loss"] for m in restarted] == uninterrupted([])
+
+
+RANK_1_STOPS_ANSWERING = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+import train
+calls = []
+
+def silent_at_step_3(real_step):
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 and os.environ["RANK"] == "1":
+            # torchrun's SIGTERM ends it at once (train.py's preemption handler
+            # would only note it, and torchrun would wait 30 s to SIGKILL it)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(600)  # alive but silent: a hung GPU, a stuck file system
+        return real_step(*args, **kwargs)
+    return step
+
+train.train_step = silent_at_step_3(train.train_step)  # both engines' step
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("engine", [[], ["--deepspeed", "--zero-stage", "2"]], ids=["ddp", "zero2"])
+def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp_path, engine):
+    """Rank 1 stops answering at iteration 3. With --distributed-timeout-minutes
+    0.05 (3 s), rank 0's gradient all-reduce gives up after 3 s, and it says
+    which collective failed, where, and why, in one line after the traceback;
+    torchrun then stops the silent rank. Every group must carry the timeout:
+    new_group does not inherit init_process_group's, and DDP on our
+    data-parallel group, or ZeRO on the world clone DeepSpeed makes without an
+    mpu, would wait out the silent rank (torch's default is 30 minutes)."""
+    script = tmp_path / "silent.py"
+    script.write_text(RANK_1_STOPS_ANSWERING.format(root=ROOT))
+    args = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8",
+            "--eval-interval", "0", "--distributed-timeout-minutes", "0.05", *engine]
+    start = time.monotonic()
+    proc = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), *args], 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    # 3 s of timeout and start-up: far from 600 s
+    assert elapsed < 120, elapsed
+    last = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error")]
+    assert len(last) == 1, proc.stderr[-4000:]
+    where = r"zero\.py:\d+ in backward \(`self\.engine\.backward\(loss\)`\)" if engine else \
+        r"train\.py:\d+ in backward \(`\(self\.scale\(share\) if self\.scale else share\)\.backward\(\)`\)"
+    assert re.match(r"train\.py: error \(rank 0\): the gradient all-reduce \(run inside backward\) "
+                    f"failed at {where}: ", last[0]), last[0]
+    assert "Timed out waiting 3000ms" in last[0]
+    assert "--distributed-timeout-minutes" in last[0]
+
+
+
+# ----------------------------------------------------------------------------
+# Two nodes: two torchrun agents meeting by rendezvous
+
+
+def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
+    """Two torchrun agents on this machine stand in for two nodes of 2 processes,
+    meeting by c10d rendezvous (the multi-node launch of README and slurm.sh).
+    torchrun numbers ranks node by node, so each TP=2 group lies inside one
+    agent: the losses equal one agent's 4-process run, and only global rank 0
+    prints, writes the metrics and writes TensorBoard."""
+    common = [*TINY, "--data-path", corpus, "--train-iters", "4", "--global-batch-size", "8",
+              "--micro-batch-size", "4", "--tensor-model-parallel-size", "2", "--eval-interval", "0"]
+    train_on_ranks([*common, "--metrics-file", str(tmp_path / "one_agent.jsonl")], nproc=4)
+    port = free_port()
+    args = [*common, "--metrics-file", str(tmp_path / "two_agents.jsonl"),
+            "--tensorboard-dir", str(tmp_path / "tb")]
+    agents = run_together([
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=two-nodes", os.path.join(ROOT, "train.py"), *args] for node in (0, 1)],
+        300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    outputs = [(agent.stdout, agent.stderr) for agent in agents]
+    for agent in agents:
+        assert agent.returncode == 0, agent.stdout[-2000:] + agent.stderr[-4000:]
+    assert losses(tmp_path / "two_agents.jsonl") == losses(tmp_path / "one_agent.jsonl")
+    printed = [sum(l.startswith("iter ") for l in out.splitlines()) for out, _ in outputs]
+    assert sorted(printed) == [0, 4]  # one agent hosts global rank 0, which alone prints
+    assert len(glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))) == 1
