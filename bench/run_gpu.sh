@@ -98,7 +98,7 @@ collect() {  # every stage's log in one file, in stage order
 export OUT WORK
 export -f env_report first_step profile_all
 stage env env.txt env_report
-XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
+XDIST=$([ -z "$SMOKE" ] && python -c "import xdist" 2>/dev/null && echo "-n 4")  # 4 workers on a GPU box, not on CPU
 stage tests tests.log "python -m pytest -p no:cacheprovider -m gpu tests/ -q -rfEs $XDIST"
 stage kernels kernels.md "python bench/bench_kernels.py --autotune-log $OUT/autotune.json $SMOKE"
 stage profile profile.md profile_all
