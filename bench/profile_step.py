@@ -43,28 +43,37 @@ def category(name: str) -> str:
 
 def idle_by_host_op(trace: str, top: int = 12) -> list:
     """GPU idle time (ms over the trace) by the host op that launched the kernel
-    the GPU waited for: the innermost ATen op whose span holds that launch.
-    A kernel launched from Inductor's generated code has none: "(compiled graph)"."""
-    import bisect
+    the GPU waited for: the innermost ATen op, on the launching thread, whose span
+    holds the launch. Kernels that Inductor's generated code launches count as
+    "(compiled graph)"; a gap whose launch the trace lacks, as "(launch unknown)"."""
     import json
     events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                  key=lambda e: e["ts"])
-    launch = {e["args"]["correlation"]: e["ts"] for e in events
-              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
-    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
-    starts = [e["ts"] for e in ops]
-    idle = {}
-    for done, waited in zip(gpu, gpu[1:]):
-        gap = waited["ts"] - done["ts"] - done["dur"]
-        t = launch.get(waited.get("args", {}).get("correlation"))
-        if gap <= 0 or t is None:
-            continue
-        i = bisect.bisect_right(starts, t) - 1  # latest op to start before the launch ...
-        while i >= 0 and ops[i]["ts"] + ops[i]["dur"] < t:  # ... whose span holds it
-            i -= 1
-        name = ops[i]["name"] if i >= 0 else "(compiled graph)"
-        idle[name] = idle.get(name, 0.0) + gap / 1e3
+    launches = {e["args"]["correlation"]: e for e in events  # runtime API, or the driver's (Triton)
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    idle, waits, busy_until = {}, {}, gpu[0]["ts"] if gpu else 0  # waits: thread -> [(launch, gap)]
+    for k in gpu:  # a gap: no kernel on any stream runs
+        if k["ts"] > busy_until:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if launch is None:
+                idle["(launch unknown)"] = idle.get("(launch unknown)", 0.0) + (k["ts"] - busy_until) / 1e3
+            else:
+                waits.setdefault(launch["tid"], []).append((launch["ts"], k["ts"] - busy_until))
+        busy_until = max(busy_until, k["ts"] + k["dur"])
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e["ts"], -e["dur"]))
+    for tid, gaps in waits.items():  # one sweep per thread: the stack holds the ops open at t
+        mine, stack, i = [e for e in ops if e["tid"] == tid], [], 0
+        for t, gap in sorted(gaps):
+            while i < len(mine) and mine[i]["ts"] <= t:
+                stack.append(mine[i])
+                i += 1
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < t:
+                stack.pop()
+            name = stack[-1]["name"] if stack else "(no op)"
+            if name.startswith(("## Call CompiledFxGraph", "CompiledFunction", "Torch-Compiled Region")):
+                name = "(compiled graph)"
+            idle[name] = idle.get(name, 0.0) + gap / 1e3
     return sorted(idle.items(), key=lambda kv: -kv[1])[:top]
 
 

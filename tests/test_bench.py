@@ -30,20 +30,29 @@ def test_run_gpu_smoke_fills_every_table_of_one_results_file(tmp_path):
 
 
 def test_profile_step_blames_gpu_idle_on_the_host_op_that_launched_the_next_kernel(tmp_path):
-    """A Chrome trace: kernel a, 90 us idle, kernel b launched inside aten::pow
-    (itself inside clip), 5 us, kernel c launched from a compiled graph."""
+    """A Chrome trace of two streams and two host threads: kernel a (0-10 us) and
+    b (5-40 us) overlap, so the GPU idles from 40 to 100 us, until c, launched in
+    aten::pow (inside clip) on thread 1 while thread 2 ran aten::copy_; then 5 us
+    until d, a Triton kernel launched through the driver from a compiled graph;
+    then 3 us until e, whose launch the trace lacks."""
     import json
     import sys
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from profile_step import idle_by_host_op
-    ev = [dict(ph="X", cat="kernel", name="a", ts=0, dur=10, args={"correlation": 1}),
-          dict(ph="X", cat="kernel", name="b", ts=100, dur=10, args={"correlation": 2}),
-          dict(ph="X", cat="kernel", name="c", ts=115, dur=10, args={"correlation": 3}),
-          dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=5, dur=1, args={"correlation": 1}),
-          dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=95, dur=1, args={"correlation": 2}),
-          dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=99, dur=1, args={"correlation": 3}),
-          dict(ph="X", cat="cpu_op", name="clip", ts=0, dur=97),
-          dict(ph="X", cat="cpu_op", name="aten::mul_", ts=10, dur=20),
-          dict(ph="X", cat="cpu_op", name="aten::pow", ts=90, dur=6)]
+
+    def kernel(name, ts, dur, corr):
+        return dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args={"correlation": corr})
+
+    def host(cat, name, ts, dur, tid, corr=None):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, tid=tid,
+                    **({"args": {"correlation": corr}} if corr else {}))
+    ev = [kernel("a", 0, 10, 1), kernel("b", 5, 35, 2), kernel("c", 100, 10, 3),
+          kernel("d", 115, 10, 4), kernel("e", 128, 2, 5),
+          host("cuda_runtime", "cudaLaunchKernel", 95, 1, 1, 3),
+          host("cuda_driver", "cuLaunchKernel", 99, 1, 1, 4),
+          host("cpu_op", "clip", 0, 97, 1), host("cpu_op", "aten::mul_", 10, 20, 1),
+          host("cpu_op", "aten::pow", 90, 6, 1), host("cpu_op", "aten::copy_", 92, 10, 2),
+          host("cpu_op", "## Call CompiledFxGraph abc", 98, 5, 1)]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": ev}))
-    assert idle_by_host_op(str(tmp_path / "t.json")) == [("aten::pow", 0.09), ("(compiled graph)", 0.005)]
+    assert idle_by_host_op(str(tmp_path / "t.json")) == [
+        ("aten::pow", 0.06), ("(compiled graph)", 0.005), ("(launch unknown)", 0.003)]
