@@ -313,7 +313,8 @@ class _CountOps(TorchDispatchMode):
 
 def test_clip_grad_norm_launches_as_many_kernels_for_300_parameters_as_for_3():
     """The norm and the clip are foreach ops, a few launches for the whole model: a
-    loop over a 350M model's 292 parameters kept an H200 idle 8% of the step."""
+    loop over a 350M model's 292 parameters kept an H200 waiting on the host
+    (bench/RESULTS.md, 2026-11-28)."""
     parallel.initialize(1)
     try:
         counts = []
