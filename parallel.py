@@ -1165,7 +1165,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     # The CPU's norm kernel sums in order (off by 2e-5 over a 3M-element embedding,
     # enough to tell layouts apart after a few Adam steps): there it sums in fp64.
     fp = torch.float64 if params[0].grad.device.type == "cpu" else torch.float32
-    squares = torch.stack(torch._foreach_norm(counted + copies, 2.0, dtype=fp)).square()
+    grads = counted + copies
+    squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=fp)).square()
     sq = (squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0).float()
     for size, group in ((layout.tp_size, layout.tp_group), (layout.pp_size, layout.pp_group)):
         if size > 1:
@@ -1174,7 +1175,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
     # Decided on device (no host sync): coef = 1 when the norm is small or non-finite.
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
-    torch._foreach_mul_(counted + copies, coef)
+    torch._foreach_mul_(grads, coef)
     return total_norm
 
 

@@ -246,7 +246,6 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp
     assert "--distributed-timeout-minutes" in last[0]
 
 
-
 # ----------------------------------------------------------------------------
 # Two nodes: two torchrun agents meeting by rendezvous
 
