@@ -601,13 +601,16 @@ class _OverlapRecorder(TorchDispatchMode):
     weight of the model has. Under sequence parallelism the collectives move
     each rank's tokens and the GEMMs see all of them: comm_chunks maps those.
     The collectives are parallel.py's functional ones, seen as they are
-    dispatched (as _fx_events reads them from a compiled graph). serialize:
+    dispatched (as _fx_events reads them from a compiled graph); on gloo an
+    all-gather is launched as a sum (parallel._launch_all_gather_as_sum), the
+    only all-reduce of activations under sequence parallelism. serialize:
     wait for each all-reduce right after launching it."""
 
     def __init__(self, gemm_chunks=None, comm_chunks=None, serialize=False):
         super().__init__()
         self.gemm_chunks = gemm_chunks or {10: 0, 5: 1}
         self.comm_chunks = comm_chunks or self.gemm_chunks
+        self.sequence_parallel = comm_chunks is not None
         self.serialize = serialize
         self.events = []
         self.in_flight = {}   # a launched chunk's output (its data pointer) -> (collective, identity)
@@ -627,8 +630,12 @@ class _OverlapRecorder(TorchDispatchMode):
             if launch is not None:
                 self.events.append(("wait", None, launch))
             return out
+        # gloo's functional all-gather, beside another collective, can corrupt the heap
+        assert not (name == "all_gather_into_tensor" and parallel.layout.tp_gloo), "see _launch_all_gather_as_sum"
         name = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
         t = args[0] if name == "all_gather" else out  # the per-rank piece: (..., C) -> tokens
+        if name == "all_reduce" and self.sequence_parallel and out.dim() > 2:  # gloo's all-gather:
+            name, t = "all_gather", out[:out.shape[0] // parallel.layout.tp_size]  # a sum (tp * b, s, C)
         chunk = self.comm_chunks.get(t.numel() // t.shape[-1])
         if chunk is not None:
             launch = (name, object())  # this collective's identity
@@ -1250,16 +1257,20 @@ def _saved_for_backward(saved: dict, model):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def _chunk_of(node, chunks: dict):
+def _chunk_of(node, chunks: dict, gathered_as_sum: bool):
     """The Domino chunk whose tokens a collective node moves: the per-rank
-    piece (the all-gather's input, the others' output), (..., C) -> tokens."""
+    piece (the all-gather's input, the others' output; of an all-gather
+    launched as a sum on gloo, a tp-th of it), (..., C) -> tokens."""
     val = (node.args[0] if "all_gather" in str(node.target) else node).meta["val"]
-    return chunks.get(val.numel() // val.shape[-1]) if val.dim() > 1 else None
+    tokens = val.numel() // val.shape[-1] // (parallel.layout.tp_size if gathered_as_sum else 1)
+    return chunks.get(tokens) if val.dim() > 1 else None
 
 
-def _fx_events(nodes, comm_chunks: dict) -> list:
+def _fx_events(nodes, comm_chunks: dict, sequence_parallel: bool) -> list:
     """The collective launches and waits and the GEMMs among FX nodes, in
-    their order, as _OverlapRecorder logs eager mode: (kind, chunk, [collective, node])."""
+    their order, as _OverlapRecorder logs eager mode: (kind, chunk, [collective, node]).
+    Under sequence parallelism on gloo, an all-reduce of activations is an
+    all-gather (parallel._launch_all_gather_as_sum)."""
     events = []
     for node in nodes:
         target = str(node.target)
@@ -1270,7 +1281,9 @@ def _fx_events(nodes, comm_chunks: dict) -> list:
         elif target.startswith("_c10d_functional."):  # all_reduce_: Inductor's in-place variant
             name = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
                     "all_gather_into_tensor": "all_gather"}[target.split(".")[1].rstrip("_")]
-            chunk = _chunk_of(node, comm_chunks)
+            as_sum = name == "all_reduce" and sequence_parallel and node.meta["val"].dim() > 2
+            name = "all_gather" if as_sum else name
+            chunk = _chunk_of(node, comm_chunks, as_sum)
             if chunk is not None:
                 events.append(("launch", chunk, [name, node.name]))
         elif target in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default"):
@@ -1334,7 +1347,9 @@ def _compare(tp: int, options: dict, backend_of) -> dict:
             "grad_errors": {n: [(grads[n] - g).abs().max().item(), g.abs().max().item()]
                             for n, g in eager_grads.items()},
             "graph_breaks": {k[:300]: v for k, v in torch._dynamo.utils.counters["graph_break"].items()},
-            "graphs": len(graphs), "events": [_fx_events(getattr(g, "nodes", g), comm) for g in graphs[:2]]}
+            "graphs": len(graphs),
+            "events": [_fx_events(getattr(g, "nodes", g), comm, options.get("sequence_parallel", False))
+                       for g in graphs[:2]]}
 
 
 def _compile_every_layout(out: str, names: list):
