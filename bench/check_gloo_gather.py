@@ -19,7 +19,7 @@ CPU ranks, then waits for both, and checks the results:
     python bench/check_gloo_gather.py --raw       # the functional all-gather itself
     python bench/check_gloo_gather.py --rounds 20000 --runs 5
 
-It prints one line per run and exits non-zero if any rank died.
+It prints one line per run and exits non-zero if a rank died (or failed after its peer died).
 """
 import argparse
 import datetime
@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,8 +68,8 @@ def main() -> int:
                 mp.start_processes(rank_main, args=(os.path.join(tmp, "rdzv"), args.rounds, args.raw),
                                    nprocs=2, start_method="spawn")
                 result = "ok"
-            except mp.ProcessExitedException as e:   # a rank killed by a signal
-                died, result = died + 1, f"DIED: {e}"
+            except ProcessException as e:   # a rank killed by a signal, or its peer's error after it
+                died, result = died + 1, f"DIED: {str(e).splitlines()[0]}"
         form = "functional all-gather" if args.raw else "parallel.launch_all_gather"
         print(f"run {run + 1}: {args.rounds} rounds of {form} beside an all-reduce: {result} "
               f"({time.time() - start:.0f} s)", flush=True)
