@@ -107,8 +107,7 @@ class Layout:
     pipeline (None at pp = 1), which both hold the tied embedding. mp_group:
     model parallelism, TP x PP, the ranks with this rank's DP rank that
     together hold one replica (the TP group at pp = 1); DeepSpeed sums its
-    grad norm and checks overflow over it (zero.DeepSpeedMPU). tp_gloo: the TP
-    group runs on gloo (CPU), where launch_all_gather takes another form."""
+    grad norm and checks overflow over it (zero.DeepSpeedMPU)."""
     tp_group: object = None
     tp_size: int = 1
     tp_rank: int = 0
@@ -121,7 +120,6 @@ class Layout:
     embedding_group: object = None
     mp_group: object = None
     initialized: bool = False
-    tp_gloo: bool = False
 
 
 layout = Layout()  # read it as parallel.layout.tp_size: initialize() replaces it
@@ -162,7 +160,6 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         group = dist.new_group(list(range(start, start + tp)), timeout=timeout)
         if start <= rank < start + tp:
             new.tp_group = new.mp_group = group
-            new.tp_gloo = dist.get_backend(group) == "gloo"
     for stage in range(pp):                                           # DP: same stage and TP rank
         for tp_r in range(tp):
             ranks = list(range(stage * stage_size + tp_r, (stage + 1) * stage_size, tp))
@@ -264,22 +261,24 @@ def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
 def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
     """Start the all-gather of every rank's x (B, ...) along dim 0: (tp * B, ...),
     rank r's rows at [r * B, (r + 1) * B), after wait()."""
-    if layout.tp_gloo:
+    if x.device.type == "cpu":  # gloo: see below
         return _launch_all_gather_as_sum(x)
     return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), layout.tp_size,
                                                              layout.tp_group.group_name)
 
 
 def _launch_all_gather_as_sum(x: torch.Tensor) -> torch.Tensor:
-    """launch_all_gather on gloo: the sum of every rank's x at its own rows,
-    zeros elsewhere. PyTorch's gloo runs a group's collectives on two threads,
-    which both write the group's last-op name; an all-gather into a tensor is
-    the one op whose name (ALLGATHER_COALESCED) is long enough to live on the
-    heap, so two collectives at once, as sequence parallelism and Domino
-    launch them, can corrupt the heap ("malloc(): unaligned tcache chunk
-    detected"; AddressSanitizer: a use-after-free in ProcessGroupGloo::runLoop,
-    bench/check_gloo_gather.py). The sum moves tp times the bytes, which
-    costs little on CPU, the only place this project runs gloo."""
+    """launch_all_gather of CPU tensors, which go through gloo: the sum of
+    every rank's x at its own rows, zeros elsewhere. PyTorch's gloo runs a
+    group's collectives on two threads, which both assign a string of the
+    group's status (the op's name) without a lock. The functional all-gather
+    runs as ALLGATHER_COALESCED, the only name among our collectives too long
+    for std::string's inline buffer, so with two collectives at once, as
+    sequence parallelism and Domino launch them, one thread can free the
+    buffer the other writes into: heap corruption ("malloc(): unaligned
+    tcache chunk detected"; AddressSanitizer: a use-after-free in
+    ProcessGroupGloo::runLoop; bench/check_gloo_gather.py). The sum's ring
+    all-reduce moves about twice an all-gather's bytes."""
     before, after = layout.tp_rank * x.shape[0], (layout.tp_size - 1 - layout.tp_rank) * x.shape[0]
     # zeros above and below x along dim 0 (a pad, not a cat: Inductor would keep x twice for backward)
     return launch_all_reduce(F.pad(x, (0, 0) * (x.dim() - 1) + (before, after)))   # (tp * B, ...)

@@ -601,7 +601,7 @@ class _OverlapRecorder(TorchDispatchMode):
     weight of the model has. Under sequence parallelism the collectives move
     each rank's tokens and the GEMMs see all of them: comm_chunks maps those.
     The collectives are parallel.py's functional ones, seen as they are
-    dispatched (as _fx_events reads them from a compiled graph); on gloo an
+    dispatched (as _fx_events reads them from a compiled graph); on CPU an
     all-gather is launched as a sum (parallel._launch_all_gather_as_sum), the
     only all-reduce of activations under sequence parallelism. serialize:
     wait for each all-reduce right after launching it."""
@@ -630,8 +630,8 @@ class _OverlapRecorder(TorchDispatchMode):
             if launch is not None:
                 self.events.append(("wait", None, launch))
             return out
-        # gloo's functional all-gather, beside another collective, can corrupt the heap
-        assert not (name == "all_gather_into_tensor" and parallel.layout.tp_gloo), "see _launch_all_gather_as_sum"
+        # gloo's functional all-gather, beside another collective, can corrupt the heap (CPU)
+        assert not (name == "all_gather_into_tensor" and out.device.type == "cpu"), "see _launch_all_gather_as_sum"
         name = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
         t = args[0] if name == "all_gather" else out  # the per-rank piece: (..., C) -> tokens
         if name == "all_reduce" and self.sequence_parallel and out.dim() > 2:  # gloo's all-gather:
@@ -1259,9 +1259,9 @@ def _saved_for_backward(saved: dict, model):
 
 def _chunk_of(node, chunks: dict, gathered_as_sum: bool):
     """The Domino chunk whose tokens a collective node moves: the per-rank
-    piece (the all-gather's input, the others' output; of an all-gather
-    launched as a sum on gloo, a tp-th of it), (..., C) -> tokens."""
-    val = (node.args[0] if "all_gather" in str(node.target) else node).meta["val"]
+    piece (the output; of an all-gather launched as a sum, a tp-th of it),
+    (..., C) -> tokens."""
+    val = node.meta["val"]
     tokens = val.numel() // val.shape[-1] // (parallel.layout.tp_size if gathered_as_sum else 1)
     return chunks.get(tokens) if val.dim() > 1 else None
 
@@ -1269,7 +1269,7 @@ def _chunk_of(node, chunks: dict, gathered_as_sum: bool):
 def _fx_events(nodes, comm_chunks: dict, sequence_parallel: bool) -> list:
     """The collective launches and waits and the GEMMs among FX nodes, in
     their order, as _OverlapRecorder logs eager mode: (kind, chunk, [collective, node]).
-    Under sequence parallelism on gloo, an all-reduce of activations is an
+    Under sequence parallelism on CPU, an all-reduce of activations is an
     all-gather (parallel._launch_all_gather_as_sum)."""
     events = []
     for node in nodes:
@@ -1281,6 +1281,7 @@ def _fx_events(nodes, comm_chunks: dict, sequence_parallel: bool) -> list:
         elif target.startswith("_c10d_functional."):  # all_reduce_: Inductor's in-place variant
             name = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
                     "all_gather_into_tensor": "all_gather"}[target.split(".")[1].rstrip("_")]
+            assert name != "all_gather", "on CPU (gloo): see parallel._launch_all_gather_as_sum"
             as_sum = name == "all_reduce" and sequence_parallel and node.meta["val"].dim() > 2
             name = "all_gather" if as_sum else name
             chunk = _chunk_of(node, comm_chunks, as_sum)
