@@ -630,13 +630,8 @@ class _OverlapRecorder(TorchDispatchMode):
             if launch is not None:
                 self.events.append(("wait", None, launch))
             return out
-        # gloo's functional all-gather, beside another collective, can corrupt the heap (CPU)
-        assert not (name == "all_gather_into_tensor" and out.device.type == "cpu"), "see _launch_all_gather_as_sum"
-        name = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
-        t = args[0] if name == "all_gather" else out  # the per-rank piece: (..., C) -> tokens
-        if name == "all_reduce" and self.sequence_parallel and out.dim() > 2:  # gloo's all-gather:
-            name, t = "all_gather", out[:out.shape[0] // parallel.layout.tp_size]  # a sum (tp * b, s, C)
-        chunk = self.comm_chunks.get(t.numel() // t.shape[-1])
+        name, tokens = _tp_collective(name, out, self.sequence_parallel)
+        chunk = self.comm_chunks.get(tokens)
         if chunk is not None:
             launch = (name, object())  # this collective's identity
             self.events.append(("launch", chunk, launch))
@@ -645,6 +640,21 @@ class _OverlapRecorder(TorchDispatchMode):
                 torch.ops._c10d_functional.wait_tensor(out)  # not dispatched to this mode again
                 self.events.append(("wait", None, self.in_flight.pop(out.data_ptr())))
         return out
+
+
+def _tp_collective(name: str, out, sequence_parallel: bool) -> tuple:
+    """A functional collective's op name and output -> (its name in these
+    tests, the tokens of the per-rank piece it moves, (..., C) -> tokens; None
+    without a C). On CPU an all-gather is launched as a sum
+    (parallel._launch_all_gather_as_sum), under sequence parallelism the only
+    all-reduce of activations: (tp * b, s, C), a tp-th of it each rank's."""
+    # gloo's functional all-gather, beside another collective, can corrupt the heap
+    assert name != "all_gather_into_tensor", "on CPU (gloo): see parallel._launch_all_gather_as_sum"
+    name = {"reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
+    tokens = out.numel() // out.shape[-1] if out.dim() > 1 else None
+    if name == "all_reduce" and sequence_parallel and out.dim() > 2:
+        name, tokens = "all_gather", tokens // parallel.layout.tp_size
+    return name, tokens
 
 
 def _unhidden_all_reduces(events, name="all_reduce", other_chunk=True) -> list:
@@ -1257,15 +1267,6 @@ def _saved_for_backward(saved: dict, model):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def _chunk_of(node, chunks: dict, gathered_as_sum: bool):
-    """The Domino chunk whose tokens a collective node moves: the per-rank
-    piece (the output; of an all-gather launched as a sum, a tp-th of it),
-    (..., C) -> tokens."""
-    val = node.meta["val"]
-    tokens = val.numel() // val.shape[-1] // (parallel.layout.tp_size if gathered_as_sum else 1)
-    return chunks.get(tokens) if val.dim() > 1 else None
-
-
 def _fx_events(nodes, comm_chunks: dict, sequence_parallel: bool) -> list:
     """The collective launches and waits and the GEMMs among FX nodes, in
     their order, as _OverlapRecorder logs eager mode: (kind, chunk, [collective, node]).
@@ -1279,12 +1280,10 @@ def _fx_events(nodes, comm_chunks: dict, sequence_parallel: bool) -> list:
         if target.startswith("_c10d_functional.wait_tensor"):
             events.append(("wait", None, [None, node.args[0].name]))
         elif target.startswith("_c10d_functional."):  # all_reduce_: Inductor's in-place variant
-            name = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
-                    "all_gather_into_tensor": "all_gather"}[target.split(".")[1].rstrip("_")]
-            assert name != "all_gather", "on CPU (gloo): see parallel._launch_all_gather_as_sum"
-            as_sum = name == "all_reduce" and sequence_parallel and node.meta["val"].dim() > 2
-            name = "all_gather" if as_sum else name
-            chunk = _chunk_of(node, comm_chunks, as_sum)
+            name = target.split(".")[1].rstrip("_")
+            assert name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"), target
+            name, tokens = _tp_collective(name, node.meta["val"], sequence_parallel)
+            chunk = comm_chunks.get(tokens)
             if chunk is not None:
                 events.append(("launch", chunk, [name, node.name]))
         elif target in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default"):
