@@ -6,7 +6,7 @@ then the `latest` pointer replaced), so a crash or a power loss leaves the
 previous checkpoint readable; a diverged model never reaches one; --load reads
 the newest checkpoint of any kind. The DeepSpeed runs that write ZeRO
 checkpoints (and their export) are in test_zero.py; resuming across layouts,
---ckpt-format torch_dist's included, in test_train.py (here: torch_dist in
+--ckpt-format torch_dist's included, in test_train.py and test_pipeline.py (here: torch_dist in
 one process against the torch format). The Hugging Face tests build random transformers models and
 check that ours computes the same logits, both ways.
 """
