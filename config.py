@@ -33,6 +33,18 @@ def flag(default, help: str, tools=(TRAIN,), **argparse_kwargs):
     return field(**value, metadata={"help": help, "tools": tools, **argparse_kwargs})
 
 
+def whole_number(text: str) -> int:
+    """The type of a count that Megatron declares a float: --loss-scale-window
+    1000.0, as a pasted recipe may give it, is 1000; 1000.5 is an error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value.is_integer():  # nor are nan and inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
 # ----------------------------------------------------------------------------
 # 1. TrainConfig
 # ----------------------------------------------------------------------------
@@ -125,7 +137,8 @@ class TrainConfig:
     hysteresis: int | None = flag(None, "--fp16: the non-finite steps since the scale last grew that halve it "
                                         "(default 1; under --deepspeed DeepSpeed's, 2)")
     loss_scale_window: int | None = flag(None, "--fp16: the finite steps in a row that double the loss scale "
-                                               "(default 2000; under --deepspeed DeepSpeed's, 1000)")
+                                               "(default 2000; under --deepspeed DeepSpeed's, 1000)",
+                                         type=whole_number)
     min_loss_scale: float | None = flag(None, "--fp16: the loss scale never halves below this (default: no "
                                               "floor; under --deepspeed DeepSpeed's, 1)")
     compile: bool = flag(False, "torch.compile the model (the whole step: no graph break at any layout)")

@@ -124,6 +124,8 @@ def test_megatron_flags_fill_typed_config():
 
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "tiny", "--bf16", "--fp16"], "mutually exclusive"),
+    (["--preset", "tiny", "--loss-scale-window", "1000.5"], "--loss-scale-window: '1000.5' is not a whole number"),
+    (["--preset", "tiny", "--loss-scale-window", "inf"], "--loss-scale-window: 'inf' is not a whole number"),
     (["--preset", "tiny", "--lr-decay-style", "exp"], "cosine, linear or constant"),
     ([], "--preset"),
     (["--preset", "tiny", "--seq-length", "4096", "--max-position-embeddings", "64"], "exceeds"),
@@ -225,6 +227,7 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     (["--no-pipeline-parallel"], "pipeline_model_parallel_size", 1),
     (["--hysteresis", "2"], "hysteresis", 2),
     (["--loss-scale-window", "100"], "loss_scale_window", 100),
+    (["--loss-scale-window", "1000.0"], "loss_scale_window", 1000),  # Megatron's type is float
     (["--min-loss-scale", "1.0"], "min_loss_scale", 1.0),
     (["--override-lr-scheduler"], "override_opt_param_scheduler", True),
     (["--use-checkpoint-lr-scheduler"], "use_checkpoint_opt_param_scheduler", True),
