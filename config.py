@@ -33,16 +33,17 @@ def flag(default, help: str, tools=(TRAIN,), **argparse_kwargs):
     return field(**value, metadata={"help": help, "tools": tools, **argparse_kwargs})
 
 
-def whole_number(text: str) -> int:
-    """The type of a count that Megatron declares a float: --loss-scale-window
-    1000.0, as a pasted recipe may give it, is 1000; 1000.5 is an error."""
+def whole_number(value) -> int:
+    """A count given as text or as a JSON number: 1000, "1e3" or 1000.0 (Megatron
+    declares --loss-scale-window a float, and a recipe may write it so) is 1000;
+    1000.5, true or "many" is an error."""
     try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value.is_integer():  # nor are nan and inf
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    return int(value)
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if isinstance(value, bool) or not number.is_integer():  # nor are nan and inf
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+    return int(number)
 
 
 # ----------------------------------------------------------------------------
@@ -424,16 +425,16 @@ def say(line: str) -> None:
 
 # The JSON values our flags also set: key path -> (TrainConfig field, JSON value -> field value)
 DEEPSPEED_JSON_FLAGS = {
-    ("train_micro_batch_size_per_gpu",): ("micro_batch_size", int),
-    ("train_batch_size",): ("global_batch_size", int),
+    ("train_micro_batch_size_per_gpu",): ("micro_batch_size", whole_number),
+    ("train_batch_size",): ("global_batch_size", whole_number),
     ("gradient_clipping",): ("clip_grad", float),
     ("bf16", "enabled"): ("bf16", bool),
     ("fp16", "enabled"): ("fp16", bool),
     ("fp16", "initial_scale_power"): ("initial_loss_scale", lambda p: 2.0 ** p),
-    ("fp16", "hysteresis"): ("hysteresis", int),
-    ("fp16", "loss_scale_window"): ("loss_scale_window", int),
+    ("fp16", "hysteresis"): ("hysteresis", whole_number),
+    ("fp16", "loss_scale_window"): ("loss_scale_window", whole_number),
     ("fp16", "min_loss_scale"): ("min_loss_scale", float),
-    ("zero_optimization", "stage"): ("zero_stage", int),
+    ("zero_optimization", "stage"): ("zero_stage", whole_number),
 }
 
 
@@ -485,7 +486,10 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
             raw = raw.get(key) if isinstance(raw, dict) else None
         if raw is None or raw == "auto":
             continue
-        value, now = convert(raw), getattr(cfg, name)
+        try:
+            value, now = convert(raw), getattr(cfg, name)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}: {e}") from None
         decided = name in given or (name in ("bf16", "fp16") and precision_given)
         if not decided:
             updates[name] = value

@@ -8,7 +8,7 @@ teardown), the CPU seconds of the pytest process itself, of its waited-for
 children (torchrun, `python train.py` ...) and of the forkserver with the
 ranks it has reaped, one JSON line per test.
 
-    PYTHONPATH=bench python -m pytest -q -n auto --dist loadfile -p suite_cpu   # -> SUITE_CPU (default /tmp/suite_cpu.jsonl)
+    PYTHONPATH=bench python -m pytest -q -n auto --dist loadfile -p suite_cpu   # -> SUITE_CPU (default /tmp/suite_cpu.jsonl, emptied first)
     python bench/suite_cpu.py /tmp/suite_cpu.jsonl                              # per file, then the slowest tests
 
 A rank reaped after its test ended counts for the next test of that worker.
@@ -17,6 +17,8 @@ import json
 import os
 import resource
 import sys
+
+import pytest
 
 OUT = os.environ.get("SUITE_CPU", "/tmp/suite_cpu.jsonl")
 _started = {}
@@ -41,12 +43,23 @@ def _now() -> tuple[float, float, float]:
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, _forkserver_seconds()
 
 
-def pytest_runtest_logstart(nodeid, location):
-    _started[nodeid] = _now()
+def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the run's first process: a new file
+        open(OUT, "w").close()
+
+
+# Setup (where the test runs: an xdist worker, not the controller, which also
+# sees each test's log hooks) to the end of its teardown.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _started[item.nodeid] = _now()
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    before, after = _started.pop(nodeid), _now()
+    before = _started.pop(nodeid, None)
+    if before is None:  # xdist's controller, reporting a worker's test
+        return
+    after = _now()
     own, children, ranks = (b - a for a, b in zip(before, after))
     with open(OUT, "a") as f:
         f.write(json.dumps({"test": nodeid, "self": own, "children": children, "forkserver": ranks}) + "\n")

@@ -233,7 +233,8 @@ def test_megatron_flags_we_cannot_honour_say_what_to_use(flags, message):
     (["--use-checkpoint-lr-scheduler"], "use_checkpoint_opt_param_scheduler", True),
 ])
 def test_megatron_lm_and_megatron_deepspeed_names_of_our_flags(flags, field, value):
-    assert getattr(parse(*flags), field) == value
+    got = getattr(parse(*flags), field)
+    assert got == value and type(got) is type(value)
 
 
 def test_kv_channels_is_the_head_dim_or_one_line():
@@ -511,6 +512,20 @@ def test_an_asynchronous_checkpoint_writer_is_refused(tmp_path, content):
     cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, content), "--save", str(tmp_path))
     with pytest.raises(ValueError, match="asynchronous checkpoint writer"):
         zero.deepspeed_config(cfg, dp_size=1, accum=1)
+
+
+@pytest.mark.parametrize("json_content, message", [
+    ({"fp16": {"loss_scale_window": 1000.5}}, "fp16.loss_scale_window: 1000.5 is not a whole number"),
+    ({"train_micro_batch_size_per_gpu": "four"}, "train_micro_batch_size_per_gpu: 'four' is not a whole number"),
+    ({"fp16": {"hysteresis": True}}, "fp16.hysteresis: True is not a whole number"),
+])
+def test_a_json_count_that_is_not_a_whole_number_is_one_line(tmp_path, json_content, message):
+    """A count in the JSON is a whole number, as the same flag's (1000.0 is 1000)."""
+    json_content = {"train_micro_batch_size_per_gpu": 4.0, **json_content}
+    with pytest.raises(ValueError, match=f"^--deepspeed_config .*: {re.escape(message)}$"):
+        parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, json_content))
+    cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, {"train_micro_batch_size_per_gpu": 4.0}))
+    assert cfg.micro_batch_size == 4 and type(cfg.micro_batch_size) is int
 
 
 def test_a_missing_or_broken_json_is_named(tmp_path):

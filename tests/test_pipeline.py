@@ -669,7 +669,7 @@ def test_every_schedule_in_16_bits_trains_the_16_bit_curve_of_one_stage(pipeline
     *((name, range(5, 9)) for name in DIST_READERS)])
 def test_every_pipeline_layout_trains_the_curve_of_one_stage(pipeline_runs, name, iterations):
     """Each layout, from scratch or from a checkpoint of another layout, takes
-    PP=1's steps (resuming in one layout: the dropout test below, bit for bit)."""
+    PP=1's steps (resuming in one layout: the dropout tests above, bit for bit)."""
     want, got = pipeline_runs["PP=1"], pipeline_runs[name]
     assert len(want) == 8 and sorted(got) == list(iterations), sorted(got)
     for i, m in got.items():
