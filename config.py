@@ -487,9 +487,10 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
         if raw is None or raw == "auto":
             continue
         try:
-            value, now = convert(raw), getattr(cfg, name)
+            value = convert(raw)
         except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}: {e}") from None
+        now = getattr(cfg, name)
         decided = name in given or (name in ("bf16", "fp16") and precision_given)
         if not decided:
             updates[name] = value

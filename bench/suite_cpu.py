@@ -71,7 +71,8 @@ def summary(path: str, top: int = 25) -> None:
         r["cpu"] = r["self"] + r["children"] + r["forkserver"]
     by_file = {}
     for r in rows:
-        by_file[r["test"].split("::")[0]] = by_file.get(r["test"].split("::")[0], 0.0) + r["cpu"]
+        name = r["test"].split("::")[0]
+        by_file[name] = by_file.get(name, 0.0) + r["cpu"]
     print(f"{len(rows)} tests, {sum(r['cpu'] for r in rows):,.0f} CPU-seconds")
     for name, seconds in sorted(by_file.items(), key=lambda kv: -kv[1]):
         print(f"{seconds:8.1f}  {name}")
