@@ -133,6 +133,15 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0, 
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if world > 1 and not dist.is_initialized():
+        if backend == "gloo":
+            # gloo connects a group's ranks inside init_process_group and
+            # new_group, and the rank that dials returns once its connection is
+            # made, while its peer may still be accepting it. A rank that then
+            # leaves (a user error found right after, a run that ends) closes
+            # the socket under that peer, which fails with "Connection closed
+            # by peer" instead. torch's switch for a barrier at the end of each
+            # makes every rank wait for all. (NCCL connects at first use.)
+            os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
         dist.init_process_group(backend=backend, timeout=timeout, **elastic_store(rank, world, timeout))
     elif deepspeed and not dist.is_initialized():
         # DeepSpeed needs a process group and the launcher's variables, even alone.

@@ -300,6 +300,9 @@ def _rank_main(rank, world_size, tmp, fn, args):
     import parallel
     faulthandler.enable(open(os.path.join(tmp, f"stacks{rank}"), "w"))  # SIGABRT: write the stacks
     torch.set_num_threads(1)  # the ranks share the CI box's cores
+    # What launch.init_distributed sets for gloo (see there): without it, a
+    # rank that destroys a group it just made can fail a peer still joining it.
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:

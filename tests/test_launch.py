@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, free_port, losses, read_metrics, run_bounded, run_together, train_on_ranks
+from conftest import (ROOT, TINY, free_port, losses, read_metrics, run_bounded, run_on_ranks, run_together,
+                      train_on_ranks)
 
 MODULES = sorted(os.path.basename(f)[:-3] for f in glob.glob(os.path.join(ROOT, "*.py")))
 
@@ -57,6 +58,45 @@ def test_only_torch_dist_imports_pytorchs_distributed_checkpoint():
     not by train.py or evaluate.py."""
     loaded = modules_loaded_by("train, evaluate")
     assert "checkpoint" in loaded and "torch.distributed.checkpoint" not in loaded
+
+
+# ----------------------------------------------------------------------------
+# The default process group from torchrun's variables (init_distributed)
+
+SLOW_JOIN = 1.0  # seconds rank 1 stays inside each two-rank gloo group it makes
+
+
+def _groups_made_beside_a_slow_peer(port):
+    """Start over from torchrun's variables, as train.py does, and let rank 1
+    stay SLOW_JOIN s longer inside each two-rank gloo group's construction,
+    after its sockets are connected. Rank 0 must not leave parallel.initialize
+    before then: a rank that went on to destroy the group, or to exit, would
+    close the socket under its peer ("Connection closed by peer")."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    import launch
+    import parallel
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    del os.environ["TORCH_DIST_INIT_BARRIER"]  # run_on_ranks' own: init_distributed must set it
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    launch.init_distributed()
+    if rank == 1:
+        class SlowToJoin(c10d.ProcessGroupGloo):
+            def __init__(self, store, group_rank, size, *args, **kwargs):
+                super().__init__(store, group_rank, size, *args, **kwargs)
+                if size == 2:
+                    time.sleep(SLOW_JOIN)
+        c10d.ProcessGroupGloo = SlowToJoin
+    start = time.monotonic()
+    parallel.initialize(1)  # at T=1 on 2 ranks the data-parallel group is the one of two ranks
+    waited = time.monotonic() - start
+    assert rank == 1 or waited >= SLOW_JOIN, f"rank 0 left after {waited:.2f} s, while rank 1 was still joining"
+
+
+def test_no_rank_leaves_a_gloo_group_before_its_peers_have_joined():
+    run_on_ranks(_groups_made_beside_a_slow_peer, free_port())
 
 
 # ----------------------------------------------------------------------------
