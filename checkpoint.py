@@ -845,6 +845,8 @@ class AsyncSave:
     def __init__(self, timeout, optimizer):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        if self.group is not None:  # every rank has joined it (see launch.init_distributed), on NCCL runs too
+            dist.barrier(group=self.group)
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=False))
         self.pending = None  # the write (or the first copy) in flight: a Future

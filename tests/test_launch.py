@@ -2,6 +2,7 @@
 imports none of them, and the project's imports run one way. Then launch.py at
 work under torchrun: restarts, timeouts, and two agents meeting as two nodes."""
 import ast
+import datetime
 import glob
 import os
 import re
@@ -71,11 +72,15 @@ def _groups_made_beside_a_slow_peer(port):
     stay SLOW_JOIN s longer inside each two-rank gloo group's construction,
     after its sockets are connected. Rank 0 must not leave parallel.initialize
     before then: a rank that went on to destroy the group, or to exit, would
-    close the socket under its peer ("Connection closed by peer")."""
+    close the socket under its peer ("Connection closed by peer"). Nor the
+    making of --async-save's gloo group, on an NCCL run (no barrier switch)."""
+    import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+    import checkpoint
     import launch
     import parallel
+    torch.cuda.is_available = lambda: False  # gloo, as on the CPU machines this runs on
     rank = dist.get_rank()
     dist.destroy_process_group()
     del os.environ["TORCH_DIST_INIT_BARRIER"]  # run_on_ranks' own: init_distributed must set it
@@ -93,6 +98,11 @@ def _groups_made_beside_a_slow_peer(port):
     parallel.initialize(1)  # at T=1 on 2 ranks the data-parallel group is the one of two ranks
     waited = time.monotonic() - start
     assert rank == 1 or waited >= SLOW_JOIN, f"rank 0 left after {waited:.2f} s, while rank 1 was still joining"
+    del os.environ["TORCH_DIST_INIT_BARRIER"]  # as init_distributed leaves it for NCCL
+    start = time.monotonic()
+    checkpoint.AsyncSave(datetime.timedelta(seconds=60), torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
+    waited = time.monotonic() - start
+    assert rank == 1 or waited >= SLOW_JOIN, f"rank 0 left AsyncSave after {waited:.2f} s"
 
 
 def test_no_rank_leaves_a_gloo_group_before_its_peers_have_joined():
