@@ -46,6 +46,23 @@ def whole_number(value) -> int:
     return int(number)
 
 
+# How DeepSpeed's config (pydantic) reads a JSON switch, any case: bool("false") is True.
+SWITCH_WORDS = {**dict.fromkeys(("true", "t", "yes", "y", "on", "1"), True),
+                **dict.fromkeys(("false", "f", "no", "n", "off", "0"), False)}
+
+
+def json_switch(value) -> bool:
+    """A DeepSpeed JSON switch as DeepSpeed reads it: true, 1 or "true", "yes",
+    "on" ... is True; false, 0 or "false", "no", "off" ... is False; else an error."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in SWITCH_WORDS:
+        return SWITCH_WORDS[value.lower()]
+    raise argparse.ArgumentTypeError(f"{value!r} is not true or false")
+
+
 # ----------------------------------------------------------------------------
 # 1. TrainConfig
 # ----------------------------------------------------------------------------
@@ -428,8 +445,8 @@ DEEPSPEED_JSON_FLAGS = {
     ("train_micro_batch_size_per_gpu",): ("micro_batch_size", whole_number),
     ("train_batch_size",): ("global_batch_size", whole_number),
     ("gradient_clipping",): ("clip_grad", float),
-    ("bf16", "enabled"): ("bf16", bool),
-    ("fp16", "enabled"): ("fp16", bool),
+    ("bf16", "enabled"): ("bf16", json_switch),
+    ("fp16", "enabled"): ("fp16", json_switch),
     ("fp16", "initial_scale_power"): ("initial_loss_scale", lambda p: 2.0 ** p),
     ("fp16", "hysteresis"): ("hysteresis", whole_number),
     ("fp16", "loss_scale_window"): ("loss_scale_window", whole_number),

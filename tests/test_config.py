@@ -528,6 +528,17 @@ def test_a_json_count_that_is_not_a_whole_number_is_one_line(tmp_path, json_cont
     assert cfg.micro_batch_size == 4 and type(cfg.micro_batch_size) is int
 
 
+@pytest.mark.parametrize("switch, on", [("false", False), ("False", False), ("off", False), (0, False),
+                                        ("true", True), ("yes", True), (1, True)])
+def test_a_json_switch_is_read_as_deepspeed_reads_it(tmp_path, switch, on):
+    """"enabled": "false" is off, as DeepSpeed's config reads it (bool() would
+    turn fp16 on, and hand DeepSpeed a JSON that says so)."""
+    cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, {"fp16": {"enabled": switch}}))
+    assert cfg.fp16 is on and zero.deepspeed_config(cfg, dp_size=1, accum=1)["fp16"]["enabled"] is on
+    with pytest.raises(ValueError, match=r"^--deepspeed_config .*: bf16.enabled: 'maybe' is not true or false$"):
+        parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, {"bf16": {"enabled": "maybe"}}))
+
+
 def test_a_missing_or_broken_json_is_named(tmp_path):
     with pytest.raises(ValueError, match="--deepspeed_config .*nope.json: no such file"):
         parse("--deepspeed", "--deepspeed_config", str(tmp_path / "nope.json"))
