@@ -505,8 +505,9 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
             continue
         try:
             value = convert(raw)
-        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
-            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}: {e}") from None
+        except (argparse.ArgumentTypeError, TypeError, ValueError, OverflowError) as e:
+            why = f"{raw!r} is out of range" if isinstance(e, OverflowError) else e  # 2.0 ** 10000
+            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}: {why}") from None
         now = getattr(cfg, name)
         decided = name in given or (name in ("bf16", "fp16") and precision_given)
         if not decided:

@@ -131,9 +131,10 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
                              f"train.py passes its own AdamW and learning-rate schedule "
                              f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
     writer = (user.get("checkpoint") or {}).get("writer") or {}
-    if cfg.save and (writer.get("decoupled") or (user.get("datastates") or {}).get("enabled")):
+    # DeepSpeed's own tests of the two: any "datastates_ckpt" section but false turns it on
+    if cfg.save and (writer.get("decoupled") or user.get("datastates_ckpt", False) is not False):
         raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
-                         f"(checkpoint.writer.decoupled, datastates) returns before the files are on "
+                         f"(checkpoint.writer.decoupled, datastates_ckpt) returns before the files are on "
                          f"disk, and train.py would point `latest` at a checkpoint still being "
                          f"written; remove it (saves are written synchronously, then published)")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):

@@ -504,11 +504,15 @@ def test_megatron_deepspeed_gpt3_script_flags_as_pasted(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content", [{"checkpoint": {"writer": {"decoupled": True}}},
-                                     {"datastates": {"enabled": True}}])
+                                     {"datastates_ckpt": {"host_cache_size": 16}},
+                                     {"datastates_ckpt": {"enabled": False}}])
 def test_an_asynchronous_checkpoint_writer_is_refused(tmp_path, content):
     """train.py points `latest` at a checkpoint once engine.save_checkpoint
     returns; a writer that returns before the files are on disk would make
-    it point at a half-written one."""
+    it point at a half-written one. DeepSpeed turns DataStates on for any
+    "datastates_ckpt" section but false, an "enabled": false inside included."""
+    from deepspeed.datastates.config import DeepSpeedDataStatesConfig
+    assert DeepSpeedDataStatesConfig(content).enabled or "checkpoint" in content  # DeepSpeed's own reading
     cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, content), "--save", str(tmp_path))
     with pytest.raises(ValueError, match="asynchronous checkpoint writer"):
         zero.deepspeed_config(cfg, dp_size=1, accum=1)
@@ -518,6 +522,7 @@ def test_an_asynchronous_checkpoint_writer_is_refused(tmp_path, content):
     ({"fp16": {"loss_scale_window": 1000.5}}, "fp16.loss_scale_window: 1000.5 is not a whole number"),
     ({"train_micro_batch_size_per_gpu": "four"}, "train_micro_batch_size_per_gpu: 'four' is not a whole number"),
     ({"fp16": {"hysteresis": True}}, "fp16.hysteresis: True is not a whole number"),
+    ({"fp16": {"initial_scale_power": 10000}}, "fp16.initial_scale_power: 10000 is out of range"),
 ])
 def test_a_json_count_that_is_not_a_whole_number_is_one_line(tmp_path, json_content, message):
     """A count in the JSON is a whole number, as the same flag's (1000.0 is 1000)."""
@@ -528,15 +533,21 @@ def test_a_json_count_that_is_not_a_whole_number_is_one_line(tmp_path, json_cont
     assert cfg.micro_batch_size == 4 and type(cfg.micro_batch_size) is int
 
 
-@pytest.mark.parametrize("switch, on", [("false", False), ("False", False), ("off", False), (0, False),
-                                        ("true", True), ("yes", True), (1, True)])
-def test_a_json_switch_is_read_as_deepspeed_reads_it(tmp_path, switch, on):
-    """"enabled": "false" is off, as DeepSpeed's config reads it (bool() would
-    turn fp16 on, and hand DeepSpeed a JSON that says so)."""
+@pytest.mark.parametrize("switch", ["false", "False", "off", "n", 0, "true", "TRUE", "yes", 1, 1.0])
+def test_a_json_switch_is_read_as_deepspeed_reads_it(tmp_path, switch):
+    """"enabled": "false" is off, as DeepSpeed's config (pydantic) reads it;
+    bool() would turn fp16 on, and hand DeepSpeed a JSON that says so."""
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+    on = DeepSpeedFP16Config(enabled=switch).enabled
     cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, {"fp16": {"enabled": switch}}))
     assert cfg.fp16 is on and zero.deepspeed_config(cfg, dp_size=1, accum=1)["fp16"]["enabled"] is on
-    with pytest.raises(ValueError, match=r"^--deepspeed_config .*: bf16.enabled: 'maybe' is not true or false$"):
-        parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, {"bf16": {"enabled": "maybe"}}))
+
+
+@pytest.mark.parametrize("switch", ["maybe", 2, " true"])
+def test_a_json_switch_deepspeed_would_refuse_is_one_line(tmp_path, switch):
+    with pytest.raises(ValueError, match=rf"^--deepspeed_config .*: bf16.enabled: {re.escape(repr(switch))} "
+                                         rf"is not true or false$"):
+        parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, {"bf16": {"enabled": switch}}))
 
 
 def test_a_missing_or_broken_json_is_named(tmp_path):
