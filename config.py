@@ -221,8 +221,6 @@ class TrainConfig:
     zero_offload_optimizer: bool = flag(False, "optimizer states and step on CPU")
     partition_activations: bool = flag(False, "with --recompute-activations under DeepSpeed: split saved "
                                               "inputs over TP ranks")
-    checkpoint_in_cpu: bool = flag(False, "with --recompute-activations under DeepSpeed: keep saved inputs "
-                                          "in host memory")
     # weight export from a checkpoint, plain or DeepSpeed (then exit)
     export_from: str | None = flag(None, "export the weights of this checkpoint (any kind) or Hugging Face directory, then exit")
     export_to: str | None = flag(None, "where the export goes")
@@ -784,17 +782,16 @@ def validate_pipeline(cfg: TrainConfig) -> None:
 
 def validate_deepspeed(cfg: TrainConfig) -> None:
     ds_flags = cfg.zero_stage is not None or cfg.deepspeed_config or cfg.zero_offload_optimizer \
-        or cfg.partition_activations or cfg.checkpoint_in_cpu
+        or cfg.partition_activations
     if ds_flags and not cfg.deepspeed:
         raise UsageError("--zero-stage / --deepspeed_config / --zero-offload-optimizer / "
-                         "--partition-activations / --checkpoint-in-cpu need --deepspeed")
+                         "--partition-activations need --deepspeed")
     if cfg.zero_stage is not None and cfg.zero_stage not in (0, 1, 2, 3):
         raise UsageError(f"--zero-stage {cfg.zero_stage}: use 0, 1, 2 or 3")
     if cfg.deepspeed and cfg.domino:
         raise UsageError("--domino is not supported with --deepspeed: drop one of them")
-    for name in ("partition_activations", "checkpoint_in_cpu"):  # options of DeepSpeed's recomputation
-        if getattr(cfg, name) and not cfg.recompute_activations:
-            raise UsageError(f"--{name.replace('_', '-')} needs --recompute-activations")
+    if cfg.partition_activations and not cfg.recompute_activations:
+        raise UsageError("--partition-activations needs --recompute-activations")
     if cfg.export_from and not cfg.export_to:
         raise UsageError("--export-from needs --export-to PATH")
     if cfg.export_format not in ("plain", "hf"):

@@ -227,10 +227,8 @@ class DeepSpeedTraining:
             weights, state = checkpoint.read_weights(found)
             load_weights(model, weights)
         if cfg.recompute_activations:
-            # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs,
-            # and in host memory, copied back for backward.
-            ds.checkpointing.configure(mpu, partition_activations=cfg.partition_activations,
-                                       checkpoint_in_cpu=cfg.checkpoint_in_cpu)
+            # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
+            ds.checkpointing.configure(mpu, partition_activations=cfg.partition_activations)
             model.checkpoint_fn = ds.checkpointing.checkpoint
         # On CPU the unfused AdamW: with the fused CPU kernel a resumed ZeRO-2 run's
         # grad norms differ from the uninterrupted run's in the last bit.

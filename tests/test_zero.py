@@ -194,11 +194,8 @@ def worker(out: str, plan: str) -> None:
                                                "--lr-decay-iters", str(STEPS), *tp])
         worker_run(out, "tp2_z3_llama", ["--deepspeed", "--zero-stage", "3", *tp, *LLAMA])
         worker_run(out, "tp2_z3_llama_partitioned", ["--deepspeed", "--zero-stage", "3", "--recompute-activations",
-                                                     "--partition-activations", "--checkpoint-in-cpu",
-                                                     "--train-iters", "6", "--lr-decay-iters", str(STEPS),
-                                                     *tp, *LLAMA])
-        from deepspeed.runtime.activation_checkpointing import checkpointing
-        assert checkpointing.CPU_CHECKPOINT, "--checkpoint-in-cpu did not reach DeepSpeed's checkpointing"
+                                                     "--partition-activations", "--train-iters", "6",
+                                                     "--lr-decay-iters", str(STEPS), *tp, *LLAMA])
         # Sequence parallelism with dropout (per-TP-rank masks): DDP, ZeRO-1, ZeRO-3,
         # and ZeRO-1 with DeepSpeed's activation checkpointing (which must replay the masks).
         sp = [*tp, "--sequence-parallel", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
@@ -510,9 +507,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_under_deepspeed(run
                                      ("tp2_z1_sp_recompute", "tp2_z1_sp")])  # per-rank dropout replayed
 def test_memory_saving_options_change_nothing_but_memory(runs, run, ref):
     """--recompute-activations through DeepSpeed's checkpointing (and, under
-    TP, --partition-activations, once with --checkpoint-in-cpu: on CPU its copy
-    to the host changes no value, but the worker checks that DeepSpeed's switch
-    was on), and --zero-offload-optimizer (optimizer
+    TP, --partition-activations), and --zero-offload-optimizer (optimizer
     states and step on CPU, torch AdamW) train exactly like the plain stage."""
     got, want = metrics(runs, run), metrics(runs, ref)
     assert [m["iteration"] for m in got] == list(range(1, 7))
