@@ -131,7 +131,7 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
                              f"train.py passes its own AdamW and learning-rate schedule "
                              f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
     writer = (user.get("checkpoint") or {}).get("writer") or {}
-    # DeepSpeed's own tests of the two: any "datastates_ckpt" section but false turns it on
+    # As DeepSpeed reads the two: a truthy "decoupled", any "datastates_ckpt" section but false
     if cfg.save and (writer.get("decoupled") or user.get("datastates_ckpt", False) is not False):
         raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
                          f"(checkpoint.writer.decoupled, datastates_ckpt) returns before the files are on "
