@@ -428,9 +428,7 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
     "interleaved PP=2 x DP=2": (4, ["--pipeline-model-parallel-size", "2",
                                     "--num-layers-per-virtual-pipeline-stage", "1"]),
     "PP=2 with recomputation": (2, ["--pipeline-model-parallel-size", "2", "--recompute-activations"]),
-    "PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
-                                                   "--tensor-model-parallel-size", "2",
-                                                   "--sequence-parallel", "--domino"]),
+    # PP=2 x TP=2 with SP and Domino: under ZB-H1 here; under 1F1B over DP=2, interleaved and compiled below
     "ZB-H1 PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
                                                          "--tensor-model-parallel-size", "2",
                                                          "--sequence-parallel", "--domino",
