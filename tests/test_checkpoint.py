@@ -639,14 +639,19 @@ def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared
 
 
 @pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "an iteration's directory",
-                                   "a Hugging Face directory"])
+                                   "a Hugging Face directory", "a file"])
 def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_saves, tmp_path, capsys, given):
     """Megatron's "release" pointer, a damaged one, a checkpoint's own
-    iter_N directory, a transformers model: one line that says what to give."""
+    iter_N directory, a transformers model, a file: one line that says what
+    to give."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(two_saves, ckpt)
     pointer, load = os.path.join(ckpt, checkpoint.LATEST), ckpt
-    if "pointer" in given:
+    if given == "a file":
+        load = pointer
+        message = (f"{load} is a file, not a checkpoint directory: give the directory that holds "
+                   f"{checkpoint.LATEST} (the one train.py's --save wrote)")
+    elif "pointer" in given:
         with open(pointer, "w") as f:
             f.write("release\n" if "release" in given else "")
         message = (f"{pointer} names Megatron's release/ directory, a layout train.py does not read (one file "
@@ -668,6 +673,15 @@ def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_s
         train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", load])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"train.py: error: {message}"]
+
+
+def test_a_load_directory_without_a_checkpoint_starts_from_scratch_and_says_so(corpus, tmp_path, capsys):
+    """Megatron's way: --load of a directory with no checkpoint yet (the
+    first run of a job that passes --save and --load the same) trains from
+    scratch, and the log says so."""
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "1", "--eval-interval", "0",
+                "--load", str(tmp_path)])
+    assert f"no checkpoint in {tmp_path}; starting from scratch" in capsys.readouterr().out
 
 
 # -----------------------------------------------------------------------------
@@ -698,12 +712,12 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
     generated = transformers.pipeline("text-generation", model=hf)(prompt, max_new_tokens=4, do_sample=False)
     assert generated[0]["generated_text"].startswith(prompt)
     # Hugging Face in and out again: the tokenizer comes along, directly or through a plain export
+    # (train.py's main in this process: the command line's own run is the one above)
     resaved, plain, again = str(tmp_path / "resaved"), str(tmp_path / "plain"), str(tmp_path / "again")
     transformers.AutoModelForCausalLM.from_pretrained(hf).save_pretrained(resaved)
     tokenizer.save_pretrained(resaved)  # its own files: tokenizer.json among them
     for source, out in ((resaved, again), (resaved, plain), (plain, again + "2")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--export-from", source, "--export-to",
-                        out, "--export-format", "plain" if out == plain else "hf"], check=True, cwd=ROOT)
+        train.main(["--export-from", source, "--export-to", out, "--export-format", "plain" if out == plain else "hf"])
     for out in (again, again + "2"):
         assert transformers.AutoTokenizer.from_pretrained(out)(prompt)["input_ids"] == tokenizer(prompt)["input_ids"]
     assert os.path.isfile(os.path.join(again, "tokenizer.json"))  # the source's own, copied

@@ -155,6 +155,12 @@ def test_a_prefix_of_a_flag_is_not_that_flag(prefix):
                           ["--preset", "tiny", prefix])
 
 
+def test_a_misspelled_flag_is_named_with_where_to_look():
+    with pytest.raises(ValueError) as error:
+        config_lib.parse_args(["--preset", "tiny", "--lr-decay-stlye", "cosine"])
+    assert str(error.value) == "unrecognized arguments: --lr-decay-stlye cosine (train.py --help lists the flags)"
+
+
 def test_megatron_spellings_are_accepted():
     cfg = parse("--dataset-impl", "mmap", "--tokenizer-type", "GPT2BPETokenizer", "--DDP-impl", "local",
                 "--distributed-backend", "gloo", "--optimizer", "adam", "--pipeline-model-parallel-size", "1",

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (IDS, ROOT, TINY, free_port, losses, process_env, read_metrics, run_bounded,  # puts ROOT on sys.path
-                      run_train, torchrun, train_on_ranks)
-import checkpoint  # noqa: E402  (this file is also a torchrun worker: conftest first)
+from conftest import (IDS, ROOT, TINY, as_torchrun_rank, free_port, losses, process_env,  # puts ROOT on sys.path
+                      read_metrics, run_bounded, run_on_ranks, run_train, train_on_ranks)
+import checkpoint  # noqa: E402  (conftest first)
 import config  # noqa: E402
 import data as data_lib  # noqa: E402
 import parallel  # noqa: E402
@@ -428,21 +428,15 @@ def test_gpu_training_steps_never_synchronize():
 
 @pytest.mark.parametrize("flags, message", [
     (["--lr-decay-style", "exp"], "train.py: error: --lr-decay-style 'exp': use cosine, linear or constant\n"),
-    (["--lr-decay-stlye", "cosine"], "train.py: error: unrecognized arguments: --lr-decay-stlye cosine "
-                                     "(train.py --help lists the flags)\n"),
-    (["--load", "{corpus}"], ""),  # after the process group exists: not a checkpoint, so none loads
     (["--data-path", "/nonexistent/corpus_text_document"], "train.py: error: /nonexistent/corpus_text_document"),
-    (["--load", "README.md"], "train.py: error: README.md is a file, not a checkpoint directory"),
 ])
 def test_a_user_mistake_is_one_line_from_rank_0(corpus, flags, message):
     """A bad flag (checked before the process group) or bad data (after it):
     one line, from rank 0, exit status 2 from the ranks, and no traceback
-    through this project's code from any rank."""
-    flags = [f.format(corpus=os.path.dirname(corpus)) for f in flags]
+    through this project's code from any rank. (Other mistakes take these
+    two paths: their lines are tested in one process, test_config.py and
+    test_checkpoint.py.)"""
     proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", *flags], nproc=2, check=False)
-    if not message:  # a directory without a checkpoint: training starts from scratch, and says so
-        assert proc.returncode == 0 and "no checkpoint in" in proc.stdout
-        return
     assert proc.returncode != 0
     assert proc.stderr.count("train.py: error") == 1 and message in proc.stderr, proc.stderr[-3000:]
     assert 'train.py", line' not in proc.stderr  # no traceback through our code
@@ -907,9 +901,8 @@ MODEL_ARGS="$GPT_ARGS"
 
 
 # ----------------------------------------------------------------------------
-# train.py --compile: TP with SP and Domino, and ZeRO 1-3 (this file is the
-# torchrun worker: `python -m torch.distributed.run ... tests/test_train.py
-# compile-worker OUT DATA`); CUDA graphs on a GPU
+# train.py --compile: ZeRO 1-3 and pipeline stages (compile_worker, on
+# run_on_ranks' ranks); CUDA graphs on a GPU
 
 
 # 2 layers, 64 wide, seq 32, micro-batch 2, global batch 8 (the setup that found
@@ -918,11 +911,11 @@ RUN = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2", "--g
        "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-interval", "0",
        "--log-interval", "1", "--sample-tokens", "0", "--seed", "1234"]
 COMPILE = ["--compile", "--compile-backend", "aot_eager"]
+# Tensor parallelism with SP and Domino compiles at 4 ranks with stages in
+# test_pipeline.py, and as a model in test_parallel.py: not again here.
 TRAIN_RUNS = {  # name: flags; each runs eagerly and with COMPILE
-    "tp2-sp-domino": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--domino"],
     **{f"zero{stage}": ["--deepspeed", "--zero-stage", str(stage)] for stage in (1, 2, 3)},
     # pipeline stages: each rank compiles its model chunks (GPT.forward's chunk path)
-    "pp2": ["--pipeline-model-parallel-size", "2"],
     "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                         "--num-layers-per-virtual-pipeline-stage", "1"],
     "pp2-zero1": ["--pipeline-model-parallel-size", "2", "--deepspeed", "--zero-stage", "1"],
@@ -931,9 +924,11 @@ TRAIN_RUNS = {  # name: flags; each runs eagerly and with COMPILE
 
 
 def compile_worker(out: str, data: str) -> None:
+    import warnings
     import torch.distributed as dist
+    warnings.simplefilter("ignore")  # DeepSpeed's, on every rank and run
     os.environ["DS_ACCELERATOR"] = "cpu"
-    dist.init_process_group("gloo")
+    as_torchrun_rank()
     found = {}
     for name, flags in TRAIN_RUNS.items():
         for run, extra in ((name, []), (name + "-compiled", COMPILE)):
@@ -956,8 +951,7 @@ def compile_worker(out: str, data: str) -> None:
 @pytest.fixture(scope="module")
 def train_runs(ids_corpus, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("train"))
-    torchrun(os.path.abspath(__file__), "compile-worker", out, ids_corpus, nproc=2, env={"PYTHONWARNINGS": "ignore"},
-             timeout=600)
+    run_on_ranks(compile_worker, out, ids_corpus)
     with open(os.path.join(out, "counters.json")) as f:
         return out, json.load(f)
 
@@ -966,11 +960,9 @@ def train_runs(ids_corpus, tmp_path_factory):
 @pytest.mark.parametrize("name", list(TRAIN_RUNS))
 def test_train_py_compile_follows_eager_mode(train_runs, name):
     """train.py --compile (aot_eager graphs) takes the same 4 steps as eager
-    mode, loss and gradient norm to 1e-5: tensor parallelism with sequence
-    parallelism and Domino (wrong gradients there would show as NaN norms
-    and skipped steps), ZeRO 1, 2 and 3, and pipeline stages (1F1B,
-    interleaved, under ZeRO-1, and in bf16 with recomputation; each rank
-    compiling its model chunks). Each compiled run really compiled
+    mode, loss and gradient norm to 1e-5: ZeRO 1, 2 and 3, and pipeline
+    stages (interleaved, and 1F1B under ZeRO-1 and in bf16 with
+    recomputation; each rank compiling its model chunks). Each compiled run really compiled
     (Dynamo made a graph), with no graph break but under ZeRO-3."""
     out, counters = train_runs
 
@@ -1002,7 +994,3 @@ def test_gpu_reduce_overhead_replays_the_step_as_cuda_graphs(ids_corpus, tmp_pat
     assert "skipping cudagraphs" not in proc.stdout + proc.stderr
     torch.testing.assert_close(losses(tmp_path / "graphs.jsonl"), losses(tmp_path / "compiled.jsonl"),
                                rtol=1e-3, atol=0)
-
-
-if __name__ == "__main__" and sys.argv[1] == "compile-worker":
-    compile_worker(*sys.argv[2:])
