@@ -2,11 +2,11 @@
 exact resume, tensor parallelism, weight export, and the ZeRO paper's memory split.
 
 The multi-process parts run train.py's own `train(cfg, env)` several times
-inside ONE torchrun launch (this file is also the worker: `python -m
-torch.distributed.run ... tests/test_zero.py worker OUT_DIR ...`), because
-starting torch + DeepSpeed per configuration would dominate the runtime. Each
-launch writes JSON-lines metrics and checkpoints under OUT_DIR; the tests read
-them back. CPU + gloo, fp32, a tiny GPT.
+inside ONE launch of gloo ranks (`worker`, on conftest.run_on_ranks' ranks
+with torchrun's environment), because starting torch + DeepSpeed per
+configuration would dominate the runtime. Each launch writes JSON-lines
+metrics and checkpoints under OUT_DIR; the tests read them back. CPU + gloo,
+fp32, a tiny GPT.
 """
 import contextlib
 import json
@@ -28,7 +28,8 @@ import pipeline  # noqa: E402
 import train  # noqa: E402
 import zero  # noqa: E402
 from launch import UsageError  # noqa: E402
-from conftest import IDS, VOCAB, deepspeed_launcher, free_port, torchrun, write_zipf_corpus  # noqa: E402
+from conftest import (IDS, VOCAB, as_torchrun_rank, deepspeed_launcher, free_port, run_on_ranks, torchrun,  # noqa: E402
+                      write_zipf_corpus)
 
 STEPS, RESUME_AT = 12, 6
 # Global batch 8 = micro-batch 2 x D=2 x 2 accumulation steps; clipping at 0.05
@@ -45,7 +46,7 @@ LLAMA = ["--preset", "llama-tiny"]
 
 
 # ----------------------------------------------------------------------------
-# The worker (runs under torchrun)
+# The worker (runs on run_on_ranks' ranks)
 # ----------------------------------------------------------------------------
 
 def worker_run(out: str, name: str, extra: list[str]) -> None:
@@ -122,9 +123,13 @@ def inf_gradient_on_rank_0_at_iteration(iteration: int):
 
 def worker(out: str, plan: str) -> None:
     import torch.distributed as dist
+    import warnings
+    warnings.simplefilter("ignore")  # DeepSpeed's, on every rank and run
     allow_deepspeed_fp16_on_any_cpu()
-    dist.init_process_group("gloo")
+    as_torchrun_rank()
     rank = dist.get_rank()
+    if rank == 0:  # what it prints (only rank 0 does), for the tests to read
+        sys.stdout = open(os.path.join(out, plan + ".log"), "w", buffering=1)
     ck = lambda name: os.path.join(out, "ckpt_" + name)
     if plan == "dp":  # 2 processes: T=1, D=2
         worker_run(out, "ddp", ["--save", ck("ddp"), "--save-interval", str(RESUME_AT)])
@@ -270,14 +275,6 @@ def export_and_eval(out, saved, name, extra):
 # The tests
 # ----------------------------------------------------------------------------
 
-def launch(out: str, plan: str, nproc: int) -> None:
-    """One launch of the worker; what its ranks printed goes to OUT/PLAN.log."""
-    proc = torchrun(os.path.abspath(__file__), "worker", out, plan, nproc=nproc,
-                    env={"PYTHONWARNINGS": "ignore"}, timeout=600)
-    with open(os.path.join(out, plan + ".log"), "w") as f:
-        f.write(proc.stdout)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Both launches' outputs (one directory), computed once for the module."""
@@ -285,8 +282,8 @@ def runs(tmp_path_factory):
     # the session's id corpus, written again beside the launches' cache and checkpoints (the
     # thresholds were set on it: clipping active on every step, the fine-tuned loss 0.5 below a fresh one)
     write_zipf_corpus(os.path.join(out, "corpus_text_document"))
-    launch(out, "dp", 2)
-    launch(out, "tp", 4)
+    run_on_ranks(worker, out, "dp", world_size=2)  # what rank 0 printed: OUT/PLAN.log
+    run_on_ranks(worker, out, "tp", world_size=4)
     return out
 
 
@@ -765,7 +762,3 @@ def test_deepspeed_launcher_runs_train_py(corpus):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world 2 = TP 1 x DP 2" in proc.stdout and "iter      2" in proc.stdout
-
-
-if __name__ == "__main__" and sys.argv[1] == "worker":
-    worker(sys.argv[2], sys.argv[3])
