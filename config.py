@@ -447,7 +447,7 @@ DEEPSPEED_JSON_FLAGS = {
     ("gradient_clipping",): ("clip_grad", float),
     ("bf16", "enabled"): ("bf16", json_switch),
     ("fp16", "enabled"): ("fp16", json_switch),
-    ("fp16", "initial_scale_power"): ("initial_loss_scale", lambda p: 2.0 ** p),
+    ("fp16", "initial_scale_power"): ("initial_loss_scale", lambda p: 2.0 ** whole_number(p)),  # "16" too
     ("fp16", "hysteresis"): ("hysteresis", whole_number),
     ("fp16", "loss_scale_window"): ("loss_scale_window", whole_number),
     ("fp16", "min_loss_scale"): ("min_loss_scale", float),

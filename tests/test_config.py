@@ -539,6 +539,16 @@ def test_a_json_count_that_is_not_a_whole_number_is_one_line(tmp_path, json_cont
     assert cfg.micro_batch_size == 4 and type(cfg.micro_batch_size) is int
 
 
+@pytest.mark.parametrize("power", ["12", 12.0])
+def test_a_json_scale_power_is_read_as_deepspeed_reads_it(tmp_path, power):
+    """fp16.initial_scale_power "12" or 12.0 is 12 to DeepSpeed's config (pydantic), so 2^12 here."""
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+    assert DeepSpeedFP16Config(enabled=True, initial_scale_power=power).initial_scale_power == 12
+    cfg = parse("--deepspeed", "--deepspeed_config",
+                write_json(tmp_path, {"fp16": {"enabled": True, "initial_scale_power": power}}))
+    assert cfg.initial_loss_scale == 4096 and zero.deepspeed_config(cfg, 1, 1)["fp16"]["initial_scale_power"] == 12
+
+
 @pytest.mark.parametrize("switch", ["false", "False", "off", "n", 0, "true", "TRUE", "yes", 1, 1.0])
 def test_a_json_switch_is_read_as_deepspeed_reads_it(tmp_path, switch):
     """"enabled": "false" is off, as DeepSpeed's config (pydantic) reads it;
