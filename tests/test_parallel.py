@@ -1204,10 +1204,9 @@ def test_torch_dist_saves_fused_shards_as_pieces_of_the_full_tensor(tmp_path):
 # ~25 s per layout on 2 cores); one layout (SP + Domino) compiles with Inductor,
 # whose scheduler order is recorded too. train.py --compile is tested in
 # test_train.py, the Triton kernels as custom ops under compile in test_kernels.py.
-# Every layout here is tensor-parallel: the model at T=1 compiles through
-# train.py in test_train.py (Inductor alone; aot_eager under ZeRO and with
-# recomputation over stages). Domino's 3 chunks compile here under sequence
-# parallelism; eagerly they are tested with and without it.
+# Recomputation at T=1 compiles through train.py in test_train.py (over
+# pipeline stages, to the loss and gradient norm), and Domino's 3 chunks
+# compile here under sequence parallelism only (eagerly, with and without).
 
 # 3 rows of 12 tokens: Domino's 2 chunks are 2 rows (24 tokens) and 1 row
 # (12); under sequence parallelism each rank's collectives carry half the
@@ -1217,6 +1216,7 @@ GEMM_CHUNKS, SP_COMM_CHUNKS = {24: 0, 12: 1}, {12: 0, 6: 1}
 STEPS = 3
 
 LAYOUTS = {  # name: (tensor-parallel size, GPTConfig options)
+    "tp1": (1, {}),
     "tp2": (2, {}),
     "tp2-recompute": (2, dict(activation_checkpointing=True)),
     "sp": (2, dict(sequence_parallel=True)),
