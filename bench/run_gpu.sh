@@ -75,14 +75,16 @@ first_step() {  # the first training step, autotuning included, cold and then wa
     rm -rf "$TRITON_CACHE_DIR"
     python bench/bench_model.py --models 124M --variants triton --micro-batch-size 16 \
         --iters 3 --log-interval 1 --workdir "$WORK/first" $SMOKE | sed 's/^/cold cache: /'
-    [ -n "$SMOKE" ] && return  # the interpreter caches nothing: a second pass would time the first again
+    local rc=$?
+    [ -n "$SMOKE" ] && return $rc  # the interpreter caches nothing: a second pass would time the first again
     python bench/bench_model.py --models 124M --variants triton --micro-batch-size 16 \
         --iters 3 --log-interval 1 --workdir "$WORK/first" $SMOKE | sed 's/^/warm cache: /'
 }
 
 profile_all() {
     python bench/profile_step.py --preset 124M --impl triton $SMOKE
-    [ -n "$SMOKE" ] && return  # the smoke shape is the same for every preset
+    local rc=$?
+    [ -n "$SMOKE" ] && return $rc  # the smoke shape is the same for every preset
     python bench/profile_step.py --preset 124M --impl torch
     python bench/profile_step.py --preset 350M --impl triton
 }

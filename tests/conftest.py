@@ -78,8 +78,8 @@ def deepspeed_launcher() -> list[str]:
 
 
 # -----------------------------------------------------------------------------
-# Launchers: train.py, evaluate.py and the test files that are also workers,
-# under torchrun, the way README launches them
+# Launchers: train.py and evaluate.py under torchrun, the way README launches
+# them; and gloo ranks from a forkserver (run_on_ranks) for the many runs
 
 
 def torchrun(script, *args, nproc=1, env=None, check=True, timeout=300, torchrun_args=()):

@@ -122,14 +122,14 @@ def inf_gradient_on_rank_0_at_iteration(iteration: int):
 
 
 def worker(out: str, plan: str) -> None:
-    import torch.distributed as dist
     import warnings
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    if rank == 0:  # what it prints (only rank 0 does), for the tests to read; before DeepSpeed's logger
+        sys.stdout = open(os.path.join(out, plan + ".log"), "w", buffering=1)  # binds to sys.stdout
     warnings.simplefilter("ignore")  # DeepSpeed's, on every rank and run
     allow_deepspeed_fp16_on_any_cpu()
     as_torchrun_rank()
-    rank = dist.get_rank()
-    if rank == 0:  # what it prints (only rank 0 does), for the tests to read
-        sys.stdout = open(os.path.join(out, plan + ".log"), "w", buffering=1)
     ck = lambda name: os.path.join(out, "ckpt_" + name)
     if plan == "dp":  # 2 processes: T=1, D=2
         worker_run(out, "ddp", ["--save", ck("ddp"), "--save-interval", str(RESUME_AT)])
