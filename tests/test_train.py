@@ -503,11 +503,12 @@ def test_readme_main_command(tmp_path):
     env = {**os.environ, "SKIP_INSTALL": "1", "DATA": str(tmp_path / "shakespeare"), "NPROC": "2",
            "OMP_NUM_THREADS": "1"}
     proc = run_bounded(["bash", os.path.join(ROOT, "run.sh"), "--preset", "tiny", "--seq-length", "64",
-                        "--train-iters", "40", "--eval-interval", "20", "--save", str(tmp_path / "ckpt"),
-                        "--metrics-file", str(tmp_path / "m.jsonl"), "--lr", "3e-3"], 600, cwd=tmp_path, env=env)
+                        "--train-iters", "20", "--lr-warmup-iters", "2", "--eval-interval", "10",
+                        "--save", str(tmp_path / "ckpt"), "--metrics-file", str(tmp_path / "m.jsonl"),
+                        "--lr", "3e-3"], 600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = read_metrics(tmp_path / "m.jsonl")
-    assert rows[-1]["iteration"] == 40 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    rows = read_metrics(tmp_path / "m.jsonl")  # iterations 10 and 20 (run.sh logs every 10)
+    assert rows[-1]["iteration"] == 20 and rows[-1]["loss"] < rows[0]["loss"] - 1.0  # measured: 1.37
     assert math.isfinite(rows[-1]["val_loss"])
     assert "-- sample --" in proc.stdout and "ROMEO:" in proc.stdout
 
