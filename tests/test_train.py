@@ -906,8 +906,9 @@ MODEL_ARGS="$GPT_ARGS"
 # run_on_ranks' ranks); CUDA graphs on a GPU
 
 
-# 2 layers, 64 wide, seq 32, micro-batch 2, global batch 8 (the setup that found
-# wrong Domino gradients under compile, bench/RESULTS.md).
+# 2 layers, 64 wide, seq 32, micro-batch 2, global batch 8 (the setup on which
+# wrong Domino gradients under compile were found, bench/RESULTS.md; Domino's
+# compiled runs are now test_parallel.py's and test_pipeline.py's).
 RUN = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
        "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-interval", "0",
        "--log-interval", "1", "--sample-tokens", "0", "--seed", "1234"]
@@ -963,8 +964,8 @@ def test_train_py_compile_follows_eager_mode(train_runs, name):
     """train.py --compile (aot_eager graphs) takes the same 4 steps as eager
     mode, loss and gradient norm to 1e-5: ZeRO 1, 2 and 3, and pipeline
     stages (interleaved, and 1F1B under ZeRO-1 and in bf16 with
-    recomputation; each rank compiling its model chunks). Each compiled run really compiled
-    (Dynamo made a graph), with no graph break but under ZeRO-3."""
+    recomputation; each rank compiling its model chunks). Each compiled run
+    really compiled (Dynamo made a graph), with no graph break but under ZeRO-3."""
     out, counters = train_runs
 
     def metrics(run):
