@@ -733,6 +733,23 @@ def test_contradicting_deepspeed_json_is_an_error(tmp_path):
     assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": True} and ds["wall_clock_breakdown"]
 
 
+@pytest.mark.parametrize("value, on", [(True, True), ("on", True), ("false", False), (0, False)])
+def test_overlap_comm_is_turned_off_over_pipeline_stages_as_deepspeed_reads_it(tmp_path, capsys, value, on):
+    """Over stages a JSON's overlap_comm goes off, said in one line, where
+    DeepSpeed would read it on ("false" is off there, not a non-empty string);
+    a value DeepSpeed would refuse is named."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": value}}))
+    cfg = config.parse_args(["--preset", "tiny", "--deepspeed", "--deepspeed_config", str(path),
+                             "--pipeline-model-parallel-size", "2"])
+    ds = zero.deepspeed_config(cfg, dp_size=1, accum=1)
+    assert ds["zero_optimization"]["overlap_comm"] == (False if on else value)
+    assert ("overlap_comm: off over pipeline stages" in capsys.readouterr().out) == on
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": "sometimes"}}))
+    with pytest.raises(UsageError, match=r"zero_optimization.overlap_comm: 'sometimes' is not true or false"):
+        zero.deepspeed_config(cfg, dp_size=1, accum=1)
+
+
 def test_a_precision_deepspeed_refuses_is_named_before_any_model_is_built():
     """DeepSpeed's CPU accelerator reports fp16 only on CPUs with AVX512-FP16;
     the user hears which flag to change, not DeepSpeed's 'Type fp16 is not
