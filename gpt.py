@@ -563,18 +563,18 @@ class GPT(nn.Module):
         self._ids_checked_on_gpu = input_ids.is_cuda
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None,
-                chunk: int = 0, x=None):
+                model_chunk: int = 0, x=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
         the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
         a KVCache holding the positions before input_ids, which it extends.
         Under sequence parallelism the blocks hold this rank's T/tp tokens.
 
-        Under pipeline parallelism, model chunk `chunk` of this stage
+        Under pipeline parallelism, model chunk `model_chunk` of this stage
         (pipeline.run_pipeline runs them, through here so that
-        torch.compile(model) compiles each chunk): where it does not begin at
+        torch.compile(model) compiles each model chunk): where it does not begin at
         layer 0 it runs on x (B, T[/tp], C), the previous stage's output, and
         where it does not end with the last layer it returns its own output."""
-        layers, T = self.layers[chunk], input_ids.shape[1]
+        layers, T = self.layers[model_chunk], input_ids.shape[1]
         start = kv_cache.length if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
@@ -583,10 +583,10 @@ class GPT(nn.Module):
             x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
         else:
             rope = rope_angles(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
-        # every chunk holds n layers (pipeline_chunks), in self.blocks in layer order; a slice of
+        # every model chunk holds n layers (pipeline_chunks), in self.blocks in layer order; a slice of
         # the list, as a slice of the ModuleList would build a new module every forward (0.2 ms at 48)
         n = len(layers)
-        x = self.run_blocks(x, rope, kv_cache, list(self.blocks)[chunk * n:(chunk + 1) * n])
+        x = self.run_blocks(x, rope, kv_cache, list(self.blocks)[model_chunk * n:(model_chunk + 1) * n])
         if kv_cache is not None:
             kv_cache.length += T
         return x if layers.stop < self.config.num_layers else self.head(x, labels, loss_mask)

@@ -130,7 +130,7 @@ def micro_batch_loss(model, batch: dict, precision, chunk: int = 0, x=None) -> t
     or where it ends with the last layer, the loss."""
     with precision:
         return model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
-                     loss_mask=batch["loss_mask"], chunk=chunk, x=x)
+                     loss_mask=batch["loss_mask"], model_chunk=chunk, x=x)
 
 
 def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:

@@ -255,7 +255,7 @@ def pipeline_step(model, batches, s: Schedule, device, timeline=None, memory=Non
         if memory is not None:
             memory.current = (chunk, micro)
         tokens, labels = batches[micro]
-        out = model(tokens, positions, labels, chunk=chunk, x=x)
+        out = model(tokens, positions, labels, model_chunk=chunk, x=x)
         if model.layers[chunk].stop == model.config.num_layers:
             out = out / m                                  # the loss, averaged over the step
         if device.type == "cuda":

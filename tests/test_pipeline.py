@@ -162,9 +162,9 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     in_flight, calls, timeline = _InFlight(), iter(range(100)), []
     forward = stage.forward
 
-    def counted(*args, chunk, **kwargs):
-        in_flight.micro = next(calls) if chunk == 0 else in_flight.micro
-        return forward(*args, chunk=chunk, **kwargs)
+    def counted(*args, model_chunk, **kwargs):
+        in_flight.micro = next(calls) if model_chunk == 0 else in_flight.micro
+        return forward(*args, model_chunk=model_chunk, **kwargs)
     run_pipeline, weight_grads, deferred = pipeline.run_pipeline, parallel.weight_grads, []
     stage.forward = counted
     pipeline.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
