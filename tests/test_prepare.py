@@ -13,7 +13,6 @@ import tiktoken
 import config
 import prepare
 from data import IndexedDataset, check_gpt2_bpe
-from conftest import run_bounded
 
 EOD = 50256
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -334,11 +333,6 @@ def test_missing_bpe_package_is_a_one_line_error(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------
 # Compressed JSONL, read as Megatron's and BigScience's recipes give it
 
-def run_prepare(*args, cwd):
-    proc = run_bounded([sys.executable, os.path.join(ROOT, "prepare.py"), *args], 300, cwd=cwd)
-    return proc
-
-
 @pytest.mark.parametrize("compress", ["xz", "gzip", "bz2", None])
 def test_compressed_jsonl_is_read_directly(tmp_path, compress):
     import bz2
@@ -349,9 +343,7 @@ def test_compressed_jsonl_is_read_directly(tmp_path, compress):
     name = tmp_path / ("corpus.jsonl" + {"xz": ".xz", "gzip": ".gz", "bz2": ".bz2", None: ""}[compress])
     with opener(name, "wt", encoding="utf-8") as f:
         f.write(text)
-    proc = run_prepare("--input", str(name), "--output-prefix", str(tmp_path / "out"), "--workers", "1",
-                       cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    prepare.main(["--input", str(name), "--output-prefix", str(tmp_path / "out"), "--workers", "1"])
     from data import IndexedDataset
     assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 20
 
@@ -364,9 +356,9 @@ def test_a_compressed_input_python_cannot_read_is_named(tmp_path):
     import importlib.util
     if importlib.util.find_spec("compression") is not None:
         pytest.skip("this Python reads zstd")
-    proc = run_prepare("--input", str(path), "--output-prefix", str(tmp_path / "out"), cwd=tmp_path)
-    assert proc.returncode != 0
-    assert f"{path} is zstd-compressed and this Python cannot read zstd; decompress it first" in proc.stderr
+    with pytest.raises(SystemExit) as stop:  # prepare.py's one line on stderr, and status 1
+        prepare.main(["--input", str(path), "--output-prefix", str(tmp_path / "out")])
+    assert f"{path} is zstd-compressed and this Python cannot read zstd; decompress it first" in str(stop.value.code)
 
 
 # ----------------------------------------------------------------------------
@@ -402,17 +394,16 @@ def test_merge_accepts_megatron_and_bigscience_forms(tmp_path):
         builder = data_lib.IndexedDatasetBuilder(str(parts / name) + ".bin", dtype=np.uint16)
         builder.add_document([i + 1, i + 2, 50256])
         builder.finalize(str(parts / name) + ".idx")
-    proc = run_prepare("merge", "--input", str(parts), "--output-prefix", str(tmp_path / "dir"), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    prepare.main(["merge", "--input", str(parts), "--output-prefix", str(tmp_path / "dir")])
     docs = lambda prefix: [d.tolist() for d in data_lib.IndexedDataset(str(tmp_path / prefix))]
     assert docs("dir") == [[2, 3, 50256], [1, 2, 50256]]  # every prefix in the directory, by name
-    proc = run_prepare("merge", "--datasets", str(parts / "b_text_document"), str(parts / "a_text_document"),
-                       "--output-prefix", str(tmp_path / "listed"), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    prepare.main(["merge", "--datasets", str(parts / "b_text_document"), str(parts / "a_text_document"),
+                  "--output-prefix", str(tmp_path / "listed")])
     assert docs("listed") == [[1, 2, 50256], [2, 3, 50256]]  # in the order given
     os.remove(parts / "a_text_document.idx")
-    proc = run_prepare("merge", "--input", str(parts), "--output-prefix", str(tmp_path / "x"), cwd=tmp_path)
-    assert proc.returncode != 0 and "a_text_document has a .bin or a .idx but not both" in proc.stderr
+    with pytest.raises(SystemExit) as stop:
+        prepare.main(["merge", "--input", str(parts), "--output-prefix", str(tmp_path / "x")])
+    assert "a_text_document has a .bin or a .idx but not both" in str(stop.value.code)
 
 
 # ----------------------------------------------------------------------------
