@@ -1,4 +1,4 @@
-"""Sampling speed with and without the KV cache (sampling.generate, greedy).
+"""Sampling speed with and without the KV cache (gpt.generate, greedy).
 
     python bench/bench_generate.py                         # preset cpu, 16-token prompt, 200 new tokens
     python bench/bench_generate.py --preset 124M --new-tokens 500 --device cuda

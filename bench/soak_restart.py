@@ -13,8 +13,8 @@ Each try launches, as a cluster user would,
 
 and SIGKILLs rank 1 (a dead node: no handler runs) once rank 0 has logged a
 randomly chosen iteration, at any point of the save cycle. torchrun sees the
-dead worker, stops the other, and starts both again; they meet under a new
-store prefix (launch.elastic_store) and resume from the latest complete
+dead worker, stops the other, and starts both again; they meet in a new
+store, one for each attempt (launch.elastic_store), and resume from the latest complete
 checkpoint. A try counts as finished when torchrun exits 0 and every
 iteration's final loss equals an uninterrupted run's bit for bit. Per try:
 
