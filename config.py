@@ -282,6 +282,9 @@ def attention_backend(name: str) -> str | None:
 def recompute_granularity(name: str) -> bool:
     if name not in ("full", "selective"):
         raise argparse.ArgumentTypeError(f"{name!r}: use full or selective (each recomputes whole blocks here)")
+    if name == "selective":  # the run differs from Megatron's in speed and memory: say so
+        say("--recompute-granularity selective: each whole block recomputes here, as with full (Megatron's "
+            "selective recomputes core attention alone): less activation memory, more compute")
     return True
 
 
@@ -290,15 +293,19 @@ ALIASES += [
     (("--recompute-granularity",), dict(dest="recompute_activations", type=recompute_granularity)),
 ]
 # Megatron-LM switches that choose among its own implementations of the same
-# math (kernel fusions, Transformer Engine, how its DDP overlaps, its timers):
-# recipes pass them; here they change nothing, and one line names them.
+# math (kernel fusions, Transformer Engine, how its DDP overlaps, its timers),
+# or log to TensorBoard what is not logged here (timers, memory, world size,
+# the loss scale, optimizer states): recipes pass them; here they change
+# nothing, and one line names them.
 NO_EFFECT_SWITCHES = ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                       "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
                       "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
                       "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
                       "--overlap-grad-reduce", "--overlap-param-gather", "--no-async-tensor-model-parallel-allreduce",
                       "--log-throughput", "--exit-signal-handler", "--no-query-key-layer-scaling",
-                      "--apply-query-key-layer-scaling")
+                      "--apply-query-key-layer-scaling", "--log-timers-to-tensorboard",
+                      "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
+                      "--log-loss-scale-to-tensorboard", "--log-optimizer-states-to-tensorboard")
 NO_EFFECT_VALUES = ("--transformer-impl", "--timing-log-level", "--recompute-method", "--recompute-num-layers")
 
 
@@ -310,13 +317,10 @@ class NoEffect(argparse.Action):
         setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), given])
 
 
-# Megatron's TensorBoard switches: what they ask for is always logged here
-# (batch size, learning rate, validation loss and perplexity), or not at all
-# (timers, memory, world size, the loss scale, optimizer states): README's table says which.
-TENSORBOARD_SWITCHES = ("--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
-                        "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
-                        "--log-world-size-to-tensorboard", "--log-learning-rate-to-tensorboard",
-                        "--log-loss-scale-to-tensorboard", "--log-optimizer-states-to-tensorboard")
+# Megatron's TensorBoard switches for what is always logged here (batch size, learning
+# rate, validation loss and perplexity); those for what is not are NO_EFFECT_SWITCHES.
+TENSORBOARD_SWITCHES = ("--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                        "--log-learning-rate-to-tensorboard")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -407,7 +411,7 @@ def take_field_less_flags(given: dict, tool: str) -> set[str]:
                          "ZeRO-1 here, DeepSpeed's: --deepspeed --zero-stage 1 (or drop the flag)")
     if no_effect := given.pop("no_effect", None):
         say(f"{tool}: {', '.join(no_effect)}: no effect here (how Megatron computes the same model: its "
-            f"fusions, Transformer Engine, overlap, timers, which blocks recompute)")
+            f"fusions, Transformer Engine, overlap, timers, which blocks recompute; what it alone logs)")
     if "num_key_value_heads" in given:
         given.update(group_query_attention=True, num_query_groups=given.pop("num_key_value_heads"))
     switches = {name for name in LAYOUT_SWITCHES if given.pop(name[2:].replace("-", "_"), False)}

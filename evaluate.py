@@ -330,6 +330,8 @@ def write_samples(cfg: TrainConfig, samples: list[dict], env: launch.Dist) -> li
 
 
 EVAL_TASKS = (*TASKS, "GENERATE")
+GENERATE_FLAGS = ("sample_input_file", "sample_output_file", "num_samples", "out_seq_length", "temperature",
+                  "top_k", "top_p")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -360,6 +362,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         raise UsageError("--overlapping-eval is for --task WIKITEXT103")
     if cfg.strict_lambada and cfg.task != "LAMBADA":
         raise UsageError("--strict-lambada is for --task LAMBADA")
+    default = TrainConfig()
+    if cfg.task != "GENERATE" and (given := [f for f in GENERATE_FLAGS if getattr(cfg, f) != getattr(default, f)]):
+        raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in given)}: for --task GENERATE "
+                         f"(--task {cfg.task} scores --valid-data; its results go to --metrics-file)")
     return cfg
 
 

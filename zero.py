@@ -90,9 +90,10 @@ class DeepSpeedMPU:
 
 def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     """DeepSpeed's JSON config, from train.py's flags (or checked against them)."""
-    fp16 = {"enabled": cfg.fp16, "initial_scale_power": int(math.log2(cfg.initial_loss_scale))}
+    fp16 = {"enabled": cfg.fp16}
     if cfg.fp16:  # the loss scaler's flags where given, else DeepSpeed's defaults; its floor is an int there
-        given = {"hysteresis": cfg.hysteresis, "loss_scale_window": cfg.loss_scale_window,
+        given = {"initial_scale_power": int(math.log2(cfg.initial_loss_scale)), "hysteresis": cfg.hysteresis,
+                 "loss_scale_window": cfg.loss_scale_window,
                  "min_loss_scale": None if cfg.min_loss_scale is None else int(cfg.min_loss_scale)}
         fp16.update({key: value for key, value in given.items() if value is not None})
     ours = {

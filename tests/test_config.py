@@ -175,6 +175,22 @@ def test_megatron_spellings_are_accepted():
     assert parse("--use-flash-attn").attention_impl == "triton"
 
 
+def test_megatron_switches_that_change_what_it_would_do_are_named_in_one_line(capsys):
+    """A TensorBoard switch for what is always logged here passes quietly; one
+    for what is not logged here is named with Megatron's implementation
+    switches; --recompute-granularity selective says it recomputes whole blocks."""
+    parse("--log-batch-size-to-tensorboard", "--log-learning-rate-to-tensorboard", "--recompute-granularity", "full")
+    assert capsys.readouterr().out == ""
+    parse("--log-memory-to-tensorboard", "--log-loss-scale-to-tensorboard", "--log-batch-size-to-tensorboard",
+          "--recompute-granularity", "selective")
+    assert capsys.readouterr().out.splitlines() == [
+        "--recompute-granularity selective: each whole block recomputes here, as with full (Megatron's selective "
+        "recomputes core attention alone): less activation memory, more compute",
+        "train.py: --log-memory-to-tensorboard, --log-loss-scale-to-tensorboard: no effect here (how Megatron "
+        "computes the same model: its fusions, Transformer Engine, overlap, timers, which blocks recompute; what "
+        "it alone logs)"]
+
+
 def test_null_tokenizer_takes_the_vocabulary_from_vocab_size_and_ends_documents_with_it():
     """Megatron's NullTokenizer: ids 0..N-1 as the data holds them, and N
     (one past them) ends a document, so the model has N + 1 rows, padded."""
@@ -258,15 +274,18 @@ LOSS_SCALE_FLAGS = ["--hysteresis", "3", "--loss-scale-window", "100", "--min-lo
 def test_loss_scale_flags_reach_deepspeeds_fp16_section_only_when_given():
     """--hysteresis, --loss-scale-window and --min-loss-scale are DeepSpeed's
     fp16 keys of the same names, read by DeepSpeed as its loss scaler's
-    arguments; left out, or without --fp16, DeepSpeed keeps its defaults."""
+    arguments; left out, or without --fp16, DeepSpeed keeps its defaults.
+    Without --fp16 the loss-scale flags change nothing, even a scale fp16
+    would refuse (0, as Megatron ignores it), rather than stop the run."""
     from deepspeed.runtime.config import DeepSpeedConfig
     given = zero.deepspeed_config(parse("--deepspeed", "--fp16", *LOSS_SCALE_FLAGS), dp_size=1, accum=1)
     assert DeepSpeedConfig(given).float16_config.dynamic_loss_scale_args() == {
         "init_scale": 2 ** 16, "scale_window": 100, "delayed_shift": 3, "consecutive_hysteresis": False,
         "min_scale": 4}
-    for flags in (["--fp16"], ["--bf16", *LOSS_SCALE_FLAGS]):
-        left_out = zero.deepspeed_config(parse("--deepspeed", *flags), dp_size=1, accum=1)
-        assert set(left_out["fp16"]) == {"enabled", "initial_scale_power"}
+    left_out = zero.deepspeed_config(parse("--deepspeed", "--fp16"), dp_size=1, accum=1)
+    assert set(left_out["fp16"]) == {"enabled", "initial_scale_power"}
+    for flags in (["--bf16", *LOSS_SCALE_FLAGS], ["--initial-loss-scale", "0"], ["--initial-loss-scale", "1e400"]):
+        assert zero.deepspeed_config(parse("--deepspeed", *flags), dp_size=1, accum=1)["fp16"] == {"enabled": False}
 
 
 def test_loss_scale_flags_reach_the_plain_engines_scaler():
@@ -506,7 +525,8 @@ def test_megatron_deepspeed_gpt3_script_flags_as_pasted(tmp_path, capsys):
     assert config_lib.lr_schedule(cfg) == (2e-4, 1e-6, "cosine", 10.0, 40.0)  # samples of 32 tokens
     assert (cfg.hysteresis, cfg.initial_loss_scale, cfg.zero_stage, cfg.recompute_activations) == (2, 2048, 1, True)
     assert (cfg.loss_scale_window, cfg.min_loss_scale) == (500, 1.0)  # from the JSON's fp16 section
-    assert "--no-async-tensor-model-parallel-allreduce: no effect here" in capsys.readouterr().out
+    assert ("train.py: --no-async-tensor-model-parallel-allreduce, --log-timers-to-tensorboard, "
+            "--log-optimizer-states-to-tensorboard: no effect here") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("content", [{"checkpoint": {"writer": {"decoupled": True}}},

@@ -441,6 +441,10 @@ def test_bad_wikitext_file(files, tmp_path, content, message):
     (["--task", "GENERATE", "--load", "c", "--num-samples", "2", "--out-seq-length", "0"],
      "--out-seq-length 0: generate at least 1 token"),
     (["--task", "GENERATE", "--load", "c", "--num-samples", "2", "--top_p", "1.5"], "--top-p 1.5 (in [0, 1]"),
+    # a sampling flag on a scoring task would change nothing: named, not dropped
+    (["--task", "LAMBADA", "--valid-data", "x", "--load", "c", "--sample-output-file", "o.jsonl", "--top_k", "5"],
+     "--sample-output-file, --top-k: for --task GENERATE (--task LAMBADA scores --valid-data; its results go "
+     "to --metrics-file)"),
 ])
 def test_bad_flags(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
