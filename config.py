@@ -485,6 +485,12 @@ def read_deepspeed_json(path: str) -> dict:
         raise UsageError(f"--deepspeed_config {path}: no such file") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
+    if not isinstance(user, dict):
+        raise UsageError(f"--deepspeed_config {path}: not a JSON object ({{\"key\": value, ...}})")
+    for section in ("zero_optimization", "bf16", "bfloat16", "fp16", "checkpoint"):  # the ones read here
+        if not isinstance(user.get(section, {}), dict):  # DeepSpeed's old "zero_optimization": true too
+            raise UsageError(f"--deepspeed_config {path}: \"{section}\" is {json.dumps(user[section])}, not a "
+                             f"section ({{\"key\": value, ...}}; ZeRO's stage: {{\"stage\": 1}})")
     if "bfloat16" in user:
         if "bf16" in user and user["bf16"] != user["bfloat16"]:
             raise UsageError(f"--deepspeed_config {path}: \"bf16\" and \"bfloat16\" (its older "
@@ -507,11 +513,7 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
             raw = raw.get(key) if isinstance(raw, dict) else None
         if raw is None or raw == "auto":
             continue
-        try:
-            value = convert(raw)
-        except (argparse.ArgumentTypeError, TypeError, ValueError, OverflowError) as e:
-            why = f"{raw!r} is out of range" if isinstance(e, OverflowError) else e  # 2.0 ** 10000
-            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}: {why}") from None
+        value = json_value(cfg, ".".join(path), convert, raw)
         now = getattr(cfg, name)
         decided = name in given or (name in ("bf16", "fp16") and precision_given)
         if not decided:
@@ -525,6 +527,15 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     return dataclasses.replace(cfg, **updates)
 
 
+def json_value(cfg: TrainConfig, key: str, convert, raw):
+    """convert(raw), the JSON's value at `key` (a dotted path); a bad one is one line naming both."""
+    try:
+        return convert(raw)
+    except (argparse.ArgumentTypeError, TypeError, ValueError, OverflowError) as e:
+        why = f"{raw!r} is out of range" if isinstance(e, OverflowError) else e  # 2.0 ** 10000
+        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}: {why}") from None
+
+
 def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
     """The global batch (micro batch x data-parallel size x accumulation steps)
     of a --deepspeed_config's gradient_accumulation_steps, if nothing set it."""
@@ -533,7 +544,11 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
     steps = read_deepspeed_json(cfg.deepspeed_config).get("gradient_accumulation_steps")
     if steps in (None, "auto"):
         return cfg
-    return dataclasses.replace(cfg, global_batch_size=cfg.micro_batch_size * dp_size * int(steps))
+    steps = json_value(cfg, "gradient_accumulation_steps", whole_number, steps)
+    if steps < 1:
+        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: gradient_accumulation_steps: {steps} "
+                         f"is less than 1")
+    return dataclasses.replace(cfg, global_batch_size=cfg.micro_batch_size * dp_size * steps)
 
 
 # ----------------------------------------------------------------------------

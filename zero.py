@@ -6,7 +6,6 @@ into gradients, and ends the step. Its checkpoints are in checkpoint.py.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from contextlib import nullcontext
@@ -19,8 +18,8 @@ import launch
 import parallel
 import pipeline
 from launch import UsageError
-from config import (TrainConfig, autocast, build_optimizer, compile_options, json_switch, lr_schedule,
-                    model_config, read_deepspeed_json, say)
+from config import (TrainConfig, autocast, build_optimizer, compile_options, json_switch, json_value,
+                    lr_schedule, model_config, read_deepspeed_json, say)
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
@@ -113,7 +112,8 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
     if cfg.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if cfg.pipeline_model_parallel_size > 1 and read_switch(zero, "overlap_comm", cfg):
+    overlap = json_value(cfg, "zero_optimization.overlap_comm", json_switch, zero.get("overlap_comm", False))
+    if cfg.pipeline_model_parallel_size > 1 and overlap:
         # ZeRO-1's overlapped reduction runs in backward hooks, and only at the accumulation
         # boundary, which the stages' schedule never sets: the ranks would never average.
         zero["overlap_comm"] = False
@@ -128,14 +128,6 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     config.setdefault("steps_per_print", 10 ** 9)  # we log ourselves
     return config
-
-
-def read_switch(section: dict, key: str, cfg: TrainConfig) -> bool:
-    """A true/false key of the JSON's zero_optimization as DeepSpeed reads it ("false" is false)."""
-    try:
-        return json_switch(section.get(key, False))
-    except argparse.ArgumentTypeError as e:
-        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: zero_optimization.{key}: {e}") from None
 
 
 def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:

@@ -559,6 +559,24 @@ def test_a_json_count_that_is_not_a_whole_number_is_one_line(tmp_path, json_cont
     assert cfg.micro_batch_size == 4 and type(cfg.micro_batch_size) is int
 
 
+@pytest.mark.parametrize("json_content, message", [
+    ([1, 2], 'not a JSON object ({"key": value, ...})'),
+    ({"zero_optimization": True}, '"zero_optimization" is true, not a section ({"key": value, ...}; '
+                                  'ZeRO\'s stage: {"stage": 1})'),  # DeepSpeed's deprecated form
+    ({"fp16": 1}, '"fp16" is 1, not a section'),
+    ({"gradient_accumulation_steps": "four"}, "gradient_accumulation_steps: 'four' is not a whole number"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps: 0 is less than 1"),
+    ({"zero_optimization": {"overlap_comm": "maybe"}}, "zero_optimization.overlap_comm: 'maybe' is not true or false"),
+])
+def test_a_malformed_deepspeed_json_is_one_line_not_a_traceback(tmp_path, json_content, message):
+    """Whatever DeepSpeed would refuse with a traceback on every rank (or a
+    pydantic report) is one line naming the key, before any model is built."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, json_content))
+        cfg = config_lib.batch_from_deepspeed_json(cfg, dp_size=1)
+        zero.deepspeed_config(cfg, dp_size=1, accum=1)
+
+
 @pytest.mark.parametrize("power", ["12", 12.0])
 def test_a_json_scale_power_is_read_as_deepspeed_reads_it(tmp_path, power):
     """fp16.initial_scale_power "12" or 12.0 is 12 to DeepSpeed's config (pydantic), so 2^12 here."""
