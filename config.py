@@ -435,7 +435,7 @@ def check_layout_switches(cfg: TrainConfig, switches: set[str]) -> None:
 
 
 def say(line: str) -> None:
-    """A note about the flags, printed once (rank 0), before any process group exists."""
+    """A note about the flags, printed once (rank 0, from torchrun's RANK: a process group may not exist yet)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(line, flush=True)
 
@@ -487,10 +487,12 @@ def read_deepspeed_json(path: str) -> dict:
         raise UsageError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
     if not isinstance(user, dict):
         raise UsageError(f"--deepspeed_config {path}: not a JSON object ({{\"key\": value, ...}})")
-    for section in ("zero_optimization", "bf16", "bfloat16", "fp16", "checkpoint"):  # the ones read here
-        if not isinstance(user.get(section, {}), dict):  # DeepSpeed's old "zero_optimization": true too
+    for section in ("zero_optimization", "bf16", "bfloat16", "fp16", "checkpoint", "data_types"):  # read here
+        if not isinstance(user.get(section, {}), dict):
+            old = user[section] in (True, False) and section == "zero_optimization"  # DeepSpeed's old switch
             raise UsageError(f"--deepspeed_config {path}: \"{section}\" is {json.dumps(user[section])}, not a "
-                             f"section ({{\"key\": value, ...}}; ZeRO's stage: {{\"stage\": 1}})")
+                             f"section ({{\"key\": value, ...}}" + (f"; ZeRO's stage: {{\"stage\": "
+                             f"{int(user[section])}}})" if old else ")"))
     if "bfloat16" in user:
         if "bf16" in user and user["bf16"] != user["bfloat16"]:
             raise UsageError(f"--deepspeed_config {path}: \"bf16\" and \"bfloat16\" (its older "
@@ -625,8 +627,8 @@ def validate_loss_scale(cfg: TrainConfig) -> None:
     if not cfg.fp16:
         return
     start, floor = cfg.initial_loss_scale, cfg.min_loss_scale
-    if not start > 0:
-        raise UsageError(f"--initial-loss-scale {start:g}: it must be above 0")
+    if not 0 < start < math.inf:
+        raise UsageError(f"--initial-loss-scale {start:g}: it must be above 0 and finite")
     if floor is not None and not 0 < floor <= start:
         raise UsageError(f"--min-loss-scale {floor:g}: it must be above 0 and at most --initial-loss-scale ({start:g})")
     power = math.log2(start)

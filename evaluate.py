@@ -362,7 +362,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         raise UsageError("--overlapping-eval is for --task WIKITEXT103")
     if cfg.strict_lambada and cfg.task != "LAMBADA":
         raise UsageError("--strict-lambada is for --task LAMBADA")
-    default = TrainConfig()
+    default = TrainConfig()  # (a sampling flag given at its default value changes nothing either way)
     if cfg.task != "GENERATE" and (given := [f for f in GENERATE_FLAGS if getattr(cfg, f) != getattr(default, f)]):
         raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in given)}: for --task GENERATE "
                          f"(--task {cfg.task} scores --valid-data; its results go to --metrics-file)")

@@ -19,7 +19,7 @@ import parallel
 import pipeline
 from launch import UsageError
 from config import (TrainConfig, autocast, build_optimizer, compile_options, json_switch, json_value,
-                    lr_schedule, model_config, read_deepspeed_json, say)
+                    lr_schedule, model_config, read_deepspeed_json, say, whole_number)
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
@@ -112,8 +112,9 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
     if cfg.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    overlap = json_value(cfg, "zero_optimization.overlap_comm", json_switch, zero.get("overlap_comm", False))
-    if cfg.pipeline_model_parallel_size > 1 and overlap:
+    overlap = zero.get("overlap_comm")  # None or "auto": DeepSpeed's default (on at stage 3 only)
+    overlap = overlap not in (None, "auto") and json_value(cfg, "zero_optimization.overlap_comm", json_switch, overlap)
+    if cfg.pipeline_model_parallel_size > 1 and overlap:  # (stages take ZeRO 0 or 1: off by default)
         # ZeRO-1's overlapped reduction runs in backward hooks, and only at the accumulation
         # boundary, which the stages' schedule never sets: the ranks would never average.
         zero["overlap_comm"] = False
@@ -146,7 +147,7 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
                          f"disk, and train.py would point `latest` at a checkpoint still being "
                          f"written; remove it (saves are written synchronously, then published)")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        if user.get(key, "auto") not in ("auto", ours[key]):
+        if user.get(key, "auto") != "auto" and json_value(cfg, key, whole_number, user[key]) != ours[key]:
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
                              f"the batch flags (--micro-batch-size x data-parallel size x accumulation "
                              f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")

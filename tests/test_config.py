@@ -303,6 +303,7 @@ def test_loss_scale_flags_reach_the_plain_engines_scaler():
     (["--min-loss-scale", "0.5", "--deepspeed"], "--min-loss-scale 0.5: DeepSpeed's fp16.min_loss_scale is a "
                                                  "whole number"),
     (["--initial-loss-scale", "0"], "--initial-loss-scale 0: it must be above 0"),
+    (["--initial-loss-scale", "1e400", "--deepspeed"], "--initial-loss-scale inf: it must be above 0 and finite"),
     (["--initial-loss-scale", "100", "--deepspeed"], r"--initial-loss-scale 100: DeepSpeed starts from a power "
                                                      r"of two \(its initial_scale_power\); give 64 or 128"),
 ])
@@ -563,7 +564,9 @@ def test_a_json_count_that_is_not_a_whole_number_is_one_line(tmp_path, json_cont
     ([1, 2], 'not a JSON object ({"key": value, ...})'),
     ({"zero_optimization": True}, '"zero_optimization" is true, not a section ({"key": value, ...}; '
                                   'ZeRO\'s stage: {"stage": 1})'),  # DeepSpeed's deprecated form
-    ({"fp16": 1}, '"fp16" is 1, not a section'),
+    ({"zero_optimization": False}, '; ZeRO\'s stage: {"stage": 0})'),
+    ({"fp16": 1}, '"fp16" is 1, not a section ({"key": value, ...})'),
+    ({"data_types": "bf16"}, '"data_types" is "bf16", not a section'),
     ({"gradient_accumulation_steps": "four"}, "gradient_accumulation_steps: 'four' is not a whole number"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps: 0 is less than 1"),
     ({"zero_optimization": {"overlap_comm": "maybe"}}, "zero_optimization.overlap_comm: 'maybe' is not true or false"),
@@ -575,6 +578,20 @@ def test_a_malformed_deepspeed_json_is_one_line_not_a_traceback(tmp_path, json_c
         cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, json_content))
         cfg = config_lib.batch_from_deepspeed_json(cfg, dp_size=1)
         zero.deepspeed_config(cfg, dp_size=1, accum=1)
+
+
+@pytest.mark.parametrize("pp", ["1", "2"])
+def test_what_deepspeed_reads_passes_as_it_is(tmp_path, pp):
+    """"auto" and null are DeepSpeed's default (overlap_comm: on at ZeRO-3
+    only); a count written "4" or "4.0" is 4, and agrees with the flags."""
+    for overlap in ("auto", None):
+        content = {"train_micro_batch_size_per_gpu": "4", "gradient_accumulation_steps": "4.0",
+                   "zero_optimization": {"stage": 1, "overlap_comm": overlap}}
+        cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, content),
+                    "--pipeline-model-parallel-size", pp)
+        cfg = config_lib.batch_from_deepspeed_json(cfg, dp_size=1)
+        ds = zero.deepspeed_config(cfg, dp_size=1, accum=4)
+        assert ds["zero_optimization"]["overlap_comm"] == overlap and cfg.global_batch_size == 16
 
 
 @pytest.mark.parametrize("power", ["12", 12.0])
