@@ -685,13 +685,16 @@ def read_weights(found: Found) -> tuple[dict, dict]:
 # DeepSpeed's own reads (engine.load_checkpoint, zero_to_fp32) pass
 # weights_only=False; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that.
 
-def _data_types() -> list:
-    """numpy's ndarray, for np.random's state in every checkpoint's "rng";
-    DeepSpeed's enum, loss scalers and fragment addresses, in its optimizer files."""
+def _data_types(deepspeed: bool) -> list:
+    """numpy's ndarray, for np.random's state in every checkpoint's "rng"; with
+    `deepspeed`, DeepSpeed's enum, loss scalers and fragment addresses, in its
+    optimizer files (a plain or torch_dist load imports no DeepSpeed)."""
     rebuild = np.zeros(0).__reduce__()[0]  # numpy's array reconstructor, under both its module names:
     types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # the state's key array is uint32
              (rebuild, "numpy._core.multiarray._reconstruct"),  # numpy 2
              (rebuild, "numpy.core.multiarray._reconstruct")]  # numpy 1's checkpoints
+    if not deepspeed:
+        return types
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -710,7 +713,7 @@ def data_only_loads(where: str):
     force, before = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ[force] = "1"
     try:
-        with torch.serialization.safe_globals(_data_types()):
+        with torch.serialization.safe_globals(_data_types(kind_of(where) == "deepspeed")):
             try:
                 yield
             except pickle.UnpicklingError as e:

@@ -42,10 +42,11 @@ def test_the_import_graph_has_no_circle():
     assert order[0] == "launch" and project_imports("launch") == set()
 
 
-def modules_loaded_by(imports: str) -> set[str]:
-    """Every module a fresh interpreter holds after `import IMPORTS`."""
-    return set(subprocess.run([sys.executable, "-c", f"import sys, {imports}; print(' '.join(sys.modules))"],
-                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.split())
+def modules_loaded_by(imports: str, then: str = "") -> set[str]:
+    """Every module a fresh interpreter holds after `import IMPORTS` and THEN."""
+    code = f"import sys, {imports}\n{then}\nprint(' '.join(sys.modules))"
+    return set(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.split())
 
 
 def test_preparing_data_loads_no_model_code():
@@ -53,12 +54,24 @@ def test_preparing_data_loads_no_model_code():
     assert not {"gpt", "kernels", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & loaded
 
 
+# a plain checkpoint's file, with np.random's state (numpy's types), read as every load reads it
+READ_A_PLAIN_CHECKPOINT = """
+import os, tempfile, numpy, torch
+where = tempfile.mkdtemp()
+torch.save({"rng": {"numpy": numpy.random.get_state()}}, os.path.join(where, checkpoint.PLAIN_FILE))
+with checkpoint.data_only_loads(where):
+    torch.load(os.path.join(where, checkpoint.PLAIN_FILE))
+"""
+
+
 def test_only_torch_dist_imports_pytorchs_distributed_checkpoint():
     """torch.distributed.checkpoint (DTensor's tables with it: about a second of
     every rank's start) is imported by the torch_dist functions when they run,
-    not by train.py or evaluate.py."""
-    loaded = modules_loaded_by("train, evaluate")
+    not by train.py or evaluate.py; nor is DeepSpeed (its import, and on a CPU
+    its warning line) by a plain checkpoint's load: only DeepSpeed's files hold its types."""
+    loaded = modules_loaded_by("train, evaluate, checkpoint", then=READ_A_PLAIN_CHECKPOINT)
     assert "checkpoint" in loaded and "torch.distributed.checkpoint" not in loaded
+    assert "deepspeed" not in loaded
 
 
 # ----------------------------------------------------------------------------
