@@ -36,6 +36,7 @@ import os
 import re
 import sys
 import time
+import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -49,7 +50,10 @@ from launch import UsageError
 
 EOD = 50256                 # GPT-2's <|endoftext|>, appended after every document
 TEXT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".ndjson")
-COMPRESSED = {".gz": b"\x1f\x8b", ".xz": b"\xfd7zXZ\x00", ".bz2": b"BZh", ".zst": b"\x28\xb5\x2f\xfd"}
+# The first bytes of each (bz2's "BZh" is followed by a level and a block's or the end's magic,
+# so that a text starting "BZh" stays text)
+COMPRESSED = {".gz": rb"\x1f\x8b", ".xz": rb"\xfd7zXZ\x00", ".bz2": rb"BZh[1-9](1AY&SY|\x17rE8P\x90)",
+              ".zst": rb"\x28\xb5\x2f\xfd"}
 JSON_EXTENSIONS = (".json", ".jsonl", ".ndjson")
 DEFAULT_OUTPUT_PREFIX = "data/shakespeare"
 
@@ -168,8 +172,8 @@ def open_text(path: str):
     """A text file, or a gzip/xz/bz2 (and, where Python has zstd, zstd) one, known by
     its first bytes whatever its name, decompressed as it is read."""
     with open(path, "rb") as f:
-        head = f.read(6)
-    kind = next((ext for ext, magic in COMPRESSED.items() if head.startswith(magic)), None)
+        head = f.read(10)
+    kind = next((ext for ext, magic in COMPRESSED.items() if re.match(magic, head)), None)
     opener = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, None: open}.get(kind)
     if opener is None:  # .zst: in the standard library from Python 3.14
         try:
@@ -209,8 +213,8 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
     if split == "file":
         if text.strip():  # a blank file is no document
             yield text
-    elif split == "line":
-        yield from (line for line in text.splitlines() if line.strip())
+    elif split == "line":  # \n, \r\n or \r: not str.splitlines' form feeds and Unicode separators
+        yield from (line for line in re.split(r"\r\n|\r|\n", text) if line.strip())
     elif split == "paragraph":
         yield from (p.strip() for p in re.split(r"\n[ \t\r]*\n", text) if p.strip())
     else:
@@ -230,6 +234,9 @@ def iter_documents(files: list[str], json_key: str | None = None, text_split: st
         except UnicodeDecodeError as e:
             raise ValueError(f"{path} is not valid UTF-8 ({e}); convert it first, "
                              "e.g. iconv -f LATIN1 -t UTF-8") from None
+        except (EOFError, OSError, zlib.error, lzma.LZMAError) as e:  # a cut or damaged compressed file
+            raise ValueError(f"{path} cannot be read to its end ({e}): is it whole? "
+                             f"Test it (gzip -t, xz -t, bzip2 -t) or download it again") from None
 
 
 # ----------------------------------------------------------------------------
@@ -421,6 +428,9 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
     # Validate everything that can fail up front, before any output file exists.
     if text_split not in ("file", "line", "paragraph"):
         raise UsageError(f"--text-split {text_split!r} is not one of file, line, paragraph")
+    if not inputs and (json_key is not None or text_split != "file"):
+        raise UsageError("--json-keys and --text-split are for --input files; without --input prepare.py "
+                         "writes its own corpus, Shakespeare's plays, one document per scene")
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")

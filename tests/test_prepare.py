@@ -107,6 +107,17 @@ def test_text_split_line_and_paragraph(tmp_path, enc):
     assert decoded_documents(str(tmp_path / "p_text_document"), enc) == ["para one\nstill one", "para two"]
     prepare.prepare([path], output_prefix=str(tmp_path / "l"), text_split="line", workers=1)
     assert decoded_documents(str(tmp_path / "l_text_document"), enc) == ["para one", "still one", "para two"]
+    # a line ends at \n, \r\n or \r only: a form feed or U+2028 inside one is text
+    path = write(tmp_path / "f.txt", "a\x0cb\nc\u2028d\r\ne\rf\n")
+    prepare.prepare([path], output_prefix=str(tmp_path / "f"), text_split="line", workers=1)
+    assert decoded_documents(str(tmp_path / "f_text_document"), enc) == ["a\x0cb", "c\u2028d", "e", "f"]
+
+
+def test_the_default_corpus_takes_no_input_flags(tmp_path):
+    """--json-keys and --text-split without --input would be silently dropped (and the
+    key would name Shakespeare's dataset): one line instead."""
+    fails(tmp_path, ["--json-keys", "title"], r"--json-keys and --text-split are for --input files")
+    fails(tmp_path, ["--text-split", "line"], r"without --input prepare.py writes its own corpus")
 
 
 def test_no_append_eod_stores_bare_tokens(tmp_path, enc):
@@ -346,6 +357,21 @@ def test_compressed_jsonl_is_read_directly(tmp_path, compress):
     prepare.main(["--input", str(name), "--output-prefix", str(tmp_path / "out"), "--workers", "1"])
     from data import IndexedDataset
     assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 20
+
+
+def test_a_text_starting_like_bz2_is_text_and_a_cut_compressed_file_is_named(tmp_path, enc):
+    """Compression is known by a file's magic bytes, bz2's in full ("BZh", a
+    level, a block's magic), so a text that starts "BZh" is text; a
+    compressed file cut short is one line naming it, not EOFError's traceback."""
+    path = write(tmp_path / "bzh.txt", "BZh is how this text starts.")
+    prepare.main(["--input", path, "--output-prefix", str(tmp_path / "b"), "--workers", "1"])
+    assert decoded_documents(str(tmp_path / "b_text_document"), enc) == ["BZh is how this text starts."]
+    import gzip
+    whole = gzip.compress("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(500)).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[:len(whole) // 2])
+    fails(tmp_path, ["--input", str(cut), "--workers", "1"], rf"{re.escape(str(cut))} cannot be read to its end "
+          r"\(Compressed file ended before the end-of-stream marker was reached\): is it whole\?")
 
 
 def test_a_compressed_input_python_cannot_read_is_named(tmp_path):
