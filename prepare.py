@@ -206,10 +206,22 @@ def iter_json_documents(path: str, key: str) -> Iterator[str]:
             yield obj[key]
 
 
+def looks_like_json_lines(text: str) -> bool:
+    """Whether the first non-blank line is a JSON object with a "text" string."""
+    first = re.search(r"\S[^\r\n]*", text)  # (not splitlines: a large file would be split whole)
+    try:
+        return first is not None and isinstance(json.loads(first.group()).get("text"), str)
+    except (ValueError, AttributeError):  # not JSON, or JSON but not an object
+        return False
+
+
 def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
     """A plain text file as one document, or one per line / blank-line-separated paragraph."""
     with open_text(path) as f:  # newline="": keep the text byte-exact
         text = f.read()
+    if looks_like_json_lines(text):  # Megatron would read it as JSON: say how it is read here
+        print(f"note: {path} looks like JSON lines, but is read as text by its name; name it .jsonl "
+              f"(or pass --json-keys text) to take each line's \"text\"", file=sys.stderr, flush=True)
     if split == "file":
         if text.strip():  # a blank file is no document
             yield text

@@ -113,6 +113,21 @@ def test_text_split_line_and_paragraph(tmp_path, enc):
     assert decoded_documents(str(tmp_path / "f_text_document"), enc) == ["a\x0cb", "c\u2028d", "e", "f"]
 
 
+def test_json_lines_in_a_file_named_as_text_are_read_as_text_and_said_to_be(tmp_path, enc, capsys):
+    """Megatron reads every input as JSON lines; here a file's name decides, so
+    a .txt whose first line is {"text": ...} is one text document, and a line
+    on stderr says how to have its lines' "text" read instead."""
+    path = write(tmp_path / "shard.txt", '\n{"text": "hello"}\n{"text": "world"}\n')
+    prepare.main(["--input", path, "--output-prefix", str(tmp_path / "j"), "--workers", "1"])
+    assert decoded_documents(str(tmp_path / "j_text_document"), enc) == ['\n{"text": "hello"}\n{"text": "world"}\n']
+    assert f"note: {path} looks like JSON lines, but is read as text by its name; name it .jsonl (or pass " \
+           f"--json-keys text)" in capsys.readouterr().err
+    for text in ("plain text\n{\"text\": \"x\"}\n", "[1, 2]\n", "{\"title\": \"no text key\"}\n"):
+        prepare.main(["--input", write(tmp_path / "t.txt", text), "--output-prefix", str(tmp_path / "t"),
+                      "--workers", "1"])
+        assert "looks like JSON lines" not in capsys.readouterr().err
+
+
 def test_the_default_corpus_takes_no_input_flags(tmp_path):
     """--json-keys and --text-split without --input would be silently dropped (and the
     key would name Shakespeare's dataset): one line instead."""
