@@ -513,9 +513,9 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
         raw = user
         for key in path:
             raw = raw.get(key) if isinstance(raw, dict) else None
-        if raw is None or raw == "auto":
-            continue
         value = json_value(cfg, ".".join(path), convert, raw)
+        if value is None:
+            continue
         now = getattr(cfg, name)
         decided = name in given or (name in ("bf16", "fp16") and precision_given)
         if not decided:
@@ -530,7 +530,11 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
 
 
 def json_value(cfg: TrainConfig, key: str, convert, raw):
-    """convert(raw), the JSON's value at `key` (a dotted path); a bad one is one line naming both."""
+    """convert(raw), the JSON's value at `key` (a dotted path); None where it is unset,
+    absent, null or "auto" (Hugging Face's placeholder, which DeepSpeed drops too); a bad
+    one is one line naming both."""
+    if raw is None or raw == "auto":
+        return None
     try:
         return convert(raw)
     except (argparse.ArgumentTypeError, TypeError, ValueError, OverflowError) as e:
@@ -543,10 +547,10 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
     of a --deepspeed_config's gradient_accumulation_steps, if nothing set it."""
     if not cfg.deepspeed_config or cfg.global_batch_size is not None:
         return cfg
-    steps = read_deepspeed_json(cfg.deepspeed_config).get("gradient_accumulation_steps")
-    if steps in (None, "auto"):
+    steps = json_value(cfg, "gradient_accumulation_steps", whole_number,
+                       read_deepspeed_json(cfg.deepspeed_config).get("gradient_accumulation_steps"))
+    if steps is None:
         return cfg
-    steps = json_value(cfg, "gradient_accumulation_steps", whole_number, steps)
     if steps < 1:
         raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: gradient_accumulation_steps: {steps} "
                          f"is less than 1")

@@ -112,9 +112,9 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
     if cfg.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    overlap = zero.get("overlap_comm")  # None or "auto": DeepSpeed's default (on at stage 3 only)
-    overlap = overlap not in (None, "auto") and json_value(cfg, "zero_optimization.overlap_comm", json_switch, overlap)
-    if cfg.pipeline_model_parallel_size > 1 and overlap:  # (stages take ZeRO 0 or 1: off by default)
+    # unset (None): DeepSpeed's default, on at ZeRO-3 only, and stages take ZeRO 0 or 1
+    overlap = json_value(cfg, "zero_optimization.overlap_comm", json_switch, zero.get("overlap_comm"))
+    if cfg.pipeline_model_parallel_size > 1 and overlap:
         # ZeRO-1's overlapped reduction runs in backward hooks, and only at the accumulation
         # boundary, which the stages' schedule never sets: the ranks would never average.
         zero["overlap_comm"] = False
@@ -147,7 +147,7 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
                          f"disk, and train.py would point `latest` at a checkpoint still being "
                          f"written; remove it (saves are written synchronously, then published)")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        if user.get(key, "auto") != "auto" and json_value(cfg, key, whole_number, user[key]) != ours[key]:
+        if json_value(cfg, key, whole_number, user.get(key)) not in (None, ours[key]):
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
                              f"the batch flags (--micro-batch-size x data-parallel size x accumulation "
                              f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")
