@@ -247,6 +247,8 @@ def iter_documents(files: list[str], json_key: str | None = None, text_split: st
             raise ValueError(f"{path} is not valid UTF-8 ({e}); convert it first, "
                              "e.g. iconv -f LATIN1 -t UTF-8") from None
         except (EOFError, OSError, zlib.error, lzma.LZMAError) as e:  # a cut or damaged compressed file
+            if isinstance(e, OSError) and e.errno is not None:  # the file system's (permissions ...): as it is
+                raise
             raise ValueError(f"{path} cannot be read to its end ({e}): is it whole? "
                              f"Test it (gzip -t, xz -t, bzip2 -t) or download it again") from None
 

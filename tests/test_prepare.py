@@ -374,7 +374,7 @@ def test_compressed_jsonl_is_read_directly(tmp_path, compress):
     assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 20
 
 
-def test_a_text_starting_like_bz2_is_text_and_a_cut_compressed_file_is_named(tmp_path, enc):
+def test_a_text_starting_like_bz2_is_text_and_a_cut_compressed_file_is_named(tmp_path, enc, monkeypatch):
     """Compression is known by a file's magic bytes, bz2's in full ("BZh", a
     level, a block's magic), so a text that starts "BZh" is text; a
     compressed file cut short is one line naming it, not EOFError's traceback."""
@@ -387,6 +387,12 @@ def test_a_text_starting_like_bz2_is_text_and_a_cut_compressed_file_is_named(tmp
     cut.write_bytes(whole[:len(whole) // 2])
     fails(tmp_path, ["--input", str(cut), "--workers", "1"], rf"{re.escape(str(cut))} cannot be read to its end "
           r"\(Compressed file ended before the end-of-stream marker was reached\): is it whole\?")
+
+    def unreadable(path):  # the file system's own error (as root, chmod 000 would not stop the read)
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(prepare, "open_text", unreadable)
+    message = fails(tmp_path, ["--input", path, "--workers", "1"], r"Permission denied: .*bzh\.txt")
+    assert "cannot be read to its end" not in message
 
 
 def test_a_compressed_input_python_cannot_read_is_named(tmp_path):
