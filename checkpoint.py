@@ -26,7 +26,9 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
+import stat
 import tempfile
 import types
 import warnings
@@ -236,8 +238,15 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
 
 def saved_iterations(save_dir: str) -> list[int]:
     """The iterations of save_dir's iter_NNNNNNN directories, in order."""
-    return sorted(int(name[5:]) for name in os.listdir(save_dir)
-                  if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit())
+    return sorted(i for i in map(iteration_of, os.listdir(save_dir)) if i is not None)
+
+
+def iteration_of(name: str) -> int | None:
+    """N of a checkpoint's directory name iter_NNNNNNN, else None. ASCII
+    digits only: str.isdigit() also takes ones int() refuses (²)."""
+    digits = name[5:]
+    return int(digits) if (len(name) == 12 and name.startswith("iter_") and digits.isascii()
+                           and digits.isdigit()) else None
 
 
 def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
@@ -286,12 +295,87 @@ def on_every_rank(fn, what: str, group=None) -> None:
 # bytes on disk; a load checks them before it reads, and a damaged or
 # incomplete checkpoint gives way to the newest intact one (verified_checkpoint).
 
+def plain_file_problem(directory: str, name: str) -> str | None:
+    """Why `name` is not a plain file of `directory`, or None. The names a
+    checkpoint gives (checksums.sha256's, DCP's index's, a Hugging Face
+    index's) may not lead elsewhere: a bare file name (no directory part, no
+    `..`, nothing sha256sum would escape) of a regular file there, not a
+    link, directory, FIFO or device, which a tar or zip can carry and whose
+    reading would go outside the checkpoint or never end."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\n\0"):
+        return f"{name!r} is not a file name in the checkpoint's directory (a path elsewhere)"
+    path = os.path.join(directory, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return f"{name} is missing"
+    if stat.S_ISLNK(mode):
+        return f"{name} is a symbolic link (to {os.readlink(path)}), not a file"
+    return None if stat.S_ISREG(mode) else f"{name} is {_not_a_file(mode)}, not a file"
+
+
+def inside(directory: str, name: str) -> str:
+    """directory/name, where `name` is a plain file of `directory`
+    (plain_file_problem); otherwise a UsageError naming both. For every path
+    that a checkpoint's own files name."""
+    if problem := plain_file_problem(directory, name):
+        raise UsageError(f"{directory}: {problem}")
+    return os.path.join(directory, name)
+
+
+def _not_a_file(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "a device")
+
+
+@contextlib.contextmanager
+def regular_file(path: str, follow: bool = False):
+    """(binary file, size) of `path`, opened only if it is a regular file
+    (and, unless `follow`, not a link), checked before the open and again on
+    the open file; a UsageError otherwise. A FIFO never blocks the open, and
+    a reader takes no more than `size` bytes: /dev/zero has no end."""
+    mode = (os.stat if follow else os.lstat)(path).st_mode
+    if not stat.S_ISREG(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else _not_a_file(mode)
+        raise UsageError(f"{path} is {what}, not a file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:  # swapped for a link since the check
+        if e.errno != errno.ELOOP:
+            raise
+        raise UsageError(f"{path} is a symbolic link, not a file") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # swapped since the check
+            raise UsageError(f"{path} is {_not_a_file(info.st_mode)}, not a file")
+        yield f, info.st_size
+
+
 def sha256_of(path: str) -> str:
+    """The sha256 of a regular file's bytes (regular_file), read in blocks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
+    with regular_file(path) as (f, left):
+        while left > 0 and (block := f.read(min(left, 1 << 24))):
             digest.update(block)
+            left -= len(block)
     return digest.hexdigest()
+
+
+def listed_digests(directory: str) -> dict[str, str]:
+    """name -> sha256 of every line of directory's DIGESTS, in sha256sum's
+    format: `SHA256  NAME`, or `SHA256 *NAME` as `sha256sum -b` writes (its
+    binary mode hashes the same bytes). A UsageError names a line of any
+    other form; the names are checked where they are read (damage)."""
+    path, listed = os.path.join(directory, DIGESTS), {}
+    with regular_file(path) as (f, size):
+        text = f.read(size).decode("utf-8", "replace")
+    for number, line in enumerate(text.removesuffix("\n").split("\n") if text else [], 1):
+        match = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line)
+        if not match or match[2] in listed:
+            raise UsageError(f"line {number} of {DIGESTS}, {line[:80]!r}, is not `SHA256  NAME` of a file "
+                             f"listed once")
+        listed[match[2]] = match[1].lower()
+    return listed
 
 
 def digest_files(directory: str, names: list[str]) -> dict[str, str]:
@@ -317,21 +401,39 @@ def write_digests(directory: str, digests: dict[str, str]) -> None:
 
 
 def damage(found: Found) -> str | None:
-    """What is wrong with a checkpoint, or None: every file its DIGESTS
-    lists is there, with that sha256 (without DIGESTS: none is cut short)."""
-    directory, listed = found.path, os.path.join(found.path, DIGESTS)
+    """What is wrong with a checkpoint, or None: its directory holds plain
+    files only (plain_file_problem), every one listed in its DIGESTS with its
+    sha256 (without DIGESTS: none is cut short), and a DeepSpeed one's
+    trainer_state.json records the iteration it was chosen for."""
     if found.kind is None:
         return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
-    if not os.path.exists(listed):
-        return cut_short(found)
-    with open(listed) as f:
-        for line in f:
-            digest, name = line.rstrip("\n").split("  ", 1)
-            path = os.path.join(directory, name)
-            if not os.path.exists(path):
-                return f"{name} is missing"
-            if sha256_of(path) != digest:
-                return f"{name} is damaged (its sha256 is not the one {DIGESTS} records)"
+    names = sorted(os.listdir(found.path))
+    try:
+        problem = next(filter(None, (plain_file_problem(found.path, name) for name in names)), None) or (
+            digests_problem(found.path, names) if DIGESTS in names else None)
+        if problem is None and found.kind == "deepspeed":
+            saved = read_deepspeed_meta(found.path)["iteration"]
+            if saved != found.iteration:
+                problem = f"its {DS_META} records iteration {saved}, not {found.iteration}"
+    except UsageError as e:  # a file of the wrong form
+        problem = str(e)
+    # (outside: cut_short's refusal of an index that would run code stops the run, see data_only_loads)
+    return problem or (None if DIGESTS in names else cut_short(found))
+
+
+def digests_problem(directory: str, names: list[str]) -> str | None:
+    """damage's verdict on the files `names` of a directory with DIGESTS."""
+    listed = listed_digests(directory)
+    problem = next(filter(None, (plain_file_problem(directory, name) for name in listed)), None)
+    if problem:  # before any file is read
+        return problem
+    unlisted = [name for name in names if name not in listed and name != DIGESTS]
+    if unlisted:  # another run's, saved over this one (at another data-parallel size, say)
+        return (f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not listed in {DIGESTS} "
+                f"(another save's, written over this one?)")
+    for name, digest in listed.items():
+        if sha256_of(os.path.join(directory, name)) != digest:
+            return f"{name} is damaged (its sha256 is not the one {DIGESTS} records)"
     return None
 
 
@@ -424,29 +526,41 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     copied by hand, say); if they differ (a crash between a DeepSpeed save's
     two pointer writes) the newer wins. With neither (checkpoints copied
     without one, a first save cut short before it) the newest iter_N is it.
-    The kind is what the directory holds, not the pointer's."""
+    The kind is what the directory holds, not the pointer's, and the
+    iteration the one its name says (damage holds a checkpoint to it).
+    Either pointer naming a checkpoint that is gone gives way (damage, then
+    older_checkpoint); one naming anything but a checkpoint of load_dir stops."""
     what_is_there(load_dir)
     named = []
     if os.path.exists(os.path.join(load_dir, LATEST)):
-        with open(os.path.join(load_dir, LATEST)) as f:
-            text = f.read().strip()
+        text = pointer_text(os.path.join(load_dir, LATEST))
         if text == "release":
             raise UsageError(f"{os.path.join(load_dir, LATEST)} names Megatron's release/ directory, a "
                              f"layout train.py does not read (one file per model-parallel rank, its names)")
-        if not text.isdigit():  # a damaged file
+        if not (text.isascii() and text.isdigit()):  # a damaged file
             raise UsageError(f"{os.path.join(load_dir, LATEST)} holds {text[:40]!r}, not an iteration number: "
                              f"write the iteration to load into it, or delete it to load the newest iter_N there")
         named.append((int(text), checkpoint_dir(load_dir, f"iter_{int(text):07d}"), LATEST))
-    if os.path.exists(os.path.join(load_dir, DS_LATEST)):
-        with open(os.path.join(load_dir, DS_LATEST)) as f:
-            tag_dir = checkpoint_dir(load_dir, f.read().strip())
-        named.append((read_deepspeed_meta(tag_dir)["iteration"], tag_dir, DS_LATEST))
+    if os.path.exists(os.path.join(load_dir, DS_LATEST)):  # the same rules: a checkpoint of load_dir
+        tag = pointer_text(os.path.join(load_dir, DS_LATEST))
+        if iteration_of(tag) is None:
+            raise UsageError(f"{os.path.join(load_dir, DS_LATEST)} holds {tag[:40]!r}, not the name of a "
+                             f"checkpoint in {load_dir} (iter_NNNNNNN): write the one to load into it, or "
+                             f"delete it to load the newest iter_N there")
+        named.append((iteration_of(tag), checkpoint_dir(load_dir, tag), DS_LATEST))
     if not named and os.path.isdir(load_dir):
         named = [(i, os.path.join(load_dir, f"iter_{i:07d}"), None) for i in saved_iterations(load_dir)[-1:]]
     if not named:
         return None
     iteration, path, pointer = max(named, key=lambda n: n[0])
     return Found(kind_of(path), iteration, path)  # kind None: named, but incomplete or gone (see damage)
+
+
+def pointer_text(path: str) -> str:
+    """What a pointer file says (its first bytes: an iteration, a tag); bytes
+    that are not UTF-8 come out as U+FFFD, which no pointer holds."""
+    with regular_file(path, follow=True) as (f, _):
+        return f.read(200).decode("utf-8", "replace").strip()
 
 
 def what_is_there(load_dir: str) -> None:
@@ -479,6 +593,9 @@ def verified_checkpoint(load_dir: str, log) -> Found | None:
         if problem is None:
             if problems:
                 log(f"falling back to {found.path} (iteration {found.iteration}), the newest intact checkpoint")
+            if not os.path.exists(os.path.join(found.path, DIGESTS)):  # loads, as before checksums, but said
+                log(f"{found.path} has no {DIGESTS} (saved before checksums, or copied without them): "
+                    f"its files are not verified, only checked for being cut short")
             return found
         log(f"checkpoint {found.path} cannot be loaded: {problem}")
         problems.append(f"{found.path}: {problem}")
@@ -498,13 +615,20 @@ def older_checkpoint(load_dir: str, before: int) -> Found | None:
 
 
 def read_deepspeed_meta(tag_dir: str) -> dict:
-    """trainer_state.json of a DeepSpeed checkpoint written by train.py."""
+    """trainer_state.json of a DeepSpeed checkpoint written by train.py; a
+    UsageError naming it where it is not one (missing, cut short, damaged)."""
     path = os.path.join(tag_dir, DS_META)
-    if not os.path.exists(path):
-        raise UsageError(f"{DS_LATEST} names {tag_dir}, which has no {DS_META}: not a complete "
-                         f"checkpoint written by train.py")
-    with open(path) as f:
-        return json.load(f)
+    if not os.path.lexists(path):
+        raise UsageError(f"{path} is missing: not a complete checkpoint written by train.py")
+    with regular_file(path) as (f, size):
+        text = f.read(size)
+    try:
+        meta = json.loads(text)
+    except ValueError as e:  # not JSON (cut short), or not UTF-8
+        raise UsageError(f"{path} is not JSON ({e}): cut short or damaged") from None
+    if not isinstance(meta, dict) or type(meta.get("iteration")) is not int:
+        raise UsageError(f"{path} records no iteration: not the {DS_META} train.py writes")
+    return meta
 
 
 def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:

@@ -13,6 +13,7 @@ check that ours computes the same logits, both ways.
 import dataclasses
 import errno
 import glob
+import hashlib
 import json
 import os
 import pickle
@@ -336,6 +337,79 @@ def test_with_no_intact_checkpoint_left_the_run_stops_naming_the_damage(corpus, 
         checkpoint.export_weights(ckpt, str(tmp_path / "out"))
 
 
+def _rewrite_digests(tag: str, *extra_lines: str, binary: bool = False) -> None:
+    """tag's checksums.sha256 made anew from its files, as anyone who changes
+    them can, with extra_lines after (binary: in `sha256sum -b`'s form)."""
+    names = sorted(n for n in os.listdir(tag) if n != checkpoint.DIGESTS and os.path.isfile(os.path.join(tag, n)))
+    lines = [f"{checkpoint.sha256_of(os.path.join(tag, n))}{' *' if binary else '  '}{n}" for n in names]
+    with open(os.path.join(tag, checkpoint.DIGESTS), "w") as f:
+        f.write("".join(f"{line}\n" for line in [*lines, *extra_lines]))
+
+
+def test_a_checkpoint_whose_files_lead_elsewhere_is_passed_over_and_nothing_is_read_forever(
+        corpus, two_saves, tmp_path):
+    """Checkpoints unpacked from a tar or zip whose checksums.sha256 names a
+    file outside (/dev/zero, ../../../etc/passwd, /etc/passwd), that is a
+    symbolic link, a FIFO or a directory, or that is not in sha256sum's
+    format: `train.py --load` names each in one line and resumes from the
+    newest intact one, whose checksums are in `sha256sum -b`'s form (which
+    sha256sum -c reads too); an iter_NNNNNNN of digits that are not ASCII is
+    no checkpoint. With none intact, --export-from and evaluate.py stop in
+    one line. Each within a time bound: none reads /dev/zero or a FIFO."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(two_saves, ckpt)
+    _rewrite_digests(str(ckpt / "iter_0000004"), binary=True)
+    assert subprocess.run(["sha256sum", "-c", checkpoint.DIGESTS], cwd=ckpt / "iter_0000004").returncode == 0
+    passwd = hashlib.sha256(open("/etc/passwd", "rb").read()).hexdigest()
+    model = checkpoint.PLAIN_FILE
+    hostile = {  # iteration: (what is done to a copy of iteration 4, the problem named); the newest first
+        15: (lambda t: _rewrite_digests(t, "0000  /dev/zero"),
+             "line 2 of checksums.sha256, '0000  /dev/zero', is not"),
+        14: (lambda t: _rewrite_digests(t, f"{'0' * 64}  /dev/zero"), "'/dev/zero' is not a file name"),
+        13: (lambda t: _rewrite_digests(t, f"{passwd}  ../../../etc/passwd"),
+             "'../../../etc/passwd' is not a file name"),
+        12: (lambda t: _rewrite_digests(t, f"{passwd}  /etc/passwd"), "'/etc/passwd' is not a file name"),
+        11: (lambda t: (os.remove(os.path.join(t, model)), os.symlink("/dev/zero", os.path.join(t, model))),
+             f"{model} is a symbolic link (to /dev/zero), not a file"),
+        10: (lambda t: (os.remove(os.path.join(t, model)), os.mkfifo(os.path.join(t, model))),
+             f"{model} is a FIFO, not a file"),
+        9: (lambda t: (os.remove(os.path.join(t, checkpoint.DIGESTS)),
+                       os.symlink("/dev/zero", os.path.join(t, checkpoint.DIGESTS))),
+            "checksums.sha256 is a symbolic link (to /dev/zero), not a file"),
+        8: (lambda t: _rewrite_digests(t, f"{passwd} {model}"), "line 2 of checksums.sha256"),
+        7: (lambda t: (os.mkdir(os.path.join(t, "more")), _rewrite_digests(t, f"{passwd}  more")),
+            "more is a directory, not a file"),
+        6: (lambda t: shutil.copy(os.path.join(t, model), os.path.join(t, "other.pt")),
+            "other.pt is not listed in checksums.sha256"),
+    }
+    for iteration, (change, _) in hostile.items():
+        shutil.copytree(ckpt / "iter_0000004", ckpt / f"iter_{iteration:07d}")
+        change(str(ckpt / f"iter_{iteration:07d}"))
+    (ckpt / "iter_²²²²²²²").mkdir()
+    (ckpt / checkpoint.LATEST).write_text("15")
+    env, metrics = {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path / "m.jsonl"
+    proc = run_bounded([sys.executable, "train.py", *TINY, "--data-path", corpus, "--train-iters", "5",
+                        "--load", str(ckpt), "--eval-interval", "0", "--metrics-file", str(metrics)], 60,
+                       cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for iteration, (_, problem) in hostile.items():
+        assert f"checkpoint {ckpt}/iter_{iteration:07d} cannot be loaded: {problem}" in proc.stdout, proc.stdout
+    assert f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint" in proc.stdout
+    assert [m["iteration"] for m in read_metrics(metrics)] == [5]
+    for iteration, like in ((4, 10), (2, 15)):  # now none is intact
+        hostile[like][0](str(ckpt / f"iter_{iteration:07d}"))
+    for args in (["train.py", "--export-from", str(ckpt), "--export-to", str(tmp_path / "exported")],
+                 ["evaluate.py", "--task", "GENERATE", "--load", str(ckpt), "--num-samples", "1"]):
+        proc = run_bounded([sys.executable, *args], 60, cwd=ROOT, env=env)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith(f"{args[0]}: error")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+        assert errors[0].startswith(f"{args[0]}: error: no intact checkpoint in {ckpt}: {ckpt}/iter_0000015: "
+                                    f"{hostile[15][1]} `SHA256  NAME` of a file listed once; "), errors[0]
+        assert f"{ckpt}/iter_0000004: {hostile[10][1]}; " in errors[0], errors[0]
+        assert errors[0].endswith(f"{ckpt}/iter_0000002: {hostile[15][1]} `SHA256  NAME` of a file listed once")
+        assert "Traceback" not in proc.stderr
+
+
 def test_pytorchs_converter_gives_a_torch_dist_checkpoint_as_the_torch_formats_states(
         two_saves, dist_saves, tmp_path):
     """`python -m torch.distributed.checkpoint.format_utils dcp_to_torch` reads
@@ -561,7 +635,51 @@ def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp
     assert (found.kind, found.iteration) == ("deepspeed", 4)
     assert said == [f"checkpoint {save}/iter_0000006 cannot be loaded: it holds no checkpoint "
                     f"(none of model_optim_rng.pt, .metadata, trainer_state.json)",
-                    f"falling back to {save}/iter_0000004 (iteration 4), the newest intact checkpoint"]
+                    f"falling back to {save}/iter_0000004 (iteration 4), the newest intact checkpoint",
+                    f"{save}/iter_0000004 has no checksums.sha256 (saved before checksums, or copied without "
+                    f"them): its files are not verified, only checked for being cut short"]
+
+
+def test_deepspeeds_pointer_and_trainer_state_are_held_to_what_megatrons_pointer_is(corpus, two_saves, tmp_path,
+                                                                                    capsys):
+    """A directory of plain checkpoints 2 and 4 (4 copied without its
+    checksums.sha256), then DeepSpeed checkpoints, each with checksums made
+    anew as anyone can: 5 whose trainer_state.json is cut short, 6 whose
+    trainer_state.json says iteration 7, 7 with a ZeRO shard its checksums do
+    not list (another save's, at another data-parallel size); DeepSpeed's
+    `latest` names iteration 9, which is gone. --load and --export-from name
+    each in one line, as Megatron's pointer naming a missing iteration is, and
+    read iteration 4, saying that it has no checksums."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(two_saves, ckpt)
+    os.remove(os.path.join(ckpt, "iter_0000004", checkpoint.DIGESTS))
+    shard = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+    for iteration, state in ((5, '{"iteration": 5, "consume'), (6, '{"iteration": 7}'), (7, '{"iteration": 7}')):
+        tag = os.path.join(ckpt, f"iter_{iteration:07d}")
+        os.makedirs(tag)
+        for name in ("mp_rank_00_model_states.pt", shard.format(0)):
+            torch.save({"iteration": iteration}, os.path.join(tag, name))
+        with open(os.path.join(tag, checkpoint.DS_META), "w") as f:
+            f.write(state)
+        _rewrite_digests(tag)
+    torch.save({}, os.path.join(ckpt, "iter_0000007", shard.format(1)))
+    with open(os.path.join(ckpt, checkpoint.DS_LATEST), "w") as f:
+        f.write("iter_0000009")
+    problems = [f"{ckpt}/iter_0000009 cannot be loaded: it holds no checkpoint",
+                f"{ckpt}/iter_0000007 cannot be loaded: {shard.format(1)} is not listed in checksums.sha256",
+                f"{ckpt}/iter_0000006 cannot be loaded: its trainer_state.json records iteration 7, not 6",
+                f"{ckpt}/iter_0000005 cannot be loaded: {ckpt}/iter_0000005/trainer_state.json is not JSON"]
+    said = [f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint",
+            f"{ckpt}/iter_0000004 has no checksums.sha256 (saved before checksums, or copied without them)"]
+    metrics = tmp_path / "m.jsonl"
+    for args in ([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", ckpt, "--eval-interval", "0",
+                  "--metrics-file", str(metrics)],
+                 ["--export-from", ckpt, "--export-to", str(tmp_path / "exported")]):
+        train.main(args)
+        out = capsys.readouterr().out
+        for line in problems + said:
+            assert line in out, out
+    assert [m["iteration"] for m in read_metrics(metrics)] == [5]
 
 
 def test_a_directory_without_a_pointer_loads_its_newest_checkpoint(corpus, two_saves, tmp_path, capsys):
@@ -638,12 +756,15 @@ def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared
     assert checkpoint.schedule_to_follow(follow, saved, "ckpt", said.append)[0] == 2e-3
 
 
-@pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "an iteration's directory",
+@pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "a pointer of binary bytes",
+                                   "a pointer of a digit that is not ASCII", "DeepSpeed's pointer to ../outside",
+                                   "DeepSpeed's pointer to an absolute path", "an iteration's directory",
                                    "a Hugging Face directory", "a file"])
 def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_saves, tmp_path, capsys, given):
-    """Megatron's "release" pointer, a damaged one, a checkpoint's own
-    iter_N directory, a transformers model, a file: one line that says what
-    to give."""
+    """Megatron's "release" pointer, a damaged one (empty, binary, a `²`,
+    which str.isdigit() takes and int() does not), DeepSpeed's naming a
+    directory outside the save directory, a checkpoint's own iter_N
+    directory, a transformers model, a file: one line that says what to give."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(two_saves, ckpt)
     pointer, load = os.path.join(ckpt, checkpoint.LATEST), ckpt
@@ -651,13 +772,26 @@ def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_s
         load = pointer
         message = (f"{load} is a file, not a checkpoint directory: give the directory that holds "
                    f"{checkpoint.LATEST} (the one train.py's --save wrote)")
-    elif "pointer" in given:
+    elif given.startswith("DeepSpeed's"):
+        tag = "../outside/iter_0000009" if "outside" in given else os.path.join(str(tmp_path), "iter_0000009")
+        shutil.copytree(os.path.join(ckpt, "iter_0000004"), os.path.join(ckpt, tag))  # a checkpoint there
+        pointer = os.path.join(ckpt, checkpoint.DS_LATEST)
         with open(pointer, "w") as f:
-            f.write("release\n" if "release" in given else "")
+            f.write(tag)
+        message = (f"{pointer} holds {tag[:40]!r}, not the name of a checkpoint in {ckpt} (iter_NNNNNNN): write "
+                   f"the one to load into it, or delete it to load the newest iter_N there")
+    elif "pointer" in given:
+        written = {"a pointer to 'release'": b"release\n", "an empty pointer": b"",
+                   "a pointer of binary bytes": b"\x80\xff",
+                   "a pointer of a digit that is not ASCII": "²".encode()}
+        with open(pointer, "wb") as f:
+            f.write(written[given])
+        shown = {"an empty pointer": "", "a pointer of binary bytes": "\ufffd\ufffd",  # as text: U+FFFD
+                 "a pointer of a digit that is not ASCII": "²"}
         message = (f"{pointer} names Megatron's release/ directory, a layout train.py does not read (one file "
                    f"per model-parallel rank, its names)") if "release" in given else \
-            (f"{pointer} holds '', not an iteration number: write the iteration to load into it, or delete it "
-             f"to load the newest iter_N there")
+            (f"{pointer} holds {shown[given]!r}, not an iteration number: write the iteration to load into it, "
+             f"or delete it to load the newest iter_N there")
     elif given == "an iteration's directory":
         load = os.path.join(ckpt, "iter_0000002")
         message = (f"{load} is one checkpoint's own directory: give the directory above it, {ckpt} "
