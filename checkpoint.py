@@ -302,8 +302,8 @@ def plain_file_problem(directory: str, name: str) -> str | None:
     `..`, nothing sha256sum would escape) of a regular file there, not a
     link, directory, FIFO or device, which a tar or zip can carry and whose
     reading would go outside the checkpoint or never end."""
-    if name in ("", ".", "..") or any(c in name for c in "/\\\n\0"):
-        return f"{name!r} is not a file name in the checkpoint's directory (a path elsewhere)"
+    if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0"):
+        return f"{name!r} is not a file name in the checkpoint's directory"
     path = os.path.join(directory, name)
     try:
         mode = os.lstat(path).st_mode
@@ -348,6 +348,7 @@ def regular_file(path: str, follow: bool = False):
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):  # swapped since the check
             raise UsageError(f"{path} is {_not_a_file(info.st_mode)}, not a file")
+        os.set_blocking(fd, True)  # O_NONBLOCK was for the open alone
         yield f, info.st_size
 
 
