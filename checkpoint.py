@@ -707,6 +707,10 @@ def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, 
         log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
             f"starting at iteration 0")
         return 0, 0, lr_schedule(cfg)
+    named = iteration_of(os.path.basename(path).removesuffix(".old"))
+    if named is not None and named != state["iteration"]:  # it was chosen by its name (latest_checkpoint)
+        raise UsageError(f"checkpoint {path} holds the state of iteration {state['iteration']}, not of "
+                         f"{named}: renamed or damaged; give it its own name, or remove it to load the one before")
     if not cfg.no_load_rng and state.get("rng"):
         set_rng_state(stage_rng(state, log), log)
     log(f"loaded checkpoint {path} (iteration {state['iteration']}"

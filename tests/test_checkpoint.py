@@ -682,6 +682,23 @@ def test_deepspeeds_pointer_and_trainer_state_are_held_to_what_megatrons_pointer
     assert [m["iteration"] for m in read_metrics(metrics)] == [5]
 
 
+def test_a_checkpoint_under_another_iterations_name_is_not_resumed_as_that_iteration(
+        corpus, two_saves, tmp_path, capsys):
+    """iter_0000004 copied to iter_0000006, its checksums still right (they
+    hold no names of directories): --load chose it as iteration 6, and would
+    resume iteration 4's state under that number. One line says so instead."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(two_saves, ckpt)
+    shutil.copytree(os.path.join(ckpt, "iter_0000004"), os.path.join(ckpt, "iter_0000006"))
+    with open(os.path.join(ckpt, checkpoint.LATEST), "w") as f:
+        f.write("6")
+    with pytest.raises(SystemExit) as stop:
+        train.main([*TINY, "--data-path", corpus, "--train-iters", "8", "--load", ckpt, "--eval-interval", "0"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"train.py: error: checkpoint {ckpt}/iter_0000006 holds the state of iteration 4, not of 6: renamed or "
+        f"damaged; give it its own name, or remove it to load the one before"]
+
 def test_a_directory_without_a_pointer_loads_its_newest_checkpoint(corpus, two_saves, tmp_path, capsys):
     """Checkpoints copied without latest_checkpointed_iteration.txt (or a
     first save cut short before it): --load takes the newest iter_N there,
