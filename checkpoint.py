@@ -252,7 +252,17 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
     if not keep:
         return
     for iteration in [i for i in saved_iterations(save_dir) if i <= current][:-keep]:
-        shutil.rmtree(os.path.join(save_dir, f"iter_{iteration:07d}"))
+        path = os.path.join(save_dir, f"iter_{iteration:07d}")
+        if os.path.islink(path):
+            # A link to a checkpoint kept elsewhere (an archive, another run's): the link is
+            # all of it this directory holds, so it goes, and --keep-last-checkpoints still
+            # holds here; what it points at is not this run's to delete, and stays.
+            target = os.path.realpath(path)
+            os.unlink(path)
+            log(f"removed the link iter_{iteration:07d} (--keep-last-checkpoints {keep}); "
+                f"the checkpoint it named, {target}, is left as it is")
+            continue
+        shutil.rmtree(path)
         log(f"removed checkpoint iter_{iteration:07d} (--keep-last-checkpoints {keep})")
 
 

@@ -138,6 +138,24 @@ def test_a_failed_write_on_rank_0_stops_every_rank(corpus, tmp_path):
     assert "rank 1: stopping, saving checkpoint 1" in proc.stderr and "failed on rank 0" in proc.stderr
 
 
+def test_keep_last_checkpoints_removes_a_linked_checkpoint_but_not_what_it_links_to(corpus, tmp_path):
+    """An old checkpoint in --save that is a symbolic link (to an archive,
+    say): --keep-last-checkpoints removes the link, with a line that says
+    so, and never follows it: the checkpoint it names stays whole."""
+    archived, ckpt = tmp_path / "archive" / "iter_0000001", tmp_path / "ckpt"
+    archived.mkdir(parents=True)
+    (archived / checkpoint.PLAIN_FILE).write_bytes(b"the archived weights")
+    ckpt.mkdir()
+    (ckpt / "iter_0000001").symlink_to(archived)
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--eval-interval", "0",
+                      "--save", str(ckpt), "--save-interval", "2", "--keep-last-checkpoints", "1"], check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", checkpoint.LATEST]
+    assert (archived / checkpoint.PLAIN_FILE).read_bytes() == b"the archived weights"
+    assert (f"removed the link iter_0000001 (--keep-last-checkpoints 1); the checkpoint it named, "
+            f"{archived}, is left as it is") in proc.stdout
+
+
 def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_path):
     """--keep-last-checkpoints 2 with a save every step: the two newest remain
     and `latest` names the newest. A later iteration left by another run,
