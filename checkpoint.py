@@ -474,6 +474,22 @@ def what_is_there(load_dir: str) -> None:
                          f"DIR makes one that --load DIR --finetune trains from")
 
 
+def check_writable_directory(path: str, flag: str) -> None:
+    """--save (or --export-to) checked before any work, as --load is: a path
+    that is a file, lies under one, or that this user cannot write would
+    otherwise fail at the first write, for --save a save interval of compute
+    later, with a traceback. Nothing is created here."""
+    there = os.path.abspath(path)
+    while not os.path.lexists(there):  # the deepest part of the path that is there
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        what = "a file" if os.path.isfile(there) else "not a directory"
+        where = f"is {what}" if there == os.path.abspath(path) else f"lies under {there}, {what}"
+        raise UsageError(f"{flag} {path} {where}: give a directory (one that is not there yet is made)")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: this user cannot write {there}: give a directory it can write")
+
+
 def kind_of(path: str) -> str | None:
     return next((kind for kind, marker in MARKERS if os.path.exists(os.path.join(path, marker))), None)
 

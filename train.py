@@ -577,6 +577,8 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
 def train(cfg: TrainConfig, env: launch.Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
     preempt = Preemption(env.device, cfg.exit_duration_in_mins)  # the time limit counts the setup too
+    if cfg.save:  # now, not at the first save, a save interval of compute later
+        checkpoint.check_writable_directory(cfg.save, "--save")
     cfg, accum, global_batch = plan_batches(cfg)
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
     if cfg.domino and parallel.layout.tp_size == 1:

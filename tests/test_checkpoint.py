@@ -126,16 +126,31 @@ def test_checkpoint_reaches_the_disk_before_it_is_published(tmp_path, monkeypatc
 
 
 def test_a_failed_write_on_rank_0_stops_every_rank(corpus, tmp_path):
-    """Only rank 0 writes a plain checkpoint. If that fails (here --save lies
-    under a regular file), the other rank must not wait for it at a barrier
-    forever: both exit, and the error names the cause."""
-    (tmp_path / "a-file").write_text("")
+    """Only rank 0 writes a plain checkpoint. If that fails (here a file
+    stands where its temporary directory goes), the other rank must not wait
+    for it at a barrier forever: both exit, and the error names the cause."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "iter_0000001.tmp").write_text("")
     start = time.time()
     proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "1",
-                      "--save", str(tmp_path / "a-file" / "ckpt")], nproc=2, check=False, timeout=240)
+                      "--save", str(tmp_path / "ckpt")], nproc=2, check=False, timeout=240)
     assert proc.returncode != 0 and time.time() - start < 200
-    assert "NotADirectoryError" in proc.stderr
+    assert "FileExistsError" in proc.stderr
     assert "rank 1: stopping, saving checkpoint 1" in proc.stderr and "failed on rank 0" in proc.stderr
+
+
+@pytest.mark.parametrize("given", ["a file", "a path under a file"])
+def test_a_save_directory_that_cannot_be_one_is_one_line_before_the_first_step(corpus, tmp_path, given):
+    """--save that is a file, or lies under one, is refused when the run
+    starts, as --load is, in one line: not at the first save, a save
+    interval of compute later, with a traceback."""
+    (tmp_path / "a-file").write_text("")
+    save = tmp_path / "a-file" if given == "a file" else tmp_path / "a-file" / "ckpt"
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--save", str(save)], check=False)
+    where = "is a file" if given == "a file" else f"lies under {tmp_path / 'a-file'}, a file"
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"train.py: error: --save {save} {where}: give a directory (one that is not there yet is made)"]
+    assert "iter " not in proc.stdout  # not a step was taken
 
 
 def test_keep_last_checkpoints_removes_a_linked_checkpoint_but_not_what_it_links_to(corpus, tmp_path):
