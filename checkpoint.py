@@ -1143,6 +1143,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.layout.tp_size > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
+    check_export_target(out, fmt)
     hf_source = checkpoint if is_hf_directory(checkpoint) else None
     if hf_source:
         model, state = from_hf(checkpoint), {"iteration": 0, "consumed_samples": 0, "rng": None, "config": None}
@@ -1161,6 +1162,53 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     state.update(model=model.full_state_dict(), optimizer=None, scaler=None,
                  model_config=dataclasses.asdict(model.config))
     write_plain_checkpoint(out, state)
+
+
+def check_export_target(out: str, fmt: str) -> None:
+    """--export-to: a new or empty directory, or an earlier export of the same
+    format, which this one writes over. Nothing else: written into a save
+    directory, a plain export would replace the newest checkpoint's
+    optimizer states by none, or point it back at an older iteration; an hf
+    export's config.json would make --load refuse the directory."""
+    check_writable_directory(out, "--export-to")
+    held = not_an_export(out, fmt) if os.path.isdir(out) else None
+    if held:
+        raise UsageError(f"--export-to {out} holds {held}: an export writes only into a new or empty "
+                         f"directory, or over an earlier --export-format {fmt} export; give another directory")
+
+
+def not_an_export(out: str, fmt: str) -> str | None:
+    """What directory `out` holds that is not an earlier export of format fmt, or None."""
+    names = sorted(os.listdir(out))
+    saved = [n for n in names if n.startswith("iter_")]
+    pointers = [n for n in names if n in (LATEST, DS_LATEST)]
+    if any(not is_weights_export(os.path.join(out, n)) for n in saved):
+        return f"a training run's checkpoints ({listed(saved + pointers)})"
+    if fmt == "hf":
+        if saved or pointers:
+            return f"a plain export ({listed(saved + pointers)})"
+        return None if is_hf_directory(out) or not names else f"other files ({listed(names)})"
+    if is_hf_directory(out):
+        return f"a Hugging Face model ({HF_CONFIG})"
+    others = [n for n in names if n not in saved and n != LATEST]  # DeepSpeed's pointer: not an export's
+    return f"other files ({listed(others)})" if others else None
+
+
+def is_weights_export(path: str) -> bool:
+    """Whether path is a plain checkpoint of weights alone (export_weights'),
+    read without its tensors (mmap); one that does not read is not one."""
+    if not os.path.isfile(os.path.join(path, PLAIN_FILE)):
+        return False
+    try:
+        with data_only_loads(path):
+            state = torch.load(os.path.join(path, PLAIN_FILE), map_location="cpu", mmap=True)
+    except Exception:  # noqa: BLE001 -- damaged, or more than data: not to be written over either way
+        return False
+    return isinstance(state, dict) and "optimizer" in state and state["optimizer"] is None
+
+
+def listed(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 # ----------------------------------------------------------------------------

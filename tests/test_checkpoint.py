@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -754,6 +755,49 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
     for out in (again, again + "2"):
         assert transformers.AutoTokenizer.from_pretrained(out)(prompt)["input_ids"] == tokenizer(prompt)["input_ids"]
     assert os.path.isfile(os.path.join(again, "tokenizer.json"))  # the source's own, copied
+
+
+def tree_digests(directory) -> dict:
+    """Every file under directory -> its sha256."""
+    return {os.path.relpath(os.path.join(root, name), directory): checkpoint.sha256_of(os.path.join(root, name))
+            for root, _, names in os.walk(directory) for name in names}
+
+
+def test_an_export_never_writes_into_a_directory_that_holds_checkpoints(two_saves, tmp_path):
+    """A typo that names a save directory as --export-to (its own, or
+    another run's newer one), in either format, or a file: refused in one
+    line that names what is there, and the checkpoints, pointer included,
+    are the same bytes after. (Written over, the newest checkpoint would
+    lose its optimizer states, or the pointer go back to an older iteration,
+    or config.json beside them make --load refuse the directory.)"""
+    run, old = str(tmp_path / "run"), str(tmp_path / "old")
+    shutil.copytree(two_saves, run)
+    shutil.copytree(two_saves, old)
+    shutil.rmtree(os.path.join(old, "iter_0000004"))
+    with open(os.path.join(old, checkpoint.LATEST), "w") as f:
+        f.write("2")
+    (tmp_path / "a-file").write_text("")
+    before = tree_digests(run)
+    refusal = "an export writes only into a new or empty directory, or over an earlier --export-format {} export"
+    checkpoints = f"a training run's checkpoints (iter_0000002, iter_0000004, {checkpoint.LATEST})"
+    for source, out, fmt, held in ((run, run, "plain", checkpoints), (run, run, "hf", checkpoints),
+                                   (old, run, "plain", checkpoints), (run, str(tmp_path / "a-file"), "plain", None)):
+        proc = run_bounded([sys.executable, "train.py", "--export-from", source, "--export-to", out,
+                            "--export-format", fmt], 120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        message = (f"--export-to {out} holds {held}: {refusal.format(fmt)}; give another directory" if held else
+                   f"--export-to {out} is a file: give a directory (one that is not there yet is made)")
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"train.py: error: {message}"], \
+            proc.stderr[-3000:]
+        assert tree_digests(run) == before
+    # What an export may write over: an earlier export of its own format, and only that
+    plain, hf = str(tmp_path / "plain"), str(tmp_path / "hf")
+    for out, fmt in ((plain, "plain"), (plain, "plain"), (hf, "hf"), (hf, "hf")):
+        checkpoint.export_weights(run, out, fmt)
+    assert sorted(os.listdir(plain)) == ["iter_0000004", checkpoint.LATEST]
+    for out, fmt, held in ((plain, "hf", f"a plain export (iter_0000004, {checkpoint.LATEST})"),
+                           (hf, "plain", f"a Hugging Face model ({checkpoint.HF_CONFIG})")):
+        with pytest.raises(UsageError, match=re.escape(f"--export-to {out} holds {held}: ")):
+            checkpoint.export_weights(run, out, fmt)
 
 
 # -----------------------------------------------------------------------------
