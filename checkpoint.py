@@ -261,7 +261,17 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
     if not keep:
         return
     for iteration in [i for i in saved_iterations(save_dir) if i <= current][:-keep]:
-        shutil.rmtree(os.path.join(save_dir, f"iter_{iteration:07d}"))
+        path = os.path.join(save_dir, f"iter_{iteration:07d}")
+        if os.path.islink(path):
+            # A link to a checkpoint kept elsewhere (an archive, another run's): the link is
+            # all of it this directory holds, so it goes, and --keep-last-checkpoints still
+            # holds here; what it points at is not this run's to delete, and stays.
+            target = os.path.realpath(path)
+            os.unlink(path)
+            log(f"removed the link iter_{iteration:07d} (--keep-last-checkpoints {keep}); "
+                f"the checkpoint it named, {target}, is left as it is")
+            continue
+        shutil.rmtree(path)
         log(f"removed checkpoint iter_{iteration:07d} (--keep-last-checkpoints {keep})")
 
 
@@ -577,6 +587,22 @@ def what_is_there(load_dir: str) -> None:
         raise UsageError(f"{load_dir} is a Hugging Face model directory, not a train.py checkpoint: "
                          f"evaluate.py reads it with --hf, and train.py --export-from {load_dir} --export-to "
                          f"DIR makes one that --load DIR --finetune trains from")
+
+
+def check_writable_directory(path: str, flag: str) -> None:
+    """--save (or --export-to) checked before any work, as --load is: a path
+    that is a file, lies under one, or that this user cannot write would
+    otherwise fail at the first write, for --save a save interval of compute
+    later, with a traceback. Nothing is created here."""
+    there = os.path.abspath(path)
+    while not os.path.lexists(there):  # the deepest part of the path that is there
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        what = "a file" if os.path.isfile(there) else "not a directory"
+        where = f"is {what}" if there == os.path.abspath(path) else f"lies under {there}, {what}"
+        raise UsageError(f"{flag} {path} {where}: give a directory (one that is not there yet is made)")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: this user cannot write {there}: give a directory it can write")
 
 
 def kind_of(path: str) -> str | None:
@@ -1246,6 +1272,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.layout.tp_size > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
+    check_export_target(out, fmt)
     hf_source = checkpoint if is_hf_directory(checkpoint) else None
     if hf_source:
         model, state = from_hf(checkpoint), {"iteration": 0, "consumed_samples": 0, "rng": None, "config": None}
@@ -1264,6 +1291,53 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     state.update(model=model.full_state_dict(), optimizer=None, scaler=None,
                  model_config=dataclasses.asdict(model.config))
     write_plain_checkpoint(out, state)
+
+
+def check_export_target(out: str, fmt: str) -> None:
+    """--export-to: a new or empty directory, or an earlier export of the same
+    format, which this one writes over. Nothing else: written into a save
+    directory, a plain export would replace the newest checkpoint's
+    optimizer states by none, or point it back at an older iteration; an hf
+    export's config.json would make --load refuse the directory."""
+    check_writable_directory(out, "--export-to")
+    held = not_an_export(out, fmt) if os.path.isdir(out) else None
+    if held:
+        raise UsageError(f"--export-to {out} holds {held}: an export writes only into a new or empty "
+                         f"directory, or over an earlier --export-format {fmt} export; give another directory")
+
+
+def not_an_export(out: str, fmt: str) -> str | None:
+    """What directory `out` holds that is not an earlier export of format fmt, or None."""
+    names = sorted(os.listdir(out))
+    saved = [n for n in names if n.startswith("iter_")]
+    pointers = [n for n in names if n in (LATEST, DS_LATEST)]
+    if any(not is_weights_export(os.path.join(out, n)) for n in saved):
+        return f"a training run's checkpoints ({listed(saved + pointers)})"
+    if fmt == "hf":
+        if saved or pointers:
+            return f"a plain export ({listed(saved + pointers)})"
+        return None if is_hf_directory(out) or not names else f"other files ({listed(names)})"
+    if is_hf_directory(out):
+        return f"a Hugging Face model ({HF_CONFIG})"
+    others = [n for n in names if n not in saved and n != LATEST]  # DeepSpeed's pointer: not an export's
+    return f"other files ({listed(others)})" if others else None
+
+
+def is_weights_export(path: str) -> bool:
+    """Whether path is a plain checkpoint of weights alone (export_weights'),
+    read without its tensors (mmap); one that does not read is not one."""
+    if not os.path.isfile(os.path.join(path, PLAIN_FILE)):
+        return False
+    try:
+        with data_only_loads(path):
+            state = torch.load(os.path.join(path, PLAIN_FILE), map_location="cpu", mmap=True)
+    except Exception:  # noqa: BLE001 -- damaged, or more than data: not to be written over either way
+        return False
+    return isinstance(state, dict) and "optimizer" in state and state["optimizer"] is None
+
+
+def listed(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 # ----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 module every other may import, so it imports none of them.
 
   1. A user's mistake (UsageError): reported once, by rank 0, as one line;
-     a collective that gave up on a dead or silent peer, named (errors_reported)
+     a collective that gave up on a dead or silent peer, named (errors_reported);
+     SIGTERM before there is anything to save: the process ends at once (sigterm_exits)
   2. torchrun's environment: the default process group, with a fresh store
      for each restart of an elastic job (init_distributed)
   3. Files that appear whole: written under a temporary name, forced to disk,
@@ -16,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -94,6 +96,48 @@ def report_collective_failure(e: RuntimeError, prog: str) -> None:
           f"why. --distributed-timeout-minutes sets how long a collective waits.",
           file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+_sigterm_wakeup = None  # the pipe's write end while sigterm_exits is in force
+
+
+def sigterm_exits(line: str) -> None:
+    """From now until sigterm_calls: SIGTERM (a scheduler's preemption notice,
+    `timeout`) ends this process at once, with `line` on stderr and status
+    143 (128 + SIGTERM, a shell's status for it), whatever the process is
+    doing: reading a file that never answers, waiting on a peer. Python runs
+    a handler only between two bytecodes of the main thread, never while it
+    waits inside C (a collective, a store), so the byte that the C-level
+    handler writes to the wakeup fd is read by a thread of its own."""
+    global _sigterm_wakeup
+    read, write = os.pipe()
+    os.set_blocking(write, False)  # set_wakeup_fd requires it: a signal handler never blocks
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread acts; the main thread need not
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if _sigterm_wakeup is not None:  # an earlier run in this process (tests): its thread ends
+        os.close(_sigterm_wakeup)
+    _sigterm_wakeup = write
+    threading.Thread(target=_exit_on_sigterm, args=(read, line), daemon=True, name="sigterm").start()
+
+
+def _exit_on_sigterm(read: int, line: str) -> None:
+    while received := os.read(read, 64):  # the numbers of the signals caught; b"" once the pipe is closed
+        if signal.SIGTERM in received:
+            print(line, file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGTERM)
+    os.close(read)
+
+
+def sigterm_calls(handler) -> None:
+    """From now on SIGTERM calls handler (the main thread, between two
+    bytecodes), and no longer ends the process. The handler goes in first:
+    a SIGTERM in between still ends the process, none is lost."""
+    global _sigterm_wakeup
+    signal.signal(signal.SIGTERM, handler)
+    if _sigterm_wakeup is not None:
+        signal.set_wakeup_fd(-1)
+        os.close(_sigterm_wakeup)  # the thread reads the end of the pipe and ends
+        _sigterm_wakeup = None
 
 
 # ----------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -450,19 +449,29 @@ class Logger:
 # ----------------------------------------------------------------------------
 # 5. The loop
 
+# Before the loop (reading the data, loading a checkpoint, building, waiting on a
+# peer) a run has nothing to save: SIGTERM ends it at once (main). From the loop's
+# start, Preemption.start, the one switch, has it save first.
+SIGTERM_BEFORE_THE_LOOP = ("train.py: SIGTERM before training started (while loading, building, waiting "
+                           "or exporting); nothing to save, exiting")
+
+
 class Preemption:
-    """Turns SIGTERM (a cluster's preemption notice), or the end of
-    --exit-duration-in-mins (a job's time limit, counted from the start of the
-    run), into a flag the loop checks. Every rank must stop (and save) at the
-    same iteration, so the ranks vote with an all-reduce. On CUDA each vote is
-    read one step late, once the next step is queued, so the host never waits
-    for the GPU: the ranks still agree, a step later."""
+    """Turns SIGTERM (a cluster's preemption notice) once the loop has
+    started, or the end of --exit-duration-in-mins (a job's time limit,
+    counted from the start of the run), into a flag the loop checks. Every
+    rank must stop (and save) at the same iteration, so the ranks vote with an
+    all-reduce. On CUDA each vote is read one step late, once the next step is
+    queued, so the host never waits for the GPU: the ranks still agree, a step later."""
 
     def __init__(self, device: torch.device, minutes: float | None = None):
         self.device, self.requested = device, False
         self.deadline = None if minutes is None else time.monotonic() + 60 * minutes
         self.pending = None  # CUDA: (event, pinned host copy) of the last vote
-        signal.signal(signal.SIGTERM, self._handler)
+
+    def start(self) -> None:
+        """The loop starts: from now on SIGTERM stops it at the next vote, which saves."""
+        launch.sigterm_calls(self._handler)
 
     def _handler(self, signum, frame):
         self.requested = True
@@ -568,6 +577,8 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
 def train(cfg: TrainConfig, env: launch.Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
     preempt = Preemption(env.device, cfg.exit_duration_in_mins)  # the time limit counts the setup too
+    if cfg.save:  # now, not at the first save, a save interval of compute later
+        checkpoint.check_writable_directory(cfg.save, "--save")
     cfg, accum, global_batch = plan_batches(cfg)
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
     if cfg.domino and parallel.layout.tp_size == 1:
@@ -620,6 +631,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, preempt:
     """Train from the trainer's iteration to --train-iters (or a stop); return the last
     iteration. The host never waits for the GPU within an iteration: device values are
     read only at log intervals, evaluations and saves, the preemption vote a step late."""
+    preempt.start()  # first: DataLoader workers, forked below, must not inherit the exit at once
     train_ds, valid_ds = datasets
     iteration, consumed = trainer.iteration, trainer.consumed
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
@@ -671,6 +683,7 @@ def init_processes(cfg: TrainConfig) -> launch.Dist:
 
 def main(argv: list[str] | None = None) -> None:
     """train.py's command line: a user's mistake is one line from rank 0 (launch.errors_reported)."""
+    launch.sigterm_exits(SIGTERM_BEFORE_THE_LOOP)
     with launch.errors_reported("train.py"):
         cfg = parse_args(argv, usage=__doc__)
         if cfg.export_from:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -127,16 +128,49 @@ def test_checkpoint_reaches_the_disk_before_it_is_published(tmp_path, monkeypatc
 
 
 def test_a_failed_write_on_rank_0_stops_every_rank(corpus, tmp_path):
-    """Only rank 0 writes a plain checkpoint. If that fails (here --save lies
-    under a regular file), the other rank must not wait for it at a barrier
-    forever: both exit, and the error names the cause."""
-    (tmp_path / "a-file").write_text("")
+    """Only rank 0 writes a plain checkpoint. If that fails (here a file
+    stands where its temporary directory goes), the other rank must not wait
+    for it at a barrier forever: both exit, and the error names the cause."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "iter_0000001.tmp").write_text("")
     start = time.time()
     proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "1",
-                      "--save", str(tmp_path / "a-file" / "ckpt")], nproc=2, check=False, timeout=240)
+                      "--save", str(tmp_path / "ckpt")], nproc=2, check=False, timeout=240)
     assert proc.returncode != 0 and time.time() - start < 200
-    assert "NotADirectoryError" in proc.stderr
+    assert "FileExistsError" in proc.stderr
     assert "rank 1: stopping, saving checkpoint 1" in proc.stderr and "failed on rank 0" in proc.stderr
+
+
+@pytest.mark.parametrize("given", ["a file", "a path under a file"])
+def test_a_save_directory_that_cannot_be_one_is_one_line_before_the_first_step(corpus, tmp_path, given):
+    """--save that is a file, or lies under one, is refused when the run
+    starts, as --load is, in one line: not at the first save, a save
+    interval of compute later, with a traceback."""
+    (tmp_path / "a-file").write_text("")
+    save = tmp_path / "a-file" if given == "a file" else tmp_path / "a-file" / "ckpt"
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--save", str(save)], check=False)
+    where = "is a file" if given == "a file" else f"lies under {tmp_path / 'a-file'}, a file"
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"train.py: error: --save {save} {where}: give a directory (one that is not there yet is made)"]
+    assert "iter " not in proc.stdout  # not a step was taken
+
+
+def test_keep_last_checkpoints_removes_a_linked_checkpoint_but_not_what_it_links_to(corpus, tmp_path):
+    """An old checkpoint in --save that is a symbolic link (to an archive,
+    say): --keep-last-checkpoints removes the link, with a line that says
+    so, and never follows it: the checkpoint it names stays whole."""
+    archived, ckpt = tmp_path / "archive" / "iter_0000001", tmp_path / "ckpt"
+    archived.mkdir(parents=True)
+    (archived / checkpoint.PLAIN_FILE).write_bytes(b"the archived weights")
+    ckpt.mkdir()
+    (ckpt / "iter_0000001").symlink_to(archived)
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--eval-interval", "0",
+                      "--save", str(ckpt), "--save-interval", "2", "--keep-last-checkpoints", "1"], check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", checkpoint.LATEST]
+    assert (archived / checkpoint.PLAIN_FILE).read_bytes() == b"the archived weights"
+    assert (f"removed the link iter_0000001 (--keep-last-checkpoints 1); the checkpoint it named, "
+            f"{archived}, is left as it is") in proc.stdout
 
 
 def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_path):
@@ -872,6 +906,49 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
     for out in (again, again + "2"):
         assert transformers.AutoTokenizer.from_pretrained(out)(prompt)["input_ids"] == tokenizer(prompt)["input_ids"]
     assert os.path.isfile(os.path.join(again, "tokenizer.json"))  # the source's own, copied
+
+
+def tree_digests(directory) -> dict:
+    """Every file under directory -> its sha256."""
+    return {os.path.relpath(os.path.join(root, name), directory): checkpoint.sha256_of(os.path.join(root, name))
+            for root, _, names in os.walk(directory) for name in names}
+
+
+def test_an_export_never_writes_into_a_directory_that_holds_checkpoints(two_saves, tmp_path):
+    """A typo that names a save directory as --export-to (its own, or
+    another run's newer one), in either format, or a file: refused in one
+    line that names what is there, and the checkpoints, pointer included,
+    are the same bytes after. (Written over, the newest checkpoint would
+    lose its optimizer states, or the pointer go back to an older iteration,
+    or config.json beside them make --load refuse the directory.)"""
+    run, old = str(tmp_path / "run"), str(tmp_path / "old")
+    shutil.copytree(two_saves, run)
+    shutil.copytree(two_saves, old)
+    shutil.rmtree(os.path.join(old, "iter_0000004"))
+    with open(os.path.join(old, checkpoint.LATEST), "w") as f:
+        f.write("2")
+    (tmp_path / "a-file").write_text("")
+    before = tree_digests(run)
+    refusal = "an export writes only into a new or empty directory, or over an earlier --export-format {} export"
+    checkpoints = f"a training run's checkpoints (iter_0000002, iter_0000004, {checkpoint.LATEST})"
+    for source, out, fmt, held in ((run, run, "plain", checkpoints), (run, run, "hf", checkpoints),
+                                   (old, run, "plain", checkpoints), (run, str(tmp_path / "a-file"), "plain", None)):
+        proc = run_bounded([sys.executable, "train.py", "--export-from", source, "--export-to", out,
+                            "--export-format", fmt], 120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        message = (f"--export-to {out} holds {held}: {refusal.format(fmt)}; give another directory" if held else
+                   f"--export-to {out} is a file: give a directory (one that is not there yet is made)")
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"train.py: error: {message}"], \
+            proc.stderr[-3000:]
+        assert tree_digests(run) == before
+    # What an export may write over: an earlier export of its own format, and only that
+    plain, hf = str(tmp_path / "plain"), str(tmp_path / "hf")
+    for out, fmt in ((plain, "plain"), (plain, "plain"), (hf, "hf"), (hf, "hf")):
+        checkpoint.export_weights(run, out, fmt)
+    assert sorted(os.listdir(plain)) == ["iter_0000004", checkpoint.LATEST]
+    for out, fmt, held in ((plain, "hf", f"a plain export (iter_0000004, {checkpoint.LATEST})"),
+                           (hf, "plain", f"a Hugging Face model ({checkpoint.HF_CONFIG})")):
+        with pytest.raises(UsageError, match=re.escape(f"--export-to {out} holds {held}: ")):
+            checkpoint.export_weights(run, out, fmt)
 
 
 # -----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import datetime
 import glob
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -121,6 +122,36 @@ def _groups_made_beside_a_slow_peer(port):
 def test_no_rank_leaves_a_gloo_group_before_its_peers_have_joined():
     run_on_ranks(_groups_made_beside_a_slow_peer, free_port())
 
+
+WAITS_FOR_A_PEER_THAT_NEVER_COMES = """
+import datetime, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+import launch
+launch.sigterm_exits("stopped by SIGTERM")
+store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(minutes=10))
+print("waiting", flush=True)
+store.get("a key no peer ever sets")  # inside C++, for up to 10 minutes
+"""
+
+
+def test_sigterm_ends_a_process_waiting_inside_c_at_once():
+    """Python runs a signal handler only between two bytecodes of the main
+    thread, so a process waiting inside C++ (a store, a collective) for a
+    peer that never comes would not run one until its wait ends. Under
+    launch.sigterm_exits (train.py before its loop) SIGTERM ends it within
+    seconds, with its one line and status 143."""
+    proc = subprocess.Popen([sys.executable, "-c", WAITS_FOR_A_PEER_THAT_NEVER_COMES.format(root=ROOT)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        time.sleep(0.5)  # inside store.get
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.strip().splitlines() == ["stopped by SIGTERM"], err
 
 # ----------------------------------------------------------------------------
 # Restarts and timeouts: torchrun's elastic agent, --distributed-timeout-minutes

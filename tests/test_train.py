@@ -24,6 +24,7 @@ import torch
 
 from conftest import (IDS, ROOT, TINY, as_torchrun_rank, free_port, losses, process_env,  # puts ROOT on sys.path
                       read_metrics, run_bounded, run_on_ranks, run_train, train_on_ranks)
+from conftest import _descendants, _signal_all  # noqa: E402  (a process tree's, for signals)
 import checkpoint  # noqa: E402  (conftest first)
 import config  # noqa: E402
 import data as data_lib  # noqa: E402
@@ -316,6 +317,45 @@ def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
     assert saved >= 3 and f"exiting at iteration {saved}" in out
     assert os.path.exists(os.path.join(ckpt, f"iter_{saved:07d}", "model_optim_rng.pt"))
 
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_before_the_loop_ends_the_run_at_once(corpus, tmp_path, nproc):
+    """A run that is still loading has nothing to save, so a scheduler's
+    preemption notice (or `timeout`) must end it then and there, not wait
+    for a loop it may never reach. Here --load's pointer lies on a file
+    system that never answers (a FIFO nobody writes: its open blocks, as on
+    a hung network mount), under torchrun. SIGTERM to every process, as a
+    scheduler sends it: within 10 s all have ended, non-zero, each rank with
+    one line that says so."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / checkpoint.LATEST)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "train.py", *TINY, "--data-path", corpus, "--train-iters", "2", "--load", str(ckpt)]
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=stderr,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    tree = [proc.pid]
+    try:
+        deadline = time.monotonic() + 180
+        while f"loading --load {ckpt}" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)  # rank 0 is past the process groups' barriers: every rank is in train.main
+        time.sleep(2)
+        assert proc.poll() is None, f"the run was to be stuck reading its pointer:\n{err.read_text()[-3000:]}"
+        tree += _descendants(proc.pid)
+        _signal_all(tree, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("train.py was still running 10 s after SIGTERM")
+    finally:
+        _signal_all(tree, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode != 0
+    lines = err.read_text().splitlines()
+    assert sum(line == train.SIGTERM_BEFORE_THE_LOOP for line in lines) == nproc, lines[-20:]
+    assert 'train.py", line' not in err.read_text()  # no traceback of ours
 
 # ----------------------------------------------------------------------------
 # A training step keeps its decisions on the device (in-process: a single rank)
