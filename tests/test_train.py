@@ -320,35 +320,32 @@ def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigterm_before_the_loop_ends_the_run_at_once(corpus, tmp_path, nproc):
-    """A run that is still loading has nothing to save, so a scheduler's
-    preemption notice (or `timeout`) must end it then and there, not wait
-    for a loop it may never reach. Here --load's pointer lies on a file
-    system that never answers (a FIFO nobody writes: its open blocks, as on
-    a hung network mount), under torchrun. SIGTERM to every process, as a
-    scheduler sends it: within 10 s all have ended, non-zero, each rank with
-    one line that says so."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    os.mkfifo(ckpt / checkpoint.LATEST)
+    """A run that has not reached its loop has nothing to save, so a
+    scheduler's preemption notice (or `timeout`) must end it then and there,
+    not wait for a loop it may never reach. Here rank 0's --metrics-file lies
+    on a file system that never answers (a FIFO nobody reads: its open
+    blocks, as on a hung network mount), and at nproc 2 rank 1 waits for it
+    inside a collective. Once every rank is stuck (its CPU time stands
+    still), SIGTERM to every process, as a scheduler sends it: within 10 s
+    all have ended, non-zero, each rank with one line that says so."""
+    metrics = tmp_path / "metrics.jsonl"
+    os.mkfifo(metrics)
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "train.py", *TINY, "--data-path", corpus, "--train-iters", "2", "--load", str(ckpt)]
+           "train.py", *TINY, "--data-path", corpus, "--train-iters", "2", "--metrics-file", str(metrics)]
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=stderr,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     tree = [proc.pid]
     try:
-        deadline = time.monotonic() + 180
-        while f"loading --load {ckpt}" not in out.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)  # rank 0 is past the process groups' barriers: every rank is in train.main
-        time.sleep(2)
-        assert proc.poll() is None, f"the run was to be stuck reading its pointer:\n{err.read_text()[-3000:]}"
+        workers = _stuck_workers(proc, nproc, deadline=time.monotonic() + 180)
+        assert proc.poll() is None, f"the run was to be stuck opening its metrics file:\n{err.read_text()[-3000:]}"
         tree += _descendants(proc.pid)
         _signal_all(tree, signal.SIGTERM)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            pytest.fail("train.py was still running 10 s after SIGTERM")
+            pytest.fail(f"train.py was still running 10 s after SIGTERM (workers {workers})")
     finally:
         _signal_all(tree, signal.SIGKILL)
         proc.wait()
@@ -356,6 +353,27 @@ def test_sigterm_before_the_loop_ends_the_run_at_once(corpus, tmp_path, nproc):
     lines = err.read_text().splitlines()
     assert sum(line == train.SIGTERM_BEFORE_THE_LOOP for line in lines) == nproc, lines[-20:]
     assert 'train.py", line' not in err.read_text()  # no traceback of ours
+
+
+def _stuck_workers(proc, nproc: int, deadline: float) -> list[int]:
+    """The pids of torchrun's nproc train.py workers, once their CPU time has
+    stood still for 2 s (each is blocked: imports done, waiting)."""
+    def cpu(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    before = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(2)
+        try:
+            workers = [p for p in _descendants(proc.pid) if b"train.py" in open(f"/proc/{p}/cmdline", "rb").read()]
+            now = [cpu(p) for p in workers]
+        except OSError:  # one exited in between
+            continue
+        if len(workers) == nproc and now == before:
+            return workers
+        before = now
+    return []
+
 
 # ----------------------------------------------------------------------------
 # A training step keeps its decisions on the device (in-process: a single rank)
