@@ -134,9 +134,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
         if found is None:
             raise UsageError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
                              f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")
-        weights, state = checkpoint.read_weights(found)
-        model = GPT(GPTConfig(**{**state["model_config"], **runtime}))
-        model.load_full_state_dict(weights)
+        model, _ = checkpoint.saved_model(found, **runtime)
     check_model_flags(cfg, model.config)
     return model.to(device).eval()
 

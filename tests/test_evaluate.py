@@ -474,6 +474,45 @@ def test_a_checkpoint_longer_than_the_model_and_a_wrong_preset_are_named(files, 
         evaluate.run([*base, "--seq-length", "64", "--preset", "124M"])
 
 
+def edited_checkpoint(source: str, out, **record) -> str:
+    """A copy of the plain checkpoint at `source` whose model_config is
+    updated with `record` (its digests dropped: it is as copied without them)."""
+    import shutil
+    import checkpoint
+    shutil.copytree(source, out)
+    path = glob.glob(os.path.join(out, "iter_*", checkpoint.PLAIN_FILE))[0]
+    state = torch.load(path, weights_only=False)
+    state["model_config"].update(record)
+    torch.save(state, path)
+    os.remove(os.path.join(os.path.dirname(path), checkpoint.DIGESTS))
+    return os.path.dirname(path)
+
+
+@pytest.mark.parametrize("record, message", [
+    (dict(hidden_size=2 ** 20), "wte.weight is of shape (50304, 64) there, of shape (50304, 1048576) by the "
+                                "model_config (the checkpoint is damaged or was edited)"),
+    (dict(ffn_hidden_size=512), "blocks.0.mlp.fc.weight is of shape (256, 64) there, of shape (512, 64) by"),
+    (dict(untie_embeddings_and_output_weights=True), "output_layer.weight is absent there, of shape (50304, 64)"),
+    (dict(num_layers=10 ** 9), "its model_config says num_layers 1000000000, its tensors hold 2 layers"),
+    (dict(sliding_window=4096, attention_sinks=4), "its model_config has attention_sinks, sliding_window, which "
+                                                   "this version does not know: it was written by a newer train.py"),
+])
+def test_a_checkpoint_whose_model_config_is_not_its_tensors_is_one_line(files, tmp_path, capsys, record, message):
+    """A checkpoint's model_config that does not describe its tensors (edited,
+    damaged), or holds keys a newer train.py writes: evaluate.py and
+    --export-from say so in one line naming the checkpoint and the first key,
+    before any model is built (hidden_size 2**20 would ask for 211 GB)."""
+    iteration_dir = edited_checkpoint(files["ckpt"], tmp_path / "ckpt", **record)
+    for main, argv in ((evaluate.main, ["--task", "GENERATE", "--num-samples", "1", "--load", str(tmp_path / "ckpt")]),
+                       (train.main, ["--export-from", str(tmp_path / "ckpt"), "--export-to", str(tmp_path / "out")])):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: checkpoint {iteration_dir}: " in err and message in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.slow
 def test_bad_input_on_two_ranks_is_one_line_from_rank_0(files, tmp_path):
     path = tmp_path / "lambada.jsonl"
