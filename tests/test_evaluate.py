@@ -390,6 +390,8 @@ def test_strict_lambada_target_is_the_whole_last_word():
     ('{"text": "a b c"}\n\n{"txt": "a b c"}\n', '{path}:3: no "text" string'),
     ('{"text": "a b c"}\nnot json\n', "{path}:2: not JSON"),
     ('{"text": "a b c"}\n{"text": "Hi"}\n', "{path}:2: the text is shorter than two tokens"),
+    pytest.param('{"text": "a b c"}\n' + "[" * 100_000 + "]" * 100_000 + "\n", "{path}:2: not JSON (nested too deeply)",
+                 id="nested-100000-deep"),
 ])
 def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, capsys, content, message):
     path = tmp_path / "lambada.jsonl"
@@ -417,6 +419,29 @@ def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message)
     err = capsys.readouterr().err
     assert err.startswith("evaluate.py: error: --sample-input-file " + message.format(path=path)), err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature nan: give a finite number"),
+    (["--sample-output-file", "{tmp}/prompts.txt/out.jsonl"],
+     "--sample-output-file {tmp}/prompts.txt/out.jsonl: cannot write it: {tmp}/prompts.txt is a file, not a directory"),
+    (["--metrics-file", "{tmp}"], "--metrics-file {tmp}: cannot write it: it is a directory"),
+    (["--out-seq-length", "65"], "--out-seq-length 65: more than the model's 64 positions; give 64 or less"),
+])
+def test_bad_sampling_flags_are_one_line(files, tmp_path, capsys, flags, message):
+    """--task GENERATE: a temperature that is not a number (the range check
+    let nan through), an output file that cannot be written (was a traceback
+    after the model had loaded and generated; now before it loads), or more
+    tokens than the model has positions (--out-seq-length 1000000000 ran for
+    days, silently: at most the positions, as Megatron's) is one line."""
+    (tmp_path / "prompts.txt").write_text("ROMEO:\n")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main([*sample_flags({"prompts": str(tmp_path / "prompts.txt")}, "greedy"), *flags,
+                       "--load", files["ckpt"]])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"evaluate.py: error: {message.format(tmp=tmp_path)}\n"
 
 
 @pytest.mark.parametrize("content, message", [("", "the file is empty"),
