@@ -724,6 +724,49 @@ def saved_model_config(found: Found) -> dict | None:
         return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path)).get("model_config")
 
 
+def saved_model(found: Found, **runtime) -> tuple[GPT, dict]:
+    """The model a checkpoint of any kind holds, on the host, and the rest of
+    its state (read_weights): its shape from the checkpoint's model_config,
+    how it runs (`runtime`: kernels, dropout, ...) from the caller. evaluate.py
+    and --export-from build it here."""
+    weights, state = read_weights(found)
+    model = GPT(checked_model_config(state["model_config"], weights, found.path, **runtime))
+    model.load_full_state_dict(weights)
+    return model, state
+
+
+def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> GPTConfig:
+    """The GPTConfig of a checkpoint's model_config `record`, once it is known
+    to describe the stored `weights`: a record that claims another shape
+    (damaged, edited: hidden_size 2**20 would ask for 211 GB) is one line, not
+    a model of the claimed size. Its shapes come from a model built on the meta
+    device (no memory), whole as a tp=1 checkpoint stores it, after the layer
+    count (10**9 layers would be as many modules, even there)."""
+    unknown = sorted(set(record) - {f.name for f in dataclasses.fields(GPTConfig)})
+    if unknown:
+        raise UsageError(f"checkpoint {path}: its model_config has {', '.join(unknown)}, which this version "
+                         f"does not know: it was written by a newer train.py; read it with that version")
+    mcfg = GPTConfig(**{**record, **runtime})
+    layers = len({key.split(".")[1] for key in weights if key.startswith("blocks.")})
+    if mcfg.num_layers != layers:
+        raise UsageError(f"checkpoint {path}: its model_config says num_layers {mcfg.num_layers}, its "
+                         f"tensors hold {layers} layers: the checkpoint is damaged or was edited")
+    whole, parallel.layout = parallel.layout, parallel.Layout(initialized=True)
+    try:
+        with torch.device("meta"):
+            claimed = {key: tuple(t.shape) for key, t in GPT(mcfg).state_dict().items()}
+    finally:
+        parallel.layout = whole
+    stored = {key: tuple(t.shape) for key, t in weights.items()}
+    for key in [*claimed, *(key for key in stored if key not in claimed)]:
+        if claimed.get(key) != stored.get(key):
+            there, said = ("absent" if s is None else f"of shape {s}" for s in (stored.get(key), claimed.get(key)))
+            raise UsageError(f"checkpoint {path}: its model_config does not describe its tensors: {key} is "
+                             f"{there} there, {said} by the model_config (the checkpoint is damaged or was "
+                             f"edited)")
+    return mcfg
+
+
 def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int, tuple]:
     """(iteration, consumed samples, learning-rate schedule) to continue
     from, once `state` is loaded (checkpoint_to_load showed it is this run's
@@ -1281,9 +1324,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
         if found is None:
             raise UsageError(f"--export-from {checkpoint}: no checkpoint there (neither train.py's "
                              f"{LATEST} nor DeepSpeed's {DS_LATEST})")
-        full, state = read_weights(found)
-        model = GPT(GPTConfig(**state["model_config"]))  # tp=1, on CPU
-        model.load_full_state_dict(full)
+        model, state = saved_model(found)  # tp=1, on CPU
     if fmt == "hf":
         to_hf(model, out)
         write_hf_tokenizer(out, model.config, state["config"], hf_source)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpt import GPTConfig, PRESETS, pad_vocab_size
+from gpt import GPTConfig, PRESETS, count_parameters, pad_vocab_size
 from data import check_gpt2_bpe
 from launch import UsageError
 
@@ -479,12 +479,16 @@ def read_deepspeed_json(path: str) -> dict:
     spelling) renamed "bf16": else the "bf16" section zero.deepspeed_config
     writes would silently override it, and the run would train in fp32."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             user = json.load(f)
     except FileNotFoundError:
         raise UsageError(f"--deepspeed_config {path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--deepspeed_config {path}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                         f"save it as UTF-8") from None
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than Python recurses
+        why = e if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        raise UsageError(f"--deepspeed_config {path}: not valid JSON ({why})") from None
     if not isinstance(user, dict):
         raise UsageError(f"--deepspeed_config {path}: not a JSON object ({{\"key\": value, ...}})")
     for section in ("zero_optimization", "bf16", "bfloat16", "fp16", "checkpoint", "data_types"):  # read here
@@ -536,7 +540,10 @@ def json_value(cfg: TrainConfig, key: str, convert, raw):
     if raw is None or raw == "auto":
         return None
     try:
-        return convert(raw)
+        value = convert(raw)
+        if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN and Infinity: Python reads them
+            raise ValueError(f"{raw!r} is not a finite number")
+        return value
     except (argparse.ArgumentTypeError, TypeError, ValueError, OverflowError) as e:
         why = f"{raw!r} is out of range" if isinstance(e, OverflowError) else e  # 2.0 ** 10000
         raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}: {why}") from None
@@ -577,8 +584,27 @@ def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {value}: it must be at least {low}")
 
 
+# The number flags: argparse's float() takes nan and inf, which a range check
+# (x < 0) lets through and which fail deep in torch (--lr nan) or silently turn
+# a feature off (--clip-grad nan: no clipping). The loss scale's two are
+# checked with --fp16 alone (validate_loss_scale), as Megatron ignores them without it.
+FINITE = [f.name for f in dataclasses.fields(TrainConfig)
+          if f.type.startswith("float") and f.name not in ("initial_loss_scale", "min_loss_scale")]
+
+
+def check_numbers(cfg: TrainConfig) -> None:
+    """Every number flag finite; --seed one that numpy's RandomState (the data's order) takes."""
+    for name in FINITE:
+        value = getattr(cfg, name)
+        if value is not None and not math.isfinite(value):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: give a finite number")
+    if not 0 <= cfg.seed < 2 ** 32:
+        raise UsageError(f"--seed {cfg.seed}: use a whole number from 0 to 2**32 - 1 (numpy's seeds)")
+
+
 def check_common(cfg: TrainConfig) -> None:
     """What cannot run under either tool, in one line that says what to do instead."""
+    check_numbers(cfg)
     check_counts(cfg, LEAST_COMMON)
     if cfg.bf16 and cfg.fp16:
         raise UsageError("--bf16 and --fp16 are mutually exclusive: pick one")
@@ -871,7 +897,32 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     if cfg.kv_channels not in (None, head_dim):
         raise UsageError(f"--kv-channels {cfg.kv_channels}: each head here is --hidden-size / "
                          f"--num-attention-heads = {head_dim} wide; drop the flag or change those")
+    check_fits(cfg, mcfg)
     return mcfg
+
+
+def check_fits(cfg: TrainConfig, mcfg: GPTConfig) -> None:
+    """One line naming the flag whose model cannot be built here at all: the
+    largest single allocation it asks for, in fp32, above this machine's
+    memory, where the allocator's error (or the kernel's OOM kill) would come
+    instead. GPT builds each piece whole on the host before a rank keeps its
+    slice, and one micro-batch's widest activation lives on one device, so no
+    layout makes either smaller."""
+    H, B, T = mcfg.hidden_size, cfg.micro_batch_size, cfg.seq_length
+    width = max(3 * H, mcfg.ffn_hidden_size * (2 if mcfg.swiglu else 1))  # qkv's output, or the MLP's
+    positions = mcfg.max_position_embeddings if mcfg.position_embedding_type == "learned_absolute" else 0
+    asks = [(f"--hidden-size {H}: the token embedding ({mcfg.padded_vocab_size:,} x {H})",
+             mcfg.padded_vocab_size * H),
+            (f"--max-position-embeddings {positions} (--seq-length's by default): the learned positions "
+             f"({positions:,} x {H})", positions * H),
+            (f"--hidden-size {H} (--ffn-hidden-size {mcfg.ffn_hidden_size}): one layer",
+             count_parameters(mcfg, exclude_embeddings=True) // mcfg.num_layers),
+            (f"--micro-batch-size {B} x --seq-length {T}: one activation ({B} x {T:,} x {width:,})", B * T * width)]
+    what, numbers = max(asks, key=lambda ask: ask[1])
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 4 * numbers > memory:
+        raise UsageError(f"{what} asks for {4 * numbers / 2 ** 30:,.0f} GiB in fp32, more than this machine's "
+                         f"{memory / 2 ** 30:,.0f} GiB of memory: lower it")
 
 
 def param_ndim(p: torch.nn.Parameter) -> int:

@@ -134,9 +134,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
         if found is None:
             raise UsageError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
                              f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")
-        weights, state = checkpoint.read_weights(found)
-        model = GPT(GPTConfig(**{**state["model_config"], **runtime}))
-        model.load_full_state_dict(weights)
+        model, _ = checkpoint.saved_model(found, **runtime)
     check_model_flags(cfg, model.config)
     return model.to(device).eval()
 
@@ -241,8 +239,9 @@ def lambada(cfg: TrainConfig, enc) -> tuple[list[Example], dict]:
         where = f"--valid-data {cfg.valid_data}:{lineno}"
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not JSON ({e.msg}); expected one object with "
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than Python recurses
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            raise UsageError(f"{where}: not JSON ({why}); expected one object with "
                              f"\"text\" per line") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise UsageError(f"{where}: no \"text\" string in this line; expected one object with "
@@ -296,6 +295,12 @@ def sample(cfg: TrainConfig, env: launch.Dist) -> list[dict]:
     if cfg.sample_input_file:  # a blank line: an unconditional sample
         prompts = read_text(cfg.sample_input_file, "--sample-input-file").rstrip("\n").split("\n")
     model = load_model(cfg, env.device)
+    if cfg.out_seq_length > model.config.max_position_embeddings:
+        # as Megatron's: at most the positions it was trained at (learned or RoPE),
+        # not hours of tokens from a window sliding past them
+        raise UsageError(f"--out-seq-length {cfg.out_seq_length}: more than the model's "
+                         f"{model.config.max_position_embeddings} positions; give "
+                         f"{model.config.max_position_embeddings} or less")
     mine = {}
     for i in range(parallel.layout.dp_rank, len(prompts), parallel.layout.dp_size):
         ids = enc.encode_ordinary(prompts[i]) or [eod]  # empty: from <|endoftext|>
@@ -352,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                              f"(>= 0; 0 is off), --top-p {cfg.top_p} (in [0, 1]; 0 is off)")
     elif not cfg.valid_data:
         raise UsageError(f"--task {cfg.task} needs --valid-data FILE (the task's data)")
+    for flag in ("sample_output_file", "metrics_file"):  # written at the end: checked before the model loads
+        check_writable(f"--{flag.replace('_', '-')}", getattr(cfg, flag))
     if bool(cfg.load) == bool(cfg.hf):
         raise UsageError("evaluate.py needs a model: --load CHECKPOINT (plain or DeepSpeed) "
                          "or --hf DIRECTORY (Hugging Face GPT-2 or Llama), one of them")
@@ -367,6 +374,22 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in given)}: for --task GENERATE "
                          f"(--task {cfg.task} scores --valid-data; its results go to --metrics-file)")
     return cfg
+
+
+def check_writable(flag: str, path: str | None) -> None:
+    """One line now if `path` cannot be written, not a traceback after the model has run."""
+    if path is None:
+        return
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        why = "it is a directory"
+    elif not os.path.isdir(where):
+        why = f"{where} is {'a file' if os.path.exists(where) else 'missing'}, not a directory"
+    elif not os.access(where, os.W_OK):
+        why = f"{where} is not writable"
+    else:
+        return
+    raise UsageError(f"{flag} {path}: cannot write it: {why}")
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -193,8 +193,9 @@ def iter_json_documents(path: str, key: str) -> Iterator[str]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line "
+            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than Python recurses
+                why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+                raise UsageError(f"{path}:{lineno}: invalid JSON ({why}); expected one JSON object per line "
                                  "(loose JSON / JSONL, as Megatron's preprocess_data.py reads). "
                                  "Fix or remove that line") from None
             if not isinstance(obj, dict) or key not in obj:
@@ -211,7 +212,7 @@ def looks_like_json_lines(text: str) -> bool:
     first = re.search(r"\S[^\r\n]*", text)  # (not splitlines: a large file would be split whole)
     try:
         return first is not None and isinstance(json.loads(first.group()).get("text"), str)
-    except (ValueError, AttributeError):  # not JSON, or JSON but not an object
+    except (ValueError, AttributeError, RecursionError):  # not JSON (or nested too deeply), or not an object
         return False
 
 

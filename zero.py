@@ -128,7 +128,27 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     # Our torch AdamW runs inside ZeRO (incl. offload: no DeepSpeed CPU-Adam build).
     config.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     config.setdefault("steps_per_print", 10 ** 9)  # we log ourselves
+    if cfg.deepspeed_config:
+        check_as_deepspeed_reads(cfg, config)
     return config
+
+
+def check_as_deepspeed_reads(cfg: TrainConfig, config: dict) -> None:
+    """The sections DeepSpeed reads with its pydantic models, read so here
+    first: a value it refuses (zero_optimization.reduce_bucket_size 1e30, an
+    unknown key) is one line naming the key, not pydantic's report on every rank."""
+    import pydantic
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("fp16", DeepSpeedFP16Config),
+                           ("bf16", DeepSpeedBF16Config)):
+        try:
+            model(**config[section])
+        except pydantic.ValidationError as e:
+            error = e.errors()[0]
+            key = ".".join(map(str, (section, *error["loc"])))
+            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={error['input']!r}: DeepSpeed "
+                             f"refuses it ({error['msg']})") from None
 
 
 def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:

@@ -398,6 +398,29 @@ def test_a_count_out_of_range_is_named(flags, message):
         parse(*flags)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "nan"], "--lr nan: give a finite number"),
+    (["--clip-grad", "nan"], "--clip-grad nan: give a finite number"),
+    (["--adam-eps", "inf"], "--adam-eps inf: give a finite number"),
+    (["--seed", "-1"], "--seed -1: use a whole number from 0 to 2**32 - 1 (numpy's seeds)"),
+    (["--seed", str(2 ** 32)], f"--seed {2 ** 32}: use a whole number from 0 to 2**32 - 1"),
+    (["--seq-length", "1000000000"], "--micro-batch-size 4 x --seq-length 1000000000: one activation "
+                                     "(4 x 1,000,000,000 x 256) asks for 3,815 GiB in fp32, more than this machine's"),
+    (["--hidden-size", "1000000000"], "--hidden-size 1000000000 (--ffn-hidden-size 4000000000): one layer asks for "),
+])
+def test_a_number_no_run_can_take_is_one_line(capsys, flags, message):
+    """train.py with a number flag that is nan or inf (--clip-grad nan turned
+    clipping off silently; --lr nan was AdamW's traceback), a --seed numpy
+    refuses, or a --seq-length or --hidden-size whose model no memory here
+    holds (the allocator's traceback): one line naming the flag, exit status 2,
+    before any model is built or data read."""
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--preset", "tiny", "--data-path", "no/such/data", *flags])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"train.py: error: {message}") and err.count("\n") == 1, err
+
+
 def test_zero_flags_without_deepspeed_are_an_error():
     with pytest.raises(ValueError, match="need --deepspeed"):
         config_lib.parse_args(["--preset", "tiny", "--zero-stage", "2"])
@@ -570,6 +593,9 @@ def test_a_json_count_that_is_not_a_whole_number_is_one_line(tmp_path, json_cont
     ({"gradient_accumulation_steps": "four"}, "gradient_accumulation_steps: 'four' is not a whole number"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps: 0 is less than 1"),
     ({"zero_optimization": {"overlap_comm": "maybe"}}, "zero_optimization.overlap_comm: 'maybe' is not true or false"),
+    ({"gradient_clipping": float("nan")}, "gradient_clipping: nan is not a finite number"),  # JSON's NaN: no clipping
+    ({"zero_optimization": {"reduce_bucket_size": 1e30}}, "zero_optimization.reduce_bucket_size=1e+30: DeepSpeed "
+                                                          "refuses it (Unable to parse input string as an integer"),
 ])
 def test_a_malformed_deepspeed_json_is_one_line_not_a_traceback(tmp_path, json_content, message):
     """Whatever DeepSpeed would refuse with a traceback on every rank (or a
@@ -627,6 +653,13 @@ def test_a_missing_or_broken_json_is_named(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="bad.json: not valid JSON"):
         parse("--deepspeed", "--deepspeed_config", str(tmp_path / "bad.json"))
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"deep.json: not valid JSON \(nested too deeply\)$"):
+        parse("--deepspeed", "--deepspeed_config", str(tmp_path / "deep.json"))
+    (tmp_path / "latin1.json").write_bytes('{"comment": "café"}'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.json: not UTF-8 text \(invalid continuation byte at byte 16\); "
+                                         r"save it as UTF-8$"):
+        parse("--deepspeed", "--deepspeed_config", str(tmp_path / "latin1.json"))
 
 
 # ----------------------------------------------------------------------------

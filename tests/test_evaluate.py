@@ -390,6 +390,8 @@ def test_strict_lambada_target_is_the_whole_last_word():
     ('{"text": "a b c"}\n\n{"txt": "a b c"}\n', '{path}:3: no "text" string'),
     ('{"text": "a b c"}\nnot json\n', "{path}:2: not JSON"),
     ('{"text": "a b c"}\n{"text": "Hi"}\n', "{path}:2: the text is shorter than two tokens"),
+    pytest.param('{"text": "a b c"}\n' + "[" * 100_000 + "]" * 100_000 + "\n", "{path}:2: not JSON (nested too deeply)",
+                 id="nested-100000-deep"),
 ])
 def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, capsys, content, message):
     path = tmp_path / "lambada.jsonl"
@@ -417,6 +419,29 @@ def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message)
     err = capsys.readouterr().err
     assert err.startswith("evaluate.py: error: --sample-input-file " + message.format(path=path)), err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature nan: give a finite number"),
+    (["--sample-output-file", "{tmp}/prompts.txt/out.jsonl"],
+     "--sample-output-file {tmp}/prompts.txt/out.jsonl: cannot write it: {tmp}/prompts.txt is a file, not a directory"),
+    (["--metrics-file", "{tmp}"], "--metrics-file {tmp}: cannot write it: it is a directory"),
+    (["--out-seq-length", "65"], "--out-seq-length 65: more than the model's 64 positions; give 64 or less"),
+])
+def test_bad_sampling_flags_are_one_line(files, tmp_path, capsys, flags, message):
+    """--task GENERATE: a temperature that is not a number (the range check
+    let nan through), an output file that cannot be written (was a traceback
+    after the model had loaded and generated; now before it loads), or more
+    tokens than the model has positions (--out-seq-length 1000000000 ran for
+    days, silently: at most the positions, as Megatron's) is one line."""
+    (tmp_path / "prompts.txt").write_text("ROMEO:\n")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main([*sample_flags({"prompts": str(tmp_path / "prompts.txt")}, "greedy"), *flags,
+                       "--load", files["ckpt"]])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"evaluate.py: error: {message.format(tmp=tmp_path)}\n"
 
 
 @pytest.mark.parametrize("content, message", [("", "the file is empty"),
@@ -472,6 +497,45 @@ def test_a_checkpoint_longer_than_the_model_and_a_wrong_preset_are_named(files, 
         evaluate.run(base)
     with pytest.raises(ValueError, match="num_layers=12, the checkpoint's model has 2"):
         evaluate.run([*base, "--seq-length", "64", "--preset", "124M"])
+
+
+def edited_checkpoint(source: str, out, **record) -> str:
+    """A copy of the plain checkpoint at `source` whose model_config is
+    updated with `record` (its digests dropped: it is as copied without them)."""
+    import shutil
+    import checkpoint
+    shutil.copytree(source, out)
+    path = glob.glob(os.path.join(out, "iter_*", checkpoint.PLAIN_FILE))[0]
+    state = torch.load(path, weights_only=False)
+    state["model_config"].update(record)
+    torch.save(state, path)
+    os.remove(os.path.join(os.path.dirname(path), checkpoint.DIGESTS))
+    return os.path.dirname(path)
+
+
+@pytest.mark.parametrize("record, message", [
+    (dict(hidden_size=2 ** 20), "wte.weight is of shape (50304, 64) there, of shape (50304, 1048576) by the "
+                                "model_config (the checkpoint is damaged or was edited)"),
+    (dict(ffn_hidden_size=512), "blocks.0.mlp.fc.weight is of shape (256, 64) there, of shape (512, 64) by"),
+    (dict(untie_embeddings_and_output_weights=True), "output_layer.weight is absent there, of shape (50304, 64)"),
+    (dict(num_layers=10 ** 9), "its model_config says num_layers 1000000000, its tensors hold 2 layers"),
+    (dict(sliding_window=4096, attention_sinks=4), "its model_config has attention_sinks, sliding_window, which "
+                                                   "this version does not know: it was written by a newer train.py"),
+])
+def test_a_checkpoint_whose_model_config_is_not_its_tensors_is_one_line(files, tmp_path, capsys, record, message):
+    """A checkpoint's model_config that does not describe its tensors (edited,
+    damaged), or holds keys a newer train.py writes: evaluate.py and
+    --export-from say so in one line naming the checkpoint and the first key,
+    before any model is built (hidden_size 2**20 would ask for 211 GB)."""
+    iteration_dir = edited_checkpoint(files["ckpt"], tmp_path / "ckpt", **record)
+    for main, argv in ((evaluate.main, ["--task", "GENERATE", "--num-samples", "1", "--load", str(tmp_path / "ckpt")]),
+                       (train.main, ["--export-from", str(tmp_path / "ckpt"), "--export-to", str(tmp_path / "out")])):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: checkpoint {iteration_dir}: " in err and message in err, err
+    assert not os.path.exists(tmp_path / "out")
 
 
 @pytest.mark.slow

@@ -485,6 +485,18 @@ def test_invalid_json_line_names_file_and_line(tmp_path):
     fails(tmp_path, ["--input", path], r"bad\.jsonl:3: invalid JSON")
 
 
+def test_json_nested_deeper_than_python_recurses_is_one_line(tmp_path, enc):
+    """A JSON line nested 100,000 deep is invalid JSON in one line naming the
+    file and line (json raises RecursionError there, not JSONDecodeError); a
+    text file that starts so is text, as any other."""
+    deep = "[" * 100_000 + "]" * 100_000
+    path = write(tmp_path / "deep.jsonl", '{"text": "ok"}\n' + deep + "\n")
+    fails(tmp_path, ["--input", path], r"deep\.jsonl:2: invalid JSON \(nested too deeply\)")
+    text = write(tmp_path / "deep.txt", deep)
+    prepare.main(["--input", text, "--output-prefix", str(tmp_path / "t")])
+    assert decoded_documents(str(tmp_path / "t_text_document"), enc) == [deep]
+
+
 def test_json_object_missing_key_lists_keys_present(tmp_path):
     path = write_jsonl(tmp_path / "k.jsonl", [{"text": "ok"}, {"content": "x", "url": "u"}])
     msg = fails(tmp_path, ["--input", path], r"k\.jsonl:2: JSON object has no key 'text'")
