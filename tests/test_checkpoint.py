@@ -412,7 +412,6 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoin
     assert checkpoint.verified_checkpoint(ckpt, print).iteration == 2
 
 
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 8 MiB filesystem (a tmpfs: the kernel refuses a write past it
@@ -450,7 +449,7 @@ def fill(disk: str, leave: int) -> str:
 def files_and_hashes(directory: str) -> dict[str, str]:
     """Every file under directory but an unfinished save's (*.tmp): its sha256."""
     return {os.path.relpath(os.path.join(root, name), directory): checkpoint.sha256_of(os.path.join(root, name))
-            for root, dirs, names in os.walk(directory) if not root.endswith(".tmp") for name in names}
+            for root, _, names in os.walk(directory) if not root.endswith(".tmp") for name in names}
 
 
 @pytest.mark.parametrize("flags", [["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"], ["--deepspeed"],
