@@ -275,17 +275,18 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
         log(f"removed checkpoint iter_{iteration:07d} (--keep-last-checkpoints {keep})")
 
 
-def on_every_rank(fn, what: str, group=None) -> None:
+def on_every_rank(fn, what: str, group=None, directory: str | None = None) -> None:
     """Run fn(), then agree with every rank (of `group`, default all) on
     whether all succeeded: a rank whose part failed raises its own error, the
-    others stop with one line naming it. (At a bare barrier they would wait forever.)"""
+    others stop with one line naming it. (At a bare barrier they would wait forever.)
+    A failed write into `directory` on a full disk is the user's to fix: one line."""
     error = None
     try:
         fn()
     except Exception as e:  # noqa: BLE001 -- re-raised below, after the vote
         error = e
-    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
-    mine = (f"{type(error).__name__}: {error}", full) if error else None
+    full = disk_full(error, directory) if error else None  # then how, in one line
+    mine = (full or f"{type(error).__name__}: {error}", full is not None) if error else None
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone = [None] * dist.get_world_size(group)
@@ -299,6 +300,31 @@ def on_every_rank(fn, what: str, group=None) -> None:
     for rank, message in enumerate(everyone):
         if message:
             raise SystemExit(f"rank {dist.get_rank()}: stopping, {what} failed on rank {rank}: {message[0]}")
+
+
+FULL_BELOW = 16 << 20  # bytes: a filesystem with less free holds no checkpoint, whatever the error says
+
+
+def disk_full(error: BaseException, directory: str | None) -> str | None:
+    """How a failed write ran out of space (one line), or None. An OSError
+    says so (ENOSPC), raised or wrapped; torch.save's zip writer does not:
+    it raises a RuntimeError without the errno ("unexpected pos ...",
+    "basic_ios::clear"), which DCP and DeepSpeed pass on. Then the
+    filesystem written to is asked: a write that ran out left it all but full."""
+    cause, seen = error, set()
+    while cause is not None and id(cause) not in seen and not (isinstance(cause, OSError) and cause.errno):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError) and cause.errno:
+        return f"{type(cause).__name__}: {cause}" if cause.errno == errno.ENOSPC else None
+    try:
+        stats = os.statvfs(directory) if directory else None
+    except OSError:  # not there, or not ours to ask
+        stats = None
+    if stats is None or stats.f_bavail * stats.f_frsize >= FULL_BELOW:
+        return None
+    said = (str(error).strip().splitlines() or [""])[0]
+    return f"{stats.f_bavail * stats.f_frsize:,} bytes free on {directory}; {type(error).__name__}: {said}"
 
 
 # Digests: each save lists every file's sha256 beside them (DIGESTS), from the
@@ -485,7 +511,7 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
     on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what, group)
-    on_every_rank(lambda: write(tmp), what, group)
+    on_every_rank(lambda: write(tmp), what, group, cfg.save)
     digests = digests_of_every_rank(tmp, what, group)
 
     def publish_on_first():
@@ -495,7 +521,7 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
             log(f"saved checkpoint {final}")
             remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
-    on_every_rank(publish_on_first, what, group)
+    on_every_rank(publish_on_first, what, group, cfg.save)
 
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
@@ -520,7 +546,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
         log(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
         remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
-    on_every_rank(write, f"saving checkpoint {iteration} to {cfg.save}")
+    on_every_rank(write, f"saving checkpoint {iteration} to {cfg.save}", directory=cfg.save)
 
 
 @dataclasses.dataclass
@@ -1016,9 +1042,18 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
     def write(state: dict, group=None) -> None:
         # TP shards as ShardedTensors from here on, of the host copy if staged (DCP's stager copies none)
         shards = {key: as_shards(like.get(key), v) for key, v in state.items()}
-        write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp.save(
-            shards, storage_writer=dcp.FileSystemWriter(tmp), planner=dcp.DefaultSavePlanner(**AS_THEY_ARE),
-            process_group=group, no_dist=not dist.is_initialized()), log, group=group)
+        write_every_rank(cfg, "torch_dist", iteration, lambda tmp: dcp_save(shards, tmp, group), log, group=group)
+
+    def dcp_save(shards: dict, tmp: str, group) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:
+            dcp.save(shards, storage_writer=dcp.FileSystemWriter(tmp), planner=dcp.DefaultSavePlanner(**AS_THEY_ARE),
+                     process_group=group, no_dist=not dist.is_initialized())
+        except CheckpointException as e:  # a BaseException (on_every_rank's vote would miss it) whose text is
+            # every failed rank's traceback: raise the failure itself, this rank's if it has one
+            failures = e.failures
+            rank = dist.get_rank(group) if dist.is_initialized() else 0
+            raise failures.get(rank, next(iter(failures.values())))[0] from e
 
     if saver is None:
         return write(state)

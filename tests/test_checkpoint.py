@@ -520,6 +520,83 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoin
     assert checkpoint.verified_checkpoint(ckpt, print).iteration == 2
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB filesystem (a tmpfs: the kernel refuses a write past it
+    with ENOSPC) -> a path to it. It is mounted in a mount namespace of its
+    own, held by a child (unshare; as a user, in a user namespace too: no
+    root needed), and reached through /proc/CHILD/root, by this process and
+    by the train.py it starts. Nothing is ever left mounted: the namespace
+    ends with the child, which ends when its stdin closes, at teardown or
+    when this process dies. Skips where no namespace can mount one."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    script = f"mount -t tmpfs -o size=8m none {mount_point} && echo mounted && exec cat >/dev/null"
+    try:
+        holder = subprocess.Popen([*unshare, "sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        pytest.skip("no unshare (util-linux) here: the full-disk test mounts a small tmpfs with it")
+    with holder:  # at the end: closes its stdin and waits for it
+        if holder.stdout.readline().strip() != "mounted":
+            pytest.skip(f"this machine lets no process mount a small tmpfs ({' '.join(unshare)}: "
+                        f"{holder.stderr.read().strip()}): the full-disk test needs one")
+        yield f"/proc/{holder.pid}/root{mount_point}"
+
+
+def fill(disk: str, leave: int) -> str:
+    """Fill the filesystem at `disk` but for `leave` bytes. -> the filler's path"""
+    filler = os.path.join(disk, "filler")
+    stats = os.statvfs(disk)
+    with open(filler, "wb") as f:
+        f.write(bytes(stats.f_bavail * stats.f_frsize - leave))
+    return filler
+
+
+def files_and_hashes(directory: str) -> dict[str, str]:
+    """Every file under directory but an unfinished save's (*.tmp): its sha256."""
+    return {os.path.relpath(os.path.join(root, name), directory): checkpoint.sha256_of(os.path.join(root, name))
+            for root, _, names in os.walk(directory) if not root.endswith(".tmp") for name in names}
+
+
+@pytest.mark.parametrize("flags", [["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"], ["--deepspeed"],
+                                   ["--ckpt-format", "torch_dist", "--async-save"]],
+                         ids=["torch", "torch_dist", "deepspeed", "async-save"])
+def test_a_really_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoint(
+        ids_corpus, small_disk, flags):
+    """The user saves to a disk that the first checkpoint leaves all but
+    full (a real 8 MiB tmpfs, filled after it but for 256 KiB). The next
+    save runs out of space inside torch.save's zip writer (DCP's and
+    DeepSpeed's too), which says so only as a RuntimeError without an errno
+    ("unexpected pos ...", "basic_ios::clear"). The run stops with the one
+    line that says the disk is full, status 2, no traceback (with
+    --async-save at the end of the run, which waits for the write); the
+    previous checkpoint and its pointer are unchanged, byte for byte. Once
+    space is freed, the same command resumes and saves: the failed save's
+    leftover is in no one's way, and gone."""
+    ckpt = os.path.join(small_disk, "ckpt")
+    run = [*TINY, *IDS, "--data-path", ids_corpus, "--eval-interval", "0", "--save", ckpt, "--save-interval", "2",
+           *flags]
+    train_on_ranks([*run, "--train-iters", "2"], nproc=1)
+    before = files_and_hashes(ckpt)
+    filler = fill(small_disk, leave=256 << 10)
+    proc = run_train([*run, "--train-iters", "4", "--load", ckpt], check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"train.py: error: saving checkpoint 4 to {ckpt} failed on rank 0, the disk is "
+                                  f"full ("), proc.stderr
+    assert proc.stderr.strip().endswith("the previous checkpoint and its pointer are intact: free space, then "
+                                        "resume with --load"), proc.stderr
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000004.tmp"))  # it ran out while writing
+    assert files_and_hashes(ckpt) == before
+    os.remove(filler)
+    train_on_ranks([*run, "--train-iters", "4", "--load", ckpt], nproc=1)
+    with open(os.path.join(ckpt, checkpoint.LATEST)) as pointer:
+        assert pointer.read() == "4"
+    assert not glob.glob(os.path.join(ckpt, "*.tmp"))
+    assert checkpoint.verified_checkpoint(ckpt, print).iteration == 4
+
+
 # --async-save: the loop waits while the state is copied to host memory; the
 # write, digests and publish run in the background
 
