@@ -47,7 +47,8 @@ if not _has_cuda():
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (bench/run_gpu.sh runs `-m gpu`) are skipped where
     there is no CUDA device; a test must not skip itself on CUDA in another
-    way, or `-m gpu` would never select it."""
+    way, or `-m gpu` would never select it. Within each file the `quick`
+    tests run first (see QUICK_BUDGET_S)."""
     cuda = _has_cuda()
     for item in items:
         gpu = item.get_closest_marker("gpu") is not None
@@ -55,6 +56,43 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} skips without CUDA but is not marked gpu")
         if gpu and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+    files = {}  # file -> its place in the run
+    items.sort(key=lambda item: (files.setdefault(item.path, len(files)), item.get_closest_marker("quick") is None))
+
+
+# The quick tier, `python -m pytest -q -n auto --dist loadfile -m quick`: what a
+# forker runs after each change, every module's core behaviour, one exactness
+# test per layout family and the user-facing errors, in at most QUICK_BUDGET_S
+# on CI's 2 cores from empty compile caches. Two guards keep it there:
+#  - a run of the tier itself fails past the budget (its wall time);
+#  - every full run (CI's) sums the quick tests' own durations (setup, call,
+#    teardown) and fails where that sum, shared by 2 workers, passes the
+#    budget. Quick tests run first in their file, so a module fixture they
+#    share is built, and timed, by one of them, as in the tier's own run.
+QUICK_BUDGET_S = 180
+_quick = {"seconds": 0.0, "tests": 0, "started": time.monotonic()}
+
+
+def pytest_runtest_logreport(report):
+    if "quick" in report.keywords:  # xdist hands the workers' reports to the controller, keywords included
+        _quick["seconds"] += report.duration
+        _quick["tests"] += report.when == "call"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput") or not _quick["tests"]:  # an xdist worker: the controller judges
+        return
+    tier_only = session.config.getoption("markexpr", "") == "quick"
+    wall = time.monotonic() - _quick["started"]
+    estimate = wall if tier_only else _quick["seconds"] / 2
+    line = (f"quick tier: {_quick['tests']} tests, {_quick['seconds']:.0f} s of test time"
+            f"{f', {wall:.0f} s wall' if tier_only else f', about {estimate:.0f} s on 2 workers'}"
+            f" (budget {QUICK_BUDGET_S} s)")
+    session.config.pluginmanager.get_plugin("terminalreporter").write_line(line)
+    if estimate > QUICK_BUDGET_S and exitstatus == 0:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            "FAILED: the quick tier is over its budget: unmark its slowest tests (tests/conftest.py, QUICK_BUDGET_S)")
+        session.exitstatus = 1
 
 
 def free_port() -> int:

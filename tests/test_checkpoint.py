@@ -46,6 +46,7 @@ from prepare import load_tokenizer
 # checkpoint, and `latest` naming it
 
 
+@pytest.mark.quick
 def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch, capsys):
     ckpt = str(tmp_path / "ckpt")
     args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
@@ -76,6 +77,7 @@ def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypat
     assert "removed iter_0000004.tmp, the leftover of a save that did not complete" in capsys.readouterr().out
 
 
+@pytest.mark.quick
 def test_resaving_an_iteration_never_leaves_latest_dangling(tmp_path, monkeypatch):
     """Re-saving iteration 2 moves the old copy aside before the new one is
     renamed in; a crash between the two renames leaves `latest` naming a
@@ -103,6 +105,7 @@ def test_resaving_an_iteration_never_leaves_latest_dangling(tmp_path, monkeypatc
     assert sorted(os.listdir(save)) == ["iter_0000002", checkpoint.LATEST]
 
 
+@pytest.mark.quick
 def test_checkpoint_reaches_the_disk_before_it_is_published(tmp_path, monkeypatch):
     """The atomic renames only survive a power loss if what they publish is on
     disk first: the file, its directory, then (after the rename) the parent,
@@ -254,6 +257,7 @@ class _RunsACommand:
         return os.system, (self.command,)
 
 
+@pytest.mark.quick
 def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
     """A model_optim_rng.pt whose unpickling would run a shell command, under
     its pointer as a real checkpoint: --load, --export-from and evaluate.py
@@ -305,6 +309,7 @@ def dist_tensors(path: str) -> dict:
                                                   no_dist=True).items() if torch.is_tensor(v)}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_every_save_lists_its_files_digests_in_sha256sums_format(two_saves, dist_saves, fmt):
     saves, files = {"torch": (two_saves, [checkpoint.PLAIN_FILE]),
@@ -330,6 +335,7 @@ def _damage(path: str, how: str) -> None:
         os.remove(path)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fmt, how", [("torch", "a flipped byte"), ("torch", "truncated"), ("torch", "missing"),
                                       ("torch", "truncated, no digests"), ("torch_dist", "a flipped byte"),
                                       ("torch_dist", "missing"), ("torch_dist", "truncated, no digests"),
@@ -354,6 +360,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_b
     assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
 
 
+@pytest.mark.quick
 def test_with_no_intact_checkpoint_left_the_run_stops_naming_the_damage(corpus, two_saves, tmp_path, capsys):
     """Never a silent start from scratch; export says the same."""
     ckpt = str(tmp_path / "ckpt")
@@ -884,6 +891,7 @@ def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared
     assert checkpoint.schedule_to_follow(follow, saved, "ckpt", said.append)[0] == 2e-3
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "a pointer of binary bytes",
                                    "a pointer of a digit that is not ASCII", "DeepSpeed's pointer to ../outside",
                                    "DeepSpeed's pointer to an absolute path", "an iteration's directory",
@@ -937,6 +945,7 @@ def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_s
     assert capsys.readouterr().err.strip().splitlines() == [f"train.py: error: {message}"]
 
 
+@pytest.mark.quick
 def test_a_load_directory_without_a_checkpoint_starts_from_scratch_and_says_so(corpus, tmp_path, capsys):
     """Megatron's way: --load of a directory with no checkpoint yet (the
     first run of a job that passes --save and --load the same) trains from
@@ -1045,6 +1054,7 @@ def random_hf_model(tied: bool = True):
     return model
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("safe_serialization, tied", [(True, True), (False, True), (True, False)])
 def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization, tied):
     theirs = random_hf_model(tied)
@@ -1059,6 +1069,7 @@ def test_from_hf_gives_same_logits_as_transformers(tmp_path, safe_serialization,
     assert torch.all(got[..., 100:] == 0)  # zero padding rows -> zero logits
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("untie", [False, True])
 def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path, untie):
     """GPT-2's layout, its head tied to the embedding or (an option of
@@ -1085,6 +1096,7 @@ def test_to_hf_is_loaded_by_transformers_with_same_logits(tmp_path, untie):
         torch.testing.assert_close(again[k], v, atol=0, rtol=0)
 
 
+@pytest.mark.quick
 def test_state_dict_conversion_transposes_conv1d_and_pads_vocab():
     config = tiny()
     ours = GPT(config).state_dict()
@@ -1212,6 +1224,7 @@ def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(
 
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("how", ["resumed", "--no-load-optim"])
 def test_a_checkpoint_of_other_shapes_is_one_line_before_any_tensor_is_read(
@@ -1229,6 +1242,7 @@ def test_a_checkpoint_of_other_shapes_is_one_line_before_any_tensor_is_read(
         f"ffn_hidden_size 256 (this run: 512); give this run the checkpoint's flags"]
 
 
+@pytest.mark.quick
 def test_a_checkpoint_of_another_model_is_refused_and_a_finetune_may_change_the_rope_base():
     """check_same_model: the run's architecture against the checkpoint's
     model_config. Any difference is one line naming both values, except the

@@ -20,6 +20,9 @@ import zero
 from conftest import ALL_OPTIONS, process_env, tiny_model
 from gpt import GPTConfig, LLAMA_OPTIONS
 
+pytestmark = pytest.mark.quick  # the whole file is in the quick tier (tests/conftest.py)
+
+
 def parse(*flags):
     return config_lib.parse_args(["--preset", "tiny", *flags])
 

@@ -12,6 +12,9 @@ from data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuil
                   split_boundaries)
 from launch import UsageError
 
+pytestmark = pytest.mark.quick  # the whole file is in the quick tier (tests/conftest.py)
+
+
 EOD = 50256
 
 

@@ -223,11 +223,13 @@ def t1(files):
     return {task: evaluate_here(files, task, ["--load", files["ckpt"]], out) for task in TASKS}
 
 
+@pytest.mark.quick
 def test_the_reference_data_has_hits_and_misses(reference):
     """Otherwise an accuracy that always said 0 (or 1) would pass."""
     assert 0 < sum(reference["hits"][False]) < len(reference["hits"][False])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("task", TASKS)
 def test_plain_checkpoint_matches_transformers(t1, reference, task):
     assert_matches_reference(t1[task], reference, task)
@@ -357,6 +359,7 @@ def test_deepspeed_checkpoint(files, tmp_path):
 # The data formats, and mistakes in them
 # ----------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_wikitext_is_detokenized_like_megatron():
     raw = (" = Title = \n \n = = History = = \n \n It cost 1 @,@ 600 ( about 3 @.@ 5 % ) in the "
            "well @-@ known \" game \" . The team 's score : N points ; 45 ° high ! \n")
@@ -365,6 +368,7 @@ def test_wikitext_is_detokenized_like_megatron():
         "The team's score: 1 points; 45°high!\n")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n, seq, stride", [(2, 8, 8), (9, 8, 8), (10, 8, 8), (100, 8, 3), (101, 8, 1),
                                             (37, 16, 5), (5, 16, 4)])
 def test_windows_score_every_target_exactly_once(n, seq, stride):
@@ -376,6 +380,7 @@ def test_windows_score_every_target_exactly_once(n, seq, stride):
     assert scored == tokens[1:]
 
 
+@pytest.mark.quick
 def test_strict_lambada_target_is_the_whole_last_word():
     enc = encoder()
     context, target = evaluate.lambada_split("he went to the  Athenian ", enc, strict=True)
@@ -393,6 +398,7 @@ def test_strict_lambada_target_is_the_whole_last_word():
     pytest.param('{"text": "a b c"}\n' + "[" * 100_000 + "]" * 100_000 + "\n", "{path}:2: not JSON (nested too deeply)",
                  id="nested-100000-deep"),
 ])
+@pytest.mark.quick
 def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, capsys, content, message):
     path = tmp_path / "lambada.jsonl"
     if content is not None:
@@ -405,6 +411,7 @@ def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, caps
     assert err.count("\n") == 1
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("content, message", [(None, "{path}: no such file"), ("", "{path}: the file is empty"),
                                               ("ROMEO:\n" + "la " * 70 + "\n", "line 2: 71 tokens, the model sees 64")])
 def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message):
@@ -428,6 +435,7 @@ def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message)
     (["--metrics-file", "{tmp}"], "--metrics-file {tmp}: cannot write it: it is a directory"),
     (["--out-seq-length", "65"], "--out-seq-length 65: more than the model's 64 positions; give 64 or less"),
 ])
+@pytest.mark.quick
 def test_bad_sampling_flags_are_one_line(files, tmp_path, capsys, flags, message):
     """--task GENERATE: a temperature that is not a number (the range check
     let nan through), an output file that cannot be written (was a traceback
@@ -444,6 +452,7 @@ def test_bad_sampling_flags_are_one_line(files, tmp_path, capsys, flags, message
     assert err == f"evaluate.py: error: {message.format(tmp=tmp_path)}\n"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("content, message", [("", "the file is empty"),
                                               (" \n \n", "the file is empty"),
                                               ("x", "the text is shorter than two tokens")])
@@ -471,11 +480,13 @@ def test_bad_wikitext_file(files, tmp_path, content, message):
      "--sample-output-file, --top-k: for --task GENERATE (--task LAMBADA scores --valid-data; its results go "
      "to --metrics-file)"),
 ])
+@pytest.mark.quick
 def test_bad_flags(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         evaluate.parse_args(flags)
 
 
+@pytest.mark.quick
 def test_a_training_scripts_flags_are_ignored_in_one_line(capsys):
     """Megatron users reuse the training script's arguments to evaluate (as
     Megatron's tasks/main.py accepts them): train.py's flags that do not apply
@@ -522,6 +533,7 @@ def edited_checkpoint(source: str, out, **record) -> str:
     (dict(sliding_window=4096, attention_sinks=4), "its model_config has attention_sinks, sliding_window, which "
                                                    "this version does not know: it was written by a newer train.py"),
 ])
+@pytest.mark.quick
 def test_a_checkpoint_whose_model_config_is_not_its_tensors_is_one_line(files, tmp_path, capsys, record, message):
     """A checkpoint's model_config that does not describe its tensors (edited,
     damaged), or holds keys a newer train.py writes: evaluate.py and

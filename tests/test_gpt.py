@@ -31,11 +31,13 @@ from conftest import ALL_OPTIONS, tiny, tiny_model, tokens
     (dict(attention_impl="flash9"), "attention_impl"),
     (dict(layernorm_impl="apex"), "layernorm_impl"),
 ])
+@pytest.mark.quick
 def test_config_validation_names_the_problem(bad, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**bad)
 
 
+@pytest.mark.quick
 def test_presets_and_unknown_preset_lists_valid_names():
     c = GPTConfig.from_preset("1.5B")
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.max_position_embeddings) \
@@ -51,6 +53,7 @@ def test_presets_and_unknown_preset_lists_valid_names():
 # Forward and loss
 
 
+@pytest.mark.quick
 def test_loss_is_masked_mean_of_token_losses():
     model = tiny_model()
     x, y = tokens(seed=1), tokens(seed=2)
@@ -64,6 +67,7 @@ def test_loss_is_masked_mean_of_token_losses():
     assert model(x, labels=y).dtype == torch.float32
 
 
+@pytest.mark.quick
 def test_position_ids_are_honored():
     model = tiny_model().eval()
     x = tokens()
@@ -77,6 +81,7 @@ def test_position_ids_are_honored():
     assert not torch.allclose(at_zero, default)
 
 
+@pytest.mark.quick
 def test_out_of_range_inputs_raise_clear_errors():
     model = tiny_model()
     with pytest.raises(ValueError, match="input_ids"):
@@ -91,6 +96,7 @@ def test_out_of_range_inputs_raise_clear_errors():
         model(torch.zeros(1, 4, dtype=torch.long), labels=torch.tensor([[0, 1, 2, 500]]))
 
 
+@pytest.mark.quick
 def test_activation_checkpointing_gives_identical_loss_and_grads():
     x, y = tokens(seed=1), tokens(seed=2)
     results = []
@@ -108,6 +114,7 @@ def test_activation_checkpointing_gives_identical_loss_and_grads():
         torch.testing.assert_close(g0[name], g1[name], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_dropout_only_in_training_mode():
     model = tiny_model(hidden_dropout=0.5, attention_dropout=0.5)
     x = tokens()
@@ -117,6 +124,7 @@ def test_dropout_only_in_training_mode():
     assert torch.equal(model(x), model(x))
 
 
+@pytest.mark.quick
 def test_full_state_dict_round_trip():
     a, b = tiny_model(seed=0).eval(), tiny_model(seed=1).eval()
     x = tokens()
@@ -132,6 +140,7 @@ def test_full_state_dict_round_trip():
 # Initialization and accounting
 
 
+@pytest.mark.quick
 def test_gpt2_init_scales_residual_projections():
     L = 8
     model = tiny_model(num_layers=L)
@@ -144,6 +153,7 @@ def test_gpt2_init_scales_residual_projections():
     assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.1)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("options", [{}, ALL_OPTIONS], ids=["gpt2", "all-options"])
 def test_modules_are_registered_in_init_order(options):
     """The weights depend on the seed and the order the pieces are initialized
@@ -161,6 +171,7 @@ def test_modules_are_registered_in_init_order(options):
         assert torch.equal(want, got), name
 
 
+@pytest.mark.quick
 def test_param_count_of_124M_matches_hf_gpt2():
     # HF's GPT-2 small has 124,439,808 parameters (50257-row embedding, tied head).
     with torch.device("meta"):  # no memory, no init cost
@@ -172,6 +183,7 @@ def test_param_count_of_124M_matches_hf_gpt2():
     assert padded.num_parameters(exclude_embeddings=True) == 124_475_904 - (50304 + 1024) * 768
 
 
+@pytest.mark.quick
 def test_count_parameters_matches_built_model():
     config = tiny(ffn_hidden_size=96)
     model = GPT(config)
@@ -180,6 +192,7 @@ def test_count_parameters_matches_built_model():
         == model.num_parameters(exclude_embeddings=True)
 
 
+@pytest.mark.quick
 def test_flops_per_token_124M_by_hand():
     H, L, V, T = 768, 12, 50304, 1024
     per_layer = 12 * H * H + 13 * H       # weights + biases + 2 LayerNorms
@@ -193,6 +206,7 @@ def test_flops_per_token_124M_by_hand():
 # Sampling
 
 
+@pytest.mark.quick
 def test_top_k_and_top_p_restrict_the_support():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     logits = probs.log()
@@ -210,6 +224,7 @@ def test_top_k_and_top_p_restrict_the_support():
         filter_logits(logits, top_p=0.0)
 
 
+@pytest.mark.quick
 def test_generate_never_samples_padding_and_greedy_is_deterministic():
     model = tiny_model()
     with torch.no_grad():  # make the padding rows' logits dominate
@@ -227,6 +242,7 @@ def test_generate_never_samples_padding_and_greedy_is_deterministic():
     assert torch.equal(greedy[:, 4], model(prompt)[:, -1, :100].argmax(-1))
 
 
+@pytest.mark.quick
 def test_generate_crops_long_context_and_restores_mode():
     model = tiny_model().train()
     out = generate(model, tokens(T=64), 3, temperature=0)  # grows past 64 positions
@@ -255,6 +271,7 @@ def test_kv_cache_generates_the_same_tokens_as_rerunning_the_prefix(options):
     assert cache.length == 40
 
 
+@pytest.mark.quick
 def test_generate_stops_when_every_row_emits_eos():
     model = tiny_model()
     eos = 7
@@ -275,6 +292,7 @@ def test_generate_stops_when_every_row_emits_eos():
 # and test_zero.py.
 
 
+@pytest.mark.quick
 def test_rope_rotates_pairs_so_scores_depend_on_relative_position():
     c = GPTConfig.from_preset("tiny", position_embedding_type="rope", rotary_base=100.0)
     hd, R = c.head_dim, c.rotary_dim
@@ -293,6 +311,7 @@ def test_rope_rotates_pairs_so_scores_depend_on_relative_position():
     torch.testing.assert_close(score(5, 2), score(9, 6), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_rotary_percent_leaves_the_last_dims_alone():
     c = GPTConfig.from_preset("tiny", position_embedding_type="rope", rotary_percent=0.5)
     x = torch.randn(2, 4, 8, c.head_dim)
@@ -303,6 +322,7 @@ def test_rotary_percent_leaves_the_last_dims_alone():
     torch.testing.assert_close(y[:, :, 0], x[:, :, 0])  # position 0 does not turn
 
 
+@pytest.mark.quick
 def test_rope_model_has_no_position_table_and_honours_position_ids():
     m = tiny_model(position_embedding_type="rope").eval()
     assert not hasattr(m, "wpe")
@@ -316,6 +336,7 @@ def test_rope_model_has_no_position_table_and_honours_position_ids():
     torch.testing.assert_close(shifted, base, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_rmsnorm_has_a_weight_and_no_bias():
     m = tiny_model(normalization="RMSNorm")
     norm = m.blocks[0].ln_1
@@ -326,6 +347,7 @@ def test_rmsnorm_has_a_weight_and_no_bias():
     torch.testing.assert_close(norm.double()(x), want)
 
 
+@pytest.mark.quick
 def test_swiglu_is_silu_gate_times_up_and_keeps_ffn_hidden_size():
     m = tiny_model(swiglu=True, ffn_hidden_size=96)
     mlp = m.blocks[0].mlp
@@ -336,12 +358,14 @@ def test_swiglu_is_silu_gate_times_up_and_keeps_ffn_hidden_size():
     torch.testing.assert_close(mlp.hidden(x), gate * torch.sigmoid(gate) * up)
 
 
+@pytest.mark.quick
 def test_disable_bias_linear_removes_every_linear_bias():
     m = tiny_model(disable_bias_linear=True, untie_embeddings_and_output_weights=True)
     biases = [n for n, _ in m.named_parameters() if n.endswith(".bias")]
     assert biases and all(".ln_" in n or n.startswith("ln_f") for n in biases)  # LayerNorms keep theirs
 
 
+@pytest.mark.quick
 def test_untied_head_is_its_own_weight_and_the_fused_loss_uses_it():
     m = tiny_model(untie_embeddings_and_output_weights=True)
     assert m.output_layer.weight.shape == (128, 64)
@@ -358,6 +382,7 @@ def test_untied_head_is_its_own_weight_and_the_fused_loss_uses_it():
         torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=n)
 
 
+@pytest.mark.quick
 def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
     """G=2 key/value heads for 4 query heads is multi-head attention whose
     heads 0,1 share K/V head 0 and heads 2,3 share K/V head 1."""
@@ -377,6 +402,7 @@ def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
         torch.testing.assert_close(gqa(x), mha(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("options", [{}, dict(swiglu=True), dict(num_query_groups=1),
                                      dict(untie_embeddings_and_output_weights=True),
                                      dict(disable_bias_linear=True), dict(normalization="RMSNorm"),
@@ -388,6 +414,7 @@ def test_parameter_count_matches_the_built_model(options):
     assert count_parameters(m.config, exclude_embeddings=True) == m.num_parameters(exclude_embeddings=True)
 
 
+@pytest.mark.quick
 def test_flops_count_swiglus_third_matrix_and_gqas_narrower_kv():
     base = GPTConfig.from_preset("124M", disable_bias_linear=True)
     L, H, Fh, T = 12, 768, 3072, 1024
@@ -401,6 +428,7 @@ def test_flops_count_swiglus_third_matrix_and_gqas_narrower_kv():
     assert count_parameters(untied) - count_parameters(base) == 50304 * H
 
 
+@pytest.mark.quick
 def test_every_option_trains_with_activation_checkpointing_and_generates():
     ref = tiny_model(**ALL_OPTIONS)
     ckpt = tiny_model(**ALL_OPTIONS, activation_checkpointing=True)
@@ -415,6 +443,7 @@ def test_every_option_trains_with_activation_checkpointing_and_generates():
     assert math.isfinite(ckpt(x, labels=y).item())
 
 
+@pytest.mark.quick
 def test_llama_124m_preset_matches_gpt2_124m_in_width_and_parameters():
     llama, gpt2 = GPTConfig.from_preset("llama-124M"), GPTConfig.from_preset("124M")
     assert {k: getattr(llama, k) for k in LLAMA_OPTIONS} == LLAMA_OPTIONS and llama.num_query_groups == 4
@@ -459,6 +488,7 @@ def problem(N=37, C=24, V=300, seed=0):
     return h, weight, labels
 
 
+@pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
 @pytest.mark.parametrize("span_tokens", [1, 5, 37, 1000])  # one token a span ... one span
 @pytest.mark.parametrize("masked", [False, True])
@@ -475,6 +505,7 @@ def test_fused_loss_matches_full_logits_in_fp32(monkeypatch, span_tokens, masked
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
 def test_fully_masked_batch_gives_zero_loss_and_zero_grads():
     h, weight, labels = problem()
@@ -483,6 +514,7 @@ def test_fully_masked_batch_gives_zero_loss_and_zero_grads():
     assert value.item() == 0.0 and not dh.any() and not dw.any()
 
 
+@pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
 def test_fused_loss_scales_with_the_incoming_gradient():
     """Gradients are made in forward for d(loss) = 1 and scaled in backward:
@@ -494,6 +526,7 @@ def test_fused_loss_scales_with_the_incoming_gradient():
     torch.testing.assert_close(dw3, 3 * dw1)
 
 
+@pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
 def test_no_grad_evaluation_computes_only_the_loss():
     h, weight, labels = problem()
@@ -515,6 +548,7 @@ class MatmulDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
 def test_under_bf16_autocast_the_matmuls_are_bf16_and_the_loss_fp32():
     h, weight, labels = problem(C=64, V=512)
@@ -566,6 +600,7 @@ def test_fp16_gradients_are_as_close_to_fp32_as_the_full_logits_path():
 # The model: loss_impl="fused" (the default) against loss_impl="full"
 
 
+@pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
 def test_gpt_fused_loss_matches_full_logits_loss_and_every_gradient():
     results = []
@@ -585,6 +620,7 @@ def test_gpt_fused_loss_matches_full_logits_loss_and_every_gradient():
                                    msg=lambda m: f"grad of {name}: {m}")
 
 
+@pytest.mark.quick
 def test_unknown_loss_impl_is_a_clear_error():
     with pytest.raises(ValueError, match="loss_impl"):
         GPTConfig.from_preset("tiny", loss_impl="chunky")
@@ -619,6 +655,7 @@ def test_gpu_fused_loss_follows_full_logits_in_a_quarter_of_the_memory():
 
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("extra,overrides", [("output_layer.weight", {}), ("wpe.weight", {"position_embedding_type": "rope"}),
                                              ("blocks.2.ln_1.weight", {})],
                          ids=["untied-head-into-tied", "positions-into-rope", "layer-too-many"])

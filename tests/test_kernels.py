@@ -72,10 +72,12 @@ def check_attention(B, H, T, D, dtype, causal=True, sm_scale=None, seed=0):
     (2, 2, 37, 128, torch.bfloat16),
     (1, 2, 64, 32, torch.bfloat16),
 ])
+@pytest.mark.quick
 def test_flash_attention_matches_float64_sdpa(B, H, T, D, dtype):
     check_attention(B, H, T, D, dtype)
 
 
+@pytest.mark.quick
 def test_flash_attention_custom_scale_and_non_causal():
     check_attention(1, 2, 37, 32, torch.float32, causal=False, sm_scale=0.3)
 
@@ -125,6 +127,7 @@ def test_flash_attention_reads_the_qkv_projection_in_place(monkeypatch):
         assert t.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.quick
 def test_first_query_attends_only_to_itself():
     # causal: output row 0 must equal v row 0 exactly, whatever the keys are
     q, k, v = [torch.randn(1, 2, 37, 32, device=DEVICE) for _ in range(3)]
@@ -132,6 +135,7 @@ def test_first_query_attends_only_to_itself():
     torch.testing.assert_close(o[:, :, 0], v[:, :, 0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("D", [16, 48, 256])
 def test_unsupported_head_dim_is_a_clear_error(D):
     q = torch.randn(1, 2, 16, D, device=DEVICE)
@@ -139,6 +143,7 @@ def test_unsupported_head_dim_is_a_clear_error(D):
         kernels.flash_attention(q, q, q)
 
 
+@pytest.mark.quick
 def test_mismatched_shapes_are_a_clear_error():
     q = torch.randn(1, 3, 16, 32, device=DEVICE)
     with pytest.raises(ValueError, match="k, v \\(B, G, T, D\\)"):
@@ -160,6 +165,7 @@ def attention_reference_gqa(q, k, v, do):
     (1, 4, 1, 20, 64, torch.float32),   # multi-query attention: one shared head
     (1, 6, 2, 33, 32, torch.bfloat16),
 ])
+@pytest.mark.quick
 def test_grouped_query_flash_attention_matches_float64_sdpa(B, H, G, T, D, dtype):
     g = torch.Generator().manual_seed(0)
     q, do = [torch.randn(B, H, T, D, generator=g).to(DEVICE, dtype) for _ in range(2)]
@@ -224,6 +230,7 @@ def check_layer_norm(shape, dtype, weight_dtype, seed=0):
     ((6, 64), torch.float16, torch.float16),
     ((5, 3, 96), torch.bfloat16, torch.float32),
 ])
+@pytest.mark.quick
 def test_layer_norm_matches_float64(shape, dtype, weight_dtype):
     check_layer_norm(shape, dtype, weight_dtype)
 
@@ -240,6 +247,7 @@ def test_triton_layernorm_module_is_a_drop_in_for_nn_layernorm():
     assert isinstance(mod, torch.nn.LayerNorm)
 
 
+@pytest.mark.quick
 def test_layer_norm_bad_weight_shape_is_a_clear_error():
     x = torch.randn(4, 32, device=DEVICE)
     with pytest.raises(ValueError, match="weight and bias must have shape"):
@@ -282,10 +290,12 @@ def check_add_layer_norm(shape, x_dtype, r_dtype, weight_dtype, seed=0):
     ((7, 64), torch.bfloat16, torch.bfloat16, torch.float32),
     ((6, 64), torch.float16, torch.float16, torch.float16),
 ])
+@pytest.mark.quick
 def test_add_layer_norm_matches_float64(shape, x_dtype, r_dtype, weight_dtype):
     check_add_layer_norm(shape, x_dtype, r_dtype, weight_dtype)
 
 
+@pytest.mark.quick
 def test_add_layer_norm_equals_add_then_layer_norm_exactly_in_fp32():
     """The fused kernel is the unfused pair with one memory trip fewer: the
     same numbers as kernels.layer_norm applied to x + r (same kernel maths)."""
@@ -411,6 +421,7 @@ def check_rms_norm(shape, x_dtype, weight_dtype, fused_add, seed=0):
     ((13, 1000), torch.float32, torch.float32),
     ((5, 3, 96), torch.bfloat16, torch.float32),    # autocast-like: bf16 rows, fp32 weight
 ])
+@pytest.mark.quick
 @pytest.mark.parametrize("fused_add", [False, True], ids=["rms_norm", "add_rms_norm"])
 def test_rms_norm_matches_float64(shape, x_dtype, weight_dtype, fused_add):
     check_rms_norm(shape, x_dtype, weight_dtype, fused_add)
@@ -433,6 +444,7 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
 # ---------------------------------------------------------------------------
 # the fused loss's row kernels (gpt.span_lse_and_grad_) against their torch twins
 
+@pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
 @pytest.mark.parametrize("vocab_start", [0, 100])  # a vocab slice: some targets are elsewhere
 @pytest.mark.parametrize("need_grads", [True, False])
@@ -472,6 +484,7 @@ def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
 
 # head dim 32 (the kernels support 32/64/128); "llama": RoPE on q, k before
 # the Triton attention, RMSNorm kernels, SwiGLU, 2 query heads sharing 1 K/V head.
+@pytest.mark.quick
 @pytest.mark.parametrize("options", [
     {}, dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
              untie_embeddings_and_output_weights=True, disable_bias_linear=True,
@@ -562,6 +575,7 @@ def _triton_gpt(**options):
                          layernorm_impl="triton", **options))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("options", [{}, dict(position_embedding_type="rope", normalization="RMSNorm",
                                               swiglu=True, num_query_groups=1)], ids=["gpt2", "llama"])
 def test_model_with_triton_kernels_compiles_whole(options):

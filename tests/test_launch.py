@@ -32,6 +32,7 @@ def project_imports(module: str) -> set[str]:
     return names & set(MODULES) - {module}
 
 
+@pytest.mark.quick
 def test_the_import_graph_has_no_circle():
     graph = {m: project_imports(m) for m in MODULES}
     order = []
@@ -50,6 +51,7 @@ def modules_loaded_by(imports: str, then: str = "") -> set[str]:
                               check=True).stdout.split())
 
 
+@pytest.mark.quick
 def test_preparing_data_loads_no_model_code():
     loaded = modules_loaded_by("prepare")
     assert not {"gpt", "kernels", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & loaded
@@ -65,6 +67,7 @@ with checkpoint.data_only_loads(where):
 """
 
 
+@pytest.mark.quick
 def test_only_torch_dist_imports_pytorchs_distributed_checkpoint():
     """torch.distributed.checkpoint (DTensor's tables with it: about a second of
     every rank's start) is imported by the torch_dist functions when they run,

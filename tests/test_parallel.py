@@ -68,10 +68,12 @@ def _check_comm_ops():
     assert_close(x.grad, dy[:, 3 * r:3 * r + 3], what="gather backward")
 
 
+@pytest.mark.quick
 def test_communication_operators_forward_and_backward():
     run_on_ranks(_check_comm_ops)
 
 
+@pytest.mark.quick
 def test_operators_are_free_identities_with_one_rank():
     parallel.initialize(1)
     try:
@@ -89,6 +91,7 @@ def test_operators_are_free_identities_with_one_rank():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_shard_tensor_in_blocks_keeps_whole_qkv_pieces():
     H = 4
     q, k, v = (torch.randn(H, 2) for _ in range(3))
@@ -100,6 +103,7 @@ def test_shard_tensor_in_blocks_keeps_whole_qkv_pieces():
         parallel.shard_tensor(torch.zeros(10, 2), 0, 0, 2, blocks=3)
 
 
+@pytest.mark.quick
 def test_shard_tensor_with_block_sizes_splits_gqa_qkv_and_swiglu_fc():
     # GQA: 4 query heads, 2 key/value heads, head dim 1 -> blocks of 4, 2, 2 rows.
     q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
@@ -165,6 +169,7 @@ def _check_linear_pair():
     assert_close(row.bias.grad, proj.bias.grad, what="proj bias grad")
 
 
+@pytest.mark.quick
 def test_column_row_pair_matches_plain_linears():
     run_on_ranks(_check_linear_pair)
 
@@ -187,6 +192,7 @@ def _check_qkv_blocks():
     assert col.weight.partition_blocks == 3
 
 
+@pytest.mark.quick
 def test_column_split_in_blocks_gives_each_rank_its_q_k_v_heads():
     run_on_ranks(_check_qkv_blocks)
 
@@ -235,6 +241,7 @@ def _check_vocab_parallel():
         parallel.vocab_parallel_cross_entropy(shard, torch.tensor([[0, 1, 10], [0, 0, 0]]))
 
 
+@pytest.mark.quick
 def test_vocab_parallel_embedding_and_cross_entropy_match_full_vocab():
     run_on_ranks(_check_vocab_parallel)
 
@@ -276,10 +283,12 @@ def _check_clip_grad_norm():
         assert torch.equal(p.grad, b)
 
 
+@pytest.mark.quick
 def test_clip_grad_norm_uses_the_full_model_norm():
     run_on_ranks(_check_clip_grad_norm)
 
 
+@pytest.mark.quick
 def test_clip_grad_norm_with_one_rank_equals_torch():
     parallel.initialize(1)
     try:
@@ -366,6 +375,7 @@ def test_tensor_parallel_needs_torch_distributed():
     ("num_attention_heads", 12, 8), ("hidden_size", 772, 8), ("ffn_hidden_size", 3074, 4),
     ("padded_vocab_size", 50257, 2), ("num_query_groups", 2, 4),  # GQA: whole kv heads per rank
 ])
+@pytest.mark.quick
 def test_check_layout_names_the_quantity(field, value, tp):
     config = SimpleNamespace(num_attention_heads=16, hidden_size=768, ffn_hidden_size=3072,
                              padded_vocab_size=50304, num_query_groups=16, domino_chunks=1,
@@ -506,6 +516,7 @@ def _check_gpt_tensor_parallel_matches_single_gpu(options):
     assert torch.equal(generate(back, x[:, :4], 14, temperature=0), greedy_t1)
 
 
+@pytest.mark.quick
 @pytest.mark.slow
 @MODEL_OPTIONS
 def test_gpt_tensor_parallel_matches_single_gpu(options):
@@ -538,6 +549,7 @@ def _check_domino_matches_plain_tensor_parallel(options):
                      tol=1e-5, what="batch 1 fallback")
 
 
+@pytest.mark.quick
 @pytest.mark.slow
 @MODEL_OPTIONS
 def test_domino_overlap_matches_plain_tensor_parallel(options):
@@ -582,7 +594,7 @@ def _check_sequence_parallel_matches_single_gpu(options, tp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,options", [(2, {}), (2, ALL_OPTIONS), (4, {})],
+@pytest.mark.parametrize("tp,options", [pytest.param(2, {}, marks=pytest.mark.quick), (2, ALL_OPTIONS), (4, {})],
                          ids=["T=2-gpt2", "T=2-all-options", "T=4-gpt2"])
 def test_sequence_parallel_matches_single_gpu(tp, options):
     """Sequence parallelism, alone and with Domino (2 and 3 chunks), equals
@@ -748,6 +760,7 @@ def _check_domino_overlaps_every_all_reduce():
         assert _unhidden_all_reduces(backward, name) == [], backward
 
 
+@pytest.mark.quick
 @pytest.mark.slow
 def test_domino_runs_another_chunks_gemms_while_each_all_reduce_is_in_flight():
     """Domino's point, checked from the order of operations on 2 ranks: in
@@ -968,6 +981,7 @@ def test_domino_works_under_bf16_autocast():
     run_on_ranks(_check_domino_under_bf16_autocast)
 
 
+@pytest.mark.quick
 def test_gpt_with_one_rank_is_the_plain_model():
     parallel.initialize(1)
     try:

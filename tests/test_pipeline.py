@@ -27,6 +27,7 @@ def assert_close(actual, expected, tol=1e-6, what=""):
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.quick
 def test_pipeline_stages_hold_consecutive_layers_and_virtual_stages_go_round():
     assert pipeline.pipeline_chunks(8, 2, 1) == [range(4, 8)]
     # interleaved: chunk c of rank r is virtual stage c * pp + r
@@ -38,6 +39,7 @@ def test_pipeline_stages_hold_consecutive_layers_and_virtual_stages_go_round():
         pipeline.pipeline_chunks(8, 2, 0, layers_per_virtual_stage=3)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("pp,m,v,zb", [(2, 8, 1, False), (2, 8, 2, False), (4, 8, 1, False), (4, 8, 2, False),
                                        (2, 8, 1, True), (4, 8, 1, True)])
 def test_run_pipelines_coupling_idles_as_the_schedules_formula(pp, m, v, zb):
@@ -55,6 +57,7 @@ def test_run_pipelines_coupling_idles_as_the_schedules_formula(pp, m, v, zb):
         assert bubble == pytest.approx((pp - 1) / (3 * m + pp - 1) if zb else (pp - 1) / (v * m + pp - 1))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4)])
 def test_1f1b_warms_up_with_pp_minus_1_minus_rank_forwards_then_alternates(pp, m):
     for rank in range(pp):
@@ -64,6 +67,7 @@ def test_1f1b_warms_up_with_pp_minus_1_minus_rank_forwards_then_alternates(pp, m
         assert [a.micro for a in pipeline.rank_order(pp, rank, m) if a.kind == "B"] == list(range(m))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("pp,m,v", [(2, 4, 1), (4, 8, 1), (4, 4, 1), (2, 4, 2), (4, 8, 2), (4, 8, 3)])
 def test_bubble_of_the_schedule_is_narayanan_et_al_s(pp, m, v):
     """Idle ticks / all ticks: (pp-1)/(m+pp-1), and interleaved (pp-1)/(v*m+pp-1)."""
@@ -75,6 +79,7 @@ def test_bubble_of_the_schedule_is_narayanan_et_al_s(pp, m, v):
         assert sorted(done) == sorted(pipeline.Action(k, c, i) for k in "FB" for c in range(v) for i in range(m))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("pp,m", [(4, 8), (2, 8), (2, 4), (4, 4), (3, 5)])
 def test_zb_h1_idles_pp_minus_1_ticks_a_stage_a_third_of_1f1b(pp, m):
     """ZB-H1 on the same clock, F, I and W a tick each (1F1B's backward, I+W,
@@ -95,6 +100,7 @@ def test_zb_h1_idles_pp_minus_1_ticks_a_stage_a_third_of_1f1b(pp, m):
         assert (len(ticks), len(one_f_one_b)) == (27, 33)  # idle 3/27 = 0.111 vs 9/33 = 0.273
 
 
+@pytest.mark.quick
 def test_too_few_micro_batches_for_the_pipeline_name_the_flags():
     with pytest.raises(UsageError, match="1 micro-batch.*cannot fill 2 pipeline stages.*--global-batch-size"):
         pipeline.check_micro_batches(1, 2, 1)
@@ -190,6 +196,7 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     assert deferred == ([2 * 4] * m if zb else []), deferred
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("v,recompute,zb", [(1, False, False), (2, False, False), (1, True, False),
                                             (1, False, True), (1, True, True)],
                          ids=["1F1B", "interleaved", "1F1B-recompute", "ZB-H1", "ZB-H1-recompute"])
@@ -632,6 +639,7 @@ def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_
         torch.testing.assert_close(converted[f"model.{key}"], t, rtol=0, atol=5e-5, msg=key)
 
 
+@pytest.mark.quick
 def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
     proc = run_train([*PIPELINE_RUN, "--num-layers", "3", "--pipeline-model-parallel-size", "2",
                       "--data-path", corpus], nproc=2, check=False)

@@ -14,6 +14,9 @@ import config
 import prepare
 from data import IndexedDataset, check_gpt2_bpe
 
+pytestmark = pytest.mark.quick  # the whole file is in the quick tier (tests/conftest.py)
+
+
 EOD = 50256
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -39,6 +39,7 @@ from gpt import GPTConfig
 # themselves: test_config.py)
 
 
+@pytest.mark.quick
 def test_global_batch_must_divide():
     cfg = config.TrainConfig(preset="tiny", micro_batch_size=4, global_batch_size=20)
     assert train.gradient_accumulation_steps(cfg, dp_size=1) == 5
@@ -46,6 +47,7 @@ def test_global_batch_must_divide():
         train.gradient_accumulation_steps(cfg, dp_size=2)
 
 
+@pytest.mark.quick
 def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
     """An id the embeddings cannot index is named, with what to check, before
     the model sees it (on a GPU it would be an opaque device-side assert)."""
@@ -68,6 +70,7 @@ def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
     (["--train-samples", "400", "--lr-warmup-samples", "40", "--lr-decay-samples", "320",
       "--global-batch-size", "8", "--micro-batch-size", "4"], 8),
 ], ids=["cosine", "linear-fraction", "constant", "samples"])
+@pytest.mark.quick
 def test_learning_rate_is_megatrons(flags, per_step):
     """Step for step, past the decay's end, the lr that megatron-core's own
     scheduler (OptimizerParamScheduler, which Megatron's training loop steps
@@ -95,6 +98,7 @@ def test_learning_rate_is_megatrons(flags, per_step):
     assert ours[0] == 0.0 and max(ours) == 1.0 and ours[-1] == (1.0 if "constant" in flags else 0.1)
 
 
+@pytest.mark.quick
 def test_no_weight_decay_on_biases_and_norms():
     cfg = config.TrainConfig(preset="tiny", weight_decay=0.1)
     model = train.GPT(GPTConfig.from_preset("tiny"))
@@ -106,6 +110,7 @@ def test_no_weight_decay_on_biases_and_norms():
     assert opt.param_groups[1]["weight_decay"] == 0.0
 
 
+@pytest.mark.quick
 def test_peak_flops_table():
     """MFU's denominator: --peak-flops wins; else the GPU's name (as
     torch.cuda.get_device_name spells it) picks the most specific entry."""
@@ -127,6 +132,7 @@ def test_peak_flops_table():
 # Training runs
 
 
+@pytest.mark.quick
 def test_loss_falls_and_metrics_are_logged(corpus, tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "30", "--eval-interval", "10",
@@ -218,6 +224,7 @@ def six_steps(corpus, tmp_path_factory):
     return out / "m.jsonl", str(out / "ckpt")
 
 
+@pytest.mark.quick
 def test_two_process_ddp_matches_one_process(corpus, six_steps, tmp_path):
     """Same global batch (8): 1 process x 2 accumulation steps == 2 processes x 1."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8"]
@@ -240,6 +247,7 @@ def test_compile_trains_the_same_model(corpus, tmp_path):
     assert list(inductor.rglob("*.py")), "torch.compile generated no code"
 
 
+@pytest.mark.quick
 def test_resume_is_bit_identical(corpus, tmp_path):
     common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8"]
     train_on_ranks([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
@@ -394,6 +402,7 @@ class HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("hysteresis, min_scale", [(1, 0.0), (2, 0.0), (3, 0.0), (1, 2.0 ** 8), (2, 2.0 ** 8)])
 def test_the_loss_scale_follows_megatrons_dynamic_grad_scaler(hysteresis, min_scale):
     """--hysteresis N: the scale halves at the N-th non-finite step since it
@@ -488,6 +497,7 @@ def test_gpu_training_steps_never_synchronize():
     (["--lr-decay-style", "exp"], "train.py: error: --lr-decay-style 'exp': use cosine, linear or constant\n"),
     (["--data-path", "/nonexistent/corpus_text_document"], "train.py: error: /nonexistent/corpus_text_document"),
 ])
+@pytest.mark.quick
 def test_a_user_mistake_is_one_line_from_rank_0(corpus, flags, message):
     """A bad flag (checked before the process group) or bad data (after it):
     one line, from rank 0, exit status 2 from the ranks, and no traceback

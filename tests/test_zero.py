@@ -303,6 +303,35 @@ def assert_same_steps(ref, got):
 pytestmark = pytest.mark.slow
 
 
+def quick_worker(out: str) -> None:
+    """DDP, then ZeRO-3, for QUICK_STEPS steps in one launch of 2 ranks."""
+    import warnings
+    warnings.simplefilter("ignore")  # DeepSpeed's, on every rank
+    as_torchrun_rank()
+    quick = ["--train-iters", str(QUICK_STEPS), "--lr-warmup-iters", "1", "--eval-interval", str(QUICK_STEPS)]
+    worker_run(out, "ddp", quick)
+    worker_run(out, "z3", [*quick, "--deepspeed", "--zero-stage", "3"])
+
+
+QUICK_STEPS = 3
+
+
+@pytest.mark.quick
+def test_zero3_takes_ddps_first_steps(tmp_path):
+    """The quick tier's ZeRO check (the full one: every stage for 12 steps,
+    below). ZeRO-3 over 2 ranks, its parameters, gradients and AdamW states
+    each split between them, takes plain DDP's steps: the same losses, the
+    same (clipped) gradient norms, the same validation loss."""
+    out = str(tmp_path)
+    write_zipf_corpus(os.path.join(out, "corpus_text_document"))
+    run_on_ranks(quick_worker, out, world_size=2)
+    ref, got = metrics(out, "ddp"), metrics(out, "z3")
+    assert [m["iteration"] for m in got] == list(range(1, QUICK_STEPS + 1))
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"]
+    assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_matches_ddp_step_for_step(runs, stage):
     ref, got = metrics(runs, "ddp"), metrics(runs, f"z{stage}")
@@ -708,6 +737,7 @@ def test_deepspeed_runs_as_one_process_without_a_launcher(corpus, tmp_path):
     assert [json.loads(line)["iteration"] for line in open(metrics_file)] == [1, 2]
 
 
+@pytest.mark.quick
 def test_config_is_generated_from_flags():
     cfg = config.parse_args(["--preset", "tiny", "--deepspeed", "--zero-stage", "2",
                             "--micro-batch-size", "3", "--clip-grad", "0.5", "--bf16",
@@ -721,6 +751,7 @@ def test_config_is_generated_from_flags():
     assert ds["zero_force_ds_cpu_optimizer"] is False  # our torch AdamW, no C++ build
 
 
+@pytest.mark.quick
 def test_contradicting_deepspeed_json_is_an_error(tmp_path):
     path = tmp_path / "ds.json"
     base = ["--preset", "tiny", "--deepspeed", "--deepspeed_config", str(path), "--micro-batch-size", "2"]
@@ -757,6 +788,7 @@ def test_overlap_comm_is_turned_off_over_pipeline_stages_as_deepspeed_reads_it(t
         zero.deepspeed_config(cfg, dp_size=1, accum=1)
 
 
+@pytest.mark.quick
 def test_a_precision_deepspeed_refuses_is_named_before_any_model_is_built():
     """DeepSpeed's CPU accelerator reports fp16 only on CPUs with AVX512-FP16;
     the user hears which flag to change, not DeepSpeed's 'Type fp16 is not
