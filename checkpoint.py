@@ -25,6 +25,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import random
 import shutil
 import tempfile
@@ -685,6 +686,10 @@ def read_weights(found: Found) -> tuple[dict, dict]:
 # DeepSpeed's own reads (engine.load_checkpoint, zero_to_fp32) pass
 # weights_only=False; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that.
 
+# A file of another pickle protocol than torch.save's is refused in one line, without torch's warning too.
+warnings.filterwarnings("ignore", "Detected pickle protocol")
+
+
 def _data_types(deepspeed: bool) -> list:
     """numpy's ndarray, for np.random's state in every checkpoint's "rng"; with
     `deepspeed`, DeepSpeed's enum, loss scalers and fragment addresses, in its
@@ -729,14 +734,51 @@ def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
     """Which files under `where` hold more than data, found without unpickling
     them (a static scan); else what the unpickler refused."""
     files = sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]
-    unsafe = {f: torch.serialization.get_unsafe_globals_in_checkpoint(f) for f in files}
+    unsafe = {f: _unsafe_globals(f) for f in files}
     shown = "; ".join(f"{f} holds {', '.join(found)}" for f, found in unsafe.items() if found)
     if not shown:
-        reason = [line for line in str(error).splitlines() if "global" in line or "got <" in line]
+        reason = [line for line in str(error).splitlines() if "global" in line.lower() or "got <" in line]
         shown = f"a file there holds {(reason or ['more than data'])[0].strip()}"
     return (f"refusing to read the checkpoint in {where}: {shown}, not data (tensors, numbers, "
             f"containers); a file like that can run code when it is read. Load checkpoints only "
             f"from a source you trust")
+
+
+def _unsafe_globals(path: str) -> list[str]:
+    """The globals in a torch.load file that weights_only refuses, read statically:
+    torch's own scan of a torch.save zip, else of the pickles of torch's legacy
+    (pre-zip) format or a raw pickle, against the same allow-list."""
+    if zipfile.is_zipfile(path):
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
+    return sorted(_pickle_globals(path) - set(_get_allowed_globals()) - set(_get_user_allowed_globals()))
+
+
+def _pickle_globals(path: str) -> set[str]:
+    """Every module.name the pickles at the start of a file name (torch's legacy
+    format is five pickles, then raw bytes; a raw pickle is one), by reading
+    their opcodes: a protocol 4 global takes the two strings last pushed or
+    fetched from the memo."""
+    found, strings, memo, top = set(), [], {}, None
+    with open(path, "rb") as f:
+        for _ in range(5):
+            try:
+                for op, arg, _ in pickletools.genops(f):
+                    if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                        memo[len(memo) if arg is None else arg] = top
+                        continue
+                    if op.name in ("GET", "BINGET", "LONG_BINGET"):
+                        arg = memo.get(arg)
+                    if op.name == "GLOBAL":
+                        found.add(arg.replace(" ", "."))
+                    elif op.name == "STACK_GLOBAL":
+                        found.add(".".join(strings[-2:]))
+                    top = arg if isinstance(arg, str) and op.name != "GLOBAL" else None
+                    if top is not None:
+                        strings.append(top)
+            except ValueError:  # past the pickles: the raw bytes of tensors, or the end
+                break
+    return found
 
 
 # --ckpt-format torch_dist: the states above under the same names, flat

@@ -32,8 +32,8 @@ import checkpoint
 import pipeline
 import train
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
-from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_train,
-                      tiny, tiny_model, tokens, train_on_ranks)
+from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_together,
+                      run_train, tiny, tiny_model, tokens, train_on_ranks)
 from gpt import GPT, LLAMA_OPTIONS
 from launch import UsageError
 from prepare import load_tokenizer
@@ -236,6 +236,40 @@ def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
         message = [line for line in proc.stderr.splitlines() if "refusing to read" in line]
         assert len(message) == 1 and f"{bad} holds posix.system" in message[0], proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
+
+
+def stops_in_one_line(probes, ran=None, timeout=180):
+    """Each probe, (train.py's or evaluate.py's command line, what its error
+    says), run at once from the project's root: each stops with a non-zero
+    exit and that one line on stderr, no traceback; and `ran` (the file a
+    payload would create) is not there."""
+    procs = run_together([[sys.executable, *args] for args, _ in probes], timeout, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for (args, says), proc in zip(probes, procs):
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and len(lines) == 1 and says in lines[0], (args, proc.stderr[-3000:])
+        assert ran is None or not ran.exists(), args
+
+
+def test_a_legacy_format_or_raw_pickle_checkpoint_file_is_refused_in_one_line(corpus, tmp_path):
+    """The same payload in a model_optim_rng.pt written in torch's pre-zip
+    format (torch.save(..., _use_new_zipfile_serialization=False)), or as a
+    raw pickle (protocol 4): --load and --export-from stop in one line that
+    names the file and the global, found without unpickling it."""
+    ran, probes = tmp_path / "the-command-ran", []
+    for fmt, args in (("legacy", [*TINY, "--data-path", corpus, "--train-iters", "3", "--load"]),
+                      ("raw", ["--export-to", str(tmp_path / "exported"), "--export-from"])):
+        ckpt = tmp_path / fmt
+        bad = ckpt / "iter_0000002" / checkpoint.PLAIN_FILE
+        bad.parent.mkdir(parents=True)
+        state = {"model": {}, "iteration": 2, "consumed_samples": 8, "hook": _RunsACommand(f"touch {ran}")}
+        if fmt == "legacy":
+            torch.save(state, bad, _use_new_zipfile_serialization=False)
+        else:
+            bad.write_bytes(pickle.dumps(state, protocol=4))
+        (ckpt / checkpoint.LATEST).write_text("2")
+        probes.append((["train.py", *args, str(ckpt)], f"{bad} holds posix.system"))
+    stops_in_one_line(probes, ran)
 
 
 # -----------------------------------------------------------------------------
