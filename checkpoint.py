@@ -19,8 +19,10 @@ import contextlib
 import dataclasses
 import enum
 import errno
+import functools
 import glob
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -730,12 +732,24 @@ def data_only_loads(where: str):
             os.environ[force] = before
 
 
+def named_file(directory: str, name, index: str) -> str:
+    """directory/name, for a file name that a checkpoint's own index (DCP's
+    .metadata, a Hugging Face weight map) gives: only a plain name of a file
+    in the directory (no directory part, no link out of it); anything else
+    would have a checkpoint read whatever file it chose."""
+    path = os.path.join(directory, name) if isinstance(name, str) else ""
+    if not path or os.path.basename(name) != name or name in (".", "..") or \
+            os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory):
+        raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not a "
+                         f"file in that directory (a checkpoint reads only its own files). Load "
+                         f"checkpoints only from a source you trust")
+    return path
+
+
 def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
     """Which files under `where` hold more than data, found without unpickling
     them (a static scan); else what the unpickler refused."""
-    files = sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]
-    unsafe = {f: _unsafe_globals(f) for f in files}
-    shown = "; ".join(f"{f} holds {', '.join(found)}" for f, found in unsafe.items() if found)
+    shown = "; ".join(f"{f} holds {', '.join(found)}" for f, found in _pickles_in(where, error) if found)
     if not shown:
         reason = [line for line in str(error).splitlines() if "global" in line.lower() or "got <" in line]
         shown = f"a file there holds {(reason or ['more than data'])[0].strip()}"
@@ -744,40 +758,62 @@ def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
             f"from a source you trust")
 
 
-def _unsafe_globals(path: str) -> list[str]:
-    """The globals in a torch.load file that weights_only refuses, read statically:
-    torch's own scan of a torch.save zip, else of the pickles of torch's legacy
-    (pre-zip) format or a raw pickle, against the same allow-list."""
-    if zipfile.is_zipfile(path):
-        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+def _pickles_in(where: str, error: pickle.UnpicklingError):
+    """(a pickle's name, the globals in it that weights_only refuses) for each
+    pickle a load reads under `where`: its .pt files, or a torch_dist
+    checkpoint's non-tensors, each a torch.save zip within a .distcp file
+    (unless the refusal was of its index, .metadata, itself)."""
+    if kind_of(where) != "torch_dist":
+        for path in sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]:
+            with open(path, "rb") as f:
+                yield path, _unsafe_globals(f)
+    elif DIST_METADATA not in str(error):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+        metadata = dist_reader(where).read_metadata()
+        for index, info in metadata.storage_data.items():
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                with open(os.path.join(where, info.relative_path), "rb") as f:
+                    f.seek(info.offset)
+                    piece = io.BytesIO(f.read(info.length))
+                yield f"{os.path.join(where, info.relative_path)} (its {index.fqn})", _unsafe_globals(piece)
+
+
+def _unsafe_globals(f) -> list[str]:
+    """The globals in a file torch.load reads (f: open, binary) that weights_only
+    refuses, read statically: torch's own scan of a torch.save zip, else of
+    the pickles of torch's legacy (pre-zip) format or a raw pickle, against
+    the same allow-list."""
+    zipped = zipfile.is_zipfile(f)
+    f.seek(0)
+    if zipped:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(f)
     from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
-    return sorted(_pickle_globals(path) - set(_get_allowed_globals()) - set(_get_user_allowed_globals()))
+    return sorted(_pickle_globals(f) - set(_get_allowed_globals()) - set(_get_user_allowed_globals()))
 
 
-def _pickle_globals(path: str) -> set[str]:
-    """Every module.name the pickles at the start of a file name (torch's legacy
-    format is five pickles, then raw bytes; a raw pickle is one), by reading
-    their opcodes: a protocol 4 global takes the two strings last pushed or
-    fetched from the memo."""
+def _pickle_globals(f) -> set[str]:
+    """Every module.name the pickles at the start of a file (f: open, binary)
+    name (torch's legacy format is five pickles, then raw bytes; a raw pickle
+    is one), by reading their opcodes: a protocol 4 global takes the two
+    strings last pushed or fetched from the memo."""
     found, strings, memo, top = set(), [], {}, None
-    with open(path, "rb") as f:
-        for _ in range(5):
-            try:
-                for op, arg, _ in pickletools.genops(f):
-                    if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
-                        memo[len(memo) if arg is None else arg] = top
-                        continue
-                    if op.name in ("GET", "BINGET", "LONG_BINGET"):
-                        arg = memo.get(arg)
-                    if op.name == "GLOBAL":
-                        found.add(arg.replace(" ", "."))
-                    elif op.name == "STACK_GLOBAL":
-                        found.add(".".join(strings[-2:]))
-                    top = arg if isinstance(arg, str) and op.name != "GLOBAL" else None
-                    if top is not None:
-                        strings.append(top)
-            except ValueError:  # past the pickles: the raw bytes of tensors, or the end
-                break
+    for _ in range(5):
+        try:
+            for op, arg, _ in pickletools.genops(f):
+                if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[len(memo) if arg is None else arg] = top
+                    continue
+                if op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    arg = memo.get(arg)
+                if op.name == "GLOBAL":
+                    found.add(arg.replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    found.add(".".join(strings[-2:]))
+                top = arg if isinstance(arg, str) and op.name != "GLOBAL" else None
+                if top is not None:
+                    strings.append(top)
+        except ValueError:  # past the pickles: the raw bytes of tensors, or the end
+            break
     return found
 
 
@@ -999,8 +1035,12 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     state.update({key: torch.empty(saved[key].size, dtype=torch.uint8) for key in stages})
     state.update(dict.fromkeys(("iteration", "consumed_samples", "config", "model_config")))
     with data_only_loads(path):
-        dcp.load(state, storage_reader=dist_reader(path), planner=dcp.DefaultLoadPlanner(**AS_THEY_ARE),
-                 no_dist=no_dist or not dist.is_initialized())
+        try:
+            dcp.load(state, storage_reader=dist_reader(path), planner=dcp.DefaultLoadPlanner(**AS_THEY_ARE),
+                     no_dist=no_dist or not dist.is_initialized())
+        except dcp.api.CheckpointException as e:  # DCP wraps each rank's error: a refused pickle is data_only_loads' line
+            refused = [exc for exc, _ in e.failures.values() if isinstance(exc, (pickle.UnpicklingError, UsageError))]
+            raise (refused or [e])[0] from None
         state["pipeline_rng"] = [torch.load(io.BytesIO(state[key].numpy().tobytes())) for key in stages]
     state["rng"] = state["pipeline_rng"][0]
     return state
@@ -1016,6 +1056,8 @@ def dist_reader(path: str):
     def read_metadata(*args, **kwargs):
         with open(os.path.join(path, DIST_METADATA), "rb") as f:
             metadata = DistMetadataUnpickler(f).load()
+        for info in metadata.storage_data.values():  # before DCP opens any of them
+            named_file(path, info.relative_path, os.path.join(path, DIST_METADATA))
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = reader.load_id
         return metadata
@@ -1025,17 +1067,29 @@ def dist_reader(path: str):
 
 class DistMetadataUnpickler(pickle.Unpickler):
     """DCP's metadata classes (dataclasses and enums), torch's dtypes, and the
-    few helpers its pickle names; any other global is refused."""
+    few helpers its pickle names; any other global is refused before it is
+    looked up: finding a global imports its module, which runs its code."""
     ALSO = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+    DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
     def find_class(self, module: str, name: str):
-        found = super().find_class(module, name) if module.startswith("torch") or (module, name) in self.ALSO \
-            else None
-        if (module, name) in self.ALSO or isinstance(found, torch.dtype) or (
-                module.startswith("torch.distributed.checkpoint.") and isinstance(found, type)
-                and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))):
-            return found
+        if (module, name) in dcp_metadata_globals():
+            return super().find_class(module, name)  # a module imported already
         raise pickle.UnpicklingError(f"the global {module}.{name} in {DIST_METADATA}")
+
+
+@functools.cache
+def dcp_metadata_globals() -> frozenset:
+    """What DistMetadataUnpickler allows, as (module, name): read off this
+    torch's DCP modules, so the list follows torch's versions."""
+    allowed = set(DistMetadataUnpickler.ALSO)
+    allowed |= {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+    for module in DistMetadataUnpickler.DCP_MODULES:
+        for n, v in vars(importlib.import_module(module)).items():
+            if isinstance(v, type) and v.__module__ == module and (
+                    dataclasses.is_dataclass(v) or issubclass(v, enum.Enum)):
+                allowed.add((module, n))
+    return frozenset(allowed)
 
 
 def read_dist_metadata(path: str):

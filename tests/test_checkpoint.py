@@ -413,6 +413,61 @@ def test_a_torch_dist_index_that_would_run_code_is_refused(dist_saves, tmp_path)
     assert not ran.exists()
 
 
+def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_one_line(corpus, dist_saves, tmp_path):
+    """A torch_dist checkpoint, its digests rewritten to match as an attacker
+    would, whose .metadata names a module to import (torch's model_dump's
+    __main__, which would parse train.py's own arguments), or names a file
+    outside its directory for a tensor's bytes, or whose .distcp holds a
+    payload: --load, --export-from and evaluate.py each stop in one line,
+    and nothing is imported, read or run."""
+    import torch.distributed.checkpoint as dcp
+    ran, probes = tmp_path / "the-command-ran", []
+    assert "torch.utils.model_dump" not in sys.modules
+
+    def planted(name, plant, args, says):
+        ckpt = tmp_path / name
+        shutil.copytree(dist_saves, ckpt)
+        tag = ckpt / "iter_0000004"
+        plant(str(tag))
+        checkpoint.write_digests(str(tag), checkpoint.digest_files(str(tag), [
+            n for n in os.listdir(tag) if n != checkpoint.DIGESTS]))
+        probes.append(([*args, str(ckpt)], says))
+        return str(tag)
+
+    def import_module(tag):
+        with open(os.path.join(tag, checkpoint.DIST_METADATA), "wb") as f:
+            f.write(b"\x80\x02ctorch.utils.model_dump.__main__\nmain\n.")  # GLOBAL module name, STOP
+
+    def read_outside(tag):
+        (tmp_path / "outside").mkdir()
+        (tmp_path / "outside" / "secret.txt").write_bytes(os.urandom(1 << 16))
+        metadata = checkpoint.read_dist_metadata(tag)
+        for index, info in metadata.storage_data.items():
+            if index.fqn == "model.wte.weight":
+                info.relative_path = "../../outside/secret.txt"
+        with open(os.path.join(tag, checkpoint.DIST_METADATA), "wb") as f:
+            pickle.dump(metadata, f)
+
+    def payload(tag):
+        shutil.rmtree(tag)
+        dcp.save({"iteration": 4, "consumed_samples": 32, "config": {}, "model_config": _RunsACommand(f"touch {ran}")},
+                 storage_writer=dcp.FileSystemWriter(tag), planner=dcp.DefaultSavePlanner(**checkpoint.AS_THEY_ARE),
+                 no_dist=True)
+
+    tag = planted("module", import_module, ["train.py", *TINY, "--data-path", corpus, "--train-iters", "5", "--load"],
+                  "the global torch.utils.model_dump.__main__.main in .metadata")
+    with pytest.raises(UsageError, match="model_dump"):
+        checkpoint.read_dist_metadata(tag)
+    assert "torch.utils.model_dump" not in sys.modules  # not imported to find out
+    tag = planted("reads-elsewhere", read_outside, ["train.py", "--export-to", str(tmp_path / "exported"), "--export-from"],
+                  "names '../../outside/secret.txt', not a file in that directory")
+    planted("payload", payload, ["evaluate.py", "--task", "GENERATE", "--num-samples", "1", "--load"],
+            "__0_0.distcp (its model_config) holds posix.system")
+    stops_in_one_line(probes, ran)
+    os.remove(os.path.join(tag, checkpoint.DIGESTS))  # a checkpoint without digests: its files' extents are checked
+    stops_in_one_line(probes[1:2], ran)
+
+
 @pytest.mark.parametrize("flags", [[], ["--ckpt-format", "torch_dist", "--async-save"]])
 def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoint(
         corpus, tmp_path, monkeypatch, capsys, flags):
