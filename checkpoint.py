@@ -1570,9 +1570,29 @@ def _read_hf_weights(path: str) -> dict:
         from safetensors.torch import load_file
         if os.path.isfile(st):
             return load_file(st)
-        with open(index) as f:  # sharded checkpoint: merge the shards
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for s in shards for k, v in load_file(os.path.join(path, s)).items()}
+        return {k: v for s in _hf_shards(path, index) for k, v in load_file(s).items()}
     if os.path.isfile(binf):
-        return torch.load(binf, map_location="cpu", weights_only=True)
+        with data_only_loads(binf):
+            return torch.load(binf, map_location="cpu", weights_only=True)
     raise UsageError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def _hf_shards(path: str, index: str) -> list[str]:
+    """The files a sharded checkpoint's index maps its weights to: safetensors
+    files of its own directory, each there."""
+    with open(index) as f:
+        try:
+            read = json.load(f)
+        except ValueError as e:
+            raise UsageError(f"{index} is not JSON ({e})") from None
+    weight_map = read.get("weight_map") if isinstance(read, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UsageError(f"{index} has no \"weight_map\" (each weight's file): not a sharded checkpoint's index")
+    shards = []
+    for name in sorted(set(map(str, weight_map.values()))):
+        if not name.endswith(".safetensors"):
+            raise UsageError(f"{index} maps weights to {name!r}, not a .safetensors file (the only kind it names)")
+        shards.append(named_file(path, name, index))
+        if not os.path.isfile(shards[-1]):
+            raise UsageError(f"{index} maps weights to {shards[-1]}, which is missing")
+    return shards

@@ -914,6 +914,47 @@ def test_from_hf_rejects_a_head_its_config_ties_and_a_missing_dir(tmp_path):
         from_hf(str(tmp_path / "nope"))
 
 
+def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_line(tmp_path):
+    """Hugging Face directories have no digests of ours; what they name is
+    checked as it is read. A pytorch_model.bin holding a payload (torch.save's
+    zip, or its pre-zip format), and a sharded checkpoint's index mapping a
+    weight to a file outside the directory, to a file not safetensors, or
+    lacking its weight_map: --export-from and evaluate.py --hf stop in one
+    line that names the file, and nothing runs or is read."""
+    from safetensors.torch import load_file
+    ran, probes = tmp_path / "the-command-ran", []
+    to_hf(tiny_model(), str(tmp_path / "good"))
+    weights = load_file(str(tmp_path / "good" / "model.safetensors"))
+    (tmp_path / "outside").mkdir()
+    shutil.copy(tmp_path / "good" / "model.safetensors", tmp_path / "outside" / "x.safetensors")
+
+    def planted(name, plant, says, evaluate=False):
+        hf = tmp_path / name
+        hf.mkdir()
+        shutil.copy(tmp_path / "good" / "config.json", hf)
+        plant(hf)
+        probes.append((["train.py", "--export-from", str(hf), "--export-to", str(tmp_path / f"{name}-out")], says))
+        if evaluate:
+            probes.append((["evaluate.py", "--task", "GENERATE", "--num-samples", "1", "--hf", str(hf)], says))
+
+    def indexed(files):
+        return lambda hf: (hf / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, **({"weight_map": dict.fromkeys(weights, files)} if files else {})}))
+
+    payload = {"wte.weight": torch.zeros(2), "hook": _RunsACommand(f"touch {ran}")}
+    planted("bin", lambda hf: torch.save(payload, hf / "pytorch_model.bin"),
+            "pytorch_model.bin holds posix.system", evaluate=True)
+    planted("legacy-bin", lambda hf: torch.save(payload, hf / "pytorch_model.bin", _use_new_zipfile_serialization=False),
+            "pytorch_model.bin holds posix.system")
+    planted("reads-elsewhere", indexed("../outside/x.safetensors"),
+            "model.safetensors.index.json names '../outside/x.safetensors', not a file in that directory", evaluate=True)
+    planted("bin-index", lambda hf: (shutil.copy(tmp_path / "good" / "model.safetensors", hf / "w.bin"),
+                                     indexed("w.bin")(hf)), "maps weights to 'w.bin', not a .safetensors file")
+    planted("no-map", indexed(None), 'model.safetensors.index.json has no "weight_map"')
+    stops_in_one_line(probes, ran)
+    assert not any(p.name.endswith("-out") for p in tmp_path.iterdir())  # nothing exported
+
+
 # -----------------------------------------------------------------------------
 # Hugging Face Llama in and out (checkpoint.from_hf, checkpoint.to_hf)
 
