@@ -732,18 +732,33 @@ def data_only_loads(where: str):
             os.environ[force] = before
 
 
-def named_file(directory: str, name, index: str) -> str:
-    """directory/name, for a file name that a checkpoint's own index (DCP's
-    .metadata, a Hugging Face weight map) gives: only a plain name of a file
-    in the directory (no directory part, no link out of it); anything else
-    would have a checkpoint read whatever file it chose."""
-    path = os.path.join(directory, name) if isinstance(name, str) else ""
-    if not path or os.path.basename(name) != name or name in (".", "..") or \
-            os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory):
-        raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not a "
-                         f"file in that directory (a checkpoint reads only its own files). Load "
-                         f"checkpoints only from a source you trust")
-    return path
+def named_files(directory: str, names, index: str) -> list[str]:
+    """directory/name of each name a checkpoint's own index (DCP's .metadata,
+    a Hugging Face weight map) gives: only a plain name of a file in the
+    directory (no directory part, no link out of it) and, where the
+    directory has digests, one they list (so verified before it is read);
+    anything else would have a checkpoint read whatever file it chose."""
+    listed, paths = digested_names(directory), {}
+    for name in names:
+        if isinstance(name, str) and name in paths:  # DCP's index names each file many times
+            continue
+        path = os.path.join(directory, name) if isinstance(name, str) else ""
+        if not path or os.path.basename(name) != name or name in (".", "..") or \
+                os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory) or \
+                (listed is not None and name not in listed):
+            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not a file "
+                             f"in that directory{'' if listed is None else f' that its {DIGESTS} lists'} (a "
+                             f"checkpoint reads only its own files). Load checkpoints only from a source you trust")
+        paths[name] = path
+    return list(paths.values())
+
+
+def digested_names(directory: str) -> set[str] | None:
+    """The names of the files directory's DIGESTS lists, or None without one."""
+    if not os.path.exists(os.path.join(directory, DIGESTS)):
+        return None
+    with open(os.path.join(directory, DIGESTS)) as f:
+        return {line.rstrip("\n").split("  ", 1)[-1] for line in f}
 
 
 def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
@@ -1056,8 +1071,8 @@ def dist_reader(path: str):
     def read_metadata(*args, **kwargs):
         with open(os.path.join(path, DIST_METADATA), "rb") as f:
             metadata = DistMetadataUnpickler(f).load()
-        for info in metadata.storage_data.values():  # before DCP opens any of them
-            named_file(path, info.relative_path, os.path.join(path, DIST_METADATA))
+        named_files(path, (info.relative_path for info in metadata.storage_data.values()),
+                    os.path.join(path, DIST_METADATA))  # before DCP opens any of them
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = reader.load_id
         return metadata
@@ -1588,11 +1603,12 @@ def _hf_shards(path: str, index: str) -> list[str]:
     weight_map = read.get("weight_map") if isinstance(read, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise UsageError(f"{index} has no \"weight_map\" (each weight's file): not a sharded checkpoint's index")
-    shards = []
-    for name in sorted(set(map(str, weight_map.values()))):
+    names = sorted(set(map(str, weight_map.values())))
+    for name in names:
         if not name.endswith(".safetensors"):
             raise UsageError(f"{index} maps weights to {name!r}, not a .safetensors file (the only kind it names)")
-        shards.append(named_file(path, name, index))
-        if not os.path.isfile(shards[-1]):
-            raise UsageError(f"{index} maps weights to {shards[-1]}, which is missing")
+    shards = named_files(path, names, index)
+    for shard in shards:
+        if not os.path.isfile(shard):
+            raise UsageError(f"{index} maps weights to {shard}, which is missing")
     return shards

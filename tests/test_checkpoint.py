@@ -417,9 +417,9 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
     """A torch_dist checkpoint, its digests rewritten to match as an attacker
     would, whose .metadata names a module to import (torch's model_dump's
     __main__, which would parse train.py's own arguments), or names a file
-    outside its directory for a tensor's bytes, or whose .distcp holds a
-    payload: --load, --export-from and evaluate.py each stop in one line,
-    and nothing is imported, read or run."""
+    outside its directory for a tensor's bytes (or one in it that its digests
+    do not list), or whose .distcp holds a payload: --load, --export-from and
+    evaluate.py each stop in one line, and nothing is imported or run."""
     import torch.distributed.checkpoint as dcp
     ran, probes = tmp_path / "the-command-ran", []
     assert "torch.utils.model_dump" not in sys.modules
@@ -438,15 +438,15 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
         with open(os.path.join(tag, checkpoint.DIST_METADATA), "wb") as f:
             f.write(b"\x80\x02ctorch.utils.model_dump.__main__\nmain\n.")  # GLOBAL module name, STOP
 
-    def read_outside(tag):
-        (tmp_path / "outside").mkdir()
-        (tmp_path / "outside" / "secret.txt").write_bytes(os.urandom(1 << 16))
-        metadata = checkpoint.read_dist_metadata(tag)
-        for index, info in metadata.storage_data.items():
-            if index.fqn == "model.wte.weight":
-                info.relative_path = "../../outside/secret.txt"
-        with open(os.path.join(tag, checkpoint.DIST_METADATA), "wb") as f:
-            pickle.dump(metadata, f)
+    def reads(name):
+        def plant(tag):  # the embedding's bytes from the file `name`
+            metadata = checkpoint.read_dist_metadata(tag)
+            for index, info in metadata.storage_data.items():
+                if index.fqn == "model.wte.weight":
+                    info.relative_path = name
+            with open(os.path.join(tag, checkpoint.DIST_METADATA), "wb") as f:
+                pickle.dump(metadata, f)
+        return plant
 
     def payload(tag):
         shutil.rmtree(tag)
@@ -459,13 +459,19 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
     with pytest.raises(UsageError, match="model_dump"):
         checkpoint.read_dist_metadata(tag)
     assert "torch.utils.model_dump" not in sys.modules  # not imported to find out
-    tag = planted("reads-elsewhere", read_outside, ["train.py", "--export-to", str(tmp_path / "exported"), "--export-from"],
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.txt").write_bytes(os.urandom(1 << 16))
+    tag = planted("reads-elsewhere", reads("../../outside/secret.txt"),
+                  ["train.py", "--export-to", str(tmp_path / "exported"), "--export-from"],
                   "names '../../outside/secret.txt', not a file in that directory")
     planted("payload", payload, ["evaluate.py", "--task", "GENERATE", "--num-samples", "1", "--load"],
             "__0_0.distcp (its model_config) holds posix.system")
     stops_in_one_line(probes, ran)
     os.remove(os.path.join(tag, checkpoint.DIGESTS))  # a checkpoint without digests: its files' extents are checked
     stops_in_one_line(probes[1:2], ran)
+    tag = planted("reads-unverified", reads(checkpoint.DIGESTS), [], "")  # in the directory, but no digest checks it
+    with pytest.raises(UsageError, match=f"names '{checkpoint.DIGESTS}', not a file in that directory that its"):
+        checkpoint.read_dist_metadata(tag)
 
 
 @pytest.mark.parametrize("flags", [[], ["--ckpt-format", "torch_dist", "--async-save"]])
