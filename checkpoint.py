@@ -1053,7 +1053,7 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
         try:
             dcp.load(state, storage_reader=dist_reader(path), planner=dcp.DefaultLoadPlanner(**AS_THEY_ARE),
                      no_dist=no_dist or not dist.is_initialized())
-        except dcp.api.CheckpointException as e:  # DCP wraps each rank's error: a refused pickle is data_only_loads' line
+        except dcp.api.CheckpointException as e:  # DCP wraps each rank's error; a refusal is data_only_loads' line
             refused = [exc for exc, _ in e.failures.values() if isinstance(exc, (pickle.UnpicklingError, UsageError))]
             raise (refused or [e])[0] from None
         state["pipeline_rng"] = [torch.load(io.BytesIO(state[key].numpy().tobytes())) for key in stages]

@@ -950,10 +950,12 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     payload = {"wte.weight": torch.zeros(2), "hook": _RunsACommand(f"touch {ran}")}
     planted("bin", lambda hf: torch.save(payload, hf / "pytorch_model.bin"),
             "pytorch_model.bin holds posix.system", evaluate=True)
-    planted("legacy-bin", lambda hf: torch.save(payload, hf / "pytorch_model.bin", _use_new_zipfile_serialization=False),
+    planted("legacy-bin", lambda hf: torch.save(payload, hf / "pytorch_model.bin",
+                                                _use_new_zipfile_serialization=False),
             "pytorch_model.bin holds posix.system")
     planted("reads-elsewhere", indexed("../outside/x.safetensors"),
-            "model.safetensors.index.json names '../outside/x.safetensors', not a file in that directory", evaluate=True)
+            "model.safetensors.index.json names '../outside/x.safetensors', not a file in that directory",
+            evaluate=True)
     planted("bin-index", lambda hf: (shutil.copy(tmp_path / "good" / "model.safetensors", hf / "w.bin"),
                                      indexed("w.bin")(hf)), "maps weights to 'w.bin', not a .safetensors file")
     planted("no-map", indexed(None), 'model.safetensors.index.json has no "weight_map"')
