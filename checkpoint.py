@@ -746,9 +746,10 @@ def named_files(directory: str, names, index: str) -> list[str]:
         if not path or os.path.basename(name) != name or name in (".", "..") or \
                 os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory) or \
                 (listed is not None and name not in listed):
-            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not a file "
-                             f"in that directory{'' if listed is None else f' that its {DIGESTS} lists'} (a "
-                             f"checkpoint reads only its own files). Load checkpoints only from a source you trust")
+            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not one of "
+                             f"its own files (a plain name of a file in that directory, not a link out of it"
+                             f"{'' if listed is None else f', that its {DIGESTS} lists'}). Load checkpoints only "
+                             f"from a source you trust")
         paths[name] = path
     return list(paths.values())
 

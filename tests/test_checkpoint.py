@@ -463,14 +463,15 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
     (tmp_path / "outside" / "secret.txt").write_bytes(os.urandom(1 << 16))
     tag = planted("reads-elsewhere", reads("../../outside/secret.txt"),
                   ["train.py", "--export-to", str(tmp_path / "exported"), "--export-from"],
-                  "names '../../outside/secret.txt', not a file in that directory")
+                  "names '../../outside/secret.txt', not one of its own files")
     planted("payload", payload, ["evaluate.py", "--task", "GENERATE", "--num-samples", "1", "--load"],
             "__0_0.distcp (its model_config) holds posix.system")
     stops_in_one_line(probes, ran)
     os.remove(os.path.join(tag, checkpoint.DIGESTS))  # a checkpoint without digests: its files' extents are checked
     stops_in_one_line(probes[1:2], ran)
     tag = planted("reads-unverified", reads(checkpoint.DIGESTS), [], "")  # in the directory, but no digest checks it
-    with pytest.raises(UsageError, match=f"names '{checkpoint.DIGESTS}', not a file in that directory that its"):
+    with pytest.raises(UsageError, match=f"names '{checkpoint.DIGESTS}', not one of its own files .* that its "
+                                         f"{checkpoint.DIGESTS} lists"):
         checkpoint.read_dist_metadata(tag)
 
 
@@ -954,7 +955,7 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
                                                 _use_new_zipfile_serialization=False),
             "pytorch_model.bin holds posix.system")
     planted("reads-elsewhere", indexed("../outside/x.safetensors"),
-            "model.safetensors.index.json names '../outside/x.safetensors', not a file in that directory",
+            "model.safetensors.index.json names '../outside/x.safetensors', not one of its own files",
             evaluate=True)
     planted("bin-index", lambda hf: (shutil.copy(tmp_path / "good" / "model.safetensors", hf / "w.bin"),
                                      indexed("w.bin")(hf)), "maps weights to 'w.bin', not a .safetensors file")
