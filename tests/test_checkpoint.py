@@ -926,8 +926,9 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     checked as it is read. A pytorch_model.bin holding a payload (torch.save's
     zip, or its pre-zip format), and a sharded checkpoint's index mapping a
     weight to a file outside the directory, to a file not safetensors, or
-    lacking its weight_map: --export-from and evaluate.py --hf stop in one
-    line that names the file, and nothing runs or is read."""
+    lacking its weight_map (or naming a link out of it): --export-from and
+    evaluate.py --hf stop in one line that names the file, and nothing runs
+    or is read."""
     from safetensors.torch import load_file
     ran, probes = tmp_path / "the-command-ran", []
     to_hf(tiny_model(), str(tmp_path / "good"))
@@ -962,6 +963,11 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     planted("no-map", indexed(None), 'model.safetensors.index.json has no "weight_map"')
     stops_in_one_line(probes, ran)
     assert not any(p.name.endswith("-out") for p in tmp_path.iterdir())  # nothing exported
+    link = tmp_path / "link"  # the name is plain, but the file is a link out of the directory
+    planted("link", lambda hf: (os.symlink("../outside/x.safetensors", hf / "x.safetensors"),
+                                indexed("x.safetensors")(hf)), "")
+    with pytest.raises(UsageError, match="names 'x.safetensors', not one of its own files .* not a link out of it"):
+        from_hf(str(link))
 
 
 # -----------------------------------------------------------------------------
