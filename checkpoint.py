@@ -19,12 +19,15 @@ import contextlib
 import dataclasses
 import enum
 import errno
+import functools
 import glob
 import hashlib
+import importlib
 import io
 import json
 import os
 import pickle
+import pickletools
 import random
 import re
 import shutil
@@ -909,6 +912,10 @@ def read_weights(found: Found) -> tuple[dict, dict]:
 # DeepSpeed's own reads (engine.load_checkpoint, zero_to_fp32) pass
 # weights_only=False; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that.
 
+# A file of another pickle protocol than torch.save's is refused in one line, without torch's warning too.
+warnings.filterwarnings("ignore", "Detected pickle protocol")
+
+
 def _data_types(deepspeed: bool) -> list:
     """numpy's ndarray, for np.random's state in every checkpoint's "rng"; with
     `deepspeed`, DeepSpeed's enum, loss scalers and fragment addresses, in its
@@ -949,18 +956,105 @@ def data_only_loads(where: str):
             os.environ[force] = before
 
 
+def named_files(directory: str, names, index: str) -> list[str]:
+    """directory/name of each name a checkpoint's own index (DCP's .metadata,
+    a Hugging Face weight map) gives: only a plain name of a file in the
+    directory (no directory part, no link out of it) and, where the
+    directory has digests, one they list (so verified before it is read);
+    anything else would have a checkpoint read whatever file it chose."""
+    listed, paths = digested_names(directory), {}
+    for name in names:
+        if isinstance(name, str) and name in paths:  # DCP's index names each file many times
+            continue
+        path = os.path.join(directory, name) if isinstance(name, str) else ""
+        if not path or os.path.basename(name) != name or name in (".", "..") or \
+                os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory) or \
+                (listed is not None and name not in listed):
+            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not one of "
+                             f"its own files (a plain name of a file in that directory, not a link out of it"
+                             f"{'' if listed is None else f', that its {DIGESTS} lists'}). Load checkpoints only "
+                             f"from a source you trust")
+        paths[name] = path
+    return list(paths.values())
+
+
+def digested_names(directory: str) -> set[str] | None:
+    """The names of the files directory's DIGESTS lists, or None without one."""
+    if not os.path.exists(os.path.join(directory, DIGESTS)):
+        return None
+    with open(os.path.join(directory, DIGESTS)) as f:
+        return {line.rstrip("\n").split("  ", 1)[-1] for line in f}
+
+
 def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
     """Which files under `where` hold more than data, found without unpickling
     them (a static scan); else what the unpickler refused."""
-    files = sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]
-    unsafe = {f: torch.serialization.get_unsafe_globals_in_checkpoint(f) for f in files}
-    shown = "; ".join(f"{f} holds {', '.join(found)}" for f, found in unsafe.items() if found)
+    shown = "; ".join(f"{f} holds {', '.join(found)}" for f, found in _pickles_in(where, error) if found)
     if not shown:
-        reason = [line for line in str(error).splitlines() if "global" in line or "got <" in line]
+        reason = [line for line in str(error).splitlines() if "global" in line.lower() or "got <" in line]
         shown = f"a file there holds {(reason or ['more than data'])[0].strip()}"
     return (f"refusing to read the checkpoint in {where}: {shown}, not data (tensors, numbers, "
             f"containers); a file like that can run code when it is read. Load checkpoints only "
             f"from a source you trust")
+
+
+def _pickles_in(where: str, error: pickle.UnpicklingError):
+    """(a pickle's name, the globals in it that weights_only refuses) for each
+    pickle a load reads under `where`: its .pt files, or a torch_dist
+    checkpoint's non-tensors, each a torch.save zip within a .distcp file
+    (unless the refusal was of its index, .metadata, itself)."""
+    if kind_of(where) != "torch_dist":
+        for path in sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]:
+            with open(path, "rb") as f:
+                yield path, _unsafe_globals(f)
+    elif DIST_METADATA not in str(error):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+        metadata = dist_reader(where).read_metadata()
+        for index, info in metadata.storage_data.items():
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                with open(os.path.join(where, info.relative_path), "rb") as f:
+                    f.seek(info.offset)
+                    piece = io.BytesIO(f.read(info.length))
+                yield f"{os.path.join(where, info.relative_path)} (its {index.fqn})", _unsafe_globals(piece)
+
+
+def _unsafe_globals(f) -> list[str]:
+    """The globals in a file torch.load reads (f: open, binary) that weights_only
+    refuses, read statically: torch's own scan of a torch.save zip, else of
+    the pickles of torch's legacy (pre-zip) format or a raw pickle, against
+    the same allow-list."""
+    zipped = zipfile.is_zipfile(f)
+    f.seek(0)
+    if zipped:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(f)
+    from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
+    return sorted(_pickle_globals(f) - set(_get_allowed_globals()) - set(_get_user_allowed_globals()))
+
+
+def _pickle_globals(f) -> set[str]:
+    """Every module.name the pickles at the start of a file (f: open, binary)
+    name (torch's legacy format is five pickles, then raw bytes; a raw pickle
+    is one), by reading their opcodes: a protocol 4 global takes the two
+    strings last pushed or fetched from the memo."""
+    found, strings, memo, top = set(), [], {}, None
+    for _ in range(5):
+        try:
+            for op, arg, _ in pickletools.genops(f):
+                if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[len(memo) if arg is None else arg] = top
+                    continue
+                if op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    arg = memo.get(arg)
+                if op.name == "GLOBAL":
+                    found.add(arg.replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    found.add(".".join(strings[-2:]))
+                top = arg if isinstance(arg, str) and op.name != "GLOBAL" else None
+                if top is not None:
+                    strings.append(top)
+        except ValueError:  # past the pickles: the raw bytes of tensors, or the end
+            break
+    return found
 
 
 # --ckpt-format torch_dist: the states above under the same names, flat
@@ -1190,8 +1284,12 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     state.update({key: torch.empty(saved[key].size, dtype=torch.uint8) for key in stages})
     state.update(dict.fromkeys(("iteration", "consumed_samples", "config", "model_config")))
     with data_only_loads(path):
-        dcp.load(state, storage_reader=dist_reader(path), planner=dcp.DefaultLoadPlanner(**AS_THEY_ARE),
-                 no_dist=no_dist or not dist.is_initialized())
+        try:
+            dcp.load(state, storage_reader=dist_reader(path), planner=dcp.DefaultLoadPlanner(**AS_THEY_ARE),
+                     no_dist=no_dist or not dist.is_initialized())
+        except dcp.api.CheckpointException as e:  # DCP wraps each rank's error; a refusal is data_only_loads' line
+            refused = [exc for exc, _ in e.failures.values() if isinstance(exc, (pickle.UnpicklingError, UsageError))]
+            raise (refused or [e])[0] from None
         state["pipeline_rng"] = [torch.load(io.BytesIO(state[key].numpy().tobytes())) for key in stages]
     state["rng"] = state["pipeline_rng"][0]
     return state
@@ -1207,6 +1305,8 @@ def dist_reader(path: str):
     def read_metadata(*args, **kwargs):
         with open(os.path.join(path, DIST_METADATA), "rb") as f:
             metadata = DistMetadataUnpickler(f).load()
+        named_files(path, (info.relative_path for info in metadata.storage_data.values()),
+                    os.path.join(path, DIST_METADATA))  # before DCP opens any of them
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = reader.load_id
         return metadata
@@ -1216,17 +1316,29 @@ def dist_reader(path: str):
 
 class DistMetadataUnpickler(pickle.Unpickler):
     """DCP's metadata classes (dataclasses and enums), torch's dtypes, and the
-    few helpers its pickle names; any other global is refused."""
+    few helpers its pickle names; any other global is refused before it is
+    looked up: finding a global imports its module, which runs its code."""
     ALSO = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+    DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
     def find_class(self, module: str, name: str):
-        found = super().find_class(module, name) if module.startswith("torch") or (module, name) in self.ALSO \
-            else None
-        if (module, name) in self.ALSO or isinstance(found, torch.dtype) or (
-                module.startswith("torch.distributed.checkpoint.") and isinstance(found, type)
-                and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))):
-            return found
+        if (module, name) in dcp_metadata_globals():
+            return super().find_class(module, name)  # a module imported already
         raise pickle.UnpicklingError(f"the global {module}.{name} in {DIST_METADATA}")
+
+
+@functools.cache
+def dcp_metadata_globals() -> frozenset:
+    """What DistMetadataUnpickler allows, as (module, name): read off this
+    torch's DCP modules, so the list follows torch's versions."""
+    allowed = set(DistMetadataUnpickler.ALSO)
+    allowed |= {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+    for module in DistMetadataUnpickler.DCP_MODULES:
+        for n, v in vars(importlib.import_module(module)).items():
+            if isinstance(v, type) and v.__module__ == module and (
+                    dataclasses.is_dataclass(v) or issubclass(v, enum.Enum)):
+                allowed.add((module, n))
+    return frozenset(allowed)
 
 
 def read_dist_metadata(path: str):
@@ -1753,9 +1865,30 @@ def _read_hf_weights(path: str) -> dict:
         from safetensors.torch import load_file
         if os.path.isfile(st):
             return load_file(st)
-        with open(index) as f:  # sharded checkpoint: merge the shards
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for s in shards for k, v in load_file(os.path.join(path, s)).items()}
+        return {k: v for s in _hf_shards(path, index) for k, v in load_file(s).items()}
     if os.path.isfile(binf):
-        return torch.load(binf, map_location="cpu", weights_only=True)
+        with data_only_loads(binf):
+            return torch.load(binf, map_location="cpu", weights_only=True)
     raise UsageError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def _hf_shards(path: str, index: str) -> list[str]:
+    """The files a sharded checkpoint's index maps its weights to: safetensors
+    files of its own directory, each there."""
+    with open(index) as f:
+        try:
+            read = json.load(f)
+        except ValueError as e:
+            raise UsageError(f"{index} is not JSON ({e})") from None
+    weight_map = read.get("weight_map") if isinstance(read, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UsageError(f"{index} has no \"weight_map\" (each weight's file): not a sharded checkpoint's index")
+    names = sorted(set(map(str, weight_map.values())))
+    for name in names:
+        if not name.endswith(".safetensors"):
+            raise UsageError(f"{index} maps weights to {name!r}, not a .safetensors file (the only kind it names)")
+    shards = named_files(path, names, index)
+    for shard in shards:
+        if not os.path.isfile(shard):
+            raise UsageError(f"{index} maps weights to {shard}, which is missing")
+    return shards

@@ -34,8 +34,8 @@ import checkpoint
 import pipeline
 import train
 from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
-from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_train,
-                      tiny, tiny_model, tokens, train_on_ranks)
+from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_together,
+                      run_train, tiny, tiny_model, tokens, train_on_ranks)
 from gpt import GPT, LLAMA_OPTIONS
 from launch import UsageError
 from prepare import load_tokenizer
@@ -277,6 +277,40 @@ def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+def stops_in_one_line(probes, ran=None, timeout=180):
+    """Each probe, (train.py's or evaluate.py's command line, what its error
+    says), run at once from the project's root: each stops with a non-zero
+    exit and that one line on stderr, no traceback; and `ran` (the file a
+    payload would create) is not there."""
+    procs = run_together([[sys.executable, *args] for args, _ in probes], timeout, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for (args, says), proc in zip(probes, procs):
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and len(lines) == 1 and says in lines[0], (args, proc.stderr[-3000:])
+        assert ran is None or not ran.exists(), args
+
+
+def test_a_legacy_format_or_raw_pickle_checkpoint_file_is_refused_in_one_line(corpus, tmp_path):
+    """The same payload in a model_optim_rng.pt written in torch's pre-zip
+    format (torch.save(..., _use_new_zipfile_serialization=False)), or as a
+    raw pickle (protocol 4): --load and --export-from stop in one line that
+    names the file and the global, found without unpickling it."""
+    ran, probes = tmp_path / "the-command-ran", []
+    for fmt, args in (("legacy", [*TINY, "--data-path", corpus, "--train-iters", "3", "--load"]),
+                      ("raw", ["--export-to", str(tmp_path / "exported"), "--export-from"])):
+        ckpt = tmp_path / fmt
+        bad = ckpt / "iter_0000002" / checkpoint.PLAIN_FILE
+        bad.parent.mkdir(parents=True)
+        state = {"model": {}, "iteration": 2, "consumed_samples": 8, "hook": _RunsACommand(f"touch {ran}")}
+        if fmt == "legacy":
+            torch.save(state, bad, _use_new_zipfile_serialization=False)
+        else:
+            bad.write_bytes(pickle.dumps(state, protocol=4))
+        (ckpt / checkpoint.LATEST).write_text("2")
+        probes.append((["train.py", *args, str(ckpt)], f"{bad} holds posix.system"))
+    stops_in_one_line(probes, ran)
+
+
 # -----------------------------------------------------------------------------
 # Damaged checkpoints: found by their digests, and passed over for the newest
 # intact one
@@ -492,6 +526,68 @@ def test_a_torch_dist_index_that_would_run_code_is_refused(dist_saves, tmp_path)
     with pytest.raises(UsageError, match="refusing to read the checkpoint .* the global posix.system in .metadata"):
         checkpoint.export_weights(str(ckpt), str(tmp_path / "out"))
     assert not ran.exists()
+
+
+def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_one_line(corpus, dist_saves, tmp_path):
+    """A torch_dist checkpoint, its digests rewritten to match as an attacker
+    would, whose .metadata names a module to import (torch's model_dump's
+    __main__, which would parse train.py's own arguments), or names a file
+    outside its directory for a tensor's bytes (or one in it that its digests
+    do not list), or whose .distcp holds a payload: --load, --export-from and
+    evaluate.py each stop in one line, and nothing is imported or run."""
+    import torch.distributed.checkpoint as dcp
+    ran, probes = tmp_path / "the-command-ran", []
+    assert "torch.utils.model_dump" not in sys.modules
+
+    def planted(name, plant, args, says):
+        ckpt = tmp_path / name
+        shutil.copytree(dist_saves, ckpt)
+        tag = ckpt / "iter_0000004"
+        plant(str(tag))
+        checkpoint.write_digests(str(tag), checkpoint.digest_files(str(tag), [
+            n for n in os.listdir(tag) if n != checkpoint.DIGESTS]))
+        probes.append(([*args, str(ckpt)], says))
+        return str(tag)
+
+    def import_module(tag):
+        with open(os.path.join(tag, checkpoint.DIST_METADATA), "wb") as f:
+            f.write(b"\x80\x02ctorch.utils.model_dump.__main__\nmain\n.")  # GLOBAL module name, STOP
+
+    def reads(name):
+        def plant(tag):  # the embedding's bytes from the file `name`
+            metadata = checkpoint.read_dist_metadata(tag)
+            for index, info in metadata.storage_data.items():
+                if index.fqn == "model.wte.weight":
+                    info.relative_path = name
+            with open(os.path.join(tag, checkpoint.DIST_METADATA), "wb") as f:
+                pickle.dump(metadata, f)
+        return plant
+
+    def payload(tag):
+        shutil.rmtree(tag)
+        dcp.save({"iteration": 4, "consumed_samples": 32, "config": {}, "model_config": _RunsACommand(f"touch {ran}")},
+                 storage_writer=dcp.FileSystemWriter(tag), planner=dcp.DefaultSavePlanner(**checkpoint.AS_THEY_ARE),
+                 no_dist=True)
+
+    tag = planted("module", import_module, ["train.py", *TINY, "--data-path", corpus, "--train-iters", "5", "--load"],
+                  "the global torch.utils.model_dump.__main__.main in .metadata")
+    with pytest.raises(UsageError, match="model_dump"):
+        checkpoint.read_dist_metadata(tag)
+    assert "torch.utils.model_dump" not in sys.modules  # not imported to find out
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.txt").write_bytes(os.urandom(1 << 16))
+    tag = planted("reads-elsewhere", reads("../../outside/secret.txt"),
+                  ["train.py", "--export-to", str(tmp_path / "exported"), "--export-from"],
+                  "names '../../outside/secret.txt', not one of its own files")
+    planted("payload", payload, ["evaluate.py", "--task", "GENERATE", "--num-samples", "1", "--load"],
+            "__0_0.distcp (its model_config) holds posix.system")
+    stops_in_one_line(probes, ran)
+    os.remove(os.path.join(tag, checkpoint.DIGESTS))  # a checkpoint without digests: its files' extents are checked
+    stops_in_one_line(probes[1:2], ran)
+    tag = planted("reads-unverified", reads(checkpoint.DIGESTS), [], "")  # in the directory, but no digest checks it
+    with pytest.raises(UsageError, match=f"names '{checkpoint.DIGESTS}', not one of its own files .* that its "
+                                         f"{checkpoint.DIGESTS} lists"):
+        checkpoint.read_dist_metadata(tag)
 
 
 @pytest.mark.parametrize("flags", [[], ["--ckpt-format", "torch_dist", "--async-save"]])
@@ -1140,6 +1236,55 @@ def test_from_hf_rejects_a_head_its_config_ties_and_a_missing_dir(tmp_path):
         hf_to_ours(hf, config)
     with pytest.raises(UsageError, match="config.json"):
         from_hf(str(tmp_path / "nope"))
+
+
+def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_line(tmp_path):
+    """Hugging Face directories have no digests of ours; what they name is
+    checked as it is read. A pytorch_model.bin holding a payload (torch.save's
+    zip, or its pre-zip format), and a sharded checkpoint's index mapping a
+    weight to a file outside the directory, to a file not safetensors, or
+    lacking its weight_map (or naming a link out of it): --export-from and
+    evaluate.py --hf stop in one line that names the file, and nothing runs
+    or is read."""
+    from safetensors.torch import load_file
+    ran, probes = tmp_path / "the-command-ran", []
+    to_hf(tiny_model(), str(tmp_path / "good"))
+    weights = load_file(str(tmp_path / "good" / "model.safetensors"))
+    (tmp_path / "outside").mkdir()
+    shutil.copy(tmp_path / "good" / "model.safetensors", tmp_path / "outside" / "x.safetensors")
+
+    def planted(name, plant, says, evaluate=False):
+        hf = tmp_path / name
+        hf.mkdir()
+        shutil.copy(tmp_path / "good" / "config.json", hf)
+        plant(hf)
+        probes.append((["train.py", "--export-from", str(hf), "--export-to", str(tmp_path / f"{name}-out")], says))
+        if evaluate:
+            probes.append((["evaluate.py", "--task", "GENERATE", "--num-samples", "1", "--hf", str(hf)], says))
+
+    def indexed(files):
+        return lambda hf: (hf / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, **({"weight_map": dict.fromkeys(weights, files)} if files else {})}))
+
+    payload = {"wte.weight": torch.zeros(2), "hook": _RunsACommand(f"touch {ran}")}
+    planted("bin", lambda hf: torch.save(payload, hf / "pytorch_model.bin"),
+            "pytorch_model.bin holds posix.system", evaluate=True)
+    planted("legacy-bin", lambda hf: torch.save(payload, hf / "pytorch_model.bin",
+                                                _use_new_zipfile_serialization=False),
+            "pytorch_model.bin holds posix.system")
+    planted("reads-elsewhere", indexed("../outside/x.safetensors"),
+            "model.safetensors.index.json names '../outside/x.safetensors', not one of its own files",
+            evaluate=True)
+    planted("bin-index", lambda hf: (shutil.copy(tmp_path / "good" / "model.safetensors", hf / "w.bin"),
+                                     indexed("w.bin")(hf)), "maps weights to 'w.bin', not a .safetensors file")
+    planted("no-map", indexed(None), 'model.safetensors.index.json has no "weight_map"')
+    stops_in_one_line(probes, ran)
+    assert not any(p.name.endswith("-out") for p in tmp_path.iterdir())  # nothing exported
+    link = tmp_path / "link"  # the name is plain, but the file is a link out of the directory
+    planted("link", lambda hf: (os.symlink("../outside/x.safetensors", hf / "x.safetensors"),
+                                indexed("x.safetensors")(hf)), "")
+    with pytest.raises(UsageError, match="names 'x.safetensors', not one of its own files .* not a link out of it"):
+        from_hf(str(link))
 
 
 # -----------------------------------------------------------------------------
