@@ -958,32 +958,23 @@ def data_only_loads(where: str):
 
 def named_files(directory: str, names, index: str) -> list[str]:
     """directory/name of each name a checkpoint's own index (DCP's .metadata,
-    a Hugging Face weight map) gives: only a plain name of a file in the
-    directory (no directory part, no link out of it) and, where the
-    directory has digests, one they list (so verified before it is read);
-    anything else would have a checkpoint read whatever file it chose."""
-    listed, paths = digested_names(directory), {}
+    a Hugging Face weight map) gives: only a plain file of the directory
+    (plain_file_problem: no directory part, no link, FIFO or device) and,
+    where the directory has digests, one they list (so verified before it is
+    read); anything else would have a checkpoint read whatever file it chose."""
+    listed = listed_digests(directory) if os.path.exists(os.path.join(directory, DIGESTS)) else None
+    paths = {}
     for name in names:
         if isinstance(name, str) and name in paths:  # DCP's index names each file many times
             continue
-        path = os.path.join(directory, name) if isinstance(name, str) else ""
-        if not path or os.path.basename(name) != name or name in (".", "..") or \
-                os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory) or \
-                (listed is not None and name not in listed):
+        problem = plain_file_problem(directory, name) if isinstance(name, str) else f"{name!r} is not a file name"
+        if problem is None and listed is not None and name not in listed:
+            problem = f"{name} is not one of the files its {DIGESTS} lists"
+        if problem:
             raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not one of "
-                             f"its own files (a plain name of a file in that directory, not a link out of it"
-                             f"{'' if listed is None else f', that its {DIGESTS} lists'}). Load checkpoints only "
-                             f"from a source you trust")
-        paths[name] = path
+                             f"its own files ({problem}). Load checkpoints only from a source you trust")
+        paths[name] = os.path.join(directory, name)
     return list(paths.values())
-
-
-def digested_names(directory: str) -> set[str] | None:
-    """The names of the files directory's DIGESTS lists, or None without one."""
-    if not os.path.exists(os.path.join(directory, DIGESTS)):
-        return None
-    with open(os.path.join(directory, DIGESTS)) as f:
-        return {line.rstrip("\n").split("  ", 1)[-1] for line in f}
 
 
 def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
