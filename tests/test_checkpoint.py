@@ -257,7 +257,6 @@ class _RunsACommand:
         return os.system, (self.command,)
 
 
-@pytest.mark.quick
 def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
     """A model_optim_rng.pt whose unpickling would run a shell command, under
     its pointer as a real checkpoint: --load, --export-from and evaluate.py

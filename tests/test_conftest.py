@@ -2,12 +2,13 @@
 group of ranks that hangs fails its test after the bound, with the stack of
 every process it started, and leaves none of them running. A rank that a
 signal kills (a segfault) fails its test with that rank's stack."""
+import os
 import sys
 import time
 
 import pytest
 
-from conftest import run_bounded, run_on_ranks, torchrun
+from conftest import ROOT, run_bounded, run_on_ranks, torchrun
 
 # A worker that starts a grandchild in a session of its own (as torchrun
 # starts its workers), then both wait forever.
@@ -105,3 +106,37 @@ def test_a_rank_killed_by_a_signal_fails_with_its_stack_whatever_the_others_prin
     message = str(failure.value)
     assert "Segmentation fault" in message and "in rank_one_dies_of_a_segfault" in message
     assert message.count("Connection closed by peer") > 100  # the tail is still shown
+
+
+# A quick test of 1 s, another test, and a 1 s fixture they share; the other test comes first.
+TIER = """
+import time
+import pytest
+
+@pytest.fixture(scope="module")
+def built():
+    time.sleep(1)  # a fixture's cost is charged to the first test that uses it
+
+def test_slow_first_in_the_file(built):
+    pass
+
+@pytest.mark.quick
+def test_quick(built):
+    time.sleep(1)
+"""
+
+
+def test_the_quick_tier_cannot_grow_past_its_budget_unnoticed(tmp_path):
+    """A full run (CI's) fails where the quick tests' own time, shared by 2
+    workers, passes QUICK_BUDGET_S, and says so; a quick test runs first in
+    its file, so a fixture it shares is charged to it (as in the tier's own
+    run); a run of the tier alone reports its wall time against the budget."""
+    (tmp_path / "test_tier.py").write_text(TIER)
+    run = lambda budget, *args: run_bounded(  # this conftest as a plugin (-p), on a suite of one file
+        [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", *args, str(tmp_path)],
+        60, cwd=tmp_path, env={**os.environ, "QUICK_BUDGET_S": str(budget),
+                               "PYTHONPATH": os.path.join(ROOT, "tests")})
+    over = run(0.8)  # 2 s of quick test time / 2 workers > 0.8 s; without the fixture's 1 s it would pass
+    assert over.returncode == 1 and "quick tier: 1 tests" in over.stdout and "over budget, FAILED" in over.stdout
+    tier = run(0.8, "-m", "quick")
+    assert tier.returncode == 0 and "s wall (budget 0.8 s on 2 cores)" in tier.stdout, tier.stdout

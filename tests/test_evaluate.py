@@ -223,13 +223,11 @@ def t1(files):
     return {task: evaluate_here(files, task, ["--load", files["ckpt"]], out) for task in TASKS}
 
 
-@pytest.mark.quick
 def test_the_reference_data_has_hits_and_misses(reference):
     """Otherwise an accuracy that always said 0 (or 1) would pass."""
     assert 0 < sum(reference["hits"][False]) < len(reference["hits"][False])
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("task", TASKS)
 def test_plain_checkpoint_matches_transformers(t1, reference, task):
     assert_matches_reference(t1[task], reference, task)
@@ -398,7 +396,6 @@ def test_strict_lambada_target_is_the_whole_last_word():
     pytest.param('{"text": "a b c"}\n' + "[" * 100_000 + "]" * 100_000 + "\n", "{path}:2: not JSON (nested too deeply)",
                  id="nested-100000-deep"),
 ])
-@pytest.mark.quick
 def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, capsys, content, message):
     path = tmp_path / "lambada.jsonl"
     if content is not None:
@@ -411,7 +408,6 @@ def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, caps
     assert err.count("\n") == 1
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("content, message", [(None, "{path}: no such file"), ("", "{path}: the file is empty"),
                                               ("ROMEO:\n" + "la " * 70 + "\n", "line 2: 71 tokens, the model sees 64")])
 def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message):
@@ -435,7 +431,6 @@ def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message)
     (["--metrics-file", "{tmp}"], "--metrics-file {tmp}: cannot write it: it is a directory"),
     (["--out-seq-length", "65"], "--out-seq-length 65: more than the model's 64 positions; give 64 or less"),
 ])
-@pytest.mark.quick
 def test_bad_sampling_flags_are_one_line(files, tmp_path, capsys, flags, message):
     """--task GENERATE: a temperature that is not a number (the range check
     let nan through), an output file that cannot be written (was a traceback
@@ -452,7 +447,6 @@ def test_bad_sampling_flags_are_one_line(files, tmp_path, capsys, flags, message
     assert err == f"evaluate.py: error: {message.format(tmp=tmp_path)}\n"
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("content, message", [("", "the file is empty"),
                                               (" \n \n", "the file is empty"),
                                               ("x", "the text is shorter than two tokens")])
@@ -533,7 +527,6 @@ def edited_checkpoint(source: str, out, **record) -> str:
     (dict(sliding_window=4096, attention_sinks=4), "its model_config has attention_sinks, sliding_window, which "
                                                    "this version does not know: it was written by a newer train.py"),
 ])
-@pytest.mark.quick
 def test_a_checkpoint_whose_model_config_is_not_its_tensors_is_one_line(files, tmp_path, capsys, record, message):
     """A checkpoint's model_config that does not describe its tensors (edited,
     damaged), or holds keys a newer train.py writes: evaluate.py and

@@ -484,9 +484,8 @@ def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
 
 # head dim 32 (the kernels support 32/64/128); "llama": RoPE on q, k before
 # the Triton attention, RMSNorm kernels, SwiGLU, 2 query heads sharing 1 K/V head.
-@pytest.mark.quick
 @pytest.mark.parametrize("options", [
-    {}, dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+    pytest.param({}, marks=pytest.mark.quick), dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
              untie_embeddings_and_output_weights=True, disable_bias_linear=True,
              num_query_groups=1, rotary_percent=0.5)], ids=["gpt2", "llama"])
 def test_gpt_tiny_triton_matches_torch(options):
@@ -575,8 +574,8 @@ def _triton_gpt(**options):
                          layernorm_impl="triton", **options))
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("options", [{}, dict(position_embedding_type="rope", normalization="RMSNorm",
+@pytest.mark.parametrize("options", [pytest.param({}, marks=pytest.mark.quick),
+                                     dict(position_embedding_type="rope", normalization="RMSNorm",
                                               swiglu=True, num_query_groups=1)], ids=["gpt2", "llama"])
 def test_model_with_triton_kernels_compiles_whole(options):
     """The model with the Triton attention and LayerNorm/RMSNorm (fused add)

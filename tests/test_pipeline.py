@@ -639,7 +639,6 @@ def test_a_torch_dist_checkpoint_resumes_bit_for_bit_in_its_own_layout(pipeline_
         torch.testing.assert_close(converted[f"model.{key}"], t, rtol=0, atol=5e-5, msg=key)
 
 
-@pytest.mark.quick
 def test_layers_that_do_not_divide_into_stages_are_one_line_from_rank_0(corpus):
     proc = run_train([*PIPELINE_RUN, "--num-layers", "3", "--pipeline-model-parallel-size", "2",
                       "--data-path", corpus], nproc=2, check=False)

@@ -14,9 +14,6 @@ import config
 import prepare
 from data import IndexedDataset, check_gpt2_bpe
 
-pytestmark = pytest.mark.quick  # the whole file is in the quick tier (tests/conftest.py)
-
-
 EOD = 50256
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,6 +53,7 @@ def files_in(directory):
 # ----------------------------------------------------------------------------
 # Round trips and naming
 
+@pytest.mark.quick
 def test_txt_files_round_trip_one_document_per_file(tmp_path, enc):
     texts = ["First doc.\nWith two lines.\n", "Ünïcödé, emoji 🎭, CRLF\r\nline\r\n",
              "The literal text <|endoftext|> is ordinary text, not the EOD token."]
@@ -67,6 +65,7 @@ def test_txt_files_round_trip_one_document_per_file(tmp_path, enc):
     assert stats.documents == 3 and stats.tokens == IndexedDataset(prefix).num_tokens
 
 
+@pytest.mark.quick
 def test_jsonl_round_trip_and_json_key_names_the_output(tmp_path, enc):
     rows = [{"body": "alpha beta", "id": 1}, {"body": "gamma\ndelta", "id": 2}, {"body": "  spaced  ", "id": 3}]
     path = write(tmp_path / "c.jsonl", "".join(json.dumps(r) + "\n\n" for r in rows))  # blank lines are skipped
@@ -76,6 +75,7 @@ def test_jsonl_round_trip_and_json_key_names_the_output(tmp_path, enc):
     assert files_in(tmp_path) == ["c.jsonl", "web_body_document.bin", "web_body_document.idx"]
 
 
+@pytest.mark.quick
 def test_several_json_keys_write_a_dataset_for_each(tmp_path, enc):
     """Megatron's --json-keys text title: PREFIX_text_document and
     PREFIX_title_document, each the documents under its key."""
@@ -86,6 +86,7 @@ def test_several_json_keys_write_a_dataset_for_each(tmp_path, enc):
         assert decoded_documents(str(tmp_path / f"web_{key}_document"), enc) == [r[key] for r in rows]
 
 
+@pytest.mark.quick
 def test_directories_are_searched_recursively_in_sorted_order(tmp_path, enc):
     write(tmp_path / "corpus/b.txt", "from b")
     write(tmp_path / "corpus/a/deep.md", "# from a markdown file, kept verbatim")
@@ -96,6 +97,7 @@ def test_directories_are_searched_recursively_in_sorted_order(tmp_path, enc):
         "# from a markdown file, kept verbatim", "from b", "json one", "json two"]
 
 
+@pytest.mark.quick
 def test_globs_expand_sorted_and_mix_with_files(tmp_path, enc):
     for name in ["x2", "x1", "y"]:
         write(tmp_path / f"g/{name}.txt", name)
@@ -104,6 +106,7 @@ def test_globs_expand_sorted_and_mix_with_files(tmp_path, enc):
     assert decoded_documents(str(tmp_path / "o_text_document"), enc) == ["x1", "x2", "single"]
 
 
+@pytest.mark.quick
 def test_text_split_line_and_paragraph(tmp_path, enc):
     path = write(tmp_path / "t.txt", "para one\nstill one\n\n  \npara two\n")
     prepare.prepare([path], output_prefix=str(tmp_path / "p"), text_split="paragraph", workers=1)
@@ -116,6 +119,7 @@ def test_text_split_line_and_paragraph(tmp_path, enc):
     assert decoded_documents(str(tmp_path / "f_text_document"), enc) == ["a\x0cb", "c\u2028d", "e", "f"]
 
 
+@pytest.mark.quick
 def test_json_lines_in_a_file_named_as_text_are_read_as_text_and_said_to_be(tmp_path, enc, capsys):
     """Megatron reads every input as JSON lines; here a file's name decides, so
     a .txt whose first line is {"text": ...} is one text document, and a line
@@ -131,6 +135,7 @@ def test_json_lines_in_a_file_named_as_text_are_read_as_text_and_said_to_be(tmp_
         assert "looks like JSON lines" not in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_the_default_corpus_takes_no_input_flags(tmp_path):
     """--json-keys and --text-split without --input would be silently dropped (and the
     key would name Shakespeare's dataset): one line instead."""
@@ -138,12 +143,14 @@ def test_the_default_corpus_takes_no_input_flags(tmp_path):
     fails(tmp_path, ["--text-split", "line"], r"without --input prepare.py writes its own corpus")
 
 
+@pytest.mark.quick
 def test_no_append_eod_stores_bare_tokens(tmp_path, enc):
     path = write(tmp_path / "t.txt", "hello world")
     prepare.main(["--input", path, "--output-prefix", str(tmp_path / "n"), "--no-append-eod"])
     assert IndexedDataset(str(tmp_path / "n_text_document"))[0].tolist() == enc.encode_ordinary("hello world")
 
 
+@pytest.mark.quick
 def test_only_empty_documents_are_skipped(tmp_path, enc):
     """As Megatron's preprocess_data.py: an empty document has no tokens (and
     no EOD), so it writes no sequence; whitespace is text, tokenized and kept,
@@ -154,6 +161,7 @@ def test_only_empty_documents_are_skipped(tmp_path, enc):
     assert decoded_documents(str(tmp_path / "w_text_document"), enc) == ["kept", "   \n", "also kept"]
 
 
+@pytest.mark.quick
 def test_json_lines_are_read_by_name_or_as_every_input_given_json_keys(tmp_path, enc):
     """JSON lines named .json, .jsonl or .ndjson are read as JSON; given
     --json-keys, every file named is (as Megatron reads them: a dump named
@@ -174,6 +182,7 @@ def test_json_lines_are_read_by_name_or_as_every_input_given_json_keys(tmp_path,
     assert f"{text}:1: invalid JSON" in str(stop.value)
 
 
+@pytest.mark.quick
 def test_encode_document_is_encode_ordinary_plus_eod(enc):
     text = "Special-looking text <|endoftext|> and <|fim_prefix|> stays text. Ünïcödé 🎭\r\n"
     tokens = prepare.encode_document(enc, text)
@@ -185,6 +194,7 @@ def test_encode_document_is_encode_ordinary_plus_eod(enc):
 # ----------------------------------------------------------------------------
 # Parallelism must not change a single byte
 
+@pytest.mark.quick
 def test_more_workers_write_identical_bytes(tmp_path, enc):
     docs = [f"document {i}: " + "to be or not to be " * (i % 7) for i in range(200)]
     out = {}
@@ -207,6 +217,7 @@ def hamlet() -> str:
     return [p for p in prepare.shakespeare_files() if p.endswith("hamlet.md")][0]
 
 
+@pytest.mark.quick
 def test_markdown_play_becomes_plain_text_scenes(hamlet):
     with open(hamlet, encoding="utf-8") as f:
         scenes = prepare.markdown_to_scenes(f.read())
@@ -221,6 +232,7 @@ def test_markdown_play_becomes_plain_text_scenes(hamlet):
         assert "\n\n\n" not in scene
 
 
+@pytest.mark.quick
 def test_markdown_line_conversion():
     assert prepare.markdown_line_to_text("**FIRST CITIZEN**  ") == "FIRST CITIZEN:"
     assert prepare.markdown_line_to_text("### SCENE II. A room.") == "SCENE II. A room."
@@ -230,6 +242,7 @@ def test_markdown_line_conversion():
     assert prepare.markdown_line_to_text("Would wish \\--or no") == "Would wish --or no"
 
 
+@pytest.mark.quick
 def test_default_corpus_is_hundreds_of_scenes_from_38_plays():
     files = prepare.shakespeare_files()
     assert len(files) == 38
@@ -251,6 +264,7 @@ def shakespeare(tmp_path_factory):
     return work, stats
 
 
+@pytest.mark.quick
 def test_default_prepare_writes_data_shakespeare(shakespeare, enc):
     work, stats = shakespeare
     assert stats.outputs == ["data/shakespeare_text_document.bin", "data/shakespeare_text_document.idx"]
@@ -298,6 +312,7 @@ def r50k_base():
             pytest.skip(f"{cache} holds no r50k_base ({type(e).__name__})")
 
 
+@pytest.mark.quick
 def test_prepare_writes_exactly_tiktokens_r50k_base_tokens(shakespeare, r50k_base, enc):
     """The whole default corpus (~1.5M tokens) as prepare.py wrote it, token
     for token, against tiktoken's own r50k_base."""
@@ -342,6 +357,7 @@ def test_installed_bpe_files_are_gpt2s_and_printed_for_recipes(tmp_path):
     assert [vocab[a + b] for a, b in merges] == list(range(256, 256 + 50000))
 
 
+@pytest.mark.quick
 def test_an_installed_vocab_that_is_not_gpt2s_is_refused(tmp_path, monkeypatch):
     vocab = json.load(open(prepare.gpt2_bpe_files()[0], encoding="utf-8"))
     vocab["Ġthe"], vocab["Ġof"] = vocab["Ġof"], vocab["Ġthe"]  # two ids swapped: other tokens, same size
@@ -351,6 +367,7 @@ def test_an_installed_vocab_that_is_not_gpt2s_is_refused(tmp_path, monkeypatch):
         prepare.load_tokenizer()
 
 
+@pytest.mark.quick
 def test_missing_bpe_package_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "BPE_PACKAGE", "no_such_bpe_package")
     fails(tmp_path, ["--input", write(tmp_path / "t.txt", "hello")],
@@ -362,6 +379,7 @@ def test_missing_bpe_package_is_a_one_line_error(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------
 # Compressed JSONL, read as Megatron's and BigScience's recipes give it
 
+@pytest.mark.quick
 @pytest.mark.parametrize("compress", ["xz", "gzip", "bz2", None])
 def test_compressed_jsonl_is_read_directly(tmp_path, compress):
     import bz2
@@ -377,6 +395,7 @@ def test_compressed_jsonl_is_read_directly(tmp_path, compress):
     assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 20
 
 
+@pytest.mark.quick
 def test_a_text_starting_like_bz2_is_text_and_a_cut_compressed_file_is_named(tmp_path, enc, monkeypatch):
     """Compression is known by a file's magic bytes, bz2's in full ("BZh", a
     level, a block's magic), so a text that starts "BZh" is text; a
@@ -398,6 +417,7 @@ def test_a_text_starting_like_bz2_is_text_and_a_cut_compressed_file_is_named(tmp
     assert "cannot be read to its end" not in message
 
 
+@pytest.mark.quick
 def test_a_compressed_input_python_cannot_read_is_named(tmp_path):
     """zstd is in the standard library only from Python 3.14: before that, one
     line says what the file is and how to decompress it (not "convert it with iconv")."""
@@ -414,6 +434,7 @@ def test_a_compressed_input_python_cannot_read_is_named(tmp_path):
 # ----------------------------------------------------------------------------
 # Merge
 
+@pytest.mark.quick
 def test_merge_equals_preparing_everything_at_once(tmp_path):
     a = write(tmp_path / "a.txt", "first shard, one document")
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": "second shard"}, {"text": "two documents"}])
@@ -427,6 +448,7 @@ def test_merge_equals_preparing_everything_at_once(tmp_path):
         assert merged == open(tmp_path / f"ab_text_document{ext}", "rb").read()
 
 
+@pytest.mark.quick
 def test_merge_of_a_missing_prefix_fails_without_output(tmp_path):
     a = write(tmp_path / "a.txt", "x")
     prepare.prepare([a], output_prefix=str(tmp_path / "a"), workers=1)
@@ -436,6 +458,7 @@ def test_merge_of_a_missing_prefix_fails_without_output(tmp_path):
     assert not any(f.startswith("m") for f in os.listdir(tmp_path))
 
 
+@pytest.mark.quick
 def test_merge_accepts_megatron_and_bigscience_forms(tmp_path):
     import data as data_lib
     parts = tmp_path / "parts"
@@ -470,24 +493,29 @@ def fails(tmp_path, argv, message):
     return e.value.code
 
 
+@pytest.mark.quick
 def test_missing_input_path(tmp_path):
     fails(tmp_path, ["--input", str(tmp_path / "missing.txt")], r"missing\.txt does not exist")
 
 
+@pytest.mark.quick
 def test_glob_matching_nothing(tmp_path):
     fails(tmp_path, ["--input", str(tmp_path / "*.jsonl")], r"glob .* matches no files")
 
 
+@pytest.mark.quick
 def test_directory_without_text_files(tmp_path):
     write(tmp_path / "d/x.csv", "a,b")
     fails(tmp_path, ["--input", str(tmp_path / "d")], r"contains no .txt/.md/.json/.jsonl/.ndjson files")
 
 
+@pytest.mark.quick
 def test_invalid_json_line_names_file_and_line(tmp_path):
     path = write(tmp_path / "bad.jsonl", '{"text": "ok"}\n\n{"text": "unterminated\n')
     fails(tmp_path, ["--input", path], r"bad\.jsonl:3: invalid JSON")
 
 
+@pytest.mark.quick
 def test_json_nested_deeper_than_python_recurses_is_one_line(tmp_path, enc):
     """A JSON line nested 100,000 deep is invalid JSON in one line naming the
     file and line (json raises RecursionError there, not JSONDecodeError); a
@@ -500,24 +528,28 @@ def test_json_nested_deeper_than_python_recurses_is_one_line(tmp_path, enc):
     assert decoded_documents(str(tmp_path / "t_text_document"), enc) == [deep]
 
 
+@pytest.mark.quick
 def test_json_object_missing_key_lists_keys_present(tmp_path):
     path = write_jsonl(tmp_path / "k.jsonl", [{"text": "ok"}, {"content": "x", "url": "u"}])
     msg = fails(tmp_path, ["--input", path], r"k\.jsonl:2: JSON object has no key 'text'")
     assert "['content', 'url']" in msg and "--json-key" in msg
 
 
+@pytest.mark.quick
 def test_non_utf8_input_names_the_file(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes('{"text": "café"}\n'.encode("latin-1"))
     fails(tmp_path, ["--input", str(path)], r"latin1\.jsonl is not valid UTF-8")
 
 
+@pytest.mark.quick
 def test_empty_corpus(tmp_path):
     a = write(tmp_path / "empty.txt", "")
     b = write(tmp_path / "blank.txt", " \n\n")
     fails(tmp_path, ["--input", a, b], r"corpus is empty")
 
 
+@pytest.mark.quick
 def test_failure_mid_run_leaves_no_partial_output(tmp_path):
     """A good file is tokenized and written before the bad last line of the
     second file is read: the partial .bin must vanish, temp files included."""
@@ -527,6 +559,7 @@ def test_failure_mid_run_leaves_no_partial_output(tmp_path):
     assert files_in(tmp_path) == ["in/1.txt", "in/2.jsonl"]
 
 
+@pytest.mark.quick
 def test_zero_workers_is_rejected(tmp_path):
     src = write(tmp_path / "t.txt", "hello")
     with pytest.raises(SystemExit, match="--workers must be >= 1"):
@@ -534,6 +567,7 @@ def test_zero_workers_is_rejected(tmp_path):
     assert files_in(tmp_path) == ["t.txt"]
 
 
+@pytest.mark.quick
 def test_unknown_tokenizer_type_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="only GPT2BPETokenizer"):
         prepare.load_tokenizer("HuggingFaceTokenizer")
