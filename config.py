@@ -592,12 +592,24 @@ FINITE = [f.name for f in dataclasses.fields(TrainConfig)
           if f.type.startswith("float") and f.name not in ("initial_loss_scale", "min_loss_scale")]
 
 
+# What a number's meaning allows, as [low, high) (None: no bound): outside it a run
+# fails deep in torch (AdamW's --adam-beta1 1.5) or silently does something else
+# (a negative --clip-grad flips every gradient, a negative --weight-decay grows them).
+RANGES = {"lr": (0, None), "min_lr": (0, None), "clip_grad": (0, None), "weight_decay": (0, None),
+          "adam_eps": (0, None), "adam_beta1": (0, 1), "adam_beta2": (0, 1), "init_method_std": (0, None)}
+
+
 def check_numbers(cfg: TrainConfig) -> None:
-    """Every number flag finite; --seed one that numpy's RandomState (the data's order) takes."""
+    """Every number flag finite and in its RANGES; --seed one that numpy's
+    RandomState (the data's order) takes."""
     for name in FINITE:
         value = getattr(cfg, name)
         if value is not None and not math.isfinite(value):
             raise UsageError(f"--{name.replace('_', '-')} {value}: give a finite number")
+        low, high = RANGES.get(name, (None, None))
+        if value is not None and (low is not None and value < low or high is not None and value >= high):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: it must be at least {low}"
+                             + (f" and below {high}" if high is not None else ""))
     if not 0 <= cfg.seed < 2 ** 32:
         raise UsageError(f"--seed {cfg.seed}: use a whole number from 0 to 2**32 - 1 (numpy's seeds)")
 

@@ -405,6 +405,9 @@ def test_a_count_out_of_range_is_named(flags, message):
     (["--lr", "nan"], "--lr nan: give a finite number"),
     (["--clip-grad", "nan"], "--clip-grad nan: give a finite number"),
     (["--adam-eps", "inf"], "--adam-eps inf: give a finite number"),
+    (["--clip-grad", "-1"], "--clip-grad -1.0: it must be at least 0"),  # it flipped every gradient
+    (["--lr", "-1"], "--lr -1.0: it must be at least 0"),  # said "--min-lr 0.0 is above --lr -1.0"
+    (["--adam-beta1", "1.5"], "--adam-beta1 1.5: it must be at least 0 and below 1"),  # AdamW's traceback
     (["--seed", "-1"], "--seed -1: use a whole number from 0 to 2**32 - 1 (numpy's seeds)"),
     (["--seed", str(2 ** 32)], f"--seed {2 ** 32}: use a whole number from 0 to 2**32 - 1"),
     (["--seq-length", "1000000000"], "--micro-batch-size 4 x --seq-length 1000000000: one activation "
