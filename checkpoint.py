@@ -233,10 +233,24 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    torch.save(state, os.path.join(tmp, PLAIN_FILE))
-    write_digests(tmp, digest_files(tmp, [PLAIN_FILE]))
+    with freed_on_failure(tmp):
+        torch.save(state, os.path.join(tmp, PLAIN_FILE))
+        write_digests(tmp, digest_files(tmp, [PLAIN_FILE]))
     publish(tmp, final, "plain", state["iteration"])
     return final
+
+
+@contextlib.contextmanager
+def freed_on_failure(tmp: str, mine: bool = True):
+    """A save that fails removes what it wrote (SAVE/iter_N.tmp) at once: on a
+    full disk, its space is what the next save needs. (One killed outright
+    leaves it to remove_old_checkpoints.) `mine`: this rank removes it."""
+    try:
+        yield
+    except BaseException:
+        if mine:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def saved_iterations(save_dir: str) -> list[int]:
@@ -514,8 +528,9 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
     on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what, group)
-    on_every_rank(lambda: write(tmp), what, group, cfg.save)
-    digests = digests_of_every_rank(tmp, what, group)
+    with freed_on_failure(tmp, first):  # after the vote: no rank still writes into it
+        on_every_rank(lambda: write(tmp), what, group, cfg.save)
+        digests = digests_of_every_rank(tmp, what, group)
 
     def publish_on_first():
         if first:
