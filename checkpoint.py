@@ -1860,22 +1860,36 @@ def _read_hf_config(path: str) -> dict:
     if not os.path.isfile(cfg_path):
         raise UsageError(f"{cfg_path} not found; from_hf needs a local directory "
                          f"written by save_pretrained (no hub downloads)")
-    with open(cfg_path) as f:
-        return json.load(f)
+    try:
+        with open(cfg_path, "rb") as f:
+            hf = json.loads(f.read())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise UsageError(f"{cfg_path} is not JSON ({e}): cut short or damaged") from None
+    if not isinstance(hf, dict):
+        raise UsageError(f"{cfg_path} is not a JSON object: not a Hugging Face model's config")
+    return hf
 
 
 def _read_hf_weights(path: str) -> dict:
     st, index, binf = (os.path.join(path, n) for n in
                        ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
     if os.path.isfile(st) or os.path.isfile(index):
-        from safetensors.torch import load_file
-        if os.path.isfile(st):
-            return load_file(st)
-        return {k: v for s in _hf_shards(path, index) for k, v in load_file(s).items()}
+        files = [st] if os.path.isfile(st) else _hf_shards(path, index)
+        return {k: v for f in files for k, v in _read_safetensors(f).items()}
     if os.path.isfile(binf):
         with data_only_loads(binf):
             return torch.load(binf, map_location="cpu", weights_only=True)
     raise UsageError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def _read_safetensors(path: str) -> dict:
+    """A safetensors file's tensors; one line where it is not one (cut short, damaged)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(path)
+    except SafetensorError as e:
+        raise UsageError(f"{path} is not a safetensors file ({e}): cut short or damaged") from None
 
 
 def _hf_shards(path: str, index: str) -> list[str]:

@@ -1241,9 +1241,9 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     checked as it is read. A pytorch_model.bin holding a payload (torch.save's
     zip, or its pre-zip format), and a sharded checkpoint's index mapping a
     weight to a file outside the directory, to a file not safetensors, or
-    lacking its weight_map (or naming a link out of it): --export-from and
-    evaluate.py --hf stop in one line that names the file, and nothing runs
-    or is read."""
+    lacking its weight_map (or naming a link out of it), or a config.json or
+    safetensors file cut short: --export-from and evaluate.py --hf stop in
+    one line that names the file, and nothing runs or is read."""
     from safetensors.torch import load_file
     ran, probes = tmp_path / "the-command-ran", []
     to_hf(tiny_model(), str(tmp_path / "good"))
@@ -1283,6 +1283,14 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
                                 indexed("x.safetensors")(hf)), "")
     with pytest.raises(UsageError, match="names 'x.safetensors', not one of its own files .*is a symbolic link"):
         from_hf(str(link))
+    cut = tmp_path / "cut"  # files cut short (a copy that did not finish): UsageError, one line as above
+    shutil.copytree(tmp_path / "good", cut)
+    (cut / "model.safetensors").write_bytes((tmp_path / "good" / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(UsageError, match="model.safetensors is not a safetensors file"):
+        from_hf(str(cut))
+    (cut / "config.json").write_text((tmp_path / "good" / "config.json").read_text()[:30])
+    with pytest.raises(UsageError, match="config.json is not JSON"):
+        from_hf(str(cut))
 
 
 # -----------------------------------------------------------------------------
