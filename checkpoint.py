@@ -1286,9 +1286,12 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     missing = sorted(set(state) - set(saved))
     if missing:
         raise UsageError(f"{path} has no {', '.join(missing[:3])}: a checkpoint of another model")
+    ours = ("iteration", "consumed_samples", "config", "model_config", "rng.stage0")  # what train.py writes
+    if missing := [key for key in ours if key not in saved]:
+        raise UsageError(f"{path} has no {', '.join(missing)}: a torch_dist checkpoint, but not one train.py wrote")
     stages = sorted((key for key in saved if key.startswith("rng.stage")), key=lambda k: int(k[9:]))
     state.update({key: torch.empty(saved[key].size, dtype=torch.uint8) for key in stages})
-    state.update(dict.fromkeys(("iteration", "consumed_samples", "config", "model_config")))
+    state.update(dict.fromkeys(ours[:4]))
     with data_only_loads(path):
         try:
             dcp.load(state, storage_reader=dist_reader(path), planner=dcp.DefaultLoadPlanner(**AS_THEY_ARE),

@@ -509,6 +509,15 @@ def test_pytorchs_converter_gives_a_torch_dist_checkpoint_as_the_torch_formats_s
                 for s in (two_saves, dist_saves)]
     assert exported[0].keys() == exported[1].keys()
     assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
+    # The other way: the converted states written by DCP alone (another program's torch_dist
+    # checkpoint, the tensors without our iteration, configs and random streams): one line.
+    import torch.distributed.checkpoint as dcp
+    other = tmp_path / "other" / "iter_0000004"
+    dcp.save({k: v for k, v in converted.items() if torch.is_tensor(v) and k.startswith("model.")},
+             storage_writer=dcp.FileSystemWriter(str(other)), no_dist=True)
+    with pytest.raises(UsageError, match="has no iteration, consumed_samples, config, model_config, rng.stage0: "
+                                         "a torch_dist checkpoint, but not one train.py wrote"):
+        checkpoint.export_weights(str(other.parent), str(tmp_path / "other-out"))
 
 
 def test_a_torch_dist_index_that_would_run_code_is_refused(dist_saves, tmp_path):
