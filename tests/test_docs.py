@@ -95,11 +95,14 @@ def runnable_blocks(page: str) -> list[str]:
 
 def tiny(block: str) -> str:
     """BLOCK with RUNNABLE_FLAGS appended to each train.py command that trains
-    (one ending in a backslash goes on to the next line)."""
-    commands = block.replace("\\\n", " ").split("\n")
-    return "\n".join(f"{command} {shlex.join(RUNNABLE_FLAGS)}"
-                     if re.search(r"\btrain\.py\b", command) and "--export-from" not in command else command
-                     for command in commands)
+    (one ending in a backslash goes on to the next line; before a ` # ` comment)."""
+    commands = []
+    for command in block.replace("\\\n", " ").split("\n"):
+        if re.search(r"\btrain\.py\b", command) and "--export-from" not in command:
+            command, hash_, comment = command.partition(" # ")
+            command = f"{command.rstrip()} {shlex.join(RUNNABLE_FLAGS)}{' ' + hash_ + comment if hash_ else ''}"
+        commands.append(command)
+    return "\n".join(commands)
 
 
 @pytest.mark.quick
