@@ -203,7 +203,7 @@ def test_sample_idx_matches_megatron_core_helper(tmp_path):
 def test_samples_equal_megatron_core_gpt_dataset_within_one_epoch(tmp_path):
     """While a split fits in one epoch, sample i is megatron-core's sample i, token
     for token (same seed, same document and sample shuffles). Beyond one epoch the
-    orders part: each epoch is shuffled on its own here (README, Megatron table)."""
+    orders part: each epoch is shuffled on its own here (docs/megatron.md)."""
     _megatron()
     from megatron.core.datasets.gpt_dataset import GPTDataset as TheirGPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDataset as TheirIndexedDataset

@@ -349,7 +349,7 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(corpus, tmp
 
 def test_two_torchrun_agents_form_one_job_like_two_nodes(corpus, tmp_path):
     """Two torchrun agents on this machine stand in for two nodes of 2 processes,
-    meeting by c10d rendezvous (the multi-node launch of README and slurm.sh).
+    meeting by c10d rendezvous (the multi-node launch of docs/training.md and slurm.sh).
     torchrun numbers ranks node by node, so each TP=2 group lies inside one
     agent: the losses equal one agent's 4-process run, and only global rank 0
     prints, writes the metrics and writes TensorBoard."""

@@ -339,7 +339,7 @@ def test_prepare_writes_the_tokens_of_an_independent_bpe_on_the_same_files(shake
 
 
 def test_installed_bpe_files_are_gpt2s_and_printed_for_recipes(tmp_path):
-    """README's one command prints Megatron's flags for the installed files;
+    """docs/data.md's one command prints Megatron's flags for the installed files;
     they pass the GPT-2 check as they are, and train.py accepts them."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), "--print-bpe-files"],
                          capture_output=True, text=True, check=True, timeout=60).stdout

@@ -586,7 +586,7 @@ def test_readme_main_command(tmp_path):
 
 
 def test_tensor_parallel_domino_matches_single_process_and_resumes_across_layouts(corpus, tmp_path):
-    """README's `--tensor-model-parallel-size 2 --domino` run trains the same model
+    """docs/tensor-parallel.md's `--tensor-model-parallel-size 2 --domino` run trains the same model
     as one process, and its checkpoint resumes at T=1, and at T=2 under
     --sequence-parallel, on the same loss curve (a checkpoint does not
     depend on the layout)."""
@@ -1045,7 +1045,7 @@ def test_train_py_compile_follows_eager_mode(train_runs, name):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
     assert counters[name + "-compiled"]["graphs"] >= 1 and counters[name]["graphs"] == 0
-    if name != "zero3":  # ZeRO-3 keeps its parameter hooks out of the graph: see README
+    if name != "zero3":  # ZeRO-3 keeps its parameter hooks out of the graph: see docs/training.md
         assert counters[name + "-compiled"]["graph_breaks"] == 0, counters
 
 

@@ -633,14 +633,16 @@ def exported_weights(runs, name):
 
 
 def test_deepspeeds_zero_to_fp32_reads_our_zero3_checkpoint(runs, tmp_path):
-    """DeepSpeed's zero_to_fp32, run as README says, `python -m
+    """DeepSpeed's zero_to_fp32, run as docs/zero.md says, `python -m
     deepspeed.utils.zero_to_fp32 SAVE OUT` (the installed package's: the
     copy DeepSpeed writes into every save directory is code that came with
     the checkpoint, which no checksum covers), consolidates our ZeRO-3
     checkpoint into the weights our export gives."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert "`python -m deepspeed.utils.zero_to_fp32 SAVE OUT`" in readme
-    assert not re.search(r"python \S*/zero_to_fp32\.py", readme)  # never a script inside a checkpoint
+    page = open(os.path.join(ROOT, "docs", "zero.md")).read()
+    assert "`python -m deepspeed.utils.zero_to_fp32 SAVE OUT`" in page
+    for doc in ["README.md", *(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")))]:
+        text = open(os.path.join(ROOT, doc)).read()
+        assert not re.search(r"python \S*/zero_to_fp32\.py", text), doc  # never a script inside a checkpoint
     ckpt = os.path.join(runs, "ckpt_z3")
     deepspeed_tool(["-m", "deepspeed.utils.zero_to_fp32", ckpt, str(tmp_path / "fp32")], str(tmp_path))
     theirs = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
