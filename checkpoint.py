@@ -544,9 +544,9 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
                     consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
-    """Gather the full states on global rank 0 and write them there (or, with
-    --ckpt-format torch_dist, every rank its own; with a saver, in the
-    background). Collective: every rank calls it."""
+    """--ckpt-format torch_dist (the default): every rank writes its own
+    shards (with a saver, in the background); torch: gather the full states
+    on global rank 0 and write them there. Collective: every rank calls it."""
     if cfg.ckpt_format == "torch_dist":
         return save_dist_checkpoint(cfg, model, optimizer, scaler, iteration, consumed_samples, log, saver)
     model_sd, optim_sd = states_for_writer(model, optimizer)
@@ -1466,8 +1466,10 @@ def stage0_master_weights(model_states: dict) -> dict:
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
     """Write the consolidated fp32 weights of a checkpoint of either kind, or
     of a Hugging Face directory (Hugging Face in: a fine-tune's start), as
-    fmt="plain": a weights-only plain checkpoint (resume it with --load OUT
-                 --no-load-optim, or --finetune, any layout, with or without --deepspeed);
+    fmt="plain": a weights-only plain checkpoint, one file in the torch format
+                 whichever format it reads (what a user hands on; resume it with
+                 --load OUT --no-load-optim, or --finetune, any layout, with or
+                 without --deepspeed);
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
     if parallel.layout.tp_size > 1:
         raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")

@@ -191,8 +191,9 @@ class TrainConfig:
     # checkpoints
     save: str | None = flag(None, "checkpoint directory to write")
     load: str | None = flag(None, "checkpoint directory to resume from (evaluate.py: to evaluate)", BOTH)
-    ckpt_format: str = flag("torch", "torch: one file, gathered tensor by tensor on rank 0 | torch_dist: "
-                                     "every rank writes its own shards (torch.distributed.checkpoint)")
+    ckpt_format: str = flag("torch_dist", "torch_dist (as Megatron): every rank writes its own shards "
+                                          "(torch.distributed.checkpoint) | torch: one file, gathered tensor by "
+                                          "tensor on rank 0; --deepspeed writes DeepSpeed's own")
     async_save: bool = flag(False, "torch_dist: write each checkpoint in the background; the loop waits only "
                                    "while the state is copied to host memory")
     save_interval: int | None = flag(None, "save every N steps (and at the end, on SIGTERM and at --exit-interval)")
@@ -646,7 +647,7 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
     validate_loss_scale(cfg)
     validate_schedule(cfg, given)
-    validate_deepspeed(cfg)
+    validate_deepspeed(cfg, given)
     validate_sequence_parallel(cfg)
     validate_compile(cfg)
     validate_pipeline(cfg)
@@ -843,7 +844,7 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                          "--compile cannot capture: drop one of them")
 
 
-def validate_deepspeed(cfg: TrainConfig) -> None:
+def validate_deepspeed(cfg: TrainConfig, given: set[str]) -> None:
     ds_flags = cfg.zero_stage is not None or cfg.deepspeed_config or cfg.zero_offload_optimizer \
         or cfg.partition_activations
     if ds_flags and not cfg.deepspeed:
@@ -861,12 +862,15 @@ def validate_deepspeed(cfg: TrainConfig) -> None:
         raise UsageError(f"--export-format {cfg.export_format!r}: use plain or hf")
     if cfg.ckpt_format not in ("torch", "torch_dist"):
         raise UsageError(f"--ckpt-format {cfg.ckpt_format!r}: use torch or torch_dist")
-    if cfg.deepspeed and cfg.ckpt_format != "torch":
+    # --deepspeed writes DeepSpeed's own checkpoints whatever --ckpt-format says, so its default
+    # (torch_dist) is no conflict; only torch_dist asked for by name is (torch, the old default, is kept
+    # for the scripts that spelled it out).
+    if cfg.deepspeed and "ckpt_format" in given and cfg.ckpt_format == "torch_dist":
         raise UsageError("--ckpt-format torch_dist is for plain runs: --deepspeed writes DeepSpeed's own "
                          "checkpoints (each rank its own files already); drop one of them")
-    if cfg.async_save and cfg.ckpt_format != "torch_dist":
-        raise UsageError("--async-save writes torch_dist checkpoints in the background (as Megatron): add "
-                         "--ckpt-format torch_dist" + (" and drop --deepspeed" if cfg.deepspeed else "")
+    if cfg.async_save and (cfg.deepspeed or cfg.ckpt_format != "torch_dist"):
+        raise UsageError("--async-save writes torch_dist checkpoints in the background (as Megatron): "
+                         + ("drop --deepspeed" if cfg.deepspeed else f"drop --ckpt-format {cfg.ckpt_format}")
                          + ", or drop --async-save")
 
 

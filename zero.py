@@ -226,7 +226,7 @@ class DeepSpeedTraining:
     DeepSpeed's own checkpoint (this layout only). With --no-load-optim or
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights."""
-    saver = None  # its saves are synchronous (--async-save needs --ckpt-format torch_dist)
+    saver = None  # its saves are synchronous (config.py refuses --async-save with --deepspeed)
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log

@@ -1,8 +1,8 @@
 """Peak host memory of a checkpoint save, per rank, measured from outside.
 
-    python bench/bench_save.py                          # 350M, tp=2, CPU
+    python bench/bench_save.py                          # 350M, tp=2, CPU, the default format (torch_dist)
     python bench/bench_save.py --repo OTHER_CHECKOUT    # the same for another commit
-    python bench/bench_save.py --ckpt-format torch_dist --pp 2    # every rank its shards, tp=2 x pp=2
+    python bench/bench_save.py --ckpt-format torch --pp 2    # one file, gathered on rank 0, tp=2 x pp=2
     python bench/bench_save.py --async-save    # torch_dist, synchronous then --async-save, 2 saves each
 
 Runs `torchrun --nproc_per_node 2 train.py --preset 350M

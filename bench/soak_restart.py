@@ -1,8 +1,9 @@
 """Kill a worker, let torchrun restart the job, and check it resumes exactly: N times.
 
-    python bench/soak_restart.py                      # 10 tries, plain DDP, 2 CPU ranks
+    python bench/soak_restart.py                      # 10 tries, plain DDP (torch_dist saves), 2 CPU ranks
     python bench/soak_restart.py --engine zero2       # the same under DeepSpeed ZeRO-2
-    python bench/soak_restart.py --engine async       # DDP, --ckpt-format torch_dist --async-save
+    python bench/soak_restart.py --engine async       # DDP, --async-save (torch_dist: the default)
+    python bench/soak_restart.py --engine torch       # DDP, --ckpt-format torch (one file)
     python bench/soak_restart.py --engine tp2         # also zero1, zero3, pp2 (ENGINES)
     python bench/soak_restart.py --tries 3 --iters 20 # a quick look
 
@@ -48,7 +49,7 @@ LOADED_LINE = re.compile(r"loaded checkpoint .*\(iteration (\d+)")
 ENGINES = {  # --engine: train.py's flags on the 2 ranks
     "ddp": [], **{f"zero{stage}": ["--deepspeed", "--zero-stage", str(stage)] for stage in (1, 2, 3)},
     "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
-    "async": ["--ckpt-format", "torch_dist", "--async-save"]}
+    "async": ["--async-save"], "torch": ["--ckpt-format", "torch"]}
 
 
 def train_command(args, corpus: str, workdir: str, restarts: int) -> list[str]:

@@ -6,8 +6,9 @@ then the `latest` pointer replaced), so a crash or a power loss leaves the
 previous checkpoint readable; a diverged model never reaches one; --load reads
 the newest checkpoint of any kind. The DeepSpeed runs that write ZeRO
 checkpoints (and their export) are in test_zero.py; resuming across layouts,
---ckpt-format torch_dist's included, in test_train.py and test_pipeline.py (here: torch_dist in
-one process against the torch format). The Hugging Face tests build random transformers models and
+--ckpt-format torch_dist's (the default) included, in test_train.py and test_pipeline.py (here:
+torch_dist in one process against the torch format, which checkpoints written before torch_dist
+became the default are in). The Hugging Face tests build random transformers models and
 check that ours computes the same logits, both ways.
 """
 import dataclasses
@@ -49,7 +50,8 @@ from prepare import load_tokenizer
 @pytest.mark.quick
 def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch, capsys):
     ckpt = str(tmp_path / "ckpt")
-    args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2"]
+    args = [*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
+            "--ckpt-format", "torch"]
     real_save = torch.save
     saves = []
 
@@ -135,7 +137,7 @@ def test_a_failed_write_on_rank_0_stops_every_rank(corpus, tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "iter_0000001.tmp").write_text("")
     start = time.time()
-    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "1",
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "1", "--ckpt-format", "torch",
                       "--save", str(tmp_path / "ckpt")], nproc=2, check=False, timeout=240)
     assert proc.returncode != 0 and time.time() - start < 200
     assert "FileExistsError" in proc.stderr
@@ -165,8 +167,8 @@ def test_keep_last_checkpoints_removes_a_linked_checkpoint_but_not_what_it_links
     (archived / checkpoint.PLAIN_FILE).write_bytes(b"the archived weights")
     ckpt.mkdir()
     (ckpt / "iter_0000001").symlink_to(archived)
-    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--eval-interval", "0",
-                      "--save", str(ckpt), "--save-interval", "2", "--keep-last-checkpoints", "1"], check=False)
+    proc = run_train([*TINY, "--data-path", corpus, "--train-iters", "2", "--eval-interval", "0", "--ckpt-format",
+                      "torch", "--save", str(ckpt), "--save-interval", "2", "--keep-last-checkpoints", "1"], check=False)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", checkpoint.LATEST]
     assert (archived / checkpoint.PLAIN_FILE).read_bytes() == b"the archived weights"
@@ -230,7 +232,7 @@ def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpu
         return model
 
     monkeypatch.setattr(pipeline, "build_model", build_with_inf_at_iteration_2)
-    train.main([*TINY, "--data-path", corpus, "--train-iters", "3", "--save", ckpt,
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "3", "--save", ckpt, "--ckpt-format", "torch",
                 "--save-interval", "1", "--metrics-file", metrics])
     saved = [torch.load(os.path.join(ckpt, f"iter_{i:07d}", "model_optim_rng.pt"), weights_only=False)
              for i in (1, 2, 3)]
@@ -315,20 +317,21 @@ def test_a_legacy_format_or_raw_pickle_checkpoint_file_is_refused_in_one_line(co
 
 @pytest.fixture(scope="module")
 def two_saves(corpus, tmp_path_factory):
-    """A tiny run's checkpoints at iterations 2 and 4 (don't modify: copy)."""
+    """A tiny run's checkpoints at iterations 2 and 4 in the torch format (one
+    file, model_optim_rng.pt: the default before torch_dist; don't modify: copy)."""
     ckpt = str(tmp_path_factory.mktemp("saves") / "ckpt")
     train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
-                "--eval-interval", "0"])
+                "--eval-interval", "0", "--ckpt-format", "torch"])
     return ckpt
 
 
 @pytest.fixture(scope="module")
 def dist_saves(corpus, tmp_path_factory):
-    """two_saves' run, the same flags and seed, saved as --ckpt-format
+    """two_saves' run, the same seed, saved with no --ckpt-format: the default,
     torch_dist (DCP: .metadata and one __0_0.distcp file; don't modify: copy)."""
     ckpt = str(tmp_path_factory.mktemp("dist_saves") / "ckpt")
     train.main([*TINY, "--data-path", corpus, "--train-iters", "4", "--save", ckpt, "--save-interval", "2",
-                "--eval-interval", "0", "--ckpt-format", "torch_dist"])
+                "--eval-interval", "0"])
     return ckpt
 
 
@@ -487,7 +490,8 @@ def test_pytorchs_converter_gives_a_torch_dist_checkpoint_as_the_torch_formats_s
     """`python -m torch.distributed.checkpoint.format_utils dcp_to_torch` reads
     a torch_dist checkpoint whole: the torch format's states under flat names
     (model.NAME, optimizer.NAME.exp_avg, ...), bit for bit those that the same
-    run saved in the torch format; so does --export-from."""
+    run saved in the torch format, and the model's those of our own export
+    (--export-to: one weights-only file); so does --export-from."""
     out = tmp_path / "converted.pt"
     proc = run_bounded([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
                         os.path.join(dist_saves, "iter_0000004"), str(out)], 120)
@@ -502,6 +506,7 @@ def test_pytorchs_converter_gives_a_torch_dist_checkpoint_as_the_torch_formats_s
         for k, v in state.items():
             assert torch.equal(converted[f"optimizer.{name}.{k}"], v), (name, k)
     assert (converted["iteration"], converted["consumed_samples"]) == (4, plain["consumed_samples"])
+    assert_export_is_converted(dist_saves, converted, tmp_path / "export")
     from safetensors.torch import load_file
     for saves in (two_saves, dist_saves):  # --export-from reads either format: the same weights
         checkpoint.export_weights(saves, str(tmp_path / os.path.basename(os.path.dirname(saves))), "hf")
@@ -518,6 +523,47 @@ def test_pytorchs_converter_gives_a_torch_dist_checkpoint_as_the_torch_formats_s
     with pytest.raises(UsageError, match="has no iteration, consumed_samples, config, model_config, rng.stage0: "
                                          "a torch_dist checkpoint, but not one train.py wrote"):
         checkpoint.export_weights(str(other.parent), str(tmp_path / "other-out"))
+
+
+def assert_export_is_converted(saves: str, converted: dict, out) -> None:
+    """--export-from SAVES --export-to OUT (a single weights-only torch file)
+    holds the model tensors that PyTorch's converter gave (`converted`)."""
+    checkpoint.export_weights(saves, str(out))
+    with checkpoint.data_only_loads(str(out)):
+        ours = torch.load(glob.glob(os.path.join(out, "iter_*", checkpoint.PLAIN_FILE))[0])
+    assert ours["optimizer"] is None
+    assert {f"model.{k}" for k in ours["model"]} == {k for k in converted if k.startswith("model.")}
+    for name, t in ours["model"].items():
+        assert torch.equal(converted[f"model.{name}"], t), name
+
+
+def test_either_format_loads_with_no_flag(corpus, two_saves, dist_saves, tmp_path):
+    """A checkpoint written before torch_dist became the default (the torch
+    format, one model_optim_rng.pt) and one written with no --ckpt-format now
+    (.metadata and .distcp files) are read with no flag: the same run saved
+    both ways resumes to the same loss, evaluate.py generates the same text
+    from either, and --export-from exports the same weights."""
+    assert sorted(os.listdir(os.path.join(two_saves, "iter_0000004"))) == [checkpoint.DIGESTS, checkpoint.PLAIN_FILE]
+    assert sorted(os.listdir(os.path.join(dist_saves, "iter_0000004"))) == [
+        checkpoint.DIST_METADATA, "__0_0.distcp", checkpoint.DIGESTS]
+    import evaluate
+    results = []
+    for name, saves in (("torch", two_saves), ("torch_dist", dist_saves)):
+        out = tmp_path / name
+        train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", saves, "--eval-interval", "0",
+                    "--metrics-file", str(out) + ".jsonl"])
+        evaluate.main(["--task", "GENERATE", "--load", saves, "--num-samples", "2", "--out-seq-length", "8",
+                       "--temperature", "0", "--sample-output-file", str(out) + ".samples"])
+        checkpoint.export_weights(saves, str(out))
+        with checkpoint.data_only_loads(str(out)):
+            exported = torch.load(out / "iter_0000004" / checkpoint.PLAIN_FILE)["model"]
+        resumed = [(m["iteration"], m["loss"], m["grad_norm"], m["lr"]) for m in read_metrics(str(out) + ".jsonl")]
+        results.append((resumed, open(str(out) + ".samples").read(), exported))
+    (resumed, samples, exported), (dist_resumed, dist_samples, dist_exported) = results
+    assert [m[0] for m in resumed] == [5] and resumed == dist_resumed
+    assert samples and samples == dist_samples
+    assert exported.keys() == dist_exported.keys()
+    assert all(torch.equal(exported[k], dist_exported[k]) for k in exported)
 
 
 def test_a_torch_dist_index_that_would_run_code_is_refused(dist_saves, tmp_path):
@@ -596,7 +642,7 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
         checkpoint.read_dist_metadata(tag)
 
 
-@pytest.mark.parametrize("flags", [[], ["--ckpt-format", "torch_dist", "--async-save"]])
+@pytest.mark.parametrize("flags", [["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist", "--async-save"]])
 def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_previous_checkpoint(
         corpus, tmp_path, monkeypatch, capsys, flags):
     """With --async-save the write fails in the background; the end of the
@@ -791,10 +837,12 @@ def test_the_async_host_copy_is_made_only_for_a_run_that_saves_and_its_failure_l
 def test_a_run_resumed_from_an_async_save_repeats_the_uninterrupted_run_bit_for_bit(corpus, tmp_path):
     """2 ranks at TP=2 (TP shards staged, then described as ShardedTensors of
     the copy; the checkpoint group used by DCP and the publish), saving at 2,
-    4 and 6 in the background; resumed from 2, the run repeats the
-    uninterrupted one's losses and gradient norms exactly."""
+    4 and 6 in the background (--async-save alone: torch_dist is the default);
+    resumed from 2, the run repeats the uninterrupted one's losses and
+    gradient norms exactly. PyTorch's dcp_to_torch converts the checkpoint to
+    the weights our --export-from gives."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "6", "--eval-interval", "0",
-              "--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]
+              "--tensor-model-parallel-size", "2"]  # the default format, torch_dist
     ckpt, full, resumed = tmp_path / "ckpt", str(tmp_path / "full.jsonl"), str(tmp_path / "resumed.jsonl")
     train_on_ranks([*common, "--save", str(ckpt), "--save-interval", "2", "--async-save", "--metrics-file", full],
                    nproc=2)
@@ -803,6 +851,10 @@ def test_a_run_resumed_from_an_async_save_repeats_the_uninterrupted_run_bit_for_
     train_on_ranks([*common, "--load", str(ckpt), "--metrics-file", resumed], nproc=2)
     curve = lambda path: [(m["iteration"], m["loss"], m["grad_norm"]) for m in read_metrics(path)]
     assert curve(resumed) == curve(full)[2:]  # exact, not close
+    # PyTorch's converter reads the TP shards whole: the tensors of our export
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(ckpt / "iter_0000002"), str(tmp_path / "converted.pt"))
+    assert_export_is_converted(str(ckpt), torch.load(tmp_path / "converted.pt"), tmp_path / "export")
 
 
 def _train_killed_after_writing_checkpoint_4(args):
@@ -1071,12 +1123,12 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
     train.main([*TINY, "--preset", preset, "--data-path", corpus, "--train-iters", "2", "--save", ckpt])
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--export-from", ckpt,
                     "--export-to", hf, "--export-format", "hf"], check=True, cwd=ROOT)
-    state = torch.load(os.path.join(ckpt, "iter_0000002", "model_optim_rng.pt"), weights_only=False)
+    weights, _ = checkpoint.read_weights(checkpoint.latest_checkpoint(ckpt))  # the default format's
     exported = from_hf(hf)
     with open(os.path.join(hf, "config.json")) as f:
         assert json.load(f)["model_type"] == {"tiny": "gpt2", "llama-tiny": "llama"}[preset]
     for name, value in exported.state_dict().items():
-        torch.testing.assert_close(value[:50257], state["model"][name][:50257], rtol=0, atol=0)
+        torch.testing.assert_close(value[:50257], weights[name][:50257], rtol=0, atol=0)
     # The directory is whole for transformers' own tools: its tokenizer reads
     # text as prepare.py did, and a text-generation pipeline runs from it alone.
     import transformers
@@ -1231,7 +1283,7 @@ def test_a_hugging_face_model_exported_to_a_checkpoint_is_where_a_finetune_start
                 "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--eval-interval", "0", "--sample-tokens", "0",
                 "--load", weights, "--finetune", "--save", tuned])
     assert f"--finetune: loaded the weights of {weights}/iter_0000000" in capsys.readouterr().out
-    after = torch.load(os.path.join(tuned, "iter_0000001", checkpoint.PLAIN_FILE), weights_only=False)["model"]
+    after, _ = checkpoint.read_weights(checkpoint.latest_checkpoint(tuned))
     assert all(torch.equal(after[k], want[k]) for k in want)
 
 

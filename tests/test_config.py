@@ -139,13 +139,25 @@ def test_megatron_flags_fill_typed_config():
       "--recompute-activations", "--partition-activations"], "drop --partition-activations"),
     (["--preset", "tiny", "--ckpt-format", "zarr"], "--ckpt-format 'zarr': use torch or torch_dist"),
     (["--preset", "tiny", "--ckpt-format", "torch_dist", "--deepspeed"], "writes DeepSpeed's own checkpoints"),
-    (["--preset", "tiny", "--async-save"], "^--async-save writes torch_dist checkpoints in the background "
-     r"\(as Megatron\): add --ckpt-format torch_dist, or drop --async-save$"),
-    (["--preset", "tiny", "--async-save", "--deepspeed"], "add --ckpt-format torch_dist and drop --deepspeed"),
+    (["--preset", "tiny", "--async-save", "--ckpt-format", "torch"], "^--async-save writes torch_dist checkpoints "
+     r"in the background \(as Megatron\): drop --ckpt-format torch, or drop --async-save$"),
+    (["--preset", "tiny", "--async-save", "--deepspeed"], ": drop --deepspeed, or drop --async-save$"),
 ])
 def test_bad_flags_are_clear_errors(argv, message):
     with pytest.raises(ValueError, match=message):
         config_lib.model_config(config_lib.parse_args(argv))
+
+
+def test_the_default_checkpoint_format_is_megatrons_torch_dist():
+    """A run that names no --ckpt-format saves torch_dist, Megatron's default
+    (every rank its own shards), and may --async-save; --deepspeed needs no
+    flag either (DeepSpeed writes its own format), and a script that spelled
+    out the old default, --ckpt-format torch, still runs with or without it."""
+    assert parse().ckpt_format == "torch_dist"
+    assert parse("--async-save").async_save
+    assert parse("--deepspeed").deepspeed
+    assert parse("--deepspeed", "--ckpt-format", "torch").ckpt_format == "torch"
+    assert parse("--ckpt-format", "torch").ckpt_format == "torch"
 
 
 @pytest.mark.parametrize("prefix", ["--recompute", "--init"])

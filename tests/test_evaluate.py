@@ -63,7 +63,8 @@ def lambada_texts(lines: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The model (a plain checkpoint and its Hugging Face export) and the two task files.
+    """The model (a plain checkpoint, --ckpt-format torch: one file, which
+    edited_checkpoint edits; and its Hugging Face export) and the two task files.
     The model trains on a corpus of its own (the play's lines stripped), not
     conftest's: test_the_reference_data_has_hits_and_misses depends on it."""
     out = tmp_path_factory.mktemp("evaluate")
@@ -77,7 +78,7 @@ def files(tmp_path_factory):
         builder.add_document(enc.encode_ordinary("\n".join(lines[i:i + 40])) + [50256])
     builder.finalize(corpus + ".idx")
     ckpt, hf = str(out / "ckpt"), str(out / "hf")
-    train.main([*TINY, "--data-path", corpus, "--train-iters", "60", "--save", ckpt])
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "60", "--save", ckpt, "--ckpt-format", "torch"])
     train.main(["--export-from", ckpt, "--export-to", hf, "--export-format", "hf"])
     (out / "wiki.test.tokens").write_text(fake_wikitext(lines), encoding="utf-8")
     texts = lambada_texts(lines)

@@ -492,7 +492,8 @@ DIST_READERS = {  # name: (processes, flags) of a run resuming DIST_WRITER's tor
 
 @pytest.fixture(scope="module")
 def pipeline_runs(ids_corpus, tmp_path_factory):
-    """{name: {iteration: metrics}} of each run: PP=1 (saving at iteration 4),
+    """{name: {iteration: metrics}} of each run (the saves in the single-file torch format but
+    DIST_WRITER's, in the default, torch_dist): PP=1 (saving at iteration 4),
     PP=2 stopped at 4 (--exit-interval), PP=1 resumed from PP=2's iteration 4,
     PP=2 resumed from PP=1's, PIPELINE_LAYOUTS (DIST_WRITER saving torch_dist),
     DIST_READERS, PP=2 with dropout, whole and resumed from its own iteration 4,
@@ -509,8 +510,9 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
         if counts:
             compiled[name] = [json.loads(open(f"{counts}.{rank}").read()) for rank in range(nproc)]
         return {m["iteration"]: m for m in read_metrics(path)}
-    runs = {"PP=1": run("pp1", 1, "--save", str(out / "pp1"), "--save-interval", "4")}
-    pp2 = ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), "--save-interval", "4"]
+    one_file = ["--ckpt-format", "torch"]  # the single-file format (torch_dist: DIST_WRITER's)
+    runs = {"PP=1": run("pp1", 1, "--save", str(out / "pp1"), "--save-interval", "4", *one_file)}
+    pp2 = ["--pipeline-model-parallel-size", "2", "--save", str(out / "pp2"), "--save-interval", "4", *one_file]
     runs["PP=2, stopped at 4"] = run("pp2", 2, *pp2, "--exit-interval", "4")
     shutil.copytree(out / "pp2", out / "pp2-to-pp1")
     runs["PP=2's checkpoint resumed at PP=1"] = run("pp2-to-pp1", 1, "--load", str(out / "pp2-to-pp1"))
@@ -519,8 +521,8 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
     runs["PP=1's checkpoint resumed at PP=2"] = run(
         "pp1-to-pp2", 2, "--pipeline-model-parallel-size", "2", "--load", str(out / "pp1-to-pp2"))
     for name, (nproc, flags) in PIPELINE_LAYOUTS.items():
-        if name == DIST_WRITER:  # also saves --ckpt-format torch_dist at 4 and 8, in the background
-            flags = [*flags, "--ckpt-format", "torch_dist", "--async-save", "--save", str(out / "dist"),
+        if name == DIST_WRITER:  # also saves torch_dist (the default) at 4 and 8, in the background
+            flags = [*flags, "--async-save", "--save", str(out / "dist"),
                      "--save-interval", "4"]
         runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
     for name, (nproc, flags) in HALF_LAYOUTS.items():
@@ -530,7 +532,7 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
         shutil.copytree(out / "dist", out / slug)
         (out / slug / checkpoint.LATEST).write_text("4")
         runs[name] = run(slug, nproc, *flags, "--load", str(out / slug))
-    dropout = ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.2", "--save-interval", "4"]
+    dropout = ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.2", "--save-interval", "4", *one_file]
     for name, slug, flags in (("PP=2", "drop", dropout),
                               ("interleaved PP=2", "idrop", [*dropout, "--num-layers-per-virtual-pipeline-stage", "1"])):
         runs[f"{name} with dropout"] = run(slug, 2, *flags, "--save", str(out / slug))

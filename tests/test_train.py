@@ -220,7 +220,7 @@ def six_steps(corpus, tmp_path_factory):
     checkpoint a shorter run starts from. -> (its metrics file, its --save)."""
     out = tmp_path_factory.mktemp("six_steps")
     train_on_ranks([*TINY, "--data-path", corpus, "--train-iters", "6", "--global-batch-size", "8",
-               "--save", str(out / "ckpt"), "--metrics-file", str(out / "m.jsonl")])
+               "--save", str(out / "ckpt"), "--ckpt-format", "torch", "--metrics-file", str(out / "m.jsonl")])
     return out / "m.jsonl", str(out / "ckpt")
 
 
@@ -249,12 +249,17 @@ def test_compile_trains_the_same_model(corpus, tmp_path):
 
 @pytest.mark.quick
 def test_resume_is_bit_identical(corpus, tmp_path):
+    """A run saved with no --ckpt-format writes the default, torch_dist (DCP's
+    .metadata and one .distcp file for its one rank, as Megatron), and resumed
+    from it repeats the uninterrupted run's losses exactly."""
     common = [*TINY, "--data-path", corpus, "--train-iters", "8", "--global-batch-size", "8"]
     train_on_ranks([*common, "--metrics-file", str(tmp_path / "full.jsonl")])
     ckpt = str(tmp_path / "ckpt")
     train_on_ranks([*common, "--save", ckpt, "--exit-interval", "4",
                "--metrics-file", str(tmp_path / "part.jsonl")])
     assert open(os.path.join(ckpt, checkpoint.LATEST)).read() == "4"
+    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000004"))) == [
+        checkpoint.DIST_METADATA, "__0_0.distcp", checkpoint.DIGESTS]
     train_on_ranks([*common, "--load", ckpt, "--save", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
     assert losses(tmp_path / "part.jsonl") == losses(tmp_path / "full.jsonl")  # exact, not close
     assert [r["iteration"] for r in read_metrics(tmp_path / "part.jsonl")] == list(range(1, 9))
@@ -291,7 +296,8 @@ def test_batch_ramp_resumes_exactly_mid_ramp(corpus, tmp_path):
     assert [m["batch_size"] for m in full] == [4, 4, 8, 12, 16, 16, 16]
     assert full[-1]["consumed_samples"] == 76  # one more step of 16 would pass 80
     ckpt = str(tmp_path / "ckpt")
-    train_on_ranks([*common, "--save", ckpt, "--exit-interval", "3", "--metrics-file", str(tmp_path / "part.jsonl")])
+    train_on_ranks([*common, "--save", ckpt, "--exit-interval", "3", "--ckpt-format", "torch",
+                    "--metrics-file", str(tmp_path / "part.jsonl")])
     train_on_ranks([*common, "--load", ckpt, "--metrics-file", str(tmp_path / "part.jsonl")])
     part = read_metrics(tmp_path / "part.jsonl")
     assert [(m["loss"], m["lr"], m["batch_size"]) for m in part] == \
@@ -312,7 +318,7 @@ def test_mixed_precision_trains(corpus, tmp_path, precision, tp):
 def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
     metrics, ckpt = tmp_path / "m.jsonl", str(tmp_path / "ckpt")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, "--data-path", corpus,
-           "--train-iters", "100000", "--eval-interval", "0", "--save", ckpt,
+           "--train-iters", "100000", "--eval-interval", "0", "--save", ckpt, "--ckpt-format", "torch",
            "--metrics-file", str(metrics)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -691,7 +697,7 @@ def test_null_tokenizer_trains_on_the_ids_a_corpus_holds_and_samples_ids(ids_cor
     ids 0..1999, each document ended by 2000; the model's head has 2001 rows
     (padded to 2048), and the closing sample is printed as ids."""
     train.main([*TINY, *IDS, "--data-path", ids_corpus, "--train-iters", "2", "--sample-tokens", "8",
-                "--save", str(tmp_path / "ckpt")])
+                "--save", str(tmp_path / "ckpt"), "--ckpt-format", "torch"])
     out = capsys.readouterr().out
     sample = out.split(" sample ")[1].splitlines()[1].split()
     assert sample and all(0 <= int(t) < 2000 for t in sample), sample

@@ -577,7 +577,8 @@ def test_hf_export_loads_in_transformers(runs):
 
 
 def test_plain_and_deepspeed_saves_in_one_directory_always_read_the_latest(runs):
-    """A plain run saves 2; a DeepSpeed run (--no-load-optim) in the same
+    """A plain run saves 2 (in the default format, torch_dist); a DeepSpeed run
+    (--no-load-optim, no --ckpt-format: DeepSpeed writes its own) in the same
     --save/--load directory trains to 4; a DeepSpeed resume continues from 4;
     a plain run (--no-load-optim) trains to 6. Each load reads the latest
     save, whatever its kind, and --keep-last-checkpoints 1 never leaves a
@@ -587,10 +588,10 @@ def test_plain_and_deepspeed_saves_in_one_directory_always_read_the_latest(runs)
         seen = json.load(f)
     tools = ["zero_to_fp32.py", "zero_to_torch.py"]  # DeepSpeed's, written beside its checkpoints
     assert seen == {
-        "plain 2": {"files": ["iter_0000002", checkpoint.LATEST], "kind": "plain", "iteration": 2},
+        "plain 2": {"files": ["iter_0000002", checkpoint.LATEST], "kind": "torch_dist", "iteration": 2},
         "deepspeed 4": {"files": ["iter_0000004", "latest", checkpoint.LATEST, *tools],
                         "kind": "deepspeed", "iteration": 4},
-        "plain 6": {"files": ["iter_0000006", checkpoint.LATEST, *tools], "kind": "plain",
+        "plain 6": {"files": ["iter_0000006", checkpoint.LATEST, *tools], "kind": "torch_dist",
                     "iteration": 6}}
     for run, iterations in (("mixed_ds", [3, 4]), ("mixed_ds_resume", [5]), ("mixed_plain_again", [5, 6])):
         assert [m["iteration"] for m in metrics(runs, run)] == iterations, run
