@@ -46,7 +46,7 @@ import parallel
 from config import TrainConfig, lr_schedule, model_config
 from data import VOCAB_SIZE
 from gpt import GPT, GPTConfig, pad_vocab_size
-from launch import UsageError, atomic_write, fsync_path
+from launch import UsageError, atomic_write, fsync_path, parse_json
 from prepare import gpt2_bpe_files
 
 # ----------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     with freed_on_failure(tmp):
         torch.save(state, os.path.join(tmp, PLAIN_FILE))
         write_digests(tmp, digest_files(tmp, [PLAIN_FILE]))
-    publish(tmp, final, "plain", state["iteration"])
+        publish(tmp, final, "plain", state["iteration"])
     return final
 
 
@@ -244,12 +244,19 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
 def freed_on_failure(tmp: str, mine: bool = True):
     """A save that fails removes what it wrote (SAVE/iter_N.tmp) at once: on a
     full disk, its space is what the next save needs. (One killed outright
-    leaves it to remove_old_checkpoints.) `mine`: this rank removes it."""
+    leaves it to remove_old_checkpoints.) `mine`: this rank removes it.
+    Whether the disk was full is judged first (disk_full asks the filesystem,
+    which the removal would empty) and said as an ENOSPC, for on_every_rank."""
     try:
         yield
-    except BaseException:
+    except BaseException as e:
+        # (a UsageError is on_every_rank's verdict, already said)
+        full = disk_full(e, os.path.dirname(tmp)) if isinstance(e, Exception) and not isinstance(e, UsageError) \
+            else None
         if mine:
             shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(errno.ENOSPC, full) from e
         raise
 
 
@@ -324,7 +331,7 @@ FULL_BELOW = 16 << 20  # bytes: a filesystem with less free holds no checkpoint,
 
 def disk_full(error: BaseException, directory: str | None) -> str | None:
     """How a failed write ran out of space (one line), or None. An OSError
-    says so (ENOSPC), raised or wrapped; torch.save's zip writer does not:
+    says so (ENOSPC, or EDQUOT: a quota), raised or wrapped; torch.save's zip writer does not:
     it raises a RuntimeError without the errno ("unexpected pos ...",
     "basic_ios::clear"), which DCP and DeepSpeed pass on. Then the
     filesystem written to is asked: a write that ran out left it all but full."""
@@ -333,7 +340,7 @@ def disk_full(error: BaseException, directory: str | None) -> str | None:
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, OSError) and cause.errno:
-        return f"{type(cause).__name__}: {cause}" if cause.errno == errno.ENOSPC else None
+        return f"{type(cause).__name__}: {cause}" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else None
     try:
         stats = os.statvfs(directory) if directory else None
     except OSError:  # not there, or not ours to ask
@@ -365,15 +372,6 @@ def plain_file_problem(directory: str, name: str) -> str | None:
     if stat.S_ISLNK(mode):
         return f"{name} is a symbolic link (to {os.readlink(path)}), not a file"
     return None if stat.S_ISREG(mode) else f"{name} is {_not_a_file(mode)}, not a file"
-
-
-def inside(directory: str, name: str) -> str:
-    """directory/name, where `name` is a plain file of `directory`
-    (plain_file_problem); otherwise a UsageError naming both. For every path
-    that a checkpoint's own files name."""
-    if problem := plain_file_problem(directory, name):
-        raise UsageError(f"{directory}: {problem}")
-    return os.path.join(directory, name)
 
 
 def _not_a_file(mode: int) -> str:
@@ -528,9 +526,6 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
     on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what, group)
-    with freed_on_failure(tmp, first):  # after the vote: no rank still writes into it
-        on_every_rank(lambda: write(tmp), what, group, cfg.save)
-        digests = digests_of_every_rank(tmp, what, group)
 
     def publish_on_first():
         if first:
@@ -539,7 +534,10 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
             log(f"saved checkpoint {final}")
             remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
-    on_every_rank(publish_on_first, what, group, cfg.save)
+    with freed_on_failure(tmp, first):  # each step ends in a vote: no rank still writes into it
+        on_every_rank(lambda: write(tmp), what, group, cfg.save)
+        digests = digests_of_every_rank(tmp, what, group)
+        on_every_rank(publish_on_first, what, group, cfg.save)
 
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
@@ -692,11 +690,7 @@ def read_deepspeed_meta(tag_dir: str) -> dict:
     if not os.path.lexists(path):
         raise UsageError(f"{path} is missing: not a complete checkpoint written by train.py")
     with regular_file(path) as (f, size):
-        text = f.read(size)
-    try:
-        meta = json.loads(text)
-    except ValueError as e:  # not JSON (cut short), or not UTF-8
-        raise UsageError(f"{path} is not JSON ({e}): cut short or damaged") from None
+        meta = parse_json(f.read(size), path, ": cut short or damaged")
     if not isinstance(meta, dict) or type(meta.get("iteration")) is not int:
         raise UsageError(f"{path} records no iteration: not the {DS_META} train.py writes")
     return meta
@@ -971,18 +965,23 @@ def data_only_loads(where: str):
             os.environ[force] = before
 
 
-def named_files(directory: str, names, index: str) -> list[str]:
+def named_files(directory: str, names, index: str, links: bool = False) -> list[str]:
     """directory/name of each name a checkpoint's own index (DCP's .metadata,
     a Hugging Face weight map) gives: only a plain file of the directory
     (plain_file_problem: no directory part, no link, FIFO or device) and,
     where the directory has digests, one they list (so verified before it is
-    read); anything else would have a checkpoint read whatever file it chose."""
+    read); anything else would have a checkpoint read whatever file it chose.
+    `links`: a link to a regular file is read too (a Hugging Face cache's
+    snapshot is links into its blobs/, as transformers reads them)."""
     listed = listed_digests(directory) if os.path.exists(os.path.join(directory, DIGESTS)) else None
     paths = {}
     for name in names:
         if isinstance(name, str) and name in paths:  # DCP's index names each file many times
             continue
         problem = plain_file_problem(directory, name) if isinstance(name, str) else f"{name!r} is not a file name"
+        if problem and links and os.path.islink(os.path.join(directory, name)) and \
+                os.path.isfile(os.path.join(directory, name)):
+            problem = None
         if problem is None and listed is not None and name not in listed:
             problem = f"{name} is not one of the files its {DIGESTS} lists"
         if problem:
@@ -1150,10 +1149,11 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
             dcp.save(shards, storage_writer=dcp.FileSystemWriter(tmp), planner=dcp.DefaultSavePlanner(**AS_THEY_ARE),
                      process_group=group, no_dist=not dist.is_initialized())
         except CheckpointException as e:  # a BaseException (on_every_rank's vote would miss it) whose text is
-            # every failed rank's traceback: raise the failure itself, this rank's if it has one
-            failures = e.failures
+            # every failed rank's traceback: a failed rank raises its own failure; the others return, and
+            # the vote stops them with one line naming the rank that failed
             rank = dist.get_rank(group) if dist.is_initialized() else 0
-            raise failures.get(rank, next(iter(failures.values())))[0] from e
+            if rank in e.failures:
+                raise e.failures[rank][0] from e
 
     if saver is None:
         return write(state)
@@ -1507,19 +1507,20 @@ def check_export_target(out: str, fmt: str) -> None:
 
 def not_an_export(out: str, fmt: str) -> str | None:
     """What directory `out` holds that is not an earlier export of format fmt, or None."""
-    names = sorted(os.listdir(out))
+    # (an iter_N.tmp is an unfinished save's, an export killed midway say, which a save replaces)
+    names = [n for n in sorted(os.listdir(out)) if not (n.startswith("iter_") and n.endswith(".tmp"))]
     saved = [n for n in names if n.startswith("iter_")]
     pointers = [n for n in names if n in (LATEST, DS_LATEST)]
     if any(not is_weights_export(os.path.join(out, n)) for n in saved):
-        return f"a training run's checkpoints ({listed(saved + pointers)})"
+        return f"a training run's checkpoints ({first_few(saved + pointers)})"
     if fmt == "hf":
         if saved or pointers:
-            return f"a plain export ({listed(saved + pointers)})"
-        return None if is_hf_directory(out) or not names else f"other files ({listed(names)})"
+            return f"a plain export ({first_few(saved + pointers)})"
+        return None if is_hf_directory(out) or not names else f"other files ({first_few(names)})"
     if is_hf_directory(out):
         return f"a Hugging Face model ({HF_CONFIG})"
     others = [n for n in names if n not in saved and n != LATEST]  # DeepSpeed's pointer: not an export's
-    return f"other files ({listed(others)})" if others else None
+    return f"other files ({first_few(others)})" if others else None
 
 
 def is_weights_export(path: str) -> bool:
@@ -1535,7 +1536,7 @@ def is_weights_export(path: str) -> bool:
     return isinstance(state, dict) and "optimizer" in state and state["optimizer"] is None
 
 
-def listed(names: list[str], most: int = 4) -> str:
+def first_few(names: list[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
@@ -1865,11 +1866,8 @@ def _read_hf_config(path: str) -> dict:
     if not os.path.isfile(cfg_path):
         raise UsageError(f"{cfg_path} not found; from_hf needs a local directory "
                          f"written by save_pretrained (no hub downloads)")
-    try:
-        with open(cfg_path, "rb") as f:
-            hf = json.loads(f.read())
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise UsageError(f"{cfg_path} is not JSON ({e}): cut short or damaged") from None
+    with open(cfg_path, "rb") as f:
+        hf = parse_json(f.read(), cfg_path, ": cut short or damaged")
     if not isinstance(hf, dict):
         raise UsageError(f"{cfg_path} is not a JSON object: not a Hugging Face model's config")
     return hf
@@ -1900,11 +1898,8 @@ def _read_safetensors(path: str) -> dict:
 def _hf_shards(path: str, index: str) -> list[str]:
     """The files a sharded checkpoint's index maps its weights to: safetensors
     files of its own directory, each there."""
-    with open(index) as f:
-        try:
-            read = json.load(f)
-        except ValueError as e:
-            raise UsageError(f"{index} is not JSON ({e})") from None
+    with open(index, "rb") as f:
+        read = parse_json(f.read(), index)
     weight_map = read.get("weight_map") if isinstance(read, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise UsageError(f"{index} has no \"weight_map\" (each weight's file): not a sharded checkpoint's index")
@@ -1912,8 +1907,4 @@ def _hf_shards(path: str, index: str) -> list[str]:
     for name in names:
         if not name.endswith(".safetensors"):
             raise UsageError(f"{index} maps weights to {name!r}, not a .safetensors file (the only kind it names)")
-    shards = named_files(path, names, index)
-    for shard in shards:
-        if not os.path.isfile(shard):
-            raise UsageError(f"{index} maps weights to {shard}, which is missing")
-    return shards
+    return named_files(path, names, index, links=True)

@@ -20,7 +20,7 @@ import torch
 
 from gpt import GPTConfig, PRESETS, count_parameters, pad_vocab_size
 from data import check_gpt2_bpe
-from launch import UsageError
+from launch import UsageError, parse_json
 
 TRAIN, EVALUATE = "train.py", "evaluate.py"
 BOTH, EVAL = (TRAIN, EVALUATE), (EVALUATE,)
@@ -481,15 +481,13 @@ def read_deepspeed_json(path: str) -> dict:
     writes would silently override it, and the run would train in fp32."""
     try:
         with open(path, encoding="utf-8") as f:
-            user = json.load(f)
+            text = f.read()
     except FileNotFoundError:
         raise UsageError(f"--deepspeed_config {path}: no such file") from None
     except UnicodeDecodeError as e:
         raise UsageError(f"--deepspeed_config {path}: not UTF-8 text ({e.reason} at byte {e.start}); "
                          f"save it as UTF-8") from None
-    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than Python recurses
-        why = e if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-        raise UsageError(f"--deepspeed_config {path}: not valid JSON ({why})") from None
+    user = parse_json(text, f"--deepspeed_config {path}")
     if not isinstance(user, dict):
         raise UsageError(f"--deepspeed_config {path}: not a JSON object ({{\"key\": value, ...}})")
     for section in ("zero_optimization", "bf16", "bfloat16", "fp16", "checkpoint", "data_types"):  # read here

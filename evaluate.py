@@ -39,7 +39,7 @@ import parallel
 import config
 from config import EVALUATE, TrainConfig, autocast, eod_token, model_config
 from gpt import GPT, GPTConfig, generate
-from launch import UsageError
+from launch import UsageError, parse_json
 from prepare import load_tokenizer
 from train import init_processes
 
@@ -237,12 +237,7 @@ def lambada(cfg: TrainConfig, enc) -> tuple[list[Example], dict]:
         if not line.strip():
             continue
         where = f"--valid-data {cfg.valid_data}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than Python recurses
-            why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-            raise UsageError(f"{where}: not JSON ({why}); expected one object with "
-                             f"\"text\" per line") from None
+        obj = parse_json(line, where, "; expected one object with \"text\" per line")
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise UsageError(f"{where}: no \"text\" string in this line; expected one object with "
                              f"\"text\" per line, e.g. {{\"text\": \"... last word\"}}")
@@ -385,8 +380,10 @@ def check_writable(flag: str, path: str | None) -> None:
         why = "it is a directory"
     elif not os.path.isdir(where):
         why = f"{where} is {'a file' if os.path.exists(where) else 'missing'}, not a directory"
-    elif not os.access(where, os.W_OK):
+    elif not os.access(where, os.W_OK | os.X_OK):
         why = f"{where} is not writable"
+    elif os.path.exists(path) and not os.access(path, os.W_OK):
+        why = "it is read-only"
     else:
         return
     raise UsageError(f"{flag} {path}: cannot write it: {why}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import signal
 import socket
@@ -98,6 +99,17 @@ def report_collective_failure(e: RuntimeError, prog: str) -> None:
     sys.exit(1)
 
 
+def parse_json(data, where: str, then: str = ""):
+    """json.loads(data), or one line (UsageError) naming `where` and why it is
+    not JSON: cut short, not UTF-8, or nested deeper than Python's parser
+    recurses (a RecursionError, which is not a ValueError). `then`: what to do."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        why = getattr(e, "msg", None) or ("nested too deeply" if isinstance(e, RecursionError) else str(e))
+        raise UsageError(f"{where}: not JSON ({why}){then}") from None
+
+
 _sigterm_wakeup = None  # the pipe's write end while sigterm_exits is in force
 
 
@@ -112,12 +124,13 @@ def sigterm_exits(line: str) -> None:
     global _sigterm_wakeup
     read, write = os.pipe()
     os.set_blocking(write, False)  # set_wakeup_fd requires it: a signal handler never blocks
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread acts; the main thread need not
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     if _sigterm_wakeup is not None:  # an earlier run in this process (tests): its thread ends
         os.close(_sigterm_wakeup)
     _sigterm_wakeup = write
     threading.Thread(target=_exit_on_sigterm, args=(read, line), daemon=True, name="sigterm").start()
+    # Last: until now SIGTERM's default action ended the process (without the line); none is lost.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread acts; the main thread need not
 
 
 def _exit_on_sigterm(read: int, line: str) -> None:

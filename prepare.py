@@ -46,7 +46,7 @@ import numpy as np
 
 from data import (GPT2_VOCAB_SHA256, VOCAB_SIZE, IndexedDataset, IndexedDatasetBuilder, best_dtype,
                   check_gpt2_bpe, vocab_digest)
-from launch import UsageError
+from launch import UsageError, parse_json
 
 EOD = 50256                 # GPT-2's <|endoftext|>, appended after every document
 TEXT_EXTENSIONS = (".txt", ".md", ".json", ".jsonl", ".ndjson")
@@ -191,13 +191,8 @@ def iter_json_documents(path: str, key: str) -> Iterator[str]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than Python recurses
-                why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-                raise UsageError(f"{path}:{lineno}: invalid JSON ({why}); expected one JSON object per line "
-                                 "(loose JSON / JSONL, as Megatron's preprocess_data.py reads). "
-                                 "Fix or remove that line") from None
+            obj = parse_json(line, f"{path}:{lineno}", "; expected one JSON object per line (loose JSON / "
+                             "JSONL, as Megatron's preprocess_data.py reads). Fix or remove that line")
             if not isinstance(obj, dict) or key not in obj:
                 present = sorted(obj) if isinstance(obj, dict) else f"none (a {type(obj).__name__}, not an object)"
                 raise UsageError(f"{path}:{lineno}: JSON object has no key {key!r}; keys present: {present}. "

@@ -12,6 +12,7 @@ became the default are in). The Hugging Face tests build random transformers mod
 check that ours computes the same logits, both ways.
 """
 import dataclasses
+import contextlib
 import errno
 import glob
 import hashlib
@@ -715,6 +716,27 @@ def files_and_hashes(directory: str) -> dict[str, str]:
             for root, _, names in os.walk(directory) if not root.endswith(".tmp") for name in names}
 
 
+def test_a_failed_save_is_judged_full_before_its_space_is_freed(small_disk, monkeypatch):
+    """torch.save's zip writer says a full disk only as a RuntimeError, so the
+    filesystem is asked; but the failed save frees its iter_N.tmp at once,
+    after which the disk is no longer full. The verdict comes first: here a
+    save that wrote the disk full (its last 256 KiB), judged against a
+    threshold of 128 KiB, is reported as ENOSPC, though the disk has 256 KiB
+    free again once the save's leftover is gone."""
+    fill(small_disk, leave=256 << 10)
+    monkeypatch.setattr(checkpoint, "FULL_BELOW", 128 << 10)
+    tmp = os.path.join(small_disk, "iter_0000004.tmp")
+    os.makedirs(tmp)
+    with pytest.raises(OSError) as failed, checkpoint.freed_on_failure(tmp):
+        with open(os.path.join(tmp, "model_optim_rng.pt"), "wb", buffering=0) as f:
+            with contextlib.suppress(OSError):  # ENOSPC, which the zip writer says without its errno:
+                while True:
+                    f.write(bytes(1 << 16))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+    assert failed.value.errno == errno.ENOSPC and "unexpected pos" in str(failed.value)
+    assert not os.path.exists(tmp) and shutil.disk_usage(small_disk).free >= 200 << 10
+
+
 @pytest.mark.parametrize("flags", [["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"], ["--deepspeed"],
                                    ["--ckpt-format", "torch_dist", "--async-save"]],
                          ids=["torch", "torch_dist", "deepspeed", "async-save"])
@@ -941,7 +963,7 @@ def test_deepspeeds_pointer_and_trainer_state_are_held_to_what_megatrons_pointer
     problems = [f"{ckpt}/iter_0000009 cannot be loaded: it holds no checkpoint",
                 f"{ckpt}/iter_0000007 cannot be loaded: {shard.format(1)} is not listed in checksums.sha256",
                 f"{ckpt}/iter_0000006 cannot be loaded: its trainer_state.json records iteration 7, not 6",
-                f"{ckpt}/iter_0000005 cannot be loaded: {ckpt}/iter_0000005/trainer_state.json is not JSON"]
+                f"{ckpt}/iter_0000005 cannot be loaded: {ckpt}/iter_0000005/trainer_state.json: not JSON"]
     said = [f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint",
             f"{ckpt}/iter_0000004 has no checksums.sha256 (saved before checksums, or copied without them)"]
     metrics = tmp_path / "m.jsonl"
@@ -1302,7 +1324,7 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     checked as it is read. A pytorch_model.bin holding a payload (torch.save's
     zip, or its pre-zip format), and a sharded checkpoint's index mapping a
     weight to a file outside the directory, to a file not safetensors, or
-    lacking its weight_map (or naming a link out of it), or a config.json or
+    lacking its weight_map (or naming a link to a FIFO), or a config.json or
     safetensors file cut short: --export-from and evaluate.py --hf stop in
     one line that names the file, and nothing runs or is read."""
     from safetensors.torch import load_file
@@ -1339,18 +1361,24 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     planted("no-map", indexed(None), 'model.safetensors.index.json has no "weight_map"')
     stops_in_one_line(probes, ran)
     assert not any(p.name.endswith("-out") for p in tmp_path.iterdir())  # nothing exported
-    link = tmp_path / "link"  # the name is plain, but the file is a link out of the directory
-    planted("link", lambda hf: (os.symlink("../outside/x.safetensors", hf / "x.safetensors"),
+    # A plain name that is a link: to a file, as a Hugging Face cache's snapshot links into its blobs/, it
+    # is read (the model loads); to a FIFO, which would block the read forever, it is refused in one line.
+    hub = tmp_path / "hub"
+    planted("hub", lambda hf: (os.symlink("../outside/x.safetensors", hf / "x.safetensors"),
+                               indexed("x.safetensors")(hf)), "")
+    assert from_hf(str(hub)).wte.weight.shape == tiny_model().wte.weight.shape
+    os.mkfifo(tmp_path / "outside" / "fifo.safetensors")
+    planted("fifo", lambda hf: (os.symlink("../outside/fifo.safetensors", hf / "x.safetensors"),
                                 indexed("x.safetensors")(hf)), "")
     with pytest.raises(UsageError, match="names 'x.safetensors', not one of its own files .*is a symbolic link"):
-        from_hf(str(link))
+        from_hf(str(tmp_path / "fifo"))
     cut = tmp_path / "cut"  # files cut short (a copy that did not finish): UsageError, one line as above
     shutil.copytree(tmp_path / "good", cut)
     (cut / "model.safetensors").write_bytes((tmp_path / "good" / "model.safetensors").read_bytes()[:100])
     with pytest.raises(UsageError, match="model.safetensors is not a safetensors file"):
         from_hf(str(cut))
     (cut / "config.json").write_text((tmp_path / "good" / "config.json").read_text()[:30])
-    with pytest.raises(UsageError, match="config.json is not JSON"):
+    with pytest.raises(UsageError, match="config.json: not JSON"):
         from_hf(str(cut))
 
 

@@ -669,10 +669,10 @@ def test_a_missing_or_broken_json_is_named(tmp_path):
     with pytest.raises(ValueError, match="--deepspeed_config .*nope.json: no such file"):
         parse("--deepspeed", "--deepspeed_config", str(tmp_path / "nope.json"))
     (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+    with pytest.raises(ValueError, match="bad.json: not JSON"):
         parse("--deepspeed", "--deepspeed_config", str(tmp_path / "bad.json"))
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(ValueError, match=r"deep.json: not valid JSON \(nested too deeply\)$"):
+    with pytest.raises(ValueError, match=r"deep.json: not JSON \(nested too deeply\)$"):
         parse("--deepspeed", "--deepspeed_config", str(tmp_path / "deep.json"))
     (tmp_path / "latin1.json").write_bytes('{"comment": "café"}'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.json: not UTF-8 text \(invalid continuation byte at byte 16\); "

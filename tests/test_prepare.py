@@ -179,7 +179,7 @@ def test_json_lines_are_read_by_name_or_as_every_input_given_json_keys(tmp_path,
     text = write(tmp_path / "t.txt", "plain text")
     with pytest.raises(SystemExit) as stop:
         prepare.main(["--input", text, "--output-prefix", str(tmp_path / "t"), "--json-keys", "text"])
-    assert f"{text}:1: invalid JSON" in str(stop.value)
+    assert f"{text}:1: not JSON" in str(stop.value)
 
 
 @pytest.mark.quick
@@ -512,7 +512,7 @@ def test_directory_without_text_files(tmp_path):
 @pytest.mark.quick
 def test_invalid_json_line_names_file_and_line(tmp_path):
     path = write(tmp_path / "bad.jsonl", '{"text": "ok"}\n\n{"text": "unterminated\n')
-    fails(tmp_path, ["--input", path], r"bad\.jsonl:3: invalid JSON")
+    fails(tmp_path, ["--input", path], r"bad\.jsonl:3: not JSON")
 
 
 @pytest.mark.quick
@@ -522,7 +522,7 @@ def test_json_nested_deeper_than_python_recurses_is_one_line(tmp_path, enc):
     text file that starts so is text, as any other."""
     deep = "[" * 100_000 + "]" * 100_000
     path = write(tmp_path / "deep.jsonl", '{"text": "ok"}\n' + deep + "\n")
-    fails(tmp_path, ["--input", path], r"deep\.jsonl:2: invalid JSON \(nested too deeply\)")
+    fails(tmp_path, ["--input", path], r"deep\.jsonl:2: not JSON \(nested too deeply\)")
     text = write(tmp_path / "deep.txt", deep)
     prepare.main(["--input", text, "--output-prefix", str(tmp_path / "t")])
     assert decoded_documents(str(tmp_path / "t_text_document"), enc) == [deep]
@@ -555,7 +555,7 @@ def test_failure_mid_run_leaves_no_partial_output(tmp_path):
     second file is read: the partial .bin must vanish, temp files included."""
     good = write(tmp_path / "in/1.txt", "a complete document " * 1000)
     bad = write(tmp_path / "in/2.jsonl", '{"text": "fine"}\n{"text": "fine"}\nnot json at all\n')
-    fails(tmp_path, ["--input", good, bad], r"2\.jsonl:3: invalid JSON")
+    fails(tmp_path, ["--input", good, bad], r"2\.jsonl:3: not JSON")
     assert files_in(tmp_path) == ["in/1.txt", "in/2.jsonl"]
 
 
