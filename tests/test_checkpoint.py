@@ -1207,6 +1207,9 @@ def test_an_export_never_writes_into_a_directory_that_holds_checkpoints(two_save
     plain, hf = str(tmp_path / "plain"), str(tmp_path / "hf")
     for out, fmt in ((plain, "plain"), (plain, "plain"), (hf, "hf"), (hf, "hf")):
         checkpoint.export_weights(run, out, fmt)
+        os.makedirs(os.path.join(out, "iter_0000004.tmp"), exist_ok=True)  # as an export killed midway leaves
+    assert sorted(os.listdir(plain)) == ["iter_0000004", "iter_0000004.tmp", checkpoint.LATEST]
+    checkpoint.export_weights(run, plain, "plain")  # its rerun writes over it, and the leftover goes
     assert sorted(os.listdir(plain)) == ["iter_0000004", checkpoint.LATEST]
     for out, fmt, held in ((plain, "hf", f"a plain export (iter_0000004, {checkpoint.LATEST})"),
                            (hf, "plain", f"a Hugging Face model ({checkpoint.HF_CONFIG})")):
