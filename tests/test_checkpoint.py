@@ -618,7 +618,8 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
 
     def payload(tag):
         shutil.rmtree(tag)
-        dcp.save({"iteration": 4, "consumed_samples": 32, "config": {}, "model_config": _RunsACommand(f"touch {ran}")},
+        dcp.save({"iteration": 4, "consumed_samples": 32, "config": {}, "model_config": _RunsACommand(f"touch {ran}"),
+                  "rng.stage0": torch.zeros(8, dtype=torch.uint8)},  # all that train.py writes, or refused for that
                  storage_writer=dcp.FileSystemWriter(tag), planner=dcp.DefaultSavePlanner(**checkpoint.AS_THEY_ARE),
                  no_dist=True)
 

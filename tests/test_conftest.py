@@ -134,7 +134,7 @@ def test_the_quick_tier_cannot_grow_past_its_budget_unnoticed(tmp_path):
     (tmp_path / "test_tier.py").write_text(TIER)
     run = lambda budget, *args: run_bounded(  # this conftest as a plugin (-p), on a suite of one file
         [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", *args, str(tmp_path)],
-        60, cwd=tmp_path, env={**os.environ, "QUICK_BUDGET_S": str(budget),
+        60, cwd=tmp_path, env={**os.environ, "QUICK_BUDGET_S": str(budget), "PYTEST_ADDOPTS": "",
                                "PYTHONPATH": os.path.join(ROOT, "tests")})
     over = run(0.8)  # 2 s of quick test time / 2 workers > 0.8 s; without the fixture's 1 s it would pass
     assert over.returncode == 1 and "quick tier: 1 tests" in over.stdout and "over budget, FAILED" in over.stdout
