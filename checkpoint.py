@@ -255,7 +255,7 @@ def freed_on_failure(tmp: str, mine: bool = True):
             else None
         if mine:
             shutil.rmtree(tmp, ignore_errors=True)
-        if full:
+        if full and os_error_in(e) is None:  # (an errno says it already)
             raise OSError(errno.ENOSPC, full) from e
         raise
 
@@ -329,17 +329,23 @@ def on_every_rank(fn, what: str, group=None, directory: str | None = None) -> No
 FULL_BELOW = 16 << 20  # bytes: a filesystem with less free holds no checkpoint, whatever the error says
 
 
+def os_error_in(error: BaseException) -> OSError | None:
+    """The first OSError with an errno in error's chain (raised, or wrapped), or None."""
+    cause, seen = error, set()
+    while cause is not None and id(cause) not in seen and not (isinstance(cause, OSError) and cause.errno):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
 def disk_full(error: BaseException, directory: str | None) -> str | None:
     """How a failed write ran out of space (one line), or None. An OSError
     says so (ENOSPC, or EDQUOT: a quota), raised or wrapped; torch.save's zip writer does not:
     it raises a RuntimeError without the errno ("unexpected pos ...",
     "basic_ios::clear"), which DCP and DeepSpeed pass on. Then the
     filesystem written to is asked: a write that ran out left it all but full."""
-    cause, seen = error, set()
-    while cause is not None and id(cause) not in seen and not (isinstance(cause, OSError) and cause.errno):
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    if isinstance(cause, OSError) and cause.errno:
+    cause = os_error_in(error)
+    if cause is not None:
         return f"{type(cause).__name__}: {cause}" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else None
     try:
         stats = os.statvfs(directory) if directory else None
