@@ -480,9 +480,11 @@ def damage(found: Found) -> str | None:
 
 
 def digests_problem(directory: str, names: list[str]) -> str | None:
-    """damage's verdict on the files `names` of a directory with DIGESTS."""
+    """damage's verdict on the files `names` of a directory with DIGESTS
+    (each of which damage found a plain file already)."""
     listed = listed_digests(directory)
-    problem = next(filter(None, (plain_file_problem(directory, name) for name in listed)), None)
+    there = set(names)  # so only a listed name not among them is left to judge: missing, or no plain name
+    problem = next(filter(None, (plain_file_problem(directory, name) for name in listed if name not in there)), None)
     if problem:  # before any file is read
         return problem
     unlisted = [name for name in names if name not in listed and name != DIGESTS]
