@@ -1,5 +1,5 @@
-"""Checkpoints: train.py's own (Megatron's layout), DeepSpeed's, Hugging
-Face directories, and weight export. Sections:
+"""Checkpoints: train.py's own (Megatron's layout), DeepSpeed's, and weight
+export. Sections:
 
   1. plain: SAVE/iter_0000100/model_optim_rng.pt + latest_checkpointed_iteration.txt,
      full (unsharded) states, so any TP and DP size loads them (--ckpt-format
@@ -8,30 +8,24 @@ Face directories, and weight export. Sections:
      and what it may take from it
   2. DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
      so its tools (zero_to_fp32) read it; export of either kind's weights
-  3. Hugging Face GPT-2 and Llama directories in and out (from_hf, to_hf)
+     (as a Hugging Face directory: huggingface.py)
 Every kind is written under a temporary name, renamed into place, then
 pointed at (publish): a crash at any point leaves the previous checkpoint
-and the pointer to it intact.
+and the pointer to it intact. Every file is read through untrusted.py: a
+checkpoint may come from anyone.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import errno
-import functools
 import glob
-import hashlib
-import importlib
 import io
 import json
 import os
 import pickle
-import pickletools
 import random
-import re
 import shutil
-import stat
 import tempfile
 import types
 import warnings
@@ -44,10 +38,12 @@ import torch.distributed as dist
 
 import parallel
 from config import TrainConfig, lr_schedule, model_config
-from data import VOCAB_SIZE
-from gpt import GPT, GPTConfig, pad_vocab_size
+from gpt import GPT, GPTConfig
+from huggingface import HF_CONFIG, from_hf, is_hf_directory, to_hf, write_hf_tokenizer
 from launch import UsageError, atomic_write, fsync_path, parse_json
-from prepare import gpt2_bpe_files
+from untrusted import (DIGESTS, DIST_METADATA, data_only_loads, digest_files, digests_problem, dist_reader,
+                       plain_file_problem, read_dist_metadata, regular_file, write_digests)
+
 
 # ----------------------------------------------------------------------------
 # 1. train.py's own checkpoints
@@ -57,10 +53,7 @@ LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds w
 PLAIN_FILE = "model_optim_rng.pt"
 DS_LATEST = "latest"  # DeepSpeed's own pointer file name, so its tools work on our checkpoints
 DS_META = "trainer_state.json"
-DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last: a torch_dist checkpoint
 MARKERS = (("plain", PLAIN_FILE), ("torch_dist", DIST_METADATA), ("deepspeed", DS_META))  # kind: its file
-DIGESTS = "checksums.sha256"  # every file's sha256, in sha256sum's format (`sha256sum -c` reads it)
-HF_CONFIG = "config.json"  # a Hugging Face model directory's (section 3)
 
 
 def rng_state() -> dict:
@@ -361,85 +354,6 @@ def disk_full(error: BaseException, directory: str | None) -> str | None:
 # bytes on disk; a load checks them before it reads, and a damaged or
 # incomplete checkpoint gives way to the newest intact one (verified_checkpoint).
 
-def plain_file_problem(directory: str, name: str) -> str | None:
-    """Why `name` is not a plain file of `directory`, or None. The names a
-    checkpoint gives (checksums.sha256's, DCP's index's, a Hugging Face
-    index's) may not lead elsewhere: a bare file name (no directory part, no
-    `..`, nothing sha256sum would escape) of a regular file there, not a
-    link, directory, FIFO or device, which a tar or zip can carry and whose
-    reading would go outside the checkpoint or never end."""
-    if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0"):
-        return f"{name!r} is not a file name in the checkpoint's directory"
-    path = os.path.join(directory, name)
-    try:
-        mode = os.lstat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return f"{name} is missing"
-    if stat.S_ISLNK(mode):
-        return f"{name} is a symbolic link (to {os.readlink(path)}), not a file"
-    return None if stat.S_ISREG(mode) else f"{name} is {_not_a_file(mode)}, not a file"
-
-
-def _not_a_file(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
-    return next((what for test, what in kinds if test(mode)), "a device")
-
-
-@contextlib.contextmanager
-def regular_file(path: str, follow: bool = False):
-    """(binary file, size) of `path`, opened only if it is a regular file
-    (and, unless `follow`, not a link), checked before the open and again on
-    the open file; a UsageError otherwise. A FIFO never blocks the open, and
-    a reader takes no more than `size` bytes: /dev/zero has no end."""
-    mode = (os.stat if follow else os.lstat)(path).st_mode
-    if not stat.S_ISREG(mode):
-        what = "a symbolic link" if stat.S_ISLNK(mode) else _not_a_file(mode)
-        raise UsageError(f"{path} is {what}, not a file")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
-    except OSError as e:  # swapped for a link since the check
-        if e.errno != errno.ELOOP:
-            raise
-        raise UsageError(f"{path} is a symbolic link, not a file") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # swapped since the check
-            raise UsageError(f"{path} is {_not_a_file(info.st_mode)}, not a file")
-        os.set_blocking(fd, True)  # O_NONBLOCK was for the open alone
-        yield f, info.st_size
-
-
-def sha256_of(path: str) -> str:
-    """The sha256 of a regular file's bytes (regular_file), read in blocks."""
-    digest = hashlib.sha256()
-    with regular_file(path) as (f, left):
-        while left > 0 and (block := f.read(min(left, 1 << 24))):
-            digest.update(block)
-            left -= len(block)
-    return digest.hexdigest()
-
-
-def listed_digests(directory: str) -> dict[str, str]:
-    """name -> sha256 of every line of directory's DIGESTS, in sha256sum's
-    format: `SHA256  NAME`, or `SHA256 *NAME` as `sha256sum -b` writes (its
-    binary mode hashes the same bytes). A UsageError names a line of any
-    other form; the names are checked where they are read (damage)."""
-    path, listed = os.path.join(directory, DIGESTS), {}
-    with regular_file(path) as (f, size):
-        text = f.read(size).decode("utf-8", "replace")
-    for number, line in enumerate(text.removesuffix("\n").split("\n") if text else [], 1):
-        match = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line)
-        if not match or match[2] in listed:
-            raise UsageError(f"line {number} of {DIGESTS}, {line[:80]!r}, is not `SHA256  NAME` of a file "
-                             f"listed once")
-        listed[match[2]] = match[1].lower()
-    return listed
-
-
-def digest_files(directory: str, names: list[str]) -> dict[str, str]:
-    return {name: sha256_of(os.path.join(directory, name)) for name in names}
-
-
 def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, str]:
     """The sha256 of every file in directory, rank r hashing files r, r+W, ...
     of the sorted list (collective; every rank's writes must be done)."""
@@ -451,11 +365,6 @@ def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, st
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
     return {name: d for share in everyone for name, d in share.items()}
-
-
-def write_digests(directory: str, digests: dict[str, str]) -> None:
-    text = "".join(f"{d}  {name}\n" for name, d in sorted(digests.items()))
-    atomic_write(os.path.join(directory, DIGESTS), lambda f: f.write(text.encode()))
 
 
 def damage(found: Found) -> str | None:
@@ -477,24 +386,6 @@ def damage(found: Found) -> str | None:
         problem = str(e)
     # (outside: cut_short's refusal of an index that would run code stops the run, see data_only_loads)
     return problem or (None if DIGESTS in names else cut_short(found))
-
-
-def digests_problem(directory: str, names: list[str]) -> str | None:
-    """damage's verdict on the files `names` of a directory with DIGESTS
-    (each of which damage found a plain file already)."""
-    listed = listed_digests(directory)
-    there = set(names)  # so only a listed name not among them is left to judge: missing, or no plain name
-    problem = next(filter(None, (plain_file_problem(directory, name) for name in listed if name not in there)), None)
-    if problem:  # before any file is read
-        return problem
-    unlisted = [name for name in names if name not in listed and name != DIGESTS]
-    if unlisted:  # another run's, saved over this one (at another data-parallel size, say)
-        return (f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not listed in {DIGESTS} "
-                f"(another save's, written over this one?)")
-    for name, digest in listed.items():
-        if sha256_of(os.path.join(directory, name)) != digest:
-            return f"{name} is damaged (its sha256 is not the one {DIGESTS} records)"
-    return None
 
 
 def cut_short(found: Found) -> str | None:
@@ -910,7 +801,7 @@ def read_weights(found: Found) -> tuple[dict, dict]:
     any kind, any ZeRO stage and TP size. Needs no process group."""
     if found.kind == "torch_dist":
         return read_dist_weights(found.path)
-    with data_only_loads(found.path):
+    with data_only_loads(found.path, found.kind):
         if found.kind == "plain":
             state = torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu")
             return state.pop("model"), state
@@ -920,154 +811,6 @@ def read_weights(found: Found) -> tuple[dict, dict]:
     return weights, {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                      "rng": client["rng"], "config": client["config"],
                      "model_config": meta["model_config"]}
-
-
-# torch.load unpickles, and a pickle may name any function for the reader to call:
-# a downloaded checkpoint could run a command on every rank that reads it. So
-# every checkpoint file is read as weights_only: tensors, numbers, strings and
-# containers, plus the few types below, which rebuild data and call nothing else.
-# DeepSpeed's own reads (engine.load_checkpoint, zero_to_fp32) pass
-# weights_only=False; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that.
-
-# A file of another pickle protocol than torch.save's is refused in one line, without torch's warning too.
-warnings.filterwarnings("ignore", "Detected pickle protocol")
-
-
-def _data_types(deepspeed: bool) -> list:
-    """numpy's ndarray, for np.random's state in every checkpoint's "rng"; with
-    `deepspeed`, DeepSpeed's enum, loss scalers and fragment addresses, in its
-    optimizer files (a plain or torch_dist load imports no DeepSpeed)."""
-    rebuild = np.zeros(0).__reduce__()[0]  # numpy's array reconstructor, under both its module names:
-    types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # the state's key array is uint32
-             (rebuild, "numpy._core.multiarray._reconstruct"),  # numpy 2
-             (rebuild, "numpy.core.multiarray._reconstruct")]  # numpy 1's checkpoints
-    if not deepspeed:
-        return types
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-        types += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-    except ImportError:  # no DeepSpeed here: no file needs its types
-        pass
-    return types
-
-
-@contextlib.contextmanager
-def data_only_loads(where: str):
-    """Every torch.load inside, DeepSpeed's included, reads data only
-    (weights_only=True). A file that holds anything else is not read: one
-    line names it and what it holds."""
-    force, before = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ[force] = "1"
-    try:
-        with torch.serialization.safe_globals(_data_types(kind_of(where) == "deepspeed")):
-            try:
-                yield
-            except pickle.UnpicklingError as e:
-                raise UsageError(_code_in_files(where, e)) from None
-    finally:
-        if before is None:
-            del os.environ[force]
-        else:
-            os.environ[force] = before
-
-
-def named_files(directory: str, names, index: str, links: bool = False) -> list[str]:
-    """directory/name of each name a checkpoint's own index (DCP's .metadata,
-    a Hugging Face weight map) gives: only a plain file of the directory
-    (plain_file_problem: no directory part, no link, FIFO or device) and,
-    where the directory has digests, one they list (so verified before it is
-    read); anything else would have a checkpoint read whatever file it chose.
-    `links`: a link to a regular file is read too (a Hugging Face cache's
-    snapshot is links into its blobs/, as transformers reads them)."""
-    listed = listed_digests(directory) if os.path.exists(os.path.join(directory, DIGESTS)) else None
-    paths = {}
-    for name in names:
-        if isinstance(name, str) and name in paths:  # DCP's index names each file many times
-            continue
-        problem = plain_file_problem(directory, name) if isinstance(name, str) else f"{name!r} is not a file name"
-        if problem and links and os.path.islink(os.path.join(directory, name)) and \
-                os.path.isfile(os.path.join(directory, name)):
-            problem = None
-        if problem is None and listed is not None and name not in listed:
-            problem = f"{name} is not one of the files its {DIGESTS} lists"
-        if problem:
-            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not one of "
-                             f"its own files ({problem}). Load checkpoints only from a source you trust")
-        paths[name] = os.path.join(directory, name)
-    return list(paths.values())
-
-
-def _code_in_files(where: str, error: pickle.UnpicklingError) -> str:
-    """Which files under `where` hold more than data, found without unpickling
-    them (a static scan); else what the unpickler refused."""
-    shown = "; ".join(f"{f} holds {', '.join(found)}" for f, found in _pickles_in(where, error) if found)
-    if not shown:
-        reason = [line for line in str(error).splitlines() if "global" in line.lower() or "got <" in line]
-        shown = f"a file there holds {(reason or ['more than data'])[0].strip()}"
-    return (f"refusing to read the checkpoint in {where}: {shown}, not data (tensors, numbers, "
-            f"containers); a file like that can run code when it is read. Load checkpoints only "
-            f"from a source you trust")
-
-
-def _pickles_in(where: str, error: pickle.UnpicklingError):
-    """(a pickle's name, the globals in it that weights_only refuses) for each
-    pickle a load reads under `where`: its .pt files, or a torch_dist
-    checkpoint's non-tensors, each a torch.save zip within a .distcp file
-    (unless the refusal was of its index, .metadata, itself)."""
-    if kind_of(where) != "torch_dist":
-        for path in sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]:
-            with open(path, "rb") as f:
-                yield path, _unsafe_globals(f)
-    elif DIST_METADATA not in str(error):
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-        metadata = dist_reader(where).read_metadata()
-        for index, info in metadata.storage_data.items():
-            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-                with open(os.path.join(where, info.relative_path), "rb") as f:
-                    f.seek(info.offset)
-                    piece = io.BytesIO(f.read(info.length))
-                yield f"{os.path.join(where, info.relative_path)} (its {index.fqn})", _unsafe_globals(piece)
-
-
-def _unsafe_globals(f) -> list[str]:
-    """The globals in a file torch.load reads (f: open, binary) that weights_only
-    refuses, read statically: torch's own scan of a torch.save zip, else of
-    the pickles of torch's legacy (pre-zip) format or a raw pickle, against
-    the same allow-list."""
-    zipped = zipfile.is_zipfile(f)
-    f.seek(0)
-    if zipped:
-        return torch.serialization.get_unsafe_globals_in_checkpoint(f)
-    from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
-    return sorted(_pickle_globals(f) - set(_get_allowed_globals()) - set(_get_user_allowed_globals()))
-
-
-def _pickle_globals(f) -> set[str]:
-    """Every module.name the pickles at the start of a file (f: open, binary)
-    name (torch's legacy format is five pickles, then raw bytes; a raw pickle
-    is one), by reading their opcodes: a protocol 4 global takes the two
-    strings last pushed or fetched from the memo."""
-    found, strings, memo, top = set(), [], {}, None
-    for _ in range(5):
-        try:
-            for op, arg, _ in pickletools.genops(f):
-                if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
-                    memo[len(memo) if arg is None else arg] = top
-                    continue
-                if op.name in ("GET", "BINGET", "LONG_BINGET"):
-                    arg = memo.get(arg)
-                if op.name == "GLOBAL":
-                    found.add(arg.replace(" ", "."))
-                elif op.name == "STACK_GLOBAL":
-                    found.add(".".join(strings[-2:]))
-                top = arg if isinstance(arg, str) and op.name != "GLOBAL" else None
-                if top is not None:
-                    strings.append(top)
-        except ValueError:  # past the pickles: the raw bytes of tensors, or the end
-            break
-    return found
 
 
 # --ckpt-format torch_dist: the states above under the same names, flat
@@ -1300,7 +1043,7 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     stages = sorted((key for key in saved if key.startswith("rng.stage")), key=lambda k: int(k[9:]))
     state.update({key: torch.empty(saved[key].size, dtype=torch.uint8) for key in stages})
     state.update(dict.fromkeys(ours[:4]))
-    with data_only_loads(path):
+    with data_only_loads(path, "torch_dist"):
         try:
             dcp.load(state, storage_reader=dist_reader(path), planner=dcp.DefaultLoadPlanner(**AS_THEY_ARE),
                      no_dist=no_dist or not dist.is_initialized())
@@ -1311,61 +1054,6 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     state["rng"] = state["pipeline_rng"][0]
     return state
 
-
-def dist_reader(path: str):
-    """DCP's reader, but its index (DIST_METADATA, a pickle) is read with
-    only DCP's metadata classes and torch's dtypes allowed: a torch_dist
-    checkpoint never runs code from its files either (see data_only_loads)."""
-    import torch.distributed.checkpoint as dcp
-    reader = dcp.FileSystemReader(path)
-
-    def read_metadata(*args, **kwargs):
-        with open(os.path.join(path, DIST_METADATA), "rb") as f:
-            metadata = DistMetadataUnpickler(f).load()
-        named_files(path, (info.relative_path for info in metadata.storage_data.values()),
-                    os.path.join(path, DIST_METADATA))  # before DCP opens any of them
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = reader.load_id
-        return metadata
-    reader.read_metadata = read_metadata  # in place of DCP's unpickling of the index
-    return reader
-
-
-class DistMetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata classes (dataclasses and enums), torch's dtypes, and the
-    few helpers its pickle names; any other global is refused before it is
-    looked up: finding a global imports its module, which runs its code."""
-    ALSO = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
-    DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in dcp_metadata_globals():
-            return super().find_class(module, name)  # a module imported already
-        raise pickle.UnpicklingError(f"the global {module}.{name} in {DIST_METADATA}")
-
-
-@functools.cache
-def dcp_metadata_globals() -> frozenset:
-    """What DistMetadataUnpickler allows, as (module, name): read off this
-    torch's DCP modules, so the list follows torch's versions."""
-    allowed = set(DistMetadataUnpickler.ALSO)
-    allowed |= {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
-    for module in DistMetadataUnpickler.DCP_MODULES:
-        for n, v in vars(importlib.import_module(module)).items():
-            if isinstance(v, type) and v.__module__ == module and (
-                    dataclasses.is_dataclass(v) or issubclass(v, enum.Enum)):
-                allowed.add((module, n))
-    return frozenset(allowed)
-
-
-def read_dist_metadata(path: str):
-    with data_only_loads(path):
-        return dist_reader(path).read_metadata()
-
-
-# ----------------------------------------------------------------------------
-# 2. DeepSpeed's checkpoints (--deepspeed), and weight export from either kind
-# ----------------------------------------------------------------------------
 
 def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed: int,
                               log) -> None:
@@ -1413,7 +1101,7 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tu
                 f"tensor- and pipeline-parallel shards only fit the layout they were written with. Relaunch with "
                 f"the old layout, or continue from its weights with fresh optimizer states "
                 f"(add --no-load-optim: any layout loads them)")
-    with data_only_loads(found.path):
+    with data_only_loads(found.path, found.kind):
         _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
                                            load_optimizer_states=True, load_lr_scheduler_states=False)
     # Each stage read its own model-parallel file: its "rng" is this stage's own streams.
@@ -1546,373 +1234,3 @@ def is_weights_export(path: str) -> bool:
 
 def first_few(names: list[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-# ----------------------------------------------------------------------------
-# 3. Hugging Face GPT-2 and Llama directories, in and out
-# ----------------------------------------------------------------------------
-# Local directories only. Both directions drop/add the vocabulary padding rows
-# (zeros on import: their logits are 0 and they are never sampled).
-
-def from_hf(path: str, padded_vocab_size: int | None = None, **overrides) -> GPT:
-    """Our GPT from a local Hugging Face GPT-2 or Llama directory: config.json
-    + model.safetensors (or pytorch_model.bin, or a sharded safetensors index)."""
-    hf = _read_hf_config(path)
-    kind = hf.get("model_type", "gpt2")
-    if kind not in ("gpt2", "llama"):
-        raise UsageError(f"HF model_type {kind!r} in {path} is not supported: use a gpt2 or "
-                         f"llama checkpoint")
-    to_config, to_ours = ((config_from_hf, hf_to_ours) if kind == "gpt2"
-                          else (llama_config_from_hf, llama_hf_to_ours))
-    config = to_config(hf, padded_vocab_size, **overrides)
-    model = GPT(config)
-    model.load_full_state_dict(to_ours(_read_hf_weights(path), config))
-    return model
-
-
-def to_hf(model: GPT, path: str) -> None:
-    """Write config.json + model.safetensors (pytorch_model.bin if the
-    safetensors package is missing), atomically, for transformers'
-    AutoModelForCausalLM.from_pretrained(path) (GPT2LMHeadModel or
-    LlamaForCausalLM); see hf_architecture."""
-    kind = hf_architecture(model.config)  # before the (collective) gather: fail fast
-    to_config, to_hf_sd = ((config_to_hf, ours_to_hf) if kind == "gpt2"
-                           else (llama_config_to_hf, llama_ours_to_hf))
-    sd = to_hf_sd(model.full_state_dict(), model.config)
-    os.makedirs(path, exist_ok=True)
-    try:
-        from safetensors.torch import save
-        atomic_write(os.path.join(path, "model.safetensors"),
-                     lambda f: f.write(save(sd, metadata={"format": "pt"})))
-    except ImportError:
-        atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
-    text = json.dumps(to_config(model.config), indent=2)
-    atomic_write(os.path.join(path, HF_CONFIG), lambda f: f.write(text.encode()))
-
-
-# A Hugging Face directory's tokenizer, in any of its forms
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                      "merges.txt", "tokenizer.model")
-
-
-def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source: str | None) -> None:
-    """The tokenizer beside an exported model, so that transformers'
-    AutoTokenizer.from_pretrained(path), and pipeline("text-generation",
-    model=path), read text as the model was trained, with no download
-    (without one they build an empty tokenizer, silently): a Hugging Face
-    source's own files, else GPT-2's for a run on GPT-2's BPE (`run`: its
-    TrainConfig; None for weights that came from Hugging Face: a GPT-2-sized
-    vocabulary), as vocab.json and merges.txt (Megatron's gpt2-vocab.json
-    and gpt2-merges.txt) and tokenizer_config.json."""
-    files = {name: os.path.join(hf_source, name) for name in HF_TOKENIZER_FILES} if hf_source else {}
-    files = {name: source for name, source in files.items() if os.path.isfile(source)}
-    gpt2 = run["tokenizer_type"] == "GPT2BPETokenizer" if run else config.vocab_size == VOCAB_SIZE
-    if not files and gpt2:
-        files = dict(zip(("vocab.json", "merges.txt"), gpt2_bpe_files()))
-        eod = "<|endoftext|>"  # GPT-2's one special token: also its bos and unk
-        text = json.dumps({"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.max_position_embeddings,
-                           "bos_token": eod, "eos_token": eod, "unk_token": eod, "add_prefix_space": False})
-        atomic_write(os.path.join(path, "tokenizer_config.json"), lambda f: f.write(text.encode()))
-    for name, source in files.items():
-        with open(source, "rb") as f:
-            content = f.read()
-        atomic_write(os.path.join(path, name), lambda f: f.write(content))
-
-
-def hf_architecture(config: GPTConfig) -> str:
-    """"gpt2" or "llama": the transformers architecture that computes exactly
-    this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
-    or without GQA, biases or a tied head, is Llama; either with a head of
-    its own or not). Otherwise a UsageError
-    naming the closer one and the flags that would make the model fit it."""
-    c = config
-    # what each architecture needs: (holds for this config?, the flag that makes it hold)
-    needs = {"gpt2": [(c.position_embedding_type == "learned_absolute",
-                       "--position-embedding-type learned_absolute"),
-                      (c.normalization == "LayerNorm", "--normalization LayerNorm"),
-                      (not c.swiglu, "no --swiglu"),
-                      (not c.disable_bias_linear, "no --disable-bias-linear"),
-                      (c.num_query_groups == c.num_attention_heads, "no --group-query-attention")],
-             "llama": [(c.position_embedding_type == "rope", "--position-embedding-type rope"),
-                       (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
-                       (c.normalization == "RMSNorm", "--normalization RMSNorm"),
-                       (c.swiglu, "--swiglu")]}
-    missing = {arch: [flag for ok, flag in needs[arch] if not ok] for arch in needs}
-    for arch, flags in missing.items():
-        if not flags:
-            return arch
-    arch = min(missing, key=lambda a: len(missing[a]))
-    raise UsageError(f"--export-format hf: no transformers architecture computes this model; "
-                     f"the closest, {'GPT-2' if arch == 'gpt2' else 'Llama'}, needs "
-                     f"{', '.join(missing[arch])}: train with that, or use --export-format plain")
-
-
-def _eos(config: GPTConfig) -> int:
-    return config.vocab_size - 1  # the end of a document: GPT-2's <|endoftext|>, or NullTokenizer's N
-
-
-# -----------------------------------------------------------------------------
-# Hugging Face GPT-2 checkpoint conversion
-#
-# HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,attn.c_attn,
-# attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
-# (in, out), the transpose of nn.Linear's (out, in).
-
-_VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
-_HF_RENAMES = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-               "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
-_HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
-    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-    "reorder_and_upcast_attn": False, "add_cross_attention": False,
-}
-
-
-def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise UsageError(f"HF activation_function {act!r} is not supported; this GPT uses "
-                         f"tanh-approximate GELU ('gelu_new')")
-    for key, want in _HF_UNSUPPORTED.items():
-        if hf.get(key, want) != want:
-            raise UsageError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
-    vocab = hf.get("vocab_size", 50257)
-    return GPTConfig(**{**dict(
-        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
-        vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)),
-        **overrides})  # the caller's choices win
-
-
-def config_to_hf(config: GPTConfig) -> dict:
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
-        "n_embd": config.hidden_size, "n_layer": config.num_layers, "n_head": config.num_attention_heads,
-        "n_inner": config.ffn_hidden_size, "activation_function": "gelu_new",
-        "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
-        "attn_pdrop": config.attention_dropout, "layer_norm_epsilon": config.layernorm_epsilon,
-        "initializer_range": config.init_method_std,
-        "bos_token_id": _eos(config), "eos_token_id": _eos(config),
-        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-    }
-
-
-def _is_conv1d_weight(name: str) -> bool:
-    return name.endswith(".weight") and any(f".{k}." in name for k in _HF_RENAMES)
-
-
-def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte (and an untied lm_head)."""
-    out = {}
-    for name, t in sd.items():
-        name = name.removeprefix("transformer.")
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # HF's causal-mask buffers, not weights
-        if name == "lm_head.weight":
-            if config.untie_embeddings_and_output_weights:
-                out["output_layer.weight"] = _pad_vocab_rows(t, config)
-            elif not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
-                raise UsageError("HF lm_head.weight differs from wte.weight, but config.json ties them "
-                                 "(tie_word_embeddings)")
-            continue
-        if _is_conv1d_weight(name):
-            t = t.t()
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{old}.", f".{new}.")
-        if name.startswith("h."):
-            name = "blocks." + name[2:]
-        out[name] = t.contiguous()
-    wte = out.get("wte.weight")
-    if wte is None or wte.shape[0] != config.vocab_size:
-        raise UsageError(f"HF wte.weight missing or not {config.vocab_size} rows")
-    out["wte.weight"] = _pad_vocab_rows(wte, config)
-    return out
-
-
-def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF GPT-2's (a tied lm_head omitted: HF re-ties it to wte)."""
-    out = {}
-    for name, t in sd.items():
-        if name in _VOCAB_TABLES:
-            t = t[:config.vocab_size]  # drop the padding rows
-        if name == "output_layer.weight":
-            out["lm_head.weight"] = t.detach().cpu().contiguous().clone()
-            continue
-        if name.startswith("blocks."):
-            name = "h." + name[len("blocks."):]
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{new}.", f".{old}.")
-        if _is_conv1d_weight(name):
-            t = t.t()
-        out["transformer." + name] = t.detach().cpu().contiguous().clone()
-    return out
-
-
-# -----------------------------------------------------------------------------
-# Hugging Face Llama checkpoint conversion
-#
-# HF names: model.embed_tokens, model.layers.{i}.{input_layernorm,
-# self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj},
-# model.norm, lm_head. Weights are nn.Linear's (out, in), like ours. Our fused
-# qkv is [q_proj | k_proj | v_proj] and our fc is [gate_proj | up_proj], and
-# both sides rotate half-dims apart (apply_rope), so nothing is permuted.
-
-
-def _llama_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]]:
-    """(our name, HF names, row sizes): each of our tensors is one HF tensor,
-    or (sizes given) the HF tensors stacked along dim 0."""
-    H, Fh = config.hidden_size, config.ffn_hidden_size
-    kv = config.num_query_groups * config.head_dim
-    table = [("wte.weight", ["model.embed_tokens.weight"], None),
-             ("ln_f.weight", ["model.norm.weight"], None)]
-    if config.untie_embeddings_and_output_weights:
-        table.append(("output_layer.weight", ["lm_head.weight"], None))
-    kinds = ("weight",) if config.disable_bias_linear else ("weight", "bias")
-    for i in range(config.num_layers):
-        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
-        table += [(ours + "ln_1.weight", [hf + "input_layernorm.weight"], None),
-                  (ours + "ln_2.weight", [hf + "post_attention_layernorm.weight"], None)]
-        for k in kinds:
-            table += [(ours + f"attn.qkv.{k}", [hf + f"self_attn.{p}_proj.{k}" for p in "qkv"], [H, kv, kv]),
-                      (ours + f"attn.proj.{k}", [hf + f"self_attn.o_proj.{k}"], None),
-                      (ours + f"mlp.fc.{k}", [hf + f"mlp.{p}_proj.{k}" for p in ("gate", "up")], [Fh, Fh]),
-                      (ours + f"mlp.proj.{k}", [hf + f"mlp.down_proj.{k}"], None)]
-    return table
-
-
-def llama_config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UsageError(f"HF hidden_act {hf['hidden_act']!r} is not supported; Llama's MLP here is SwiGLU (silu)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise UsageError(f"HF RoPE scaling {rope_type!r} is not supported; only plain RoPE (rope_type 'default')")
-    H, nh = hf["hidden_size"], hf["num_attention_heads"]
-    if (hf.get("head_dim") or H // nh) != H // nh:
-        raise UsageError(f"HF head_dim {hf['head_dim']} is not hidden_size / num_attention_heads "
-                         f"({H // nh}); this model has no separate head dim")
-    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        raise UsageError("HF attention_bias and mlp_bias differ; --disable-bias-linear sets both")
-    G, vocab = hf.get("num_key_value_heads") or nh, hf["vocab_size"]
-    return GPTConfig(**{**dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=H, num_attention_heads=nh,
-        num_query_groups=None if G == nh else G, ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"], vocab_size=vocab,
-        padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_method_std=hf.get("initializer_range", 0.02),
-        attention_dropout=hf.get("attention_dropout", 0.0), position_embedding_type="rope",
-        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        normalization="RMSNorm", swiglu=True, disable_bias_linear=not hf.get("attention_bias", False),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False)),
-        **overrides})  # the caller's choices win (evaluate.py: no dropout)
-
-
-def llama_config_to_hf(config: GPTConfig) -> dict:
-    bias, theta = not config.disable_bias_linear, config.rotary_base
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
-        "head_dim": config.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.layernorm_epsilon, "initializer_range": config.init_method_std,
-        # rope_theta for transformers 4.x, rope_parameters for 5.x
-        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": bias, "mlp_bias": bias, "attention_dropout": config.attention_dropout,
-        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-        "bos_token_id": _eos(config), "eos_token_id": _eos(config),
-    }
-
-
-def llama_ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF Llama's: split qkv and fc, drop the vocab padding."""
-    out = {}
-    for ours, theirs, sizes in _llama_names(config):
-        t = sd[ours][:config.vocab_size] if ours in _VOCAB_TABLES else sd[ours]
-        parts = t.split(sizes) if sizes else [t]
-        out.update({name: part.detach().cpu().contiguous().clone() for name, part in zip(theirs, parts)})
-    return out
-
-
-def llama_hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF Llama state dict -> ours: stack q/k/v and gate/up, pad the vocab."""
-    names = _llama_names(config)
-    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, not a weight
-    if not config.untie_embeddings_and_output_weights:
-        sd.pop("lm_head.weight", None)  # tied: a copy of embed_tokens, if saved at all
-    expected = {n for _, theirs, _ in names for n in theirs}
-    if expected != set(sd):
-        raise UsageError(f"HF Llama weights do not match its config.json: missing "
-                         f"{sorted(expected - set(sd))[:5]}, unexpected {sorted(set(sd) - expected)[:5]}")
-    out = {}
-    for ours, theirs, _ in names:
-        t = torch.cat([sd[n] for n in theirs])
-        out[ours] = _pad_vocab_rows(t, config) if ours in _VOCAB_TABLES else t.contiguous()
-    return out
-
-
-def _pad_vocab_rows(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """(vocab_size, C) -> (padded_vocab_size, C), zeros below."""
-    if t.shape[0] != config.vocab_size:
-        raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is "
-                         f"{config.vocab_size}")
-    return torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
-
-
-# -----------------------------------------------------------------------------
-# Reading a local directory
-
-def is_hf_directory(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, HF_CONFIG))
-
-
-def _read_hf_config(path: str) -> dict:
-    cfg_path = os.path.join(path, HF_CONFIG)
-    if not os.path.isfile(cfg_path):
-        raise UsageError(f"{cfg_path} not found; from_hf needs a local directory "
-                         f"written by save_pretrained (no hub downloads)")
-    with open(cfg_path, "rb") as f:
-        hf = parse_json(f.read(), cfg_path, ": cut short or damaged")
-    if not isinstance(hf, dict):
-        raise UsageError(f"{cfg_path} is not a JSON object: not a Hugging Face model's config")
-    return hf
-
-
-def _read_hf_weights(path: str) -> dict:
-    st, index, binf = (os.path.join(path, n) for n in
-                       ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
-    if os.path.isfile(st) or os.path.isfile(index):
-        files = [st] if os.path.isfile(st) else _hf_shards(path, index)
-        return {k: v for f in files for k, v in _read_safetensors(f).items()}
-    if os.path.isfile(binf):
-        with data_only_loads(binf):
-            return torch.load(binf, map_location="cpu", weights_only=True)
-    raise UsageError(f"no model.safetensors or pytorch_model.bin in {path}")
-
-
-def _read_safetensors(path: str) -> dict:
-    """A safetensors file's tensors; one line where it is not one (cut short, damaged)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    try:
-        return load_file(path)
-    except SafetensorError as e:
-        raise UsageError(f"{path} is not a safetensors file ({e}): cut short or damaged") from None
-
-
-def _hf_shards(path: str, index: str) -> list[str]:
-    """The files a sharded checkpoint's index maps its weights to: safetensors
-    files of its own directory, each there."""
-    with open(index, "rb") as f:
-        read = parse_json(f.read(), index)
-    weight_map = read.get("weight_map") if isinstance(read, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise UsageError(f"{index} has no \"weight_map\" (each weight's file): not a sharded checkpoint's index")
-    names = sorted(set(map(str, weight_map.values())))
-    for name in names:
-        if not name.endswith(".safetensors"):
-            raise UsageError(f"{index} maps weights to {name!r}, not a .safetensors file (the only kind it names)")
-    return named_files(path, names, index, links=True)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
+import huggingface
 import launch
 import parallel
 import config
@@ -127,7 +128,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
                    hidden_dropout=0.0, attention_dropout=0.0, activation_checkpointing=False,
                    domino_chunks=cfg.domino_chunks if cfg.domino else 1, sequence_parallel=False)
     if cfg.hf:
-        model = checkpoint.from_hf(cfg.hf, **runtime)
+        model = huggingface.from_hf(cfg.hf, **runtime)
     else:
         first = not dist.is_initialized() or dist.get_rank() == 0
         found = checkpoint.verified_checkpoint(cfg.load, log=print if first else lambda message: None)

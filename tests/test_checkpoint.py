@@ -1,5 +1,5 @@
 """checkpoint.py: train.py's checkpoints, DeepSpeed's published beside them, and
-Hugging Face GPT-2 and Llama directories in and out.
+(huggingface.py) Hugging Face GPT-2 and Llama directories in and out.
 
 A save is atomic (written under a temporary name, fsynced, renamed into place,
 then the `latest` pointer replaced), so a crash or a power loss leaves the
@@ -35,12 +35,13 @@ from torch.distributed.checkpoint.staging import DefaultStager
 import checkpoint
 import pipeline
 import train
-from checkpoint import from_hf, hf_to_ours, ours_to_hf, to_hf
 from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_together,
                       run_train, tiny, tiny_model, tokens, train_on_ranks)
 from gpt import GPT, LLAMA_OPTIONS
+from huggingface import HF_CONFIG, from_hf, hf_architecture, hf_to_ours, ours_to_hf, to_hf
 from launch import UsageError
 from prepare import load_tokenizer
+from untrusted import sha256_of
 
 
 # -----------------------------------------------------------------------------
@@ -418,7 +419,7 @@ def _rewrite_digests(tag: str, *extra_lines: str, binary: bool = False) -> None:
     """tag's checksums.sha256 made anew from its files, as anyone who changes
     them can, with extra_lines after (binary: in `sha256sum -b`'s form)."""
     names = sorted(n for n in os.listdir(tag) if n != checkpoint.DIGESTS and os.path.isfile(os.path.join(tag, n)))
-    lines = [f"{checkpoint.sha256_of(os.path.join(tag, n))}{' *' if binary else '  '}{n}" for n in names]
+    lines = [f"{sha256_of(os.path.join(tag, n))}{' *' if binary else '  '}{n}" for n in names]
     with open(os.path.join(tag, checkpoint.DIGESTS), "w") as f:
         f.write("".join(f"{line}\n" for line in [*lines, *extra_lines]))
 
@@ -714,7 +715,7 @@ def fill(disk: str, leave: int) -> str:
 
 def files_and_hashes(directory: str) -> dict[str, str]:
     """Every file under directory but an unfinished save's (*.tmp): its sha256."""
-    return {os.path.relpath(os.path.join(root, name), directory): checkpoint.sha256_of(os.path.join(root, name))
+    return {os.path.relpath(os.path.join(root, name), directory): sha256_of(os.path.join(root, name))
             for root, _, names in os.walk(directory) if not root.endswith(".tmp") for name in names}
 
 
@@ -1175,7 +1176,7 @@ def test_export_plain_checkpoint_to_hugging_face(corpus, tmp_path, preset):
 
 def tree_digests(directory) -> dict:
     """Every file under directory -> its sha256."""
-    return {os.path.relpath(os.path.join(root, name), directory): checkpoint.sha256_of(os.path.join(root, name))
+    return {os.path.relpath(os.path.join(root, name), directory): sha256_of(os.path.join(root, name))
             for root, _, names in os.walk(directory) for name in names}
 
 
@@ -1214,13 +1215,13 @@ def test_an_export_never_writes_into_a_directory_that_holds_checkpoints(two_save
     checkpoint.export_weights(run, plain, "plain")  # its rerun writes over it, and the leftover goes
     assert sorted(os.listdir(plain)) == ["iter_0000004", checkpoint.LATEST]
     for out, fmt, held in ((plain, "hf", f"a plain export (iter_0000004, {checkpoint.LATEST})"),
-                           (hf, "plain", f"a Hugging Face model ({checkpoint.HF_CONFIG})")):
+                           (hf, "plain", f"a Hugging Face model ({HF_CONFIG})")):
         with pytest.raises(UsageError, match=re.escape(f"--export-to {out} holds {held}: ")):
             checkpoint.export_weights(run, out, fmt)
 
 
 # -----------------------------------------------------------------------------
-# Hugging Face GPT-2 in and out (checkpoint.from_hf, to_hf and their state dict maps)
+# Hugging Face GPT-2 in and out (huggingface.from_hf, to_hf and their state dict maps)
 
 
 def random_hf_model(tied: bool = True):
@@ -1388,7 +1389,7 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
 
 
 # -----------------------------------------------------------------------------
-# Hugging Face Llama in and out (checkpoint.from_hf, checkpoint.to_hf)
+# Hugging Face Llama in and out (huggingface.from_hf, huggingface.to_hf)
 
 
 # Llama's options; rotary_percent stays 1 (Llama rotates whole heads).
@@ -1459,13 +1460,12 @@ def test_from_hf_reads_a_llama_checkpoint_that_transformers_wrote(tmp_path):
     (dict(num_query_groups=2), "no --group-query-attention"),
 ])
 def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(tmp_path, options, flag):
-    import checkpoint
     m = tiny_model(**options)
     with pytest.raises(ValueError, match=flag):
         to_hf(m, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # refused before writing anything
-    assert checkpoint.hf_architecture(tiny_model().config) == "gpt2"
-    assert checkpoint.hf_architecture(tiny_model(**LLAMA).config) == "llama"
+    assert hf_architecture(tiny_model().config) == "gpt2"
+    assert hf_architecture(tiny_model(**LLAMA).config) == "llama"
 
 
 

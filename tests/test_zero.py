@@ -562,7 +562,7 @@ def test_export_loads_into_plain_model_with_same_eval_loss(runs, name, run):
 
 def test_hf_export_loads_in_transformers(runs):
     transformers = pytest.importorskip("transformers")
-    from checkpoint import from_hf
+    from huggingface import from_hf
     hf = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(runs, "export_tp2_hf")).eval()
     ours = from_hf(os.path.join(runs, "export_tp2_hf")).eval()
     state = torch.load(os.path.join(runs, "export_tp2", f"iter_{STEPS:07d}", "model_optim_rng.pt"),
