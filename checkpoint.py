@@ -1167,8 +1167,6 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
                  --load OUT --no-load-optim, or --finetune, any layout, with or
                  without --deepspeed);
     fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
-    if parallel.layout.tp_size > 1:
-        raise RuntimeError("export_weights builds a tp=1 model: call it outside a tensor-parallel job")
     check_export_target(out, fmt)
     hf_source = checkpoint if is_hf_directory(checkpoint) else None
     if hf_source:

@@ -1,10 +1,8 @@
-"""Hugging Face GPT-2 and Llama directories, in and out: our GPT from a local
-directory that transformers wrote (from_hf), and a directory transformers
-reads from our model (to_hf), with the tokenizer beside it
-(write_hf_tokenizer). Local directories only. Both directions drop/add the
-vocabulary padding rows (zeros on import: their logits are 0 and they are
-never sampled). train.py's --export-from and --export-format hf
-(checkpoint.export_weights) and evaluate.py's --hf come here.
+"""Hugging Face GPT-2 and Llama directories, local ones only, in and out: our
+GPT from one (from_hf: evaluate.py --hf, train.py --export-from), and one from
+our GPT (to_hf, and its tokenizer: --export-format hf). Both directions
+drop/add the vocabulary padding rows (zeros on import: their logits are 0 and
+they are never sampled).
 """
 from __future__ import annotations
 
@@ -58,9 +56,8 @@ def to_hf(model: GPT, path: str) -> None:
     atomic_write(os.path.join(path, HF_CONFIG), lambda f: f.write(text.encode()))
 
 
-# A Hugging Face directory's tokenizer, in any of its forms
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                      "merges.txt", "tokenizer.model")
+                      "merges.txt", "tokenizer.model")  # a Hugging Face tokenizer, in any of its forms
 
 
 def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source: str | None) -> None:
@@ -119,11 +116,8 @@ def _eos(config: GPTConfig) -> int:
     return config.vocab_size - 1  # the end of a document: GPT-2's <|endoftext|>, or NullTokenizer's N
 
 
-# -----------------------------------------------------------------------------
-# Hugging Face GPT-2 checkpoint conversion
-#
-# HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,attn.c_attn,
-# attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
+# GPT-2's state dict. HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,
+# attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
 # (in, out), the transpose of nn.Linear's (out, in).
 
 _VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
@@ -218,10 +212,7 @@ def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
     return out
 
 
-# -----------------------------------------------------------------------------
-# Hugging Face Llama checkpoint conversion
-#
-# HF names: model.embed_tokens, model.layers.{i}.{input_layernorm,
+# Llama's state dict. HF names: model.embed_tokens, model.layers.{i}.{input_layernorm,
 # self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj},
 # model.norm, lm_head. Weights are nn.Linear's (out, in), like ours. Our fused
 # qkv is [q_proj | k_proj | v_proj] and our fc is [gate_proj | up_proj], and
@@ -330,7 +321,6 @@ def _pad_vocab_rows(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
 
 
-# -----------------------------------------------------------------------------
 # Reading a local directory
 
 def is_hf_directory(path: str) -> bool:

@@ -1,16 +1,6 @@
-"""Reading a checkpoint that may come from anyone (a download, a copy on a
-shared disk): its files are read only where they are what they claim to be,
-and then as data. checkpoint.py and huggingface.py read through it.
-
-  1. plain files: a name a checkpoint gives (checksums.sha256's, DCP's
-     index's, a Hugging Face index's) is a regular file of its own directory,
-     never a link, FIFO or device, nor a path that leads elsewhere
-  2. digests: every file's sha256, listed beside them at a save (DIGESTS)
-     and checked before a load reads them
-  3. data only: every torch.load reads tensors, numbers and containers; a
-     file that holds more is named, found by a static scan of its pickles
-  4. DCP's index (.metadata, itself a pickle), read with DCP's metadata
-     classes alone
+"""Reading a checkpoint that may come from anyone (downloaded, or copied from
+a shared disk): a file is read only where it is what it claims to be, and
+then as data alone. checkpoint.py and huggingface.py read through it.
 """
 from __future__ import annotations
 
@@ -40,9 +30,8 @@ DIGESTS = "checksums.sha256"  # every file's sha256, in sha256sum's format (`sha
 DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last: a torch_dist checkpoint
 
 
-# ----------------------------------------------------------------------------
-# 1. Plain files
-# ----------------------------------------------------------------------------
+# 1. Plain files: a name a checkpoint gives is a regular file of its own
+# directory, never a link, FIFO or device, nor a path that leads elsewhere.
 
 def plain_file_problem(directory: str, name: str) -> str | None:
     """Why `name` is not a plain file of `directory`, or None. The names a
@@ -118,9 +107,8 @@ def named_files(directory: str, names, index: str, links: bool = False) -> list[
     return list(paths.values())
 
 
-# ----------------------------------------------------------------------------
-# 2. Digests
-# ----------------------------------------------------------------------------
+# 2. Digests: every file's sha256, listed beside them at a save (DIGESTS) and
+# checked before a load reads them.
 
 def sha256_of(path: str) -> str:
     """The sha256 of a regular file's bytes (regular_file), read in blocks."""
@@ -176,15 +164,11 @@ def digests_problem(directory: str, names: list[str]) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------
-# 3. Data only
-# ----------------------------------------------------------------------------
-
-# torch.load unpickles, and a pickle may name any function for the reader to call:
-# a downloaded checkpoint could run a command on every rank that reads it. So
-# every checkpoint file is read as weights_only: tensors, numbers, strings and
-# containers, plus the few types below, which rebuild data and call nothing else.
-# DeepSpeed's own reads (engine.load_checkpoint, zero_to_fp32) pass
+# 3. Data only: torch.load unpickles, and a pickle may name any function for the
+# reader to call: a downloaded checkpoint could run a command on every rank that
+# reads it. So every checkpoint file is read as weights_only: tensors, numbers,
+# strings and containers, plus the few types below, which rebuild data and call
+# nothing else. DeepSpeed's own reads (engine.load_checkpoint, zero_to_fp32) pass
 # weights_only=False; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that.
 
 # A file of another pickle protocol than torch.save's is refused in one line, without torch's warning too.
@@ -303,9 +287,8 @@ def _pickle_globals(f) -> set[str]:
     return found
 
 
-# ----------------------------------------------------------------------------
-# 4. torch.distributed.checkpoint's index
-# ----------------------------------------------------------------------------
+# 4. torch.distributed.checkpoint's index (DIST_METADATA, itself a pickle),
+# read with DCP's metadata classes alone.
 
 def dist_reader(path: str):
     """DCP's reader, but its index (DIST_METADATA, a pickle) is read with
