@@ -4,7 +4,6 @@ our GPT (to_hf, and its tokenizer: --export-format hf). Both directions
 drop/add the vocabulary padding rows (zeros on import: their logits are 0 and
 they are never sampled).
 """
-from __future__ import annotations
 
 import json
 import os

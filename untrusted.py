@@ -2,7 +2,6 @@
 a shared disk): a file is read only where it is what it claims to be, and
 then as data alone. checkpoint.py and huggingface.py read through it.
 """
-from __future__ import annotations
 
 import contextlib
 import dataclasses
