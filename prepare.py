@@ -20,9 +20,6 @@ Megatron-LM's tools/preprocess_data.py pipeline, with its flags where they apply
      complete, so an error or Ctrl-C leaves no .bin/.idx behind.
 --workers processes tokenize chunks of documents and send back numpy arrays (cheap
 to pickle); the main process writes them in input order.
-
-Sections: tokenizer, input files, documents, the default corpus, tokenization,
-writing, merge, command line.
 """
 import argparse
 import bz2
@@ -223,10 +220,8 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
             yield text
     elif split == "line":  # \n, \r\n or \r: not str.splitlines' form feeds and Unicode separators
         yield from (line for line in re.split(r"\r\n|\r|\n", text) if line.strip())
-    elif split == "paragraph":
+    else:  # "paragraph" (prepare checked it)
         yield from (p.strip() for p in re.split(r"\n[ \t\r]*\n", text) if p.strip())
-    else:
-        raise UsageError(f"--text-split {split!r} is not one of file, line, paragraph")
 
 
 def iter_documents(files: list[str], json_key: str | None = None, text_split: str = "file") -> Iterator[str]:
@@ -341,28 +336,19 @@ def encode_document(enc, text: str, append_eod: bool = True, dtype=np.uint16) ->
     return out
 
 
-_worker_encoding = None  # each worker process loads its own copy of the BPE once
-
-
-def _init_worker() -> None:
-    global _worker_encoding
-    _worker_encoding = load_tokenizer()
-
-
 def _encode_chunk_in_worker(docs: list[str], append_eod: bool, dtype) -> list[np.ndarray]:
-    return [encode_document(_worker_encoding, doc, append_eod, dtype) for doc in docs]
+    enc = load_tokenizer()  # built once per worker process: _gpt2_encoding is cached
+    return [encode_document(enc, doc, append_eod, dtype) for doc in docs]
 
 
 def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: bool = True,
                        dtype=np.uint16, chunk_chars: int = 1 << 15) -> Iterator[np.ndarray]:
     """Token arrays, one per document, in input order. With workers > 1, chunks of about
     chunk_chars characters go to a process pool; a bounded look-ahead keeps memory flat."""
-    if workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {workers}")
     if workers == 1:
         yield from (encode_document(enc, doc, append_eod, dtype) for doc in docs)
         return
-    with ProcessPoolExecutor(workers, initializer=_init_worker) as pool:
+    with ProcessPoolExecutor(workers) as pool:
         pending = deque()
         for chunk in _chunks(docs, chunk_chars):
             pending.append(pool.submit(_encode_chunk_in_worker, chunk, append_eod, dtype))
@@ -388,11 +374,6 @@ class PrepareStats:
                 f"({rate:,.0f} tokens/s)\n" + "\n".join(f"  wrote {p}" for p in self.outputs))
 
 
-def output_name(output_prefix: str, json_key: str = "text") -> str:
-    """Megatron's naming: --output-prefix P --json-key K -> P_K_document(.bin/.idx)."""
-    return f"{output_prefix}_{json_key}_document"
-
-
 def _progress(log_interval: int):
     """tqdm bar on a terminal; a log line every log_interval documents otherwise (logs, CI)."""
     from tqdm import tqdm
@@ -416,8 +397,6 @@ def write_dataset(docs: Iterable[str], out_prefix: str, enc, workers: int = 1, a
     dtype = best_dtype(VOCAB_SIZE)  # uint16: the encoder and the .bin must agree
     with bar, IndexedDatasetBuilder(out_prefix + ".bin", dtype=dtype) as builder:
         for tokens in tokenize_documents(docs, enc, workers, append_eod, dtype, chunk_chars):
-            if len(tokens) == 0:
-                continue  # only possible with --no-append-eod and an empty document
             builder.add_document(tokens)
             stats.documents += 1
             stats.tokens += len(tokens)
@@ -447,8 +426,8 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
     docs = iter_documents(resolve_inputs(inputs, json_key is not None), json_key, text_split) if inputs \
         else iter_shakespeare_documents()
     docs = (d for d in docs if d)  # an empty one has no tokens; whitespace is text (Megatron keeps it)
-    return write_dataset(docs, output_name(output_prefix, json_key or "text"), load_tokenizer(tokenizer_type),
-                         workers, append_eod, log_interval)
+    out_prefix = f"{output_prefix}_{json_key or 'text'}_document"  # Megatron's naming
+    return write_dataset(docs, out_prefix, load_tokenizer(tokenizer_type), workers, append_eod, log_interval)
 
 
 # ----------------------------------------------------------------------------
