@@ -492,19 +492,19 @@ def latest_checkpoint(load_dir: str) -> Found | None:
         if not (text.isascii() and text.isdigit()):  # a damaged file
             raise UsageError(f"{os.path.join(load_dir, LATEST)} holds {text[:40]!r}, not an iteration number: "
                              f"write the iteration to load into it, or delete it to load the newest iter_N there")
-        named.append((int(text), checkpoint_dir(load_dir, f"iter_{int(text):07d}"), LATEST))
+        named.append((int(text), checkpoint_dir(load_dir, f"iter_{int(text):07d}")))
     if os.path.exists(os.path.join(load_dir, DS_LATEST)):  # the same rules: a checkpoint of load_dir
         tag = pointer_text(os.path.join(load_dir, DS_LATEST))
         if iteration_of(tag) is None:
             raise UsageError(f"{os.path.join(load_dir, DS_LATEST)} holds {tag[:40]!r}, not the name of a "
                              f"checkpoint in {load_dir} (iter_NNNNNNN): write the one to load into it, or "
                              f"delete it to load the newest iter_N there")
-        named.append((iteration_of(tag), checkpoint_dir(load_dir, tag), DS_LATEST))
+        named.append((iteration_of(tag), checkpoint_dir(load_dir, tag)))
     if not named and os.path.isdir(load_dir):
-        named = [(i, os.path.join(load_dir, f"iter_{i:07d}"), None) for i in saved_iterations(load_dir)[-1:]]
+        named = [(i, os.path.join(load_dir, f"iter_{i:07d}")) for i in saved_iterations(load_dir)[-1:]]
     if not named:
         return None
-    iteration, path, pointer = max(named, key=lambda n: n[0])
+    iteration, path = max(named, key=lambda n: n[0])
     return Found(kind_of(path), iteration, path)  # kind None: named, but incomplete or gone (see damage)
 
 
@@ -799,8 +799,11 @@ def read_weights(found: Found) -> tuple[dict, dict]:
     """(full fp32 weights, the rest: iteration, consumed_samples, rng, config,
     model_config, and a plain one's optimizer and scaler) of a checkpoint of
     any kind, any ZeRO stage and TP size. Needs no process group."""
-    if found.kind == "torch_dist":
-        return read_dist_weights(found.path)
+    if found.kind == "torch_dist":  # every tensor of "model." whole
+        saved = read_dist_metadata(found.path).state_dict_metadata
+        state = read_dist(found.path, {key: torch.empty(md.size, dtype=md.properties.dtype)
+                                       for key, md in saved.items() if key.startswith("model.")}, no_dist=True)
+        return {key[len("model."):]: t for key, t in state.items() if key.startswith("model.")}, state
     with data_only_loads(found.path, found.kind):
         if found.kind == "plain":
             state = torch.load(os.path.join(found.path, PLAIN_FILE), map_location="cpu")
@@ -951,10 +954,8 @@ class AsyncSave:
         self._in_background(self._stage_quietly, dict(enumerate(tensors)))
 
     def _stage_quietly(self, tensors: dict) -> None:
-        try:
+        with contextlib.suppress(Exception):  # e.g. out of host memory: the first save will say so
             self.stager.stage(tensors)
-        except Exception:  # e.g. out of host memory: the first save will say so
-            pass
 
     def start(self, state: dict, write) -> None:
         """write(a host copy of state, group) in the background, once the previous write is done."""
@@ -1018,14 +1019,6 @@ def load_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, found:
         if scaler and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
     return start_position(cfg, state, found.path, log)
-
-
-def read_dist_weights(path: str) -> tuple[dict, dict]:
-    """read_weights of a torch_dist checkpoint: every tensor of "model." whole."""
-    saved = read_dist_metadata(path).state_dict_metadata
-    state = read_dist(path, {key: torch.empty(md.size, dtype=md.properties.dtype)
-                             for key, md in saved.items() if key.startswith("model.")}, no_dist=True)
-    return {key[len("model."):]: t for key, t in state.items() if key.startswith("model.")}, state
 
 
 def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
