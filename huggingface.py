@@ -87,8 +87,7 @@ def hf_architecture(config: GPTConfig) -> str:
     """"gpt2" or "llama": the transformers architecture that computes exactly
     this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
     or without GQA, biases or a tied head, is Llama; either with a head of
-    its own or not). Otherwise a UsageError
-    naming the closer one and the flags that would make the model fit it."""
+    its own or not); else a UsageError naming the closer one and its flags."""
     c = config
     # what each architecture needs: (holds for this config?, the flag that makes it hold)
     needs = {"gpt2": [(c.position_embedding_type == "learned_absolute",

@@ -83,11 +83,10 @@ def regular_file(path: str, follow: bool = False):
 def named_files(directory: str, names, index: str, links: bool = False) -> list[str]:
     """directory/name of each name a checkpoint's own index (DCP's .metadata,
     a Hugging Face weight map) gives: only a plain file of the directory
-    (plain_file_problem: no directory part, no link, FIFO or device) and,
-    where the directory has digests, one they list (so verified before it is
-    read); anything else would have a checkpoint read whatever file it chose.
-    `links`: a link to a regular file is read too (a Hugging Face cache's
-    snapshot is links into its blobs/, as transformers reads them)."""
+    (plain_file_problem) and, where it has digests, one they list (verified
+    before it is read); anything else would have a checkpoint read whatever
+    file it chose. `links`: a link to a regular file is read too (a Hugging
+    Face cache's snapshot is links into its blobs/, as transformers reads it)."""
     listed = listed_digests(directory) if os.path.exists(os.path.join(directory, DIGESTS)) else None
     paths = {}
     for name in names:
