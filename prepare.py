@@ -336,9 +336,13 @@ def encode_document(enc, text: str, append_eod: bool = True, dtype=np.uint16) ->
     return out
 
 
+@functools.cache
+def _worker_tokenizer():  # a worker's own, built once: load_tokenizer looks up the files at each call
+    return load_tokenizer()
+
+
 def _encode_chunk_in_worker(docs: list[str], append_eod: bool, dtype) -> list[np.ndarray]:
-    enc = load_tokenizer()  # built once per worker process: _gpt2_encoding is cached
-    return [encode_document(enc, doc, append_eod, dtype) for doc in docs]
+    return [encode_document(_worker_tokenizer(), doc, append_eod, dtype) for doc in docs]
 
 
 def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: bool = True,
