@@ -19,9 +19,10 @@ from untrusted import data_only_loads, named_files
 HF_CONFIG = "config.json"  # a Hugging Face model directory's
 
 
-def from_hf(path: str, padded_vocab_size: int | None = None, **overrides) -> GPT:
+def from_hf(path: str, **overrides) -> GPT:
     """Our GPT from a local Hugging Face GPT-2 or Llama directory: config.json
-    + model.safetensors (or pytorch_model.bin, or a sharded safetensors index)."""
+    + model.safetensors (or pytorch_model.bin, or a sharded safetensors index).
+    `overrides`: GPTConfig fields the caller chooses (kernels, dropout, ...)."""
     hf = _read_hf_config(path)
     kind = hf.get("model_type", "gpt2")
     if kind not in ("gpt2", "llama"):
@@ -29,7 +30,7 @@ def from_hf(path: str, padded_vocab_size: int | None = None, **overrides) -> GPT
                          f"llama checkpoint")
     to_config, to_ours = ((config_from_hf, hf_to_ours) if kind == "gpt2"
                           else (llama_config_from_hf, llama_hf_to_ours))
-    config = to_config(hf, padded_vocab_size, **overrides)
+    config = to_config(hf, **overrides)
     model = GPT(config)
     model.load_full_state_dict(to_ours(_read_hf_weights(path), config))
     return model
@@ -127,7 +128,7 @@ _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> require
 }
 
 
-def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
+def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise UsageError(f"HF activation_function {act!r} is not supported; this GPT uses "
@@ -139,7 +140,7 @@ def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) 
     return GPTConfig(**{**dict(
         num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
         ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
-        vocab_size=vocab, padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
+        vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab),
         layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)),
         **overrides})  # the caller's choices win
@@ -239,7 +240,7 @@ def _llama_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | No
     return table
 
 
-def llama_config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
+def llama_config_from_hf(hf: dict, **overrides) -> GPTConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise UsageError(f"HF hidden_act {hf['hidden_act']!r} is not supported; Llama's MLP here is SwiGLU (silu)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -257,7 +258,7 @@ def llama_config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overr
         num_layers=hf["num_hidden_layers"], hidden_size=H, num_attention_heads=nh,
         num_query_groups=None if G == nh else G, ffn_hidden_size=hf["intermediate_size"],
         max_position_embeddings=hf["max_position_embeddings"], vocab_size=vocab,
-        padded_vocab_size=padded_vocab_size or pad_vocab_size(vocab),
+        padded_vocab_size=pad_vocab_size(vocab),
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_method_std=hf.get("initializer_range", 0.02),
         attention_dropout=hf.get("attention_dropout", 0.0), position_embedding_type="rope",
         rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
