@@ -460,21 +460,6 @@ DEEPSPEED_JSON_FLAGS = {
 }
 
 
-def lr_schedule(cfg: TrainConfig) -> tuple:
-    """What the learning rate follows (train.learning_rate): (peak, floor, decay
-    style, warmup end, decay end), the ends in iterations, or with
-    --train-samples in samples."""
-    if cfg.train_samples is None:
-        warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
-    else:  # Megatron-DeepSpeed's token counts are samples of --seq-length tokens (fractions of one too)
-        warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
-        warmup = warmup if cfg.lr_warmup_tokens is None else cfg.lr_warmup_tokens / cfg.seq_length
-        decay = decay if cfg.lr_decay_tokens is None else cfg.lr_decay_tokens / cfg.seq_length
-    if cfg.lr_warmup_fraction is not None:
-        warmup = cfg.lr_warmup_fraction * decay
-    return cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup, decay
-
-
 def read_deepspeed_json(path: str) -> dict:
     """The --deepspeed_config JSON, its "bfloat16" section (DeepSpeed's other
     spelling) renamed "bf16": else the "bf16" section zero.deepspeed_config
@@ -937,22 +922,6 @@ def check_fits(cfg: TrainConfig, mcfg: GPTConfig) -> None:
     if 4 * numbers > memory:
         raise UsageError(f"{what} asks for {4 * numbers / 2 ** 30:,.0f} GiB in fp32, more than this machine's "
                          f"{memory / 2 ** 30:,.0f} GiB of memory: lower it")
-
-
-def param_ndim(p: torch.nn.Parameter) -> int:
-    # ZeRO-3 swaps p.data for an empty 1-D tensor and keeps the real shape in ds_shape.
-    return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay.
-    Both engines build it (train.PlainTraining, zero.DeepSpeedTraining)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
-    # fused: one kernel for all tensors, which can skip a step on the device (train.PlainTraining.finish).
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, fused=fused)
 
 
 def autocast(cfg: TrainConfig, device: torch.device):
