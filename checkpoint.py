@@ -65,12 +65,9 @@ HF_CONFIG = "config.json"  # a Hugging Face model directory's (section 3)
 def rng_state() -> dict:
     """The shared generators' states (the same on every rank) and every TP
     rank's own dropout stream (parallel.py, section 5). Collective over TP."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(),
-             "tracker": parallel.rng_tracker_states_of_every_tp_rank()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    torch_state = parallel.default_rng_state()  # {"cpu": ..., and on a GPU "cuda": ...}
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch_state.pop("cpu"),
+            **torch_state, "tracker": parallel.rng_tracker_states_of_every_tp_rank()}
 
 
 def set_rng_state(state: dict, log) -> None:

@@ -937,7 +937,7 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
 # dropout (other tokens). Their masks must differ too, so they draw from a
 # second stream, seeded differently on each tensor-parallel rank:
 #
-#     with parallel.get_rng_tracker().fork():
+#     with _TRACKER.fork():
 #         y = F.dropout(x, p)        # this rank's own mask
 #
 # fork() swaps the default generator's state for the tracked one and back.
@@ -946,7 +946,7 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718   # Megatron's: rank r's stream is seeded seed + 2718 + r
 
 
-def _current_state() -> dict:
+def default_rng_state() -> dict:
     """The default generators' states: the CPU one, and the current GPU's."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():  # call after torch.cuda.set_device (train.py does)
@@ -987,20 +987,16 @@ class RNGTracker:
         if name not in self._states:
             raise RuntimeError(f"RNG stream {name!r} was never seeded: call "
                                f"parallel.model_parallel_seed(seed) after parallel.initialize()")
-        outside = _current_state()
+        outside = default_rng_state()
         _set_state(self._states[name])
         try:
             yield
         finally:
-            self._states[name] = _current_state()
+            self._states[name] = default_rng_state()
             _set_state(outside)
 
 
 _TRACKER = RNGTracker()
-
-
-def get_rng_tracker() -> RNGTracker:
-    return _TRACKER
 
 
 def model_parallel_seed(seed: int) -> None:
@@ -1023,7 +1019,7 @@ def rng_tracker_states_of_every_tp_rank() -> list[dict]:
 def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     """Inverse: this rank takes its own. False (and nothing changes) when
     they were saved at another TP size or on other devices."""
-    if len(states) != layout.tp_size or any(s.keys() != _current_state().keys()
+    if len(states) != layout.tp_size or any(s.keys() != default_rng_state().keys()
                                        for s in states[layout.tp_rank].values()):
         return False
     _TRACKER.set_states(states[layout.tp_rank])

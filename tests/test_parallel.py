@@ -854,10 +854,11 @@ def _check_per_rank_dropout_streams():
     # Attention dropout (each rank: other heads) draws from the per-rank
     # stream under any TP: the shared stream does not move, the tracked one does.
     model = _build_gpt(2, attention_dropout=0.5).train()
-    shared, tracked = torch.get_rng_state(), parallel.get_rng_tracker().get_states()
+    tracker = parallel.rng_tracker_states_of_every_tp_rank  # the checkpoint's reading (collective)
+    shared, tracked = torch.get_rng_state(), tracker()[parallel.layout.tp_rank]
     model(x)
     assert torch.equal(torch.get_rng_state(), shared)
-    after = parallel.get_rng_tracker().get_states()
+    after = tracker()[parallel.layout.tp_rank]
     assert not torch.equal(after["model-parallel-rng"]["cpu"], tracked["model-parallel-rng"]["cpu"])
     # Reproducible from the seed: the same seed, the same run; another seed, another.
     def losses(seed):
