@@ -780,11 +780,6 @@ def validate_compile(cfg: TrainConfig) -> None:
     if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.deepspeed:
         raise UsageError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) is not supported with "
                          f"--deepspeed, whose hooks run between the graphs: drop one of them")
-    if cfg.compile and cfg.deepspeed and cfg.zero_stage == 3 and torch.__version__ < "2.13":
-        # measured (bench/RESULTS.md, 2026-11-27): torch 2.11's compile of ZeRO-3's step gave
-        # a grad norm of 0.71 against eager's 1.98, with either loss; torch 2.13's matches eager
-        raise UsageError(f"--compile with ZeRO-3 needs torch 2.13 or newer (this is {torch.__version__}, "
-                         f"whose compiled ZeRO-3 step computes wrong gradients): upgrade torch or drop --compile")
     if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UsageError(f"--compile-backend {cfg.compile_backend!r} is not a torch.compile backend: "
                          f"use inductor, or aot_eager or eager to debug")

@@ -518,16 +518,9 @@ class PretrainingSampler:
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int):
-        if total_samples <= 0:
-            raise UsageError(f"total_samples must be positive, got {total_samples}")
-        if not 0 <= consumed_samples <= total_samples:
+        if not 0 <= consumed_samples <= total_samples:  # a resume of a run with larger batches
             raise UsageError(f"consumed_samples={consumed_samples} must lie in [0, total_samples={total_samples}]; "
                              "was the checkpoint made with a larger dataset?")
-        if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise UsageError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
-                             f"({data_parallel_size}) must be positive")
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise UsageError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
         self.total_samples, self.consumed_samples = total_samples, consumed_samples
         self.micro_batch_size, self.rank, self.world = micro_batch_size, data_parallel_rank, data_parallel_size
 

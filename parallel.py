@@ -133,9 +133,6 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     it, and torch's 30-minute default would let a dead peer hang DDP that long."""
     global layout
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    for name, size in (("tensor", tp), ("pipeline", pp)):
-        if not isinstance(size, int) or size < 1:
-            raise UsageError(f"{name}_model_parallel_size must be a positive int, got {size!r}")
     if not (dist.is_available() and dist.is_initialized()):
         if tp * pp != 1:
             raise UsageError(

@@ -737,17 +737,6 @@ def test_bad_compile_flags_are_one_line_errors(argv, message):
         config_lib.parse_args(["--preset", "tiny", *argv])
 
 
-def test_compiled_zero3_on_a_torch_that_computes_it_wrong_is_a_one_line_error(monkeypatch):
-    """torch 2.11 compiles ZeRO-3's step to wrong gradients (bench/RESULTS.md):
-    refused there, in one line, and taken on the torch this project pins."""
-    argv = ["--preset", "tiny", "--deepspeed", "--zero-stage", "3", "--compile"]
-    assert config_lib.parse_args(argv).compile  # torch 2.13
-    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.11.0+cu130"))
-    with pytest.raises(ValueError, match=r"--compile with ZeRO-3 needs torch 2.13 or newer \(this is 2.11.0\+cu130, "):
-        config_lib.parse_args(argv)
-    assert config_lib.parse_args(argv[:-1] + ["--zero-stage", "2", "--compile"]).compile  # stage 2 trains right
-
-
 def test_compile_options_keep_the_overlap_and_the_mode():
     """train.py hands Inductor config_lib.OVERLAP_INDUCTOR_OPTIONS whenever the
     graph holds overlapped collectives (Domino, sequence parallelism), merged
