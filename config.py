@@ -219,6 +219,8 @@ class TrainConfig:
     deepspeed: bool = flag(False, "train through DeepSpeed ZeRO")
     zero_stage: int | None = flag(None, "ZeRO stage 0-3 (default: the --deepspeed_config's, else 1)")
     deepspeed_config: str | None = flag(None, "DeepSpeed's JSON config; values must agree with these flags")
+    # Not a flag: that JSON as parse_args read and checked it, once (zero.deepspeed_config passes it on)
+    deepspeed_json: dict | None = field(default=None, compare=False, repr=False)
     zero_offload_optimizer: bool = flag(False, "optimizer states and step on CPU")
     partition_activations: bool = flag(False, "with --recompute-activations under DeepSpeed: split saved "
                                               "inputs over TP ranks")
@@ -340,7 +342,7 @@ def build_parser(tool: str, usage: str) -> argparse.ArgumentParser:
     # allow_abbrev=False, as in Megatron: --recompute must not mean --recompute-activations.
     p = ArgumentParser(prog=tool, description=usage, allow_abbrev=False, argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(TrainConfig):
+    for f in (f for f in dataclasses.fields(TrainConfig) if f.metadata):  # the flags
         meta = dict(f.metadata)
         help, tools = meta.pop("help"), meta.pop("tools")
         help = help if tool in tools else argparse.SUPPRESS
@@ -371,7 +373,7 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     TrainConfig, for train.py or evaluate.py (`tool`)."""
     given = vars(build_parser(tool, usage).parse_args(argv))
     switches = take_field_less_flags(given, tool)
-    tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig)}
+    tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig) if f.metadata}
     others = sorted(name for name in given if tool not in tools[name])
     if others and tool == TRAIN:
         raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in others)}: evaluate.py's flags; "
@@ -493,7 +495,7 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     """A JSON value fills its flag where the command line left it unset; a
     flag given must agree with it (else an error names both). "auto" (Hugging
     Face's placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed
-    as they are (zero.deepspeed_config)."""
+    as they are (zero.deepspeed_config), kept in cfg.deepspeed_json."""
     user = read_deepspeed_json(cfg.deepspeed_config)
     precision_given = bool({"bf16", "fp16"} & given)  # then both bf16 and fp16 are decided
     updates = {}
@@ -514,7 +516,7 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
                 else f"{flag_name} {now:g}"
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}={raw} "
                              f"contradicts {shown}; make them agree or drop one of them")
-    return dataclasses.replace(cfg, **updates)
+    return dataclasses.replace(cfg, **updates, deepspeed_json=user)
 
 
 def json_value(cfg: TrainConfig, key: str, convert, raw):
@@ -539,7 +541,7 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
     if not cfg.deepspeed_config or cfg.global_batch_size is not None:
         return cfg
     steps = json_value(cfg, "gradient_accumulation_steps", whole_number,
-                       read_deepspeed_json(cfg.deepspeed_config).get("gradient_accumulation_steps"))
+                       cfg.deepspeed_json.get("gradient_accumulation_steps"))
     if steps is None:
         return cfg
     if steps < 1:
@@ -811,7 +813,7 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                          "--zero-stage 1: DeepSpeed's other 16-bit optimizers scale and copy the "
                          "gradients in their own backward, which the stages' schedule replaces")
     if pp > 1 and cfg.deepspeed and cfg.bf16 and cfg.deepspeed_config:
-        accum = (read_deepspeed_json(cfg.deepspeed_config).get("data_types") or {}).get("grad_accum_dtype")
+        accum = (cfg.deepspeed_json.get("data_types") or {}).get("grad_accum_dtype")
         if accum not in (None, "bf16", "bfloat16", "torch.bfloat16"):
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: data_types.grad_accum_dtype={accum} "
                              f"with --bf16 selects DeepSpeed's BF16 optimizer, which accumulates gradients in "

@@ -18,8 +18,7 @@ import launch
 import parallel
 import pipeline
 from launch import UsageError
-from config import (TrainConfig, autocast, compile_options, json_switch, json_value, model_config,
-                    read_deepspeed_json, say, whole_number)
+from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config, say, whole_number
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
@@ -105,7 +104,7 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     }
     user = {}
     if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)
-        user = read_deepspeed_json(cfg.deepspeed_config)
+        user = cfg.deepspeed_json
         check_deepspeed_config(user, ours, cfg)
     config = {**user, **ours}
     zero = dict(user.get("zero_optimization", {}))
