@@ -106,10 +106,7 @@ def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor
     """The full tensor of `t` (a parameter, or optimizer state shaped like it)
     on TP rank 0's host, None on the other TP ranks. A gather straight to the
     CPU: no GPU holds more than one full tensor beyond its own shards."""
-    if getattr(param, "tensor_model_parallel", False):
-        t = parallel.gather_tensor_to_first(t, param.partition_dim, param.partition_blocks)
-    elif parallel.layout.tp_rank != 0:
-        return None
+    t = parallel.gather_like(param, t, to_first=True)
     return None if t is None else t.detach().cpu()
 
 

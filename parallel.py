@@ -1237,28 +1237,6 @@ def merge_shards(shards: list[torch.Tensor], dim: int, blocks=1) -> torch.Tensor
     return torch.cat(blocks, dim=dim)
 
 
-def gather_tensor(shard: torch.Tensor, dim: int, blocks=1) -> torch.Tensor:
-    """All-gather a sharded tensor over the TP group into the full tensor on every rank."""
-    if layout.tp_size == 1:
-        return shard
-    shard = shard.contiguous()
-    shards = [torch.empty_like(shard) for _ in range(layout.tp_size)]
-    dist.all_gather(shards, shard, group=layout.tp_group)
-    return merge_shards(shards, dim, blocks)
-
-
-def gather_tensor_to_first(shard: torch.Tensor, dim: int, blocks=1) -> torch.Tensor | None:
-    """gather_tensor, but only TP rank 0 receives the full tensor: the others
-    return None and never allocate it (checkpoint writes)."""
-    if layout.tp_size == 1:
-        return shard
-    shard = shard.contiguous()
-    first = layout.tp_rank == 0
-    shards = [torch.empty_like(shard) for _ in range(layout.tp_size)] if first else None
-    dist.gather(shard, shards, dst=dist.get_global_rank(layout.tp_group, 0), group=layout.tp_group)
-    return merge_shards(shards, dim, blocks) if first else None
-
-
 def mark(obj, **attributes) -> None:
     """Set attributes that other modules read on a parameter (or module).
     This is their list; every one the project sets on an object goes through
@@ -1297,12 +1275,21 @@ def _mark_sharded(param: nn.Parameter, dim: int, blocks=1) -> nn.Parameter:
 # Layout-independent checkpoints
 # --------------------------------------------------------------------------
 
-def gather_like(param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+def gather_like(param: nn.Parameter, t: torch.Tensor, to_first: bool = False) -> torch.Tensor | None:
     """The full tensor of `t`, split the way `param` is (the parameter itself,
-    or optimizer state shaped like it); collective for sharded parameters."""
-    if getattr(param, "tensor_model_parallel", False):
-        return gather_tensor(t, param.partition_dim, param.partition_blocks)
-    return t
+    or a gradient or optimizer state shaped like it), on every TP rank;
+    collective for sharded parameters. to_first: on TP rank 0 alone (the others
+    return None and never allocate it: checkpoint writes)."""
+    first = not to_first or layout.tp_rank == 0
+    if layout.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return t if first else None
+    t = t.contiguous()
+    shards = [torch.empty_like(t) for _ in range(layout.tp_size)] if first else None
+    if to_first:
+        dist.gather(t, shards, dst=dist.get_global_rank(layout.tp_group, 0), group=layout.tp_group)
+    else:
+        dist.all_gather(shards, t, group=layout.tp_group)
+    return merge_shards(shards, param.partition_dim, param.partition_blocks) if first else None
 
 
 def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
