@@ -20,7 +20,7 @@ import torch
 
 from gpt import GPTConfig, PRESETS, count_parameters, pad_vocab_size
 from data import check_gpt2_bpe
-from launch import UsageError, parse_json
+from launch import UsageError, parse_json, say
 
 TRAIN, EVALUATE = "train.py", "evaluate.py"
 BOTH, EVAL = (TRAIN, EVALUATE), (EVALUATE,)
@@ -435,12 +435,6 @@ def check_layout_switches(cfg: TrainConfig, switches: set[str]) -> None:
     if "--no-pipeline-parallel" in switches and cfg.pipeline_model_parallel_size != 1:
         raise UsageError(f"--no-pipeline-parallel with --pipeline-model-parallel-size "
                          f"{cfg.pipeline_model_parallel_size}: give one of them")
-
-
-def say(line: str) -> None:
-    """A note about the flags, printed once (rank 0, from torchrun's RANK: a process group may not exist yet)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, flush=True)
 
 
 # ----------------------------------------------------------------------------

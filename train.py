@@ -484,8 +484,7 @@ class Logger:
             self.tb = SummaryWriter(cfg.tensorboard_dir, max_queue=cfg.tensorboard_queue_size)
 
     def print(self, msg: str) -> None:
-        if self.enabled:
-            print(msg, flush=True)
+        launch.say(msg)  # rank 0's, as the logger's files
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
@@ -500,7 +499,7 @@ class Logger:
         parts.append(f"batch {metrics['batch_size']}")
         if "val_loss" in metrics:
             parts.append(f"val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f})")
-        print(" | ".join(parts), flush=True)
+        self.print(" | ".join(parts))
         if self.file:
             self.file.write(json.dumps(metrics) + "\n")
             self.file.flush()

@@ -17,8 +17,8 @@ import checkpoint
 import launch
 import parallel
 import pipeline
-from launch import UsageError
-from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config, say, whole_number
+from launch import UsageError, say
+from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config, whole_number
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
