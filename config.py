@@ -548,22 +548,6 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
 # 4. Checks
 # ----------------------------------------------------------------------------
 
-# Counts and the least each may be: 0 where 0 means "never" (or "none").
-LEAST_COMMON = {"micro_batch_size": 1, "seq_length": 1, "log_interval": 1}
-LEAST_TRAINING = {"train_iters": 1, "train_samples": 1, "global_batch_size": 1, "eval_interval": 0,
-                  "eval_iters": 0, "save_interval": 0, "exit_interval": 0, "lr_warmup_iters": 0,
-                  "lr_warmup_samples": 0, "lr_decay_iters": 1, "lr_decay_samples": 1, "sample_tokens": 0,
-                  "num_workers": 0, "hysteresis": 1, "loss_scale_window": 1, "train_tokens": 1,
-                  "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
-
-
-def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:
-    for name, low in least.items():
-        value = getattr(cfg, name)
-        if value is not None and value < low:
-            raise UsageError(f"--{name.replace('_', '-')} {value}: it must be at least {low}")
-
-
 # The number flags: argparse's float() takes nan and inf, which a range check
 # (x < 0) lets through and which fail deep in torch (--lr nan) or silently turn
 # a feature off (--clip-grad nan: no clipping). The loss scale's two are
@@ -575,8 +559,14 @@ FINITE = [f.name for f in dataclasses.fields(TrainConfig)
 # What a number's meaning allows, as [low, high) (None: no bound): outside it a run
 # fails deep in torch (AdamW's --adam-beta1 1.5) or silently does something else
 # (a negative --clip-grad flips every gradient, a negative --weight-decay grows them).
-RANGES = {"lr": (0, None), "min_lr": (0, None), "clip_grad": (0, None), "weight_decay": (0, None),
-          "adam_eps": (0, None), "adam_beta1": (0, 1), "adam_beta2": (0, 1), "init_method_std": (0, None)}
+# A count's least is 0 where 0 means "never" (or "none").
+RANGES = {**dict.fromkeys(("micro_batch_size", "seq_length", "log_interval", "train_iters", "train_samples",
+                           "train_tokens", "global_batch_size", "lr_decay_iters", "lr_decay_samples",
+                           "lr_decay_tokens", "hysteresis", "loss_scale_window"), (1, None)),
+          **dict.fromkeys(("eval_interval", "eval_iters", "save_interval", "exit_interval", "lr_warmup_iters",
+                           "lr_warmup_samples", "lr_warmup_tokens", "sample_tokens", "num_workers", "lr", "min_lr",
+                           "clip_grad", "weight_decay", "adam_eps", "init_method_std"), (0, None)),
+          "adam_beta1": (0, 1), "adam_beta2": (0, 1)}
 
 
 def check_numbers(cfg: TrainConfig) -> None:
@@ -586,8 +576,9 @@ def check_numbers(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and not math.isfinite(value):
             raise UsageError(f"--{name.replace('_', '-')} {value}: give a finite number")
-        low, high = RANGES.get(name, (None, None))
-        if value is not None and (low is not None and value < low or high is not None and value >= high):
+    for name, (low, high) in RANGES.items():
+        value = getattr(cfg, name)
+        if value is not None and (value < low or high is not None and value >= high):
             raise UsageError(f"--{name.replace('_', '-')} {value}: it must be at least {low}"
                              + (f" and below {high}" if high is not None else ""))
     if not 0 <= cfg.seed < 2 ** 32:
@@ -597,7 +588,6 @@ def check_numbers(cfg: TrainConfig) -> None:
 def check_common(cfg: TrainConfig) -> None:
     """What cannot run under either tool, in one line that says what to do instead."""
     check_numbers(cfg)
-    check_counts(cfg, LEAST_COMMON)
     if cfg.bf16 and cfg.fp16:
         raise UsageError("--bf16 and --fp16 are mutually exclusive: pick one")
     validate_megatron_flags(cfg)
@@ -619,7 +609,6 @@ def position_embedding_type(cfg: TrainConfig) -> str:
 
 def check_training(cfg: TrainConfig, given: set[str]) -> None:
     """train.py's own checks; `given`: the flags on the command line."""
-    check_counts(cfg, LEAST_TRAINING)
     if cfg.lr_decay_style not in ("cosine", "linear", "constant"):
         raise UsageError(f"--lr-decay-style {cfg.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.min_lr > cfg.lr:
