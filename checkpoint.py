@@ -27,7 +27,6 @@ import pickle
 import random
 import shutil
 import tempfile
-import types
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from config import TrainConfig, lr_schedule, model_config
+from config import TrainConfig, model_config
 from gpt import GPT, GPTConfig
 from huggingface import HF_CONFIG, from_hf, is_hf_directory, to_hf, write_hf_tokenizer
 from launch import UsageError, atomic_write, fsync_path, parse_json
@@ -59,12 +58,9 @@ MARKERS = (("plain", PLAIN_FILE), ("torch_dist", DIST_METADATA), ("deepspeed", D
 def rng_state() -> dict:
     """The shared generators' states (the same on every rank) and every TP
     rank's own dropout stream (parallel.py, section 5). Collective over TP."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(),
-             "tracker": parallel.rng_tracker_states_of_every_tp_rank()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    torch_state = parallel.default_rng_state()  # {"cpu": ..., and on a GPU "cuda": ...}
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch_state.pop("cpu"),
+            **torch_state, "tracker": parallel.rng_tracker_states_of_every_tp_rank()}
 
 
 def set_rng_state(state: dict, log) -> None:
@@ -103,10 +99,7 @@ def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor
     """The full tensor of `t` (a parameter, or optimizer state shaped like it)
     on TP rank 0's host, None on the other TP ranks. A gather straight to the
     CPU: no GPU holds more than one full tensor beyond its own shards."""
-    if getattr(param, "tensor_model_parallel", False):
-        t = parallel.gather_tensor_to_first(t, param.partition_dim, param.partition_blocks)
-    elif parallel.layout.tp_rank != 0:
-        return None
+    t = parallel.gather_like(param, t, to_first=True)
     return None if t is None else t.detach().cpu()
 
 
@@ -704,15 +697,26 @@ def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> G
     return mcfg
 
 
-def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, int, tuple]:
-    """(iteration, consumed samples, learning-rate schedule) to continue
-    from, once `state` is loaded (checkpoint_to_load showed it is this run's
-    model); restores its RNG unless told not to. --finetune starts a new run:
-    iteration, samples and this run's schedule begin at zero."""
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where a run starts: after `iteration` and `consumed` samples of the
+    checkpoint at `path` (None: a fresh start, or --finetune), whose run's
+    flags were `config` (its TrainConfig as a dict; None if it records none).
+    train.schedule_to_follow decides which learning-rate schedule goes on."""
+    iteration: int = 0
+    consumed: int = 0
+    path: str | None = None
+    config: dict | None = None
+
+
+def start_position(cfg: TrainConfig, state: dict, path: str, log) -> Start:
+    """Where the run continues from, once `state` is loaded
+    (checkpoint_to_load showed it is this run's model); restores its RNG
+    unless told not to. --finetune starts a new run at zero."""
     if cfg.finetune:
         log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
             f"starting at iteration 0")
-        return 0, 0, lr_schedule(cfg)
+        return Start()
     named = iteration_of(os.path.basename(path).removesuffix(".old"))
     if named is not None and named != state["iteration"]:  # it was chosen by its name (latest_checkpoint)
         raise UsageError(f"checkpoint {path} holds the state of iteration {state['iteration']}, not of "
@@ -721,45 +725,7 @@ def start_position(cfg: TrainConfig, state: dict, path: str, log) -> tuple[int, 
         set_rng_state(stage_rng(state, log), log)
     log(f"loaded checkpoint {path} (iteration {state['iteration']}"
         f"{', weights only' if cfg.no_load_optim else ''})")
-    return state["iteration"], state["consumed_samples"], schedule_to_follow(cfg, state.get("config"), path, log)
-
-
-def schedule_to_follow(cfg: TrainConfig, saved: dict | None, path: str, log) -> tuple:
-    """The learning-rate schedule (config.lr_schedule) a resume follows: this
-    run's, or with --use-checkpoint-opt_param-scheduler the checkpoint's
-    (`saved`: its run's TrainConfig). Megatron refuses schedules that differ
-    (--lr, --min-lr, the warmup or decay, or a longer --train-iters that ends
-    the decay later) unless one of its two flags says which to keep; here
-    this run's goes on by default, with one line that says what changed (the
-    lr may jump), and silently under --override-opt_param-scheduler."""
-    mine = lr_schedule(cfg)
-    try:  # a flag newer than the checkpoint has its default there
-        theirs = lr_schedule(types.SimpleNamespace(**{**dataclasses.asdict(TrainConfig()), **saved})) \
-            if saved else None
-    except (AttributeError, TypeError):  # a config of another version
-        theirs = None
-    names = ("--lr", "--min-lr", "decay style", "warmup end", "decay end")
-
-    def differences(follow, other, whose):
-        return ", ".join(f"{name} {a if isinstance(a, str) else f'{a:g}'} ({whose}: "
-                         f"{b if isinstance(b, str) else f'{b:g}'})"
-                         for name, a, b in zip(names, follow, other) if a != b)
-    if cfg.use_checkpoint_opt_param_scheduler:
-        if theirs is None:
-            raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path} records no learning-rate "
-                             f"schedule; drop the flag and give the schedule's flags")
-        theirs_in_samples = saved["train_samples"] is not None
-        if theirs_in_samples != (cfg.train_samples is not None):
-            their_unit, my_unit = ("samples", "iterations") if theirs_in_samples else ("iterations", "samples")
-            flag = "--train-samples" if theirs_in_samples else "--train-iters"
-            raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path}'s schedule counts {their_unit}, "
-                             f"this run's {my_unit}: give {flag}, as the checkpoint's run did")
-        if changed := differences(theirs, mine, "this run"):
-            log(f"the checkpoint's learning-rate schedule goes on: {changed}")
-        return theirs
-    if (changed := differences(mine, theirs or mine, "checkpoint")) and not cfg.override_opt_param_scheduler:
-        log(f"the learning-rate schedule is not the checkpoint's, this run's goes on: {changed}")
-    return mine
+    return Start(state["iteration"], state["consumed_samples"], path, state.get("config"))
 
 
 def stage_rng(state: dict, log) -> dict:
@@ -776,11 +742,10 @@ def stage_rng(state: dict, log) -> dict:
 
 def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
     """Restore everything (or, weights_only, the weights); returns
-    start_position's (iteration, consumed_samples, schedule), this run's
-    start if --load holds no checkpoint."""
+    start_position's Start (a fresh one if --load holds no checkpoint)."""
     found = checkpoint_to_load(cfg, log)
     if found is None:
-        return 0, 0, lr_schedule(cfg)
+        return Start()
     if found.kind == "torch_dist":
         return load_dist_checkpoint(cfg, model, optimizer, scaler, found, log)
     weights, state = read_weights(found)
@@ -1080,7 +1045,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
         cfg.save, tag=os.path.basename(tmp), client_state=client_state, save_latest=False), log, write_meta)
 
 
-def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> tuple[int, int]:
+def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> Start:
     """Resume everything from the DeepSpeed checkpoint `found`, written with
     this run's layout. (Weights only, from any checkpoint: zero.DeepSpeedTraining.)"""
     meta = read_deepspeed_meta(found.path)

@@ -20,7 +20,7 @@ import torch
 
 from gpt import GPTConfig, PRESETS, count_parameters, pad_vocab_size
 from data import check_gpt2_bpe
-from launch import UsageError, parse_json
+from launch import UsageError, parse_json, say
 
 TRAIN, EVALUATE = "train.py", "evaluate.py"
 BOTH, EVAL = (TRAIN, EVALUATE), (EVALUATE,)
@@ -219,6 +219,8 @@ class TrainConfig:
     deepspeed: bool = flag(False, "train through DeepSpeed ZeRO")
     zero_stage: int | None = flag(None, "ZeRO stage 0-3 (default: the --deepspeed_config's, else 1)")
     deepspeed_config: str | None = flag(None, "DeepSpeed's JSON config; values must agree with these flags")
+    # Not a flag: that JSON as parse_args read and checked it, once (zero.deepspeed_config passes it on)
+    deepspeed_json: dict | None = field(default=None, compare=False, repr=False)
     zero_offload_optimizer: bool = flag(False, "optimizer states and step on CPU")
     partition_activations: bool = flag(False, "with --recompute-activations under DeepSpeed: split saved "
                                               "inputs over TP ranks")
@@ -340,7 +342,7 @@ def build_parser(tool: str, usage: str) -> argparse.ArgumentParser:
     # allow_abbrev=False, as in Megatron: --recompute must not mean --recompute-activations.
     p = ArgumentParser(prog=tool, description=usage, allow_abbrev=False, argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(TrainConfig):
+    for f in (f for f in dataclasses.fields(TrainConfig) if f.metadata):  # the flags
         meta = dict(f.metadata)
         help, tools = meta.pop("help"), meta.pop("tools")
         help = help if tool in tools else argparse.SUPPRESS
@@ -371,7 +373,7 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     TrainConfig, for train.py or evaluate.py (`tool`)."""
     given = vars(build_parser(tool, usage).parse_args(argv))
     switches = take_field_less_flags(given, tool)
-    tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig)}
+    tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig) if f.metadata}
     others = sorted(name for name in given if tool not in tools[name])
     if others and tool == TRAIN:
         raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in others)}: evaluate.py's flags; "
@@ -435,12 +437,6 @@ def check_layout_switches(cfg: TrainConfig, switches: set[str]) -> None:
                          f"{cfg.pipeline_model_parallel_size}: give one of them")
 
 
-def say(line: str) -> None:
-    """A note about the flags, printed once (rank 0, from torchrun's RANK: a process group may not exist yet)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, flush=True)
-
-
 # ----------------------------------------------------------------------------
 # 3. The DeepSpeed JSON
 # ----------------------------------------------------------------------------
@@ -458,21 +454,6 @@ DEEPSPEED_JSON_FLAGS = {
     ("fp16", "min_loss_scale"): ("min_loss_scale", float),
     ("zero_optimization", "stage"): ("zero_stage", whole_number),
 }
-
-
-def lr_schedule(cfg: TrainConfig) -> tuple:
-    """What the learning rate follows (train.learning_rate): (peak, floor, decay
-    style, warmup end, decay end), the ends in iterations, or with
-    --train-samples in samples."""
-    if cfg.train_samples is None:
-        warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
-    else:  # Megatron-DeepSpeed's token counts are samples of --seq-length tokens (fractions of one too)
-        warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
-        warmup = warmup if cfg.lr_warmup_tokens is None else cfg.lr_warmup_tokens / cfg.seq_length
-        decay = decay if cfg.lr_decay_tokens is None else cfg.lr_decay_tokens / cfg.seq_length
-    if cfg.lr_warmup_fraction is not None:
-        warmup = cfg.lr_warmup_fraction * decay
-    return cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup, decay
 
 
 def read_deepspeed_json(path: str) -> dict:
@@ -508,7 +489,7 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     """A JSON value fills its flag where the command line left it unset; a
     flag given must agree with it (else an error names both). "auto" (Hugging
     Face's placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed
-    as they are (zero.deepspeed_config)."""
+    as they are (zero.deepspeed_config), kept in cfg.deepspeed_json."""
     user = read_deepspeed_json(cfg.deepspeed_config)
     precision_given = bool({"bf16", "fp16"} & given)  # then both bf16 and fp16 are decided
     updates = {}
@@ -529,7 +510,7 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
                 else f"{flag_name} {now:g}"
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {'.'.join(path)}={raw} "
                              f"contradicts {shown}; make them agree or drop one of them")
-    return dataclasses.replace(cfg, **updates)
+    return dataclasses.replace(cfg, **updates, deepspeed_json=user)
 
 
 def json_value(cfg: TrainConfig, key: str, convert, raw):
@@ -554,7 +535,7 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
     if not cfg.deepspeed_config or cfg.global_batch_size is not None:
         return cfg
     steps = json_value(cfg, "gradient_accumulation_steps", whole_number,
-                       read_deepspeed_json(cfg.deepspeed_config).get("gradient_accumulation_steps"))
+                       cfg.deepspeed_json.get("gradient_accumulation_steps"))
     if steps is None:
         return cfg
     if steps < 1:
@@ -567,22 +548,6 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
 # 4. Checks
 # ----------------------------------------------------------------------------
 
-# Counts and the least each may be: 0 where 0 means "never" (or "none").
-LEAST_COMMON = {"micro_batch_size": 1, "seq_length": 1, "log_interval": 1}
-LEAST_TRAINING = {"train_iters": 1, "train_samples": 1, "global_batch_size": 1, "eval_interval": 0,
-                  "eval_iters": 0, "save_interval": 0, "exit_interval": 0, "lr_warmup_iters": 0,
-                  "lr_warmup_samples": 0, "lr_decay_iters": 1, "lr_decay_samples": 1, "sample_tokens": 0,
-                  "num_workers": 0, "hysteresis": 1, "loss_scale_window": 1, "train_tokens": 1,
-                  "lr_warmup_tokens": 0, "lr_decay_tokens": 1}
-
-
-def check_counts(cfg: TrainConfig, least: dict[str, int]) -> None:
-    for name, low in least.items():
-        value = getattr(cfg, name)
-        if value is not None and value < low:
-            raise UsageError(f"--{name.replace('_', '-')} {value}: it must be at least {low}")
-
-
 # The number flags: argparse's float() takes nan and inf, which a range check
 # (x < 0) lets through and which fail deep in torch (--lr nan) or silently turn
 # a feature off (--clip-grad nan: no clipping). The loss scale's two are
@@ -594,8 +559,14 @@ FINITE = [f.name for f in dataclasses.fields(TrainConfig)
 # What a number's meaning allows, as [low, high) (None: no bound): outside it a run
 # fails deep in torch (AdamW's --adam-beta1 1.5) or silently does something else
 # (a negative --clip-grad flips every gradient, a negative --weight-decay grows them).
-RANGES = {"lr": (0, None), "min_lr": (0, None), "clip_grad": (0, None), "weight_decay": (0, None),
-          "adam_eps": (0, None), "adam_beta1": (0, 1), "adam_beta2": (0, 1), "init_method_std": (0, None)}
+# A count's least is 0 where 0 means "never" (or "none").
+RANGES = {**dict.fromkeys(("micro_batch_size", "seq_length", "log_interval", "train_iters", "train_samples",
+                           "train_tokens", "global_batch_size", "lr_decay_iters", "lr_decay_samples",
+                           "lr_decay_tokens", "hysteresis", "loss_scale_window"), (1, None)),
+          **dict.fromkeys(("eval_interval", "eval_iters", "save_interval", "exit_interval", "lr_warmup_iters",
+                           "lr_warmup_samples", "lr_warmup_tokens", "sample_tokens", "num_workers", "lr", "min_lr",
+                           "clip_grad", "weight_decay", "adam_eps", "init_method_std"), (0, None)),
+          "adam_beta1": (0, 1), "adam_beta2": (0, 1)}
 
 
 def check_numbers(cfg: TrainConfig) -> None:
@@ -605,8 +576,9 @@ def check_numbers(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and not math.isfinite(value):
             raise UsageError(f"--{name.replace('_', '-')} {value}: give a finite number")
-        low, high = RANGES.get(name, (None, None))
-        if value is not None and (low is not None and value < low or high is not None and value >= high):
+    for name, (low, high) in RANGES.items():
+        value = getattr(cfg, name)
+        if value is not None and (value < low or high is not None and value >= high):
             raise UsageError(f"--{name.replace('_', '-')} {value}: it must be at least {low}"
                              + (f" and below {high}" if high is not None else ""))
     if not 0 <= cfg.seed < 2 ** 32:
@@ -616,7 +588,6 @@ def check_numbers(cfg: TrainConfig) -> None:
 def check_common(cfg: TrainConfig) -> None:
     """What cannot run under either tool, in one line that says what to do instead."""
     check_numbers(cfg)
-    check_counts(cfg, LEAST_COMMON)
     if cfg.bf16 and cfg.fp16:
         raise UsageError("--bf16 and --fp16 are mutually exclusive: pick one")
     validate_megatron_flags(cfg)
@@ -638,7 +609,6 @@ def position_embedding_type(cfg: TrainConfig) -> str:
 
 def check_training(cfg: TrainConfig, given: set[str]) -> None:
     """train.py's own checks; `given`: the flags on the command line."""
-    check_counts(cfg, LEAST_TRAINING)
     if cfg.lr_decay_style not in ("cosine", "linear", "constant"):
         raise UsageError(f"--lr-decay-style {cfg.lr_decay_style!r}: use cosine, linear or constant")
     if cfg.min_lr > cfg.lr:
@@ -795,11 +765,6 @@ def validate_compile(cfg: TrainConfig) -> None:
     if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.deepspeed:
         raise UsageError(f"--compile-mode {cfg.compile_mode} (CUDA graphs) is not supported with "
                          f"--deepspeed, whose hooks run between the graphs: drop one of them")
-    if cfg.compile and cfg.deepspeed and cfg.zero_stage == 3 and torch.__version__ < "2.13":
-        # measured (bench/RESULTS.md, 2026-11-27): torch 2.11's compile of ZeRO-3's step gave
-        # a grad norm of 0.71 against eager's 1.98, with either loss; torch 2.13's matches eager
-        raise UsageError(f"--compile with ZeRO-3 needs torch 2.13 or newer (this is {torch.__version__}, "
-                         f"whose compiled ZeRO-3 step computes wrong gradients): upgrade torch or drop --compile")
     if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UsageError(f"--compile-backend {cfg.compile_backend!r} is not a torch.compile backend: "
                          f"use inductor, or aot_eager or eager to debug")
@@ -831,7 +796,7 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                          "--zero-stage 1: DeepSpeed's other 16-bit optimizers scale and copy the "
                          "gradients in their own backward, which the stages' schedule replaces")
     if pp > 1 and cfg.deepspeed and cfg.bf16 and cfg.deepspeed_config:
-        accum = (read_deepspeed_json(cfg.deepspeed_config).get("data_types") or {}).get("grad_accum_dtype")
+        accum = (cfg.deepspeed_json.get("data_types") or {}).get("grad_accum_dtype")
         if accum not in (None, "bf16", "bfloat16", "torch.bfloat16"):
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: data_types.grad_accum_dtype={accum} "
                              f"with --bf16 selects DeepSpeed's BF16 optimizer, which accumulates gradients in "
@@ -937,22 +902,6 @@ def check_fits(cfg: TrainConfig, mcfg: GPTConfig) -> None:
     if 4 * numbers > memory:
         raise UsageError(f"{what} asks for {4 * numbers / 2 ** 30:,.0f} GiB in fp32, more than this machine's "
                          f"{memory / 2 ** 30:,.0f} GiB of memory: lower it")
-
-
-def param_ndim(p: torch.nn.Parameter) -> int:
-    # ZeRO-3 swaps p.data for an empty 1-D tensor and keeps the real shape in ds_shape.
-    return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay.
-    Both engines build it (train.PlainTraining, zero.DeepSpeedTraining)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
-    # fused: one kernel for all tensors, which can skip a step on the device (train.PlainTraining.finish).
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, fused=fused)
 
 
 def autocast(cfg: TrainConfig, device: torch.device):

@@ -338,12 +338,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int,
                  seed: int, cache_dir: str | None = None, eod_token: int = 50256,
                  reset_position_ids: bool = False, eod_mask_loss: bool = False, name: str = "train"):
-        documents = np.asarray(documents, dtype=np.int64)
-        if seq_length < 1 or num_samples < 1:
-            raise UsageError(f"{name}: need seq_length >= 1 and num_samples >= 1, got {seq_length} and {num_samples}")
-        if len(documents) == 0 or int(indexed.sizes[documents].astype(np.int64).sum()) == 0:
-            raise UsageError(f"{name} split of {indexed.path_prefix} has {len(documents)} documents and no tokens; "
-                             "add documents or give this split a larger share")
+        documents = np.asarray(documents, dtype=np.int64)  # some, with tokens (build_train_valid_test_datasets)
         self.indexed, self.name = indexed, name
         self.num_samples, self.seq_length = num_samples, seq_length
         self.eod_token, self.reset_position_ids, self.eod_mask_loss = eod_token, reset_position_ids, eod_mask_loss
@@ -424,10 +419,6 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int,
                  cache_dir: str | None = None, name: str = "train"):
-        if len(datasets) != len(weights) or not datasets:
-            raise UsageError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
-        if any(w <= 0 for w in weights):
-            raise UsageError(f"blend weights must be positive, got {weights}")
         total = float(sum(weights))
         self.datasets, self.weights, self.num_samples = datasets, [w / total for w in weights], num_samples
         # The blend order depends only on the weights and the length, not on the datasets.
@@ -484,8 +475,6 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, num_sample
     where 0 samples are asked. Each corpus is split by document with `split`."""
     prefixes, weights = parse_blend(data_path)
     fractions = parse_split(split)
-    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
-        raise UsageError(f"num_samples must be 3 non-negative counts (train, valid, test), got {num_samples}")
     indexed = [IndexedDataset(p) for p in prefixes]
     result = []
     for s, name in enumerate(_SPLIT_NAMES):
@@ -518,16 +507,9 @@ class PretrainingSampler:
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int):
-        if total_samples <= 0:
-            raise UsageError(f"total_samples must be positive, got {total_samples}")
-        if not 0 <= consumed_samples <= total_samples:
+        if not 0 <= consumed_samples <= total_samples:  # a resume of a run with larger batches
             raise UsageError(f"consumed_samples={consumed_samples} must lie in [0, total_samples={total_samples}]; "
                              "was the checkpoint made with a larger dataset?")
-        if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise UsageError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
-                             f"({data_parallel_size}) must be positive")
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise UsageError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
         self.total_samples, self.consumed_samples = total_samples, consumed_samples
         self.micro_batch_size, self.rank, self.world = micro_batch_size, data_parallel_rank, data_parallel_size
 

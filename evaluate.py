@@ -130,8 +130,7 @@ def load_model(cfg: TrainConfig, device: torch.device) -> GPT:
     if cfg.hf:
         model = huggingface.from_hf(cfg.hf, **runtime)
     else:
-        first = not dist.is_initialized() or dist.get_rank() == 0
-        found = checkpoint.verified_checkpoint(cfg.load, log=print if first else lambda message: None)
+        found = checkpoint.verified_checkpoint(cfg.load, log=launch.say)
         if found is None:
             raise UsageError(f"--load {cfg.load}: no checkpoint there (neither train.py's "
                              f"{checkpoint.LATEST} nor DeepSpeed's {checkpoint.DS_LATEST})")
@@ -269,12 +268,10 @@ def run_task(cfg: TrainConfig, env: launch.Dist) -> dict:
     examples, data = read(cfg, load_tokenizer(cfg.tokenizer_type, cfg.vocab_size))  # data mistakes before the model loads
     model = load_model(cfg, env.device)
     results = {"task": cfg.task, **summarize(*score_all(model, examples, cfg, env.device), data)}
-    if env.is_main:
-        print(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in results.items()), flush=True)
-        if cfg.metrics_file:
-            with open(cfg.metrics_file, "w") as f:
-                f.write(json.dumps(results) + "\n")
+    launch.say(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in results.items()))
+    if env.is_main and cfg.metrics_file:
+        with open(cfg.metrics_file, "w") as f:
+            f.write(json.dumps(results) + "\n")
     return results
 
 

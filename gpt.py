@@ -213,16 +213,10 @@ def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, trainin
     are longer than q: see cached_attention."""
     if k.shape[2] != q.shape[2]:
         return cached_attention(q, k, v)
-    if impl == "torch":
-        return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True,
-            enable_gqa=k.shape[1] != q.shape[1])
-    if impl == "triton":
-        if training and dropout_p > 0:  # GPTConfig refuses this too; guard direct callers
-            raise UsageError("attention_impl='triton' has no attention dropout; "
-                             "use dropout_p=0 or impl='torch'")
+    if impl == "triton":  # no dropout (GPTConfig checked)
         return kernels.flash_attention(q, k, v, causal=True)
-    raise UsageError(f"unknown attention_impl {impl!r}; choose one of {list(ATTENTION_IMPLS)}")
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def cached_attention(q, k, v):
@@ -237,13 +231,10 @@ def cached_attention(q, k, v):
 def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
     """Every norm in the model: LayerNorm (weight and bias) or RMSNorm (weight only)."""
     rms = config.normalization == "RMSNorm"
-    if config.layernorm_impl == "torch":
-        norm = nn.RMSNorm if rms else nn.LayerNorm
-    elif config.layernorm_impl == "triton":
+    if config.layernorm_impl == "triton":
         norm = kernels.TritonRMSNorm if rms else kernels.TritonLayerNorm
     else:
-        raise UsageError(f"unknown layernorm_impl {config.layernorm_impl!r}; "
-                         f"choose one of {list(LAYERNORM_IMPLS)}")
+        norm = nn.RMSNorm if rms else nn.LayerNorm
     return norm(hidden, eps=config.layernorm_epsilon)
 
 
@@ -485,8 +476,6 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.layers = layers or [range(config.num_layers)]
-        if len(set(map(len, self.layers))) > 1 or self.layers != sorted(self.layers, key=lambda r: r.start):
-            raise ValueError(f"layers {self.layers}: ranges of as many layers each, in layer order")
         # How blocks are recomputed under activation checkpointing; train.py
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)

@@ -4,8 +4,8 @@
      require_triton() naming the fix
   2. flash_attention(): causal FlashAttention-2 with grouped-query attention,
      its autotuned launchers and autograd
-  3. layer_norm(), add_layer_norm(), rms_norm(), add_rms_norm() (residual add
-     fused in), and the drop-in modules TritonLayerNorm / TritonRMSNorm
+  3. layer_norm(), add_layer_norm() (residual add fused in; RMSNorm without a
+     bias), and the drop-in modules TritonLayerNorm / TritonRMSNorm
   4. the row statistics and gradient of a span of logits (gpt.fused_lm_loss)
 
 Without a GPU: with TRITON_INTERPRET=1 set *before* this module is imported
@@ -843,16 +843,6 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
     _check_layer_norm_inputs(x, weight, bias)
     s, y, _, _ = add_layer_norm_op(x, residual, weight, bias, float(eps), out_dtype)
     return s.to(torch.promote_types(x.dtype, residual.dtype)), y
-
-
-def rms_norm(x, weight, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
-    """Fused RMSNorm over the last dim of x: x / sqrt(mean(x^2) + eps) * weight."""
-    return layer_norm(x, weight, None, eps, out_dtype)
-
-
-def add_rms_norm(x, residual, weight, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
-    """Fused residual add + RMSNorm: (s, rms_norm(s)) for s = x + residual."""
-    return add_layer_norm(x, residual, weight, None, eps, out_dtype)
 
 
 class _FusedNorm:

@@ -51,12 +51,23 @@ def errors_reported(prog: str):
         report_collective_failure(e, prog)
 
 
+def global_rank() -> int:
+    """This process's rank: the process group's, or before one exists torchrun's RANK."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def say(line: str) -> None:
+    """Print a note to the user once, on rank 0 (every one goes through here)."""
+    if global_rank() == 0:
+        print(line, flush=True)
+
+
 def report_usage_error(e: UsageError, prog: str) -> None:
     """Rank 0 prints the mistake and exits with status 2; the others wait for
     it in the group's store (or for the launcher to stop them) and stay
     silent. A rank whose wait ends found its mistake alone and prints it."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's Preemption handler would keep it alive
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    rank = global_rank()
     if rank != 0 and dist.is_initialized():
         try:
             dist.distributed_c10d._get_default_store().wait(["usage_error"], datetime.timedelta(seconds=10))

@@ -133,9 +133,6 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     it, and torch's 30-minute default would let a dead peer hang DDP that long."""
     global layout
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    for name, size in (("tensor", tp), ("pipeline", pp)):
-        if not isinstance(size, int) or size < 1:
-            raise UsageError(f"{name}_model_parallel_size must be a positive int, got {size!r}")
     if not (dist.is_available() and dist.is_initialized()):
         if tp * pp != 1:
             raise UsageError(
@@ -937,7 +934,7 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
 # dropout (other tokens). Their masks must differ too, so they draw from a
 # second stream, seeded differently on each tensor-parallel rank:
 #
-#     with parallel.get_rng_tracker().fork():
+#     with _TRACKER.fork():
 #         y = F.dropout(x, p)        # this rank's own mask
 #
 # fork() swaps the default generator's state for the tracked one and back.
@@ -946,7 +943,7 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718   # Megatron's: rank r's stream is seeded seed + 2718 + r
 
 
-def _current_state() -> dict:
+def default_rng_state() -> dict:
     """The default generators' states: the CPU one, and the current GPU's."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():  # call after torch.cuda.set_device (train.py does)
@@ -987,20 +984,16 @@ class RNGTracker:
         if name not in self._states:
             raise RuntimeError(f"RNG stream {name!r} was never seeded: call "
                                f"parallel.model_parallel_seed(seed) after parallel.initialize()")
-        outside = _current_state()
+        outside = default_rng_state()
         _set_state(self._states[name])
         try:
             yield
         finally:
-            self._states[name] = _current_state()
+            self._states[name] = default_rng_state()
             _set_state(outside)
 
 
 _TRACKER = RNGTracker()
-
-
-def get_rng_tracker() -> RNGTracker:
-    return _TRACKER
 
 
 def model_parallel_seed(seed: int) -> None:
@@ -1023,7 +1016,7 @@ def rng_tracker_states_of_every_tp_rank() -> list[dict]:
 def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     """Inverse: this rank takes its own. False (and nothing changes) when
     they were saved at another TP size or on other devices."""
-    if len(states) != layout.tp_size or any(s.keys() != _current_state().keys()
+    if len(states) != layout.tp_size or any(s.keys() != default_rng_state().keys()
                                        for s in states[layout.tp_rank].values()):
         return False
     _TRACKER.set_states(states[layout.tp_rank])
@@ -1244,28 +1237,6 @@ def merge_shards(shards: list[torch.Tensor], dim: int, blocks=1) -> torch.Tensor
     return torch.cat(blocks, dim=dim)
 
 
-def gather_tensor(shard: torch.Tensor, dim: int, blocks=1) -> torch.Tensor:
-    """All-gather a sharded tensor over the TP group into the full tensor on every rank."""
-    if layout.tp_size == 1:
-        return shard
-    shard = shard.contiguous()
-    shards = [torch.empty_like(shard) for _ in range(layout.tp_size)]
-    dist.all_gather(shards, shard, group=layout.tp_group)
-    return merge_shards(shards, dim, blocks)
-
-
-def gather_tensor_to_first(shard: torch.Tensor, dim: int, blocks=1) -> torch.Tensor | None:
-    """gather_tensor, but only TP rank 0 receives the full tensor: the others
-    return None and never allocate it (checkpoint writes)."""
-    if layout.tp_size == 1:
-        return shard
-    shard = shard.contiguous()
-    first = layout.tp_rank == 0
-    shards = [torch.empty_like(shard) for _ in range(layout.tp_size)] if first else None
-    dist.gather(shard, shards, dst=dist.get_global_rank(layout.tp_group, 0), group=layout.tp_group)
-    return merge_shards(shards, dim, blocks) if first else None
-
-
 def mark(obj, **attributes) -> None:
     """Set attributes that other modules read on a parameter (or module).
     This is their list; every one the project sets on an object goes through
@@ -1304,12 +1275,21 @@ def _mark_sharded(param: nn.Parameter, dim: int, blocks=1) -> nn.Parameter:
 # Layout-independent checkpoints
 # --------------------------------------------------------------------------
 
-def gather_like(param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+def gather_like(param: nn.Parameter, t: torch.Tensor, to_first: bool = False) -> torch.Tensor | None:
     """The full tensor of `t`, split the way `param` is (the parameter itself,
-    or optimizer state shaped like it); collective for sharded parameters."""
-    if getattr(param, "tensor_model_parallel", False):
-        return gather_tensor(t, param.partition_dim, param.partition_blocks)
-    return t
+    or a gradient or optimizer state shaped like it), on every TP rank;
+    collective for sharded parameters. to_first: on TP rank 0 alone (the others
+    return None and never allocate it: checkpoint writes)."""
+    first = not to_first or layout.tp_rank == 0
+    if layout.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return t if first else None
+    t = t.contiguous()
+    shards = [torch.empty_like(t) for _ in range(layout.tp_size)] if first else None
+    if to_first:
+        dist.gather(t, shards, dst=dist.get_global_rank(layout.tp_group, 0), group=layout.tp_group)
+    else:
+        dist.all_gather(shards, t, group=layout.tp_group)
+    return merge_shards(shards, param.partition_dim, param.partition_blocks) if first else None
 
 
 def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:

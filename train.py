@@ -5,7 +5,7 @@ r"""Pretrain a GPT on Megatron-format token data.
         --global-batch-size 256 --train-iters 5000 --bf16
 
 Sections:
-  1. The learning-rate schedule, the batch and its ramp.
+  1. The learning-rate schedule, AdamW, the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
   3. The step: one train_step for both engines and every layout (accumulation
      over micro-batches, or across pipeline stages the 1F1B schedule of
@@ -14,7 +14,7 @@ Sections:
      twin is zero.DeepSpeedTraining.
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
-Elsewhere: flags and AdamW (config.py), launch (launch.py), process groups
+Elsewhere: flags (config.py), launch (launch.py), process groups
 (parallel.py), the model a rank builds, a micro-batch's forward and loss,
 pipeline stages and their schedules (pipeline.py),
 checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import time
+import types
 from contextlib import nullcontext
 
 import torch
@@ -40,8 +41,8 @@ import launch
 import parallel
 import pipeline
 import zero
-from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, build_optimizer,
-                    compile_options, eod_token, model_config, parse_args)
+from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, compile_options,
+                    eod_token, model_config, parse_args)
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from launch import UsageError
@@ -50,7 +51,7 @@ from prepare import load_tokenizer
 
 
 # ----------------------------------------------------------------------------
-# 1. What the flags describe: schedule, batch
+# 1. What the flags describe: schedule, optimizer, batch
 
 def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: int | None = None) -> int:
     """global batch = micro batch x data-parallel size x accumulation steps, for this
@@ -65,9 +66,24 @@ def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: in
     return gbs // per_step
 
 
+def lr_schedule(cfg: TrainConfig) -> tuple:
+    """What the learning rate follows (learning_rate): (peak, floor, decay
+    style, warmup end, decay end), the ends in iterations, or with
+    --train-samples in samples."""
+    if cfg.train_samples is None:
+        warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
+    else:  # Megatron-DeepSpeed's token counts are samples of --seq-length tokens (fractions of one too)
+        warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
+        warmup = warmup if cfg.lr_warmup_tokens is None else cfg.lr_warmup_tokens / cfg.seq_length
+        decay = decay if cfg.lr_decay_tokens is None else cfg.lr_decay_tokens / cfg.seq_length
+    if cfg.lr_warmup_fraction is not None:
+        warmup = cfg.lr_warmup_fraction * decay
+    return cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup, decay
+
+
 def learning_rate(done: int, schedule: tuple) -> float:
     """Megatron's schedule: a linear warmup from 0 to --lr, then cosine or linear decay
-    to --min-lr (or --lr kept: constant), then --min-lr. schedule: config.lr_schedule's;
+    to --min-lr (or --lr kept: constant), then --min-lr. schedule: lr_schedule's;
     done: the iterations before this step, or with --train-samples the samples consumed
     before it (--train-samples N x B is --train-iters N). As in Megatron, a warmup's
     first step has lr 0."""
@@ -79,6 +95,62 @@ def learning_rate(done: int, schedule: tuple) -> float:
     progress = (done - warmup) / max(1, decay - warmup)
     coeff = 0.5 * (1.0 + math.cos(math.pi * progress)) if style == "cosine" else 1.0 - progress
     return floor + coeff * (peak - floor)
+
+
+def schedule_to_follow(cfg: TrainConfig, start: checkpoint.Start, log) -> tuple:
+    """The learning-rate schedule (lr_schedule) a run follows: this run's, or
+    resuming with --use-checkpoint-opt_param-scheduler, the checkpoint's
+    (start.config: its run's TrainConfig). Megatron refuses schedules that differ
+    (--lr, --min-lr, the warmup or decay, or a longer --train-iters that ends
+    the decay later) unless one of its two flags says which to keep; here
+    this run's goes on by default, with one line that says what changed (the
+    lr may jump), and silently under --override-opt_param-scheduler."""
+    mine, saved, path = lr_schedule(cfg), start.config, start.path
+    if path is None:  # a fresh start, or --finetune
+        return mine
+    try:  # a flag newer than the checkpoint has its default there
+        theirs = lr_schedule(types.SimpleNamespace(**{**dataclasses.asdict(TrainConfig()), **saved})) \
+            if saved else None
+    except (AttributeError, TypeError):  # a config of another version
+        theirs = None
+    names = ("--lr", "--min-lr", "decay style", "warmup end", "decay end")
+
+    def differences(follow, other, whose):
+        return ", ".join(f"{name} {a if isinstance(a, str) else f'{a:g}'} ({whose}: "
+                         f"{b if isinstance(b, str) else f'{b:g}'})"
+                         for name, a, b in zip(names, follow, other) if a != b)
+    if cfg.use_checkpoint_opt_param_scheduler:
+        if theirs is None:
+            raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path} records no learning-rate "
+                             f"schedule; drop the flag and give the schedule's flags")
+        theirs_in_samples = saved["train_samples"] is not None
+        if theirs_in_samples != (cfg.train_samples is not None):
+            their_unit, my_unit = ("samples", "iterations") if theirs_in_samples else ("iterations", "samples")
+            flag = "--train-samples" if theirs_in_samples else "--train-iters"
+            raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path}'s schedule counts {their_unit}, "
+                             f"this run's {my_unit}: give {flag}, as the checkpoint's run did")
+        if changed := differences(theirs, mine, "this run"):
+            log(f"the checkpoint's learning-rate schedule goes on: {changed}")
+        return theirs
+    if (changed := differences(mine, theirs or mine, "checkpoint")) and not cfg.override_opt_param_scheduler:
+        log(f"the learning-rate schedule is not the checkpoint's, this run's goes on: {changed}")
+    return mine
+
+
+def param_ndim(p: torch.nn.Parameter) -> int:
+    # ZeRO-3 swaps p.data for an empty 1-D tensor and keeps the real shape in ds_shape.
+    return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
+    """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay.
+    Both engines build it (PlainTraining; DeepSpeedTraining is handed it)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
+    # fused: one kernel for all tensors, which can skip a step on the device (train.PlainTraining.finish).
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps, fused=fused)
 
 
 def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:
@@ -265,9 +337,7 @@ class PlainTraining:
         self.optimizer = build_optimizer(self.raw, cfg)
         self.scaler = LossScaler(cfg.initial_loss_scale, env.device, cfg.loss_scale_window or 2000,
                                  cfg.hysteresis or 1, cfg.min_loss_scale or 0.0) if cfg.fp16 else None
-        # where the run starts: (iteration, consumed samples, learning-rate schedule)
-        self.iteration, self.consumed, self.schedule = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer,
-                                                                                  self.scaler, log)
+        self.start = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer, self.scaler, log)
         self.model = torch.compile(self.raw, **compile_options(cfg)) if cfg.compile else self.raw
         if parallel.layout.dp_size > 1 and parallel.layout.pp_size == 1:  # pipelines: pipeline.GradientAverager
             self.model = DDP(self.model, process_group=parallel.layout.dp_group,
@@ -414,8 +484,7 @@ class Logger:
             self.tb = SummaryWriter(cfg.tensorboard_dir, max_queue=cfg.tensorboard_queue_size)
 
     def print(self, msg: str) -> None:
-        if self.enabled:
-            print(msg, flush=True)
+        launch.say(msg)  # rank 0's, as the logger's files
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
@@ -430,7 +499,7 @@ class Logger:
         parts.append(f"batch {metrics['batch_size']}")
         if "val_loss" in metrics:
             parts.append(f"val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f})")
-        print(" | ".join(parts), flush=True)
+        self.print(" | ".join(parts))
         if self.file:
             self.file.write(json.dumps(metrics) + "\n")
             self.file.flush()
@@ -589,11 +658,12 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
         torch.set_float32_matmul_precision("high")
         logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
-        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print)
+        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_optimizer)
     else:
         trainer = PlainTraining(cfg, env, accum, logger.print)
-    if trainer.iteration > cfg.train_iters:
-        raise UsageError(f"--load {cfg.load} is at iteration {trainer.iteration}, past this run's end "
+    schedule = schedule_to_follow(cfg, trainer.start, logger.print)
+    if trainer.start.iteration > cfg.train_iters:
+        raise UsageError(f"--load {cfg.load} is at iteration {trainer.start.iteration}, past this run's end "
                          f"(--train-iters/--train-samples: {cfg.train_iters} iterations): raise it to "
                          f"continue that run, or add --finetune to start a new run from its weights")
     datasets = build_datasets(cfg, global_batch)
@@ -601,14 +671,14 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
         logger.print(f"no evaluation: --split {cfg.split} gives the validation set no share")
     ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
     lay = parallel.layout
-    schedule = "" if lay.pp_size == 1 else " (ZB-H1)" if cfg.enable_zero_bubble else \
+    pp_schedule = "" if lay.pp_size == 1 else " (ZB-H1)" if cfg.enable_zero_bubble else \
         " (interleaved 1F1B)" if cfg.num_layers_per_virtual_pipeline_stage else " (1F1B)"
     logger.print(f"model: {count_parameters(trainer.raw.config):,} parameters | world {env.world_size} = "
-                 f"TP {lay.tp_size} x DP {lay.dp_size} x PP {lay.pp_size}{schedule} | global batch {global_batch} "
+                 f"TP {lay.tp_size} x DP {lay.dp_size} x PP {lay.pp_size}{pp_schedule} | global batch {global_batch} "
                  f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
     try:
-        iteration = loop(cfg, env, trainer, datasets, logger, preempt, global_batch, accum)
+        iteration = loop(cfg, env, trainer, schedule, datasets, logger, preempt, global_batch, accum)
     finally:  # at the end, a stop (SIGTERM) or an error: a checkpoint still being written is published first
         if trainer.saver:  # (its own error, after the loop's, would hide that one: reported only alone)
             trainer.saver.wait(report=sys.exc_info()[0] is None)
@@ -626,19 +696,20 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
     trainer.close()
 
 
-def loop(cfg: TrainConfig, env: launch.Dist, trainer, datasets, logger, preempt: Preemption,
+def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets, logger, preempt: Preemption,
          global_batch: int, accum: int) -> int:
-    """Train from the trainer's iteration to --train-iters (or a stop); return the last
+    """Train from the trainer's start to --train-iters (or a stop), the learning
+    rate following `schedule` (lr_schedule's); return the last
     iteration. The host never waits for the GPU within an iteration: device values are
     read only at log intervals, evaluations and saves, the preemption vote a step late."""
     preempt.start()  # first: DataLoader workers, forked below, must not inherit the exit at once
     train_ds, valid_ds = datasets
-    iteration, consumed = trainer.iteration, trainer.consumed
+    iteration, consumed = trainer.start.iteration, trainer.start.consumed
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
     meter = Meter(cfg, env, mcfg, logger, iteration + 1)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
     since_log = []  # the losses read since the last log line
-    dp, schedule = parallel.layout.dp_size, trainer.schedule
+    dp = parallel.layout.dp_size
     while iteration < cfg.train_iters:
         batch_size = global_batch_at(consumed, cfg, dp)
         lr = learning_rate(consumed if cfg.train_samples else iteration, schedule)

@@ -17,9 +17,8 @@ import checkpoint
 import launch
 import parallel
 import pipeline
-from launch import UsageError
-from config import (TrainConfig, autocast, build_optimizer, compile_options, json_switch, json_value,
-                    lr_schedule, model_config, read_deepspeed_json, say, whole_number)
+from launch import UsageError, say
+from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config, whole_number
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
@@ -105,7 +104,7 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     }
     user = {}
     if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)
-        user = read_deepspeed_json(cfg.deepspeed_config)
+        user = cfg.deepspeed_json
         check_deepspeed_config(user, ours, cfg)
     config = {**user, **ours}
     zero = dict(user.get("zero_optimization", {}))
@@ -221,14 +220,15 @@ def load_weights(model: GPT, weights: dict) -> None:
 
 
 class DeepSpeedTraining:
-    """Model + our AdamW -> a DeepSpeed engine, resumed from --load if it holds
-    a checkpoint; step and save as train.PlainTraining. A full resume reads
+    """Model + our AdamW (train.build_optimizer, handed in) -> a DeepSpeed
+    engine, resumed from --load if it holds a checkpoint; step and save as
+    train.PlainTraining. A full resume reads
     DeepSpeed's own checkpoint (this layout only). With --no-load-optim or
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights."""
     saver = None  # its saves are synchronous (config.py refuses --async-save with --deepspeed)
 
-    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_optimizer):
         self.cfg, self.device, self.log = cfg, env.device, log
         # ZeRO-3's zero.Init swaps torch.nn.functional.linear for its own, process-wide, and
         # never swaps it back: close() does, so later models in this process compute as before.
@@ -276,13 +276,11 @@ class DeepSpeedTraining:
         self.precision = autocast(cfg, env.device) if parallel.layout.pp_size > 1 else nullcontext()
         self.scale = getattr(self.engine.optimizer, "scale_if_loss", None)  # ZeRO's, as in engine.backward
         self.averager = None  # under stages the engine averages after the schedule (finish)
-        # where the run starts: (iteration, consumed samples, learning-rate schedule)
-        self.iteration, self.consumed, self.schedule = 0, 0, lr_schedule(cfg)
+        self.start = checkpoint.Start()  # where the run starts
         if weights_only:
-            self.iteration, self.consumed, self.schedule = checkpoint.start_position(cfg, state, found.path, log)
+            self.start = checkpoint.start_position(cfg, state, found.path, log)
         elif found is not None:
-            self.iteration, self.consumed, self.schedule = checkpoint.load_deepspeed_checkpoint(
-                cfg, self.engine, found, log)
+            self.start = checkpoint.load_deepspeed_checkpoint(cfg, self.engine, found, log)
 
     def begin(self, micro_batches: int, lr: float) -> None:
         """This step's batch size (--rampup-batch-size) and learning rate; under

@@ -1063,12 +1063,12 @@ def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared
     cfg = config.parse_args(["--preset", "tiny", "--train-samples", "64", "--lr", "1e-3"])
     saved = {k: v for k, v in dataclasses.asdict(cfg).items() if not k.endswith("_tokens")}
     saved["lr"] = 2e-3
-    said = []
-    assert checkpoint.schedule_to_follow(cfg, saved, "ckpt", said.append) == config.lr_schedule(cfg)
+    said, start = [], checkpoint.Start(2, 16, "ckpt", saved)
+    assert train.schedule_to_follow(cfg, start, said.append) == train.lr_schedule(cfg)
     assert said == ["the learning-rate schedule is not the checkpoint's, this run's goes on: --lr 0.001 "
                     "(checkpoint: 0.002)"]
     follow = dataclasses.replace(cfg, use_checkpoint_opt_param_scheduler=True)
-    assert checkpoint.schedule_to_follow(follow, saved, "ckpt", said.append)[0] == 2e-3
+    assert train.schedule_to_follow(follow, start, said.append)[0] == 2e-3
 
 
 @pytest.mark.quick

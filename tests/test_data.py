@@ -403,8 +403,6 @@ def test_sampler_resumes_exactly_from_consumed_samples():
     assert len(PretrainingSampler(100, 100, 2, 0, 2)) == 0
 
 
-@pytest.mark.parametrize("args,match", [((0, 0, 1, 0, 1), "total_samples"), ((10, 11, 1, 0, 1), "consumed"),
-                                        ((10, 0, 0, 0, 1), "micro_batch"), ((10, 0, 1, 2, 2), "rank")])
-def test_sampler_rejects_bad_arguments(args, match):
-    with pytest.raises(ValueError, match=match):
-        PretrainingSampler(*args)
+def test_sampler_refuses_to_start_past_its_samples():
+    with pytest.raises(ValueError, match="consumed"):
+        PretrainingSampler(10, 11, 1, 0, 1)

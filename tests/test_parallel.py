@@ -126,7 +126,7 @@ def test_shard_tensor_with_block_sizes_splits_gqa_qkv_and_swiglu_fc():
 
 
 def _gathered_grad(p):
-    return parallel.gather_tensor(p.grad, p.partition_dim, p.partition_blocks)
+    return parallel.gather_like(p, p.grad)
 
 
 def _check_linear_pair():
@@ -140,8 +140,8 @@ def _check_linear_pair():
     # The same seed on one process gives the same full weights.
     torch.manual_seed(0)
     full_fc, full_proj = torch.empty(16, 8).normal_(0, 0.02), torch.empty(8, 16).normal_(0, 0.02)
-    assert_close(parallel.gather_tensor(col.weight, 0), full_fc, what="col init")
-    assert_close(parallel.gather_tensor(row.weight, 1), full_proj, what="row init")
+    assert_close(parallel.gather_like(col.weight, col.weight), full_fc, what="col init")
+    assert_close(parallel.gather_like(row.weight, row.weight), full_proj, what="row init")
 
     # Sharded params are tagged; the replicated row bias is not.
     assert col.weight.tensor_model_parallel and col.weight.partition_dim == 0
@@ -152,7 +152,7 @@ def _check_linear_pair():
     fc, proj = nn.Linear(8, 16), nn.Linear(16, 8)
     with torch.no_grad():
         fc.weight.copy_(full_fc), proj.weight.copy_(full_proj)
-        fc.bias.copy_(parallel.gather_tensor(col.bias, 0)), proj.bias.copy_(row.bias)
+        fc.bias.copy_(parallel.gather_like(col.bias, col.bias)), proj.bias.copy_(row.bias)
 
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
     x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -188,7 +188,7 @@ def _check_qkv_blocks():
     half = slice(r * H // 2, (r + 1) * H // 2)       # this rank's heads
     assert_close(col(x), torch.cat([q[..., half], k[..., half], v[..., half]], -1),
                  what="shard in blocks = [Q_r | K_r | V_r]")
-    assert_close(parallel.gather_tensor(col.weight, 0, blocks=3), qkv.weight, what="regather")
+    assert_close(parallel.gather_like(col.weight, col.weight), qkv.weight, what="regather")
     assert col.weight.partition_blocks == 3
 
 
@@ -210,7 +210,7 @@ def _check_vocab_parallel():
     assert emb.weight.shape == (V // 2, C) and emb.weight.tensor_model_parallel
     ref = nn.Embedding(V, C)
     with torch.no_grad():
-        ref.weight.copy_(parallel.gather_tensor(emb.weight, 0))
+        ref.weight.copy_(parallel.gather_like(emb.weight, emb.weight))
     ids = torch.tensor([[0, 4, 5, 9], [9, 9, 2, 6]])  # ids on both ranks, repeats
     out = emb(ids)
     assert_close(out, ref(ids), what="embedding forward")
@@ -854,10 +854,11 @@ def _check_per_rank_dropout_streams():
     # Attention dropout (each rank: other heads) draws from the per-rank
     # stream under any TP: the shared stream does not move, the tracked one does.
     model = _build_gpt(2, attention_dropout=0.5).train()
-    shared, tracked = torch.get_rng_state(), parallel.get_rng_tracker().get_states()
+    tracker = parallel.rng_tracker_states_of_every_tp_rank  # the checkpoint's reading (collective)
+    shared, tracked = torch.get_rng_state(), tracker()[parallel.layout.tp_rank]
     model(x)
     assert torch.equal(torch.get_rng_state(), shared)
-    after = parallel.get_rng_tracker().get_states()
+    after = tracker()[parallel.layout.tp_rank]
     assert not torch.equal(after["model-parallel-rng"]["cpu"], tracked["model-parallel-rng"]["cpu"])
     # Reproducible from the seed: the same seed, the same run; another seed, another.
     def losses(seed):

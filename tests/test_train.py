@@ -93,7 +93,7 @@ def test_learning_rate_is_megatrons(flags, per_step):
     for _ in range(decay // per_step + 10):
         megatron.append(groups[0]["lr"])
         theirs.step(per_step)
-    ours = [train.learning_rate(i * per_step, config.lr_schedule(cfg)) for i in range(len(megatron))]
+    ours = [train.learning_rate(i * per_step, train.lr_schedule(cfg)) for i in range(len(megatron))]
     assert ours == pytest.approx(megatron, rel=1e-12, abs=1e-15)
     assert ours[0] == 0.0 and max(ours) == 1.0 and ours[-1] == (1.0 if "constant" in flags else 0.1)
 
@@ -102,7 +102,7 @@ def test_learning_rate_is_megatrons(flags, per_step):
 def test_no_weight_decay_on_biases_and_norms():
     cfg = config.TrainConfig(preset="tiny", weight_decay=0.1)
     model = train.GPT(GPTConfig.from_preset("tiny"))
-    opt = config.build_optimizer(model, cfg)
+    opt = train.build_optimizer(model, cfg)
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     for name, p in model.named_parameters():
         is_matrix = name.endswith("weight") and "ln" not in name

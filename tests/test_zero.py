@@ -393,7 +393,7 @@ def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs)
         checkpoint.load_checkpoint(cfg, None, None, None, print)
     cfg = config.parse_args(COMMON + ["--deepspeed", "--load", os.path.join(runs, "ckpt_ddp")])
     with pytest.raises(ValueError, match="holds a plain train.py checkpoint: resume it without --deepspeed"):
-        zero.DeepSpeedTraining(cfg, train.init_processes(cfg), 1, print)
+        zero.DeepSpeedTraining(cfg, train.init_processes(cfg), 1, print, train.build_optimizer)
 
 
 @pytest.mark.parametrize("flags", [["--deepspeed"], ["--no-load-optim"]])
