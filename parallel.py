@@ -133,9 +133,6 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     it, and torch's 30-minute default would let a dead peer hang DDP that long."""
     global layout
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    for name, size in (("tensor", tp), ("pipeline", pp)):
-        if not isinstance(size, int) or size < 1:
-            raise UsageError(f"{name}_model_parallel_size must be a positive int, got {size!r}")
     if not (dist.is_available() and dist.is_initialized()):
         if tp * pp != 1:
             raise UsageError(
@@ -404,7 +401,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # dX's reduce-scatter is waited for at once
-            return _SequenceParallelLinear.apply(wait_for_grad(x), None, self.weight, self.bias)
+            return _SequenceParallelLinear.apply(_WaitForGrad.apply(x), None, self.weight, self.bias)
         return F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)  # (..., out/tp)
 
     @classmethod
@@ -618,11 +615,6 @@ class _WaitForGrad(torch.autograd.Function):
         return wait(grad)
 
 
-def wait_for_grad(x: torch.Tensor) -> torch.Tensor:
-    """x, through a node whose backward waits for x's in-flight gradient."""
-    return _WaitForGrad.apply(x)
-
-
 class _SequenceParallelLinear(torch.autograd.Function):
     """The column-parallel GEMM on this rank's tokens x (B, T/tp, in):
         forward   Y = [x_0; ...; x_{tp-1}] W_r^T + b_r    all-gather, then GEMM
@@ -738,41 +730,25 @@ class _CopyToTensorParallelRegionInFlight(torch.autograd.Function):
         return launch_all_reduce(grad)
 
 
-class ChunkCollectives:
-    """What Domino leaves in flight around one chunk's column-parallel layer:
-    wait_in_backward(h) returns h through the _WaitForGrad node where
-    backward waits for dX's reduction; under sequence parallelism
-    gather_input(h) launches the all-gather of the layer's input, which its
-    forward waits for only when it runs."""
-
-    def __init__(self):
-        self.gathered_input = None   # the all-gather in flight (launch_all_gather), or None
-
-    def wait_in_backward(self, h: torch.Tensor) -> torch.Tensor:
-        return wait_for_grad(h)
-
-    def gather_input(self, h: torch.Tensor) -> None:
-        """Launch the all-gather of h's tokens (B, T/tp, C) for the layer's forward."""
-        self.gathered_input = launch_all_gather(in_autocast_dtype(h.detach()))
-
-    def landed_input(self) -> torch.Tensor | None:
-        """The all-gather gather_input launched, waited for (once), or None."""
-        # Waited for here, outside the Function: Dynamo traces a forward only
-        # without side effects on outside objects.
-        in_flight, self.gathered_input = self.gathered_input, None
-        return None if in_flight is None else gathered_sequence(in_flight)
+class ChunkCollectives(NamedTuple):
+    """What Domino launched for one chunk's column-parallel layer as the
+    chunk entered its sublayer: under sequence parallelism the all-gather of
+    the layer's input (launch_all_gather), else None."""
+    gathered_input: torch.Tensor | None
 
 
 class DominoColumnParallelLinear(ColumnParallelLinear):
     """A ColumnParallelLinear whose dX reduction Domino leaves in flight:
-    forward(x, chunk) takes x from chunk.wait_in_backward, where backward
-    waits for it (without a chunk, as generation runs it: the plain layer)."""
+    forward(x, chunk) takes x through the _WaitForGrad node made as the chunk
+    entered the sublayer, where backward waits for it (without a chunk, as
+    generation runs it: the plain layer)."""
 
     def forward(self, x: torch.Tensor, chunk: ChunkCollectives | None = None) -> torch.Tensor:
         if chunk is None:
             return super().forward(x)
-        if self.sequence_parallel:
-            return _SequenceParallelLinear.apply(x, chunk.landed_input(), self.weight, self.bias)
+        if self.sequence_parallel:  # waited for here, outside the Function (Dynamo traces it so)
+            gathered = gathered_sequence(chunk.gathered_input)                       # (B, T, in)
+            return _SequenceParallelLinear.apply(x, gathered, self.weight, self.bias)
         return F.linear(_CopyToTensorParallelRegionInFlight.apply(x), self.weight, self.bias)
 
 
@@ -836,10 +812,9 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
 
     def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
         chunks[i], h = add_and_norm(sublayers[s].norm, chunks[i], _finish_branch(pending[i]))
-        collectives = ChunkCollectives()
-        if sequence_parallel:  # h holds this rank's tokens: start gathering them all now
-            collectives.gather_input(h)
-        return collectives.wait_in_backward(h), collectives
+        # under sequence parallelism h holds this rank's tokens: start gathering them all now
+        gathered = launch_all_gather(in_autocast_dtype(h.detach())) if sequence_parallel else None
+        return _WaitForGrad.apply(h), ChunkCollectives(gathered)
 
     entered = [enter(0, 0)] + [None] * (len(chunks) - 1)
     for s, sublayer in enumerate(sublayers):

@@ -364,52 +364,45 @@ def _act(a: Action, forward, received: dict, in_flight: dict,
 # ----------------------------------------------------------------------------
 # 3b. Zero bubble's W: the blocks' weight gradients, computed later
 # ----------------------------------------------------------------------------
-# ZB-H1 (drawn above) splits a backward into I, the gradient w.r.t. the
-# stage's input, and W, the weight gradients. Inside a micro-batch's F and I
-# (LaterWeightGrads.deferring) the blocks' linear weights are frozen
-# (requires_grad False), so autograd computes dX, the biases' db and every
-# other gradient, but no dW; each such GEMM y = X W^T + b leaves
-# (W, dY, X) in the micro-batch's store instead, and W (weight_grads)
-# computes every dW = dY^T X from it. X and dY stay alive until then: the
-# memory W costs. A frozen weight has no AccumulateGrad node in I's graph:
-# one would run there gradient-less, and the post-accumulate hooks that
-# count a step's micro-batches (GradientAverager) would count it.
-#
-# The GEMMs are found where they run, so the model and parallel.py carry
-# nothing for it: a TorchFunctionMode sees each F.linear on a frozen weight
-# (nn.Linear at tp = 1, the column- and row-parallel GEMMs under TP). The
-# sequence-parallel column GEMM runs inside its own autograd Function, which
-# computes no dW (nor re-gathers its tokens) for a frozen weight: a forward
-# hook keeps its input tokens, and I gathers them again.
+# Inside a micro-batch's F and I the blocks' linear weights are frozen
+# (requires_grad False): autograd computes every other gradient, but no dW
+# and no AccumulateGrad node for them (one would run in I gradient-less, and
+# GradientAverager's hooks count each). Each such GEMM y = X W^T + b leaves
+# (W, dY, X) in the micro-batch's store; W computes dW = dY^T X from it. The
+# GEMMs are found where they run, so the model and parallel.py carry nothing
+# for it: a TorchFunctionMode sees each F.linear on a frozen weight; the
+# sequence-parallel column GEMM, in its own autograd Function, skips dW for a
+# frozen weight, and a forward hook keeps its tokens for I to gather again.
+# Activation checkpointing recomputes them as it does any saved tensor.
 
 class LaterWeightGrads(TorchFunctionMode):
     """A zero-bubble stage's block linears, whose dW waits for the schedule's W."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
+        self.blocks = list(model.blocks)
         linears = [m for m in model.blocks.modules()
                    if isinstance(m, (nn.Linear, parallel.ColumnParallelLinear, parallel.RowParallelLinear))]
         self.weights = {m.weight for m in linears}
         self.columns = [m for m in linears if getattr(m, "sequence_parallel", False)]
-        self.blocks = list(model.blocks)
         self.store = None   # the running micro-batch's, inside deferring()
 
     @contextlib.contextmanager
     def deferring(self, store: list, backward: bool = False):
         """A micro-batch's F, or (backward) its I: dW into `store`. In I the
-        mode is on only inside the blocks, for the forwards that activation
-        checkpointing recomputes there (whole: no early stop, so that each
-        block's forward hook runs): a mode is off while it handles a call, and
-        it would handle torch.autograd.backward itself."""
+        mode is on only inside blocks, which activation checkpointing
+        recomputes (whole: each block's forward hook must run): a mode is off
+        while it handles a call, and would handle torch.autograd.backward."""
         self.store = store
         hooks = [m.register_forward_hook(self._keep_tokens) for m in self.columns]
         if backward:
-            hooks += [b.register_forward_pre_hook(self._on) for b in self.blocks]
-            hooks += [b.register_forward_hook(self._off) for b in self.blocks]
+            for b in self.blocks:  # (None: a hook's result would replace the block's input)
+                hooks += [b.register_forward_pre_hook(lambda *_: self.__enter__() and None),
+                          b.register_forward_hook(lambda *_: self.__exit__(None, None, None))]
         for w in self.weights:
             w.requires_grad_(False)
         try:
-            with self if not backward else contextlib.nullcontext(), \
+            with contextlib.nullcontext() if backward else self, \
                     torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 yield
         finally:
@@ -419,47 +412,36 @@ class LaterWeightGrads(TorchFunctionMode):
                 hook.remove()
             self.store = None
 
-    def _on(self, block, args) -> None:
-        self.__enter__()
-
-    def _off(self, block, args, y) -> None:
-        self.__exit__(None, None, None)
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and args[1] in self.weights and torch.is_grad_enabled():
             x, weight, bias = (*args, kwargs.get("bias"))[:3]
-            return _LinearLeavingDW.apply(x, weight, bias, self.store)
+            x = parallel.in_autocast_dtype(x)    # keep the 16 bits autocast's F.linear keeps
+            return _KeepOperands.apply(F.linear(x, weight, bias), x, weight, self.store, False)
         return func(*args, **kwargs)
 
     def _keep_tokens(self, column, args, y):
-        """A sequence-parallel column layer's forward hook: keep its input
-        tokens (B, T/tp, in), as the layer would, and in I, when dY arrives,
-        leave (W, dY, X), X gathered again (B, T, in)."""
-        if not (column.sequence_parallel and y.requires_grad):  # (not while generating, nor in no_grad)
-            return
-        x, store = parallel.in_autocast_dtype(args[0].detach()), self.store
-        y.register_hook(lambda dy: store.append((column.weight, dy, parallel.all_gather_sequence(x))))
+        """A sequence-parallel column layer's forward hook: its tokens kept."""
+        if column.sequence_parallel and y.requires_grad:  # (not while generating, nor without grad)
+            x = parallel.in_autocast_dtype(args[0])      # (B, T/tp, in), as the layer keeps them
+            return _KeepOperands.apply(y, x, column.weight, self.store, True)
 
 
-class _LinearLeavingDW(torch.autograd.Function):
-    """y = X W^T + b for a frozen W: backward returns dX and db, and appends
-    (W, dY, X) to `store` for W."""
+class _KeepOperands(torch.autograd.Function):
+    """y = X W^T + b itself; backward passes dY on and leaves (W, dY, X) in
+    `store` for W (gather: X is this rank's tokens, all-gathered now)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store: list):
-        ctx.input_dtype, ctx.has_bias, ctx.store = x.dtype, bias is not None, store
-        x = parallel.in_autocast_dtype(x)    # keep the 16 bits autocast's F.linear keeps
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
+    def forward(ctx, y, x, weight, store: list, gather: bool):
+        ctx.weight, ctx.store, ctx.gather = weight, store, gather
+        ctx.save_for_backward(x)
+        return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        ctx.store.append((weight, grad_out, x))
-        grad_input = (grad_out @ weight.to(grad_out.dtype)).to(ctx.input_dtype)   # (..., in)
-        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(dim=0).to(weight.dtype) if ctx.has_bias else None
-        return grad_input, None, grad_bias, None
+        x, = ctx.saved_tensors
+        ctx.store.append((ctx.weight, grad_out, parallel.all_gather_sequence(x) if ctx.gather else x))
+        return grad_out, None, None, None, None
 
 
 def weight_grads(store: list) -> None:
