@@ -266,17 +266,13 @@ def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_all_gather_as_sum(x: torch.Tensor) -> torch.Tensor:
-    """launch_all_gather of CPU tensors, which go through gloo: the sum of
-    every rank's x at its own rows, zeros elsewhere. PyTorch's gloo runs a
-    group's collectives on two threads, which both assign a string of the
-    group's status (the op's name) without a lock. The functional all-gather
-    runs as ALLGATHER_COALESCED, the only name among our collectives too long
-    for std::string's inline buffer, so with two collectives at once, as
-    sequence parallelism and Domino launch them, one thread can free the
-    buffer the other writes into: heap corruption ("malloc(): unaligned
-    tcache chunk detected"; AddressSanitizer: a use-after-free in
-    ProcessGroupGloo::runLoop; bench/check_gloo_gather.py). The sum's ring
-    all-reduce moves about twice an all-gather's bytes."""
+    """launch_all_gather of CPU tensors (gloo): the sum of every rank's x at
+    its own rows, zeros elsewhere. Gloo's two threads assign the group's
+    status string (the op's name) without a lock, and ALLGATHER_COALESCED is
+    too long for std::string's inline buffer: with two collectives in flight
+    (sequence parallelism, Domino) the heap is corrupted ("malloc():
+    unaligned tcache chunk detected"; bench/check_gloo_gather.py). The sum
+    moves about twice an all-gather's bytes."""
     before, after = layout.tp_rank * x.shape[0], (layout.tp_size - 1 - layout.tp_rank) * x.shape[0]
     # zeros above and below x along dim 0 (a pad, not a cat: Inductor would keep x twice for backward)
     return launch_all_reduce(F.pad(x, (0, 0) * (x.dim() - 1) + (before, after)))   # (tp * B, ...)
@@ -691,26 +687,22 @@ def _(x, dependency):
 #
 # Backward runs the graph in reverse, always picking the ready node that was
 # created LAST in forward. The column-parallel layer's f launches its dX
-# all-reduce and returns without waiting (_CopyToTensorParallelRegionInFlight);
-# the wait is a _WaitForGrad node made when the chunk entered the sublayer.
-# Each chunk therefore enters its sublayer BEFORE the previous chunk launches
-# its row-parallel GEMM: in backward, that GEMM's gradients are computed
-# between this chunk's launch and its wait. With 2 chunks:
+# all-reduce and returns without waiting; the wait is a _WaitForGrad node
+# made when the chunk entered the sublayer, BEFORE the previous chunk
+# launched its row-parallel GEMM: in backward, that GEMM's gradients are
+# computed between this chunk's launch and its wait. With 2 chunks:
 #
 #     forward   body0 | enter1 | row0 | body1 | enter0' | row1 | body0' ...
 #     backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
 #
 # Under sequence parallelism each all-reduce is a reduce-scatter, in flight
-# the same way, and entering a sublayer also launches the all-gather of the
-# chunk's LayerNorm output, which the column-parallel GEMM
-# (_SequenceParallelLinear, which leaves dX's reduce-scatter in flight
-# anyway) waits for; the previous chunk's row GEMM runs meanwhile. The
-# all-gathers of a row-parallel layer's dY are not left in flight (its GEMMs
-# need them at once).
-#
-# Under a zero-bubble pipeline (pipeline.py) the dW GEMMs leave the backward
-# for the schedule's W: then only the other chunk's dX GEMMs (and its
-# attention or GeLU backward) hide each dX reduction.
+# the same way (_SequenceParallelLinear leaves dX's in flight anyway), and
+# entering a sublayer also launches the all-gather of the chunk's LayerNorm
+# output, which the column-parallel GEMM waits for; the previous chunk's row
+# GEMM runs meanwhile. A row-parallel layer's dY all-gathers are waited for
+# at once (its GEMMs need them). Under a zero-bubble pipeline (pipeline.py)
+# the dW GEMMs leave for the schedule's W: then the other chunk's dX GEMMs
+# (and its attention or GeLU backward) alone hide each dX reduction.
 #
 # Eager mode and torch.compile run the same launches and waits (section 1);
 # in the compiled graph each is a node, where eager mode calls it.
