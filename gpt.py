@@ -295,14 +295,14 @@ class CausalSelfAttention(nn.Module):
         parallel.mark(self.proj, residual_out=True)  # the scaled init, see init_weights
         self.resid_drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
-    def heads(self, x, *deferred, rope=None, cache=None):
+    def heads(self, x, *chunk, rope=None, cache=None):
         """Everything before the output projection: (B, T, C) -> (B, T, C/tp).
         Under TP qkv is column-parallel with output [Q_r | K_r | V_r]: this rank
         attends with its nh/tp query and G/tp key/value heads (under sequence
         parallelism qkv gathers all T tokens). rope: rope_angles(...) or None;
-        `deferred`: see domino_blocks; cache: KVCache.extend for this layer."""
+        `chunk`: see domino_blocks; cache: KVCache.extend for this layer."""
         cfg, hd = self.config, self.head_dim
-        qkv = self.qkv(x, *deferred)                     # (B, T, (nh + 2G) * hd / tp)
+        qkv = self.qkv(x, *chunk)                        # (B, T, (nh + 2G) * hd / tp)
         B, T, _ = qkv.shape
         tp = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd // qkv.shape[-1]
         nh, G = cfg.num_attention_heads // tp, cfg.num_query_groups // tp  # heads on this rank
@@ -335,9 +335,9 @@ class MLP(nn.Module):
         parallel.mark(self.proj, residual_out=True)
         self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
-    def hidden(self, x, *deferred):
+    def hidden(self, x, *chunk):
         """(B, T, C) -> (B, T, F), or (B, T, F/tp) under TP."""
-        h = self.fc(x, *deferred)
+        h = self.fc(x, *chunk)
         if self.swiglu:  # Shazeer, "GLU Variants Improve Transformer"
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
@@ -423,16 +423,16 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
     With sequence_parallel the column-parallel layers all-gather their input's
     tokens and the row-parallel ones reduce-scatter their output. Parameter
     names are unchanged, so full_state_dict() has tp=1's keys."""
-    domino, sp = cfg.domino_chunks > 1, cfg.sequence_parallel
-    Column, Row = parallel.ColumnParallelLinear, parallel.RowParallelLinear
+    sp = cfg.sequence_parallel
+    Row = parallel.RowParallelLinear
+    # Domino's column layers leave dX's reduction in flight, for another chunk to hide
+    Column = parallel.DominoColumnParallelLinear if cfg.domino_chunks > 1 else parallel.ColumnParallelLinear
     kv = cfg.num_query_groups * cfg.head_dim
     # GQA: K and V are narrower than Q, so the three blocks are named by size
     qkv_blocks = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
-    block.attn.qkv = Column.from_linear(block.attn.qkv, blocks=qkv_blocks, async_grad_allreduce=domino,
-                                        sequence_parallel=sp)
+    block.attn.qkv = Column.from_linear(block.attn.qkv, blocks=qkv_blocks, sequence_parallel=sp)
     block.attn.proj = Row.from_linear(block.attn.proj, sequence_parallel=sp)
-    block.mlp.fc = Column.from_linear(block.mlp.fc, blocks=2 if cfg.swiglu else 1,
-                                      async_grad_allreduce=domino, sequence_parallel=sp)
+    block.mlp.fc = Column.from_linear(block.mlp.fc, blocks=2 if cfg.swiglu else 1, sequence_parallel=sp)
     block.mlp.proj = Row.from_linear(block.mlp.proj, sequence_parallel=sp)
 
 

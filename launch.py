@@ -186,7 +186,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0, 
     """Start the default process group from torchrun's environment (a single
     process without it; gloo on CPU). The groups of a parallel layout are
     parallel.initialize's. one_queue: one hardware queue (see
-    parallel._ColumnParallelLinearFunction), set before anything creates the
+    parallel._SequenceParallelLinear), set before anything creates the
     CUDA context, which reads it."""
     if one_queue:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -57,9 +57,10 @@ Sections:
 
     1. process groups, raw collectives (one form for eager mode and
        torch.compile), divisibility checks
-    2. the communication operators: f, g, sequence parallelism's, Domino's
-    3. ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    4. Domino's schedule
+    2. tensor parallelism: f and g, then ColumnParallelLinear (f, F.linear),
+       RowParallelLinear (F.linear, g), VocabParallelEmbedding
+    3. sequence parallelism: f and g along the sequence, its column GEMM
+    4. Domino: the same collectives left in flight, and its schedule
     5. the per-rank random stream for dropout, and checkpointing that replays it
     6. cross entropy on vocab-sharded logits, and the one id-range check
     7. gradients: sequence-parallel sums, the global norm, clipping
@@ -84,8 +85,7 @@ from launch import UsageError
 # ============================================================================
 # 1. Process groups and raw collectives
 # ============================================================================
-# The project's global state, with the RNG tracker of section 5 and, set only
-# inside a zero-bubble schedule's actions, its weight-gradient store (section 3).
+# The project's global state, with the RNG tracker of section 5.
 #
 # Megatron's order of ranks: TP varies fastest, then DP, then PP, so
 # rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank. TP=2 x DP=2 x PP=2:
@@ -233,10 +233,11 @@ def launch_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum x over the TP group into a new contiguous tensor."""
+    """Sum x over the TP group into a new contiguous tensor (launched and waited for)."""
     if layout.tp_size == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    return wait(launch_all_reduce(x))
+    return torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", layout.tp_group.group_name))
 
 
 def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -265,17 +266,13 @@ def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_all_gather_as_sum(x: torch.Tensor) -> torch.Tensor:
-    """launch_all_gather of CPU tensors, which go through gloo: the sum of
-    every rank's x at its own rows, zeros elsewhere. PyTorch's gloo runs a
-    group's collectives on two threads, which both assign a string of the
-    group's status (the op's name) without a lock. The functional all-gather
-    runs as ALLGATHER_COALESCED, the only name among our collectives too long
-    for std::string's inline buffer, so with two collectives at once, as
-    sequence parallelism and Domino launch them, one thread can free the
-    buffer the other writes into: heap corruption ("malloc(): unaligned
-    tcache chunk detected"; AddressSanitizer: a use-after-free in
-    ProcessGroupGloo::runLoop; bench/check_gloo_gather.py). The sum's ring
-    all-reduce moves about twice an all-gather's bytes."""
+    """launch_all_gather of CPU tensors (gloo): the sum of every rank's x at
+    its own rows, zeros elsewhere. Gloo's two threads assign the group's
+    status string (the op's name) without a lock, and ALLGATHER_COALESCED is
+    too long for std::string's inline buffer: with two collectives in flight
+    (sequence parallelism, Domino) the heap is corrupted ("malloc():
+    unaligned tcache chunk detected"; bench/check_gloo_gather.py). The sum
+    moves about twice an all-gather's bytes."""
     before, after = layout.tp_rank * x.shape[0], (layout.tp_size - 1 - layout.tp_rank) * x.shape[0]
     # zeros above and below x along dim 0 (a pad, not a cat: Inductor would keep x twice for backward)
     return launch_all_reduce(F.pad(x, (0, 0) * (x.dim() - 1) + (before, after)))   # (tp * B, ...)
@@ -308,21 +305,24 @@ def reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sequence_parts(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, ...) -> (tp, B, T/tp, ...), contiguous: rank r's tokens at [r]."""
+    """(B, T, ...) -> (tp, B, T/tp, ...), contiguous: rank r's tokens at [r]
+    (config.py checks that tp divides --seq-length)."""
     B, T, tp = x.shape[0], x.shape[1], layout.tp_size
-    if T % tp != 0:
-        raise UsageError(f"sequence length {T} is not divisible by tensor_model_parallel_size={tp}")
     return x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()
 
 
 # ============================================================================
-# 2. The communication operators: f, g, sequence parallelism's, Domino's
+# 2. Tensor parallelism: f, g and the parallel layers
 # ============================================================================
-# autograd.Functions; the module docstring draws the picture.
+# Megatron's two operators (the module docstring draws them), each an
+# autograd Function of two lines, and the layers built on them: a
+# column-parallel linear is f, then F.linear; a row-parallel one is F.linear,
+# then g. With tp=1 f and g are the identity and add no autograd node at all.
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """f: forward y = x (every rank already has x); backward dx = sum_r dy_r,
-    because x fed all tp shards and each contributes a partial gradient."""
+    """f: forward y = x (every rank already holds x); backward
+    dx = sum_r dy_r, an all-reduce: x fed all tp shards, and each shard's
+    GEMM gives only its share of the gradient."""
 
     @staticmethod
     def forward(ctx, x):
@@ -334,148 +334,28 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """g: forward y = sum_r x_r (partial products -> full result); backward
-    dx_r = dy, the sum passes the same gradient to every summand. Under
-    sequence parallelism, out of the tensor-parallel region (after a
-    row-parallel layer or the vocab-parallel embedding), g with each rank
-    keeping only its tokens:
-        forward   y_r = (sum_q x_q)[r-th slice]    reduce-scatter along the sequence
-        backward  dx = [dy_0; ...; dy_{tp-1}]      all-gather
-    forward returns `reduced`, the landed collective of `partial` that
-    PendingReduce launched. It enters the graph only AFTER landing: gloo
-    finishes a reduce-scatter with a copy_ into the output on its own
-    thread, which autograd would record, cutting the gradient's way back."""
-
-    @staticmethod
-    def forward(ctx, partial, reduced, sequence_parallel: bool):
-        ctx.sequence_parallel = sequence_parallel
-        return reduced.view_as(reduced)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (all_gather_sequence(grad) if ctx.sequence_parallel else grad), None, None
-
-
-class PendingReduce:
-    """g (under sequence parallelism its reduce-scatter) of a row-parallel
-    layer's partial sum, launched and left in flight; wait() returns the sum
-    plus bias. Domino waits when the chunk enters its next sublayer."""
-
-    def __init__(self, partial: torch.Tensor, bias: torch.Tensor | None = None,
-                 sequence_parallel: bool = False):
-        self._partial, self._bias, self._sequence_parallel = partial, bias, sequence_parallel
-        launch = launch_reduce_scatter_sequence if sequence_parallel else launch_all_reduce
-        self._in_flight = launch(partial.detach())    # -> (B, T/tp, out) or (B, T, out)
-
-    def wait(self) -> torch.Tensor:
-        out = _ReduceFromTensorParallelRegion.apply(self._partial, wait(self._in_flight),
-                                                    self._sequence_parallel)
-        return out if self._bias is None else out + self._bias
-
-
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """forward y = [x_0 | x_1 | ... | x_{tp-1}] along the last dim; backward
-    dx_r = dy[..., r-th slice]."""
-
-    @staticmethod
-    def forward(ctx, x):  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
-        return torch.cat(wait(launch_all_gather(x)).chunk(layout.tp_size, dim=0), dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        width = grad.shape[-1] // layout.tp_size  # a copy of this rank's slice, which frees the rest
-        return grad[..., layout.tp_rank * width:(layout.tp_rank + 1) * width].contiguous()
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Into the tensor-parallel region (before a column-parallel layer or the
-    LM head); each rank's dy is a partial gradient, as in f's backward:
-        forward   y = [x_0; x_1; ...; x_{tp-1}]   all-gather along the sequence
-        backward  dx_r = (sum_q dy_q)[r-th slice]  reduce-scatter"""
+    """g: forward y = sum_r x_r, an all-reduce (each rank's partial product
+    -> the full result); backward dx_r = dy: a sum passes the same gradient
+    to every summand."""
 
     @staticmethod
     def forward(ctx, x):
-        return all_gather_sequence(x)
+        return all_reduce(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_sequence(grad)
+        return grad
 
-
-def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x in the autocast dtype (when on), as the column-parallel GEMM would
-    cast it anyway. Under sequence parallelism its input (a LayerNorm's fp32
-    output) is all-gathered and kept: cast first, and both move and keep half
-    the bytes (s*b*h*34/T assumes 16-bit activations)."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind) and x.is_floating_point():
-        return x.to(torch.get_autocast_dtype(kind))
-    return x
-
-
-class DeferredCollectives:
-    """A column-parallel layer's collectives that Domino leaves in flight for
-    one chunk. dX's reduction (all-reduce, or under sequence parallelism
-    reduce-scatter): wait_in_backward(h) returns h through an identity node
-    whose BACKWARD waits for it; pass the result and this object to the
-    ColumnParallelLinear, whose backward launches it and returns it still in
-    flight (section 4 says why the wait is a separate node). Under sequence
-    parallelism, gather_input(h) launches the all-gather of the layer's
-    input, which its forward waits for only when it runs."""
-
-    def __init__(self):
-        self.gathered_input = None   # the all-gather in flight (launch_all_gather), or None
-
-    def wait_in_backward(self, h: torch.Tensor) -> torch.Tensor:
-        return _WaitForDeferredGrad.apply(h)
-
-    def gather_input(self, h: torch.Tensor) -> None:
-        """Launch the all-gather of h's tokens (B, T/tp, C) for the layer's forward."""
-        self.gathered_input = launch_all_gather(in_autocast_dtype(h.detach()))
-
-
-class _WaitForDeferredGrad(torch.autograd.Function):
-    """forward y = x; backward dx = wait(grad): grad is the column-parallel
-    layer's dX reduction, still in flight, now summed over the TP group. It
-    reaches this node as a tensor, through autograd in eager mode as through
-    the compiled graph."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return wait(grad)
-
-
-# With tp=1 every operator is the identity and adds no autograd node at all.
 
 def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """f (_CopyToTensorParallelRegion)."""
     return x if layout.tp_size == 1 else _CopyToTensorParallelRegion.apply(x)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return x if layout.tp_size == 1 else PendingReduce(x).wait()
+    """g (_ReduceFromTensorParallelRegion)."""
+    return x if layout.tp_size == 1 else _ReduceFromTensorParallelRegion.apply(x)
 
-
-def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return x if layout.tp_size == 1 else _GatherFromTensorParallelRegion.apply(x)
-
-
-def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    """(B, T/tp, ...) -> (B, T, ...); see _GatherFromSequenceParallelRegion."""
-    return x if layout.tp_size == 1 else _GatherFromSequenceParallelRegion.apply(x)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, ...) partial sums -> (B, T/tp, ...); see _ReduceFromTensorParallelRegion."""
-    return x if layout.tp_size == 1 else PendingReduce(x, sequence_parallel=True).wait()
-
-
-# ============================================================================
-# 3. Parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-# ============================================================================
 
 def init_normal(std: float = 0.02) -> Callable[[torch.Tensor], None]:
     """Megatron's default init_method: N(0, std) on the full master weight."""
@@ -499,16 +379,14 @@ def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its OUTPUT dim: rank r holds the rows
-    A_r (out/tp, in) and computes Y_r = X A_r^T + b_r, sharded (..., out/tp).
-    The input goes through f; under sequence parallelism it is this rank's
-    tokens (B, T/tp, in), all-gathered instead, and dX is reduce-scattered."""
+    A_r (out/tp, in) and computes Y_r = f(X) A_r^T + b_r, sharded (..., out/tp).
+    Under sequence parallelism X is this rank's tokens (B, T/tp, in),
+    all-gathered instead (section 3)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  blocks=1, init_method: Callable[[torch.Tensor], None] = init_normal(),
-                 async_grad_allreduce: bool = False, sequence_parallel: bool = False):
+                 sequence_parallel: bool = False):
         super().__init__()
-        # True: f's backward all-reduce overlaps the weight-gradient GEMM (same maths)
-        self.async_grad_allreduce = async_grad_allreduce
         self.sequence_parallel = sequence_parallel and layout.tp_size > 1
         self.in_features, self.out_features, self.blocks = in_features, out_features, blocks
         self.weight = _sharded_master((out_features, in_features), init_method, 0, blocks)
@@ -517,23 +395,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor,
-                deferred: DeferredCollectives | None = None) -> torch.Tensor:
-        """deferred (async_grad_allreduce only): x came from
-        deferred.wait_in_backward, where backward waits for dX's all-reduce."""
-        if deferred is not None and not self.async_grad_allreduce:
-            raise UsageError("a DeferredCollectives needs async_grad_allreduce=True")
-        if not (self.sequence_parallel or (self.async_grad_allreduce and layout.tp_size > 1)):
-            x = copy_to_tensor_parallel_region(x)           # (..., in)
-            return linear(x, self.weight, self.bias)        # (..., out/tp)
-        # Wait for the input all-gather Domino launched early here, outside the
-        # Function: Dynamo traces a forward only without side effects on outside objects.
-        gathered = None
-        if deferred is not None and deferred.gathered_input is not None:
-            gathered, deferred.gathered_input = gathered_sequence(deferred.gathered_input), None
-        weight, dw_to = _deferring(self.weight)  # (zero-bubble pipelines)
-        return _ColumnParallelLinearFunction.apply(x, gathered, weight, self.bias,
-                                                   deferred is not None, self.sequence_parallel, dw_to)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # dX's reduce-scatter is waited for at once
+            return _SequenceParallelLinear.apply(_WaitForGrad.apply(x), None, self.weight, self.bias)
+        return F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)  # (..., out/tp)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
@@ -544,184 +409,6 @@ class ColumnParallelLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(local {_local_shape(self.weight)[0]}), blocks={self.blocks}, "
                 f"sequence_parallel={self.sequence_parallel}")
-
-
-class _ColumnParallelLinearFunction(torch.autograd.Function):
-    """f (under sequence parallelism the all-gather) then y = X W_r^T + b_r.
-    Backward launches dX = sum_r dY_r W_r's all-reduce (or reduce-scatter)
-    BEFORE the dW = dY^T X GEMM, which runs while dX is on the wire, then
-    waits (Megatron), or with defer_wait returns dX still in flight, for
-    DeferredCollectives' node to wait for after the other chunks' backward
-    GEMMs (Domino). On GPU this needs CUDA_DEVICE_MAX_CONNECTIONS=1: with one
-    hardware queue the NCCL kernel starts before the GEMM, not behind it.
-    Under sequence parallelism only this rank's tokens of X are kept, and
-    backward all-gathers them again (hidden by the dX GEMM): 1/tp the
-    activations."""
-
-    @staticmethod
-    def forward(ctx, x, gathered, weight, bias, defer_wait: bool, sequence_parallel: bool,
-                dw_to: tuple | None = None):
-        """Keep X and W for backward, return X W^T + b over the whole sequence
-        (`gathered`: X's all-gather, already waited for; `dw_to`: where a
-        zero-bubble pipeline's backward leaves dW, see _deferring)."""
-        ctx.input_dtype = x.dtype
-        if sequence_parallel:
-            x = in_autocast_dtype(x)                            # keep and move 16 bits
-        ctx.save_for_backward(x, weight)                        # under SP: (B, T/tp, in)
-        ctx.has_bias, ctx.defer_wait = bias is not None, defer_wait
-        ctx.sequence_parallel, ctx.dw_to = sequence_parallel, dw_to
-        total = x
-        if sequence_parallel:                                   # -> (B, T, in)
-            total = gathered if gathered is not None else all_gather_sequence(x)
-        return F.linear(total, weight, bias)                    # (..., out/tp)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        # Under autocast, forward's GEMM ran in grad_out's dtype (e.g. bf16),
-        # but backward runs outside autocast: do the GEMMs in grad_out's dtype,
-        # as autograd does for an autocast F.linear, and cast each gradient
-        # back to its input's dtype.
-        dtype = grad_out.dtype
-        regather = launch_all_gather(_after(x, grad_out)) if ctx.sequence_parallel else None
-        grad_input = None
-        if ctx.needs_input_grad[0]:
-            partial = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)  # (..., in) partial
-            grad_input = (launch_reduce_scatter_sequence(partial) if ctx.sequence_parallel
-                          else launch_all_reduce(partial))              # -> (B, T/tp, in) or (..., in)
-        total = gathered_sequence(regather) if regather is not None else x  # (..., in)
-        # Under a zero-bubble pipeline dW waits for W (in its store, with the
-        # gathered X): then nothing here runs while dX is on the wire, and
-        # Domino's other chunk's dX GEMMs alone hide it (section 4).
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, total, weight, ctx.has_bias, ctx.dw_to)
-        if grad_input is not None and not ctx.defer_wait:
-            grad_input = wait(grad_input)
-        return grad_input, None, grad_weight, grad_bias, None, None, None
-
-
-@torch.library.custom_op("parallel::after", mutates_args=())
-def _after(x: torch.Tensor, dependency: torch.Tensor) -> torch.Tensor:
-    """A copy of x, made only once `dependency` (the gradient) exists.
-    AOTAutograd would run a collective that needs no gradient (the re-gather
-    of this rank's tokens) in FORWARD and keep its (B, T, in) output, tp
-    times what sequence parallelism keeps; gathering this copy keeps it in
-    backward. Opaque, so no compiler pass folds the dependency away."""
-    return x.clone(memory_format=torch.contiguous_format)
-
-
-@_after.register_fake
-def _(x, dependency):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _weight_and_bias_grads(grad_out, x, weight, has_bias: bool, dw_to: tuple | None = None):
-    """dW = dY^T X (the GEMM that hides dX's collective) and db = sum dY, in
-    dY's dtype, returned in the weight's. With a zero-bubble pipeline's
-    dw_to = (store, parameter) (_deferring) dW is left for the schedule's W:
-    (parameter, dY, X) is appended to the store and None returned; db, small,
-    is computed now."""
-    g2d = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, out/tp)
-    grad_bias = g2d.sum(dim=0).to(weight.dtype) if has_bias else None
-    if dw_to is not None:
-        store, parameter = dw_to
-        store.append((parameter, grad_out, x))
-        return None, grad_bias
-    x2d = x.reshape(-1, x.shape[-1]).to(grad_out.dtype)              # (N, in)
-    return (g2d.t() @ x2d).to(weight.dtype), grad_bias
-
-
-# Zero-bubble pipelines (pipeline.py, --enable-zero-bubble) split a stage's
-# backward in two: I (the paper's B), the gradient w.r.t. the stage's input,
-# which the previous stage waits for, and W, the weight gradients, which
-# nothing waits for and the schedule runs later. The linears do the split: inside
-# deferred_weight_grads(store), their backward computes dX (and the bias's
-# small db) and appends (weight, dY, X) to the micro-batch's store;
-# weight_grads(store), the W, computes every dW = dY^T X from it. X and dY
-# stay alive until then: the memory W costs.
-# The store is dynamic scope, as autocast's state is: the linears deep in a
-# model's forward see it without every forward passing it along.
-_WEIGHT_GRAD_STORE: list | None = None
-
-
-@contextlib.contextmanager
-def deferred_weight_grads(store: list | None):
-    """Linears run (forward, and backward with its recomputation) inside
-    leave their dW in `store` (None: computed in backward as usual)."""
-    global _WEIGHT_GRAD_STORE
-    previous, _WEIGHT_GRAD_STORE = _WEIGHT_GRAD_STORE, store
-    try:
-        yield
-    finally:
-        _WEIGHT_GRAD_STORE = previous
-
-
-def weight_grads(store: list) -> None:
-    """W: every dW left in `store`, summed per weight (Domino's chunks use each
-    weight twice) and accumulated into .grad through autograd, so that the
-    weights' hooks (data-parallel averaging) run as after a plain backward."""
-    grads = {}
-    with torch.no_grad():  # as in backward: X is an activation, and dW no node of any graph
-        for weight, grad_out, x in store:
-            g = _weight_and_bias_grads(grad_out, x, weight, False)[0]
-            grads[weight] = grads[weight] + g if weight in grads else g
-    store.clear()
-    if grads:
-        torch.autograd.backward(list(grads), list(grads.values()))
-
-
-def _deferring(weight: nn.Parameter) -> tuple[torch.Tensor, tuple | None]:
-    """(the weight to compute with, dw_to): inside deferred_weight_grads, the
-    weight detached and dw_to = (store, the parameter), which rides past
-    autograd's inputs. The parameter's AccumulateGrad is then no node of the
-    graph: it would run, gradient-less, in I, and the post-accumulate hooks
-    that count a step's micro-batches (GradientAverager) would count it."""
-    if _WEIGHT_GRAD_STORE is None or not torch.is_grad_enabled():
-        return weight, None
-    return weight.detach(), (_WEIGHT_GRAD_STORE, weight)
-
-
-def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, whose dW, inside deferred_weight_grads, waits for W."""
-    weight, dw_to = _deferring(weight)
-    if dw_to is None:
-        return F.linear(x, weight, bias)
-    return _LinearDeferringWeightGrad.apply(x, weight, bias, dw_to)
-
-
-class _LinearDeferringWeightGrad(torch.autograd.Function):
-    """y = X W^T + b; backward returns dX and db, and leaves dW to W (dw_to)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, dw_to: tuple):
-        ctx.input_dtype, ctx.has_bias, ctx.dw_to = x.dtype, bias is not None, dw_to
-        x = in_autocast_dtype(x)            # keep the 16 bits autocast's F.linear keeps
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_input = (grad_out @ weight.to(grad_out.dtype)).to(ctx.input_dtype)  # (..., in)
-        _, grad_bias = _weight_and_bias_grads(grad_out, x, weight, ctx.has_bias, ctx.dw_to)
-        return grad_input, None, grad_bias, None
-
-
-class Linear(nn.Linear):
-    """nn.Linear through linear(), whose dW a zero-bubble pipeline defers (as
-    the parallel linears' at tp > 1); see deferrable."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-def deferrable(model: nn.Module) -> nn.Module:
-    """A zero-bubble run's model: its nn.Linear become Linear in place (the
-    same parameters and marks). The plain model keeps nn.Linear, so a step
-    without stages never passes through the store's checks."""
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = Linear
-    return model
 
 
 class RowParallelLinear(nn.Module):
@@ -742,16 +429,12 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = linear(x, self.weight)                            # (B, T, out), this rank's share
+        partial = F.linear(x, self.weight)                          # (B, T, out), this rank's share
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial)  # (B, T/tp, out)
         else:
             y = reduce_from_tensor_parallel_region(partial)         # (B, T, out)
         return y if self.bias is None else y + self.bias
-
-    def forward_async(self, x: torch.Tensor) -> PendingReduce:
-        """Like forward, the reduction left in flight: call .wait() on the result."""
-        return PendingReduce(linear(x, self.weight), self.bias, self.sequence_parallel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
@@ -774,19 +457,17 @@ def _from_linear(cls, linear: nn.Linear, **kwargs):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows (the vocabulary) are split into tp contiguous ranges.
-    Rank r looks up the ids it owns, outputs zeros for the others, and g sums
-    over ranks, so every id gets exactly its one row. sequence_parallel=True
-    reduce-scatters the sum instead: each rank keeps its tokens (B, T/tp, C)."""
+    """Embedding whose rows (the vocabulary) are split into tp contiguous ranges
+    (check_layout: tp divides them). Rank r looks up the ids it owns, outputs
+    zeros for the others, and g sums over ranks, so every id gets exactly its
+    one row. sequence_parallel=True reduce-scatters the sum instead: each
+    rank keeps its tokens (B, T/tp, C)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  init_method: Callable[[torch.Tensor], None] = init_normal(),
                  sequence_parallel: bool = False):
         super().__init__()
         self.sequence_parallel = sequence_parallel and layout.tp_size > 1
-        if num_embeddings % layout.tp_size != 0:
-            raise UsageError(f"tensor_model_parallel_size={layout.tp_size} must divide "
-                             f"num_embeddings={num_embeddings} (pad the vocabulary)")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per_rank = num_embeddings // layout.tp_size
         self.vocab_start, self.vocab_end = layout.tp_rank * per_rank, (layout.tp_rank + 1) * per_rank
@@ -835,8 +516,161 @@ def sequence_parallel_off(module: nn.Module):
             m.sequence_parallel = True
 
 
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    """forward y = [x_0 | x_1 | ... | x_{tp-1}] along the last dim; backward
+    dx_r = dy[..., r-th slice]."""
+
+    @staticmethod
+    def forward(ctx, x):  # (tp * ..., n) -> (tp, ..., n) -> (..., tp * n)
+        return torch.cat(wait(launch_all_gather(x)).chunk(layout.tp_size, dim=0), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        width = grad.shape[-1] // layout.tp_size  # a copy of this rank's slice, which frees the rest
+        return grad[..., layout.tp_rank * width:(layout.tp_rank + 1) * width].contiguous()
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's last-dim shard joined (the full logits of eval and generation)."""
+    return x if layout.tp_size == 1 else _GatherFromTensorParallelRegion.apply(x)
+
+
 # ============================================================================
-# 4. Domino's schedule
+# 3. Sequence parallelism: f and g along the sequence, and its column GEMM
+# ============================================================================
+# (The module docstring draws it.) Out of the tensor-parallel region g
+# becomes a reduce-scatter, into it f becomes an all-gather; the
+# column-parallel GEMM gathers its input itself, so as to keep only this
+# rank's tokens for backward.
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Into the tensor-parallel region (before a column-parallel layer or the
+    LM head); each rank's dy is a partial gradient, as in f's backward:
+        forward   y = [x_0; x_1; ...; x_{tp-1}]   all-gather along the sequence
+        backward  dx_r = (sum_q dy_q)[r-th slice]  reduce-scatter"""
+
+    @staticmethod
+    def forward(ctx, x):
+        return all_gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad)
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Out of the tensor-parallel region (after a row-parallel layer or the
+    vocab-parallel embedding), g with each rank keeping only its tokens:
+        forward   y_r = (sum_q x_q)[r-th slice]    reduce-scatter along the sequence
+        backward  dx = [dy_0; ...; dy_{tp-1}]      all-gather"""
+
+    @staticmethod
+    def forward(ctx, x):
+        return reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """(B, T/tp, ...) -> (B, T, ...); see _GatherFromSequenceParallelRegion."""
+    return x if layout.tp_size == 1 else _GatherFromSequenceParallelRegion.apply(x)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, ...) partial sums -> (B, T/tp, ...); see _ReduceScatterToSequenceParallelRegion."""
+    return x if layout.tp_size == 1 else _ReduceScatterToSequenceParallelRegion.apply(x)
+
+
+def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype (when on), as the column-parallel GEMM would
+    cast it anyway. Under sequence parallelism its input (a LayerNorm's fp32
+    output) is all-gathered and kept: cast first, and both move and keep half
+    the bytes (s*b*h*34/T assumes 16-bit activations)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
+class _WaitForGrad(torch.autograd.Function):
+    """forward y = x; backward dx = wait(grad): grad is a column-parallel
+    GEMM's dX reduction, still in flight (_SequenceParallelLinear, Domino's
+    column), now landed. It reaches this node as a tensor, through autograd
+    in eager mode as through the compiled graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return wait(grad)
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """The column-parallel GEMM on this rank's tokens x (B, T/tp, in):
+        forward   Y = [x_0; ...; x_{tp-1}] W_r^T + b_r    all-gather, then GEMM
+        backward  dx = reduce-scatter(dY W_r), returned still IN FLIGHT (a
+                  _WaitForGrad node before this one waits for it), and
+                  dW = dY^T X, X gathered again
+    Only this rank's tokens are kept: 1/tp the activations. Backward launches
+    the re-gather before the dX GEMM and the reduce-scatter before the dW
+    GEMM, each hidden behind a GEMM (Megatron; on GPU this needs
+    CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware queue the NCCL kernel
+    starts before the GEMM, not behind it). A weight that needs no gradient
+    needs neither x nor the re-gather. `gathered`: X, all-gathered already
+    (Domino launches it early), or None."""
+
+    @staticmethod
+    def forward(ctx, x, gathered, weight, bias):
+        ctx.input_dtype, ctx.has_bias = x.dtype, bias is not None
+        x = in_autocast_dtype(x)                                # keep and move 16 bits
+        ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, weight)   # (B, T/tp, in)
+        total = gathered if gathered is not None else all_gather_sequence(x)    # (B, T, in)
+        return F.linear(total, weight, bias)                    # (B, T, out/tp)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        # Under autocast, forward's GEMM ran in grad_out's dtype (e.g. bf16),
+        # but backward runs outside autocast: do the GEMMs in grad_out's dtype,
+        # as autograd does for an autocast F.linear, and cast each gradient
+        # back to its input's dtype.
+        dtype = grad_out.dtype
+        regather = launch_all_gather(_after(x, grad_out)) if x is not None else None
+        partial = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)   # (B, T, in), this rank's share
+        grad_input = launch_reduce_scatter_sequence(partial)           # -> (B, T/tp, in), in flight
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])                 # (B*T, out/tp)
+        grad_weight = grad_bias = None
+        if regather is not None:
+            total = gathered_sequence(regather)                        # (B, T, in)
+            grad_weight = (g2d.t() @ total.reshape(-1, total.shape[-1]).to(dtype)).to(weight.dtype)
+        if ctx.has_bias:
+            grad_bias = g2d.sum(dim=0).to(weight.dtype)
+        return grad_input, None, grad_weight, grad_bias
+
+
+@torch.library.custom_op("parallel::after", mutates_args=())
+def _after(x: torch.Tensor, dependency: torch.Tensor) -> torch.Tensor:
+    """A copy of x, made only once `dependency` (the gradient) exists.
+    AOTAutograd would run a collective that needs no gradient (the re-gather
+    of this rank's tokens) in FORWARD and keep its (B, T, in) output, tp
+    times what sequence parallelism keeps; gathering this copy keeps it in
+    backward. Opaque, so no compiler pass folds the dependency away."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_after.register_fake
+def _(x, dependency):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# ============================================================================
+# 4. Domino: the same collectives, left in flight while another chunk computes
 # ============================================================================
 # Domino (Wang et al.) hides tensor parallelism's communication behind
 # computation. The micro-batch is split along the batch into chunks that are
@@ -852,39 +686,102 @@ def sequence_parallel_off(module: nn.Module):
 # run, and is waited for only when chunk i enters its next sublayer.
 #
 # Backward runs the graph in reverse, always picking the ready node that was
-# created LAST in forward. The column-parallel layer launches its dX
-# all-reduce and returns without waiting (DeferredCollectives); the wait is
-# an identity node made when the chunk entered the sublayer. Each chunk
-# therefore enters its sublayer BEFORE the previous chunk launches its
-# row-parallel GEMM: in backward, that GEMM's gradients are computed between
-# this chunk's launch and its wait. With 2 chunks:
+# created LAST in forward. The column-parallel layer's f launches its dX
+# all-reduce and returns without waiting; the wait is a _WaitForGrad node
+# made when the chunk entered the sublayer, BEFORE the previous chunk
+# launched its row-parallel GEMM: in backward, that GEMM's gradients are
+# computed between this chunk's launch and its wait. With 2 chunks:
 #
 #     forward   body0 | enter1 | row0 | body1 | enter0' | row1 | body0' ...
 #     backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
 #
 # Under sequence parallelism each all-reduce is a reduce-scatter, in flight
-# the same way, and entering a sublayer also launches the all-gather of the
-# chunk's LayerNorm output, which the column-parallel GEMM waits for (the
-# previous chunk's row GEMM runs meanwhile). In backward the dX
-# reduce-scatter is deferred like the all-reduce; the all-gathers of a
-# row-parallel layer's dY are not (its GEMMs need them at once).
-#
-# Under a zero-bubble pipeline (pipeline.py's ZB-H1) the backward is split:
-# the dW GEMMs leave it for the schedule's W (deferred_weight_grads), so
-# between a chunk's dX launch and its wait only the other chunk's dX GEMMs
-# (and its attention or GeLU backward) run, about half the compute that hid
-# it before; W runs later with no collective in flight. The stages gain more
-# than that back: W fills the pipeline's idle ticks.
+# the same way (_SequenceParallelLinear leaves dX's in flight anyway), and
+# entering a sublayer also launches the all-gather of the chunk's LayerNorm
+# output, which the column-parallel GEMM waits for; the previous chunk's row
+# GEMM runs meanwhile. A row-parallel layer's dY all-gathers are waited for
+# at once (its GEMMs need them). Under a zero-bubble pipeline (pipeline.py)
+# the dW GEMMs leave for the schedule's W: then the other chunk's dX GEMMs
+# (and its attention or GeLU backward) alone hide each dX reduction.
 #
 # Eager mode and torch.compile run the same launches and waits (section 1);
 # in the compiled graph each is a node, where eager mode calls it.
 # tests/test_parallel.py checks this order on two ranks, in eager mode and in
 # the compiled graphs.
 
+class _CopyToTensorParallelRegionInFlight(torch.autograd.Function):
+    """Domino's f: forward y = x; backward launches dx = sum_r dy_r and
+    returns it still in flight, for the chunk's _WaitForGrad node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return launch_all_reduce(grad)
+
+
+class ChunkCollectives(NamedTuple):
+    """What Domino launched for one chunk's column-parallel layer as the
+    chunk entered its sublayer: under sequence parallelism the all-gather of
+    the layer's input (launch_all_gather), else None."""
+    gathered_input: torch.Tensor | None
+
+
+class DominoColumnParallelLinear(ColumnParallelLinear):
+    """A ColumnParallelLinear whose dX reduction Domino leaves in flight:
+    forward(x, chunk) takes x through the _WaitForGrad node made as the chunk
+    entered the sublayer, where backward waits for it (without a chunk, as
+    generation runs it: the plain layer)."""
+
+    def forward(self, x: torch.Tensor, chunk: ChunkCollectives | None = None) -> torch.Tensor:
+        if chunk is None:
+            return super().forward(x)
+        if self.sequence_parallel:  # waited for here, outside the Function (Dynamo traces it so)
+            gathered = gathered_sequence(chunk.gathered_input)                       # (B, T, in)
+            return _SequenceParallelLinear.apply(x, gathered, self.weight, self.bias)
+        return F.linear(_CopyToTensorParallelRegionInFlight.apply(x), self.weight, self.bias)
+
+
+class _LandedReduce(torch.autograd.Function):
+    """Domino's g, once landed: forward returns `reduced`, the collective of
+    `partial` that PendingReduce launched; backward is g's (under sequence
+    parallelism the reduce-scatter's: an all-gather). The sum enters the
+    graph only AFTER landing: gloo finishes a reduce-scatter with a copy_
+    into the output on its own thread, which autograd would record, cutting
+    the gradient's way back."""
+
+    @staticmethod
+    def forward(ctx, partial, reduced, sequence_parallel: bool):
+        ctx.sequence_parallel = sequence_parallel
+        return reduced.view_as(reduced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (all_gather_sequence(grad) if ctx.sequence_parallel else grad), None, None
+
+
+class PendingReduce:
+    """A RowParallelLinear's forward with g (under sequence parallelism its
+    reduce-scatter) launched and left in flight; wait() returns the sum plus
+    bias. Domino waits when the chunk enters its next sublayer."""
+
+    def __init__(self, row: RowParallelLinear, x: torch.Tensor):
+        self._partial = F.linear(x, row.weight)                    # (B, T, out), this rank's share
+        self._bias, self._sequence_parallel = row.bias, row.sequence_parallel
+        launch = launch_reduce_scatter_sequence if row.sequence_parallel else launch_all_reduce
+        self._in_flight = launch(self._partial.detach())          # -> (B, T/tp, out) or (B, T, out)
+
+    def wait(self) -> torch.Tensor:
+        out = _LandedReduce.apply(self._partial, wait(self._in_flight), self._sequence_parallel)
+        return out if self._bias is None else out + self._bias
+
+
 class Sublayer(NamedTuple):
     norm: nn.Module   # the LayerNorm that enters it
-    body: Callable    # body(h, deferred, chunk index) -> the row-parallel layer's input
-    row: nn.Module    # the RowParallelLinear that ends it (forward_async)
+    body: Callable    # body(h, chunk collectives, chunk index) -> the row-parallel layer's input
+    row: nn.Module    # the RowParallelLinear that ends it
     dropout: nn.Module
 
 
@@ -907,10 +804,9 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
 
     def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
         chunks[i], h = add_and_norm(sublayers[s].norm, chunks[i], _finish_branch(pending[i]))
-        deferred = DeferredCollectives()
-        if sequence_parallel:  # h holds this rank's tokens: start gathering them all now
-            deferred.gather_input(h)
-        return deferred.wait_in_backward(h), deferred
+        # under sequence parallelism h holds this rank's tokens: start gathering them all now
+        gathered = launch_all_gather(in_autocast_dtype(h.detach())) if sequence_parallel else None
+        return _WaitForGrad.apply(h), ChunkCollectives(gathered)
 
     entered = [enter(0, 0)] + [None] * (len(chunks) - 1)
     for s, sublayer in enumerate(sublayers):
@@ -920,7 +816,7 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
                 entered[i + 1] = enter(i + 1, s)
             elif s + 1 < len(sublayers):              # ...or the first, the next sublayer
                 entered[0] = enter(0, s + 1)
-            pending[i] = (sublayer.row.forward_async(y), sublayer.dropout)  # ...before this row GEMM
+            pending[i] = (PendingReduce(sublayer.row, y), sublayer.dropout)  # ...before this row GEMM
     return [c + _finish_branch(p) for c, p in zip(chunks, pending)]
 
 

@@ -8,7 +8,8 @@ and the micro-batches of a step scheduled through them. Sections:
   2. The schedules: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), drawn,
      and timed on one clock
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
-     of one rank (run_pipeline)
+     of one rank (run_pipeline); 3b. zero bubble's W, the blocks' weight
+     gradients left for later (LaterWeightGrads, weight_grads)
   4. The pipelined step: a step's micro-batches through this rank's stage
   5. The gradient reductions stages need: over data parallelism (each
      gradient's started as soon as it is final), and the tied embedding's
@@ -16,6 +17,7 @@ and the micro-batches of a step scheduled through them. Sections:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import NamedTuple
@@ -23,6 +25,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.overrides import TorchFunctionMode
 
 import parallel
 from config import TrainConfig, model_config
@@ -76,7 +81,7 @@ from launch import UsageError
 # 9 of 33). The price: a W keeps the inputs and output gradients of the
 # linears it needs (X, dY) from its I until it runs, s micro-batches' worth
 # on stage s. What W computes: the dW of the blocks' linears (attention's
-# qkv and proj, the MLP's fc and proj, parallel.deferred_weight_grads); the
+# qkv and proj, the MLP's fc and proj; section 3b); the
 # biases, norms, embeddings and the LM head (small, or on one stage only)
 # get their gradients in I.
 #
@@ -109,8 +114,6 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     chunks = pipeline_chunks(mcfg.num_layers, parallel.layout.pp_size, parallel.layout.pp_rank,
                              cfg.num_layers_per_virtual_pipeline_stage)
     model = GPT(mcfg, chunks).to(device)
-    if cfg.enable_zero_bubble:  # the linears' weight gradients can wait for the schedule's W
-        parallel.deferrable(model)
     if parallel.layout.pp_rank > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
         torch.manual_seed(cfg.seed + 100 * parallel.layout.pp_rank)
         parallel.model_parallel_seed(cfg.seed + 100 * parallel.layout.pp_rank)
@@ -227,12 +230,10 @@ def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False,
     rank starts at tick t, or None (busy with a backward, or idle: the
     bubble). An action starts at the first tick after the one that finished
     its input: the previous virtual stage's forward, or the next one's
-    backward (the last's: its own forward). zero_bubble: ZB-H1's order."""
+    backward (the last's: its own forward). zero_bubble: ZB-H1's order, one
+    model chunk a rank (config.validate_pipeline refuses interleaving it)."""
     if not forward_only:
         check_micro_batches(m, pp, v)
-    if zero_bubble and v > 1:
-        raise UsageError("--enable-zero-bubble runs ZB-H1, one model chunk a rank: drop "
-                         "--num-layers-per-virtual-pipeline-stage")
     orders = [rank_order(pp, r, m, v, forward_only, zero_bubble) for r in range(pp)]
     done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> tick it ends
     last = pp * v - 1
@@ -284,7 +285,8 @@ def _messages(a: Action | None, sender: int, pp: int, v: int):
 # ----------------------------------------------------------------------------
 
 def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple, device,
-                 dtype=torch.float32, timeline: list | None = None, after=None) -> None:
+                 dtype=torch.float32, timeline: list | None = None, after=None,
+                 later: LaterWeightGrads | None = None) -> None:
     """This rank's part of `ticks`. forward(chunk, micro, x) runs a model chunk
     on x, the previous stage's output (None on the first virtual stage), and
     returns its output, on the last virtual stage the loss to differentiate.
@@ -292,9 +294,9 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
     sent back, and sends x's gradient on. Under torch.no_grad (evaluation)
     the ticks hold forwards alone. timeline: (tick, action, start, end) of
     each action is appended to it. after(action), if given, runs as each
-    action ends, before its tick's exchange."""
+    action ends, before its tick's exchange. later: zero bubble's (section
+    3b), for the ticks' W."""
     rank, pp, group = parallel.layout.pp_rank, parallel.layout.pp_size, parallel.layout.pp_group
-    split = any(a.kind == "W" for row in ticks for a in row if a)  # zero bubble: I and W
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
     in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output, dW store) until backward
@@ -317,7 +319,7 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
             for due in range(t, t + DURATION[a.kind] - 1):
                 posted[due] = (ops := receives(due)) and dist.batch_isend_irecv(ops)
             start = time.perf_counter()
-            outgoing = _act(a, forward, received, in_flight, split)
+            outgoing = _act(a, forward, received, in_flight, later)
             if timeline is not None:
                 timeline.append((t, a, start, time.perf_counter()))
             if after is not None:
@@ -333,29 +335,129 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
             work.wait()
 
 
-def _act(a: Action, forward, received: dict, in_flight: dict, split: bool = False) -> torch.Tensor | None:
+def _act(a: Action, forward, received: dict, in_flight: dict,
+         later: LaterWeightGrads | None = None) -> torch.Tensor | None:
     """Run action a; returns what it sends on: a forward's output, a
     backward's (or I's) gradient w.r.t. its input (None on the first virtual
-    stage). split (zero bubble): each micro-batch's linears leave their dW in
-    a store of its own (parallel.deferred_weight_grads), which its I keeps
-    and its W empties."""
+    stage). later (zero bubble): each micro-batch's linears leave their dW in
+    a store of its own, which its I keeps and its W empties."""
     if a.kind == "W":
-        parallel.weight_grads(in_flight.pop(("W", a.chunk, a.micro)))
+        weight_grads(in_flight.pop(("W", a.chunk, a.micro)))
         return None
     if a.kind == "F":
         x = received.pop(("F", a.chunk, a.micro), None)
-        store = [] if split and torch.is_grad_enabled() else None
-        with parallel.deferred_weight_grads(store):
+        store = [] if later is not None and torch.is_grad_enabled() else None
+        with later.deferring(store) if store is not None else contextlib.nullcontext():
             y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
         if torch.is_grad_enabled():
             in_flight[(a.chunk, a.micro)] = (x, y, store)
         return y.detach()
     x, y, store = in_flight.pop((a.chunk, a.micro))
-    with parallel.deferred_weight_grads(store):  # (a recomputed forward defers as the first did)
+    # (a recomputed forward leaves its dW as the first did)
+    with later.deferring(store, backward=True) if store is not None else contextlib.nullcontext():
         torch.autograd.backward(y, received.pop((a.kind, a.chunk, a.micro), None))
     if store is not None:
         in_flight[("W", a.chunk, a.micro)] = store
     return x.grad if x is not None else None  # (the graph goes as x and y do, on return)
+
+
+# ----------------------------------------------------------------------------
+# 3b. Zero bubble's W: the blocks' weight gradients, computed later
+# ----------------------------------------------------------------------------
+# Inside a micro-batch's F and I the blocks' linear weights are frozen
+# (requires_grad False): autograd computes every other gradient, but no dW
+# and no AccumulateGrad node for them (one would run in I gradient-less, and
+# GradientAverager's hooks count each). Each such GEMM y = X W^T + b leaves
+# (W, dY, X) in the micro-batch's store; W computes dW = dY^T X from it. The
+# GEMMs are found where they run, so the model and parallel.py carry nothing
+# for it: a TorchFunctionMode sees each F.linear on a frozen weight; the
+# sequence-parallel column GEMM, in its own autograd Function, skips dW for a
+# frozen weight, and a forward hook keeps its tokens for I to gather again.
+# Activation checkpointing recomputes them as it does any saved tensor.
+
+class LaterWeightGrads(TorchFunctionMode):
+    """A zero-bubble stage's block linears, whose dW waits for the schedule's W."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.blocks = list(model.blocks)
+        linears = [m for m in model.blocks.modules()
+                   if isinstance(m, (nn.Linear, parallel.ColumnParallelLinear, parallel.RowParallelLinear))]
+        self.weights = {m.weight for m in linears}
+        self.columns = [m for m in linears if getattr(m, "sequence_parallel", False)]
+        self.store = None   # the running micro-batch's, inside deferring()
+
+    @contextlib.contextmanager
+    def deferring(self, store: list, backward: bool = False):
+        """A micro-batch's F, or (backward) its I: dW into `store`. In I the
+        mode is on only inside blocks, which activation checkpointing
+        recomputes (whole: each block's forward hook must run): a mode is off
+        while it handles a call, and would handle torch.autograd.backward."""
+        self.store = store
+        hooks = [m.register_forward_hook(self._keep_tokens) for m in self.columns]
+        if backward:
+            for b in self.blocks:  # (None: a hook's result would replace the block's input)
+                hooks += [b.register_forward_pre_hook(lambda *_: self.__enter__() and None),
+                          b.register_forward_hook(lambda *_: self.__exit__(None, None, None))]
+        for w in self.weights:
+            w.requires_grad_(False)
+        try:
+            with contextlib.nullcontext() if backward else self, \
+                    torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                yield
+        finally:
+            for w in self.weights:
+                w.requires_grad_(True)
+            for hook in hooks:
+                hook.remove()
+            self.store = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and args[1] in self.weights and torch.is_grad_enabled():
+            x, weight, bias = (*args, kwargs.get("bias"))[:3]
+            x = parallel.in_autocast_dtype(x)    # keep the 16 bits autocast's F.linear keeps
+            return _KeepOperands.apply(F.linear(x, weight, bias), x, weight, self.store, False)
+        return func(*args, **kwargs)
+
+    def _keep_tokens(self, column, args, y):
+        """A sequence-parallel column layer's forward hook: its tokens kept."""
+        if column.sequence_parallel and y.requires_grad:  # (not while generating, nor without grad)
+            x = parallel.in_autocast_dtype(args[0])      # (B, T/tp, in), as the layer keeps them
+            return _KeepOperands.apply(y, x, column.weight, self.store, True)
+
+
+class _KeepOperands(torch.autograd.Function):
+    """y = X W^T + b itself; backward passes dY on and leaves (W, dY, X) in
+    `store` for W (gather: X is this rank's tokens, all-gathered now)."""
+
+    @staticmethod
+    def forward(ctx, y, x, weight, store: list, gather: bool):
+        ctx.weight, ctx.store, ctx.gather = weight, store, gather
+        ctx.save_for_backward(x)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, = ctx.saved_tensors
+        ctx.store.append((ctx.weight, grad_out, parallel.all_gather_sequence(x) if ctx.gather else x))
+        return grad_out, None, None, None, None
+
+
+def weight_grads(store: list) -> None:
+    """W: every dW = dY^T X left in `store`, summed per weight (Domino's
+    chunks use each weight twice) and accumulated into .grad through
+    autograd, so that the weights' hooks (data-parallel averaging) run as
+    after a plain backward."""
+    grads = {}
+    with torch.no_grad():  # as in backward: X is an activation, and dW no node of any graph
+        for weight, grad_out, x in store:
+            g2d, x2d = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+            g = (g2d.t() @ x2d.to(grad_out.dtype)).to(weight.dtype)   # (out, in), in dY's dtype
+            grads[weight] = grads[weight] + g if weight in grads else g
+    store.clear()
+    if grads:
+        torch.autograd.backward(list(grads), list(grads.values()))
 
 
 # ----------------------------------------------------------------------------
@@ -396,8 +498,9 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
     def after(a: Action) -> None:  # a backward (I, W) ended: launch the final gradients a partial bucket holds
         if averager is not None and a.kind != "F":
             averager.flush()
+    later = LaterWeightGrads(model) if cfg.enable_zero_bubble else None
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
-                 dtype, after=after)
+                 dtype, after=after, later=later)
     dist.all_reduce(total, group=parallel.layout.pp_group)  # zero but on the last stage
     return total
 

@@ -31,7 +31,7 @@ import time
 from unittest import mock
 
 # One hardware queue: kernels start in launch order, so an all-reduce launched
-# before a GEMM really runs beside it (see parallel._ColumnParallelLinearFunction).
+# before a GEMM really runs beside it (see parallel._SequenceParallelLinear).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 import torch  # noqa: E402

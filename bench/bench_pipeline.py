@@ -126,8 +126,7 @@ def build(args, device, v: int) -> GPT:
     torch.manual_seed(0)
     chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.layout.pp_rank,
                                       args.num_layers // (pp * v))
-    # deferrable: ZB-H1's W takes the linears' dW; without a store they run as nn.Linear
-    return parallel.deferrable(GPT(config, chunks).to(device))
+    return GPT(config, chunks).to(device)
 
 
 class SavedActivations:
@@ -200,18 +199,18 @@ class SavedActivations:
 @contextlib.contextmanager
 def watch(memory: SavedActivations | None):
     """memory's saved-tensor hooks, and every weight-gradient store that a
-    ZB-H1 micro-batch opens (parallel.deferred_weight_grads) kept in memory.stores."""
+    ZB-H1 micro-batch opens (pipeline.LaterWeightGrads.deferring) kept in memory.stores."""
     if memory is None:
         yield
         return
-    deferred = parallel.deferred_weight_grads
+    deferring = pipeline.LaterWeightGrads.deferring
 
-    def keep(store):
-        if store is not None and all(store is not s for s in memory.stores):
+    def keep(later, store):
+        if all(store is not s for s in memory.stores):
             memory.stores.append(store)
-        return deferred(store)
+        return deferring(later, store)
     with torch.autograd.graph.saved_tensors_hooks(memory.pack, memory.unpack), \
-            mock.patch.object(parallel, "deferred_weight_grads", keep):
+            mock.patch.object(pipeline.LaterWeightGrads, "deferring", keep):
         yield
 
 

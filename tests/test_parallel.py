@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel
+import pipeline
 from conftest import process_env, run_on_ranks, uneven_batch
 
 
@@ -532,7 +534,7 @@ def _check_domino_matches_plain_tensor_parallel(options):
     plain_losses = _train_losses(build(2, loss_impl="full"))
     for chunks in (2, 3):
         domino = build(2, domino_chunks=chunks)
-        assert domino.blocks[0].mlp.fc.async_grad_allreduce
+        assert isinstance(domino.blocks[0].mlp.fc, parallel.DominoColumnParallelLinear)
         _assert_same_run(_forward_backward(domino), want, f"domino {chunks} chunks")
         losses = _train_losses(build(2, domino_chunks=chunks))
         torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=0)
@@ -697,22 +699,25 @@ def _synchronous(events) -> list:
 def _record_domino_order(serialize: bool, sequence_parallel: bool = False, zero_bubble: bool = False):
     """(forward events, backward events) of one Domino micro-batch on this rank;
     zero_bubble: the backward is a zero-bubble pipeline's I (its dW left in a
-    store, parallel.deferred_weight_grads), and W's events come third."""
+    store, pipeline.LaterWeightGrads), and W's events come third."""
     model = _build_gpt(2, domino_chunks=2, sequence_parallel=sequence_parallel)
     # sequence parallel: 12 tokens a row, so the chunks' GEMMs see 24 and 12
     # tokens and their collectives carry 12 and 6 (the weights: 16, 32, 48, 64)
     ids = torch.randint(0, 100, (3, 13 if sequence_parallel else 6), generator=torch.Generator().manual_seed(0))
     chunks = ({24: 0, 12: 1}, {12: 0, 6: 1}) if sequence_parallel else ()
-    recorder, store = _OverlapRecorder(*chunks, serialize=serialize), [] if zero_bubble else None
-    with recorder, parallel.deferred_weight_grads(store):
-        loss = model(ids[:, :-1], labels=ids[:, 1:])
+    recorder, store = _OverlapRecorder(*chunks, serialize=serialize), []
+    later = pipeline.LaterWeightGrads(model) if zero_bubble else None
+    with recorder:
+        with later.deferring(store) if later else nullcontext():
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
         forward = list(recorder.events)
-        loss.backward()
+        with later.deferring(store, backward=True) if later else nullcontext():
+            loss.backward()
     backward = recorder.events[len(forward):]
     if not zero_bubble:
         return forward, backward
     with recorder:
-        parallel.weight_grads(store)
+        pipeline.weight_grads(store)
     return forward, backward, recorder.events[len(forward) + len(backward):]
 
 

@@ -107,8 +107,7 @@ def test_too_few_micro_batches_for_the_pipeline_name_the_flags():
     with pytest.raises(UsageError, match="groups of --pipeline-model-parallel-size 2: 3 micro-batches"):
         pipeline.check_micro_batches(3, 2, 2)
     pipeline.check_micro_batches(3, 2, 1)  # plain 1F1B takes any m >= pp
-    with pytest.raises(UsageError, match="--enable-zero-bubble runs ZB-H1, one model chunk a rank"):
-        pipeline.pipeline_timeline(2, 4, 2, zero_bubble=True)
+    # (ZB-H1 refuses interleaving in config.validate_pipeline: tests/test_config.py)
 
 
 class _Saved:
@@ -163,24 +162,22 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     parallel.initialize(1, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
     stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
-    if zb:
-        parallel.deferrable(stage)  # as pipeline.build_model does under --enable-zero-bubble
     in_flight, calls, timeline = _InFlight(), iter(range(100)), []
     forward = stage.forward
 
     def counted(*args, model_chunk, **kwargs):
         in_flight.micro = next(calls) if model_chunk == 0 else in_flight.micro
         return forward(*args, model_chunk=model_chunk, **kwargs)
-    run_pipeline, weight_grads, deferred = pipeline.run_pipeline, parallel.weight_grads, []
+    run_pipeline, weight_grads, deferred = pipeline.run_pipeline, pipeline.weight_grads, []
     stage.forward = counted
     pipeline.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
-    parallel.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
+    pipeline.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
     try:
         with torch.autograd.graph.saved_tensors_hooks(in_flight.pack, lambda saved: saved.t):
             loss = pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext())
     finally:
         pipeline.run_pipeline, stage.forward = run_pipeline, forward
-        parallel.weight_grads = weight_grads
+        pipeline.weight_grads = weight_grads
     pipeline.reduce_pipeline_grads(stage)
     assert_close(loss, want_loss, tol=1e-6, what="loss")
     wanted = dict(whole.named_parameters())
@@ -212,14 +209,13 @@ def _check_zb_h1_takes_1f1bs_gradients_in_16_bit(dtype):
     stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                           vocab_size=100, padded_vocab_size=128, hidden_dropout=0.1, attention_dropout=0.1),
                 pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
-    parallel.deferrable(stage)  # (for both schedules: without a store, as nn.Linear)
     batches = []
     for i in range(m):
         x, y, mask = uneven_batch(i, batch_size=2)
         batches.append({"tokens": x, "labels": y, "loss_mask": mask, "position_ids": torch.arange(8).expand(2, 8)})
     scale = (lambda loss: loss * 1024.0) if dtype == torch.float16 else None  # --fp16's loss scale
-    grads, weight_grads, deferred = [], parallel.weight_grads, []
-    parallel.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
+    grads, weight_grads, deferred = [], pipeline.weight_grads, []
+    pipeline.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
     try:
         for zb in (False, True):
             cfg = SimpleNamespace(seq_length=8, micro_batch_size=2, enable_zero_bubble=zb)
@@ -228,7 +224,7 @@ def _check_zb_h1_takes_1f1bs_gradients_in_16_bit(dtype):
             grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
             stage.zero_grad(set_to_none=True)
     finally:
-        parallel.weight_grads = weight_grads
+        pipeline.weight_grads = weight_grads
     assert deferred == [2 * 4] * m  # ZB-H1's W ran, with each micro-batch's 2 blocks x 4 linears
     for name, want in grads[0].items():
         assert torch.equal(grads[1][name], want), name
@@ -394,7 +390,6 @@ def _check_zb_h1_averages_over_data_parallel_as_1f1b():
     torch.manual_seed(0)
     stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                           vocab_size=100, padded_vocab_size=128), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
-    parallel.deferrable(stage)  # (for both schedules: without a store, as nn.Linear)
     batches = []
     for i in range(m):  # each data-parallel rank its own micro-batches
         x, y, mask = uneven_batch(10 * parallel.layout.dp_rank + i, batch_size=2)
