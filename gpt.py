@@ -203,17 +203,16 @@ def dropout(p: float, per_rank: bool = False) -> nn.Module:
     draws this rank's own masks, where the ranks hold other tokens."""
     if p == 0:
         return nn.Identity()
-    return Dropout(p, per_rank and parallel.layout.tp_size > 1)
+    drop = Dropout(p)
+    drop.per_rank = per_rank and parallel.layout.tp_size > 1
+    return drop
 
 
 class Dropout(nn.Dropout):
     """nn.Dropout whose mask comes from this rank's own RNG stream when
     per_rank; otherwise the TP ranks hold replicated values and draw the same
     mask from the shared stream. See parallel.py, section 5."""
-
-    def __init__(self, p: float, per_rank: bool = False):
-        super().__init__(p)
-        self.per_rank = per_rank
+    per_rank = False
 
     def forward(self, x):
         if not self.training:

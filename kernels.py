@@ -1035,9 +1035,7 @@ def span_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = T
     """One span's (lse, target logit), fp32 (n,), over the full vocabulary.
     z: the span's logits (n, V_local); labels (n,): full-vocabulary ids;
     weight (n,) fp32: each token's weight. With need_grads, z is overwritten by
-    weight * (softmax(z) - onehot(labels)); without, z holds scratch values.
-    Under tensor parallelism the rows' statistics are combined over the ranks
-    (parallel.vocab_parallel_lse)."""
+    weight * (softmax(z) - onehot(labels)); without, z holds scratch values."""
     # Triton on CUDA only: on CPU the interpreter is far too slow to train.
     triton_kernels = HAS_TRITON and (z.is_cuda if triton_kernels is None else triton_kernels)
     if triton_kernels:

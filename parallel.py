@@ -1098,9 +1098,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 loss (...) from logits sharded over the vocab (..., V/tp)
     and full target ids (...), tp > 1 (at tp = 1 it is F.cross_entropy)."""
-    # No rank sees the whole vocab, so an out-of-range target would silently
-    # get a loss of log(sum exp) (no rank owns it): train.check_batches checks
-    # every batch's ids on the host, before the model.
+    # An out-of-range target would silently get a loss of log(sum exp) (no
+    # rank owns it): train.check_batches checks every batch's ids on the host.
     return _VocabParallelCrossEntropy.apply(logits, target)
 
 

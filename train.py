@@ -388,11 +388,9 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     lay = parallel.layout
     counted, copies = [], []  # copies: replicated grads that another rank counts
     for p in parameters:
-        if p.grad is None:
-            continue
-        own = (getattr(p, "tensor_model_parallel", False) or lay.tp_rank == 0) \
-            and not getattr(p, "pipeline_copy", False)
-        (counted if own else copies).append(p.grad)
+        own = (getattr(p, "tensor_model_parallel", False) or lay.tp_rank == 0) and not getattr(p, "pipeline_copy", 0)
+        if p.grad is not None:
+            (counted if own else copies).append(p.grad)
     grads = counted + copies
     if not grads:
         return torch.tensor(0.0)

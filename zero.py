@@ -226,8 +226,7 @@ class DeepSpeedTraining:
     DeepSpeed's own checkpoint (this layout only). With --no-load-optim or
     --finetune the weights alone come from a checkpoint of either kind and any
     layout, loaded before deepspeed.initialize copies its fp32 master weights.
-    build_model and clip_grad_norm_ are train.py's (train imports this module,
-    not the reverse), so both engines build and clip alike."""
+    build_model, clip_grad_norm_: train.py's, which imports this module."""
     saver = None  # its saves are synchronous (config.py refuses --async-save with --deepspeed)
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, clip_grad_norm_):
