@@ -2,24 +2,26 @@
 
 1. GPTConfig + PRESETS: GPT-2's sizes (124M ... 1.5B), tiny ones for tests and
    CPU runs, and Llama-shaped ones. Field names follow Megatron-LM's flags.
-2. Plug-in seams: `self_attention` holds the attention math and
-   `make_layernorm` builds every norm; another implementation is one more name
-   in ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there.
+2. Plug-in seams: `make_layernorm` builds every norm, CausalSelfAttention.heads
+   picks the attention; another implementation is one more name in
+   ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there.
 3. The model: by default GPT-2's (learned positions, pre-LayerNorm blocks,
-   tanh-GELU MLP, LM head tied to wte). Each architecture option is decided in
-   one place: rope (rope_angles/apply_rope), RMSNorm (make_layernorm), SwiGLU
-   (MLP), grouped-query attention (CausalSelfAttention), no linear biases (the
-   two modules' constructors), an untied head (GPT.output_weight).
+   tanh-GELU MLP, LM head tied to wte); GPT.forward reads as nanoGPT's, its
+   variants (KV cache, run_blocks, the fused loss) are branches. Each
+   architecture option is decided in one place: rope (rope_angles/apply_rope),
+   RMSNorm (make_layernorm), SwiGLU (MLP), grouped-query attention
+   (CausalSelfAttention), no linear biases (the two modules' constructors),
+   an untied head (GPT.head).
 4. GPT-2 initialization (`init_weights`).
 5. Tensor parallelism (Megatron-style, see parallel.py): each layer is built
    and initialized exactly as for tp=1, then sliced (shard_block) before the
    next is built, so every tp trains the same model from the same seed and no
    rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
-   A pipeline stage keeps its own layers (GPT(config, layers)) and runs them
-   one virtual stage at a time (pipeline.py).
-6. The LM head and the loss, fused over spans of tokens (`fused_lm_loss`).
-7. Generation: the KV cache and `generate`.
-8. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
+   A pipeline stage keeps its own layers (GPT(config, layers)); pipeline.Stage
+   runs them one model chunk at a time.
+6. Generation: the KV cache and `generate`.
+7. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
+8. The checks of a GPTConfig (`check_config`).
 Hugging Face GPT-2 and Llama import and export live in checkpoint.py.
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
@@ -29,6 +31,7 @@ layout. The extra rows are never produced by the tokenizer nor sampled.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -48,7 +51,7 @@ from launch import UsageError
 
 ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.flash_attention (FlashAttention-2)
 LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.TritonLayerNorm (fused LayerNorm)
-LOSS_IMPLS = ("fused", "full")         # "fused": fused_lm_loss (head + loss in spans of tokens)
+LOSS_IMPLS = ("fused", "full")         # "fused": kernels.FusedLinearCrossEntropy (head + loss in spans)
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -97,65 +100,7 @@ class GPTConfig:
                                  f"{self.hidden_size}: give --ffn-hidden-size")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        positive = ("num_layers", "hidden_size", "num_attention_heads",
-                    "max_position_embeddings", "vocab_size", "padded_vocab_size")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise UsageError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise UsageError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}); pick a head count that divides it")
-        if self.ffn_hidden_size <= 0:
-            raise UsageError(f"ffn_hidden_size must be positive or None, got {self.ffn_hidden_size}")
-        if self.padded_vocab_size < self.vocab_size:
-            raise UsageError(
-                f"padded_vocab_size ({self.padded_vocab_size}) must be >= vocab_size "
-                f"({self.vocab_size}); use e.g. pad_vocab_size({self.vocab_size}) = "
-                f"{pad_vocab_size(self.vocab_size)}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            p = getattr(self, name)
-            if not 0.0 <= p < 1.0:
-                raise UsageError(f"{name} must be in [0, 1), got {p}")
-        if not isinstance(self.domino_chunks, int) or self.domino_chunks < 1:
-            raise UsageError(f"domino_chunks must be an int >= 1 (1 = off), got {self.domino_chunks!r}")
-        if self.layernorm_epsilon <= 0 or self.init_method_std <= 0:
-            raise UsageError("layernorm_epsilon and init_method_std must be > 0")
-        for name, choices in (("attention_impl", ATTENTION_IMPLS), ("loss_impl", LOSS_IMPLS),
-                              ("layernorm_impl", LAYERNORM_IMPLS)):
-            if getattr(self, name) not in choices:
-                raise UsageError(f"unknown {name} {getattr(self, name)!r}; choose one of {list(choices)}")
-        self._check_architecture()
-        if self.attention_impl == "triton":
-            if self.head_dim not in kernels.SUPPORTED_HEAD_DIMS:
-                raise UsageError(f"attention_impl='triton' supports head dims "
-                                 f"{kernels.SUPPORTED_HEAD_DIMS}, not {self.head_dim}; change "
-                                 f"hidden_size/num_attention_heads or use attention_impl='torch'")
-            if self.attention_dropout > 0:
-                raise UsageError("attention_impl='triton' has no attention dropout; set "
-                                 "attention_dropout=0 or use attention_impl='torch'")
-
-    def _check_architecture(self) -> None:
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise UsageError(f"unknown position_embedding_type {self.position_embedding_type!r} "
-                             f"(--position-embedding-type); choose one of {list(POSITION_EMBEDDING_TYPES)}")
-        if self.normalization not in NORMALIZATIONS:
-            raise UsageError(f"unknown normalization {self.normalization!r} (--normalization); "
-                             f"choose one of {list(NORMALIZATIONS)}")
-        if self.rotary_base <= 0:
-            raise UsageError(f"rotary_base must be > 0 (--rotary-base), got {self.rotary_base}")
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise UsageError(f"rotary_percent must lie in (0, 1] (--rotary-percent), "
-                             f"got {self.rotary_percent}")
-        if self.position_embedding_type == "rope" and (self.rotary_dim == 0 or self.rotary_dim % 2):
-            raise UsageError(f"RoPE rotates pairs of dims, but --rotary-percent {self.rotary_percent} "
-                             f"of head dim {self.head_dim} is {self.rotary_dim}: pick a "
-                             f"--rotary-percent that gives an even number of dims")
-        groups = self.num_query_groups
-        if not isinstance(groups, int) or groups <= 0 or self.num_attention_heads % groups:
-            raise UsageError(f"num_query_groups ({groups!r}, --num-query-groups) must be a positive "
-                             f"int that divides num_attention_heads ({self.num_attention_heads})")
+        check_config(self)  # at the end of this file
 
     @property
     def rotary_dim(self) -> int:
@@ -203,20 +148,7 @@ def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 
 
 # -----------------------------------------------------------------------------
-# Plug-in seams: attention math and LayerNorm construction
-
-
-def self_attention(q, k, v, impl: str = "torch", dropout_p: float = 0.0, training: bool = False):
-    """Causal softmax attention, scale 1/sqrt(hd). q: (B, nh, T, hd), k, v:
-    (B, G, T, hd) -> (B, nh, T, hd). G < nh is grouped-query attention: query
-    head h reads key/value head h // (nh/G). With a KV cache (generate) k and v
-    are longer than q: see cached_attention."""
-    if k.shape[2] != q.shape[2]:
-        return cached_attention(q, k, v)
-    if impl == "triton":  # no dropout (GPTConfig checked)
-        return kernels.flash_attention(q, k, v, causal=True)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+# Plug-in seams: LayerNorm construction, attention over a KV cache
 
 
 def cached_attention(q, k, v):
@@ -263,22 +195,28 @@ def apply_rope(x, angles):
     return torch.cat([rotated, rest], dim=-1)            # (B, nh, T, hd)
 
 
+def dropout(p: float, per_rank: bool = False) -> nn.Module:
+    """The model's dropouts: none at p = 0; per_rank (sequence parallelism)
+    draws this rank's own masks, where the ranks hold other tokens."""
+    if p == 0:
+        return nn.Identity()
+    drop = Dropout(p)
+    drop.per_rank = per_rank and parallel.layout.tp_size > 1
+    return drop
+
+
 class Dropout(nn.Dropout):
     """nn.Dropout whose mask comes from this rank's own RNG stream when
-    per_rank (sequence parallelism: each rank holds other tokens); otherwise the
-    TP ranks hold replicated values and draw the same mask from the shared
-    stream. See parallel.py, section 5."""
-
-    def __init__(self, p: float, per_rank: bool = False):
-        super().__init__(p)
-        self.per_rank = per_rank
+    per_rank; otherwise the TP ranks hold replicated values and draw the same
+    mask from the shared stream. See parallel.py, section 5."""
+    per_rank = False
 
     def forward(self, x):
-        if not self.training or self.p == 0:
+        if not self.training:
             return x
-        with parallel.fork_rng_if(self.per_rank and parallel.layout.tp_size > 1):
-            # native_dropout keeps a 1-byte bool mask on every device, as
-            # F.dropout does on CUDA only, so CPU measures GPU's activation memory.
+        # native_dropout keeps a 1-byte bool mask on every device, as
+        # F.dropout does on CUDA only, so CPU measures GPU's activation memory.
+        with parallel.per_rank_rng() if self.per_rank else contextlib.nullcontext():
             return torch.native_dropout(x, self.p, True)[0]
 
 
@@ -293,7 +231,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(H, H + 2 * kv, bias=bias)
         self.proj = nn.Linear(H, H, bias=bias)
         parallel.mark(self.proj, residual_out=True)  # the scaled init, see init_weights
-        self.resid_drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        self.resid_drop = dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def heads(self, x, *chunk, rope=None, cache=None):
         """Everything before the output projection: (B, T, C) -> (B, T, C/tp).
@@ -314,10 +252,17 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:
             k, v = cache(k, v)                           # (B, G, L + T, hd): the prefix's too
-        # Each TP rank holds other heads: attention dropout draws this rank's own mask.
-        with parallel.fork_rng_if(self.training and cfg.attention_dropout > 0 and tp > 1):
-            y = self_attention(q, k, v, cfg.attention_impl,
-                               cfg.attention_dropout, self.training)  # (B, nh, T, hd)
+        # Causal softmax attention, scale 1/sqrt(hd); under GQA (G < nh) query
+        # head h reads key/value head h // (nh/G).
+        if k.shape[2] != q.shape[2]:                     # new queries over a cached prefix
+            y = cached_attention(q, k, v)
+        elif cfg.attention_impl == "triton":             # FlashAttention-2 (kernels.py; no dropout)
+            y = kernels.flash_attention(q, k, v, causal=True)
+        else:
+            p = cfg.attention_dropout if self.training else 0.0
+            # Each TP rank holds other heads: attention dropout draws this rank's own mask.
+            with parallel.per_rank_rng() if p > 0 and tp > 1 else contextlib.nullcontext():
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=G != nh)
         return y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, C_local)
 
     def forward(self, x, rope=None, cache=None):
@@ -333,7 +278,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.hidden_size, fc_out, bias=bias)
         self.proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
         parallel.mark(self.proj, residual_out=True)
-        self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        self.drop = dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def hidden(self, x, *chunk):
         """(B, T, C) -> (B, T, F), or (B, T, F/tp) under TP."""
@@ -359,14 +304,18 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope=None, cache=None):
-        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope, cache))  # x += attn(...); h = ln_2(x)
-        return x + self.mlp(h)
+        if getattr(self.ln_2, "fuses_residual_add", False):  # kernels.TritonLayerNorm: the add and ln_2 in one kernel
+            x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope, cache))
+            return x + self.mlp(h)
+        x = x + self.attn(self.ln_1(x), rope, cache)     # (B, T, C)
+        return x + self.mlp(self.ln_2(x))
 
 
 def add_and_norm(ln: nn.Module, x, branch):
     """(x + branch, ln(x + branch)); branch=None: (x, ln(x)). With
     layernorm_impl='triton' both run in one kernel (kernels.add_layer_norm),
-    saving a write and a read of the residual stream, forward and backward."""
+    saving a write and a read of the residual stream, forward and backward
+    (Block.forward and Domino's sublayers)."""
     if branch is None:
         return x, ln(x)
     if getattr(ln, "fuses_residual_add", False):  # kernels.TritonLayerNorm
@@ -461,11 +410,10 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, layers: list[range] | None = None):
         """layers: the layers this module holds, as ranges; under pipeline
-        parallelism one range per virtual stage of this rank
-        (pipeline.pipeline_chunks), each as long, in layer order (forward
-        slices self.blocks so); default all of them. The
-        first layer's holder has the embedding, the last layer's the final
-        norm and the head (and a copy of a tied embedding for it).
+        parallelism one range per model chunk of this rank, each as long, in
+        layer order (pipeline.pipeline_chunks; pipeline.Stage runs them);
+        default all. The first layer's holder has the embedding, the last
+        layer's the final norm and the head (and a copy of a tied embedding).
 
         Every piece of the whole model is built and initialized in one order
         (_pieces), as on one device, so every layout starts from the same
@@ -480,8 +428,10 @@ class GPT(nn.Module):
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
         parallel.check_layout(config)
-        self.sequence_parallel = parallel.layout.tp_size > 1 and config.sequence_parallel  # off while generating
-        self.drop = Dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        self.tensor_parallel = parallel.layout.tp_size > 1
+        self.sequence_parallel = self.tensor_parallel and config.sequence_parallel  # off while generating
+        self.domino = self.tensor_parallel and config.domino_chunks > 1
+        self.drop = dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
         for name, make in self._pieces():
             piece = self._build(make)
             if self.holds(name):
@@ -526,79 +476,30 @@ class GPT(nn.Module):
 
     # -- forward --------------------------------------------------------------
 
-    def check_inputs(self, input_ids, position_ids, labels, start: int = 0):
-        """Fail loudly on out-of-range ids (CUDA's embedding lookup would die
-        with an opaque device-side assert). On a GPU the check is a host sync, so
-        it runs only until one call passes: train.check_batches checks every batch."""
-        if self.sequence_parallel and input_ids.shape[-1] % parallel.layout.tp_size:
-            raise UsageError(
-                f"sequence parallelism splits each sequence over the {parallel.layout.tp_size} "
-                f"tensor-parallel ranks, but it has {input_ids.shape[-1]} tokens: use a "
-                f"--seq-length divisible by {parallel.layout.tp_size} (generation runs under "
-                f"parallel.sequence_parallel_off, as generate does)")
-        T = start + input_ids.shape[-1]  # start: positions already in a KV cache
-        if T > self.config.max_position_embeddings:
-            raise UsageError(
-                f"sequence length {T} exceeds max_position_embeddings "
-                f"({self.config.max_position_embeddings}); use a shorter --seq-length or a "
-                f"model with more positions")
-        if torch.compiler.is_compiling() or (
-                input_ids.is_cuda and getattr(self, "_ids_checked_on_gpu", False)):
-            return
-        fix = "check the tokenizer / vocab_size and the data"
-        parallel.check_ids([("input_ids", input_ids, self.config.padded_vocab_size, fix),
-                            ("position_ids", position_ids, self.config.max_position_embeddings, fix),
-                            ("labels", labels, self.config.padded_vocab_size, fix)])
-        self._ids_checked_on_gpu = input_ids.is_cuda
-
-    def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None,
-                model_chunk: int = 0, x=None):
+    def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
         the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
         a KVCache holding the positions before input_ids, which it extends.
-        Under sequence parallelism the blocks hold this rank's T/tp tokens.
-
-        Under pipeline parallelism, model chunk `model_chunk` of this stage
-        (pipeline.run_pipeline runs them, through here so that
-        torch.compile(model) compiles each model chunk): where it does not begin at
-        layer 0 it runs on x (B, T[/tp], C), the previous stage's output, and
-        where it does not end with the last layer it returns its own output."""
-        layers, T = self.layers[model_chunk], input_ids.shape[1]
-        start = kv_cache.length if kv_cache is not None else 0
+        Under sequence parallelism the blocks hold this rank's T/tp tokens. A
+        pipeline stage runs the same pieces (embed, blocks, head), a model
+        chunk at a time: pipeline.Stage."""
+        T = input_ids.shape[1]
+        start = kv_cache.length if kv_cache is not None else 0  # positions already in the cache
+        if start + T > self.config.max_position_embeddings or self.sequence_parallel and T % parallel.layout.tp_size:
+            refuse_inputs(self, T, start)  # the reason, below the model
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
-        if layers.start == 0:
-            self.check_inputs(input_ids, position_ids, labels, start)
-            x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
-        else:
-            rope = rope_angles(self.config, position_ids) if self.config.position_embedding_type == "rope" else None
-        # every model chunk holds n layers (pipeline_chunks), in self.blocks in layer order; a slice of
-        # the list, as a slice of the ModuleList would build a new module every forward (0.2 ms at 48)
-        n = len(layers)
-        x = self.run_blocks(x, rope, kv_cache, list(self.blocks)[model_chunk * n:(model_chunk + 1) * n])
-        if kv_cache is not None:
+        x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
+        if kv_cache is not None:  # generation: each layer reads and extends its cache
+            for i, block in enumerate(self.blocks):
+                x = block(x, rope, functools.partial(kv_cache.extend, i))
             kv_cache.length += T
-        return x if layers.stop < self.config.num_layers else self.head(x, labels, loss_mask)
-
-    def head(self, x, labels, loss_mask):
-        """The final norm and the LM head: (B, T[/tp], C) -> logits, or the loss:
-        sum(token_loss * loss_mask) / sum(loss_mask) in fp32 (see token_weights)."""
-        h = self.ln_f(x)
-        # Into the vocab-parallel LM head through f under TP. Under sequence
-        # parallelism h holds this rank's tokens and is all-gathered instead; the
-        # backward reduce-scatter does f's sum.
-        if self.sequence_parallel:
-            h = parallel.gather_from_sequence_parallel_region(h)      # (B, T, C)
+        elif self.domino or self.config.activation_checkpointing:
+            x = self.run_blocks(x, rope, self.blocks)
         else:
-            h = parallel.copy_to_tensor_parallel_region(h)            # (B, T, C)
-        if labels is None:
-            # Under TP the full logits are all-gathered (fine for eval and generation).
-            return parallel.gather_from_tensor_parallel_region(F.linear(h, self.output_weight))
-        if self.config.loss_impl == "fused":  # the logits are never materialized whole
-            return fused_lm_loss(h, self.output_weight, labels, loss_mask)
-        logits = F.linear(h, self.output_weight)                      # (B, T, V_padded[/tp])
-        token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten()  # (B*T,)
-        return (token_loss * token_weights(labels, loss_mask)).sum()
+            for block in self.blocks:
+                x = block(x, rope)                                   # (B, T, C)
+        return self.head(x, labels, loss_mask)
 
     def embed(self, input_ids, position_ids):
         """Token (+ learned position) embeddings, dropout -> (x, RoPE angles or None).
@@ -611,16 +512,17 @@ class GPT(nn.Module):
             position_ids = position_ids[..., r * s:(r + 1) * s]     # this rank's tokens
         return self.drop(x + self.wpe(position_ids)), None
 
-    def run_blocks(self, x, rope, kv_cache, blocks):
-        if kv_cache is not None:  # inference: plain order, each layer reads and extends its cache
-            for i, block in enumerate(blocks):
-                x = block(x, rope, functools.partial(kv_cache.extend, i))
-            return x
+    def run_blocks(self, x, rope, blocks):
+        """`blocks` in turn on x (B, T[/tp], C), with what changes how they run,
+        not what they compute: Domino's overlap of TP all-reduces
+        (domino_blocks) and activation checkpointing (each block recomputed in
+        backward)."""
         n_chunks = min(self.config.domino_chunks, x.shape[0])
-        if parallel.layout.tp_size > 1 and n_chunks > 1:
+        if self.domino and n_chunks > 1:
             return domino_blocks(blocks, x, n_chunks, rope)
+        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in blocks:
-            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+            if recompute:
                 # The RoPE angles ride in a closure, not as an input: DeepSpeed's
                 # --partition-activations would split every input.
                 x = parallel.checkpoint_with_rng(self.checkpoint_fn, functools.partial(block, rope=rope), x)
@@ -628,12 +530,34 @@ class GPT(nn.Module):
                 x = block(x, rope)
         return x
 
-    @property
-    def output_weight(self):
-        """The LM head's (V_padded[/tp], C) weight: wte's (tied) or output_layer's."""
-        if self.config.untie_embeddings_and_output_weights:
-            return self.output_layer.weight
-        return self.wte.weight
+    def head(self, x, labels=None, loss_mask=None):
+        """The final norm and the LM head: (B, T[/tp], C) -> logits (B, T,
+        V_padded) or, with labels, the loss: the mean cross-entropy over the
+        tokens loss_mask keeps (all without one), fp32. loss_impl "fused" (the
+        default) computes the same loss without ever holding the logits whole
+        (kernels.FusedLinearCrossEntropy). Under tensor parallelism each rank
+        holds V/tp rows of the weight (Megatron's vocab-parallel head): h
+        enters through f (under sequence parallelism it is all-gathered, and
+        the backward reduce-scatter does f's sum), the logits are all-gathered
+        and the loss's log-sum-exp is combined over the ranks."""
+        h = self.ln_f(x)                                             # (B, T[/tp], C)
+        tp = self.tensor_parallel
+        if tp:
+            h = (parallel.gather_from_sequence_parallel_region if self.sequence_parallel
+                 else parallel.copy_to_tensor_parallel_region)(h)    # (B, T, C)
+        # (V_padded[/tp], C): the LM head's own, or the token embedding's (tied)
+        weight = self.output_layer.weight if self.config.untie_embeddings_and_output_weights else self.wte.weight
+        if labels is None or self.config.loss_impl == "full":
+            logits = F.linear(h, weight)                             # (B, T, V_padded[/tp])
+            if labels is None:
+                return parallel.gather_from_tensor_parallel_region(logits) if tp else logits
+            token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten() if tp else \
+                F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # (B*T,)
+            if loss_mask is None:
+                return token_loss.mean()
+            mask = loss_mask.flatten().float()
+            return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)  # a fully masked batch: 0, not NaN
+        return kernels.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
 
     # -- bookkeeping ------------------------------------------------------------
 
@@ -683,149 +607,19 @@ class GPT(nn.Module):
         return stage_of.get(piece, True)
 
 
-# -----------------------------------------------------------------------------
-# The LM head and the loss, fused over spans of tokens
-#
-# Why: the LM head's output is the largest activation of a GPT step. At GPT-2
-# 124M, micro-batch 8, seq 1024, the logits are 8192 x 50304 values: 1.65 GB
-# in fp32 for a stable softmax, plus as much again for their gradient and the
-# softmax kept for backward. The fused loss (the idea of Liger-Kernel's fused
-# linear cross-entropy and Apple's Cut Cross-Entropy) walks the tokens in
-# spans, so the (tokens, vocab) logits never exist whole. For each span it
-#
-#   1. makes the span's logits z = h W^T             (n, V) in the matmul dtype,
-#   2. takes each row's max, sum of exp and target logit in fp32 (the log-sum-
-#      exp, lse), with one pass over z,
-#   3. overwrites z with its gradient (softmax(z) - onehot(target)) * w_i,
-#      kept in units of the largest weight so that it fits fp16 (see below),
-#   4. turns that into the input gradient dh = dz W and adds dz^T h to dW,
-#
-# and then frees z. The gradient can be made in forward because the loss is a
-# weighted sum of per-token losses, sum_i w_i * loss_i (w_i = loss_mask_i /
-# sum(loss_mask), or 1/N): backward only scales the stored dh and dW by the
-# incoming scalar (under --fp16, the loss scale), in fp32. No span keeps
-# logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
-#
-# Tensor parallelism (Megatron's vocab-parallel cross-entropy): W is this
-# rank's vocab slice, so each rank sees a slice of every row. Step 2
-# all-reduces the per-row max (MAX) and the rescaled sum of exp and the target
-# logit (SUM) over the TP group, as parallel.vocab_parallel_cross_entropy
-# does; dh is then a partial sum, which the f operator in front of the head
-# all-reduces in backward.
-#
-# On CUDA the row passes of steps 2 and 3 are Triton kernels (one read of the
-# logits for the statistics, one read and one in-place write for the
-# gradient); elsewhere the same maths runs as torch ops, in place on the span.
-# loss_impl="full" keeps the unfused path for comparison.
-
-# Logits per span (tokens x local vocab), by device: larger spans make
-# slightly more efficient matmuls, smaller ones save memory. On CUDA a span
-# costs its logits alone: 2**28 is 512 MiB in bf16, 5336 tokens of a
-# 50304-row vocabulary. Elsewhere the torch row passes work on fp32 spans
-# (16-bit ones get an fp32 copy); 2**24 (64 MiB, 333 tokens) cuts the head +
-# loss peak several-fold against the full logits and runs faster (bench/RESULTS.md).
-SPAN_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
-
-
-def span_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = True,
-                        triton_kernels: bool | None = None):
-    """One span's (lse, target logit), fp32 (n,), over the full vocabulary.
-    z: the span's logits (n, V_local); labels (n,): full-vocabulary ids;
-    weight (n,) fp32: each token's weight. With need_grads, z is overwritten by
-    weight * (softmax(z) - onehot(labels)); without, z holds scratch values."""
-    # Triton on CUDA only: on CPU the interpreter is far too slow to train.
-    if kernels.HAS_TRITON and (z.is_cuda if triton_kernels is None else triton_kernels):
-        lse, z_target = parallel.vocab_parallel_lse(*kernels.loss_row_stats(z, labels, vocab_start))
-        if need_grads:
-            kernels.loss_row_grad_(z, labels, lse, weight, vocab_start)
-        return lse, z_target
-    # Three in-place passes, no span-sized temporary (an fp32 copy when z is 16-bit).
-    zf = z if z.dtype == torch.float32 else z.float()
-    local = (labels - vocab_start).clamp(0, z.shape[1] - 1)[:, None]  # (n, 1)
-    here = ((labels >= vocab_start) & (labels < vocab_start + z.shape[1])).float()
-    row_max = zf.amax(dim=-1)
-    z_target = zf.gather(1, local).squeeze(1) * here
-    sum_exp = zf.sub_(row_max[:, None]).exp_().sum(dim=-1)    # zf is now exp(z - row_max)
-    lse, z_target = parallel.vocab_parallel_lse(row_max, sum_exp, z_target)
-    if need_grads:
-        zf.mul_((weight * (row_max - lse).exp())[:, None])     # weight * softmax(z)
-        zf.scatter_add_(1, local, -(weight * here)[:, None])   # - weight * onehot
-        if zf is not z:
-            z.copy_(zf)
-    return lse, z_target
-
-
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """loss = sum_i w_i * (lse_i - z_i[target_i]) with z = h W^T, in spans;
-    returns the fp32 scalar and keeps only dh (like h) and dW (fp32, like W).
-
-    The gradients are made before backward's incoming gradient (under --fp16,
-    the loss scale) is known, so they are kept in units of w_max = max_i w_i:
-    each logit gradient (w_i / w_max) * (softmax - onehot) lies in [-1, 1], and
-    backward multiplies by grad_loss * w_max in fp32. With the weights
-    themselves (1/N: 5e-4 at 2048 tokens) the fp16 gradient of a token with
-    probability 1e-5 would be 5e-9 and flush to zero; and the loss scale
-    (65536) cast to fp16 would be inf."""
-
-    @staticmethod
-    def forward(ctx, h, weight, labels, token_weight, compute_dtype, need_grads):
-        n_tokens, _ = h.shape
-        vocab_local = weight.shape[0]
-        vocab_start = parallel.layout.tp_rank * vocab_local
-        h_c, w_c = h.to(compute_dtype), weight.to(compute_dtype)
-        dh = torch.empty_like(h_c)
-        dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
-        loss = torch.zeros((), device=h.device, dtype=torch.float32)
-        w_max = token_weight.max().clamp(min=torch.finfo(torch.float32).tiny)  # all masked: w = 0
-        unit_weight = token_weight / w_max                           # in [0, 1]
-        span = max(1, SPAN_LOGITS.get(h.device.type, SPAN_LOGITS["cpu"]) // vocab_local)
-        for start in range(0, n_tokens, span):
-            rows = slice(start, min(start + span, n_tokens))
-            z = h_c[rows] @ w_c.t()                                  # (n, V_local)
-            lse, z_target = span_lse_and_grad_(z, labels[rows], unit_weight[rows], vocab_start,
-                                                need_grads)           # z is now dz / w_max
-            # Not `loss +=`: under torch 2.11's compile, an autograd.Function whose returned
-            # tensor was updated in place gets all-zero gradients (2.13's does not)
-            loss = loss + (token_weight[rows] * (lse - z_target)).sum()
-            if not need_grads:  # evaluation: the loss alone
-                continue
-            torch.mm(z, w_c, out=dh[rows])                           # (n, C), partial under TP
-            dw += (z.t() @ h_c[rows]).float()                        # (V_local, C)
-            del z
-        ctx.save_for_backward(dh, dw, w_max)
-        ctx.dtypes = h.dtype, weight.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        dh, dw, w_max = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        scale = grad_loss.float() * w_max                            # fp32: 65536 is inf in fp16
-        return (dh.float() * scale).to(h_dtype), (dw * scale).to(w_dtype), None, None, None, None
-
-
-def token_weights(labels, loss_mask=None):
-    """w_i such that the loss is sum_i w_i * loss_i: 1/N for a plain mean, or
-    loss_mask_i / sum(loss_mask) (a fully masked batch gets 0s, not NaN)."""
-    n = labels.numel()
-    if loss_mask is None:
-        return torch.full((n,), 1.0 / n, device=labels.device, dtype=torch.float32)
-    mask = loss_mask.reshape(-1).float()
-    return mask / mask.sum().clamp(min=1.0)
-
-
-def fused_lm_loss(h, weight, labels, loss_mask=None):
-    """The LM head h W^T and the mean (or loss_mask-weighted) cross-entropy in
-    one, fp32 scalar. h: (..., C) (through f under TP); weight: (V_local, C)
-    this rank's vocab rows; labels: (...) full-vocabulary ids. Matmuls run in
-    the autocast dtype when autocast is on, else in h's dtype."""
-    kind = h.device.type
-    compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
-    need_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    with torch.autocast(kind, enabled=False):  # the dtypes are chosen explicitly above
-        return _FusedLinearCrossEntropy.apply(
-            h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
-            token_weights(labels, loss_mask), compute_dtype, need_grads)
+def refuse_inputs(model: GPT, tokens: int, start: int = 0) -> None:
+    """What GPT.forward found wrong with `tokens` new positions after `start`
+    cached ones. (Token ids: train.check_batches checks them on the host.)"""
+    tp = parallel.layout.tp_size
+    if model.sequence_parallel and tokens % tp:
+        raise UsageError(
+            f"sequence parallelism splits each sequence over the {tp} tensor-parallel ranks, but it "
+            f"has {tokens} tokens: use a --seq-length divisible by {tp} (generation runs under "
+            f"parallel.sequence_parallel_off, as generate does)")
+    raise UsageError(
+        f"sequence length {start + tokens} exceeds max_position_embeddings "
+        f"({model.config.max_position_embeddings}); use a shorter --seq-length or a "
+        f"model with more positions")
 
 
 # -----------------------------------------------------------------------------
@@ -957,3 +751,72 @@ def flops_per_token(config: GPTConfig, seq_length: int) -> int:
     H, L = config.hidden_size, config.num_layers
     n = count_parameters(config, exclude_embeddings=True) + H * config.padded_vocab_size
     return 6 * n + 12 * L * H * seq_length
+
+
+# -----------------------------------------------------------------------------
+# The checks of a GPTConfig (its __post_init__ runs them), before any model is built
+
+
+def check_config(config: GPTConfig) -> None:
+    """Sizes, probabilities and implementation names."""
+    positive = ("num_layers", "hidden_size", "num_attention_heads",
+                "max_position_embeddings", "vocab_size", "padded_vocab_size")
+    for name in positive:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value <= 0:
+            raise UsageError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+    if config.hidden_size % config.num_attention_heads != 0:
+        raise UsageError(
+            f"hidden_size ({config.hidden_size}) must be divisible by num_attention_heads "
+            f"({config.num_attention_heads}); pick a head count that divides it")
+    if config.ffn_hidden_size <= 0:
+        raise UsageError(f"ffn_hidden_size must be positive or None, got {config.ffn_hidden_size}")
+    if config.padded_vocab_size < config.vocab_size:
+        raise UsageError(
+            f"padded_vocab_size ({config.padded_vocab_size}) must be >= vocab_size "
+            f"({config.vocab_size}); use e.g. pad_vocab_size({config.vocab_size}) = "
+            f"{pad_vocab_size(config.vocab_size)}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(config, name)
+        if not 0.0 <= p < 1.0:
+            raise UsageError(f"{name} must be in [0, 1), got {p}")
+    if not isinstance(config.domino_chunks, int) or config.domino_chunks < 1:
+        raise UsageError(f"domino_chunks must be an int >= 1 (1 = off), got {config.domino_chunks!r}")
+    if config.layernorm_epsilon <= 0 or config.init_method_std <= 0:
+        raise UsageError("layernorm_epsilon and init_method_std must be > 0")
+    for name, choices in (("attention_impl", ATTENTION_IMPLS), ("loss_impl", LOSS_IMPLS),
+                          ("layernorm_impl", LAYERNORM_IMPLS)):
+        if getattr(config, name) not in choices:
+            raise UsageError(f"unknown {name} {getattr(config, name)!r}; choose one of {list(choices)}")
+    check_architecture(config)
+    if config.attention_impl == "triton":
+        if config.head_dim not in kernels.SUPPORTED_HEAD_DIMS:
+            raise UsageError(f"attention_impl='triton' supports head dims "
+                             f"{kernels.SUPPORTED_HEAD_DIMS}, not {config.head_dim}; change "
+                             f"hidden_size/num_attention_heads or use attention_impl='torch'")
+        if config.attention_dropout > 0:
+            raise UsageError("attention_impl='triton' has no attention dropout; set "
+                             "attention_dropout=0 or use attention_impl='torch'")
+
+
+def check_architecture(config: GPTConfig) -> None:
+    """The architecture options (Megatron's flags): positions, norm, RoPE, GQA."""
+    if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        raise UsageError(f"unknown position_embedding_type {config.position_embedding_type!r} "
+                         f"(--position-embedding-type); choose one of {list(POSITION_EMBEDDING_TYPES)}")
+    if config.normalization not in NORMALIZATIONS:
+        raise UsageError(f"unknown normalization {config.normalization!r} (--normalization); "
+                         f"choose one of {list(NORMALIZATIONS)}")
+    if config.rotary_base <= 0:
+        raise UsageError(f"rotary_base must be > 0 (--rotary-base), got {config.rotary_base}")
+    if not 0.0 < config.rotary_percent <= 1.0:
+        raise UsageError(f"rotary_percent must lie in (0, 1] (--rotary-percent), "
+                         f"got {config.rotary_percent}")
+    if config.position_embedding_type == "rope" and (config.rotary_dim == 0 or config.rotary_dim % 2):
+        raise UsageError(f"RoPE rotates pairs of dims, but --rotary-percent {config.rotary_percent} "
+                         f"of head dim {config.head_dim} is {config.rotary_dim}: pick a "
+                         f"--rotary-percent that gives an even number of dims")
+    groups = config.num_query_groups
+    if not isinstance(groups, int) or groups <= 0 or config.num_attention_heads % groups:
+        raise UsageError(f"num_query_groups ({groups!r}, --num-query-groups) must be a positive "
+                         f"int that divides num_attention_heads ({config.num_attention_heads})")

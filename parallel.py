@@ -62,8 +62,8 @@ Sections:
     3. sequence parallelism: f and g along the sequence, its column GEMM
     4. Domino: the same collectives left in flight, and its schedule
     5. the per-rank random stream for dropout, and checkpointing that replays it
-    6. cross entropy on vocab-sharded logits, and the one id-range check
-    7. gradients: sequence-parallel sums, the global norm, clipping
+    6. cross entropy on vocab-sharded logits
+    7. gradients: sequence-parallel sums (clipping: train.clip_grad_norm_)
     8. slicing full tensors into shards and back; full state dicts; the
        attributes parameters carry from one module to another (mark)
 """
@@ -72,7 +72,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -474,11 +474,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _sharded_master((num_embeddings, embedding_dim), init_method, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # An out-of-range id would silently embed to zeros. (Not on a GPU,
-        # where it costs a sync per call: GPT and train.py check before.)
-        if not ids.is_cuda:
-            check_ids([("token ids", ids, self.num_embeddings,
-                        "check the tokenizer vocab against padded_vocab_size")])
+        # An out-of-range id would silently embed to zeros: train.check_batches
+        # checks every batch's ids on the host, before the model.
         if layout.tp_size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)      # (B, T)
@@ -919,9 +916,10 @@ def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     return True
 
 
-def fork_rng_if(per_rank: bool):
-    """fork() when `per_rank`, else nothing: the call sites read as one line."""
-    return _TRACKER.fork() if per_rank else contextlib.nullcontext()
+def per_rank_rng():
+    """Draw from this TP rank's own stream (the tracker's fork()): for dropout
+    over values that differ from rank to rank."""
+    return _TRACKER.fork()
 
 
 def checkpoint_with_rng(checkpoint_fn, fn, *args):
@@ -951,7 +949,7 @@ def checkpoint_with_rng(checkpoint_fn, fn, *args):
 
 
 # ============================================================================
-# 6. Cross entropy on vocab-sharded logits, and the one id-range check
+# 6. Cross entropy on vocab-sharded logits
 # ============================================================================
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -988,55 +986,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 loss (...) from logits sharded over the vocab (..., V/tp)
-    and full target ids (...). With tp=1 this is F.cross_entropy."""
-    if layout.tp_size == 1:  # F.cross_entropy checks the range itself
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                               target.reshape(-1), reduction="none")
-        return loss.view(target.shape)
-    # No rank sees the whole vocab, so an out-of-range target would silently
-    # get a loss of log(sum exp) (no rank owns it) instead of an error.
-    if not target.is_cuda:  # as in VocabParallelEmbedding.forward
-        check_ids([("target ids", target, logits.shape[-1] * layout.tp_size,
-                    "check the labels against padded_vocab_size")])
+    and full target ids (...), tp > 1 (at tp = 1 it is F.cross_entropy)."""
+    # An out-of-range target would silently get a loss of log(sum exp) (no
+    # rank owns it): train.check_batches checks every batch's ids on the host.
     return _VocabParallelCrossEntropy.apply(logits, target)
 
 
 def vocab_parallel_lse(row_max, sum_exp, z_target):
     """(lse, target logit) per row from this rank's slice's max, sum of
     exp(z - max) and target logit (0 where another slice holds the target),
-    combined over the TP group with two all-reduces of per-row scalars."""
-    if layout.tp_size > 1:
-        global_max = row_max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=layout.tp_group)
-        both = torch.stack([sum_exp * (row_max - global_max).exp(), z_target])  # one all-reduce
-        dist.all_reduce(both, group=layout.tp_group)
-        row_max, (sum_exp, z_target) = global_max, both
-    return row_max + sum_exp.log(), z_target
-
-
-def check_ids(checks) -> None:
-    """The one id-range check: checks = [(name, ids, limit, fix), ...]; raise a
-    UsageError naming the first `ids` with a value outside [0, limit), and the
-    fix (empty or None ids pass). ONE host read for all bounds: a sync on a
-    GPU, so train.check_batches checks on the host and the model only its first
-    GPU call."""
-    if torch.compiler.is_compiling():  # .tolist() would break the graph
-        return
-    named, extremes = [], []
-    for name, ids, limit, fix in checks:
-        if ids is not None and ids.numel() > 0:
-            named.append((name, limit, fix))
-            extremes.append(torch.stack(ids.aminmax()).long())  # (2,): min, max
-    if not named:
-        return
-    bounds = torch.cat(extremes).tolist()
-    for (name, limit, fix), lo, hi in zip(named, bounds[::2], bounds[1::2]):
-        if lo < 0 or hi >= limit:
-            raise UsageError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
+    combined over the TP group (tp > 1) with two all-reduces of per-row scalars."""
+    global_max = row_max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=layout.tp_group)
+    both = torch.stack([sum_exp * (row_max - global_max).exp(), z_target])  # one all-reduce
+    dist.all_reduce(both, group=layout.tp_group)
+    return global_max + both[0].log(), both[1]
 
 
 # ============================================================================
-# 7. Gradients: sequence-parallel sums, the global norm, clipping
+# 7. Gradients: sequence-parallel sums (the global norm and clipping: train.clip_grad_norm_)
 # ============================================================================
 
 def sum_sequence_parallel_grads(module: nn.Module) -> None:
@@ -1049,42 +1017,6 @@ def sum_sequence_parallel_grads(module: nn.Module) -> None:
     for p in module.parameters():
         if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
             p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
-
-
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to the TRUE global L2 norm of the full (unsharded) model's grads,
-    already averaged over data parallelism; like torch's, return the norm.
-    Replicated grads are identical on all TP ranks, so only TP rank 0 counts
-    them; the others add theirs times 0, and as 0 * inf is NaN, an inf in any
-    rank's copy makes the norm non-finite everywhere. A non-finite norm leaves
-    the grads untouched: the caller decides (e.g. skip the step). Under
-    pipeline parallelism each stage adds its own layers' squares (the last
-    stage's copy of a tied embedding counts like a replica: times 0)."""
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.tensor(0.0)
-    counted, copies = [], []  # copies: replicated grads that another rank counts
-    for p in params:
-        own = (getattr(p, "tensor_model_parallel", False) or layout.tp_rank == 0) \
-            and not getattr(p, "pipeline_copy", False)
-        (counted if own else copies).append(p.grad)
-    # Every grad's norm in a few launches (foreach), not a few per parameter: a loop
-    # over a 350M model's 292 grads kept an H200 waiting on the host (bench/RESULTS.md).
-    # The CPU's norm kernel sums in order (off by 2e-5 over a 3M-element embedding,
-    # enough to tell layouts apart after a few Adam steps): there it sums in fp64.
-    fp = torch.float64 if params[0].grad.device.type == "cpu" else torch.float32
-    grads = counted + copies
-    squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=fp)).square()
-    sq = (squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0).float()
-    for size, group in ((layout.tp_size, layout.tp_group), (layout.pp_size, layout.pp_group)):
-        if size > 1:
-            dist.all_reduce(sq, group=group)
-    total_norm = sq.sqrt()
-    # Decided on device (no host sync): coef = 1 when the norm is small or non-finite.
-    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
-    torch._foreach_mul_(grads, coef)
-    return total_norm
 
 
 # ============================================================================
@@ -1140,7 +1072,7 @@ def mark(obj, **attributes) -> None:
 
     On parameters:
       tensor_model_parallel  True on a TP shard (set here, _mark_sharded);
-                             read by clip_grad_norm_ (counted on every TP rank),
+                             read by train.clip_grad_norm_ (counted on every TP rank),
                              sum_sequence_parallel_grads, the state-dict and
                              checkpoint gathers, and DeepSpeed's own grad norm
       partition_dim          the dim a TP shard was cut along (_mark_sharded)
@@ -1148,7 +1080,7 @@ def mark(obj, **attributes) -> None:
                              blocks' sizes (shard_tensor); read with partition_dim
                              to gather or re-cut it (checkpoint.py)
       pipeline_copy          True on the last pipeline stage's copy of a tied
-                             embedding (gpt.GPT); clip_grad_norm_ counts it once
+                             embedding (gpt.GPT); train.clip_grad_norm_ counts it once
       ds_pipe_replicated     DeepSpeed's name for pipeline_copy, for its grad norm
                              (zero.DeepSpeedTraining)
       ds_shape               DeepSpeed's, set by ZeRO-3 on a partitioned parameter:

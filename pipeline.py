@@ -1,10 +1,9 @@
 """Pipeline parallelism: the layers split into stages, one per pipeline rank,
 and the micro-batches of a step scheduled through them. Sections:
 
-  1. Stages: which layers (model chunks) a rank holds, the model it builds
-     with them (build_model: at pp = 1 the whole model), a micro-batch's
-     forward and loss (micro_batch_loss: every engine's, at every layout;
-     a chunk's forward is gpt.GPT.forward's), the tied embedding's two copies
+  1. Stages: which layers (model chunks) a rank holds (pipeline_chunks;
+     train.build_model builds them), a chunk's forward from the model's own
+     pieces (Stage), the tied embedding's two copies
   2. The schedules: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), drawn,
      and timed on one clock
   3. Running a schedule: the forwards, backwards and point-to-point exchanges
@@ -18,7 +17,6 @@ and the micro-batches of a step scheduled through them. Sections:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from typing import NamedTuple
 
@@ -30,9 +28,9 @@ import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
 import parallel
-from config import TrainConfig, model_config
+from config import TrainConfig
 from data import to_device
-from gpt import GPT
+from gpt import GPT, rope_angles
 from launch import UsageError
 
 # The layers are split into pp stages, one per pipeline rank (Huang et al.,
@@ -99,41 +97,32 @@ from launch import UsageError
 # 1. Stages
 # ----------------------------------------------------------------------------
 
-def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
-    """The run's model on `device`, this rank's layers of it (pipeline_chunks;
-    at pp = 1 all of them), with the kernels chosen for `kernels_for`
-    (default: device; ZeRO-3 under TP builds on the host what runs on a GPU)."""
-    mcfg = model_config(cfg, kernels_for or device)
-    if cfg.domino:
-        mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
-    # Same seed everywhere: every rank builds the same full model (TP ranks keep their
-    # slice, pipeline stages their layers). Dropout over TP-sharded values draws from a
-    # per-TP-rank stream (parallel.py).
-    torch.manual_seed(cfg.seed)
-    parallel.model_parallel_seed(cfg.seed)
-    chunks = pipeline_chunks(mcfg.num_layers, parallel.layout.pp_size, parallel.layout.pp_rank,
-                             cfg.num_layers_per_virtual_pipeline_stage)
-    model = GPT(mcfg, chunks).to(device)
-    if parallel.layout.pp_rank > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
-        torch.manual_seed(cfg.seed + 100 * parallel.layout.pp_rank)
-        parallel.model_parallel_seed(cfg.seed + 100 * parallel.layout.pp_rank)
-    return model
+class Stage(nn.Module):
+    """This rank's stage of `model` (a GPT of this rank's layers), a model chunk
+    at a time from the model's own pieces: chunk `chunk` on micro-batch
+    `batch` embeds its tokens or runs on x (B, T[/tp], C), the previous
+    stage's output, and returns its output or, ending with the last layer,
+    the loss. A module, so that torch.compile(Stage(model)) compiles each
+    chunk's forward whole."""
 
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
 
-def micro_batch_loss(model, batch: dict, precision, chunk: int = 0, x=None) -> torch.Tensor:
-    """The forward and loss of one micro-batch (on the device), written once
-    for every engine and layout: train.train_step runs it at pp = 1, and the
-    1F1B schedule (pipeline_step) once per model chunk. `precision` is the
-    engine's autocast context (--bf16/--fp16; a nullcontext for none).
-
-    model: the whole model as the engine runs it (a GPT, compiled, in DDP, or
-    DeepSpeed's engine): returns the mean loss. Under pipeline parallelism, this
-    stage's GPT, of which model chunk `chunk` runs on x, the previous stage's
-    output (None where the chunk begins at layer 0): returns the chunk's output,
-    or where it ends with the last layer, the loss."""
-    with precision:
-        return model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
-                     loss_mask=batch["loss_mask"], model_chunk=chunk, x=x)
+    def forward(self, chunk: int, batch: dict, x=None):
+        model, layers = self.model, self.model.layers[chunk]
+        if layers.start == 0:
+            x, rope = model.embed(batch["tokens"], batch["position_ids"])  # (B, T[/tp], C)
+        else:
+            rope = rope_angles(model.config, batch["position_ids"]) \
+                if model.config.position_embedding_type == "rope" else None
+        # every chunk holds n layers (pipeline_chunks), in model.blocks in layer order; a slice of
+        # the list, as a slice of the ModuleList would build a new module every forward (0.2 ms at 48)
+        n = len(layers)
+        x = model.run_blocks(x, rope, list(model.blocks)[chunk * n:(chunk + 1) * n])
+        if layers.stop < model.config.num_layers:
+            return x
+        return model.head(x, batch["labels"], batch["loss_mask"])
 
 
 def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
@@ -464,18 +453,19 @@ def weight_grads(store: list) -> None:
 # 4. The pipelined step
 # ----------------------------------------------------------------------------
 
-def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision, scale=None,
+def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precision, scale=None,
                   averager: GradientAverager | None = None) -> torch.Tensor:
     """The micro-batches through this rank's pipeline stage in the schedule's
     order (1F1B, interleaved, or ZB-H1 under --enable-zero-bubble;
-    run_pipeline), forwards (micro_batch_loss, under `precision`) and
-    backwards; under torch.no_grad, forwards alone. The last stage
+    run_pipeline), forwards (the Stage `stage`, maybe compiled, under
+    `precision`) and backwards; under torch.no_grad, forwards alone. The last stage
     differentiates each micro-batch's share of the step's loss, scaled by the
     engine's `scale` (its --fp16 loss scaling; None: as it is). Returns the
     mean loss: the last stage computes it, and every stage gets it.
     averager: the engine's data-parallel averaging (GradientAverager), which
     starts on gradients as they become final (None: the engine reduces after
     the step)."""
+    model = stage.model
     m, v = len(batches), len(model.layers)
     ticks = pipeline_timeline(parallel.layout.pp_size, m, v, forward_only=not torch.is_grad_enabled(),
                               zero_bubble=cfg.enable_zero_bubble)
@@ -484,7 +474,8 @@ def pipeline_step(model: GPT, batches: list, cfg: TrainConfig, device, precision
 
     def forward(chunk: int, micro: int, x):
         nonlocal total
-        out = micro_batch_loss(model, batches[micro], precision, chunk, x)
+        with precision:
+            out = stage(chunk, batches[micro], x)
         if model.layers[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
         loss = out / m

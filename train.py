@@ -14,9 +14,9 @@ Sections:
      twin is zero.DeepSpeedTraining.
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
-Elsewhere: flags (config.py), launch (launch.py), process groups
-(parallel.py), the model a rank builds, a micro-batch's forward and loss,
-pipeline stages and their schedules (pipeline.py),
+Elsewhere: flags and AdamW (config.py), launch (launch.py), process groups
+(parallel.py), the model (gpt.py), pipeline stages and their schedules
+(pipeline.py),
 checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 """
 from __future__ import annotations
@@ -46,7 +46,6 @@ from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspee
 from data import to_device
 from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
 from launch import UsageError
-from pipeline import micro_batch_loss
 from prepare import load_tokenizer
 
 
@@ -233,17 +232,21 @@ def data_iterator(dataset, cfg: TrainConfig, consumed_samples: int):
 
 
 def check_batches(batches: list[dict], config: GPTConfig) -> list[dict]:
-    """Token ids and positions must index the embeddings: one check of a step's
-    micro-batches, on the host, where it is cheap (on a GPU a bad id is an
-    opaque device-side assert, and checking there costs a sync)."""
+    """Token ids and positions must index the embeddings: the one check of the
+    ids, of a step's micro-batches, on the host, in one read (on a GPU a bad
+    id is an opaque device-side assert, and checking there costs a sync)."""
     vocab, positions = "check the data's tokenizer against the model's vocabulary (--tokenizer-type, " \
         "--vocab-size)", "check --seq-length against --max-position-embeddings"
-    checks = []
+    named, extremes = [], []
     for b in batches:  # the true vocabulary: an id in the padding rows would train them silently
-        checks += [("batch tokens", b["tokens"], config.vocab_size, vocab),
-                   ("batch labels", b["labels"], config.vocab_size, vocab),
-                   ("batch position_ids", b["position_ids"], config.max_position_embeddings, positions)]
-    parallel.check_ids(checks)
+        for name, limit, fix in (("tokens", config.vocab_size, vocab), ("labels", config.vocab_size, vocab),
+                                 ("position_ids", config.max_position_embeddings, positions)):
+            named.append((f"batch {name}", limit, fix))
+            extremes.append(torch.stack(b[name].aminmax()).long())  # (2,): min, max
+    bounds = torch.cat(extremes).tolist()
+    for (name, limit, fix), lo, hi in zip(named, bounds[::2], bounds[1::2]):
+        if lo < 0 or hi >= limit:
+            raise UsageError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
     return batches
 
 
@@ -256,11 +259,34 @@ def synchronize(device: torch.device) -> None:
 # ----------------------------------------------------------------------------
 # 3. The step
 
+def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
+    """The run's model on `device`: this rank's layers of it under pipeline
+    parallelism (pipeline.pipeline_chunks; at pp = 1 all of them), with the
+    kernels chosen for `kernels_for` (default: device; ZeRO-3 under TP
+    builds on the host what runs on a GPU). Both engines build it."""
+    mcfg = model_config(cfg, kernels_for or device)
+    if cfg.domino:
+        mcfg = dataclasses.replace(mcfg, domino_chunks=cfg.domino_chunks)
+    # Same seed everywhere: every rank builds the same full model (TP ranks keep their
+    # slice, pipeline stages their layers). Dropout over TP-sharded values draws from a
+    # per-TP-rank stream (parallel.py).
+    torch.manual_seed(cfg.seed)
+    parallel.model_parallel_seed(cfg.seed)
+    lay = parallel.layout
+    model = GPT(mcfg, pipeline.pipeline_chunks(mcfg.num_layers, lay.pp_size, lay.pp_rank,
+                                               cfg.num_layers_per_virtual_pipeline_stage)).to(device)
+    if lay.pp_rank > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
+        torch.manual_seed(cfg.seed + 100 * lay.pp_rank)
+        parallel.model_parallel_seed(cfg.seed + 100 * lay.pp_rank)
+    return model
+
+
 def train_step(trainer, batches: list, lr: float):
     """One optimizer step over the micro-batches `batches` (host tensors), for
     either engine: PlainTraining, or zero.DeepSpeedTraining. Each micro-batch's
-    forward and loss is pipeline.micro_batch_loss; the engine says how the step
-    begins, how a micro-batch's loss becomes gradients, and how the step ends.
+    forward and loss is the model's (under stages, pipeline.Stage's, a model
+    chunk at a time); the engine says how the step begins, how a micro-batch's
+    loss becomes gradients, and how the step ends.
     Returns (loss averaged over micro-batches and DP ranks, grad norm, skipped:
     1.0 or 0.0); the plain engine's stay on the device, so the host never waits
     for the GPU here."""
@@ -269,15 +295,19 @@ def train_step(trainer, batches: list, lr: float):
     if parallel.layout.pp_size == 1:  # forward and backward of each micro-batch in turn, summed in .grad
         total = torch.zeros((), device=trainer.device)
         for i, batch in enumerate(batches):
+            b = to_device(batch, trainer.device)
             with trainer.micro_batch(last=i == m - 1):
-                loss = micro_batch_loss(trainer.model, to_device(batch, trainer.device), trainer.precision)
+                with trainer.precision:  # the engine's autocast (--bf16 / --fp16)
+                    loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
                 trainer.backward(loss, m)
             total += loss.detach() / m
     else:  # the same forward, a model chunk at a time, in 1F1B order through this rank's stage
         total = pipeline.pipeline_step(trainer.model, batches, trainer.cfg, trainer.device, trainer.precision,
                                        trainer.scale, trainer.averager)
     grad_norm, skipped = trainer.finish()
-    return parallel.all_reduce_mean(total, parallel.layout.dp_group), grad_norm, skipped
+    if parallel.layout.dp_size > 1:  # the loss every rank reports: the mean over the replicas
+        total = parallel.all_reduce_mean(total, parallel.layout.dp_group)
+    return total, grad_norm, skipped
 
 
 class LossScaler:
@@ -324,7 +354,7 @@ class LossScaler:
 
 
 class PlainTraining:
-    """The engine without DeepSpeed: the model (pipeline.build_model), our AdamW
+    """The engine without DeepSpeed: the model (build_model), our AdamW
     and the --fp16 loss scaler, loaded from --load, wrapped for --compile and,
     at pp = 1 over several data-parallel ranks, DDP. train_step drives it, as
     it drives its twin zero.DeepSpeedTraining: begin the step; per micro-batch,
@@ -333,12 +363,15 @@ class PlainTraining:
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
         self.cfg, self.device, self.log = cfg, env.device, log
-        self.raw = pipeline.build_model(cfg, env.device)
+        self.raw = build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
         self.scaler = LossScaler(cfg.initial_loss_scale, env.device, cfg.loss_scale_window or 2000,
                                  cfg.hysteresis or 1, cfg.min_loss_scale or 0.0) if cfg.fp16 else None
         self.start = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer, self.scaler, log)
-        self.model = torch.compile(self.raw, **compile_options(cfg)) if cfg.compile else self.raw
+        # What runs the forward: the model, or under stages one model chunk at a time
+        self.model = self.raw if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
+        if cfg.compile:
+            self.model = torch.compile(self.model, **compile_options(cfg))
         if parallel.layout.dp_size > 1 and parallel.layout.pp_size == 1:  # pipelines: pipeline.GradientAverager
             self.model = DDP(self.model, process_group=parallel.layout.dp_group,
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
@@ -393,7 +426,7 @@ class PlainTraining:
             pipeline.reduce_pipeline_grads(self.raw, self.averager)
         if self.scaler:
             self.scaler.unscale_(self.raw.parameters())
-        grad_norm = parallel.clip_grad_norm_(self.raw.parameters(), self.max_norm)
+        grad_norm = clip_grad_norm_(self.raw.parameters(), self.max_norm)
         found_inf = (~torch.isfinite(grad_norm)).float()
         self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf
         self.optimizer.step()
@@ -411,6 +444,42 @@ class PlainTraining:
             self.saver.close()
 
 
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip to the TRUE global L2 norm of the full (unsharded) model's grads,
+    already averaged over data parallelism; like torch's, return the norm.
+    Replicated grads are identical on all TP ranks, so only TP rank 0 counts
+    them; the others add theirs times 0, and as 0 * inf is NaN, an inf in any
+    rank's copy makes the norm non-finite everywhere. A non-finite norm leaves
+    the grads untouched: the caller decides (e.g. skip the step). Under
+    pipeline parallelism each stage adds its own layers' squares (the last
+    stage's copy of a tied embedding counts like a replica: times 0)."""
+    lay = parallel.layout
+    counted, copies = [], []  # copies: replicated grads that another rank counts
+    for p in parameters:
+        own = (getattr(p, "tensor_model_parallel", False) or lay.tp_rank == 0) and not getattr(p, "pipeline_copy", 0)
+        if p.grad is not None:
+            (counted if own else copies).append(p.grad)
+    grads = counted + copies
+    if not grads:
+        return torch.tensor(0.0)
+    # Every grad's norm in a few launches (foreach), not a few per parameter: a loop
+    # over a 350M model's 292 grads kept an H200 waiting on the host (bench/RESULTS.md).
+    # The CPU's norm kernel sums in order (off by 2e-5 over a 3M-element embedding,
+    # enough to tell layouts apart after a few Adam steps): there it sums in fp64.
+    fp = torch.float64 if grads[0].device.type == "cpu" else torch.float32
+    squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=fp)).square()
+    sq = (squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0).float()
+    for size, group in ((lay.tp_size, lay.tp_group), (lay.pp_size, lay.pp_group)):
+        if size > 1:
+            dist.all_reduce(sq, group=group)
+    total_norm = sq.sqrt()
+    # Decided on device (no host sync): coef = 1 when the norm is small or non-finite.
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
+    torch._foreach_mul_(grads, coef)
+    return total_norm
+
+
 # ----------------------------------------------------------------------------
 # 4. Evaluation, logging, MFU
 
@@ -425,8 +494,9 @@ def validation_loss(model, dataset, cfg: TrainConfig, device, consumed: int, acc
         losses = [pipeline.pipeline_step(model, [next(it) for _ in range(accum)], cfg, device, precision)
                   for _ in range(cfg.eval_iters)]
     else:
-        losses = [micro_batch_loss(model, to_device(next(it), device), precision).float()
-                  for _ in range(cfg.eval_iters * accum)]
+        with precision:
+            losses = [model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"]).float()
+                      for b in (to_device(next(it), device) for _ in range(cfg.eval_iters * accum))]
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.layout.dp_group).item()
 
@@ -658,7 +728,7 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
         torch.set_float32_matmul_precision("high")
         logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
-        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_optimizer)
+        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer, clip_grad_norm_)
     else:
         trainer = PlainTraining(cfg, env, accum, logger.print)
     schedule = schedule_to_follow(cfg, trainer.start, logger.print)

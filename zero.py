@@ -172,17 +172,17 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
                              f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")
 
 
-def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict) -> GPT:
+def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT:
     """Build the model under deepspeed.zero.Init, each layer partitioned over
     the data-parallel group as soon as it is built: no rank holds the full model.
     GPT's own init then meets emptied partitions, so it is redone one module at
     a time on gathered weights; only init_weights draws random numbers, so the
-    weights are pipeline.build_model's. With tensor parallelism GPT slices each layer's
-    full weight after initializing it, so that case is built outside zero.Init
-    (1/tp slices plus one full layer at a time; deepspeed.initialize partitions)."""
+    weights are train.build_model's. With tensor parallelism GPT slices each layer's
+    full weight after initializing it, so that case is built outside zero.Init, by
+    build_model (1/tp slices plus one full layer at a time; deepspeed.initialize partitions)."""
     device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
     if parallel.layout.tp_size > 1:
-        return pipeline.build_model(cfg, torch.device("cpu"), kernels_for=device)
+        return build_model(cfg, torch.device("cpu"), kernels_for=device)
     mcfg = model_config(cfg, device)
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
@@ -225,10 +225,12 @@ class DeepSpeedTraining:
     train.PlainTraining. A full resume reads
     DeepSpeed's own checkpoint (this layout only). With --no-load-optim or
     --finetune the weights alone come from a checkpoint of either kind and any
-    layout, loaded before deepspeed.initialize copies its fp32 master weights."""
+    layout, loaded before deepspeed.initialize copies its fp32 master weights.
+    build_model, clip_grad_norm_: train.py's, which imports this module."""
     saver = None  # its saves are synchronous (config.py refuses --async-save with --deepspeed)
 
-    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_optimizer):
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer,
+                 clip_grad_norm_):
         self.cfg, self.device, self.log = cfg, env.device, log
         # ZeRO-3's zero.Init swaps torch.nn.functional.linear for its own, process-wide, and
         # never swaps it back: close() does, so later models in this process compute as before.
@@ -242,7 +244,7 @@ class DeepSpeedTraining:
         mpu = DeepSpeedMPU()
         config = deepspeed_config(cfg, parallel.layout.dp_size, accum)
         stage = config["zero_optimization"]["stage"]
-        model = build_model_zero3(cfg, ds, config) if stage == 3 else pipeline.build_model(cfg, env.device)
+        model = build_model_zero3(cfg, ds, config, build_model) if stage == 3 else build_model(cfg, env.device)
         for p in model.parameters():  # counted on the first stage (clip_grad_norm_'s rule)
             p.ds_pipe_replicated = getattr(p, "pipeline_copy", False)
         weights_only = found is not None and checkpoint.weights_only(cfg)
@@ -259,10 +261,10 @@ class DeepSpeedTraining:
         # No lr_scheduler: begin sets each step's learning rate
         # (the schedule may count samples and the batch ramp).
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
-        if cfg.compile:
+        if cfg.compile and parallel.layout.pp_size == 1:
             # engine.module in place, after ZeRO's wrapping: the graphs see the partitioned model
-            if stage == 3:  # the tied head reads wte outside its module
-                ds.zero.register_external_parameter(model, model.output_weight)
+            if stage == 3 and not model.config.untie_embeddings_and_output_weights:  # the tied head reads wte
+                ds.zero.register_external_parameter(model, model.wte.weight)
             kwargs = compile_options(cfg)
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         if self.engine.dp_world_size != parallel.layout.dp_size:
@@ -270,8 +272,11 @@ class DeepSpeedTraining:
                                f"data-parallel size is {parallel.layout.dp_size} (world / (tp x pp)): "
                                f"the mpu was not applied")
         self.raw = self.engine.module
-        # evaluate runs the pipeline's stages on the module (engine.config is DeepSpeed's)
-        self.model = self.raw if parallel.layout.pp_size > 1 else self.engine
+        # under stages, our schedule runs the module's chunks (pipeline.Stage), not the engine
+        self.model = self.engine if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
+        if cfg.compile and parallel.layout.pp_size > 1:
+            self.model = torch.compile(self.model, **compile_options(cfg))
+        self.clip_grad_norm_ = clip_grad_norm_  # train.py's (the plain engine's)
         # The engine runs its 16-bit module without autocast; our stages' schedule runs it as the plain engine's.
         self.precision = autocast(cfg, env.device) if parallel.layout.pp_size > 1 else nullcontext()
         self.scale = getattr(self.engine.optimizer, "scale_if_loss", None)  # ZeRO's, as in engine.backward
@@ -332,7 +337,7 @@ class DeepSpeedTraining:
                 dist.all_reduce(grad, group=parallel.layout.embedding_group)
             engine.set_gradient_accumulation_boundary(True)
             engine.allreduce_gradients()
-        grad_norm = clip_if_ours(engine, self.cfg)
+        grad_norm = clip_if_ours(engine, self.cfg, self.clip_grad_norm_)
         engine.step()
         if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
@@ -354,10 +359,11 @@ def clips_itself(stage: int, cfg: TrainConfig) -> bool:
     return stage == 0 and not (cfg.bf16 or cfg.fp16)
 
 
-def clip_if_ours(engine, cfg: TrainConfig) -> torch.Tensor | None:
-    """Where we clip (clips_itself): clip to --clip-grad and return the norm;
-    else None (DeepSpeed clips in engine.step and reports the norm)."""
+def clip_if_ours(engine, cfg: TrainConfig, clip_grad_norm_) -> torch.Tensor | None:
+    """Where we clip (clips_itself): clip to --clip-grad with train.py's
+    clip_grad_norm_ and return the norm; else None (DeepSpeed clips in
+    engine.step and reports the norm)."""
     if not clips_itself(engine.zero_optimization_stage(), cfg):
         return None
     max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
-    return parallel.clip_grad_norm_([p for p in engine.module.parameters() if p.grad is not None], max_norm)
+    return clip_grad_norm_(engine.module.parameters(), max_norm)

@@ -87,7 +87,7 @@ def main():
         stage.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
-        pipeline.pipeline_step(stage, batches, cfg, d.device, nullcontext(), averager=averager)
+        pipeline.pipeline_step(pipeline.Stage(stage), batches, cfg, d.device, nullcontext(), averager=averager)
         schedule_end = time.perf_counter()
         pipeline.reduce_pipeline_grads(stage, averager)
         end = time.perf_counter()

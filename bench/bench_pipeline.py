@@ -248,13 +248,13 @@ def pipeline_step(model, batches, s: Schedule, device, timeline=None, memory=Non
     all-reduce, and with run_pipeline's timeline."""
     m, (b, T) = len(batches), batches[0][0].shape
     ticks = pipeline.pipeline_timeline(parallel.layout.pp_size, m, s.v, zero_bubble=s.zero_bubble)
-    positions = torch.arange(T, device=device)
+    positions, stage = torch.arange(T, device=device), pipeline.Stage(model)
 
     def forward(chunk: int, micro: int, x):
         if memory is not None:
             memory.current = (chunk, micro)
         tokens, labels = batches[micro]
-        out = model(tokens, positions, labels, model_chunk=chunk, x=x)
+        out = stage(chunk, {"tokens": tokens, "position_ids": positions, "labels": labels, "loss_mask": None}, x)
         if model.layers[chunk].stop == model.config.num_layers:
             out = out / m                                  # the loss, averaged over the step
         if device.type == "cuda":

@@ -76,7 +76,8 @@ def bench_stage(stage: int, args, env) -> dict:
     cfg = config.parse_args(["--preset", args.preset, "--seq-length", str(args.seq_length),
                             "--micro-batch-size", str(args.micro_batch_size), "--deepspeed",
                             "--zero-stage", str(stage), "--sample-tokens", "0", "--lr", "1e-4"])
-    engine = zero.DeepSpeedTraining(cfg, env, 1, lambda message: None, train.build_optimizer).engine
+    engine = zero.DeepSpeedTraining(cfg, env, 1, lambda message: None, train.build_model, train.build_optimizer,
+                                    train.clip_grad_norm_).engine
     V = engine.module.config.vocab_size
     tokens = torch.randint(0, V, (args.micro_batch_size, args.seq_length + 1), device=env.device)
     times, grads = [], 0

@@ -33,7 +33,6 @@ import torch.distributed.checkpoint as dcp  # checkpoint.py's torch_dist calls: 
 from torch.distributed.checkpoint.staging import DefaultStager
 
 import checkpoint
-import pipeline
 import train
 from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_together,
                       run_train, tiny, tiny_model, tokens, train_on_ranks)
@@ -220,7 +219,7 @@ def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpu
     """fp32 (no loss scaler): an inf gradient at iteration 2, a save step, leaves
     the weights as iteration 1 left them; the run goes on and says it skipped."""
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    real_build = pipeline.build_model
+    real_build = train.build_model
     backwards = []
 
     def build_with_inf_at_iteration_2(cfg, device):
@@ -234,7 +233,7 @@ def test_non_finite_gradient_skips_the_step_and_never_reaches_a_checkpoint(corpu
         model.wte.weight.register_post_accumulate_grad_hook(poison)
         return model
 
-    monkeypatch.setattr(pipeline, "build_model", build_with_inf_at_iteration_2)
+    monkeypatch.setattr(train, "build_model", build_with_inf_at_iteration_2)
     train.main([*TINY, "--data-path", corpus, "--train-iters", "3", "--save", ckpt, "--ckpt-format", "torch",
                 "--save-interval", "1", "--metrics-file", metrics])
     saved = [torch.load(os.path.join(ckpt, f"iter_{i:07d}", "model_optim_rng.pt"), weights_only=False)

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gpt
 import kernels
 import parallel
 from conftest import run_bounded
@@ -442,7 +441,7 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
 
 
 # ---------------------------------------------------------------------------
-# the fused loss's row kernels (gpt.span_lse_and_grad_) against their torch twins
+# the fused loss's row kernels (kernels.span_lse_and_grad_) against their torch twins
 
 @pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
@@ -460,7 +459,7 @@ def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
     results = []
     for use_triton in (True, False):
         dz = z.clone()
-        lse, target = gpt.span_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
+        lse, target = kernels.span_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
                                                    triton_kernels=use_triton)
         results.append((lse, target, dz))
     (lse, target, dz), (lse_t, target_t, dz_t) = results
@@ -599,12 +598,11 @@ def test_model_with_triton_kernels_compiles_whole(options):
 def test_fused_loss_row_kernels_compile_whole():
     """The fused loss's Triton row passes inside a compiled graph (no graph
     break) give eager mode's statistics and in-place gradient."""
-    import gpt
     g = torch.Generator().manual_seed(0)
     z, labels, weight = torch.randn(8, 40, generator=g), torch.randint(0, 40, (8,), generator=g), torch.rand(8, generator=g)
 
     def passes(z):
-        lse, target = gpt.span_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
+        lse, target = kernels.span_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
         return lse, target, z
     want = passes(z.clone())
     torch._dynamo.reset()

@@ -154,7 +154,7 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     whole = GPT(GPTConfig(**shape))
     want_loss = torch.zeros(())
     for batch in batches:
-        loss = pipeline.micro_batch_loss(whole, batch, nullcontext()) / m
+        loss = whole(batch["tokens"], batch["position_ids"], batch["labels"], batch["loss_mask"]) / m
         loss.backward()
         want_loss += loss.detach()
     # two stages: each builds the same model and keeps its layers
@@ -163,20 +163,21 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     torch.manual_seed(0)
     stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
     in_flight, calls, timeline = _InFlight(), iter(range(100)), []
-    forward = stage.forward
+    runner = pipeline.Stage(stage)
+    forward = runner.forward
 
-    def counted(*args, model_chunk, **kwargs):
-        in_flight.micro = next(calls) if model_chunk == 0 else in_flight.micro
-        return forward(*args, model_chunk=model_chunk, **kwargs)
+    def counted(chunk, *args):
+        in_flight.micro = next(calls) if chunk == 0 else in_flight.micro
+        return forward(chunk, *args)
     run_pipeline, weight_grads, deferred = pipeline.run_pipeline, pipeline.weight_grads, []
-    stage.forward = counted
+    runner.forward = counted
     pipeline.run_pipeline = lambda *a, **k: run_pipeline(*a, **k, timeline=timeline)
     pipeline.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
     try:
         with torch.autograd.graph.saved_tensors_hooks(in_flight.pack, lambda saved: saved.t):
-            loss = pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext())
+            loss = pipeline.pipeline_step(runner, batches, cfg, torch.device("cpu"), nullcontext())
     finally:
-        pipeline.run_pipeline, stage.forward = run_pipeline, forward
+        pipeline.run_pipeline = run_pipeline
         pipeline.weight_grads = weight_grads
     pipeline.reduce_pipeline_grads(stage)
     assert_close(loss, want_loss, tol=1e-6, what="loss")
@@ -220,7 +221,7 @@ def _check_zb_h1_takes_1f1bs_gradients_in_16_bit(dtype):
         for zb in (False, True):
             cfg = SimpleNamespace(seq_length=8, micro_batch_size=2, enable_zero_bubble=zb)
             torch.manual_seed(1)  # the same dropout masks for both schedules
-            pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), torch.autocast("cpu", dtype=dtype), scale)
+            pipeline.pipeline_step(pipeline.Stage(stage), batches, cfg, torch.device("cpu"), torch.autocast("cpu", dtype=dtype), scale)
             grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
             stage.zero_grad(set_to_none=True)
     finally:
@@ -339,7 +340,7 @@ def _check_data_parallel_average_starts_as_gradients_become_final():
         x, y, mask = uneven_batch(10 * parallel.layout.dp_rank + i, batch_size=2)
         batches.append({"tokens": x, "labels": y, "loss_mask": mask, "position_ids": torch.arange(8).expand(2, 8)})
     # after the schedule, one blocking all-reduce: the reference gradients
-    pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext())
+    pipeline.pipeline_step(pipeline.Stage(stage), batches, cfg, torch.device("cpu"), nullcontext())
     pipeline.reduce_pipeline_grads(stage)
     want = {n: p.grad.clone() for n, p in stage.named_parameters()}
     # with an averager whose buckets hold 4 KB: launched as gradients become final
@@ -351,7 +352,7 @@ def _check_data_parallel_average_starts_as_gradients_become_final():
                                       events.append(("end", a, time.time())))[1]
     try:
         averager.begin(m)
-        pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext(), averager=averager)
+        pipeline.pipeline_step(pipeline.Stage(stage), batches, cfg, torch.device("cpu"), nullcontext(), averager=averager)
     finally:
         pipeline._act = real_act
     pipeline.reduce_pipeline_grads(stage, averager)
@@ -399,7 +400,7 @@ def _check_zb_h1_averages_over_data_parallel_as_1f1b():
         cfg = SimpleNamespace(seq_length=8, micro_batch_size=2, enable_zero_bubble=zb)
         averager = pipeline.GradientAverager(stage, parallel.layout.dp_group, bucket_bytes=4096)
         averager.begin(m)
-        pipeline.pipeline_step(stage, batches, cfg, torch.device("cpu"), nullcontext(), averager=averager)
+        pipeline.pipeline_step(pipeline.Stage(stage), batches, cfg, torch.device("cpu"), nullcontext(), averager=averager)
         pipeline.reduce_pipeline_grads(stage, averager)
         grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
         stage.zero_grad(set_to_none=True)

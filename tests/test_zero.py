@@ -25,7 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import config  # noqa: E402
-import pipeline  # noqa: E402
 import train  # noqa: E402
 import zero  # noqa: E402
 from launch import UsageError  # noqa: E402
@@ -74,7 +73,7 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
     parallel.destroy()
     env = train.init_processes(cfg)
     cfg = dataclasses.replace(cfg, load=export, no_load_optim=True)
-    model = pipeline.build_model(cfg, env.device)
+    model = train.build_model(cfg, env.device)
     checkpoint.load_checkpoint(cfg, model, None, None, lambda message: None)
     accum = train.gradient_accumulation_steps(cfg, parallel.layout.dp_size)
     gb = cfg.micro_batch_size * parallel.layout.dp_size * accum
@@ -99,7 +98,7 @@ def inf_gradient_on_rank_0_at_iteration(iteration: int):
     """Models built meanwhile get an inf in wte's gradient on rank 0 only, in
     the first micro-batch of `iteration` (2 micro-batches per iteration)."""
     import torch.distributed as dist
-    real_build = pipeline.build_model
+    real_build = train.build_model
 
     def build(cfg, device, **kwargs):
         model = real_build(cfg, device, **kwargs)
@@ -115,11 +114,11 @@ def inf_gradient_on_rank_0_at_iteration(iteration: int):
         model.wte.weight.register_hook(poison)
         return model
 
-    pipeline.build_model = build
+    train.build_model = build
     try:
         yield
     finally:
-        pipeline.build_model = real_build
+        train.build_model = real_build
 
 
 def worker(out: str, plan: str) -> None:
@@ -393,7 +392,8 @@ def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs)
         checkpoint.load_checkpoint(cfg, None, None, None, print)
     cfg = config.parse_args(COMMON + ["--deepspeed", "--load", os.path.join(runs, "ckpt_ddp")])
     with pytest.raises(ValueError, match="holds a plain train.py checkpoint: resume it without --deepspeed"):
-        zero.DeepSpeedTraining(cfg, train.init_processes(cfg), 1, print, train.build_optimizer)
+        zero.DeepSpeedTraining(cfg, train.init_processes(cfg), 1, print, train.build_model, train.build_optimizer,
+                               train.clip_grad_norm_)
 
 
 @pytest.mark.parametrize("flags", [["--deepspeed"], ["--no-load-optim"]])
