@@ -554,7 +554,8 @@ class Logger:
             self.tb = SummaryWriter(cfg.tensorboard_dir, max_queue=cfg.tensorboard_queue_size)
 
     def print(self, msg: str) -> None:
-        launch.say(msg)  # rank 0's, as the logger's files
+        if self.enabled:  # rank 0, decided once (main): as the logger's files
+            print(msg, flush=True)
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
