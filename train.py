@@ -14,10 +14,10 @@ Sections:
      twin is zero.DeepSpeedTraining.
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
-Elsewhere: flags and AdamW (config.py), launch (launch.py), process groups
+Elsewhere: flags (config.py), launch (launch.py), process groups
 (parallel.py), the model (gpt.py), pipeline stages and their schedules
-(pipeline.py),
-checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
+(pipeline.py), checkpoints and weight export (checkpoint.py), DeepSpeed
+ZeRO (zero.py).
 """
 from __future__ import annotations
 
