@@ -450,7 +450,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
         state = {"model": model_sd, "optimizer": optim_sd, "scaler": scaler.state_dict() if scaler else None,
                  "iteration": iteration, "consumed_samples": consumed_samples, "rng": rng,
                  "pipeline_rng": stages_rng,
-                 "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(model.config)}
+                 "config": cfg.flags(), "model_config": dataclasses.asdict(model.config)}
         log(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
         remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
@@ -854,7 +854,7 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
         state[f"rng.stage{parallel.layout.pp_rank}"] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
     state.update({"optimizer.param_groups": optimizer.state_dict()["param_groups"],
                   "scaler": scaler.state_dict() if scaler else None, "iteration": iteration,
-                  "consumed_samples": consumed_samples, "config": dataclasses.asdict(cfg),
+                  "consumed_samples": consumed_samples, "config": cfg.flags(),
                   "model_config": dataclasses.asdict(model.config)})
 
     def write(state: dict, group=None) -> None:
@@ -1018,7 +1018,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     """engine.save_checkpoint under a temporary tag, published (publish) by
     rank 0 once every rank has written."""
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
-                    "config": dataclasses.asdict(cfg)}
+                    "config": cfg.flags()}
     if parallel.layout.tp_size == 1 and parallel.layout.pp_size == 1:
         # For ds_to_universal: at tp=1 nothing is split, and the version says so. At tp > 1 the
         # strided QKV split has no description, so it refuses the checkpoint rather than merge QKV

@@ -4,7 +4,7 @@
   2. The parser: fields -> argparse, Megatron's other spellings
   3. The DeepSpeed JSON: fills the flags the command line left unset
   4. Checks: a mistake is one line that names the fix (launch.UsageError)
-  5. What the flags describe: the model's GPTConfig, AdamW, autocast, torch.compile
+  5. What the flags describe: the model's GPTConfig, autocast, torch.compile
 """
 from __future__ import annotations
 
@@ -247,6 +247,10 @@ class TrainConfig:
     top_k: int = flag(0, "GENERATE: sample among the k likeliest tokens; 0 is off", EVAL)
     top_p: float = flag(0.0, "GENERATE: nucleus sampling mass; 0 is off", EVAL)
     seed: int = flag(1234, "random seed (the same on every rank)", BOTH)
+
+    def flags(self) -> dict:
+        """The run's flags, as a checkpoint records them (the DeepSpeed JSON stays in its own file)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "deepspeed_json"}
 
 
 # ----------------------------------------------------------------------------

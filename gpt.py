@@ -22,7 +22,7 @@
 6. Generation: the KV cache and `generate`.
 7. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
 8. The checks of a GPTConfig (`check_config`).
-Hugging Face GPT-2 and Llama import and export live in checkpoint.py.
+Hugging Face GPT-2 and Llama import and export live in huggingface.py.
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
 GPT-2's 50257 tokens, a multiple of 128: Megatron's --make-vocab-size-divisible-by)
@@ -195,7 +195,7 @@ def apply_rope(x, angles):
     return torch.cat([rotated, rest], dim=-1)            # (B, nh, T, hd)
 
 
-def dropout(p: float, per_rank: bool = False) -> nn.Module:
+def make_dropout(p: float, per_rank: bool = False) -> nn.Module:
     """The model's dropouts: none at p = 0; per_rank (sequence parallelism)
     draws this rank's own masks, where the ranks hold other tokens."""
     if p == 0:
@@ -231,7 +231,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(H, H + 2 * kv, bias=bias)
         self.proj = nn.Linear(H, H, bias=bias)
         parallel.mark(self.proj, residual_out=True)  # the scaled init, see init_weights
-        self.resid_drop = dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        self.resid_drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def heads(self, x, *chunk, rope=None, cache=None):
         """Everything before the output projection: (B, T, C) -> (B, T, C/tp).
@@ -278,7 +278,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.hidden_size, fc_out, bias=bias)
         self.proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
         parallel.mark(self.proj, residual_out=True)
-        self.drop = dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        self.drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def hidden(self, x, *chunk):
         """(B, T, C) -> (B, T, F), or (B, T, F/tp) under TP."""
@@ -304,11 +304,12 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope=None, cache=None):
-        if getattr(self.ln_2, "fuses_residual_add", False):  # kernels.TritonLayerNorm: the add and ln_2 in one kernel
-            x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope, cache))
-            return x + self.mlp(h)
-        x = x + self.attn(self.ln_1(x), rope, cache)     # (B, T, C)
-        return x + self.mlp(self.ln_2(x))
+        if not getattr(self.ln_2, "fuses_residual_add", False):
+            x = x + self.attn(self.ln_1(x), rope, cache)     # (B, T, C)
+            return x + self.mlp(self.ln_2(x))
+        # kernels.TritonLayerNorm: the residual add and ln_2 in one kernel
+        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope, cache))
+        return x + self.mlp(h)
 
 
 def add_and_norm(ln: nn.Module, x, branch):
@@ -431,7 +432,7 @@ class GPT(nn.Module):
         self.tensor_parallel = parallel.layout.tp_size > 1
         self.sequence_parallel = self.tensor_parallel and config.sequence_parallel  # off while generating
         self.domino = self.tensor_parallel and config.domino_chunks > 1
-        self.drop = dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        self.drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
         for name, make in self._pieces():
             piece = self._build(make)
             if self.holds(name):
@@ -448,7 +449,7 @@ class GPT(nn.Module):
         for i in range(c.num_layers):
             yield f"blocks.{i}", lambda: Block(c)
         yield "ln_f", lambda: make_layernorm(c, c.hidden_size)
-        if c.untie_embeddings_and_output_weights:  # else the head is wte (see output_weight)
+        if c.untie_embeddings_and_output_weights:  # else the head is wte (see GPT.head)
             yield "output_layer", lambda: nn.Linear(c.hidden_size, c.padded_vocab_size, bias=False)
 
     def _keep(self, name: str, piece: nn.Module) -> None:
@@ -551,8 +552,10 @@ class GPT(nn.Module):
             logits = F.linear(h, weight)                             # (B, T, V_padded[/tp])
             if labels is None:
                 return parallel.gather_from_tensor_parallel_region(logits) if tp else logits
-            token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten() if tp else \
-                F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # (B*T,)
+            if not tp:
+                token_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+            else:  # each rank holds V/tp of every row's logits
+                token_loss = parallel.vocab_parallel_cross_entropy(logits, labels).flatten()  # (B*T,)
             if loss_mask is None:
                 return token_loss.mean()
             mask = loss_mask.flatten().float()

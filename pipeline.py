@@ -286,6 +286,8 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
     action ends, before its tick's exchange. later: zero bubble's (section
     3b), for the ticks' W."""
     rank, pp, group = parallel.layout.pp_rank, parallel.layout.pp_size, parallel.layout.pp_group
+    if later is None and any(a.kind == "W" for row in ticks for a in row if a):
+        raise ValueError("zero bubble's ticks hold W actions: pass later=LaterWeightGrads(model)")
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
     in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output, dW store) until backward
@@ -378,28 +380,42 @@ class LaterWeightGrads(TorchFunctionMode):
 
     @contextlib.contextmanager
     def deferring(self, store: list, backward: bool = False):
-        """A micro-batch's F, or (backward) its I: dW into `store`. In I the
-        mode is on only inside blocks, which activation checkpointing
-        recomputes (whole: each block's forward hook must run): a mode is off
-        while it handles a call, and would handle torch.autograd.backward."""
+        """A micro-batch's F, or (backward) its I: the blocks' dW go into
+        `store`. For the whole action the blocks' linear weights are frozen
+        (requires_grad off: a change to the parameters themselves, undone on
+        exit). In F the mode is on throughout. In I it cannot be: a mode is
+        off while it handles a call, so it would take torch.autograd.backward
+        itself and see nothing inside. But activation checkpointing re-runs
+        each block's forward in I, and those F.linear calls must keep their
+        operands as the first forward did: so in I each block's forward
+        pre-hook turns the mode on and its forward hook off (each recompute
+        runs its whole block, early stop off, for the hooks to pair)."""
         self.store = store
         hooks = [m.register_forward_hook(self._keep_tokens) for m in self.columns]
         if backward:
-            for b in self.blocks:  # (None: a hook's result would replace the block's input)
-                hooks += [b.register_forward_pre_hook(lambda *_: self.__enter__() and None),
-                          b.register_forward_hook(lambda *_: self.__exit__(None, None, None))]
+            for b in self.blocks:
+                hooks += [b.register_forward_pre_hook(self._on), b.register_forward_hook(self._off)]
         for w in self.weights:
             w.requires_grad_(False)
         try:
             with contextlib.nullcontext() if backward else self, \
                     torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 yield
+            if backward and {w for w, _, _ in store} != self.weights:  # a dW would be lost silently
+                raise RuntimeError("zero bubble: a block linear's weight reached no F.linear in this "
+                                   "micro-batch, so its gradient was never kept for W")
         finally:
             for w in self.weights:
                 w.requires_grad_(True)
             for hook in hooks:
                 hook.remove()
             self.store = None
+
+    def _on(self, block, args) -> None:  # (a pre-hook's value would replace the block's input)
+        self.__enter__()
+
+    def _off(self, block, args, output) -> None:  # (a hook's value would replace its output)
+        self.__exit__(None, None, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

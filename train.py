@@ -488,15 +488,16 @@ def validation_loss(model, dataset, cfg: TrainConfig, device, consumed: int, acc
     """Mean loss over --eval-iters global batches, averaged over data-parallel ranks
     (under --bf16 / --fp16 autocast, with either engine)."""
     model.eval()
-    it = data_iterator(dataset, cfg, consumed)
+    it, mcfg = data_iterator(dataset, cfg, consumed), model_config(cfg)
     precision = autocast(cfg, device)
     if parallel.layout.pp_size > 1:  # a global batch at a time through the stages
-        losses = [pipeline.pipeline_step(model, [next(it) for _ in range(accum)], cfg, device, precision)
-                  for _ in range(cfg.eval_iters)]
+        losses = [pipeline.pipeline_step(model, check_batches([next(it) for _ in range(accum)], mcfg), cfg,
+                                         device, precision) for _ in range(cfg.eval_iters)]
     else:
+        batches = check_batches([next(it) for _ in range(cfg.eval_iters * accum)], mcfg)
         with precision:
             losses = [model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"]).float()
-                      for b in (to_device(next(it), device) for _ in range(cfg.eval_iters * accum))]
+                      for b in (to_device(b, device) for b in batches)]
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.layout.dp_group).item()
 

@@ -263,8 +263,9 @@ class DeepSpeedTraining:
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
         if cfg.compile and parallel.layout.pp_size == 1:
             # engine.module in place, after ZeRO's wrapping: the graphs see the partitioned model
-            if stage == 3 and not model.config.untie_embeddings_and_output_weights:  # the tied head reads wte
-                ds.zero.register_external_parameter(model, model.wte.weight)
+            if stage == 3:  # GPT.head reads the head's weight (wte's, when tied) outside its module's call
+                head = model.output_layer if model.config.untie_embeddings_and_output_weights else model.wte
+                ds.zero.register_external_parameter(model, head.weight)
             kwargs = compile_options(cfg)
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
         if self.engine.dp_world_size != parallel.layout.dp_size:

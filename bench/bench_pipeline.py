@@ -205,10 +205,10 @@ def watch(memory: SavedActivations | None):
         return
     deferring = pipeline.LaterWeightGrads.deferring
 
-    def keep(later, store):
+    def keep(later, store, backward=False):
         if all(store is not s for s in memory.stores):
             memory.stores.append(store)
-        return deferring(later, store)
+        return deferring(later, store, backward)
     with torch.autograd.graph.saved_tensors_hooks(memory.pack, memory.unpack), \
             mock.patch.object(pipeline.LaterWeightGrads, "deferring", keep):
         yield
@@ -263,7 +263,8 @@ def pipeline_step(model, batches, s: Schedule, device, timeline=None, memory=Non
 
     with watch(memory), host_waits_for_device(device):
         pipeline.run_pipeline(ticks, s.v, forward, (b, T, model.config.hidden_size), device,
-                              timeline=timeline, after=memory and (lambda a: memory.action_ended()))
+                              timeline=timeline, after=memory and (lambda a: memory.action_ended()),
+                              later=pipeline.LaterWeightGrads(model) if s.zero_bubble else None)
     model.zero_grad(set_to_none=True)
 
 

@@ -1041,7 +1041,7 @@ def _check_zero3_builds_the_kernels_of_its_accelerator():
     class DeepSpeed:
         get_accelerator = staticmethod(lambda: GPUAccelerator)
 
-    model = zero.build_model_zero3(cfg, DeepSpeed, {})
+    model = zero.build_model_zero3(cfg, DeepSpeed, {}, train.build_model)
     assert (model.config.attention_impl, model.config.layernorm_impl) == ("triton", "triton")
     assert isinstance(model.blocks[0].attn.qkv, parallel.ColumnParallelLinear)
     assert all(p.device.type == "cpu" for p in model.parameters())

@@ -988,7 +988,7 @@ COMPILE = ["--compile", "--compile-backend", "aot_eager"]
 # test_pipeline.py, and as a model in test_parallel.py: not again here.
 TRAIN_RUNS = {  # name: flags; each runs eagerly and with COMPILE
     **{f"zero{stage}": ["--deepspeed", "--zero-stage", str(stage)] for stage in (1, 2, 3)},
-    # pipeline stages: each rank compiles its model chunks (GPT.forward's chunk path)
+    # pipeline stages: each rank compiles its model chunks (pipeline.Stage)
     "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                         "--num-layers-per-virtual-pipeline-stage", "1"],
     "pp2-zero1": ["--pipeline-model-parallel-size", "2", "--deepspeed", "--zero-stage", "1"],
