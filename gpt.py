@@ -22,7 +22,7 @@
 6. Generation: the KV cache and `generate`.
 7. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
 8. The checks of a GPTConfig (`check_config`).
-Hugging Face GPT-2 and Llama import and export live in checkpoint.py.
+Hugging Face GPT-2 and Llama import and export live in huggingface.py.
 
 Vocabulary padding: the embedding has `padded_vocab_size` rows (50304 for
 GPT-2's 50257 tokens, a multiple of 128: Megatron's --make-vocab-size-divisible-by)
