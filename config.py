@@ -257,23 +257,6 @@ class TrainConfig:
 # 2. The parser
 # ----------------------------------------------------------------------------
 
-ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Coming from Megatron")
-    (("--checkpoint-activations", "--deepspeed-activation-checkpointing"),
-     dict(dest="recompute_activations", action="store_true")),
-    (("--dataset-impl",), dict(dest="data_impl")),
-    (("--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
-      "--use-flash-attn-builder"), dict(dest="attention_impl", action="store_const", const="triton")),
-    (("--rotary-position-embeddings-theta",), dict(dest="rotary_base", type=float)),  # Megatron-DeepSpeed's
-    (("--DDP-impl",), dict(dest="ddp_impl")),
-    (("--vocab",), dict(dest="vocab_file")),
-    (("--deepspeed_config",), dict(dest="deepspeed_config")),  # DeepSpeed's own spelling
-    (("--top_k",), dict(dest="top_k", type=int)),              # Megatron's sampling spellings
-    (("--top_p",), dict(dest="top_p", type=float)),
-    (("--override-opt_param-scheduler", "--override-lr-scheduler"),  # Megatron-LM's, Megatron-DeepSpeed's
-     dict(dest="override_opt_param_scheduler", action="store_true")),
-    (("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"),
-     dict(dest="use_checkpoint_opt_param_scheduler", action="store_true")),
-]
 # Megatron-LM's names for our choices: its attention backends (flash and
 # cuDNN's fused are our Triton kernel, unfused and local torch's), and its
 # recomputation granularity (full or selective: here each whole block).
@@ -295,10 +278,26 @@ def recompute_granularity(name: str) -> bool:
     return True
 
 
-ALIASES += [
+ALIASES = [  # Megatron / Megatron-DeepSpeed spellings of our flags (README: "Coming from Megatron")
+    (("--checkpoint-activations", "--deepspeed-activation-checkpointing"),
+     dict(dest="recompute_activations", action="store_true")),
+    (("--dataset-impl",), dict(dest="data_impl")),
+    (("--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
+      "--use-flash-attn-builder"), dict(dest="attention_impl", action="store_const", const="triton")),
+    (("--rotary-position-embeddings-theta",), dict(dest="rotary_base", type=float)),  # Megatron-DeepSpeed's
+    (("--DDP-impl",), dict(dest="ddp_impl")),
+    (("--vocab",), dict(dest="vocab_file")),
+    (("--deepspeed_config",), dict(dest="deepspeed_config")),  # DeepSpeed's own spelling
+    (("--top_k",), dict(dest="top_k", type=int)),              # Megatron's sampling spellings
+    (("--top_p",), dict(dest="top_p", type=float)),
+    (("--override-opt_param-scheduler", "--override-lr-scheduler"),  # Megatron-LM's, Megatron-DeepSpeed's
+     dict(dest="override_opt_param_scheduler", action="store_true")),
+    (("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"),
+     dict(dest="use_checkpoint_opt_param_scheduler", action="store_true")),
     (("--attention-backend",), dict(dest="attention_impl", type=attention_backend)),
     (("--recompute-granularity",), dict(dest="recompute_activations", type=recompute_granularity)),
 ]
+
 # Megatron-LM switches that choose among its own implementations of the same
 # math (kernel fusions, Transformer Engine, how its DDP overlaps, its timers),
 # or log to TensorBoard what is not logged here (timers, memory, world size,

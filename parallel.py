@@ -513,8 +513,6 @@ def sequence_parallel_off(module: nn.Module):
             m.sequence_parallel = True
 
 
-
-
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
     """forward y = [x_0 | x_1 | ... | x_{tp-1}] along the last dim; backward
     dx_r = dy[..., r-th slice]."""

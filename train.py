@@ -14,10 +14,9 @@ Sections:
      twin is zero.DeepSpeedTraining.
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
-Elsewhere: flags (config.py), launch (launch.py), process groups
-(parallel.py), the model (gpt.py), pipeline stages and their schedules
-(pipeline.py), checkpoints and weight export (checkpoint.py), DeepSpeed
-ZeRO (zero.py).
+Elsewhere: flags (config.py), launch (launch.py), process groups (parallel.py),
+the model (gpt.py), pipeline stages and their schedules (pipeline.py),
+checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 """
 from __future__ import annotations
 
@@ -361,7 +360,7 @@ class PlainTraining:
     forward within micro_batch(), then backward (under stages, the schedule
     differentiates the loss `scale` gives); finish the step."""
 
-    def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log):
+    def __init__(self, cfg: TrainConfig, env: launch.Dist, log):
         self.cfg, self.device, self.log = cfg, env.device, log
         self.raw = build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
@@ -732,7 +731,7 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
         trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer, clip_grad_norm_)
     else:
-        trainer = PlainTraining(cfg, env, accum, logger.print)
+        trainer = PlainTraining(cfg, env, logger.print)
     schedule = schedule_to_follow(cfg, trainer.start, logger.print)
     if trainer.start.iteration > cfg.train_iters:
         raise UsageError(f"--load {cfg.load} is at iteration {trainer.start.iteration}, past this run's end "

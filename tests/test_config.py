@@ -305,9 +305,9 @@ def test_loss_scale_flags_reach_deepspeeds_fp16_section_only_when_given():
 
 def test_loss_scale_flags_reach_the_plain_engines_scaler():
     cfg = parse("--fp16", *LOSS_SCALE_FLAGS)
-    scaler = train.PlainTraining(cfg, process_env(), 1, print).scaler
+    scaler = train.PlainTraining(cfg, process_env(), print).scaler
     assert (scaler.hysteresis, scaler.growth_interval, scaler.min_scale) == (3, 100, 4.0)
-    default = train.PlainTraining(parse("--fp16"), process_env(), 1, print).scaler
+    default = train.PlainTraining(parse("--fp16"), process_env(), print).scaler
     assert (default.hysteresis, default.growth_interval, default.min_scale) == (1, 2000, 0.0)
 
 

@@ -1030,6 +1030,7 @@ def _check_zero3_builds_the_kernels_of_its_accelerator():
     the kernels are still chosen for the device it will run on (here a
     GPU, as DeepSpeed's accelerator reports it): Triton, not torch's."""
     import config
+    import train
     import zero
     _use_layout(2)
     cfg = config.parse_args(["--preset", "tiny", "--num-attention-heads", "2", "--deepspeed",
@@ -1066,7 +1067,7 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
     cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", "--tensor-model-parallel-size", "2",
                              "--initial-loss-scale", "1024", *precision])
     _use_layout(2)
-    trainer = train.PlainTraining(cfg, process_env(), 1, print)
+    trainer = train.PlainTraining(cfg, process_env(), print)
     model, scaler = trainer.raw, trainer.scaler
     param = model.get_parameter(poisoned)
     assert getattr(param, "tensor_model_parallel", False) == (poisoned == "blocks.0.mlp.fc.weight")

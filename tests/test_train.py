@@ -451,7 +451,7 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(precision):
     own sync detector.)"""
     cfg = config.parse_args(["--preset", "tiny", "--seq-length", "16", "--micro-batch-size", "2",
                              "--initial-loss-scale", "256", *(["--fp16"] if precision == "fp16" else [])])
-    trainer = train.PlainTraining(cfg, process_env(), 1, print)
+    trainer = train.PlainTraining(cfg, process_env(), print)
     model, scaler = trainer.raw, trainer.scaler
     batch = {"tokens": torch.randint(0, 1000, (2, 16)), "labels": torch.randint(0, 1000, (2, 16)),
              "position_ids": torch.arange(16).expand(2, 16), "loss_mask": torch.ones(2, 16)}
@@ -478,7 +478,7 @@ def test_gpu_training_steps_never_synchronize():
         cfg = config.parse_args(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4",
                                  "--num-attention-heads", "2",  # head dim 32: the Triton kernels' smallest
                                  "--initial-loss-scale", "256", precision])
-        trainer = train.PlainTraining(cfg, process_env(device), 1, print)
+        trainer = train.PlainTraining(cfg, process_env(device), print)
         batch = {k: v.pin_memory() for k, v in {
             "tokens": torch.randint(0, 1000, (4, 64)), "labels": torch.randint(0, 1000, (4, 64)),
             "position_ids": torch.arange(64).expand(4, 64).contiguous(), "loss_mask": torch.ones(4, 64)}.items()}
