@@ -479,7 +479,9 @@ class GPT(nn.Module):
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
-        the masked mean cross-entropy loss (fp32 scalar). kv_cache (generate):
+        the masked mean cross-entropy loss (fp32 scalar). The ids are the
+        caller's to check (train.check_batches does, on the host); a label
+        has no ignore value: loss_mask leaves tokens out. kv_cache (generate):
         a KVCache holding the positions before input_ids, which it extends.
         Under sequence parallelism the blocks hold this rank's T/tp tokens. A
         pipeline stage runs the same pieces (embed, blocks, head), a model

@@ -31,7 +31,7 @@ import data as data_lib  # noqa: E402
 import parallel  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
-from gpt import GPTConfig
+from gpt import GPT, GPTConfig
 
 
 # ----------------------------------------------------------------------------
@@ -61,6 +61,13 @@ def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
     bad_positions = {**batch, "position_ids": torch.arange(8).expand(2, 8) + mcfg.max_position_embeddings}
     with pytest.raises(ValueError, match="batch position_ids.*--max-position-embeddings"):
         train.check_batches([bad_positions], mcfg)
+    # the validation set's batches too: documents the training loop may never read
+    parallel.initialize(1)
+    cfg = config.parse_args(["--preset", "tiny", "--seq-length", "8", "--micro-batch-size", "2", "--eval-iters", "1"])
+    sample = {"tokens": torch.zeros(8, dtype=torch.long), "position_ids": torch.arange(8),
+              "labels": torch.full((8,), mcfg.vocab_size), "loss_mask": torch.ones(8)}
+    with pytest.raises(ValueError, match=r"batch labels must lie in \[0, \d+\)"):
+        train.validation_loss(GPT(mcfg), [sample, sample], cfg, torch.device("cpu"), 0, 1)
 
 
 @pytest.mark.parametrize("flags, per_step", [
