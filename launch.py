@@ -147,7 +147,9 @@ def sigterm_exits(line: str) -> None:
 def _exit_on_sigterm(read: int, line: str) -> None:
     while received := os.read(read, 64):  # the numbers of the signals caught; b"" once the pipe is closed
         if signal.SIGTERM in received:
-            print(line, file=sys.stderr, flush=True)
+            # One write of the whole line: the ranks share one stderr and end together,
+            # and print's two writes (the text, then its newline) would interleave.
+            os.write(sys.stderr.fileno(), f"{line}\n".encode())
             os._exit(128 + signal.SIGTERM)
     os.close(read)
 

@@ -377,10 +377,11 @@ def test_sigterm_before_the_loop_ends_the_run_at_once(corpus, tmp_path, nproc):
 
 
 def _stuck_workers(proc, nproc: int, deadline: float) -> list[int]:
-    """The pids of torchrun's nproc train.py workers, once their CPU time has
-    stood still for 2 s (each is blocked: imports done, waiting)."""
+    """The pids of torchrun's nproc train.py workers, once their main
+    thread's CPU time has stood still for 2 s (each is blocked: imports done,
+    waiting). The main thread's alone: gloo's network threads tick on."""
     def cpu(pid):
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
             return sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
     before = None
     while time.monotonic() < deadline and proc.poll() is None:

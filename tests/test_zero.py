@@ -788,6 +788,8 @@ def test_overlap_comm_is_turned_off_over_pipeline_stages_as_deepspeed_reads_it(t
     assert ("overlap_comm: off over pipeline stages" in capsys.readouterr().out) == on
     path.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": "sometimes"}}))
     with pytest.raises(UsageError, match=r"zero_optimization.overlap_comm: 'sometimes' is not true or false"):
+        cfg = config.parse_args(["--preset", "tiny", "--deepspeed", "--deepspeed_config", str(path),
+                                 "--pipeline-model-parallel-size", "2"])  # the JSON is read once, here
         zero.deepspeed_config(cfg, dp_size=1, accum=1)
 
 
