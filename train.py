@@ -483,11 +483,13 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 # 4. Evaluation, logging, MFU
 
 @torch.no_grad()
-def validation_loss(model, dataset, cfg: TrainConfig, device, consumed: int, accum: int) -> float:
+def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, consumed: int,
+                    accum: int) -> float:
     """Mean loss over --eval-iters global batches, averaged over data-parallel ranks
-    (under --bf16 / --fp16 autocast, with either engine)."""
+    (under --bf16 / --fp16 autocast, with either engine); mcfg: the model's
+    config, which its batches are checked against."""
     model.eval()
-    it, mcfg = data_iterator(dataset, cfg, consumed), model_config(cfg)
+    it = data_iterator(dataset, cfg, consumed)
     precision = autocast(cfg, device)
     if parallel.layout.pp_size > 1:  # a global batch at a time through the stages
         losses = [pipeline.pipeline_step(model, check_batches([next(it) for _ in range(accum)], mcfg), cfg,
@@ -802,8 +804,8 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets,
             metrics = {"iteration": iteration, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
                        **meter.figures(), "batch_size": batch_size, "consumed_samples": consumed}
             if eval_now:
-                metrics["val_loss"] = validation_loss(trainer.model, valid_ds, cfg, env.device,
-                                               eval_consumed(iteration, cfg, global_batch), accum)
+                metrics["val_loss"] = validation_loss(trainer.model, mcfg, valid_ds, cfg, env.device,
+                                                      eval_consumed(iteration, cfg, global_batch), accum)
                 metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 20.0))
             logger.log(metrics)
         if save_now:

@@ -67,7 +67,7 @@ def test_every_batch_is_checked_on_the_host_before_it_reaches_the_model():
     sample = {"tokens": torch.zeros(8, dtype=torch.long), "position_ids": torch.arange(8),
               "labels": torch.full((8,), mcfg.vocab_size), "loss_mask": torch.ones(8)}
     with pytest.raises(ValueError, match=r"batch labels must lie in \[0, \d+\)"):
-        train.validation_loss(GPT(mcfg), [sample, sample], cfg, torch.device("cpu"), 0, 1)
+        train.validation_loss(GPT(mcfg), mcfg, [sample, sample], cfg, torch.device("cpu"), 0, 1)
 
 
 @pytest.mark.parametrize("flags, per_step", [

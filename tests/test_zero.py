@@ -78,7 +78,8 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
     accum = train.gradient_accumulation_steps(cfg, parallel.layout.dp_size)
     gb = cfg.micro_batch_size * parallel.layout.dp_size * accum
     _, valid = train.build_datasets(cfg, gb)
-    loss = train.validation_loss(model, valid, cfg, env.device, train.eval_consumed(STEPS, cfg, gb), accum)
+    loss = train.validation_loss(model, model.config, valid, cfg, env.device,
+                                 train.eval_consumed(STEPS, cfg, gb), accum)
     if env.rank == 0:
         with open(export + ".val_loss", "w") as f:
             f.write(repr(loss))
