@@ -87,8 +87,9 @@ from launch import UsageError
 # ============================================================================
 # The project's global state, with the RNG tracker of section 5.
 #
-# Megatron's order of ranks: TP varies fastest, then DP, then PP, so
-# rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank. TP=2 x DP=2 x PP=2:
+# Megatron's order of ranks: TP varies fastest, then CP (context.py), then DP,
+# then PP, so rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp
+# + tp_rank. TP=2 x DP=2 x PP=2 (cp = 1):
 #
 #                   stage 0           stage 1
 #     DP replica 0  [0 1]  --p2p-->  [4 5]      TP groups  [0,1] [2,3] [4,5] [6,7]
@@ -107,7 +108,12 @@ class Layout:
     pipeline (None at pp = 1), which both hold the tied embedding. mp_group:
     model parallelism, TP x PP, the ranks with this rank's DP rank that
     together hold one replica (the TP group at pp = 1); DeepSpeed sums its
-    grad norm and checks overflow over it (zero.DeepSpeedMPU)."""
+    grad norm and checks overflow over it (zero.DeepSpeedMPU).
+    Context parallelism (context.py) splits each sequence over cp_group, the
+    cp consecutive TP groups of one replica's stage; they share the weights
+    and read the same batches, so gradients are averaged over dp_cp_group
+    (DP x CP, Megatron's data-parallel group with context parallelism; the
+    DP group at cp = 1) while the data is split over dp_group alone."""
     tp_group: object = None
     tp_size: int = 1
     tp_rank: int = 0
@@ -119,6 +125,10 @@ class Layout:
     pp_rank: int = 0
     embedding_group: object = None
     mp_group: object = None
+    cp_group: object = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    dp_cp_group: object = None
     initialized: bool = False
 
 
@@ -126,54 +136,58 @@ layout = Layout()  # read it as parallel.layout.tp_size: initialize() replaces i
 
 
 def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None,
-               pipeline_model_parallel_size: int = 1) -> None:
-    """Build the TP, DP and PP groups (in the order drawn above), on every
+               pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
+    """Build the TP, CP, DP and PP groups (in the order drawn above), on every
     rank (new_group is collective); without torch.distributed, a single-rank
     world. Pass init_process_group's `timeout`: new_group does not inherit
     it, and torch's 30-minute default would let a dead peer hang DDP that long."""
     global layout
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     if not (dist.is_available() and dist.is_initialized()):
-        if tp * pp != 1:
+        if tp * cp * pp != 1:
             raise UsageError(
-                f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} needs "
-                f"torch.distributed: launch with `torchrun --nproc_per_node {tp * pp} ...` and call "
+                f"tensor_model_parallel_size={tp} x context_parallel_size={cp} x "
+                f"pipeline_model_parallel_size={pp} needs torch.distributed: launch with "
+                f"`torchrun --nproc_per_node {tp * cp * pp} ...` and call "
                 "torch.distributed.init_process_group() before parallel.initialize()")
         destroy()  # no groups: the sizes and ranks of one process
         layout = Layout(initialized=True)
         return
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % (tp * pp) != 0:
+    if world % (tp * cp * pp) != 0:
+        cp_flag = f" x --context-parallel-size {cp}" if cp > 1 else ""
         raise UsageError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
-            f"does not divide the world size {world}: launch a multiple of {tp * pp} processes "
-            f"or pick sizes whose product divides {world}")
-    dp = world // (tp * pp)
-    stage_size = dp * tp  # ranks per pipeline stage
-    new = Layout(tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank % stage_size // tp,
+            f"--tensor-model-parallel-size {tp}{cp_flag} x --pipeline-model-parallel-size {pp} = "
+            f"{tp * cp * pp} does not divide the world size {world}: launch a multiple of "
+            f"{tp * cp * pp} processes or pick sizes whose product divides {world}")
+    dp = world // (tp * cp * pp)
+    stage_size = dp * cp * tp  # ranks per pipeline stage
+    new = Layout(tp_size=tp, tp_rank=rank % tp, cp_size=cp, cp_rank=rank % (cp * tp) // tp,
+                 dp_size=dp, dp_rank=rank % stage_size // (cp * tp),
                  pp_size=pp, pp_rank=rank // stage_size, initialized=True)
-    # Every rank must create every group, in the same order.
-    for start in range(0, world, tp):                                 # TP: consecutive ranks
-        group = dist.new_group(list(range(start, start + tp)), timeout=timeout)
-        if start <= rank < start + tp:
-            new.tp_group = new.mp_group = group
-    for stage in range(pp):                                           # DP: same stage and TP rank
-        for tp_r in range(tp):
-            ranks = list(range(stage * stage_size + tp_r, (stage + 1) * stage_size, tp))
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                new.dp_group = group
-    for first in range(stage_size):                                   # PP: same DP and TP rank
+
+    def mine(rank_lists):  # every rank creates every group, in the same order; this rank's
+        made = [(dist.new_group(ranks, timeout=timeout), ranks) for ranks in rank_lists]
+        return next(group for group, ranks in made if rank in ranks)
+    stages = [range(s * stage_size, (s + 1) * stage_size) for s in range(pp)]
+    # TP: consecutive ranks; DP: same stage, CP and TP rank
+    new.tp_group = new.mp_group = mine([list(range(a, a + tp)) for a in range(0, world, tp)])
+    new.dp_group = mine([list(range(st[0] + c * tp + t, st[-1] + 1, cp * tp))
+                         for st in stages for c in range(cp) for t in range(tp)])
+    new.dp_cp_group = new.dp_group
+    if cp > 1:  # CP: same stage, DP and TP rank; DP x CP: same stage and TP rank
+        new.cp_group = mine([list(range(st[0] + d * cp * tp + t, st[0] + (d + 1) * cp * tp, tp))
+                             for st in stages for d in range(dp) for t in range(tp)])
+        new.dp_cp_group = mine([list(range(st[0] + t, st[-1] + 1, tp)) for st in stages for t in range(tp)])
+    for first in range(stage_size):                                   # PP: same DP, CP and TP rank
         ranks = list(range(first, world, stage_size))
         group = dist.new_group(ranks, timeout=timeout)
         embedding = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
         if rank in ranks:
             new.pp_group, new.embedding_group = group, embedding
-    for dp_r in range(dp if pp > 1 else 0):                           # TP x PP: same DP rank
-        ranks = [s * stage_size + dp_r * tp + t for s in range(pp) for t in range(tp)]
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            new.mp_group = group
+    if pp > 1:                                                        # TP x PP: same DP and CP rank
+        new.mp_group = mine([[s * stage_size + r + t for s in range(pp) for t in range(tp)]
+                             for r in range(0, stage_size, tp)])
     layout = new
 
 
@@ -181,7 +195,7 @@ def destroy() -> None:
     """Forget the groups (the world group itself belongs to the caller)."""
     global layout
     groups = {layout.tp_group, layout.dp_group, layout.pp_group, layout.embedding_group,
-              layout.mp_group} - {None}
+              layout.mp_group, layout.cp_group, layout.dp_cp_group} - {None}
     for group in groups:
         if dist.is_initialized():
             dist.destroy_process_group(group)
