@@ -106,9 +106,9 @@ def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
     """(model state dict, optimizer state keyed by parameter name), full and
     unsharded, assembled tensor by tensor on global rank 0; (None, None)
-    elsewhere. Only the first DP replica takes part. (Gathering on every rank
-    would put 16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
-    if parallel.layout.dp_rank != 0:
+    elsewhere. Only the first DP replica's first CP rank takes part. (Gathering
+    on every rank would put 16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
+    if parallel.layout.dp_rank != 0 or parallel.layout.cp_rank != 0:
         return None, None
     params = dict(model.named_parameters())
     model_sd = {name: gather_to_writer(params[name], t) if name in params
@@ -848,7 +848,7 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
         for k, v in optimizer.state.get(p, {}).items():
             state[f"optimizer.{name}.{k}"], like[f"optimizer.{name}.{k}"] = v, p if v.shape == p.shape else None
     rng = rng_state()  # collective over TP
-    if parallel.layout.tp_rank == 0 and parallel.layout.dp_rank == 0:
+    if parallel.layout.tp_rank == parallel.layout.dp_rank == parallel.layout.cp_rank == 0:
         buffer = io.BytesIO()
         torch.save(rng, buffer)
         state[f"rng.stage{parallel.layout.pp_rank}"] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)

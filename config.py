@@ -103,7 +103,11 @@ class TrainConfig:
     # parallelism
     tensor_model_parallel_size: int = flag(1, "tp: ranks that split every layer (consecutive ranks, one node)", BOTH)
     pipeline_model_parallel_size: int = flag(1, "pp: pipeline stages, each holding num_layers/pp consecutive layers "
-                                                "(1F1B schedule; ranks: TP fastest, then DP, then PP)", BOTH)
+                                                "(1F1B schedule; ranks: TP fastest, then CP, DP, PP)", BOTH)
+    context_parallel_size: int = flag(1, "cp: ranks that split every sequence, each holding 2 of its 2 x cp "
+                                         "chunks (ranks: TP fastest, then CP, DP, PP; context.py)")
+    cp_comm_type: str = flag("p2p", "how attention reaches the other CP ranks' tokens: p2p (ring attention: "
+                                    "K/V passed round the CP ranks) | a2a (DeepSpeed-Ulysses: all-to-all of heads)")
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "interleaved 1F1B: each pipeline rank holds num_layers/(pp x this) model chunks of this many layers")
     enable_zero_bubble: bool = flag(False, "zero-bubble pipeline schedule ZB-H1 (Qi et al. 2024): weight gradients "
@@ -565,7 +569,8 @@ FINITE = [f.name for f in dataclasses.fields(TrainConfig)
 # A count's least is 0 where 0 means "never" (or "none").
 RANGES = {**dict.fromkeys(("micro_batch_size", "seq_length", "log_interval", "train_iters", "train_samples",
                            "train_tokens", "global_batch_size", "lr_decay_iters", "lr_decay_samples",
-                           "lr_decay_tokens", "hysteresis", "loss_scale_window"), (1, None)),
+                           "lr_decay_tokens", "hysteresis", "loss_scale_window", "context_parallel_size"),
+                        (1, None)),
           **dict.fromkeys(("eval_interval", "eval_iters", "save_interval", "exit_interval", "lr_warmup_iters",
                            "lr_warmup_samples", "lr_warmup_tokens", "sample_tokens", "num_workers", "lr", "min_lr",
                            "clip_grad", "weight_decay", "adam_eps", "init_method_std"), (0, None)),
@@ -620,6 +625,7 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
     validate_schedule(cfg, given)
     validate_deepspeed(cfg, given)
     validate_sequence_parallel(cfg)
+    validate_context_parallel(cfg)
     validate_compile(cfg)
     validate_pipeline(cfg)
     if cfg.keep_last_checkpoints is not None and cfg.keep_last_checkpoints < 1:
@@ -746,6 +752,28 @@ def validate_sequence_parallel(cfg: TrainConfig) -> None:
                          f"--tensor-model-parallel-size {tp}")
 
 
+def validate_context_parallel(cfg: TrainConfig) -> None:
+    """What context parallelism needs: 2 x cp equal chunks of every sequence
+    (each again divisible by tp under --sequence-parallel), and attention
+    without dropout (its probabilities are never whole on one rank)."""
+    cp = cfg.context_parallel_size
+    if cfg.cp_comm_type not in ("p2p", "a2a"):
+        raise UsageError(f"--cp-comm-type {cfg.cp_comm_type!r}: use p2p (ring attention) or a2a (all-to-all)")
+    if cp == 1:
+        return
+    sp = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    if cfg.seq_length % (2 * cp * sp):
+        under_sp = f" x --tensor-model-parallel-size {sp} (--sequence-parallel)" if sp > 1 else ""
+        raise UsageError(f"--context-parallel-size {cp} cuts each sequence into {2 * cp} chunks: --seq-length "
+                         f"{cfg.seq_length} must be divisible by 2 x {cp}{under_sp} = {2 * cp * sp}")
+    if cfg.attention_dropout > 0:
+        raise UsageError(f"--attention-dropout {cfg.attention_dropout} with --context-parallel-size {cp}: "
+                         f"no rank holds a row's attention probabilities whole to drop them; use "
+                         f"--attention-dropout 0")
+    if cfg.deepspeed:
+        raise UsageError(f"--context-parallel-size {cp} does not run with --deepspeed yet: drop one of them")
+
+
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor replays these as CUDA graphs
 
@@ -860,7 +888,7 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     overrides["padded_vocab_size"] = pad_vocab_size(overrides["vocab_size"], cfg.make_vocab_size_divisible_by)
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                      activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl,
-                     sequence_parallel=cfg.sequence_parallel)
+                     sequence_parallel=cfg.sequence_parallel, cp_comm_type=cfg.cp_comm_type)
     # Under --compile, torch's kernels: Inductor launches them from its own code, where
     # each call of our Triton kernels (custom ops) costs 0.25-0.4 ms of host time, which
     # a compiled step cannot hide (bench/RESULTS.md, H200 2026-11-27: 350M 174k tokens/s

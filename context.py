@@ -89,3 +89,31 @@ def split_batch(batch: dict) -> dict:
     kept, total = local["loss_mask"].sum(), batch["loss_mask"].sum()
     local["loss_weight"] = torch.where(total > 0, lay.cp_size * kept / total.clamp(min=1), 0.0)
     return local
+
+
+def attention(q, k, v, comm_type, impl):  # TEMPORARY oracle: all-gather K/V (to be replaced)
+    import torch.distributed.nn.functional as dnn
+    import torch.nn.functional as F
+    lay = parallel.layout
+    Tl = q.shape[2]
+    T = Tl * lay.cp_size
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            out = [torch.empty_like(x) for _ in range(lay.cp_size)]
+            torch.distributed.all_gather(out, x.contiguous(), group=lay.cp_group)
+            return tuple(out)
+        @staticmethod
+        def backward(ctx, *gs):
+            g = torch.cat(gs, 0).contiguous()
+            torch.distributed.all_reduce(g, group=lay.cp_group)
+            return g.chunk(lay.cp_size, 0)[lay.cp_rank]
+    B = k.shape[0]
+    ks = [t for t in G.apply(k)]
+    vs = [t for t in G.apply(v)]
+    order = torch.cat([local_positions(T, lay.cp_size, r) for r in range(lay.cp_size)])
+    inv = torch.empty_like(order); inv[order] = torch.arange(T)
+    kf, vf = torch.cat(ks, 2)[:, :, inv], torch.cat(vs, 2)[:, :, inv]
+    mine = local_positions(T, lay.cp_size, lay.cp_rank).to(q.device)
+    mask = mine[:, None] >= torch.arange(T, device=q.device)[None]
+    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

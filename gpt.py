@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import context
 import kernels
 import parallel
 from launch import UsageError
@@ -79,6 +80,9 @@ class GPTConfig:
     # adds run on T/tp of the tokens on each rank.
     domino_chunks: int = 1
     sequence_parallel: bool = False
+    # Context parallelism only (ignored at cp=1): how attention reaches the
+    # other CP ranks' tokens, "p2p" (ring) or "a2a" (all-to-all); context.py.
+    cp_comm_type: str = "p2p"
     # Architecture options (Megatron's flags). The defaults are GPT-2; all of
     # them on (rope, RMSNorm, swiglu, untied, no bias, GQA) is Llama's shape.
     position_embedding_type: str = "learned_absolute"  # or "rope": rotary q, k; no wpe
@@ -256,6 +260,8 @@ class CausalSelfAttention(nn.Module):
         # head h reads key/value head h // (nh/G).
         if k.shape[2] != q.shape[2]:                     # new queries over a cached prefix
             y = cached_attention(q, k, v)
+        elif parallel.layout.cp_size > 1 and cache is None:  # the other CP ranks' tokens too (context.py)
+            y = context.attention(q, k, v, cfg.cp_comm_type, cfg.attention_impl)
         elif cfg.attention_impl == "triton":             # FlashAttention-2 (kernels.py; no dropout)
             y = kernels.flash_attention(q, k, v, causal=True)
         else:

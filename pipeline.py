@@ -494,11 +494,12 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
             out = stage(chunk, batches[micro], x)
         if model.layers[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
-        loss = out / m
+        loss = out * batches[micro]["loss_weight"] / m if "loss_weight" in batches[micro] else out / m
         total += loss.detach()
         return scale(loss) if scale and torch.is_grad_enabled() else loss
 
-    tokens = cfg.seq_length // parallel.layout.tp_size if model.sequence_parallel else cfg.seq_length
+    tokens = cfg.seq_length // parallel.layout.cp_size  # this rank's share (context.py) ...
+    tokens //= parallel.layout.tp_size if model.sequence_parallel else 1  # ... of which SP keeps 1/tp
     # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
     dtype = next(model.parameters()).dtype
 
@@ -514,14 +515,14 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
 
 def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) -> None:
     """Under pipeline parallelism, after the schedule: average the gradients
-    over data parallelism (DDP's job at pp = 1; with an averager, landing the
+    over data (and context) parallelism (DDP's job at pp = 1; with an averager, landing the
     all-reduces pipeline_step started), then sum the tied embedding's over the
     two stages that hold it, so both copies take the same step (Megatron's
     embedding all-reduce)."""
     if averager is not None:
         averager.wait()
-    elif parallel.layout.dp_size > 1:  # all at once (GradientAverager starts them as they become final)
-        average([p.grad for p in model.parameters() if p.grad is not None], parallel.layout.dp_group)()
+    elif parallel.layout.dp_size * parallel.layout.cp_size > 1:  # all at once (else GradientAverager)
+        average([p.grad for p in model.parameters() if p.grad is not None], parallel.layout.dp_cp_group)()
     tied = tied_embedding_copy(model)
     if tied is not None:
         dist.all_reduce(tied.grad, group=parallel.layout.embedding_group)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import context
 import data as data_lib
 import launch
 import parallel
@@ -291,6 +292,8 @@ def train_step(trainer, batches: list, lr: float):
     for the GPU here."""
     m = len(batches)
     trainer.begin(m, lr)
+    if parallel.layout.cp_size > 1:  # this rank's share of every sequence, and its loss weight
+        batches = [context.split_batch(b) for b in batches]
     if parallel.layout.pp_size == 1:  # forward and backward of each micro-batch in turn, summed in .grad
         total = torch.zeros((), device=trainer.device)
         for i, batch in enumerate(batches):
@@ -298,14 +301,16 @@ def train_step(trainer, batches: list, lr: float):
             with trainer.micro_batch(last=i == m - 1):
                 with trainer.precision:  # the engine's autocast (--bf16 / --fp16)
                     loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
+                if "loss_weight" in b:
+                    loss = loss * b["loss_weight"]
                 trainer.backward(loss, m)
             total += loss.detach() / m
     else:  # the same forward, a model chunk at a time, in 1F1B order through this rank's stage
         total = pipeline.pipeline_step(trainer.model, batches, trainer.cfg, trainer.device, trainer.precision,
                                        trainer.scale, trainer.averager)
     grad_norm, skipped = trainer.finish()
-    if parallel.layout.dp_size > 1:  # the loss every rank reports: the mean over the replicas
-        total = parallel.all_reduce_mean(total, parallel.layout.dp_group)
+    if parallel.layout.dp_size * parallel.layout.cp_size > 1:  # the loss every rank reports: over the replicas
+        total = parallel.all_reduce_mean(total, parallel.layout.dp_cp_group)
     return total, grad_norm, skipped
 
 
@@ -371,15 +376,16 @@ class PlainTraining:
         self.model = self.raw if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
         if cfg.compile:
             self.model = torch.compile(self.model, **compile_options(cfg))
-        if parallel.layout.dp_size > 1 and parallel.layout.pp_size == 1:  # pipelines: pipeline.GradientAverager
-            self.model = DDP(self.model, process_group=parallel.layout.dp_group,
+        lay = parallel.layout  # gradients are averaged over DP x CP (pipelines: pipeline.GradientAverager)
+        if lay.dp_size * lay.cp_size > 1 and lay.pp_size == 1:
+            self.model = DDP(self.model, process_group=lay.dp_cp_group,
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
         # What every step uses, settled once for the run:
         self.precision = autocast(cfg, env.device)               # the forward's (--bf16 / --fp16)
         self.scale = self.scaler.scale if self.scaler else None  # a loss's, before backward
         # Under stages, the data-parallel average of each gradient starts as soon as it is final
-        self.averager = pipeline.GradientAverager(self.raw, parallel.layout.dp_group) \
-            if parallel.layout.pp_size > 1 and parallel.layout.dp_size > 1 else None
+        self.averager = pipeline.GradientAverager(self.raw, lay.dp_cp_group) \
+            if lay.pp_size > 1 and lay.dp_size * lay.cp_size > 1 else None
         self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         if self.cuda_graphs:  # .grad is our own buffer, zeroed in place (see begin)
             for p in self.raw.parameters():
@@ -491,16 +497,18 @@ def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, c
     model.eval()
     it = data_iterator(dataset, cfg, consumed)
     precision = autocast(cfg, device)
+    batches = check_batches([next(it) for _ in range(cfg.eval_iters * accum)], mcfg)
+    if parallel.layout.cp_size > 1:  # this rank's share of every sequence, and its loss weight
+        batches = [context.split_batch(b) for b in batches]
     if parallel.layout.pp_size > 1:  # a global batch at a time through the stages
-        losses = [pipeline.pipeline_step(model, check_batches([next(it) for _ in range(accum)], mcfg), cfg,
-                                         device, precision) for _ in range(cfg.eval_iters)]
+        losses = [pipeline.pipeline_step(model, batches[i * accum:(i + 1) * accum], cfg, device, precision)
+                  for i in range(cfg.eval_iters)]
     else:
-        batches = check_batches([next(it) for _ in range(cfg.eval_iters * accum)], mcfg)
         with precision:
             losses = [model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"]).float()
-                      for b in (to_device(b, device) for b in batches)]
+                      * b.get("loss_weight", 1.0) for b in (to_device(b, device) for b in batches)]
     model.train()
-    return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.layout.dp_group).item()
+    return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.layout.dp_cp_group).item()
 
 
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation), matched against
@@ -747,7 +755,8 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
     pp_schedule = "" if lay.pp_size == 1 else " (ZB-H1)" if cfg.enable_zero_bubble else \
         " (interleaved 1F1B)" if cfg.num_layers_per_virtual_pipeline_stage else " (1F1B)"
     logger.print(f"model: {count_parameters(trainer.raw.config):,} parameters | world {env.world_size} = "
-                 f"TP {lay.tp_size} x DP {lay.dp_size} x PP {lay.pp_size}{pp_schedule} | global batch {global_batch} "
+                 f"TP {lay.tp_size} x {f'CP {lay.cp_size} ({cfg.cp_comm_type}) x ' if lay.cp_size > 1 else ''}"
+                 f"DP {lay.dp_size} x PP {lay.pp_size}{pp_schedule} | global batch {global_batch} "
                  f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
                  f"device {env.device}")
     try:
@@ -818,10 +827,11 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets,
 
 
 def init_processes(cfg: TrainConfig) -> launch.Dist:
-    """The default process group (launch.py), then this layout's TP, DP and PP groups (parallel.py)."""
+    """The default process group (launch.py), then this layout's TP, CP, DP and PP groups (parallel.py)."""
     env = launch.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
                                   one_queue=cfg.domino or cfg.sequence_parallel, deepspeed=cfg.deepspeed)
-    parallel.initialize(cfg.tensor_model_parallel_size, env.timeout, cfg.pipeline_model_parallel_size)
+    parallel.initialize(cfg.tensor_model_parallel_size, env.timeout, cfg.pipeline_model_parallel_size,
+                        cfg.context_parallel_size)
     return env
 
 
