@@ -758,7 +758,8 @@ def validate_context_parallel(cfg: TrainConfig) -> None:
     without dropout (its probabilities are never whole on one rank)."""
     cp = cfg.context_parallel_size
     if cfg.cp_comm_type not in ("p2p", "a2a"):
-        raise UsageError(f"--cp-comm-type {cfg.cp_comm_type!r}: use p2p (ring attention) or a2a (all-to-all)")
+        raise UsageError(f"--cp-comm-type {cfg.cp_comm_type!r}: use p2p (ring attention) or a2a (all-to-all); "
+                         f"Megatron's all_gather and a2a+p2p are not built here")
     if cp == 1:
         return
     sp = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1

@@ -205,7 +205,8 @@ def destroy() -> None:
 def check_layout(config, tp: int | None = None) -> None:
     """Raise UsageError unless tensor parallelism of size tp can split this
     model: tp divides every quantity that gets split (num_query_groups: each
-    rank keeps whole key/value heads), and Domino, which interleaves the
+    rank keeps whole key/value heads; under context parallelism's all-to-all
+    cp x tp divides the heads), and Domino, which interleaves the
     chunks' sublayers, is not asked to recompute them."""
     if tp is None:  # the model being built: at this process's layout
         # A multi-rank job that forgot initialize() would otherwise silently
@@ -224,6 +225,13 @@ def check_layout(config, tp: int | None = None) -> None:
             raise UsageError(
                 f"tensor_model_parallel_size={tp} must divide {name}={value}: "
                 f"pick a tensor_model_parallel_size that divides {value} or change {name}")
+    cp = layout.cp_size
+    for name in ("num_attention_heads", "num_query_groups") if cp > 1 and config.cp_comm_type == "a2a" else ():
+        value = getattr(config, name)  # the all-to-all hands each CP rank whole heads of every TP rank's
+        if value % (cp * tp):
+            raise UsageError(f"--cp-comm-type a2a splits the heads over context x tensor parallelism: "
+                             f"{name}={value} is not divisible by {cp} x {tp}; use --cp-comm-type p2p "
+                             f"(ring attention, any heads) or change the sizes")
 
 
 # --------------------------------------------------------------------------

@@ -138,6 +138,16 @@ def test_megatron_flags_fill_typed_config():
     (["--preset", "tiny", "--sequence-parallel", "--tensor-model-parallel-size", "2", "--deepspeed",
       "--recompute-activations", "--partition-activations"], "drop --partition-activations"),
     (["--preset", "tiny", "--ckpt-format", "zarr"], "--ckpt-format 'zarr': use torch or torch_dist"),
+    (["--preset", "tiny", "--context-parallel-size", "0"], "--context-parallel-size 0: it must be at least 1"),
+    (["--preset", "tiny", "--cp-comm-type", "all_gather"], r"--cp-comm-type 'all_gather': use p2p \(ring "
+     r"attention\) or a2a \(all-to-all\); Megatron's all_gather and a2a\+p2p are not built here$"),
+    (["--preset", "tiny", "--context-parallel-size", "3", "--seq-length", "32"],
+     "--context-parallel-size 3 cuts each sequence into 6 chunks: --seq-length 32 must be divisible by 2 x 3 = 6$"),
+    (["--preset", "tiny", "--context-parallel-size", "2", "--seq-length", "36", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel"], "--seq-length 36 must be divisible by 2 x 2 x --tensor-model-parallel-size 2 "
+                              r"\(--sequence-parallel\) = 8$"),
+    (["--preset", "tiny", "--context-parallel-size", "2", "--attention-dropout", "0.1"],
+     "no rank holds a row's attention probabilities whole to drop them; use --attention-dropout 0$"),
     (["--preset", "tiny", "--ckpt-format", "torch_dist", "--deepspeed"], "writes DeepSpeed's own checkpoints"),
     (["--preset", "tiny", "--async-save", "--ckpt-format", "torch"], "^--async-save writes torch_dist checkpoints "
      r"in the background \(as Megatron\): drop --ckpt-format torch, or drop --async-save$"),

@@ -455,6 +455,21 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
                                                              "--tensor-model-parallel-size", "2",
                                                              "--sequence-parallel", "--domino", "--compile",
                                                              "--compile-backend", "aot_eager"]),
+    # context parallelism (context.py): each sequence split over 2 or 4 ranks, alone and with TP, SP, Domino, ZB-H1
+    "CP=2, ring attention, compiled": (2, ["--context-parallel-size", "2", "--compile", "--compile-backend",
+                                           "aot_eager"]),
+    "CP=2 all-to-all x TP=2, sequence parallel, Domino": (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a",
+                                                              "--tensor-model-parallel-size", "2",
+                                                              "--sequence-parallel", "--domino"]),
+    "ZB-H1 PP=2 x CP=2": (2 * 2, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+                                  "--enable-zero-bubble"]),
+}
+CP_SAVES = {  # layout: its checkpoint's format (saved at 4 and 8), resumed at another CP size by CP_READERS
+    "CP=2, ring attention, compiled": "torch", "CP=2 all-to-all x TP=2, sequence parallel, Domino": "torch_dist"}
+CP_READERS = {  # name: (processes, flags, the CP layout whose checkpoint of iteration 4 it resumes)
+    "CP=2's torch checkpoint, resumed at CP=1": (1, [], "CP=2, ring attention, compiled"),
+    "CP=2 x TP=2's torch_dist checkpoint, resumed at CP=4": (
+        4, ["--context-parallel-size", "4"], "CP=2 all-to-all x TP=2, sequence parallel, Domino"),
 }
 
 
@@ -520,7 +535,15 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
         if name == DIST_WRITER:  # also saves torch_dist (the default) at 4 and 8, in the background
             flags = [*flags, "--async-save", "--save", str(out / "dist"),
                      "--save-interval", "4"]
+        if name in CP_SAVES:
+            flags = [*flags, "--save", str(out / f"cp{len(runs)}"), "--save-interval", "4",
+                     "--ckpt-format", CP_SAVES[name]]
         runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
+    for name, (nproc, flags, writer) in CP_READERS.items():
+        slug = f"cp-reader{len(runs)}"
+        shutil.copytree(out / f"cp{list(runs).index(writer)}", out / slug)
+        (out / slug / checkpoint.LATEST).write_text("4")
+        runs[name] = run(slug, nproc, *flags, "--load", str(out / slug))
     for name, (nproc, flags) in HALF_LAYOUTS.items():
         runs[name] = run(name.replace(" ", "_"), nproc, *flags)
     for name, (nproc, flags) in DIST_READERS.items():  # each from the torch_dist checkpoint of iteration 4
@@ -569,8 +592,17 @@ def test_four_compiled_ranks_of_two_stages_compile_their_chunks_whole(pipeline_r
     """PP=2 x TP=2 with sequence parallelism and Domino under --compile: every
     rank compiles its stage's model chunk (forward and backward) with no graph
     break, as the compile worker checks at two ranks."""
-    (counts,) = pipeline_runs["compile counts"].values()  # the one compiled run
+    counts = pipeline_runs["compile counts"]["PP=2_x_TP=2_sequence_parallel_Domino_compiled"]
     assert len(counts) == 4 and all(c["graphs"] >= 1 and c["graph_breaks"] == 0 for c in counts), counts
+
+
+@pytest.mark.slow
+def test_ring_attention_compiles_with_the_model_whole(pipeline_runs):
+    """CP=2 under --compile: ring attention is one opaque operator in the
+    graph (its exchanges inside), so each rank's model compiles with no graph
+    break, and trains CP=1's curve (test_every_pipeline_layout_...)."""
+    counts = pipeline_runs["compile counts"]["CP=2_ring_attention_compiled"]
+    assert len(counts) == 2 and all(c["graphs"] >= 1 and c["graph_breaks"] == 0 for c in counts), counts
 
 
 @pytest.mark.slow
@@ -669,7 +701,7 @@ def test_every_schedule_in_16_bits_trains_the_16_bit_curve_of_one_stage(pipeline
 @pytest.mark.parametrize("name, iterations", [
     *((name, range(1, 9)) for name in PIPELINE_LAYOUTS), ("PP=2, stopped at 4", range(1, 5)),
     ("PP=2's checkpoint resumed at PP=1", range(5, 9)), ("PP=1's checkpoint resumed at PP=2", range(5, 9)),
-    *((name, range(5, 9)) for name in DIST_READERS)])
+    *((name, range(5, 9)) for name in DIST_READERS), *((name, range(5, 9)) for name in CP_READERS)])
 def test_every_pipeline_layout_trains_the_curve_of_one_stage(pipeline_runs, name, iterations):
     """Each layout, from scratch or from a checkpoint of another layout, takes
     PP=1's steps (resuming in one layout: the dropout tests above, bit for bit)."""
