@@ -50,8 +50,13 @@ Sections:
 """
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import kernels
 import parallel
 
 COMM_TYPES = ("p2p", "a2a")
@@ -91,29 +96,300 @@ def split_batch(batch: dict) -> dict:
     return local
 
 
-def attention(q, k, v, comm_type, impl):  # TEMPORARY oracle: all-gather K/V (to be replaced)
-    import torch.distributed.nn.functional as dnn
-    import torch.nn.functional as F
+# ============================================================================
+# 2. Ring attention (--cp-comm-type p2p)
+# ============================================================================
+# q (B, H, 2c, D) is this rank's two chunks of queries, k and v (B, G, 2c, D)
+# its two chunks of keys and values (G divides H: grouped-query attention;
+# only the G K/V heads travel). Every block below is a piece of one causal
+# softmax over the full sequence, computed with its own log-sum-exp
+# (lse = log sum_j exp(s_j), natural log, fp32, (B, H, rows)), so that the
+# pieces merge exactly (_merge), and backward needs only the final o and lse.
+
+def step_blocks(step: int, rank: int, cp: int, c: int) -> list[tuple[slice, slice, bool]]:
+    """What rank `rank` computes at ring step `step`, holding the K/V of rank
+    j = (rank - step) mod cp: (query rows, key rows, causal) into its 2c
+    queries and the 2c keys it holds (the table in the module's docstring).
+    Every block is square (c x c or 2c x 2c), as the Triton kernels want."""
+    a, b = slice(0, c), slice(c, 2 * c)  # chunks rank, 2cp-1-rank (queries); j, 2cp-1-j (keys)
+    j = (rank - step) % cp
+    if step == 0:
+        return [(slice(0, 2 * c), slice(0, 2 * c), True)]  # the local zigzag pair, causal
+    if j < rank:
+        return [(a, a, False), (b, a, False)]  # both query chunks read all of chunk j
+    return [(b, a, False), (b, b, False)]      # chunk 2cp-1-rank reads all of j and 2cp-1-j
+
+
+def _torch_scores(q, k, causal):
+    """Scaled scores of q (B, H, n, D) against k (B, G, n, D), fp32, masked
+    above the diagonal when causal; k's heads repeated to H: (B, H, n, n)."""
+    k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # query head h reads h // (H/G)
+    s = q.float() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def _group_sum(x, G):
+    """(B, H, n, D) -> (B, G, n, D): the sum over each K/V head's query heads."""
+    B, H, n, D = x.shape
+    return x.view(B, G, H // G, n, D).sum(2)
+
+
+def _block_forward(q, k, v, causal: bool, impl: str):
+    """(o, lse) of softmax(q k^T / sqrt(D)) v over one block: o (B, H, n, D)
+    and lse (B, H, n), fp32. The Triton kernel's lse is in base 2 of the
+    scaled scores, (B*H, n): lse = lse2 * ln 2; its o is in the inputs' dtype
+    (merged in fp32 all the same)."""
+    if impl == "triton":
+        o, lse2 = kernels._attn_forward(*kernels._kernel_inputs(q, k, v), causal, 1 / math.sqrt(q.shape[-1]))
+        return o.float(), lse2.view(q.shape[:3]) / kernels.LOG2E
+    s = _torch_scores(q, k, causal)
+    lse = s.logsumexp(-1)
+    repeat = q.shape[1] // k.shape[1]
+    return torch.exp(s - lse[..., None]) @ v.float().repeat_interleave(repeat, dim=1), lse
+
+
+def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str):
+    """(dq, dk, dv) of one block, fp32, given the FINAL (merged) o and lse of
+    its query rows (FlashAttention-2's backward):
+        P = exp(S - lse)  dV = P^T dO  dP = dO V^T  delta = rowsum(dO * O)
+        dS = P (dP - delta)  dQ = dS K / sqrt(D)  dK = dS^T Q / sqrt(D),
+    dK and dV summed over the query heads of each K/V head."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    if impl == "triton":
+        q2, k2, v2 = kernels._kernel_inputs(q, k, v)
+        lse2 = (lse * kernels.LOG2E).reshape(-1, q.shape[2])  # (B*H, n), base 2
+        grads = kernels._attn_backward(do, q2, k2, v2, o.to(q2.dtype), lse2, causal, scale)
+        return tuple(g.float() for g in grads)
+    G, repeat = k.shape[1], q.shape[1] // k.shape[1]
+    do, o = do.float(), o.float()
+    p = torch.exp(_torch_scores(q, k, causal) - lse[..., None])        # (B, H, n, n)
+    dv = p.transpose(-1, -2) @ do                                        # (B, H, n, D)
+    dp = do @ v.float().repeat_interleave(repeat, dim=1).transpose(-1, -2)
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))                       # delta = rowsum(dO * O)
+    dq = ds @ k.float().repeat_interleave(repeat, dim=1) * scale
+    dk = ds.transpose(-1, -2) @ q.float() * scale
+    return dq, _group_sum(dk, G), _group_sum(dv, G)
+
+
+def _merge(o, lse, rows, o_block, lse_block) -> None:
+    """Fold a block's (o, lse) into the running (o, lse) of its query rows, in
+    place: the online softmax, across blocks and ranks. lse starts at -inf."""
+    new = torch.logaddexp(lse[:, :, rows], lse_block)
+    o[:, :, rows] = (o[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
+                     + o_block * torch.exp(lse_block - new)[..., None])
+    lse[:, :, rows] = new
+
+
+class Ring:
+    """Point-to-point round the CP ring: each exchange sends tensors to the
+    next rank and receives as many, of the same shapes, from the previous one
+    (batch_isend_irecv, as the pipeline does). One exchange is in flight at a
+    time: start() posts it and returns the buffers wait() fills."""
+
+    def __init__(self, group):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.next, self.prev = group, (rank + 1) % size, (rank - 1) % size
+        self.pending = None
+
+    def start(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        assert self.pending is None, "one exchange in flight at a time"
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next) for t in sent]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev) for t in received]
+        self.pending = (dist.batch_isend_irecv(ops), sent)  # the sent buffers live until wait()
+        return received
+
+    def wait(self) -> None:
+        for work in self.pending[0]:
+            work.wait()
+        self.pending = None
+
+
+def _ring_forward(q, k, v, impl: str):
+    """(o, lse) of this rank's queries over every rank's K/V: at step s the
+    K/V of step s+1 travel while step s's blocks run."""
     lay = parallel.layout
-    Tl = q.shape[2]
-    T = Tl * lay.cp_size
-    class G(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            out = [torch.empty_like(x) for _ in range(lay.cp_size)]
-            torch.distributed.all_gather(out, x.contiguous(), group=lay.cp_group)
-            return tuple(out)
-        @staticmethod
-        def backward(ctx, *gs):
-            g = torch.cat(gs, 0).contiguous()
-            torch.distributed.all_reduce(g, group=lay.cp_group)
-            return g.chunk(lay.cp_size, 0)[lay.cp_rank]
-    B = k.shape[0]
-    ks = [t for t in G.apply(k)]
-    vs = [t for t in G.apply(v)]
-    order = torch.cat([local_positions(T, lay.cp_size, r) for r in range(lay.cp_size)])
-    inv = torch.empty_like(order); inv[order] = torch.arange(T)
-    kf, vf = torch.cat(ks, 2)[:, :, inv], torch.cat(vs, 2)[:, :, inv]
-    mine = local_positions(T, lay.cp_size, lay.cp_rank).to(q.device)
-    mask = mine[:, None] >= torch.arange(T, device=q.device)[None]
-    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    cp, c = lay.cp_size, q.shape[2] // 2
+    ring = Ring(lay.cp_group) if cp > 1 else None
+    o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)                 # (B, H, 2c, D)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, 2c)
+    kv = torch.stack([k, v])                                                       # (2, B, G, 2c, D)
+    for step in range(cp):
+        if step < cp - 1:
+            (next_kv,) = ring.start(kv)
+        for rows, cols, causal in step_blocks(step, lay.cp_rank, cp, c):
+            _merge(o, lse, rows, *_block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                                 causal, impl))
+        if step < cp - 1:
+            ring.wait()
+            kv = next_kv
+    return o.to(q.dtype), lse
+
+
+def _ring_backward(do, q, k, v, o, lse, impl: str):
+    """(dq, dk, dv) of _ring_forward. The K/V travel ahead as in forward; the
+    dK/dV (fp32) of the K/V a rank holds at step s were summed by the ranks
+    that held them before and arrive from rank - 1 one step behind, while
+    step s runs; after the last step one more send brings each rank its own
+    dK/dV home (cp sends of dK/dV in all)."""
+    lay = parallel.layout
+    cp, c = lay.cp_size, q.shape[2] // 2
+    ring = Ring(lay.cp_group) if cp > 1 else None
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv, dkv = torch.stack([k, v]), None  # dkv: (2, B, G, 2c, D), of the K/V held
+    for step in range(cp):
+        sent = ([kv] if step < cp - 1 else []) + ([dkv] if step > 0 else [])
+        received = ring.start(*sent) if sent else []
+        mine = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for rows, cols, causal in step_blocks(step, lay.cp_rank, cp, c):
+            grads = _block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                    o[:, :, rows], lse[:, :, rows], causal, impl)
+            dq[:, :, rows] += grads[0]
+            mine[0][:, :, cols] += grads[1]
+            mine[1][:, :, cols] += grads[2]
+        if sent:
+            ring.wait()
+        dkv = mine + received[-1] if step > 0 else mine  # the earlier holders' sum, and this rank's
+        if step < cp - 1:
+            kv = received[0]
+    if cp > 1:
+        (dkv,) = ring.start(dkv)  # to its owner, rank + 1 (whose K/V this rank held last)
+        ring.wait()
+    # copies: a custom op's outputs may not be views of one tensor
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+
+
+# Forward and backward as custom operators with their autograd, as
+# kernels.flash_attention_op: torch.compile sees one opaque op (no graph
+# break, no tracing into the ring's communication). The ops read the CP group
+# from parallel.layout (an op's arguments are tensors and scalars).
+
+@torch.library.custom_op("context::ring_attention", mutates_args=())
+def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o in q's dtype, lse (B, H, 2c) fp32) of ring attention."""
+    return _ring_forward(q, k, v, impl)
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, impl):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("context::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               o: torch.Tensor, lse: torch.Tensor,
+                               impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(do, q, k, v, o, lse, impl)
+
+
+@ring_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, impl):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, ctx.impl = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _ring_grad(ctx, do, dlse):
+    return (*ring_attention_backward_op(do, *ctx.saved_tensors, ctx.impl), None)
+
+
+ring_attention_op.register_autograd(_ring_grad, setup_context=_ring_setup)
+
+
+# ============================================================================
+# 3. All-to-all attention (--cp-comm-type a2a, Ulysses)
+# ============================================================================
+# Heads split contiguously: CP rank i gets query heads [i H/C, (i+1) H/C) and
+# K/V heads [i G/C, (i+1) G/C), so query head h still finds its K/V head
+# h // (H/G) on the same rank. The all-to-all gathers the chunks in rank
+# order (rank 0's chunks 0 and 2C-1, rank 1's 1 and 2C-2, ...); the first
+# chunks of ranks 0 .. C-1 are chunks 0 .. C-1, their second chunks in the
+# reverse rank order C .. 2C-1.
+
+def _all_to_all(x: torch.Tensor) -> torch.Tensor:
+    """x (C, ...): part i goes to CP rank i; returns (C, ...), part i from rank i.
+    Functional collectives, so that torch.compile traces it (parallel.py's form)."""
+    C = x.shape[0]
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), [1] * C, [1] * C,
+                                                       parallel.layout.cp_group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def _sequence_to_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, 2c, D) this rank's tokens, every head -> (B, H/C, T, D) every
+    token in natural order, this rank's heads."""
+    C = parallel.layout.cp_size
+    B, H, Tl, D = x.shape
+    parts = _all_to_all(x.reshape(B, C, H // C, Tl, D).transpose(0, 1))  # (C, B, H/C, 2c, D) rank i's tokens
+    chunks = parts.unflatten(3, (2, Tl // 2))                            # (C, B, H/C, 2, c, D)
+    natural = torch.cat([chunks[:, :, :, 0], chunks[:, :, :, 1].flip(0)])  # (2C, B, H/C, c, D)
+    return natural.permute(1, 2, 0, 3, 4).reshape(B, H // C, C * Tl, D)
+
+
+def _heads_to_sequence(y: torch.Tensor) -> torch.Tensor:
+    """The inverse: (B, H/C, T, D) -> (B, H, 2c, D)."""
+    C = parallel.layout.cp_size
+    B, Hc, T, D = y.shape
+    chunks = y.unflatten(2, (2 * C, T // (2 * C))).permute(2, 0, 1, 3, 4)  # (2C, B, H/C, c, D)
+    pairs = torch.stack([chunks[:C], chunks[C:].flip(0)], dim=3)            # (C, B, H/C, 2, c, D) rank i's
+    parts = _all_to_all(pairs.flatten(3, 4))                                # (C, B, H/C, 2c, D) rank i's heads
+    return parts.transpose(0, 1).reshape(B, C * Hc, T // C, D)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """Forward _sequence_to_heads, backward its inverse (a permutation's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _sequence_to_heads(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """Forward _heads_to_sequence, backward _sequence_to_heads."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return _heads_to_sequence(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad)
+
+
+def _causal_attention(q, k, v, impl: str) -> torch.Tensor:
+    """Ordinary causal attention over whole sequences, (B, H, T, D)."""
+    if impl == "triton":
+        return kernels.flash_attention(q, k, v, causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def a2a_attention(q, k, v, impl: str) -> torch.Tensor:
+    """Ulysses: all-to-all to head-sharded full sequences, attention, back.
+    The heads and K/V groups divide by C (parallel.check_layout)."""
+    q, k, v = (_SequenceToHeads.apply(t) for t in (q, k, v))  # (B, H/C or G/C, T, D)
+    return _HeadsToSequence.apply(_causal_attention(q, k, v, impl))
+
+
+# ============================================================================
+# 4. attention(): the one call gpt.py makes
+# ============================================================================
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, impl: str) -> torch.Tensor:
+    """Exact causal attention of this CP rank's queries over the full sequences.
+    q (B, nh, T/C, hd), k, v (B, G, T/C, hd): this rank's zigzag chunks
+    (section 1); returns y (B, nh, T/C, hd) in q's dtype. comm_type "p2p"
+    (ring) or "a2a" (Ulysses); impl "torch" or "triton" (kernels.py)."""
+    if comm_type == "a2a":
+        return a2a_attention(q, k, v, impl)
+    return ring_attention_op(q, k, v, impl)[0]

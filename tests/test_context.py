@@ -1,0 +1,168 @@
+"""Tests for context.py: context parallelism's attention is exactly the full
+sequence's causal attention.
+
+Each test rank builds the same random full-sequence q (B, nh, T, hd) and k, v
+(B, G, T, hd), keeps its zigzag rows (context.local_positions), runs
+context.attention on them, and compares the output and the gradients of q, k
+and v with F.scaled_dot_product_attention on the full tensors (float64),
+sliced the same way. Ring (p2p) and all-to-all (a2a), torch and Triton (the
+interpreter, on CPU), GQA and MHA, eager and under torch.compile.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import context
+import kernels
+import parallel
+from conftest import run_on_ranks
+
+# (nh, G): grouped-query (two query heads per K/V head) and multi-head
+HEADS = [(4, 2), (4, 4)]
+
+
+def _full_inputs(nh, G, T, hd, B=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(B, nh, T, hd, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, G, T, hd, generator=g) for _ in range(2))
+    return q, k, v, do
+
+
+def _reference(q, k, v, do):
+    """Output and (dq, dk, dv) of full-sequence causal SDPA, in float64."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    y.backward(do.double())
+    return y.detach(), q.grad, k.grad, v.grad
+
+
+def _local_attention(q, k, v, do, comm_type, impl, attention=context.attention):
+    """This rank's rows of q, k, v, do through `attention`: output and (dq, dk, dv)."""
+    mine = context.local_positions(q.shape[2], parallel.layout.cp_size, parallel.layout.cp_rank)
+    q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
+    y = attention(q, k, v, comm_type, impl)
+    y.backward(do[:, :, mine])
+    return y.detach(), q.grad, k.grad, v.grad
+
+
+def _check_equals_full_attention(cp, cases, T, hd, tol):
+    parallel.initialize(1, context_parallel_size=cp)
+    mine = context.local_positions(T, cp, parallel.layout.cp_rank)
+    for comm_type, impl, nh, G in cases:
+        q, k, v, do = _full_inputs(nh, G, T, hd)
+        got = _local_attention(q, k, v, do, comm_type, impl)
+        for name, a, b in zip(("y", "dq", "dk", "dv"), got, _reference(q, k, v, do)):
+            assert a.dtype == torch.float32, f"{name}: {a.dtype}"
+            err = (a.double() - b[:, :, mine]).abs().max().item()
+            assert err <= tol, f"cp={cp} {comm_type} {impl} nh={nh} G={G}: {name} off by {err:.3g}"
+
+
+@pytest.mark.quick
+def test_step_blocks_cover_the_causal_triangle_exactly_once():
+    """Over every rank and ring step, each (query chunk, key chunk) pair on or
+    below the diagonal of the 2C x 2C chunk grid is computed exactly once,
+    the diagonal ones causally (at step 0), and none above it."""
+    for cp in (1, 2, 3, 4):
+        c = 5
+        seen = {}
+        for rank in range(cp):
+            chunks_of = lambda r: (r, 2 * cp - 1 - r)  # noqa: E731: rows [0, c) then [c, 2c)
+            for step in range(cp):
+                j = (rank - step) % cp
+                for rows, cols, causal in context.step_blocks(step, rank, cp, c):
+                    assert rows.stop - rows.start == cols.stop - cols.start, "blocks are square"
+                    for qi in range(rows.start // c, rows.stop // c):
+                        for ki in range(cols.start // c, cols.stop // c):
+                            pair = (chunks_of(rank)[qi], chunks_of(j)[ki])
+                            if causal:  # the block's own mask must be the sequence's
+                                assert (ki > qi, ki == qi) == (pair[1] > pair[0], pair[1] == pair[0])
+                                if ki > qi:
+                                    continue  # masked out: above the diagonal
+                            else:
+                                assert pair[1] != pair[0], f"cp={cp}: diagonal {pair} computed unmasked"
+                            assert pair not in seen, f"cp={cp}: {pair} computed twice"
+                            seen[pair] = causal
+        below = {(i, j) for i in range(2 * cp) for j in range(i + 1)}
+        assert set(seen) == below, f"cp={cp}: missing {below - set(seen)}, extra {set(seen) - below}"
+        assert all(seen[(i, i)] for i in range(2 * cp)), "the diagonal chunks are causal"
+
+
+@pytest.mark.quick
+@pytest.mark.slow
+def test_ring_and_all_to_all_equal_full_attention_on_2_ranks():
+    cases = [(comm, "torch", nh, G) for comm in context.COMM_TYPES for nh, G in HEADS]
+    run_on_ranks(_check_equals_full_attention, 2, cases, 32, 8, 1e-5, world_size=2)
+
+
+@pytest.mark.slow
+def test_ring_and_all_to_all_equal_full_attention_on_4_ranks():
+    # a2a splits the K/V heads too: G = 4 at C = 4
+    cases = [("p2p", "torch", nh, G) for nh, G in HEADS] + [("a2a", "torch", 8, 4), ("a2a", "torch", 4, 4)]
+    run_on_ranks(_check_equals_full_attention, 4, cases, 32, 8, 1e-5, world_size=4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.triton_usable("cpu"),
+                    reason="the gloo ranks hold CPU tensors: the kernels run on them under TRITON_INTERPRET=1")
+def test_ring_with_the_triton_kernels_equals_full_attention():
+    """The ring's blocks through kernels.py's FlashAttention-2 forward and
+    backward (interpreted), GQA: the kernels' base-2 lse converts exactly;
+    and a2a's attention through kernels.flash_attention."""
+    cases = [("p2p", "triton", 4, 2), ("a2a", "triton", 4, 2)]
+    run_on_ranks(_check_equals_full_attention, 2, cases, 64, 32, 1e-4, world_size=2)
+
+
+def _check_compiles_whole():
+    parallel.initialize(1, context_parallel_size=2)
+    torch._dynamo.reset()
+    q, k, v, do = _full_inputs(4, 2, 32, 8)
+    for comm_type in context.COMM_TYPES:
+        compiled = torch.compile(lambda q, k, v, c, i: context.attention(q * 1, k, v, c, i) * 2,
+                                 fullgraph=True, backend="aot_eager")
+        eager = lambda q, k, v, c, i: context.attention(q * 1, k, v, c, i) * 2  # noqa: E731
+        got = _local_attention(q, k, v, do, comm_type, "torch", compiled)
+        ref = _local_attention(q, k, v, do, comm_type, "torch", eager)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_attention_compiles_with_no_graph_break():
+    """fullgraph=True: Dynamo captures the ring's custom op and the all-to-alls
+    whole, forward and backward, and they compute what eager mode does."""
+    run_on_ranks(_check_compiles_whole, world_size=2)
+
+
+# ----------------------------------------------------------------------------
+# The zigzag split of a batch
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_split_batch_gives_every_token_once_and_cp_1s_loss(monkeypatch, cp):
+    """Each CP rank holds chunks r and 2cp-1-r of every sequence, with their
+    labels, mask and true positions; every token is held once; and the mean
+    over the ranks of (masked mean over the local tokens) x loss_weight is the
+    masked mean over the full sequences (a fully masked share weighs 0)."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 16
+    mask = (torch.rand(B, T, generator=g) > 0.4).float()
+    mask[:, : T // (2 * cp)] = 0  # rank 0's first chunk holds no loss at all
+    batch = dict(tokens=torch.randint(0, 100, (B, T), generator=g), labels=torch.randint(0, 100, (B, T), generator=g),
+                 loss_mask=mask, position_ids=torch.arange(T).expand(B, T).contiguous())
+    token_loss = torch.rand(B, T, generator=g, dtype=torch.float64)
+    held, weighted = [], []
+    for rank in range(cp):
+        monkeypatch.setattr(parallel, "layout", parallel.Layout(cp_size=cp, cp_rank=rank, initialized=True))
+        local = context.split_batch(batch)
+        mine = local["position_ids"][0]
+        c = T // (2 * cp)
+        assert mine.tolist() == [*range(rank * c, (rank + 1) * c), *range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+        for name in ("tokens", "labels", "loss_mask"):
+            assert torch.equal(local[name], batch[name][:, mine])
+        m = local["loss_mask"].double()
+        weighted.append((token_loss[:, mine] * m).sum() / m.sum().clamp(min=1) * local["loss_weight"])
+        held += mine.tolist()
+    assert sorted(held) == list(range(T))
+    full = (token_loss * mask).sum() / mask.sum()
+    assert torch.stack(weighted).mean().item() == pytest.approx(full.item(), rel=1e-6)
