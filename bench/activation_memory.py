@@ -1,8 +1,10 @@
 """Activation memory of one transformer layer, with and without sequence
-parallelism, counted exactly on CPU.
+parallelism, or split over context-parallel ranks, counted exactly on CPU.
 
     python bench/activation_memory.py [--preset 350M] [--seq-length 1024]
                                       [--micro-batch-size 4] [--tp 1 2 4]
+    python bench/activation_memory.py --preset cpu --seq-length 8192 \
+                                      --micro-batch-size 1 --cp 1 2 4 [--cp-comm-type a2a]
 
 Activation memory is deterministic: it is what autograd keeps for backward.
 A saved-tensor hook sees every tensor saved during one layer's forward; the
@@ -20,6 +22,11 @@ score matrix (flash-style; table 2 without the 5as/h term):
 
 The layer runs in bf16, with hidden dropout on (its masks are part of the
 formula) and no attention dropout (flash-style attention has none to keep).
+
+With --cp, each context-parallel size C runs as C processes (tp = 1), each
+layer on its T/C tokens; the figure to hold is at most 1/C + 15% of C = 1's
+(issue 61): ring attention keeps q, k, v, the output and the log-sum-exp
+of its own tokens only, the other ranks' K/V never saved.
 """
 from __future__ import annotations
 
@@ -60,7 +67,8 @@ def layer_activation_bytes(config: GPTConfig, seq_length: int, micro_batch: int)
     torch.manual_seed(0)
     parallel.model_parallel_seed(0)
     model = GPT(config).to(torch.bfloat16).train()
-    tokens = seq_length // parallel.layout.tp_size if model.sequence_parallel else seq_length
+    tokens = seq_length // parallel.layout.cp_size  # this rank's share of each sequence (context.py)
+    tokens //= parallel.layout.tp_size if model.sequence_parallel else 1
     x = torch.randn(micro_batch, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return saved_bytes(model.blocks[0], x, exclude=params)
@@ -68,6 +76,27 @@ def layer_activation_bytes(config: GPTConfig, seq_length: int, micro_batch: int)
 
 def formula(s: int, b: int, h: int, tp: int, sp: bool) -> float:
     return s * b * h * (34 / tp if sp else 10 + 24 / tp)
+
+
+def _cp_rank(rank: int, cp: int, rdzv: str, args, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=cp)
+    parallel.initialize(1, context_parallel_size=cp)
+    config = GPTConfig.from_preset(args.preset, num_layers=1, hidden_dropout=0.1, cp_comm_type=args.cp_comm_type,
+                                   max_position_embeddings=max(1024, args.seq_length))
+    measured = layer_activation_bytes(config, args.seq_length, args.micro_batch_size)
+    if rank == 0:
+        results[cp] = measured
+    parallel.destroy()
+    dist.destroy_process_group()
+
+
+def context_parallel_table(args, results) -> None:
+    s, b, one = args.seq_length, args.micro_batch_size, results[min(results.keys())]
+    print(f"| {args.preset} layer, s={s}, b={b}, {args.cp_comm_type} | CP | measured (MiB) | / CP=1 "
+          f"| bound 1/CP + 15% |")
+    print("|---|---|---|---|---|")
+    for cp, measured in sorted(results.items()):
+        print(f"| | {cp} | {measured / 2**20:.3f} | {measured / one:.3f} | {1 / cp + 0.15:.3f} |")
 
 
 def _rank(rank: int, world: int, rdzv: str, args, results) -> None:
@@ -90,8 +119,16 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--cp", type=int, nargs="+", help="context-parallel sizes to measure instead of --tp")
+    p.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "a2a"])
     args = p.parse_args()
     results = mp.Manager().dict()
+    if args.cp:
+        for cp in args.cp:
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.start_processes(_cp_rank, args=(cp, os.path.join(tmp, "rdzv"), args, results),
+                                   nprocs=cp, join=True, start_method="spawn")
+        return context_parallel_table(args, dict(results))
     for tp in args.tp:
         with tempfile.TemporaryDirectory() as tmp:
             mp.start_processes(_rank, args=(tp, os.path.join(tmp, "rdzv"), args, results),

@@ -8,6 +8,9 @@ and v with F.scaled_dot_product_attention on the full tensors (float64),
 sliced the same way. Ring (p2p) and all-to-all (a2a), torch and Triton (the
 interpreter, on CPU), GQA and MHA, eager and under torch.compile.
 """
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,3 +169,74 @@ def test_the_split_batch_gives_every_token_once_and_cp_1s_loss(monkeypatch, cp):
     assert sorted(held) == list(range(T))
     full = (token_loss * mask).sum() / mask.sum()
     assert torch.stack(weighted).mean().item() == pytest.approx(full.item(), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# What the ring saves, and what it overlaps
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def _layer_bytes_at_cp(cp, comm_type, out):
+    sys.path.insert(0, BENCH)
+    import activation_memory
+    from gpt import GPTConfig
+    parallel.initialize(1, context_parallel_size=cp)
+    config = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                       vocab_size=100, padded_vocab_size=128, hidden_dropout=0.1, cp_comm_type=comm_type)
+    measured = activation_memory.layer_activation_bytes(config, 512, 1)
+    if parallel.layout.cp_rank == 0:
+        out.write_text(str(measured))
+
+
+@pytest.mark.slow
+def test_a_layer_keeps_a_cp_th_of_the_activations(tmp_path):
+    """The bytes autograd keeps for one layer (bench/activation_memory.py) on
+    each of 2 CP ranks are at most 1/2 + 15% of one rank's at CP=1, ring and
+    all-to-all: no rank keeps another's K/V (or whole-sequence heads) for backward."""
+    figures = {}
+    for cp, comm_type in ((1, "p2p"), (2, "p2p"), (2, "a2a")):
+        out = tmp_path / f"{cp}{comm_type}"
+        run_on_ranks(_layer_bytes_at_cp, cp, comm_type, out, world_size=cp)
+        figures[cp, comm_type] = int(out.read_text())
+    for comm_type in context.COMM_TYPES:
+        assert figures[2, comm_type] <= (1 / 2 + 0.15) * figures[1, "p2p"], figures
+
+
+def _ring_order(out):
+    events = []
+    parallel.initialize(1, context_parallel_size=2)
+    q, k, v, do = _full_inputs(4, 2, 32, 8)
+    start, wait, block, block_grads = context.Ring.start, context.Ring.wait, context._block_forward, \
+        context._block_backward
+
+    def log(name, fn):
+        def logged(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return logged
+    context.Ring.start, context.Ring.wait = log("send", start), log("land", wait)
+    context._block_forward, context._block_backward = log("block", block), log("block", block_grads)
+    try:
+        _local_attention(q, k, v, do, "p2p", "torch")
+    finally:
+        context.Ring.start, context.Ring.wait, context._block_forward, context._block_backward = \
+            start, wait, block, block_grads
+    if parallel.layout.cp_rank == 0:
+        out.write_text(" ".join(events))
+
+
+@pytest.mark.slow
+def test_each_ring_exchange_is_in_flight_while_a_step_computes(tmp_path):
+    """The order of operations on a rank of CP=2 (ring_attention's forward,
+    then its backward): every exchange is posted before a step's blocks run
+    and landed only after them, so each transfer (K/V ahead, dK/dV behind)
+    is hidden behind that step's attention; only the last dK/dV, home to
+    its owner, has no step left to hide behind."""
+    run_on_ranks(_ring_order, tmp_path / "order", world_size=2)
+    order = (tmp_path / "order").read_text().split()
+    forward = ["send", "block", "land", "block"]  # step 0: causal, posted K/V; step 1: two blocks ...
+    assert order[:5] == [*forward, "block"], order
+    backward = order[5:]  # step 0: K/V out, one causal block; step 1: dK/dV out, two blocks; dK/dV home
+    assert backward == ["send", "block", "land", "send", "block", "block", "land", "send", "land"], order
