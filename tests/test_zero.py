@@ -235,7 +235,8 @@ def worker(out: str, plan: str) -> None:
 
 def context_parallel_runs(out: str) -> None:
     """4 processes: CP=2 x D=2 under ZeRO-1 (saved at RESUME_AT) and ZeRO-3;
-    ZeRO-1 resumed from a copy of RESUME_AT at CP=2 x D=2 and at CP=4 x D=1."""
+    ZeRO-1 resumed from a copy of RESUME_AT at CP=2 x D=2 and at CP=4 x D=1;
+    4 steps of CP=2 with ZeRO-1 over 2 ZB-H1 stages, and with ZeRO-3 at TP=2."""
     import torch.distributed as dist
     ck = lambda name: os.path.join(out, "ckpt_" + name)
     cp2 = ["--context-parallel-size", "2"]
@@ -251,6 +252,10 @@ def context_parallel_runs(out: str) -> None:
         worker_run(out, name, ["--deepspeed", "--zero-stage", "1", "--context-parallel-size", cp,
                                "--load", ck(name)])
     worker_run(out, "cp2_z3", ["--deepspeed", "--zero-stage", "3", *cp2])
+    short = [*cp2, "--train-iters", "4", "--lr-decay-iters", str(STEPS)]
+    worker_run(out, "pp2_cp2_z1_zb", ["--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2",
+                                      "--enable-zero-bubble", *short])
+    worker_run(out, "tp2_cp2_z3", ["--deepspeed", "--zero-stage", "3", "--tensor-model-parallel-size", "2", *short])
 
 
 def mixed_kinds_in_one_directory(out: str, ckpt: str) -> None:
@@ -530,6 +535,14 @@ def test_zero_with_context_parallel_trains_zeros_curve_and_resumes(runs):
     assert abs(full[-1]["val_loss"] - other[-1]["val_loss"]) < 1e-5
     log = open(os.path.join(runs, "tp.log")).read()
     assert "world 4 = TP 1 x CP 2 (p2p) x DP 2 x PP 1" in log and "world 4 = TP 1 x CP 4 (p2p) x DP 1" in log
+
+
+@pytest.mark.parametrize("run,ref", [("pp2_cp2_z1_zb", "z1"), ("tp2_cp2_z3", "z3")])
+def test_zero_with_context_parallel_composes_with_pipeline_and_tensor_parallel(runs, run, ref):
+    """CP=2 with ZeRO-1 over 2 ZB-H1 stages (DeepSpeed's reduction after our
+    schedule, over DP x CP) and with ZeRO-3 at TP=2 (each TP rank's DP x CP
+    ranks shard its slices): ZeRO's curve at D=2, CP=1."""
+    assert_same_steps(metrics(runs, ref)[:4], metrics(runs, run))
 
 
 @pytest.mark.parametrize("run", ["z3_llama", "tp2_z3_llama"])
