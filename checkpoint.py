@@ -1031,6 +1031,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
         layout = {k: v for stage in gather_stages(layout) or [] for k, v in stage.items()}
     meta = {"iteration": iteration, "consumed_samples": consumed,
             "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.layout.dp_size,
+            "context_parallel_size": parallel.layout.cp_size,
             "tensor_model_parallel_size": parallel.layout.tp_size,
             "pipeline_model_parallel_size": parallel.layout.pp_size,
             "model_config": dataclasses.asdict(engine.module.config),
@@ -1047,18 +1048,30 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
 
 def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> Start:
     """Resume everything from the DeepSpeed checkpoint `found`, written with
-    this run's layout. (Weights only, from any checkpoint: zero.DeepSpeedTraining.)"""
+    this run's layout. ZeRO's partitions are one per rank of DP x CP
+    (zero.DeepSpeedMPU), so only that product must match: CP=2 x DP=2
+    resumes at CP=4 x DP=1, on the same curve (stage 0 at any DP and CP).
+    (Weights only, from any checkpoint: zero.DeepSpeedTraining.)"""
     meta = read_deepspeed_meta(found.path)
-    layout = {"data-parallel": (meta["data_parallel_size"], parallel.layout.dp_size),
-              "tensor-parallel": (meta["tensor_model_parallel_size"], parallel.layout.tp_size),
-              "pipeline-parallel": (meta.get("pipeline_model_parallel_size", 1), parallel.layout.pp_size)}
-    for name, (saved, now) in layout.items():
-        if saved != now and (name != "data-parallel" or meta["zero_stage"] > 0):
-            raise UsageError(
-                f"{found.path} was written with {name} size {saved}, this run has {now}: ZeRO, "
-                f"tensor- and pipeline-parallel shards only fit the layout they were written with. Relaunch with "
-                f"the old layout, or continue from its weights with fresh optimizer states "
-                f"(add --no-load-optim: any layout loads them)")
+    lay = parallel.layout
+
+    def refuse(name, saved, now):
+        raise UsageError(
+            f"{found.path} was written with {name} size {saved}, this run has {now}: ZeRO, "
+            f"tensor- and pipeline-parallel shards only fit the layout they were written with. Relaunch with "
+            f"the old layout, or continue from its weights with fresh optimizer states "
+            f"(add --no-load-optim: any layout loads them)")
+    (dp, cp), (saved_dp, saved_cp) = (lay.dp_size, lay.cp_size), (meta["data_parallel_size"],
+                                                                   meta.get("context_parallel_size", 1))
+    if meta["zero_stage"] > 0 and saved_dp * saved_cp != dp * cp:
+        if saved_cp == cp == 1:
+            refuse("data-parallel", saved_dp, dp)
+        refuse("data-parallel x context-parallel", f"{saved_dp} x {saved_cp} = {saved_dp * saved_cp}",
+               f"{dp} x {cp} = {dp * cp}")
+    for name, saved, now in (("tensor-parallel", meta["tensor_model_parallel_size"], lay.tp_size),
+                             ("pipeline-parallel", meta.get("pipeline_model_parallel_size", 1), lay.pp_size)):
+        if saved != now:
+            refuse(name, saved, now)
     with data_only_loads(found.path, found.kind):
         _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
                                            load_optimizer_states=True, load_lr_scheduler_states=False)

@@ -771,8 +771,6 @@ def validate_context_parallel(cfg: TrainConfig) -> None:
         raise UsageError(f"--attention-dropout {cfg.attention_dropout} with --context-parallel-size {cp}: "
                          f"no rank holds a row's attention probabilities whole to drop them; use "
                          f"--attention-dropout 0")
-    if cfg.deepspeed:
-        raise UsageError(f"--context-parallel-size {cp} does not run with --deepspeed yet: drop one of them")
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -62,22 +62,25 @@ def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
 
 class DeepSpeedMPU:
     """The "model parallel unit" DeepSpeed asks for, backed by parallel.py's
-    groups. ZeRO shards over the data-parallel group only. Its model-parallel
-    group is every rank holding a piece of one replica, TP x PP: the grad norm
-    and the overflow flag are summed over it, and its rank names the
-    checkpoint's files (one per TP shard of each stage). Replicated params are
-    counted once per TP rank (the norm asks for the tensor-parallel rank,
-    Megatron-core's name), and a stage's copy of the tied embedding not at all
-    (`ds_pipe_replicated`)."""
+    groups. ZeRO averages gradients and shards over the data-parallel group,
+    which under context parallelism is DP x CP (dp_cp_group: the CP ranks of
+    a replica train the same weights on different tokens; Megatron-DeepSpeed
+    hands DeepSpeed its sequence-data-parallel group the same way). Its
+    model-parallel group is every rank holding a piece of one replica, TP x
+    PP: the grad norm and the overflow flag are summed over it, and its rank
+    names the checkpoint's files (one per TP shard of each stage). Replicated
+    params are counted once per TP rank (the norm asks for the tensor-parallel
+    rank, Megatron-core's name), and a stage's copy of the tied embedding not
+    at all (`ds_pipe_replicated`)."""
 
     def get_model_parallel_rank(self):
         return parallel.layout.pp_rank * parallel.layout.tp_size + parallel.layout.tp_rank
 
     def get_model_parallel_world_size(self): return parallel.layout.pp_size * parallel.layout.tp_size
     def get_model_parallel_group(self): return parallel.layout.mp_group
-    def get_data_parallel_rank(self): return parallel.layout.dp_rank
-    def get_data_parallel_world_size(self): return parallel.layout.dp_size
-    def get_data_parallel_group(self): return parallel.layout.dp_group
+    def get_data_parallel_rank(self): return dist.get_rank(parallel.layout.dp_cp_group)
+    def get_data_parallel_world_size(self): return parallel.layout.dp_size * parallel.layout.cp_size
+    def get_data_parallel_group(self): return parallel.layout.dp_cp_group
     def get_tensor_model_parallel_rank(self): return parallel.layout.tp_rank
     def get_tensor_model_parallel_world_size(self): return parallel.layout.tp_size
     def get_tensor_model_parallel_group(self): return parallel.layout.tp_group
@@ -107,6 +110,9 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
         user = cfg.deepspeed_json
         check_deepspeed_config(user, ours, cfg)
     config = {**user, **ours}
+    # DeepSpeed counts each sample once per rank it averages over (the mpu's DP x CP ranks),
+    # so its train_batch_size is cp times the global batch a user writes (checked above)
+    config["train_batch_size"] = ours["train_batch_size"] * cfg.context_parallel_size
     zero = dict(user.get("zero_optimization", {}))
     zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
     if cfg.zero_offload_optimizer:
@@ -174,19 +180,20 @@ def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
 
 def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT:
     """Build the model under deepspeed.zero.Init, each layer partitioned over
-    the data-parallel group as soon as it is built: no rank holds the full model.
-    GPT's own init then meets emptied partitions, so it is redone one module at
-    a time on gathered weights; only init_weights draws random numbers, so the
-    weights are train.build_model's. With tensor parallelism GPT slices each layer's
-    full weight after initializing it, so that case is built outside zero.Init, by
-    build_model (1/tp slices plus one full layer at a time; deepspeed.initialize partitions)."""
+    the data-parallel group (DP x CP, as the mpu's) as soon as it is built: no
+    rank holds the full model. GPT's own init then meets emptied partitions,
+    so it is redone one module at a time on gathered weights; only init_weights
+    draws random numbers, so the weights are train.build_model's. With tensor
+    parallelism GPT slices each layer's full weight after initializing it, so
+    that case is built outside zero.Init, by build_model (1/tp slices plus one
+    full layer at a time; deepspeed.initialize partitions)."""
     device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
     if parallel.layout.tp_size > 1:
         return build_model(cfg, torch.device("cpu"), kernels_for=device)
     mcfg = model_config(cfg, device)
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
-    with ds.zero.Init(data_parallel_group=parallel.layout.dp_group, config_dict_or_path=ds_config):
+    with ds.zero.Init(data_parallel_group=parallel.layout.dp_cp_group, config_dict_or_path=ds_config):
         model = GPT(mcfg)
     each_module_gathered(model, ds, lambda _, module: init_weights(module, mcfg))
     return model
@@ -268,9 +275,10 @@ class DeepSpeedTraining:
                 ds.zero.register_external_parameter(model, head.weight)
             kwargs = compile_options(cfg)
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
-        if self.engine.dp_world_size != parallel.layout.dp_size:
-            raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the "
-                               f"data-parallel size is {parallel.layout.dp_size} (world / (tp x pp)): "
+        if self.engine.dp_world_size != parallel.layout.dp_size * parallel.layout.cp_size:
+            raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the data-"
+                               f"parallel x context-parallel size is "
+                               f"{parallel.layout.dp_size * parallel.layout.cp_size} (world / (tp x pp)): "
                                f"the mpu was not applied")
         self.raw = self.engine.module
         # under stages, our schedule runs the module's chunks (pipeline.Stage), not the engine
@@ -289,11 +297,13 @@ class DeepSpeedTraining:
             self.start = checkpoint.load_deepspeed_checkpoint(cfg, self.engine, found, log)
 
     def begin(self, micro_batches: int, lr: float) -> None:
-        """This step's batch size (--rampup-batch-size) and learning rate; under
-        stages, every backward of the schedule comes before the boundary."""
-        global_batch = micro_batches * self.cfg.micro_batch_size * parallel.layout.dp_size
-        if self.engine.train_batch_size() != global_batch:
-            self.engine.set_train_batch_size(global_batch)
+        """This step's batch size (--rampup-batch-size; as DeepSpeed counts it,
+        over its DP x CP ranks) and learning rate; under stages, every backward
+        of the schedule comes before the boundary."""
+        lay = parallel.layout
+        ds_batch = micro_batches * self.cfg.micro_batch_size * lay.dp_size * lay.cp_size
+        if self.engine.train_batch_size() != ds_batch:
+            self.engine.set_train_batch_size(ds_batch)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         if parallel.layout.pp_size > 1:

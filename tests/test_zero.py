@@ -228,8 +228,34 @@ def worker(out: str, plan: str) -> None:
         worker_run(out, "dp4_z1_4layers", four)
         worker_run(out, "pp2_dp2_z1_interleaved", [*four, "--pipeline-model-parallel-size", "2",
                                                    "--num-layers-per-virtual-pipeline-stage", "1"])
+        context_parallel_runs(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def context_parallel_runs(out: str) -> None:
+    """4 processes: CP=2 x D=2 under ZeRO-1 (saved at RESUME_AT) and ZeRO-3;
+    ZeRO-1 resumed from a copy of RESUME_AT at CP=2 x D=2 and at CP=4 x D=1;
+    4 steps of CP=2 with ZeRO-1 over 2 ZB-H1 stages, and with ZeRO-3 at TP=2."""
+    import torch.distributed as dist
+    ck = lambda name: os.path.join(out, "ckpt_" + name)
+    cp2 = ["--context-parallel-size", "2"]
+    worker_run(out, "cp2_z1", ["--deepspeed", "--zero-stage", "1", *cp2, "--save", ck("cp2_z1"),
+                               "--save-interval", str(RESUME_AT)])
+    for name, cp in (("cp2_z1_resume", "2"), ("cp4_z1_resume", "4")):
+        if dist.get_rank() == 0:
+            shutil.copytree(os.path.join(ck("cp2_z1"), f"iter_{RESUME_AT:07d}"),
+                            os.path.join(ck(name), f"iter_{RESUME_AT:07d}"))
+            with open(os.path.join(ck(name), "latest"), "w") as f:
+                f.write(f"iter_{RESUME_AT:07d}")
+        dist.barrier()
+        worker_run(out, name, ["--deepspeed", "--zero-stage", "1", "--context-parallel-size", cp,
+                               "--load", ck(name)])
+    worker_run(out, "cp2_z3", ["--deepspeed", "--zero-stage", "3", *cp2])
+    short = [*cp2, "--train-iters", "4", "--lr-decay-iters", str(STEPS)]
+    worker_run(out, "pp2_cp2_z1_zb", ["--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2",
+                                      "--enable-zero-bubble", *short])
+    worker_run(out, "tp2_cp2_z3", ["--deepspeed", "--zero-stage", "3", "--tensor-model-parallel-size", "2", *short])
 
 
 def mixed_kinds_in_one_directory(out: str, ckpt: str) -> None:
@@ -488,6 +514,37 @@ def test_tensor_parallel_zero_matches_ddp(runs, stage):
     assert_same_steps(ref, got)
 
 
+def test_zero_with_context_parallel_trains_zeros_curve_and_resumes(runs):
+    """CP=2 x D=2: ZeRO-1 and ZeRO-3 average gradients and shard their states
+    over the 4 ranks of DP x CP (zero.DeepSpeedMPU), each CP rank's loss
+    weighted by its share of the tokens, and train ZeRO's curve at D=2 and
+    CP=1: loss, grad norm, validation loss. ZeRO-1's checkpoint resumes bit
+    for bit at CP=2 x D=2, and on the curve at CP=4 x D=1 (4 partitions still)."""
+    for stage in (1, 3):
+        ref, got = metrics(runs, f"z{stage}"), metrics(runs, f"cp2_z{stage}")
+        assert [m["iteration"] for m in got] == list(range(1, STEPS + 1))
+        assert_same_steps(ref, got)
+        assert [m["consumed_samples"] for m in got] == [m["consumed_samples"] for m in ref]
+        assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
+    full = metrics(runs, "cp2_z1")
+    resumed = metrics(runs, "cp2_z1_resume")
+    assert [m["iteration"] for m in resumed] == list(range(RESUME_AT + 1, STEPS + 1))
+    assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[RESUME_AT:]]
+    other = metrics(runs, "cp4_z1_resume")
+    assert_same_steps(full[RESUME_AT:], other)
+    assert abs(full[-1]["val_loss"] - other[-1]["val_loss"]) < 1e-5
+    log = open(os.path.join(runs, "tp.log")).read()
+    assert "world 4 = TP 1 x CP 2 (p2p) x DP 2 x PP 1" in log and "world 4 = TP 1 x CP 4 (p2p) x DP 1" in log
+
+
+@pytest.mark.parametrize("run,ref", [("pp2_cp2_z1_zb", "z1"), ("tp2_cp2_z3", "z3")])
+def test_zero_with_context_parallel_composes_with_pipeline_and_tensor_parallel(runs, run, ref):
+    """CP=2 with ZeRO-1 over 2 ZB-H1 stages (DeepSpeed's reduction after our
+    schedule, over DP x CP) and with ZeRO-3 at TP=2 (each TP rank's DP x CP
+    ranks shard its slices): ZeRO's curve at D=2, CP=1."""
+    assert_same_steps(metrics(runs, ref)[:4], metrics(runs, run))
+
+
 @pytest.mark.parametrize("run", ["z3_llama", "tp2_z3_llama"])
 def test_zero3_matches_ddp_with_every_architecture_option(runs, run):
     """rope + RMSNorm + SwiGLU + GQA + untied head + no biases: ZeRO-3 (with
@@ -670,18 +727,22 @@ def test_deepspeeds_universal_checkpoint_converts_our_zero2_checkpoint(runs, tmp
         torch.testing.assert_close(fp32, value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_a_zero_checkpoint_resumed_at_another_data_parallel_size_is_one_line(runs):
-    """ZeRO-2's partitions fit the D=2 they were written at: one process
-    resuming them is told the sizes and what does load (--no-load-optim)."""
+@pytest.mark.parametrize("saved, stage, sizes", [
+    ("z2", "2", "data-parallel size 2, this run has 1"),
+    ("cp2_z1", "1", "data-parallel x context-parallel size 2 x 2 = 4, this run has 1 x 1 = 1")])
+def test_a_zero_checkpoint_resumed_at_another_data_parallel_size_is_one_line(runs, saved, stage, sizes):
+    """ZeRO-2's partitions fit the D=2 they were written at, ZeRO-1's at CP=2 x
+    D=2 the 4 ranks of DP x CP: one process resuming them is told the sizes
+    and what does load (--no-load-optim)."""
     data = ["--data-path", os.path.join(runs, "corpus_text_document"), "--data-cache-path", os.path.join(runs, "cache")]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *COMMON, *IDS, *data,
-                           "--train-iters", str(STEPS + 2), "--deepspeed", "--zero-stage", "2",
-                           "--load", os.path.join(runs, "ckpt_z2")],
+                           "--train-iters", str(STEPS + 2), "--deepspeed", "--zero-stage", stage,
+                           "--load", os.path.join(runs, "ckpt_" + saved)],
                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
-    assert f"iter_{STEPS:07d} was written with data-parallel size 2, this run has 1" in errors[0]
+    assert f"iter_{STEPS:07d} was written with {sizes}" in errors[0]
     assert errors[0].endswith("(add --no-load-optim: any layout loads them)")
     assert "Traceback" not in proc.stderr
 
@@ -753,6 +814,10 @@ def test_config_is_generated_from_flags():
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["zero_force_ds_cpu_optimizer"] is False  # our torch AdamW, no C++ build
+    # Under context parallelism DeepSpeed averages over DP x CP ranks, and counts each sample once a rank
+    cfg = config.parse_args(["--preset", "tiny", "--deepspeed", "--micro-batch-size", "3", "--seq-length", "64",
+                             "--context-parallel-size", "2"])
+    assert zero.deepspeed_config(cfg, dp_size=4, accum=5)["train_batch_size"] == 3 * 4 * 5 * 2
 
 
 @pytest.mark.quick
@@ -773,6 +838,10 @@ def test_contradicting_deepspeed_json_is_an_error(tmp_path):
                                 "zero_optimization": {"stage": 3, "overlap_comm": True}}))
     ds = zero.deepspeed_config(config.parse_args(base), dp_size=1, accum=1)
     assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": True} and ds["wall_clock_breakdown"]
+    # A JSON's train_batch_size is the global batch (micro x DP x accumulation); DeepSpeed's counts CP in
+    cp = base + ["--seq-length", "64", "--context-parallel-size", "2"]
+    path.write_text(json.dumps({"train_batch_size": 8}))
+    assert zero.deepspeed_config(config.parse_args(cp), dp_size=2, accum=2)["train_batch_size"] == 16
 
 
 @pytest.mark.parametrize("value, on", [(True, True), ("on", True), ("false", False), (0, False)])
