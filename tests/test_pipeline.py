@@ -539,8 +539,8 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
             flags = [*flags, "--save", str(out / f"cp{len(runs)}"), "--save-interval", "4",
                      "--ckpt-format", CP_SAVES[name]]
         runs[name] = run(name.replace(" ", "_").replace(",", ""), nproc, *flags)
-    for name, (nproc, flags, writer) in CP_READERS.items():
-        slug = f"cp-reader{len(runs)}"
+    for k, (name, (nproc, flags, writer)) in enumerate(CP_READERS.items()):
+        slug = f"cp-reader{k}"  # a copy of the writer's directory, pointing at iteration 4
         shutil.copytree(out / f"cp{list(runs).index(writer)}", out / slug)
         (out / slug / checkpoint.LATEST).write_text("4")
         runs[name] = run(slug, nproc, *flags, "--load", str(out / slug))
@@ -571,20 +571,26 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipeline_runs):
-    """PP=2's checkpoint (iteration 4) is the whole model: exported to Hugging
-    Face it holds PP=1's weights of iteration 4 (the same curve), and
-    evaluate.py samples from a pipelined run's (DIST_WRITER's torch_dist)."""
+    """PP=2's checkpoint (iteration 4) is the whole model, and so are CP=2's
+    (torch) and CP=2 x TP=2's (torch_dist): exported to Hugging Face each
+    holds PP=1's weights of iteration 4 (the same curve). evaluate.py samples
+    from a pipelined run's (DIST_WRITER's torch_dist), and names a context-
+    parallel flag it was given in one line, as a training flag it ignores."""
     out = pipeline_runs["dir"]
-    for name in ("pp1-to-pp2", "pp2"):  # pp1-to-pp2: a copy of PP=1's run pointing at iteration 4
+    # pp1-to-pp2: a copy of PP=1's run pointing at iteration 4; cp-reader0, 1: of the CP runs' (CP_READERS)
+    exported = ("pp1-to-pp2", "pp2", "cp-reader0", "cp-reader1")
+    for name in exported:
         checkpoint.export_weights(str(out / name), str(out / f"{name}-hf"), "hf")
     from safetensors.torch import load_file
-    whole, pipelined = (load_file(str(out / f"{n}-hf" / "model.safetensors")) for n in ("pp1-to-pp2", "pp2"))
-    assert whole.keys() == pipelined.keys()
-    for key in whole:
-        torch.testing.assert_close(pipelined[key], whole[key], rtol=0, atol=1e-5, msg=key)
+    whole, *others = (load_file(str(out / f"{n}-hf" / "model.safetensors")) for n in exported)
+    for name, weights in zip(exported[1:], others):
+        assert whole.keys() == weights.keys(), name
+        for key in whole:
+            torch.testing.assert_close(weights[key], whole[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
     proc = torchrun("evaluate.py", "--task", "GENERATE", "--load", str(out / "dist"), "--num-samples", "1",
-                    "--out-seq-length", "4", "--seq-length", "32", *IDS)
+                    "--out-seq-length", "4", "--seq-length", "32", "--context-parallel-size", "2", *IDS)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
+    assert proc.stderr.count("--context-parallel-size") == 1, proc.stderr[-2000:]
 
 
 @pytest.mark.slow

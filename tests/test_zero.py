@@ -235,14 +235,15 @@ def worker(out: str, plan: str) -> None:
 
 def context_parallel_runs(out: str) -> None:
     """4 processes: CP=2 x D=2 under ZeRO-1 (saved at RESUME_AT) and ZeRO-3;
-    ZeRO-1 resumed from a copy of RESUME_AT at CP=2 x D=2 and at CP=4 x D=1;
-    4 steps of CP=2 with ZeRO-1 over 2 ZB-H1 stages, and with ZeRO-3 at TP=2."""
+    ZeRO-1 resumed from a copy of RESUME_AT at CP=4 x D=1; 4 steps of CP=2
+    with ZeRO-1 over 2 ZB-H1 stages. (TP with CP: tests/test_pipeline.py's
+    layouts; a resume in its own layout is bit for bit for every ZeRO stage above.)"""
     import torch.distributed as dist
     ck = lambda name: os.path.join(out, "ckpt_" + name)
     cp2 = ["--context-parallel-size", "2"]
     worker_run(out, "cp2_z1", ["--deepspeed", "--zero-stage", "1", *cp2, "--save", ck("cp2_z1"),
                                "--save-interval", str(RESUME_AT)])
-    for name, cp in (("cp2_z1_resume", "2"), ("cp4_z1_resume", "4")):
+    for name, cp in (("cp4_z1_resume", "4"),):
         if dist.get_rank() == 0:
             shutil.copytree(os.path.join(ck("cp2_z1"), f"iter_{RESUME_AT:07d}"),
                             os.path.join(ck(name), f"iter_{RESUME_AT:07d}"))
@@ -255,7 +256,6 @@ def context_parallel_runs(out: str) -> None:
     short = [*cp2, "--train-iters", "4", "--lr-decay-iters", str(STEPS)]
     worker_run(out, "pp2_cp2_z1_zb", ["--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2",
                                       "--enable-zero-bubble", *short])
-    worker_run(out, "tp2_cp2_z3", ["--deepspeed", "--zero-stage", "3", "--tensor-model-parallel-size", "2", *short])
 
 
 def mixed_kinds_in_one_directory(out: str, ckpt: str) -> None:
@@ -518,8 +518,8 @@ def test_zero_with_context_parallel_trains_zeros_curve_and_resumes(runs):
     """CP=2 x D=2: ZeRO-1 and ZeRO-3 average gradients and shard their states
     over the 4 ranks of DP x CP (zero.DeepSpeedMPU), each CP rank's loss
     weighted by its share of the tokens, and train ZeRO's curve at D=2 and
-    CP=1: loss, grad norm, validation loss. ZeRO-1's checkpoint resumes bit
-    for bit at CP=2 x D=2, and on the curve at CP=4 x D=1 (4 partitions still)."""
+    CP=1: loss, grad norm, validation loss. ZeRO-1's checkpoint resumes on
+    the curve at CP=4 x D=1 (4 partitions still)."""
     for stage in (1, 3):
         ref, got = metrics(runs, f"z{stage}"), metrics(runs, f"cp2_z{stage}")
         assert [m["iteration"] for m in got] == list(range(1, STEPS + 1))
@@ -527,9 +527,6 @@ def test_zero_with_context_parallel_trains_zeros_curve_and_resumes(runs):
         assert [m["consumed_samples"] for m in got] == [m["consumed_samples"] for m in ref]
         assert abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) < 1e-5
     full = metrics(runs, "cp2_z1")
-    resumed = metrics(runs, "cp2_z1_resume")
-    assert [m["iteration"] for m in resumed] == list(range(RESUME_AT + 1, STEPS + 1))
-    assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[RESUME_AT:]]
     other = metrics(runs, "cp4_z1_resume")
     assert_same_steps(full[RESUME_AT:], other)
     assert abs(full[-1]["val_loss"] - other[-1]["val_loss"]) < 1e-5
@@ -537,12 +534,10 @@ def test_zero_with_context_parallel_trains_zeros_curve_and_resumes(runs):
     assert "world 4 = TP 1 x CP 2 (p2p) x DP 2 x PP 1" in log and "world 4 = TP 1 x CP 4 (p2p) x DP 1" in log
 
 
-@pytest.mark.parametrize("run,ref", [("pp2_cp2_z1_zb", "z1"), ("tp2_cp2_z3", "z3")])
-def test_zero_with_context_parallel_composes_with_pipeline_and_tensor_parallel(runs, run, ref):
+def test_zero_with_context_parallel_composes_with_pipeline_stages(runs):
     """CP=2 with ZeRO-1 over 2 ZB-H1 stages (DeepSpeed's reduction after our
-    schedule, over DP x CP) and with ZeRO-3 at TP=2 (each TP rank's DP x CP
-    ranks shard its slices): ZeRO's curve at D=2, CP=1."""
-    assert_same_steps(metrics(runs, ref)[:4], metrics(runs, run))
+    schedule, over DP x CP): ZeRO's curve at D=2, CP=1."""
+    assert_same_steps(metrics(runs, "z1")[:4], metrics(runs, "pp2_cp2_z1_zb"))
 
 
 @pytest.mark.parametrize("run", ["z3_llama", "tp2_z3_llama"])
