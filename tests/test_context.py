@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import context
 import kernels
 import parallel
-from conftest import run_on_ranks
+from conftest import IDS, TINY, read_metrics, run_on_ranks, train_on_ranks
 
 # (nh, G): grouped-query (two query heads per K/V head) and multi-head
 HEADS = [(4, 2), (4, 4)]
@@ -266,3 +266,32 @@ def test_each_ring_exchange_is_in_flight_while_a_step_computes(tmp_path):
     assert order[:5] == [*forward, "block"], order
     backward = order[5:]  # step 0: K/V out, one causal block; step 1: dK/dV out, two blocks; dK/dV home
     assert backward == ["send", "block", "land", "send", "block", "block", "land", "send", "land"], order
+
+
+# ----------------------------------------------------------------------------
+# Documents (--reset-attention-mask) from the command line
+
+
+@pytest.mark.slow
+def test_documents_at_cp_2_train_cp_1s_curve(ids_corpus, tmp_path):
+    """--reset-attention-mask --reset-position-ids --eod-mask-loss on the ids
+    corpus (documents of 20-119 ids, so that documents end inside the 4
+    chunks of many 32-token sequences): CP=2's ring trains CP=1's curve, loss,
+    grad norm and validation loss to 1e-5; and the masks change it."""
+    common = [*TINY, *IDS, "--data-path", ids_corpus, "--train-iters", "4", "--reset-position-ids",
+              "--eod-mask-loss"]
+
+    def run(name, nproc, *flags):
+        path = tmp_path / f"{name}.jsonl"
+        train_on_ranks([*common, "--metrics-file", str(path), *flags], nproc=nproc)
+        return {m["iteration"]: m for m in read_metrics(path)}
+    want = run("cp1", 1, "--reset-attention-mask")
+    got = run("cp2", 2, "--reset-attention-mask", "--context-parallel-size", "2")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4] and "val_loss" in want[4]
+    for i, m in got.items():
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert (key in m) == (key in want[i])
+            if key in m:
+                assert m[key] == pytest.approx(want[i][key], abs=1e-5), (i, key)
+    unmasked = run("unmasked", 1)
+    assert unmasked[1]["loss"] != pytest.approx(want[1]["loss"], abs=1e-4)

@@ -354,6 +354,25 @@ def test_eod_mask_loss_reset_position_ids_and_reset_attention_mask(tmp_path):
     assert item["document_ids"].tolist() == first and item["document_ids"].dtype == torch.long
 
 
+
+def test_positions_loss_mask_and_document_masks_are_megatrons(tmp_path):
+    """With --reset-position-ids, --eod-mask-loss and --reset-attention-mask,
+    each packed sample's positions and loss mask are megatron-core's, and its
+    documents' causal mask (context.same_document) is Megatron's attention
+    mask (True there where a token may not attend)."""
+    _megatron()
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+    import context
+    prefix = str(write_corpus(tmp_path / "c", random_docs(60, seed=3, max_len=12)))
+    ours = gpt(prefix, 20, 16, cache_dir=str(tmp_path / "cache"), reset_position_ids=True, eod_mask_loss=True,
+               reset_attention_mask=True)
+    for i in range(len(ours)):
+        item = ours[i]
+        mask, loss_mask, positions = _get_ltor_masks_and_position_ids(item["tokens"], EOD, True, True, True, True)
+        assert torch.equal(item["position_ids"], positions) and torch.equal(item["loss_mask"], loss_mask)
+        ids = item["document_ids"][None]  # (1, S)
+        assert torch.equal(context.same_document(ids, ids, causal=True)[0], ~mask), i
+
 # ---------------------------------------------------------------- blending and sampler
 
 def test_blending_indices_match_megatron_and_weights():
