@@ -181,6 +181,8 @@ class TrainConfig:
     split: str = flag("969,30,1", "train,valid,test weights, split by documents")
     data_cache_path: str | None = flag(None, "where sample-index arrays are cached (default: next to the data)")
     reset_position_ids: bool = flag(False, "restart positions after each end-of-text")
+    reset_attention_mask: bool = flag(False, "reset self attention mask after end-of-document token: each "
+                                             "token attends only within its own document")
     eod_mask_loss: bool = flag(False, "no loss on end-of-text positions")
     num_workers: int = flag(0, "DataLoader workers")
     # evaluation and logging during training
@@ -895,6 +897,9 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     cuda = device is not None and device.type == "cuda"
     default_impl = "triton" if cuda and not cfg.compile else "torch"
     overrides["attention_impl"] = cfg.attention_impl or default_impl
+    if cfg.reset_attention_mask and overrides["attention_impl"] == "triton":
+        raise UsageError("--reset-attention-mask with --attention-impl triton (the default on CUDA in eager "
+                         "mode): the Triton kernels take no document masks; add --attention-impl torch")
     overrides["layernorm_impl"] = cfg.layernorm_impl or default_impl
     mcfg = GPTConfig(**overrides) if cfg.preset is None else GPTConfig.from_preset(cfg.preset, **overrides)
     if "max_position_embeddings" not in overrides and mcfg.max_position_embeddings < cfg.seq_length:

@@ -42,8 +42,15 @@ token, 1/C of the heads); ordinary causal attention runs on full sequences,
 and a second all-to-all turns the output back. It needs the heads (and K/V
 groups) divisible by C x tp.
 
+Documents (--reset-attention-mask): a token reads only its own document
+(same_document, the rule gpt.py applies at cp = 1). In the ring the keys'
+document ids travel with K and V, and each block is masked by them; a query
+may find no key of its document in a block (its lse there is -inf and weighs
+0 in the merge), but it reads itself at step 0, so its final lse is finite.
+a2a gathers the full sequences' ids and masks ordinary attention.
+
 Sections:
-    1. the zigzag split of a batch, and its loss weight
+    1. the zigzag split of a batch, its loss weight, and the document mask
     2. ring attention
     3. all-to-all attention
     4. attention(): the one call gpt.py makes
@@ -51,6 +58,7 @@ Sections:
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -78,10 +86,10 @@ def split_batch(batch: dict) -> dict:
     """This CP rank's share of a micro-batch of host tensors (every CP rank
     reads the same micro-batch): its tokens of every sequence, their labels,
     loss mask and positions (each token keeps its place in the full sequence,
-    for learned positions and RoPE alike), and `loss_weight`: the factor that
-    turns the model's masked mean over the local tokens into this rank's
-    share of the full sequences' mean, times cp (the gradients are averaged
-    over DP x CP, Megatron's way):
+    for learned positions and RoPE alike), their document ids if the batch
+    has them, and `loss_weight`: the factor that turns the model's masked
+    mean over the local tokens into this rank's share of the full sequences'
+    mean, times cp (the gradients are averaged over DP x CP, Megatron's way):
 
         loss_weight = cp x (tokens kept here) / (tokens kept in the full sequences)
 
@@ -94,6 +102,18 @@ def split_batch(batch: dict) -> dict:
     kept, total = local["loss_mask"].sum(), batch["loss_mask"].sum()
     local["loss_weight"] = torch.where(total > 0, lay.cp_size * kept / total.clamp(min=1), 0.0)
     return local
+
+
+def same_document(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The document mask (--reset-attention-mask), the one rule every attention
+    path with documents applies (gpt.py's, the ring's blocks, a2a's): query i
+    reads key j iff they share a document (equal ids, data._document_starts),
+    and, when causal (query i and key i the same token), j <= i.
+    doc_q (B, n), doc_k (B, m) -> (B, 1, n, m) bool, True where attended."""
+    mask = doc_q[:, :, None] == doc_k[:, None, :]  # (B, n, m)
+    if causal:
+        mask = mask & torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
+    return mask[:, None]
 
 
 # ============================================================================
@@ -120,11 +140,14 @@ def step_blocks(step: int, rank: int, cp: int, c: int) -> list[tuple[slice, slic
     return [(b, a, False), (b, b, False)]      # chunk 2cp-1-rank reads all of j and 2cp-1-j
 
 
-def _torch_scores(q, k, causal):
+def _torch_scores(q, k, causal, docs=None):
     """Scaled scores of q (B, H, n, D) against k (B, G, n, D), fp32, masked
-    above the diagonal when causal; k's heads repeated to H: (B, H, n, n)."""
+    above the diagonal when causal, and across documents when docs = (the
+    queries' document ids, the keys'); k's heads repeated to H: (B, H, n, n)."""
     k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # query head h reads h // (H/G)
     s = q.float() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if docs is not None:
+        return s.masked_fill(~same_document(*docs, causal), float("-inf"))
     if causal:
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
     return s
@@ -136,35 +159,38 @@ def _group_sum(x, G):
     return x.view(B, G, H // G, n, D).sum(2)
 
 
-def _block_forward(q, k, v, causal: bool, impl: str):
+def _block_forward(q, k, v, causal: bool, impl: str, docs=None):
     """(o, lse) of softmax(q k^T / sqrt(D)) v over one block: o (B, H, n, D)
     and lse (B, H, n), fp32. The Triton kernel's lse is in base 2 of the
     scaled scores, (B*H, n): lse = lse2 * ln 2; its o is in the inputs' dtype
-    (merged in fp32 all the same)."""
-    if impl == "triton":
+    (merged in fp32 all the same). With documents (docs, torch only) a row
+    may read no key of the block: its lse is -inf and its o 0, which _merge
+    weighs exp(-inf) = 0."""
+    if impl == "triton" and docs is None:  # the Triton kernels take no document masks
         o, lse2 = kernels._attn_forward(*kernels._kernel_inputs(q, k, v), causal, 1 / math.sqrt(q.shape[-1]))
         return o.float(), lse2.view(q.shape[:3]) / kernels.LOG2E
-    s = _torch_scores(q, k, causal)
+    s = _torch_scores(q, k, causal, docs)
     lse = s.logsumexp(-1)
-    repeat = q.shape[1] // k.shape[1]
-    return torch.exp(s - lse[..., None]) @ v.float().repeat_interleave(repeat, dim=1), lse
+    p = torch.exp(s - lse.clamp(min=torch.finfo(s.dtype).min)[..., None])  # a row of -inf: exp(-inf) = 0, no NaN
+    return p @ v.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1), lse
 
 
-def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str):
+def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str, docs=None):
     """(dq, dk, dv) of one block, fp32, given the FINAL (merged) o and lse of
     its query rows (FlashAttention-2's backward):
         P = exp(S - lse)  dV = P^T dO  dP = dO V^T  delta = rowsum(dO * O)
         dS = P (dP - delta)  dQ = dS K / sqrt(D)  dK = dS^T Q / sqrt(D),
-    dK and dV summed over the query heads of each K/V head."""
+    dK and dV summed over the query heads of each K/V head. The final lse is
+    finite (every token reads itself), so a masked score gives P = 0."""
     scale = 1 / math.sqrt(q.shape[-1])
-    if impl == "triton":
+    if impl == "triton" and docs is None:
         q2, k2, v2 = kernels._kernel_inputs(q, k, v)
         lse2 = (lse * kernels.LOG2E).reshape(-1, q.shape[2])  # (B*H, n), base 2
         grads = kernels._attn_backward(do, q2, k2, v2, o.to(q2.dtype), lse2, causal, scale)
         return tuple(g.float() for g in grads)
     G, repeat = k.shape[1], q.shape[1] // k.shape[1]
     do, o = do.float(), o.float()
-    p = torch.exp(_torch_scores(q, k, causal) - lse[..., None])        # (B, H, n, n)
+    p = torch.exp(_torch_scores(q, k, causal, docs) - lse[..., None])  # (B, H, n, n)
     dv = p.transpose(-1, -2) @ do                                        # (B, H, n, D)
     dp = do @ v.float().repeat_interleave(repeat, dim=1).transpose(-1, -2)
     ds = p * (dp - (do * o).sum(-1, keepdim=True))                       # delta = rowsum(dO * O)
@@ -175,10 +201,13 @@ def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str):
 
 def _merge(o, lse, rows, o_block, lse_block) -> None:
     """Fold a block's (o, lse) into the running (o, lse) of its query rows, in
-    place: the online softmax, across blocks and ranks. lse starts at -inf."""
+    place: the online softmax, across blocks and ranks. lse starts at -inf; a
+    row that has read no key yet, here or before (documents), stays o 0, lse
+    -inf (its weights exp(-inf - finfo.min) are 0, not -inf - -inf = NaN)."""
     new = torch.logaddexp(lse[:, :, rows], lse_block)
-    o[:, :, rows] = (o[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
-                     + o_block * torch.exp(lse_block - new)[..., None])
+    safe = new.clamp(min=torch.finfo(new.dtype).min)
+    o[:, :, rows] = (o[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None]
+                     + o_block * torch.exp(lse_block - safe)[..., None])
     lse[:, :, rows] = new
 
 
@@ -208,28 +237,40 @@ class Ring:
         self.pending = None
 
 
-def _ring_forward(q, k, v, impl: str):
+def _travelling(k, v, documents) -> list[torch.Tensor]:
+    """What goes round the ring: K and V, (2, B, G, 2c, D), and with documents
+    their document ids, (B, 2c) long: a second, small tensor of the same exchange."""
+    return [torch.stack([k, v])] + ([] if documents is None else [documents])
+
+
+def _block_documents(documents, held, rows, cols):
+    """(the queries' document ids, the held keys') of a block, or None."""
+    return None if documents is None else (documents[:, rows], held[1][:, cols])
+
+
+def _ring_forward(q, k, v, documents, impl: str):
     """(o, lse) of this rank's queries over every rank's K/V: at step s the
-    K/V of step s+1 travel while step s's blocks run."""
+    K/V of step s+1 (and their document ids) travel while step s's blocks run."""
     lay = parallel.layout
     cp, c = lay.cp_size, q.shape[2] // 2
     ring = Ring(lay.cp_group) if cp > 1 else None
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)                 # (B, H, 2c, D)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, 2c)
-    kv = torch.stack([k, v])                                                       # (2, B, G, 2c, D)
+    held = _travelling(k, v, documents)                                            # [(2, B, G, 2c, D), ...]
     for step in range(cp):
         if step < cp - 1:
-            (next_kv,) = ring.start(kv)
+            incoming = ring.start(*held)
+        kv = held[0]
         for rows, cols, causal in step_blocks(step, lay.cp_rank, cp, c):
-            _merge(o, lse, rows, *_block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                 causal, impl))
+            _merge(o, lse, rows, *_block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal,
+                                                 impl, _block_documents(documents, held, rows, cols)))
         if step < cp - 1:
             ring.wait()
-            kv = next_kv
+            held = incoming
     return o.to(q.dtype), lse
 
 
-def _ring_backward(do, q, k, v, o, lse, impl: str):
+def _ring_backward(do, q, k, v, documents, o, lse, impl: str):
     """(dq, dk, dv) of _ring_forward. The K/V travel ahead as in forward; the
     dK/dV (fp32) of the K/V a rank holds at step s were summed by the ranks
     that held them before and arrive from rank - 1 one step behind, while
@@ -239,14 +280,16 @@ def _ring_backward(do, q, k, v, o, lse, impl: str):
     cp, c = lay.cp_size, q.shape[2] // 2
     ring = Ring(lay.cp_group) if cp > 1 else None
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv, dkv = torch.stack([k, v]), None  # dkv: (2, B, G, 2c, D), of the K/V held
+    held, dkv = _travelling(k, v, documents), None  # dkv: (2, B, G, 2c, D), of the K/V held
     for step in range(cp):
-        sent = ([kv] if step < cp - 1 else []) + ([dkv] if step > 0 else [])
+        sent = (held if step < cp - 1 else []) + ([dkv] if step > 0 else [])
         received = ring.start(*sent) if sent else []
+        kv = held[0]
         mine = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for rows, cols, causal in step_blocks(step, lay.cp_rank, cp, c):
             grads = _block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                    o[:, :, rows], lse[:, :, rows], causal, impl)
+                                    o[:, :, rows], lse[:, :, rows], causal, impl,
+                                    _block_documents(documents, held, rows, cols))
             dq[:, :, rows] += grads[0]
             mine[0][:, :, cols] += grads[1]
             mine[1][:, :, cols] += grads[2]
@@ -254,7 +297,7 @@ def _ring_backward(do, q, k, v, o, lse, impl: str):
             ring.wait()
         dkv = mine + received[-1] if step > 0 else mine  # the earlier holders' sum, and this rank's
         if step < cp - 1:
-            kv = received[0]
+            held = received[:len(held)]
     if cp > 1:
         (dkv,) = ring.start(dkv)  # to its owner, rank + 1 (whose K/V this rank held last)
         ring.wait()
@@ -268,36 +311,37 @@ def _ring_backward(do, q, k, v, o, lse, impl: str):
 # from parallel.layout (an op's arguments are tensors and scalars).
 
 @torch.library.custom_op("context::ring_attention", mutates_args=())
-def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[torch.Tensor],
                       impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o in q's dtype, lse (B, H, 2c) fp32) of ring attention."""
-    return _ring_forward(q, k, v, impl)
+    """(o in q's dtype, lse (B, H, 2c) fp32) of ring attention; documents:
+    this rank's (B, 2c) document ids, or None."""
+    return _ring_forward(q, k, v, documents, impl)
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, impl):
+def _(q, k, v, documents, impl):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("context::ring_attention_backward", mutates_args=())
 def ring_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               o: torch.Tensor, lse: torch.Tensor,
+                               documents: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
                                impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ring_backward(do, q, k, v, o, lse, impl)
+    return _ring_backward(do, q, k, v, documents, o, lse, impl)
 
 
 @ring_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, impl):
+def _(do, q, k, v, documents, o, lse, impl):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, ctx.impl = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, documents, ctx.impl = inputs
+    ctx.save_for_backward(q, k, v, documents, *output)
 
 
 def _ring_grad(ctx, do, dlse):
-    return (*ring_attention_backward_op(do, *ctx.saved_tensors, ctx.impl), None)
+    return (*ring_attention_backward_op(do, *ctx.saved_tensors, ctx.impl), None, None)
 
 
 ring_attention_op.register_autograd(_ring_grad, setup_context=_ring_setup)
@@ -367,29 +411,45 @@ class _HeadsToSequence(torch.autograd.Function):
         return _sequence_to_heads(grad)
 
 
-def _causal_attention(q, k, v, impl: str) -> torch.Tensor:
-    """Ordinary causal attention over whole sequences, (B, H, T, D)."""
-    if impl == "triton":
+def _gather_documents(documents: torch.Tensor) -> torch.Tensor:
+    """This rank's document ids (B, 2c) -> the full sequences' (B, T), in
+    natural order: every rank sends its ids to every rank, as if one head
+    each, and _sequence_to_heads puts the chunks in order."""
+    C = parallel.layout.cp_size
+    return _sequence_to_heads(documents[:, None, :, None].expand(-1, C, -1, 1))[:, 0, :, 0]
+
+
+def _causal_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
+    """Ordinary causal attention over whole sequences, (B, H, T, D); with
+    documents (B, T), causal within each (the torch path: the Triton kernels
+    take no document masks)."""
+    if impl == "triton" and documents is None:
         return kernels.flash_attention(q, k, v, causal=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    mask = None if documents is None else same_document(documents, documents, causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
-def a2a_attention(q, k, v, impl: str) -> torch.Tensor:
+def a2a_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
     """Ulysses: all-to-all to head-sharded full sequences, attention, back.
     The heads and K/V groups divide by C (parallel.check_layout)."""
     q, k, v = (_SequenceToHeads.apply(t) for t in (q, k, v))  # (B, H/C or G/C, T, D)
-    return _HeadsToSequence.apply(_causal_attention(q, k, v, impl))
+    full = None if documents is None else _gather_documents(documents)  # (B, T)
+    return _HeadsToSequence.apply(_causal_attention(q, k, v, impl, full))
 
 
 # ============================================================================
 # 4. attention(): the one call gpt.py makes
 # ============================================================================
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, impl: str) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, impl: str,
+              documents: torch.Tensor | None = None) -> torch.Tensor:
     """Exact causal attention of this CP rank's queries over the full sequences.
     q (B, nh, T/C, hd), k, v (B, G, T/C, hd): this rank's zigzag chunks
     (section 1); returns y (B, nh, T/C, hd) in q's dtype. comm_type "p2p"
-    (ring) or "a2a" (Ulysses); impl "torch" or "triton" (kernels.py)."""
+    (ring) or "a2a" (Ulysses); impl "torch" or "triton" (kernels.py);
+    documents: this rank's (B, T/C) document ids (split_batch's), and then
+    each token reads only its own document's (same_document)."""
     if comm_type == "a2a":
-        return a2a_attention(q, k, v, impl)
-    return ring_attention_op(q, k, v, impl)[0]
+        return a2a_attention(q, k, v, impl, documents)
+    return ring_attention_op(q, k, v, documents, impl)[0]

@@ -332,16 +332,19 @@ def default_cache_dir(path_prefix: str) -> str:
 class GPTDataset(torch.utils.data.Dataset):
     """num_samples samples of seq_length tokens over `documents` (sequence indices of
     `indexed`). Item i is a dict of (S,) tensors, S = seq_length: tokens, labels (tokens
-    shifted by one), loss_mask (float; 0 where the input is EOD with eod_mask_loss) and
-    position_ids (restarting after each EOD with reset_position_ids)."""
+    shifted by one), loss_mask (float; 0 where the input is EOD with eod_mask_loss),
+    position_ids (restarting after each EOD with reset_position_ids) and, with
+    reset_attention_mask, document_ids (each token's document: _document_starts)."""
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, seq_length: int,
                  seed: int, cache_dir: str | None = None, eod_token: int = 50256,
-                 reset_position_ids: bool = False, eod_mask_loss: bool = False, name: str = "train"):
+                 reset_position_ids: bool = False, eod_mask_loss: bool = False, name: str = "train",
+                 reset_attention_mask: bool = False):
         documents = np.asarray(documents, dtype=np.int64)  # some, with tokens (build_train_valid_test_datasets)
         self.indexed, self.name = indexed, name
         self.num_samples, self.seq_length = num_samples, seq_length
         self.eod_token, self.reset_position_ids, self.eod_mask_loss = eod_token, reset_position_ids, eod_mask_loss
+        self.reset_attention_mask = reset_attention_mask
         prefix = indexed.path_prefix
         description = {
             "class": "GPTDataset", "version": _INDEX_CACHE_VERSION, "prefix": os.path.abspath(prefix),
@@ -378,17 +381,25 @@ class GPTDataset(torch.utils.data.Dataset):
         is_eod = tokens == self.eod_token
         loss_mask = (~is_eod).float() if self.eod_mask_loss else torch.ones(self.seq_length)
         position_ids = _reset_positions(is_eod) if self.reset_position_ids else torch.arange(self.seq_length)
-        return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)
+        item = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)
+        if self.reset_attention_mask:  # attention stays within each document (context.same_document)
+            item["document_ids"] = _document_starts(is_eod)
+        return item
+
+
+def _document_starts(is_eod: torch.Tensor) -> torch.Tensor:
+    """Each token's document, named by the index of its first token: a document
+    starts after each EOD, which ends (belongs to) the one before:
+    [a b EOD c d] -> [0 0 0 3 3]. Two tokens share a document iff equal."""
+    starts = torch.zeros(is_eod.shape[0], dtype=torch.long)
+    after_eod = torch.nonzero(is_eod[:-1]).flatten() + 1
+    starts[after_eod] = after_eod
+    return torch.cummax(starts, dim=0).values
 
 
 def _reset_positions(is_eod: torch.Tensor) -> torch.Tensor:
     """Positions that restart at 0 on the token after each EOD: [a b EOD c d] -> [0 1 2 0 1]."""
-    S = is_eod.shape[0]
-    seg_start = torch.zeros(S, dtype=torch.long)
-    after_eod = torch.nonzero(is_eod[:-1]).flatten() + 1
-    seg_start[after_eod] = after_eod
-    seg_start = torch.cummax(seg_start, dim=0).values  # start of the segment each position is in
-    return torch.arange(S) - seg_start
+    return torch.arange(is_eod.shape[0]) - _document_starts(is_eod)
 
 
 # ----------------------------------------------------------------------------
@@ -470,7 +481,8 @@ _BLEND_MARGIN = 0.005  # Megatron's surplus: children get 0.5% extra so the gree
 
 def build_train_valid_test_datasets(data_path: list[str], split: str, num_samples, seq_length: int, seed: int,
                                     cache_dir: str | None = None, eod_token: int = 50256,
-                                    reset_position_ids: bool = False, eod_mask_loss: bool = False):
+                                    reset_position_ids: bool = False, eod_mask_loss: bool = False,
+                                    reset_attention_mask: bool = False):
     """(train, valid, test) datasets over a single corpus or a weighted blend; None
     where 0 samples are asked. Each corpus is split by document with `split`."""
     prefixes, weights = parse_blend(data_path)
@@ -493,7 +505,7 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, num_sample
                                  f"but {n_child} {name} samples were asked for; add more documents, or give {name} "
                                  f"a larger share in --split" + (" (or none: no evaluation)" if name == "valid" else ""))
             parts.append(GPTDataset(ds, documents, n_child, seq_length, seed, cache_dir, eod_token,
-                                    reset_position_ids, eod_mask_loss, name))
+                                    reset_position_ids, eod_mask_loss, name, reset_attention_mask))
         result.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, n, cache_dir, name))
     return tuple(result)
 

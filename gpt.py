@@ -237,12 +237,13 @@ class CausalSelfAttention(nn.Module):
         parallel.mark(self.proj, residual_out=True)  # the scaled init, see init_weights
         self.resid_drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
-    def heads(self, x, *chunk, rope=None, cache=None):
+    def heads(self, x, *chunk, rope=None, cache=None, documents=None):
         """Everything before the output projection: (B, T, C) -> (B, T, C/tp).
         Under TP qkv is column-parallel with output [Q_r | K_r | V_r]: this rank
         attends with its nh/tp query and G/tp key/value heads (under sequence
         parallelism qkv gathers all T tokens). rope: rope_angles(...) or None;
-        `chunk`: see domino_blocks; cache: KVCache.extend for this layer."""
+        `chunk`: see domino_blocks; cache: KVCache.extend for this layer;
+        documents: (B, T) document ids (--reset-attention-mask) or None."""
         cfg, hd = self.config, self.head_dim
         qkv = self.qkv(x, *chunk)                        # (B, T, (nh + 2G) * hd / tp)
         B, T, _ = qkv.shape
@@ -261,18 +262,21 @@ class CausalSelfAttention(nn.Module):
         if k.shape[2] != q.shape[2]:                     # new queries over a cached prefix
             y = cached_attention(q, k, v)
         elif parallel.layout.cp_size > 1 and cache is None:  # the other CP ranks' tokens too (context.py)
-            y = context.attention(q, k, v, cfg.cp_comm_type, cfg.attention_impl)
-        elif cfg.attention_impl == "triton":             # FlashAttention-2 (kernels.py; no dropout)
+            y = context.attention(q, k, v, cfg.cp_comm_type, cfg.attention_impl, documents)
+        elif cfg.attention_impl == "triton" and documents is None:  # FlashAttention-2 (kernels.py; no dropout)
             y = kernels.flash_attention(q, k, v, causal=True)
         else:
             p = cfg.attention_dropout if self.training else 0.0
+            # with documents, causal within each one (context.same_document): (B, 1, T, T)
+            mask = None if documents is None else context.same_document(documents, documents, causal=True)
             # Each TP rank holds other heads: attention dropout draws this rank's own mask.
             with parallel.per_rank_rng() if p > 0 and tp > 1 else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=G != nh)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                   enable_gqa=G != nh)
         return y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, C_local)
 
-    def forward(self, x, rope=None, cache=None):
-        return self.resid_drop(self.proj(self.heads(x, rope=rope, cache=cache)))  # (B, T, C)
+    def forward(self, x, rope=None, cache=None, documents=None):
+        return self.resid_drop(self.proj(self.heads(x, rope=rope, cache=cache, documents=documents)))  # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -309,12 +313,12 @@ class Block(nn.Module):
         self.ln_2 = make_layernorm(config, config.hidden_size)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope=None, cache=None):
+    def forward(self, x, rope=None, cache=None, documents=None):
         if not getattr(self.ln_2, "fuses_residual_add", False):
-            x = x + self.attn(self.ln_1(x), rope, cache)     # (B, T, C)
+            x = x + self.attn(self.ln_1(x), rope, cache, documents)  # (B, T, C)
             return x + self.mlp(self.ln_2(x))
         # kernels.TritonLayerNorm: the residual add and ln_2 in one kernel
-        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope, cache))
+        x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope, cache, documents))
         return x + self.mlp(h)
 
 
@@ -331,17 +335,18 @@ def add_and_norm(ln: nn.Module, x, branch):
     return x, ln(x)
 
 
-def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None):
+def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None, documents=None):
     """The block stack with Domino overlap (the schedule: parallel.domino),
     (B, T, C) -> (B, T, C): the maths of running the blocks in turn (with
     dropout the masks are drawn in another order). The micro-batch splits along
     the batch into n_chunks (uneven is fine); each block is two sublayers,
-    attention and MLP. Per-sample RoPE angles split with the batch."""
+    attention and MLP. Per-sample RoPE angles and document ids split with the batch."""
     chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C), under SP (b, T/tp, C)
     per_sample = rope is not None and rope.dim() == 4  # (B, 1, T, R/2)
     ropes = rope.tensor_split(n_chunks, dim=0) if per_sample else [rope] * len(chunks)
+    docs = documents.tensor_split(n_chunks, dim=0) if documents is not None else [None] * len(chunks)
     sublayers = [s for b in blocks for s in (
-        parallel.Sublayer(b.ln_1, lambda h, d, i, b=b: b.attn.heads(h, d, rope=ropes[i]),
+        parallel.Sublayer(b.ln_1, lambda h, d, i, b=b: b.attn.heads(h, d, rope=ropes[i], documents=docs[i]),
                           b.attn.proj, b.attn.resid_drop),
         parallel.Sublayer(b.ln_2, lambda h, d, i, b=b: b.mlp.hidden(h, d), b.mlp.proj, b.mlp.drop))]
     outputs = parallel.domino(sublayers, chunks, add_and_norm,
@@ -483,12 +488,14 @@ class GPT(nn.Module):
 
     # -- forward --------------------------------------------------------------
 
-    def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None):
+    def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None, document_ids=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
         the masked mean cross-entropy loss (fp32 scalar). The ids are the
         caller's to check (train.check_batches does, on the host); a label
         has no ignore value: loss_mask leaves tokens out. kv_cache (generate):
         a KVCache holding the positions before input_ids, which it extends.
+        document_ids (B, T) long (--reset-attention-mask): a token attends only
+        to the tokens of its own document, those of equal id (data._document_starts).
         Under sequence parallelism the blocks hold this rank's T/tp tokens. A
         pipeline stage runs the same pieces (embed, blocks, head), a model
         chunk at a time: pipeline.Stage."""
@@ -504,10 +511,10 @@ class GPT(nn.Module):
                 x = block(x, rope, functools.partial(kv_cache.extend, i))
             kv_cache.length += T
         elif self.domino or self.config.activation_checkpointing:
-            x = self.run_blocks(x, rope, self.blocks)
+            x = self.run_blocks(x, rope, self.blocks, document_ids)
         else:
             for block in self.blocks:
-                x = block(x, rope)                                   # (B, T, C)
+                x = block(x, rope, documents=document_ids)          # (B, T, C)
         return self.head(x, labels, loss_mask)
 
     def embed(self, input_ids, position_ids):
@@ -521,22 +528,23 @@ class GPT(nn.Module):
             position_ids = position_ids[..., r * s:(r + 1) * s]     # this rank's tokens
         return self.drop(x + self.wpe(position_ids)), None
 
-    def run_blocks(self, x, rope, blocks):
+    def run_blocks(self, x, rope, blocks, documents=None):
         """`blocks` in turn on x (B, T[/tp], C), with what changes how they run,
         not what they compute: Domino's overlap of TP all-reduces
         (domino_blocks) and activation checkpointing (each block recomputed in
         backward)."""
         n_chunks = min(self.config.domino_chunks, x.shape[0])
         if self.domino and n_chunks > 1:
-            return domino_blocks(blocks, x, n_chunks, rope)
+            return domino_blocks(blocks, x, n_chunks, rope, documents)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in blocks:
             if recompute:
-                # The RoPE angles ride in a closure, not as an input: DeepSpeed's
-                # --partition-activations would split every input.
-                x = parallel.checkpoint_with_rng(self.checkpoint_fn, functools.partial(block, rope=rope), x)
+                # The RoPE angles and documents ride in a closure, not as inputs:
+                # DeepSpeed's --partition-activations would split every input.
+                x = parallel.checkpoint_with_rng(self.checkpoint_fn,
+                                                 functools.partial(block, rope=rope, documents=documents), x)
             else:
-                x = block(x, rope)
+                x = block(x, rope, documents=documents)
         return x
 
     def head(self, x, labels=None, loss_mask=None):

@@ -119,7 +119,7 @@ class Stage(nn.Module):
         # every chunk holds n layers (pipeline_chunks), in model.blocks in layer order; a slice of
         # the list, as a slice of the ModuleList would build a new module every forward (0.2 ms at 48)
         n = len(layers)
-        x = model.run_blocks(x, rope, list(model.blocks)[chunk * n:(chunk + 1) * n])
+        x = model.run_blocks(x, rope, list(model.blocks)[chunk * n:(chunk + 1) * n], batch.get("document_ids"))
         if layers.stop < model.config.num_layers:
             return x
         return model.head(x, batch["labels"], batch["loss_mask"])

@@ -203,7 +203,8 @@ def build_datasets(cfg: TrainConfig, global_batch: int):
     build = lambda: data_lib.build_train_valid_test_datasets(  # noqa: E731
         data_path=cfg.data_path, split=cfg.split, num_samples=num_samples, seq_length=cfg.seq_length,
         seed=cfg.seed, cache_dir=cfg.data_cache_path, eod_token=eod_token(cfg),
-        reset_position_ids=cfg.reset_position_ids, eod_mask_loss=cfg.eod_mask_loss)[:2]
+        reset_position_ids=cfg.reset_position_ids, eod_mask_loss=cfg.eod_mask_loss,
+        reset_attention_mask=cfg.reset_attention_mask)[:2]
     if not dist.is_initialized():
         return build()
     # Rank 0 builds and caches the index arrays, then the others load that cache. If rank 0
@@ -300,7 +301,8 @@ def train_step(trainer, batches: list, lr: float):
             b = to_device(batch, trainer.device)
             with trainer.micro_batch(last=i == m - 1):
                 with trainer.precision:  # the engine's autocast (--bf16 / --fp16)
-                    loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
+                    loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
+                                         document_ids=b.get("document_ids"))
                 if "loss_weight" in b:
                     loss = loss * b["loss_weight"]
                 trainer.backward(loss, m)
@@ -505,7 +507,8 @@ def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, c
                   for i in range(cfg.eval_iters)]
     else:
         with precision:
-            losses = [model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"]).float()
+            losses = [model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
+                            document_ids=b.get("document_ids")).float()
                       * b.get("loss_weight", 1.0) for b in (to_device(b, device) for b in batches)]
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.layout.dp_cp_group).item()

@@ -146,6 +146,9 @@ def test_megatron_flags_fill_typed_config():
     (["--preset", "tiny", "--context-parallel-size", "2", "--seq-length", "36", "--tensor-model-parallel-size", "2",
       "--sequence-parallel"], "--seq-length 36 must be divisible by 2 x 2 x --tensor-model-parallel-size 2 "
                               r"\(--sequence-parallel\) = 8$"),
+    (["--preset", "tiny", "--reset-attention-mask", "--attention-impl", "triton"], r"^--reset-attention-mask "
+     r"with --attention-impl triton \(the default on CUDA in eager mode\): the Triton kernels take no document "
+     "masks; add --attention-impl torch$"),
     (["--preset", "tiny", "--context-parallel-size", "2", "--attention-dropout", "0.1"],
      "no rank holds a row's attention probabilities whole to drop them; use --attention-dropout 0$"),
     (["--preset", "tiny", "--ckpt-format", "torch_dist", "--deepspeed"], "writes DeepSpeed's own checkpoints"),

@@ -6,7 +6,8 @@ Each test rank builds the same random full-sequence q (B, nh, T, hd) and k, v
 context.attention on them, and compares the output and the gradients of q, k
 and v with F.scaled_dot_product_attention on the full tensors (float64),
 sliced the same way. Ring (p2p) and all-to-all (a2a), torch and Triton (the
-interpreter, on CPU), GQA and MHA, eager and under torch.compile.
+interpreter, on CPU), GQA and MHA, eager and under torch.compile; and with
+document masks (--reset-attention-mask), against SDPA with the same mask.
 """
 import os
 import sys
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 import context
 import kernels
 import parallel
-from conftest import run_on_ranks
+from conftest import IDS, TINY, read_metrics, run_on_ranks, train_on_ranks
 
 # (nh, G): grouped-query (two query heads per K/V head) and multi-head
 HEADS = [(4, 2), (4, 4)]
@@ -31,33 +32,55 @@ def _full_inputs(nh, G, T, hd, B=2, seed=0):
     return q, k, v, do
 
 
-def _reference(q, k, v, do):
-    """Output and (dq, dk, dv) of full-sequence causal SDPA, in float64."""
+def _documents(T, B=2):
+    """Document ids (B, T) of unequal documents (data._document_starts' form:
+    each token's document's first index) that cross the chunk and rank
+    boundaries at T = 32, C = 2 and 4 (chunks of 8 and 4 tokens): row 0 has a
+    document inside one chunk (3..5) and one over 3+ chunks (6..28); row 1
+    others. Some rows read no key of another rank's chunks (29..31 of row 0)."""
+    starts = [[0, 3, 6, 29], [0, 10, 12, 21]][:B]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for row, firsts in enumerate(starts):
+        for first in firsts:
+            ids[row, first:] = first
+    return ids
+
+
+def _reference(q, k, v, do, documents=None):
+    """Output and (dq, dk, dv) of full-sequence causal SDPA, in float64; with
+    documents (B, T), causal within each document."""
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    mask = None
+    if documents is not None:
+        T = documents.shape[1]
+        mask = ((documents[:, :, None] == documents[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     y.backward(do.double())
     return y.detach(), q.grad, k.grad, v.grad
 
 
-def _local_attention(q, k, v, do, comm_type, impl, attention=context.attention):
-    """This rank's rows of q, k, v, do through `attention`: output and (dq, dk, dv)."""
+def _local_attention(q, k, v, do, comm_type, impl, attention=context.attention, documents=None):
+    """This rank's rows of q, k, v, do (and documents) through `attention`: output and (dq, dk, dv)."""
     mine = context.local_positions(q.shape[2], parallel.layout.cp_size, parallel.layout.cp_rank)
     q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
-    y = attention(q, k, v, comm_type, impl)
+    y = attention(q, k, v, comm_type, impl, None if documents is None else documents[:, mine])
     y.backward(do[:, :, mine])
     return y.detach(), q.grad, k.grad, v.grad
 
 
 def _check_equals_full_attention(cp, cases, T, hd, tol):
+    """cases: (comm_type, impl, nh, G, with documents)."""
     parallel.initialize(1, context_parallel_size=cp)
     mine = context.local_positions(T, cp, parallel.layout.cp_rank)
-    for comm_type, impl, nh, G in cases:
+    for comm_type, impl, nh, G, with_documents in cases:
         q, k, v, do = _full_inputs(nh, G, T, hd)
-        got = _local_attention(q, k, v, do, comm_type, impl)
-        for name, a, b in zip(("y", "dq", "dk", "dv"), got, _reference(q, k, v, do)):
+        documents = _documents(T) if with_documents else None
+        got = _local_attention(q, k, v, do, comm_type, impl, documents=documents)
+        for name, a, b in zip(("y", "dq", "dk", "dv"), got, _reference(q, k, v, do, documents)):
             assert a.dtype == torch.float32, f"{name}: {a.dtype}"
             err = (a.double() - b[:, :, mine]).abs().max().item()
-            assert err <= tol, f"cp={cp} {comm_type} {impl} nh={nh} G={G}: {name} off by {err:.3g}"
+            assert err <= tol, f"cp={cp} {comm_type} {impl} nh={nh} G={G} documents={with_documents}: " \
+                               f"{name} off by {err:.3g}"
 
 
 @pytest.mark.quick
@@ -93,14 +116,16 @@ def test_step_blocks_cover_the_causal_triangle_exactly_once():
 @pytest.mark.quick
 @pytest.mark.slow
 def test_ring_and_all_to_all_equal_full_attention_on_2_ranks():
-    cases = [(comm, "torch", nh, G) for comm in context.COMM_TYPES for nh, G in HEADS]
+    """Causal, and causal within unequal documents (_documents)."""
+    cases = [(comm, "torch", nh, G, docs) for comm in context.COMM_TYPES for nh, G in HEADS for docs in (False, True)]
     run_on_ranks(_check_equals_full_attention, 2, cases, 32, 8, 1e-5, world_size=2)
 
 
 @pytest.mark.slow
 def test_ring_and_all_to_all_equal_full_attention_on_4_ranks():
     # a2a splits the K/V heads too: G = 4 at C = 4
-    cases = [("p2p", "torch", nh, G) for nh, G in HEADS] + [("a2a", "torch", 8, 4), ("a2a", "torch", 4, 4)]
+    cases = [("p2p", "torch", nh, G, docs) for nh, G in HEADS for docs in (False, True)] + \
+        [("a2a", "torch", 8, 4, False), ("a2a", "torch", 4, 4, True)]
     run_on_ranks(_check_equals_full_attention, 4, cases, 32, 8, 1e-5, world_size=4)
 
 
@@ -111,7 +136,7 @@ def test_ring_with_the_triton_kernels_equals_full_attention():
     """The ring's blocks through kernels.py's FlashAttention-2 forward and
     backward (interpreted), GQA: the kernels' base-2 lse converts exactly;
     and a2a's attention through kernels.flash_attention."""
-    cases = [("p2p", "triton", 4, 2), ("a2a", "triton", 4, 2)]
+    cases = [("p2p", "triton", 4, 2, False), ("a2a", "triton", 4, 2, False)]
     run_on_ranks(_check_equals_full_attention, 2, cases, 64, 32, 1e-4, world_size=2)
 
 
@@ -119,12 +144,12 @@ def _check_compiles_whole():
     parallel.initialize(1, context_parallel_size=2)
     torch._dynamo.reset()
     q, k, v, do = _full_inputs(4, 2, 32, 8)
-    for comm_type in context.COMM_TYPES:
-        compiled = torch.compile(lambda q, k, v, c, i: context.attention(q * 1, k, v, c, i) * 2,
+    for comm_type, documents in ((comm, docs) for comm in context.COMM_TYPES for docs in (None, _documents(32))):
+        compiled = torch.compile(lambda q, k, v, c, i, d: context.attention(q * 1, k, v, c, i, d) * 2,
                                  fullgraph=True, backend="aot_eager")
-        eager = lambda q, k, v, c, i: context.attention(q * 1, k, v, c, i) * 2  # noqa: E731
-        got = _local_attention(q, k, v, do, comm_type, "torch", compiled)
-        ref = _local_attention(q, k, v, do, comm_type, "torch", eager)
+        eager = lambda q, k, v, c, i, d: context.attention(q * 1, k, v, c, i, d) * 2  # noqa: E731
+        got = _local_attention(q, k, v, do, comm_type, "torch", compiled, documents)
+        ref = _local_attention(q, k, v, do, comm_type, "torch", eager, documents)
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -132,7 +157,8 @@ def _check_compiles_whole():
 @pytest.mark.slow
 def test_attention_compiles_with_no_graph_break():
     """fullgraph=True: Dynamo captures the ring's custom op and the all-to-alls
-    whole, forward and backward, and they compute what eager mode does."""
+    whole, forward and backward, with documents or without, and they compute
+    what eager mode does."""
     run_on_ranks(_check_compiles_whole, world_size=2)
 
 
@@ -240,3 +266,32 @@ def test_each_ring_exchange_is_in_flight_while_a_step_computes(tmp_path):
     assert order[:5] == [*forward, "block"], order
     backward = order[5:]  # step 0: K/V out, one causal block; step 1: dK/dV out, two blocks; dK/dV home
     assert backward == ["send", "block", "land", "send", "block", "block", "land", "send", "land"], order
+
+
+# ----------------------------------------------------------------------------
+# Documents (--reset-attention-mask) from the command line
+
+
+@pytest.mark.slow
+def test_documents_at_cp_2_train_cp_1s_curve(ids_corpus, tmp_path):
+    """--reset-attention-mask --reset-position-ids --eod-mask-loss on the ids
+    corpus (documents of 20-119 ids, so that documents end inside the 4
+    chunks of many 32-token sequences): CP=2's ring trains CP=1's curve, loss,
+    grad norm and validation loss to 1e-5; and the masks change it."""
+    common = [*TINY, *IDS, "--data-path", ids_corpus, "--train-iters", "4", "--reset-position-ids",
+              "--eod-mask-loss"]
+
+    def run(name, nproc, *flags):
+        path = tmp_path / f"{name}.jsonl"
+        train_on_ranks([*common, "--metrics-file", str(path), *flags], nproc=nproc)
+        return {m["iteration"]: m for m in read_metrics(path)}
+    want = run("cp1", 1, "--reset-attention-mask")
+    got = run("cp2", 2, "--reset-attention-mask", "--context-parallel-size", "2")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4] and "val_loss" in want[4]
+    for i, m in got.items():
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert (key in m) == (key in want[i])
+            if key in m:
+                assert m[key] == pytest.approx(want[i][key], abs=1e-5), (i, key)
+    unmasked = run("unmasked", 1)
+    assert unmasked[1]["loss"] != pytest.approx(want[1]["loss"], abs=1e-4)

@@ -331,13 +331,17 @@ def test_empty_split_asked_for_samples_is_a_clear_error(tmp_path):
         build_train_valid_test_datasets([prefix], "99,1,0", (10, 10, 0), 8, 1234)
 
 
-def test_eod_mask_loss_and_reset_position_ids(tmp_path):
+def test_eod_mask_loss_reset_position_ids_and_reset_attention_mask(tmp_path):
+    """Positions restart after each EOD, which has no loss; document_ids (with
+    --reset-attention-mask alone) name each token's document by its first
+    token, the EOD counted in the document it ends."""
     docs = [np.array([1, 2, EOD]), np.array([3, 4, 5, 6, EOD]), np.array([7, EOD])]
     prefix = write_corpus(tmp_path / "c", docs)
     kw = dict(cache_dir=str(tmp_path / "cache"), docs=np.arange(3))
     plain = gpt(prefix, 1, 9, **kw)[0]
     assert plain["loss_mask"].tolist() == [1.0] * 9 and plain["position_ids"].tolist() == list(range(9))
-    item = gpt(prefix, 1, 9, eod_mask_loss=True, reset_position_ids=True, **kw)[0]
+    assert "document_ids" not in plain
+    item = gpt(prefix, 1, 9, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True, **kw)[0]
     tokens = item["tokens"].tolist()
     eod_at = [k for k, t in enumerate(tokens) if t == EOD]
     assert item["loss_mask"].tolist() == [0.0 if k in eod_at else 1.0 for k in range(9)]
@@ -346,7 +350,28 @@ def test_eod_mask_loss_and_reset_position_ids(tmp_path):
         expected.append(pos)
         pos = 0 if t == EOD else pos + 1
     assert item["position_ids"].tolist() == expected and len(eod_at) >= 2
+    first = [k - p for k, p in enumerate(expected)]  # the index of each token's document's first token
+    assert item["document_ids"].tolist() == first and item["document_ids"].dtype == torch.long
 
+
+
+def test_positions_loss_mask_and_document_masks_are_megatrons(tmp_path):
+    """With --reset-position-ids, --eod-mask-loss and --reset-attention-mask,
+    each packed sample's positions and loss mask are megatron-core's, and its
+    documents' causal mask (context.same_document) is Megatron's attention
+    mask (True there where a token may not attend)."""
+    _megatron()
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+    import context
+    prefix = str(write_corpus(tmp_path / "c", random_docs(60, seed=3, max_len=12)))
+    ours = gpt(prefix, 20, 16, cache_dir=str(tmp_path / "cache"), reset_position_ids=True, eod_mask_loss=True,
+               reset_attention_mask=True)
+    for i in range(len(ours)):
+        item = ours[i]
+        mask, loss_mask, positions = _get_ltor_masks_and_position_ids(item["tokens"], EOD, True, True, True, True)
+        assert torch.equal(item["position_ids"], positions) and torch.equal(item["loss_mask"], loss_mask)
+        ids = item["document_ids"][None]  # (1, S)
+        assert torch.equal(context.same_document(ids, ids, causal=True)[0], ~mask), i
 
 # ---------------------------------------------------------------- blending and sampler
 

@@ -335,6 +335,32 @@ def test_rope_model_has_no_position_table_and_honours_position_ids():
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("options", [{}, ALL_OPTIONS], ids=["gpt2", "llama"])
+def test_documents_back_to_back_read_as_each_alone(options):
+    """--reset-attention-mask: with document_ids (and positions restarting
+    after each EOD), two documents packed in one sequence give the logits
+    each gives alone, learned positions or RoPE (+ GQA); a row per packing."""
+    import data
+    m = tiny_model(**options).eval()
+    x = tokens()
+    splits = (5, 11)  # row r: document one is x[r, :splits[r]] (ending in an EOD), document two the rest
+    is_eod = torch.zeros(2, 16, dtype=torch.bool)
+    for r, n in enumerate(splits):
+        is_eod[r, n - 1] = True
+    starts = torch.stack([data._document_starts(e) for e in is_eod])  # (B, T)
+    positions = torch.stack([data._reset_positions(e) for e in is_eod])
+    with torch.no_grad():
+        packed = m(x, positions, document_ids=starts)
+        for r, n in enumerate(splits):
+            torch.testing.assert_close(packed[r, :n], m(x[r:r + 1, :n])[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(packed[r, n:], m(x[r:r + 1, n:])[0], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(m(x, positions)[:, 11:], packed[:, 11:], atol=1e-3)  # the mask matters
+    # activation checkpointing (GPT.run_blocks) carries the documents into the recomputed blocks
+    recomputing = tiny_model(**options, activation_checkpointing=True, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.testing.assert_close(recomputing(x, positions, document_ids=starts), packed, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.quick
 def test_rmsnorm_has_a_weight_and_no_bias():
     m = tiny_model(normalization="RMSNorm")
     norm = m.blocks[0].ln_1

@@ -535,12 +535,15 @@ def _check_domino_matches_plain_tensor_parallel(options):
         _assert_same_run(_forward_backward(domino), want, f"domino {chunks} chunks")
         losses = _train_losses(build(2, domino_chunks=chunks))
         torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=0)
-    if options:  # per-sample RoPE positions (--reset-position-ids) split with the chunks
+    if options:  # per-sample RoPE positions (--reset-position-ids) and documents split with the chunks
         x, y, mask = uneven_batch(0)
         positions = torch.stack([torch.arange(8), torch.arange(8) % 5, torch.arange(8) % 3])
+        documents = torch.arange(8) - positions  # each token's document's first index (--reset-attention-mask)
         with torch.no_grad():
             assert_close(build(2, domino_chunks=3)(x, positions, y, mask), plain(x, positions, y, mask),
                          tol=1e-5, what="per-sample positions")
+            assert_close(build(2, domino_chunks=3)(x, positions, y, mask, document_ids=documents),
+                         plain(x, positions, y, mask, document_ids=documents), tol=1e-5, what="documents")
     # A micro-batch smaller than the chunk count falls back to the plain path.
     x, y, mask = uneven_batch(0, batch_size=1)
     with torch.no_grad():

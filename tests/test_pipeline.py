@@ -143,8 +143,9 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     batches = []
     for i in range(m):
         x, y, mask = uneven_batch(i, batch_size=2)
+        documents = torch.tensor([0] * (i + 2) + [i + 2] * (6 - i)).expand(2, 8)  # two, as --reset-attention-mask
         batches.append({"tokens": x, "labels": y, "loss_mask": mask,
-                        "position_ids": torch.arange(8).expand(2, 8)})
+                        "position_ids": torch.arange(8).expand(2, 8), "document_ids": documents})
     cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2,
                           enable_zero_bubble=zb)
     # the whole model, one process: micro-batches accumulated in turn
@@ -154,7 +155,8 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     whole = GPT(GPTConfig(**shape))
     want_loss = torch.zeros(())
     for batch in batches:
-        loss = whole(batch["tokens"], batch["position_ids"], batch["labels"], batch["loss_mask"]) / m
+        loss = whole(batch["tokens"], batch["position_ids"], batch["labels"], batch["loss_mask"],
+                     document_ids=batch["document_ids"]) / m
         loss.backward()
         want_loss += loss.detach()
     # two stages: each builds the same model and keeps its layers
