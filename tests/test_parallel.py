@@ -385,6 +385,21 @@ def test_check_layout_names_the_quantity(field, value, tp):
         parallel.check_layout(config, tp)
 
 
+@pytest.mark.quick
+def test_all_to_all_context_parallelism_needs_heads_for_every_rank(monkeypatch):
+    """--cp-comm-type a2a hands each of cp x tp ranks whole heads: one line
+    naming the quantity and the fix (ring attention takes any heads)."""
+    config = SimpleNamespace(num_attention_heads=4, hidden_size=64, ffn_hidden_size=256, padded_vocab_size=128,
+                             num_query_groups=2, domino_chunks=1, activation_checkpointing=False, cp_comm_type="a2a")
+    monkeypatch.setattr(parallel, "layout", parallel.Layout(cp_size=2, initialized=True))
+    parallel.check_layout(config, 1)  # 4 heads and 2 key/value groups over cp 2 x tp 1; not over 2 x 2:
+    with pytest.raises(ValueError, match=r"^--cp-comm-type a2a splits the heads over context x tensor parallelism: "
+                                         r"num_query_groups=2 is not divisible by 2 x 2; use --cp-comm-type p2p"):
+        parallel.check_layout(config, 2)
+    config.cp_comm_type = "p2p"
+    parallel.check_layout(config, 2)
+
+
 def test_domino_does_not_recompute_under_tensor_parallelism():
     config = SimpleNamespace(num_attention_heads=16, hidden_size=768, ffn_hidden_size=3072,
                              padded_vocab_size=50304, num_query_groups=16, domino_chunks=2,

@@ -507,10 +507,6 @@ def test_gpu_training_steps_never_synchronize():
 @pytest.mark.parametrize("flags, message", [
     (["--lr-decay-style", "exp"], "train.py: error: --lr-decay-style 'exp': use cosine, linear or constant\n"),
     (["--data-path", "/nonexistent/corpus_text_document"], "train.py: error: /nonexistent/corpus_text_document"),
-    # checked with the model, on every rank: one key/value head cannot split over 2 CP ranks' all-to-all
-    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
-     "train.py: error: --cp-comm-type a2a splits the heads over context x tensor parallelism: num_query_groups=1 "
-     "is not divisible by 2 x 1; use --cp-comm-type p2p"),
 ])
 @pytest.mark.quick
 def test_a_user_mistake_is_one_line_from_rank_0(corpus, flags, message):
