@@ -496,6 +496,9 @@ class GPT(nn.Module):
         a KVCache holding the positions before input_ids, which it extends.
         document_ids (B, T) long (--reset-attention-mask): a token attends only
         to the tokens of its own document, those of equal id (data._document_starts).
+        Under context parallelism (context.py) input_ids are this rank's share
+        of each sequence, position_ids their places in it, and attention
+        reaches the other CP ranks' tokens (CausalSelfAttention.heads).
         Under sequence parallelism the blocks hold this rank's T/tp tokens. A
         pipeline stage runs the same pieces (embed, blocks, head), a model
         chunk at a time: pipeline.Stage."""

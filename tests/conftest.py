@@ -56,8 +56,28 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} skips without CUDA but is not marked gpu")
         if gpu and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
-    files = {}  # file -> its place in the run
-    items.sort(key=lambda item: (files.setdefault(item.path, len(files)), item.get_closest_marker("quick") is None))
+    files = {}  # file -> its place in the run: LONGEST_FIRST, then the others in their order
+    items.sort(key=lambda item: (LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
+                                 else len(LONGEST_FIRST), files.setdefault(item.path, len(files)),
+                                 item.get_closest_marker("quick") is None))
+
+
+# Under --dist loadfile each file is one unit of work for an xdist worker,
+# handed out in collection order: the longest first, as a scheduler of jobs on
+# 2 machines does (longest processing time first), so that the run ends with
+# short files on both workers. xdist's own order (most tests first) left
+# test_launch.py, whose tests wait out real timeouts, and test_docs.py and
+# test_bench.py, which run whole scripts, to the end. By each file's time in
+# the suite, the longest first (bench/RESULTS.md, the test suite).
+LONGEST_FIRST = ["test_train.py", "test_parallel.py", "test_pipeline.py", "test_zero.py", "test_checkpoint.py",
+                 "test_launch.py", "test_kernels.py", "test_evaluate.py", "test_bench.py", "test_docs.py",
+                 "test_context.py"]
+
+
+def pytest_configure(config):
+    """Files are handed to the workers in the order above, not xdist's."""
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --loadscope-reorder, on by default
+        config.option.loadscopereorder = False
 
 
 # The quick tier, `python -m pytest -q -n auto --dist loadfile -m quick`: what a
