@@ -67,11 +67,11 @@ def pytest_collection_modifyitems(config, items):
 # 2 machines does (longest processing time first), so that the run ends with
 # short files on both workers. xdist's own order (most tests first) left
 # test_launch.py, whose tests wait out real timeouts, and test_docs.py and
-# test_bench.py, which run whole scripts, to the end. By each file's time in
-# the suite, the longest first (bench/RESULTS.md, the test suite).
-LONGEST_FIRST = ["test_train.py", "test_parallel.py", "test_pipeline.py", "test_zero.py", "test_checkpoint.py",
+# test_bench.py, which run whole scripts, to the end. By each file's wall time
+# in the suite (`--durations=0`, 2026-11-29), the longest first.
+LONGEST_FIRST = ["test_train.py", "test_checkpoint.py", "test_parallel.py", "test_pipeline.py", "test_zero.py",
                  "test_launch.py", "test_kernels.py", "test_evaluate.py", "test_bench.py", "test_docs.py",
-                 "test_context.py"]
+                 "test_conftest.py", "test_context.py"]
 
 
 def pytest_configure(config):

@@ -829,7 +829,7 @@ $LAUNCHER $CMD
 
 def test_bigscience_deepspeed_recipe_with_batch_rampup_as_pasted(bigscience):
     """ZeRO-1 through the deepspeed launcher on 2 ranks, the global batch
-    ramping from 2 (40 samples never reach the end of the 1000-sample ramp)."""
+    ramping from 2 (20 samples never reach the end of the 1000-sample ramp)."""
     script = f"""CHECKPOINT_PATH=checkpoints/gpt2-ds
 VOCAB_FILE=gpt2-vocab.json
 MERGE_FILE=gpt2-merges.txt
@@ -853,7 +853,7 @@ GPT_ARGS=" \\
     --micro-batch-size $MICRO_BATCH_SIZE \\
     --rampup-batch-size 2 2 1_000 \\
     --global-batch-size $GLOBAL_BATCH_SIZE \\
-    --train-samples 40 \\
+    --train-samples 20 \\
     --optimizer adam \\
     --adam-beta1 0.9 \\
     --adam-beta2 0.95 \\
@@ -868,10 +868,10 @@ GPT_ARGS=" \\
     "
 
 OUTPUT_ARGS=" \\
-    --log-interval 10 \\
+    --log-interval 5 \\
     --save-interval $SAVE_INTERVAL \\
     --eval-interval 100 \\
-    --eval-iters 10 \\
+    --eval-iters 2 \\
     --checkpoint-activations \\
     "
 
@@ -938,9 +938,9 @@ $CMD
     proc = run_recipe(script, bigscience)
     assert "world 2 = TP 1 x DP 2" in proc.stdout and "(ramped up from 2)" in proc.stdout
     scalars = tensorboard_scalars(bigscience / "output_dir/tensorboard")
-    assert scalars["train/batch_size"] == [2] * 2  # iterations 10 and 20: still ramping
-    assert scalars["train/consumed_samples"][-1] == 40 and len(scalars["valid/ppl"]) == 1
-    assert open(bigscience / "checkpoints/gpt2-ds/latest").read() == "iter_0000020"
+    assert scalars["train/batch_size"] == [2] * 2  # iterations 5 and 10: still ramping
+    assert scalars["train/consumed_samples"][-1] == 20 and len(scalars["valid/ppl"]) == 1
+    assert open(bigscience / "checkpoints/gpt2-ds/latest").read() == "iter_0000010"
 
 
 def test_bigscience_tensor_and_pipeline_parallel_launch_as_pasted(bigscience):
