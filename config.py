@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpt import GPTConfig, PRESETS, count_parameters, pad_vocab_size
+from context import COMM_TYPES
 from data import check_gpt2_bpe
 from launch import UsageError, parse_json, say
 
@@ -759,7 +760,7 @@ def validate_context_parallel(cfg: TrainConfig) -> None:
     (each again divisible by tp under --sequence-parallel), and attention
     without dropout (its probabilities are never whole on one rank)."""
     cp = cfg.context_parallel_size
-    if cfg.cp_comm_type not in ("p2p", "a2a"):
+    if cfg.cp_comm_type not in COMM_TYPES:
         raise UsageError(f"--cp-comm-type {cfg.cp_comm_type!r}: use p2p (ring attention) or a2a (all-to-all); "
                          f"Megatron's all_gather and a2a+p2p are not built here")
     if cp == 1:

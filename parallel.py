@@ -129,6 +129,7 @@ class Layout:
     cp_size: int = 1
     cp_rank: int = 0
     dp_cp_group: object = None
+    dp_cp_size: int = 1  # dp_size x cp_size: the ranks gradients are averaged over
     initialized: bool = False
 
 
@@ -163,7 +164,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     dp = world // (tp * cp * pp)
     stage_size = dp * cp * tp  # ranks per pipeline stage
     new = Layout(tp_size=tp, tp_rank=rank % tp, cp_size=cp, cp_rank=rank % (cp * tp) // tp,
-                 dp_size=dp, dp_rank=rank % stage_size // (cp * tp),
+                 dp_size=dp, dp_rank=rank % stage_size // (cp * tp), dp_cp_size=dp * cp,
                  pp_size=pp, pp_rank=rank // stage_size, initialized=True)
 
     def mine(rank_lists):  # every rank creates every group, in the same order; this rank's

@@ -521,7 +521,7 @@ def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) 
     embedding all-reduce)."""
     if averager is not None:
         averager.wait()
-    elif parallel.layout.dp_size * parallel.layout.cp_size > 1:  # all at once (else GradientAverager)
+    elif parallel.layout.dp_cp_size > 1:  # all at once (else GradientAverager)
         average([p.grad for p in model.parameters() if p.grad is not None], parallel.layout.dp_cp_group)()
     tied = tied_embedding_copy(model)
     if tied is not None:

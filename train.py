@@ -311,7 +311,7 @@ def train_step(trainer, batches: list, lr: float):
         total = pipeline.pipeline_step(trainer.model, batches, trainer.cfg, trainer.device, trainer.precision,
                                        trainer.scale, trainer.averager)
     grad_norm, skipped = trainer.finish()
-    if parallel.layout.dp_size * parallel.layout.cp_size > 1:  # the loss every rank reports: over the replicas
+    if parallel.layout.dp_cp_size > 1:  # the loss every rank reports: over the replicas
         total = parallel.all_reduce_mean(total, parallel.layout.dp_cp_group)
     return total, grad_norm, skipped
 
@@ -379,7 +379,7 @@ class PlainTraining:
         if cfg.compile:
             self.model = torch.compile(self.model, **compile_options(cfg))
         lay = parallel.layout  # gradients are averaged over DP x CP (pipelines: pipeline.GradientAverager)
-        if lay.dp_size * lay.cp_size > 1 and lay.pp_size == 1:
+        if lay.dp_cp_size > 1 and lay.pp_size == 1:
             self.model = DDP(self.model, process_group=lay.dp_cp_group,
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
         # What every step uses, settled once for the run:
@@ -387,7 +387,7 @@ class PlainTraining:
         self.scale = self.scaler.scale if self.scaler else None  # a loss's, before backward
         # Under stages, the data-parallel average of each gradient starts as soon as it is final
         self.averager = pipeline.GradientAverager(self.raw, lay.dp_cp_group) \
-            if lay.pp_size > 1 and lay.dp_size * lay.cp_size > 1 else None
+            if lay.pp_size > 1 and lay.dp_cp_size > 1 else None
         self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         if self.cuda_graphs:  # .grad is our own buffer, zeroed in place (see begin)
             for p in self.raw.parameters():

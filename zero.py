@@ -79,7 +79,7 @@ class DeepSpeedMPU:
     def get_model_parallel_world_size(self): return parallel.layout.pp_size * parallel.layout.tp_size
     def get_model_parallel_group(self): return parallel.layout.mp_group
     def get_data_parallel_rank(self): return dist.get_rank(parallel.layout.dp_cp_group)
-    def get_data_parallel_world_size(self): return parallel.layout.dp_size * parallel.layout.cp_size
+    def get_data_parallel_world_size(self): return parallel.layout.dp_cp_size
     def get_data_parallel_group(self): return parallel.layout.dp_cp_group
     def get_tensor_model_parallel_rank(self): return parallel.layout.tp_rank
     def get_tensor_model_parallel_world_size(self): return parallel.layout.tp_size
@@ -275,10 +275,10 @@ class DeepSpeedTraining:
                 ds.zero.register_external_parameter(model, head.weight)
             kwargs = compile_options(cfg)
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
-        if self.engine.dp_world_size != parallel.layout.dp_size * parallel.layout.cp_size:
+        if self.engine.dp_world_size != parallel.layout.dp_cp_size:
             raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the data-"
                                f"parallel x context-parallel size is "
-                               f"{parallel.layout.dp_size * parallel.layout.cp_size} (world / (tp x pp)): "
+                               f"{parallel.layout.dp_cp_size} (world / (tp x pp)): "
                                f"the mpu was not applied")
         self.raw = self.engine.module
         # under stages, our schedule runs the module's chunks (pipeline.Stage), not the engine
@@ -301,7 +301,7 @@ class DeepSpeedTraining:
         over its DP x CP ranks) and learning rate; under stages, every backward
         of the schedule comes before the boundary."""
         lay = parallel.layout
-        ds_batch = micro_batches * self.cfg.micro_batch_size * lay.dp_size * lay.cp_size
+        ds_batch = micro_batches * self.cfg.micro_batch_size * lay.dp_cp_size
         if self.engine.train_batch_size() != ds_batch:
             self.engine.set_train_batch_size(ds_batch)
         for group in self.engine.optimizer.param_groups:
