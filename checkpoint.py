@@ -25,6 +25,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import tempfile
 import warnings
@@ -76,10 +77,9 @@ def set_rng_state(state: dict, log) -> None:
 
 
 def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like=parallel.shard_like) -> None:
-    """Inverse of states_for_writer: slice this rank's shards, in torch's own
-    format (parameters numbered in param-group order), so that torch places
-    every tensor on the right device. (torch_dist reads the shards themselves:
-    shard_like is then the identity.)"""
+    """Inverse of states_for_writer: this rank's shards, in torch's own format
+    (parameters numbered in param-group order). torch_dist reads the shards
+    themselves: shard_like is then the identity."""
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
     for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
@@ -96,18 +96,16 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like=par
 
 
 def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor | None:
-    """The full tensor of `t` (a parameter, or optimizer state shaped like it)
-    on TP rank 0's host, None on the other TP ranks. A gather straight to the
-    CPU: no GPU holds more than one full tensor beyond its own shards."""
+    """The full tensor of `t` (a parameter, or state shaped like it) on TP rank
+    0's host, None elsewhere: no GPU holds more than one full tensor."""
     t = parallel.gather_like(param, t, to_first=True)
     return None if t is None else t.detach().cpu()
 
 
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
-    """(model state dict, optimizer state keyed by parameter name), full and
-    unsharded, assembled tensor by tensor on global rank 0; (None, None)
-    elsewhere. Only the first DP replica's first CP rank takes part. (Gathering
-    on every rank would put 16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
+    """(model state dict, optimizer state keyed by parameter name), full,
+    assembled tensor by tensor on global rank 0; (None, None) elsewhere. Only
+    the first DP replica's first CP rank takes part."""
     if parallel.layout.dp_rank != 0 or parallel.layout.cp_rank != 0:
         return None, None
     params = dict(model.named_parameters())
@@ -127,9 +125,8 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
 
 
 def gather_stages(obj) -> list | None:
-    """Every pipeline stage's `obj`, in stage order, on this pipeline's first
-    stage; None on the others. Collective over the pipeline group. For small
-    things (names, shapes, random streams): gather_object pickles them whole."""
+    """Every pipeline stage's small `obj` (pickled whole), in stage order, on
+    the first stage; None on the others. Collective over the pipeline group."""
     first = parallel.layout.pp_rank == 0
     stages = [None] * parallel.layout.pp_size if first else None
     group = parallel.layout.pp_group
@@ -138,12 +135,9 @@ def gather_stages(obj) -> list | None:
 
 
 def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[None, None]:
-    """Every pipeline stage's states, sent to the first stage (global rank 0)
-    and merged into the whole model's, with the same keys as at pp=1; (None,
-    None) on the other stages. First each stage's list of tensors (names,
-    shapes), then the tensors one at a time, point to point: no device holds
-    more than one of another stage's tensors. A tied embedding is on two
-    stages: the first's copy is kept (the two are equal)."""
+    """Every stage's states merged on the first stage (global rank 0), keyed as
+    at pp=1; (None, None) on the others. Each stage lists its tensors, then
+    sends them one at a time. A tied embedding's first copy is kept."""
     items = {("model", k): v for k, v in model_sd.items()}
     items.update({("optimizer", name, k): v for name, state in optim.items() for k, v in state.items()})
     listed = {key: (v.shape, v.dtype) if torch.is_tensor(v) else v for key, v in items.items()}
@@ -172,10 +166,10 @@ def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[Non
 
 def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
     """Move a completely written checkpoint directory into place, then point
-    at it. Everything is forced to disk before the rename that makes it
-    visible, so a crash or power loss leaves the old checkpoint and pointer
-    or the new ones. A re-saved iteration's old copy is final_dir.old until
-    the new one is in place (checkpoint_dir reads it after a crash between)."""
+    at it: every kind's crash safety. All is forced to disk before the rename
+    that makes it visible, so a crash or power loss leaves the old checkpoint
+    and pointer or the new ones. A re-saved iteration's old copy is
+    final_dir.old until the new one is in place (see checkpoint_dir)."""
     for root, _, files in os.walk(tmp_dir):
         for name in files:
             fsync_path(os.path.join(root, name))
@@ -191,11 +185,9 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
 
 
 def point_at(save_dir: str, kind: str, iteration: int) -> None:
-    """Make `iteration` save_dir's latest. Both kinds write Megatron's pointer
-    (--load reads it first); a DeepSpeed save also writes DeepSpeed's `latest`
-    for its tools. After a plain save that one would name an older (or
-    deleted) checkpoint, so it goes first: a crash in between leaves
-    Megatron's naming the previous complete checkpoint."""
+    """Make `iteration` save_dir's latest in Megatron's pointer, and for a
+    DeepSpeed save in DeepSpeed's `latest` too. Any other save removes that
+    one first (it would name an older checkpoint)."""
     ds_pointer = os.path.join(save_dir, DS_LATEST)
     if kind != "deepspeed" and os.path.exists(ds_pointer):
         os.remove(ds_pointer)
@@ -228,17 +220,15 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
 
 @contextlib.contextmanager
 def freed_on_failure(tmp: str, mine: bool = True):
-    """A save that fails removes what it wrote (SAVE/iter_N.tmp) at once: on a
-    full disk, its space is what the next save needs. (One killed outright
-    leaves it to remove_old_checkpoints.) `mine`: this rank removes it.
-    Whether the disk was full is judged first (disk_full asks the filesystem,
-    which the removal would empty) and said as an ENOSPC, for on_every_rank."""
+    """A save that fails removes what it wrote (SAVE/iter_N.tmp, if `mine`) at
+    once: on a full disk, the next save needs its space. Whether the disk was
+    full is judged before (the removal would free it) and raised as an ENOSPC."""
     try:
         yield
     except BaseException as e:
-        # (a UsageError is on_every_rank's verdict, already said)
-        full = disk_full(e, os.path.dirname(tmp)) if isinstance(e, Exception) and not isinstance(e, UsageError) \
-            else None
+        full = None
+        if isinstance(e, Exception) and not isinstance(e, UsageError):  # (a UsageError: on_every_rank's, said)
+            full = disk_full(e, os.path.dirname(tmp))
         if mine:
             shutil.rmtree(tmp, ignore_errors=True)
         if full and os_error_in(e) is None:  # (an errno says it already)
@@ -252,18 +242,14 @@ def saved_iterations(save_dir: str) -> list[int]:
 
 
 def iteration_of(name: str) -> int | None:
-    """N of a checkpoint's directory name iter_NNNNNNN, else None. ASCII
-    digits only: str.isdigit() also takes ones int() refuses (²)."""
-    digits = name[5:]
-    return int(digits) if (len(name) == 12 and name.startswith("iter_") and digits.isascii()
-                           and digits.isdigit()) else None
+    """N of a checkpoint's directory name iter_NNNNNNN, else None."""
+    match = re.fullmatch(r"iter_([0-9]{7})", name)
+    return int(match[1]) if match else None
 
 
 def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
-    """Once `current` is published: delete unfinished saves (iter_N.tmp; one
-    job saves at a time, so none is in progress) and, with `keep`, all but
-    the `keep` newest checkpoints up to `current`. Later iterations (another
-    run's) and anything not named iter_NNNNNNN are never touched."""
+    """Once `current` is published: delete unfinished saves (iter_N.tmp) and,
+    with `keep`, all but the `keep` newest checkpoints up to `current`."""
     for name in sorted(os.listdir(save_dir)):
         if name.startswith("iter_") and name.endswith(".tmp"):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
@@ -272,10 +258,7 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
         return
     for iteration in [i for i in saved_iterations(save_dir) if i <= current][:-keep]:
         path = os.path.join(save_dir, f"iter_{iteration:07d}")
-        if os.path.islink(path):
-            # A link to a checkpoint kept elsewhere (an archive, another run's): the link is
-            # all of it this directory holds, so it goes, and --keep-last-checkpoints still
-            # holds here; what it points at is not this run's to delete, and stays.
+        if os.path.islink(path):  # a checkpoint kept elsewhere: the link goes, not what it names
             target = os.path.realpath(path)
             os.unlink(path)
             log(f"removed the link iter_{iteration:07d} (--keep-last-checkpoints {keep}); "
@@ -288,8 +271,7 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
 def on_every_rank(fn, what: str, group=None, directory: str | None = None) -> None:
     """Run fn(), then agree with every rank (of `group`, default all) on
     whether all succeeded: a rank whose part failed raises its own error, the
-    others stop with one line naming it. (At a bare barrier they would wait forever.)
-    A failed write into `directory` on a full disk is the user's to fix: one line."""
+    others stop with one line naming it; a full disk under `directory` is one line."""
     error = None
     try:
         fn()
@@ -326,10 +308,8 @@ def os_error_in(error: BaseException) -> OSError | None:
 
 def disk_full(error: BaseException, directory: str | None) -> str | None:
     """How a failed write ran out of space (one line), or None. An OSError
-    says so (ENOSPC, or EDQUOT: a quota), raised or wrapped; torch.save's zip writer does not:
-    it raises a RuntimeError without the errno ("unexpected pos ...",
-    "basic_ios::clear"), which DCP and DeepSpeed pass on. Then the
-    filesystem written to is asked: a write that ran out left it all but full."""
+    says so (ENOSPC, EDQUOT), raised or wrapped; torch.save's zip writer raises
+    a RuntimeError without the errno, so then the filesystem is asked."""
     cause = os_error_in(error)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else None
@@ -349,7 +329,7 @@ def disk_full(error: BaseException, directory: str | None) -> str | None:
 
 def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, str]:
     """The sha256 of every file in directory, rank r hashing files r, r+W, ...
-    of the sorted list (collective; every rank's writes must be done)."""
+    (collective; every rank's writes must be done)."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     names, mine = sorted(os.listdir(directory)), {}
     on_every_rank(lambda: mine.update(digest_files(directory, names[rank::world])), what, group)
@@ -361,10 +341,9 @@ def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, st
 
 
 def damage(found: Found) -> str | None:
-    """What is wrong with a checkpoint, or None: its directory holds plain
-    files only (plain_file_problem), every one listed in its DIGESTS with its
-    sha256 (without DIGESTS: none is cut short), and a DeepSpeed one's
-    trainer_state.json records the iteration it was chosen for."""
+    """What is wrong with a checkpoint, or None: a file that is not a plain
+    one, or not as its DIGESTS lists it (without DIGESTS: one cut short), or a
+    DeepSpeed trainer_state.json of another iteration."""
     if found.kind is None:
         return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
     names = sorted(os.listdir(found.path))
@@ -382,10 +361,8 @@ def damage(found: Found) -> str | None:
 
 
 def cut_short(found: Found) -> str | None:
-    """Without digests (a checkpoint from before them, or copied without
-    them), a file cut short is still found, by its own index: a torch.save
-    file is a zip whose directory is its last bytes, and DCP's .metadata
-    gives the extent of every piece in its shard files."""
+    """A file cut short, found by its own index: a torch.save file is a zip
+    whose directory is its last bytes; DCP's .metadata gives every piece's extent."""
     if found.kind == "torch_dist":
         try:
             metadata = dist_reader(found.path).read_metadata()
@@ -412,8 +389,7 @@ def cut_short(found: Found) -> str | None:
 def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None, group=None) -> None:
     """A checkpoint every rank writes part of (torch_dist, DeepSpeed): each
     writes into SAVE/iter_N.tmp (write(tmp)), they hash the files, then rank 0
-    adds its own (extra(tmp) -> their names), the digests, and publishes.
-    Every collective on `group` (AsyncSave's, for a write in the background)."""
+    adds its own (extra(tmp) -> their names), the digests, and publishes."""
     final = os.path.join(cfg.save, f"iter_{iteration:07d}")
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
@@ -466,15 +442,10 @@ class Found:
 
 
 def latest_checkpoint(load_dir: str) -> Found | None:
-    """The latest checkpoint in load_dir, of either kind, or None (nothing of
-    a checkpoint there). Either pointer may name it (DeepSpeed's alone:
-    copied by hand, say); if they differ (a crash between a DeepSpeed save's
-    two pointer writes) the newer wins. With neither (checkpoints copied
-    without one, a first save cut short before it) the newest iter_N is it.
-    The kind is what the directory holds, not the pointer's, and the
-    iteration the one its name says (damage holds a checkpoint to it).
-    Either pointer naming a checkpoint that is gone gives way (damage, then
-    older_checkpoint); one naming anything but a checkpoint of load_dir stops."""
+    """The latest checkpoint in load_dir, or None: the newer of the two
+    pointers' (they differ after a crash between a DeepSpeed save's two
+    writes), else the newest iter_N. Its kind is what the directory holds
+    (None: named, but gone), its iteration the one its name says."""
     what_is_there(load_dir)
     named = []
     if os.path.exists(os.path.join(load_dir, LATEST)):
@@ -502,8 +473,7 @@ def latest_checkpoint(load_dir: str) -> Found | None:
 
 
 def pointer_text(path: str) -> str:
-    """What a pointer file says (its first bytes: an iteration, a tag); bytes
-    that are not UTF-8 come out as U+FFFD, which no pointer holds."""
+    """A pointer file's first bytes (an iteration, a tag); not UTF-8: U+FFFD."""
     with regular_file(path, follow=True) as (f, _):
         return f.read(200).decode("utf-8", "replace").strip()
 
@@ -524,10 +494,8 @@ def what_is_there(load_dir: str) -> None:
 
 
 def check_writable_directory(path: str, flag: str) -> None:
-    """--save (or --export-to) checked before any work, as --load is: a path
-    that is a file, lies under one, or that this user cannot write would
-    otherwise fail at the first write, for --save a save interval of compute
-    later, with a traceback. Nothing is created here."""
+    """--save (or --export-to) checked before any work, as --load is: a file,
+    a path under one, or one this user cannot write. Nothing is created."""
     there = os.path.abspath(path)
     while not os.path.lexists(there):  # the deepest part of the path that is there
         there = os.path.dirname(there)
@@ -545,11 +513,17 @@ def kind_of(path: str) -> str | None:
 
 def verified_checkpoint(load_dir: str, log) -> Found | None:
     """The newest intact checkpoint in load_dir, or None where it holds none.
-    A damaged or incomplete one is reported in one line, and the next older
-    is tried; with checkpoints there but none intact, an error names the
-    damage (a run never silently starts from scratch)."""
-    found, problems = latest_checkpoint(load_dir), []
-    while found is not None:
+    A damaged one is reported in one line, and the next older is tried; with
+    none intact, an error names the damage (never silently from scratch)."""
+    latest, problems = latest_checkpoint(load_dir), []
+    if latest is None:
+        return None
+    candidates = [latest]  # then the older complete ones, newest first
+    for i in reversed(saved_iterations(load_dir)):
+        path = os.path.join(load_dir, f"iter_{i:07d}")
+        if i < latest.iteration and kind_of(path):
+            candidates.append(Found(kind_of(path), i, path))
+    for found in candidates:
         problem = damage(found)
         if problem is None:
             if problems:
@@ -560,24 +534,11 @@ def verified_checkpoint(load_dir: str, log) -> Found | None:
             return found
         log(f"checkpoint {found.path} cannot be loaded: {problem}")
         problems.append(f"{found.path}: {problem}")
-        found = older_checkpoint(load_dir, found.iteration)
-    if problems:
-        raise UsageError(f"no intact checkpoint in {load_dir}: {'; '.join(problems)}")
-    return None
-
-
-def older_checkpoint(load_dir: str, before: int) -> Found | None:
-    """The newest complete checkpoint of any kind below iteration `before`."""
-    for iteration in reversed([i for i in saved_iterations(load_dir) if i < before]):
-        path = os.path.join(load_dir, f"iter_{iteration:07d}")
-        if kind := kind_of(path):
-            return Found(kind, iteration, path)
-    return None
+    raise UsageError(f"no intact checkpoint in {load_dir}: {'; '.join(problems)}")
 
 
 def read_deepspeed_meta(tag_dir: str) -> dict:
-    """trainer_state.json of a DeepSpeed checkpoint written by train.py; a
-    UsageError naming it where it is not one (missing, cut short, damaged)."""
+    """trainer_state.json of a DeepSpeed checkpoint written by train.py, or a UsageError."""
     path = os.path.join(tag_dir, DS_META)
     if not os.path.lexists(path):
         raise UsageError(f"{path} is missing: not a complete checkpoint written by train.py")
@@ -589,9 +550,8 @@ def read_deepspeed_meta(tag_dir: str) -> dict:
 
 
 def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
-    """The one decision about --load, plain or DeepSpeed: its checkpoint (None:
-    start from scratch), refused where this run cannot take it. A full resume
-    needs the run's own kind; weights_only runs take either kind, any layout."""
+    """--load's checkpoint (None: start from scratch), refused where this run
+    cannot take it: a full resume needs the run's own kind; weights_only, any."""
     if cfg.load:  # verifying and reading a large checkpoint takes a while: say when it starts
         log(f"loading --load {cfg.load}")
     found = verified_checkpoint(cfg.load, log) if cfg.load else None
@@ -616,13 +576,9 @@ def weights_only(cfg: TrainConfig) -> bool:
     return cfg.no_load_optim or cfg.finetune
 
 
-# What a checkpoint's weights compute. Weights of the same shapes can load into
-# another model (a --vocab-size of the same padding, another epsilon or RoPE
-# base), so a resume or fine-tune checks these; the kernels, dropout,
-# recomputation and the layout stay the run's own choice, and a fine-tune may
-# change the RoPE base (as long-context fine-tunes do). Learned positions are
-# weights too: their number (max_position_embeddings, which --seq-length sets
-# by default) is checked for them alone.
+# What a checkpoint's weights compute (weights of the same shapes can load into
+# another model), checked on a resume or fine-tune; a fine-tune may change the
+# RoPE base, and learned positions add their number (max_position_embeddings).
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                 "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
                 "normalization", "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear",
@@ -643,8 +599,7 @@ def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
 
 def saved_model_config(found: Found) -> dict | None:
     """The model_config a checkpoint of any kind records, read without its
-    tensors (a plain file is mapped, mmap, and only its pickle read; a file
-    in torch's pre-zip format, which cannot be mapped, is read whole)."""
+    tensors (a plain file is mapped, unless in torch's pre-zip format)."""
     if found.kind == "deepspeed":
         return read_deepspeed_meta(found.path).get("model_config")
     if found.kind == "torch_dist":
@@ -656,9 +611,7 @@ def saved_model_config(found: Found) -> dict | None:
 
 def saved_model(found: Found, **runtime) -> tuple[GPT, dict]:
     """The model a checkpoint of any kind holds, on the host, and the rest of
-    its state (read_weights): its shape from the checkpoint's model_config,
-    how it runs (`runtime`: kernels, dropout, ...) from the caller. evaluate.py
-    and --export-from build it here."""
+    its state (read_weights); how it runs (`runtime`: kernels, ...) is the caller's."""
     weights, state = read_weights(found)
     model = GPT(checked_model_config(state["model_config"], weights, found.path, **runtime))
     model.load_full_state_dict(weights)
@@ -667,11 +620,9 @@ def saved_model(found: Found, **runtime) -> tuple[GPT, dict]:
 
 def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> GPTConfig:
     """The GPTConfig of a checkpoint's model_config `record`, once it is known
-    to describe the stored `weights`: a record that claims another shape
-    (damaged, edited: hidden_size 2**20 would ask for 211 GB) is one line, not
-    a model of the claimed size. Its shapes come from a model built on the meta
-    device (no memory), whole as a tp=1 checkpoint stores it, after the layer
-    count (10**9 layers would be as many modules, even there)."""
+    to describe the stored `weights` (an edited hidden_size 2**20 would ask
+    for 211 GB): the layer count first, then every shape, of a tp=1 model
+    built on the meta device."""
     unknown = sorted(set(record) - {f.name for f in dataclasses.fields(GPTConfig)})
     if unknown:
         raise UsageError(f"checkpoint {path}: its model_config has {', '.join(unknown)}, which this version "
@@ -701,8 +652,7 @@ def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> G
 class Start:
     """Where a run starts: after `iteration` and `consumed` samples of the
     checkpoint at `path` (None: a fresh start, or --finetune), whose run's
-    flags were `config` (its TrainConfig as a dict; None if it records none).
-    train.schedule_to_follow decides which learning-rate schedule goes on."""
+    flags were `config` (a dict, or None), for train.schedule_to_follow."""
     iteration: int = 0
     consumed: int = 0
     path: str | None = None
@@ -710,8 +660,7 @@ class Start:
 
 
 def start_position(cfg: TrainConfig, state: dict, path: str, log) -> Start:
-    """Where the run continues from, once `state` is loaded
-    (checkpoint_to_load showed it is this run's model); restores its RNG
+    """Where the run continues from, once `state` is loaded; restores its RNG
     unless told not to. --finetune starts a new run at zero."""
     if cfg.finetune:
         log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
@@ -741,8 +690,7 @@ def stage_rng(state: dict, log) -> dict:
 
 
 def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
-    """Restore everything (or, weights_only, the weights); returns
-    start_position's Start (a fresh one if --load holds no checkpoint)."""
+    """Restore everything (or, weights_only, the weights) into a train.py run."""
     found = checkpoint_to_load(cfg, log)
     if found is None:
         return Start()
@@ -761,9 +709,8 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
 
 
 def read_weights(found: Found) -> tuple[dict, dict]:
-    """(full fp32 weights, the rest: iteration, consumed_samples, rng, config,
-    model_config, and a plain one's optimizer and scaler) of a checkpoint of
-    any kind, any ZeRO stage and TP size. Needs no process group."""
+    """(full fp32 weights, the rest of its state) of a checkpoint of any kind,
+    any ZeRO stage and layout. Needs no process group."""
     if found.kind == "torch_dist":  # every tensor of "model." whole
         saved = read_dist_metadata(found.path).state_dict_metadata
         state = read_dist(found.path, {key: torch.empty(md.size, dtype=md.properties.dtype)
@@ -784,15 +731,9 @@ def read_weights(found: Found) -> tuple[dict, dict]:
 # --ckpt-format torch_dist: the states above under the same names, flat
 # ("model.NAME", "optimizer.NAME.exp_avg", ...), written through
 # torch.distributed.checkpoint (DCP): each rank writes the pieces it holds,
-# each piece once (DCP's planner drops the copies other data-parallel replicas
-# or stages hold), and a load reads, of every saved piece, the part that
-# overlaps what this rank holds: resharding to any layout, with nothing whole
-# anywhere. The non-tensors (iteration, config, ...) are written by rank 0;
-# each stage's random streams are a byte tensor its first rank writes.
-
-# DCP, and the ShardedTensor it saves, take about a second to import (DTensor's
-# operator tables), paid by every rank at every launch; only torch_dist needs
-# them, so the functions below import them when they run.
+# each once, and a load reads of every saved piece what overlaps this rank's:
+# resharding to any layout, nothing whole anywhere (docs/checkpoints.md).
+# DCP takes about a second to import, so only the functions that use it do.
 
 # DCP warns whenever it runs in one process; read_dist and a one-process save ask for that.
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
@@ -800,12 +741,10 @@ AS_THEY_ARE = dict(flatten_state_dict=False, flatten_sharded_tensors=False)  # o
 
 
 def as_shards(param, t: torch.Tensor) -> torch.Tensor:
-    """`t` (a parameter, or optimizer state shaped like it) as DCP sees it:
-    a tensor of the full shape. A TP shard becomes a ShardedTensor of the
-    pieces it is, at their places in the full tensor: one for a plain split,
-    one a block for a fused one ([Q_r | K_r | V_r] of [Q | K | V]: no
-    DTensor placement describes that). Its pieces are views of t, so a load
-    writes straight into the parameter or state."""
+    """`t` (a parameter, or optimizer state shaped like it) as DCP sees it: a
+    TP shard becomes a ShardedTensor of its pieces of the full tensor, one a
+    block for a fused one ([Q_r | K_r | V_r] of [Q | K | V]: no DTensor
+    placement describes that). The pieces are views: a load writes into t."""
     if not getattr(param, "tensor_model_parallel", False) or parallel.layout.tp_size == 1:
         return t
     from torch.distributed._shard.metadata import ShardMetadata
@@ -836,10 +775,8 @@ def dist_model_state(model: GPT) -> dict:
 
 def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
                          consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
-    """--ckpt-format torch_dist: every rank writes its own shards (dcp.save,
-    collective), rank 0 publishes (write_every_rank). Nothing is gathered.
-    With a saver (--async-save) the loop waits only for a host copy of the
-    state, and all that runs in the background."""
+    """--ckpt-format torch_dist: every rank writes its own shards (dcp.save),
+    rank 0 publishes; with a saver (--async-save), in the background."""
     import torch.distributed.checkpoint as dcp
     params, state, like = dict(model.named_parameters()), {}, {}  # like: the parameter a tensor is shaped like
     for name, t in model.state_dict().items():
@@ -881,21 +818,13 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
 
 
 class AsyncSave:
-    """--async-save: the loop waits only while DCP's stager copies the state
-    to host memory (a copy even of CPU tensors, which training's in-place
-    updates leave alone; it keeps each tensor's copy for the next save, which
-    then copies into memory already in place); a thread then writes, hashes
-    and publishes that copy (write_every_rank) as training goes on.
-    One write is in flight at a time: the next save and the end of the run
-    (a stop or an error included) wait for it, and raise its error. Its
-    collectives, DCP's and ours, run on a gloo group of its own, so they
-    never interleave with the training's on one communicator. Every rank
-    creates it at the same point (new_group is collective).
-
-    The host copy itself is first made in the background after the first
-    optimizer step (when AdamW's moments exist), so the first save, like
-    every later one, copies into memory already in place: memory touched for
-    the first time is several times slower to fill (bench/RESULTS.md)."""
+    """--async-save (docs/checkpoints.md): the loop waits only while DCP's
+    stager copies the state to host memory (memory it keeps for every save,
+    first filled after the first optimizer step); a thread then writes,
+    hashes and publishes that copy (write_every_rank). One write is in flight
+    at a time: the next save and the end of the run wait for it, and raise its
+    error. Its collectives run on a gloo group of its own, which every rank
+    creates at the same point (new_group is collective)."""
 
     def __init__(self, timeout, optimizer):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -909,9 +838,7 @@ class AsyncSave:
 
     def _make_host_copy(self, optimizer, args, kwargs) -> None:
         """Once, after the first step: stage the parameters and optimizer states
-        in the background (what is copied does not matter; the copy's memory
-        stays in the stager for every save). Only a head start: if it fails,
-        the first save makes the copy, and meets the error, itself."""
+        in the background, a head start for the first save (which meets any error itself)."""
         if self.pending is not None:  # made already (or a save came first)
             return
         tensors = [p for group in optimizer.param_groups for p in group["params"]]
