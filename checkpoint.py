@@ -83,11 +83,8 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like=par
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
     for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        name = names[id(p)]
-        if name not in saved["state"]:
-            raise KeyError(f"checkpoint has no optimizer state for parameter {name!r}")
         state[index] = {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
-                        for k, v in saved["state"][name].items()}
+                        for k, v in saved["state"][names[id(p)]].items()}
     # The saved hyperparameters, with this optimizer's own numbering of its parameters
     # (a pipeline stage holds some of the saved ones).
     groups = [{**g, "params": own["params"]}
@@ -165,10 +162,10 @@ def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[Non
 
 
 def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
-    """Move a completely written checkpoint directory into place, then point
-    at it: every kind's crash safety. All is forced to disk before the rename
-    that makes it visible, so a crash or power loss leaves the old checkpoint
-    and pointer or the new ones. A re-saved iteration's old copy is
+    """Move a completely written checkpoint directory into place, then make it
+    the latest: every kind's crash safety. All is forced to disk before the
+    rename that makes it visible, so a crash or power loss leaves the old
+    checkpoint and pointer or the new ones. A re-saved iteration's old copy is
     final_dir.old until the new one is in place (see checkpoint_dir)."""
     for root, _, files in os.walk(tmp_dir):
         for name in files:
@@ -179,22 +176,16 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
         shutil.rmtree(old, ignore_errors=True)  # a stale copy from an earlier crash
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
-    fsync_path(os.path.dirname(final_dir))
-    point_at(os.path.dirname(final_dir), kind, iteration)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def point_at(save_dir: str, kind: str, iteration: int) -> None:
-    """Make `iteration` save_dir's latest in Megatron's pointer, and for a
-    DeepSpeed save in DeepSpeed's `latest` too. Any other save removes that
-    one first (it would name an older checkpoint)."""
-    ds_pointer = os.path.join(save_dir, DS_LATEST)
-    if kind != "deepspeed" and os.path.exists(ds_pointer):
+    save_dir = os.path.dirname(final_dir)
+    fsync_path(save_dir)
+    ds_pointer = os.path.join(save_dir, DS_LATEST)  # written by a DeepSpeed save, for its tools
+    if kind != "deepspeed" and os.path.exists(ds_pointer):  # it would name an older checkpoint: first gone
         os.remove(ds_pointer)
         fsync_path(save_dir)
     atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(str(iteration).encode()))
     if kind == "deepspeed":
         atomic_write(ds_pointer, lambda f: f.write(f"iter_{iteration:07d}".encode()))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_dir(save_dir: str, tag: str) -> str:
@@ -323,9 +314,8 @@ def disk_full(error: BaseException, directory: str | None) -> str | None:
     return f"{stats.f_bavail * stats.f_frsize:,} bytes free on {directory}; {type(error).__name__}: {said}"
 
 
-# Digests: each save lists every file's sha256 beside them (DIGESTS), from the
-# bytes on disk; a load checks them before it reads, and a damaged or
-# incomplete checkpoint gives way to the newest intact one (verified_checkpoint).
+# Digests: each save lists every file's sha256 beside them (DIGESTS); a load
+# checks them, and a damaged checkpoint gives way to an older intact one.
 
 def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, str]:
     """The sha256 of every file in directory, rank r hashing files r, r+W, ...
@@ -411,14 +401,12 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
                     consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
     """--ckpt-format torch_dist (the default): every rank writes its own
-    shards (with a saver, in the background); torch: gather the full states
-    on global rank 0 and write them there. Collective: every rank calls it."""
+    shards; torch: gather the full states on global rank 0 and write them there."""
     if cfg.ckpt_format == "torch_dist":
         return save_dist_checkpoint(cfg, model, optimizer, scaler, iteration, consumed_samples, log, saver)
     model_sd, optim_sd = states_for_writer(model, optimizer)
     rng = rng_state()  # collective too
-    # under pipeline parallelism every stage's own streams too (dropout differs by stage)
-    stages_rng = gather_stages(rng) if parallel.layout.pp_size > 1 else None
+    stages_rng = gather_stages(rng) if parallel.layout.pp_size > 1 else None  # dropout differs by stage
 
     def write():
         if model_sd is None:
@@ -552,12 +540,12 @@ def read_deepspeed_meta(tag_dir: str) -> dict:
 def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
     """--load's checkpoint (None: start from scratch), refused where this run
     cannot take it: a full resume needs the run's own kind; weights_only, any."""
-    if cfg.load:  # verifying and reading a large checkpoint takes a while: say when it starts
-        log(f"loading --load {cfg.load}")
-    found = verified_checkpoint(cfg.load, log) if cfg.load else None
+    if not cfg.load:
+        return None
+    log(f"loading --load {cfg.load}")  # verifying and reading a large checkpoint takes a while
+    found = verified_checkpoint(cfg.load, log)
     if found is None:
-        if cfg.load:
-            log(f"no checkpoint in {cfg.load}; starting from scratch")
+        log(f"no checkpoint in {cfg.load}; starting from scratch")
         return None
     if weights_only(cfg) or (found.kind == "deepspeed") == cfg.deepspeed:
         check_same_model(cfg, saved_model_config(found), found.path)  # before a tensor is read
@@ -639,7 +627,7 @@ def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> G
     finally:
         parallel.layout = whole
     stored = {key: tuple(t.shape) for key, t in weights.items()}
-    for key in [*claimed, *(key for key in stored if key not in claimed)]:
+    for key in claimed | stored:
         if claimed.get(key) != stored.get(key):
             there, said = ("absent" if s is None else f"of shape {s}" for s in (stored.get(key), claimed.get(key)))
             raise UsageError(f"checkpoint {path}: its model_config does not describe its tensors: {key} is "
@@ -670,23 +658,15 @@ def start_position(cfg: TrainConfig, state: dict, path: str, log) -> Start:
     if named is not None and named != state["iteration"]:  # it was chosen by its name (latest_checkpoint)
         raise UsageError(f"checkpoint {path} holds the state of iteration {state['iteration']}, not of "
                          f"{named}: renamed or damaged; give it its own name, or remove it to load the one before")
-    if not cfg.no_load_rng and state.get("rng"):
-        set_rng_state(stage_rng(state, log), log)
+    if not cfg.no_load_rng and state.get("rng"):  # this stage's own streams, if saved at this pipeline size
+        stages, pp = state.get("pipeline_rng") or [state["rng"]], parallel.layout.pp_size
+        if len(stages) != pp and pp > 1:
+            log(f"the random streams were saved at pipeline size {len(stages)}: every stage starts "
+                f"from the first stage's")
+        set_rng_state(stages[parallel.layout.pp_rank] if len(stages) == pp else stages[0], log)
     log(f"loaded checkpoint {path} (iteration {state['iteration']}"
         f"{', weights only' if cfg.no_load_optim else ''})")
     return Start(state["iteration"], state["consumed_samples"], path, state.get("config"))
-
-
-def stage_rng(state: dict, log) -> dict:
-    """This pipeline stage's saved random streams: its own where the
-    checkpoint has one per stage at this pipeline size, else the first's."""
-    stages = state.get("pipeline_rng") or [state["rng"]]
-    if len(stages) == parallel.layout.pp_size:
-        return stages[parallel.layout.pp_rank]
-    if parallel.layout.pp_size > 1:
-        log(f"the random streams were saved at pipeline size {len(stages)}: every stage starts "
-            f"from the first stage's")
-    return stages[0]
 
 
 def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
@@ -873,12 +853,9 @@ class AsyncSave:
         """Until the write in flight is done. A failed write raises here
         (on_every_rank's one line), unless not `report`."""
         pending, self.pending = self.pending, None
-        if pending is not None:
-            try:
-                pending.result()
-            except BaseException:
-                if report:
-                    raise
+        error = pending.exception() if pending is not None else None
+        if error is not None and report:
+            raise error
 
     def close(self) -> None:
         """Once the last write is done: the host copy and the group go."""
@@ -915,8 +892,7 @@ def load_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, found:
 
 def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     """`state` (name: this rank's tensor, or None for a non-tensor) read from
-    the torch_dist checkpoint at path, with the iteration, consumed samples,
-    configs and every stage's random streams ("rng", "pipeline_rng")."""
+    the torch_dist checkpoint at path, with what train.py writes besides."""
     import torch.distributed.checkpoint as dcp
     saved = read_dist_metadata(path).state_dict_metadata
     missing = sorted(set(state) - set(saved))
@@ -940,16 +916,11 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
     return state
 
 
-def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed: int,
-                              log) -> None:
-    """engine.save_checkpoint under a temporary tag, published (publish) by
-    rank 0 once every rank has written."""
-    client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
-                    "config": cfg.flags()}
+def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed: int, log) -> None:
+    """engine.save_checkpoint under a temporary tag, published by rank 0 once every rank has written."""
+    client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(), "config": cfg.flags()}
     if parallel.layout.tp_size == 1 and parallel.layout.pp_size == 1:
-        # For ds_to_universal: at tp=1 nothing is split, and the version says so. At tp > 1 the
-        # strided QKV split has no description, so it refuses the checkpoint rather than merge QKV
-        # wrongly (and at pp > 1 its "model-parallel" files are stages, which it would merge as shards).
+        # For ds_to_universal, which would merge a strided QKV split, or stages, wrongly: it refuses without this
         client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
     # what an export needs to merge the shards of any tp: every stage's, on the first (rank 0 writes it)
     layout = {name: [p.partition_dim, p.partition_blocks] for name, p in engine.module.named_parameters()
@@ -958,15 +929,12 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
         layout = {k: v for stage in gather_stages(layout) or [] for k, v in stage.items()}
     meta = {"iteration": iteration, "consumed_samples": consumed,
             "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.layout.dp_size,
-            "context_parallel_size": parallel.layout.cp_size,
-            "tensor_model_parallel_size": parallel.layout.tp_size,
+            "context_parallel_size": parallel.layout.cp_size, "tensor_model_parallel_size": parallel.layout.tp_size,
             "pipeline_model_parallel_size": parallel.layout.pp_size,
-            "model_config": dataclasses.asdict(engine.module.config),
-            "tensor_parallel_layout": layout}
+            "model_config": dataclasses.asdict(engine.module.config), "tensor_parallel_layout": layout}
 
     def write_meta(tmp):
-        text = json.dumps(meta, indent=1)
-        atomic_write(os.path.join(tmp, DS_META), lambda f: f.write(text.encode()))
+        atomic_write(os.path.join(tmp, DS_META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
         return [DS_META]
 
     write_every_rank(cfg, "deepspeed", iteration, lambda tmp: engine.save_checkpoint(
@@ -975,12 +943,9 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
 
 def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> Start:
     """Resume everything from the DeepSpeed checkpoint `found`, written with
-    this run's layout. ZeRO's partitions are one per rank of DP x CP
-    (zero.DeepSpeedMPU), so only that product must match: CP=2 x DP=2
-    resumes at CP=4 x DP=1, on the same curve (stage 0 at any DP and CP).
-    (Weights only, from any checkpoint: zero.DeepSpeedTraining.)"""
-    meta = read_deepspeed_meta(found.path)
-    lay = parallel.layout
+    this run's layout: ZeRO's partitions are one per rank of DP x CP
+    (zero.DeepSpeedMPU), so only that product must match (stage 0: any)."""
+    meta, lay = read_deepspeed_meta(found.path), parallel.layout
 
     def refuse(name, saved, now):
         raise UsageError(
@@ -988,13 +953,12 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> St
             f"tensor- and pipeline-parallel shards only fit the layout they were written with. Relaunch with "
             f"the old layout, or continue from its weights with fresh optimizer states "
             f"(add --no-load-optim: any layout loads them)")
-    (dp, cp), (saved_dp, saved_cp) = (lay.dp_size, lay.cp_size), (meta["data_parallel_size"],
-                                                                   meta.get("context_parallel_size", 1))
-    if meta["zero_stage"] > 0 and saved_dp * saved_cp != dp * cp:
-        if saved_cp == cp == 1:
-            refuse("data-parallel", saved_dp, dp)
+    saved_dp, saved_cp = meta["data_parallel_size"], meta.get("context_parallel_size", 1)
+    if meta["zero_stage"] > 0 and saved_dp * saved_cp != lay.dp_cp_size:
+        if saved_cp == lay.cp_size == 1:
+            refuse("data-parallel", saved_dp, lay.dp_size)
         refuse("data-parallel x context-parallel", f"{saved_dp} x {saved_cp} = {saved_dp * saved_cp}",
-               f"{dp} x {cp} = {dp * cp}")
+               f"{lay.dp_size} x {lay.cp_size} = {lay.dp_cp_size}")
     for name, saved, now in (("tensor-parallel", meta["tensor_model_parallel_size"], lay.tp_size),
                              ("pipeline-parallel", meta.get("pipeline_model_parallel_size", 1), lay.pp_size)):
         if saved != now:
@@ -1002,19 +966,15 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> St
     with data_only_loads(found.path, found.kind):
         _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
                                            load_optimizer_states=True, load_lr_scheduler_states=False)
-    # Each stage read its own model-parallel file: its "rng" is this stage's own streams.
-    client["pipeline_rng"] = [client["rng"]] * parallel.layout.pp_size
+    client["pipeline_rng"] = [client["rng"]] * lay.pp_size  # each stage read its own file, its own streams
     return start_position(cfg, client, found.path, log)
 
 
 def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
     """Full fp32 weights and trainer_state of the DeepSpeed checkpoint in
-    tag_dir, any ZeRO stage, tp and pp, no process group. Its model-parallel
-    rank mp = pp_rank * tp + tp_rank names each stage's TP shard's files
-    (zero.DeepSpeedMPU). zero_to_fp32 merges one mp rank's DP partitions at a
-    time (it refuses several), so each rank's files are shown to it alone;
-    stage 0 has none. Then each stage's TP shards merge, and the stages' pieces
-    join (the first stage's tied embedding, the last's copy being the same)."""
+    tag_dir, any ZeRO stage and layout. zero_to_fp32 merges the DP partitions
+    of one model-parallel rank (pp_rank * tp + tp_rank) at a time, so each
+    one's files are shown to it alone; then the TP shards merge."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     meta = read_deepspeed_meta(tag_dir)
     tp, layout = meta["tensor_model_parallel_size"], meta["tensor_parallel_layout"]
@@ -1040,8 +1000,7 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
 
 def stage0_master_weights(model_states: dict) -> dict:
     """The fp32 weights of one stage-0 model-states file: the module's, or
-    under --bf16/--fp16 (16-bit module) the optimizer's fp32_groups, one list
-    per param group in build_optimizer's order (matrices, then vectors)."""
+    under --bf16/--fp16 the optimizer's fp32_groups (matrices, then vectors)."""
     module = model_states["module"]
     groups = (model_states.get("optimizer") or {}).get("fp32_groups")
     if groups is None:
@@ -1058,13 +1017,10 @@ def stage0_master_weights(model_states: dict) -> dict:
 
 
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
-    """Write the consolidated fp32 weights of a checkpoint of either kind, or
-    of a Hugging Face directory (Hugging Face in: a fine-tune's start), as
-    fmt="plain": a weights-only plain checkpoint, one file in the torch format
-                 whichever format it reads (what a user hands on; resume it with
-                 --load OUT --no-load-optim, or --finetune, any layout, with or
-                 without --deepspeed);
-    fmt="hf":    a Hugging Face GPT-2 or Llama directory (to_hf)."""
+    """Write the consolidated fp32 weights of a checkpoint of any kind, or of
+    a Hugging Face directory (a fine-tune's start), as fmt="plain": a
+    weights-only torch-format checkpoint (for --no-load-optim or --finetune,
+    any layout), or fmt="hf": a Hugging Face GPT-2 or Llama directory."""
     check_export_target(out, fmt)
     hf_source = checkpoint if is_hf_directory(checkpoint) else None
     if hf_source:
@@ -1086,10 +1042,7 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
 
 def check_export_target(out: str, fmt: str) -> None:
     """--export-to: a new or empty directory, or an earlier export of the same
-    format, which this one writes over. Nothing else: written into a save
-    directory, a plain export would replace the newest checkpoint's
-    optimizer states by none, or point it back at an older iteration; an hf
-    export's config.json would make --load refuse the directory."""
+    format, which this one writes over; never a save directory."""
     check_writable_directory(out, "--export-to")
     held = not_an_export(out, fmt) if os.path.isdir(out) else None
     if held:
@@ -1099,7 +1052,7 @@ def check_export_target(out: str, fmt: str) -> None:
 
 def not_an_export(out: str, fmt: str) -> str | None:
     """What directory `out` holds that is not an earlier export of format fmt, or None."""
-    # (an iter_N.tmp is an unfinished save's, an export killed midway say, which a save replaces)
+    # (an iter_N.tmp is an unfinished save's, which a save replaces)
     names = [n for n in sorted(os.listdir(out)) if not (n.startswith("iter_") and n.endswith(".tmp"))]
     saved = [n for n in names if n.startswith("iter_")]
     pointers = [n for n in names if n in (LATEST, DS_LATEST)]
@@ -1117,7 +1070,7 @@ def not_an_export(out: str, fmt: str) -> str | None:
 
 def is_weights_export(path: str) -> bool:
     """Whether path is a plain checkpoint of weights alone (export_weights'),
-    read without its tensors (mmap); one that does not read is not one."""
+    read without its tensors (mmap)."""
     if not os.path.isfile(os.path.join(path, PLAIN_FILE)):
         return False
     try:
