@@ -1,14 +1,16 @@
 """Checkpoints: train.py's own (Megatron's layout), DeepSpeed's, and weight
-export. Sections:
+export (docs/checkpoints.md). In order:
 
-  1. plain: SAVE/iter_0000100/model_optim_rng.pt + latest_checkpointed_iteration.txt,
-     full (unsharded) states, so any TP and DP size loads them (--ckpt-format
-     torch), or the same states, each rank writing its own shards, through
-     torch.distributed.checkpoint (torch_dist); which checkpoint --load reads,
-     and what it may take from it
-  2. DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json,
-     so its tools (zero_to_fp32) read it; export of either kind's weights
-     (as a Hugging Face directory: huggingface.py)
+  - plain (--ckpt-format torch): SAVE/iter_0000100/model_optim_rng.pt +
+    latest_checkpointed_iteration.txt, full (unsharded) states written by rank
+    0, so any layout loads them; then what every kind shares: publish, the
+    digests, the vote that stops every rank when one's write fails
+  - which checkpoint --load reads (the newest intact one), and what it may take
+  - torch_dist (the default): the same states, each rank writing its own
+    shards through torch.distributed.checkpoint (with --async-save, in the background)
+  - DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json, so
+    its tools (zero_to_fp32) read it; export of any kind's weights (to Hugging
+    Face: huggingface.py)
 Every kind is written under a temporary name, renamed into place, then
 pointed at (publish): a crash at any point leaves the previous checkpoint
 and the pointer to it intact. Every file is read through untrusted.py: a
@@ -44,11 +46,6 @@ from launch import UsageError, atomic_write, fsync_path, parse_json
 from untrusted import (DIGESTS, DIST_METADATA, data_only_loads, digest_files, digests_problem, dist_reader,
                        plain_file_problem, read_dist_metadata, regular_file, write_digests)
 
-
-# ----------------------------------------------------------------------------
-# 1. train.py's own checkpoints
-# ----------------------------------------------------------------------------
-
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"
 DS_LATEST = "latest"  # DeepSpeed's own pointer file name, so its tools work on our checkpoints
@@ -57,8 +54,7 @@ MARKERS = (("plain", PLAIN_FILE), ("torch_dist", DIST_METADATA), ("deepspeed", D
 
 
 def rng_state() -> dict:
-    """The shared generators' states (the same on every rank) and every TP
-    rank's own dropout stream (parallel.py, section 5). Collective over TP."""
+    """The shared generators' states and every TP rank's own dropout stream. Collective over TP."""
     torch_state = parallel.default_rng_state()  # {"cpu": ..., and on a GPU "cuda": ...}
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch_state.pop("cpu"),
             **torch_state, "tracker": parallel.rng_tracker_states_of_every_tp_rank()}
@@ -76,33 +72,28 @@ def set_rng_state(state: dict, log) -> None:
             f"or on another device; they start afresh from --seed")
 
 
-def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like=parallel.shard_like) -> None:
-    """Inverse of states_for_writer: this rank's shards, in torch's own format
-    (parameters numbered in param-group order). torch_dist reads the shards
-    themselves: shard_like is then the identity."""
+def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like) -> None:
+    """Inverse of states_for_writer: this rank's shards (shard_like), in
+    torch's own format (parameters numbered in param-group order)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    state = {}
-    for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        state[index] = {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
-                        for k, v in saved["state"][names[id(p)]].items()}
-    # The saved hyperparameters, with this optimizer's own numbering of its parameters
-    # (a pipeline stage holds some of the saved ones).
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    state = {index: {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
+                     for k, v in saved["state"][names[id(p)]].items()} for index, p in enumerate(params)}
+    # the saved hyperparameters, with this optimizer's own numbering (a stage holds some of the parameters)
     groups = [{**g, "params": own["params"]}
               for g, own in zip(saved["param_groups"], optimizer.state_dict()["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor | None:
-    """The full tensor of `t` (a parameter, or state shaped like it) on TP rank
-    0's host, None elsewhere: no GPU holds more than one full tensor."""
+    """The full tensor of `t` (a parameter, or state shaped like it) on TP rank 0's host, else None."""
     t = parallel.gather_like(param, t, to_first=True)
     return None if t is None else t.detach().cpu()
 
 
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
     """(model state dict, optimizer state keyed by parameter name), full,
-    assembled tensor by tensor on global rank 0; (None, None) elsewhere. Only
-    the first DP replica's first CP rank takes part."""
+    assembled tensor by tensor on global rank 0; (None, None) elsewhere."""
     if parallel.layout.dp_rank != 0 or parallel.layout.cp_rank != 0:
         return None, None
     params = dict(model.named_parameters())
@@ -124,9 +115,8 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
 def gather_stages(obj) -> list | None:
     """Every pipeline stage's small `obj` (pickled whole), in stage order, on
     the first stage; None on the others. Collective over the pipeline group."""
-    first = parallel.layout.pp_rank == 0
-    stages = [None] * parallel.layout.pp_size if first else None
     group = parallel.layout.pp_group
+    stages = [None] * parallel.layout.pp_size if parallel.layout.pp_rank == 0 else None
     dist.gather_object(obj, stages, dst=dist.get_global_rank(group, 0), group=group)
     return stages
 
@@ -144,27 +134,22 @@ def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[Non
         for v in (v for v in items.values() if torch.is_tensor(v)):
             dist.send(v.to(device), dst=dist.get_global_rank(parallel.layout.pp_group, 0))
         return None, None
-    merged = ({}, {})  # (model, optimizer)
-    for stage, (stage_listed, names) in enumerate(stages):
+    for stage, (stage_listed, names) in enumerate(stages[1:], 1):  # into the first stage's own
         for name in names:
-            merged[1].setdefault(name, {})
+            optim.setdefault(name, {})
         for key, value in stage_listed.items():
-            if stage == 0:
-                value = items[key]
-            elif isinstance(value, tuple):  # (shape, dtype): the tensor comes next
-                shape, dtype = value
-                value = torch.empty(shape, dtype=dtype, device=device)
+            if isinstance(value, tuple):  # (shape, dtype): the tensor comes next
+                value = torch.empty(value[0], dtype=value[1], device=device)
                 dist.recv(value, src=dist.get_global_rank(parallel.layout.pp_group, stage))
                 value = value.cpu()
-            whole = merged[0] if key[0] == "model" else merged[1][key[1]]
+            whole = model_sd if key[0] == "model" else optim[key[1]]
             whole.setdefault(key[-1], value)
-    return merged
+    return model_sd, optim
 
 
 def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
     """Move a completely written checkpoint directory into place, then make it
-    the latest: every kind's crash safety. All is forced to disk before the
-    rename that makes it visible, so a crash or power loss leaves the old
+    the latest, all forced to disk first: a crash or power loss leaves the old
     checkpoint and pointer or the new ones. A re-saved iteration's old copy is
     final_dir.old until the new one is in place (see checkpoint_dir)."""
     for root, _, files in os.walk(tmp_dir):
@@ -260,9 +245,8 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
 
 
 def on_every_rank(fn, what: str, group=None, directory: str | None = None) -> None:
-    """Run fn(), then agree with every rank (of `group`, default all) on
-    whether all succeeded: a rank whose part failed raises its own error, the
-    others stop with one line naming it; a full disk under `directory` is one line."""
+    """Run fn(), then agree with every rank of `group` whether all succeeded: a
+    rank that failed raises its error, the others stop with one line naming it."""
     error = None
     try:
         fn()
@@ -298,9 +282,8 @@ def os_error_in(error: BaseException) -> OSError | None:
 
 
 def disk_full(error: BaseException, directory: str | None) -> str | None:
-    """How a failed write ran out of space (one line), or None. An OSError
-    says so (ENOSPC, EDQUOT), raised or wrapped; torch.save's zip writer raises
-    a RuntimeError without the errno, so then the filesystem is asked."""
+    """How a failed write ran out of space (one line), or None: said by an
+    OSError's errno, or (torch.save's zip writer has none) by the filesystem."""
     cause = os_error_in(error)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else None
@@ -318,8 +301,7 @@ def disk_full(error: BaseException, directory: str | None) -> str | None:
 # checks them, and a damaged checkpoint gives way to an older intact one.
 
 def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, str]:
-    """The sha256 of every file in directory, rank r hashing files r, r+W, ...
-    (collective; every rank's writes must be done)."""
+    """The sha256 of every file in directory, rank r hashing files r, r+W, ... (collective)."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     names, mine = sorted(os.listdir(directory)), {}
     on_every_rank(lambda: mine.update(digest_files(directory, names[rank::world])), what, group)
@@ -331,9 +313,8 @@ def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, st
 
 
 def damage(found: Found) -> str | None:
-    """What is wrong with a checkpoint, or None: a file that is not a plain
-    one, or not as its DIGESTS lists it (without DIGESTS: one cut short), or a
-    DeepSpeed trainer_state.json of another iteration."""
+    """What is wrong with a checkpoint, or None: a file that is not plain or
+    not as DIGESTS lists it (without DIGESTS: one cut short), or another iteration's."""
     if found.kind is None:
         return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
     names = sorted(os.listdir(found.path))
@@ -377,9 +358,8 @@ def cut_short(found: Found) -> str | None:
 
 
 def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None, group=None) -> None:
-    """A checkpoint every rank writes part of (torch_dist, DeepSpeed): each
-    writes into SAVE/iter_N.tmp (write(tmp)), they hash the files, then rank 0
-    adds its own (extra(tmp) -> their names), the digests, and publishes."""
+    """A checkpoint every rank writes part of (torch_dist, DeepSpeed) into
+    SAVE/iter_N.tmp; rank 0 adds extra(tmp) (-> their names), the digests, and publishes."""
     final = os.path.join(cfg.save, f"iter_{iteration:07d}")
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
@@ -413,8 +393,7 @@ def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: 
             return
         state = {"model": model_sd, "optimizer": optim_sd, "scaler": scaler.state_dict() if scaler else None,
                  "iteration": iteration, "consumed_samples": consumed_samples, "rng": rng,
-                 "pipeline_rng": stages_rng,
-                 "config": cfg.flags(), "model_config": dataclasses.asdict(model.config)}
+                 "pipeline_rng": stages_rng, "config": cfg.flags(), "model_config": dataclasses.asdict(model.config)}
         log(f"saved checkpoint {write_plain_checkpoint(cfg.save, state)}")
         remove_old_checkpoints(cfg.save, iteration, cfg.keep_last_checkpoints, log)
 
@@ -432,25 +411,24 @@ class Found:
 def latest_checkpoint(load_dir: str) -> Found | None:
     """The latest checkpoint in load_dir, or None: the newer of the two
     pointers' (they differ after a crash between a DeepSpeed save's two
-    writes), else the newest iter_N. Its kind is what the directory holds
-    (None: named, but gone), its iteration the one its name says."""
+    writes), else the newest iter_N."""
     what_is_there(load_dir)
-    named = []
-    if os.path.exists(os.path.join(load_dir, LATEST)):
-        text = pointer_text(os.path.join(load_dir, LATEST))
+    named, megatron, deepspeed = [], os.path.join(load_dir, LATEST), os.path.join(load_dir, DS_LATEST)
+    if os.path.exists(megatron):
+        text = pointer_text(megatron)
         if text == "release":
-            raise UsageError(f"{os.path.join(load_dir, LATEST)} names Megatron's release/ directory, a "
-                             f"layout train.py does not read (one file per model-parallel rank, its names)")
+            raise UsageError(f"{megatron} names Megatron's release/ directory, a layout train.py does not "
+                             f"read (one file per model-parallel rank, its names)")
         if not (text.isascii() and text.isdigit()):  # a damaged file
-            raise UsageError(f"{os.path.join(load_dir, LATEST)} holds {text[:40]!r}, not an iteration number: "
-                             f"write the iteration to load into it, or delete it to load the newest iter_N there")
+            raise UsageError(f"{megatron} holds {text[:40]!r}, not an iteration number: write the iteration "
+                             f"to load into it, or delete it to load the newest iter_N there")
         named.append((int(text), checkpoint_dir(load_dir, f"iter_{int(text):07d}")))
-    if os.path.exists(os.path.join(load_dir, DS_LATEST)):  # the same rules: a checkpoint of load_dir
-        tag = pointer_text(os.path.join(load_dir, DS_LATEST))
+    if os.path.exists(deepspeed):  # the same rules: a checkpoint of load_dir
+        tag = pointer_text(deepspeed)
         if iteration_of(tag) is None:
-            raise UsageError(f"{os.path.join(load_dir, DS_LATEST)} holds {tag[:40]!r}, not the name of a "
-                             f"checkpoint in {load_dir} (iter_NNNNNNN): write the one to load into it, or "
-                             f"delete it to load the newest iter_N there")
+            raise UsageError(f"{deepspeed} holds {tag[:40]!r}, not the name of a checkpoint in {load_dir} "
+                             f"(iter_NNNNNNN): write the one to load into it, or delete it to load the newest "
+                             f"iter_N there")
         named.append((iteration_of(tag), checkpoint_dir(load_dir, tag)))
     if not named and os.path.isdir(load_dir):
         named = [(i, os.path.join(load_dir, f"iter_{i:07d}")) for i in saved_iterations(load_dir)[-1:]]
@@ -482,8 +460,7 @@ def what_is_there(load_dir: str) -> None:
 
 
 def check_writable_directory(path: str, flag: str) -> None:
-    """--save (or --export-to) checked before any work, as --load is: a file,
-    a path under one, or one this user cannot write. Nothing is created."""
+    """--save (or --export-to) checked before any work, as --load is. Nothing is created."""
     there = os.path.abspath(path)
     while not os.path.lexists(there):  # the deepest part of the path that is there
         there = os.path.dirname(there)
@@ -607,10 +584,8 @@ def saved_model(found: Found, **runtime) -> tuple[GPT, dict]:
 
 
 def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> GPTConfig:
-    """The GPTConfig of a checkpoint's model_config `record`, once it is known
-    to describe the stored `weights` (an edited hidden_size 2**20 would ask
-    for 211 GB): the layer count first, then every shape, of a tp=1 model
-    built on the meta device."""
+    """The GPTConfig of a checkpoint's model_config `record`, once its layer
+    count and shapes (of a model on the meta device) are the stored `weights`'."""
     unknown = sorted(set(record) - {f.name for f in dataclasses.fields(GPTConfig)})
     if unknown:
         raise UsageError(f"checkpoint {path}: its model_config has {', '.join(unknown)}, which this version "
@@ -639,8 +614,7 @@ def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> G
 @dataclasses.dataclass(frozen=True)
 class Start:
     """Where a run starts: after `iteration` and `consumed` samples of the
-    checkpoint at `path` (None: a fresh start, or --finetune), whose run's
-    flags were `config` (a dict, or None), for train.schedule_to_follow."""
+    checkpoint at `path` (None: a fresh start), whose run's flags were `config`."""
     iteration: int = 0
     consumed: int = 0
     path: str | None = None
@@ -675,14 +649,16 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
     if found is None:
         return Start()
     if found.kind == "torch_dist":
-        return load_dist_checkpoint(cfg, model, optimizer, scaler, found, log)
-    weights, state = read_weights(found)
-    if state.get("optimizer") is None and not weights_only(cfg):
-        raise UsageError(f"--load {cfg.load} holds weights only (an --export-to plain export): "
-                         f"add --no-load-optim to start fresh optimizer states from it")
-    model.load_full_state_dict(weights)
+        state, shard_like = read_dist_shards(cfg, model, found), lambda p, v: v  # this rank's shards already
+    else:
+        weights, state = read_weights(found)
+        if state.get("optimizer") is None and not weights_only(cfg):
+            raise UsageError(f"--load {cfg.load} holds weights only (an --export-to plain export): "
+                             f"add --no-load-optim to start fresh optimizer states from it")
+        model.load_full_state_dict(weights)
+        shard_like = parallel.shard_like
     if not weights_only(cfg):
-        load_full_optimizer_state(model, optimizer, state["optimizer"])
+        load_full_optimizer_state(model, optimizer, state["optimizer"], shard_like)
         if scaler and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
     return start_position(cfg, state, found.path, log)
@@ -708,12 +684,9 @@ def read_weights(found: Found) -> tuple[dict, dict]:
                      "model_config": meta["model_config"]}
 
 
-# --ckpt-format torch_dist: the states above under the same names, flat
-# ("model.NAME", "optimizer.NAME.exp_avg", ...), written through
-# torch.distributed.checkpoint (DCP): each rank writes the pieces it holds,
-# each once, and a load reads of every saved piece what overlaps this rank's:
-# resharding to any layout, nothing whole anywhere (docs/checkpoints.md).
-# DCP takes about a second to import, so only the functions that use it do.
+# --ckpt-format torch_dist: the states above, flat ("model.NAME", "optimizer.NAME.exp_avg", ...),
+# through torch.distributed.checkpoint (DCP): each rank writes the pieces it holds, and a load reads
+# what overlaps its own, at any layout. DCP takes a second to import: only the functions that use it do.
 
 # DCP warns whenever it runs in one process; read_dist and a one-process save ask for that.
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
@@ -721,10 +694,9 @@ AS_THEY_ARE = dict(flatten_state_dict=False, flatten_sharded_tensors=False)  # o
 
 
 def as_shards(param, t: torch.Tensor) -> torch.Tensor:
-    """`t` (a parameter, or optimizer state shaped like it) as DCP sees it: a
-    TP shard becomes a ShardedTensor of its pieces of the full tensor, one a
-    block for a fused one ([Q_r | K_r | V_r] of [Q | K | V]: no DTensor
-    placement describes that). The pieces are views: a load writes into t."""
+    """`t` (a parameter, or state shaped like it) as DCP sees it: a TP shard as
+    a ShardedTensor of views of its pieces of the full tensor, one a block for a
+    fused one ([Q_r | K_r | V_r] of [Q | K | V], which no DTensor placement describes)."""
     if not getattr(param, "tensor_model_parallel", False) or parallel.layout.tp_size == 1:
         return t
     from torch.distributed._shard.metadata import ShardMetadata
@@ -784,9 +756,8 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
         try:
             dcp.save(shards, storage_writer=dcp.FileSystemWriter(tmp), planner=dcp.DefaultSavePlanner(**AS_THEY_ARE),
                      process_group=group, no_dist=not dist.is_initialized())
-        except CheckpointException as e:  # a BaseException (on_every_rank's vote would miss it) whose text is
-            # every failed rank's traceback: a failed rank raises its own failure; the others return, and
-            # the vote stops them with one line naming the rank that failed
+        except CheckpointException as e:  # a BaseException, of every failed rank's traceback: a failed
+            # rank raises its own failure; the others return, and on_every_rank's vote names the rank
             rank = dist.get_rank(group) if dist.is_initialized() else 0
             if rank in e.failures:
                 raise e.failures[rank][0] from e
@@ -799,12 +770,9 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
 
 class AsyncSave:
     """--async-save (docs/checkpoints.md): the loop waits only while DCP's
-    stager copies the state to host memory (memory it keeps for every save,
-    first filled after the first optimizer step); a thread then writes,
-    hashes and publishes that copy (write_every_rank). One write is in flight
-    at a time: the next save and the end of the run wait for it, and raise its
-    error. Its collectives run on a gloo group of its own, which every rank
-    creates at the same point (new_group is collective)."""
+    stager copies the state to host memory; a thread then writes that copy
+    (write_every_rank), one write at a time, on a gloo group of its own. The
+    next save and the end of the run wait for it, and raise its error."""
 
     def __init__(self, timeout, optimizer):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -865,9 +833,9 @@ class AsyncSave:
             dist.destroy_process_group(self.group)
 
 
-def load_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, found: Found, log):
-    """Resume from a torch_dist checkpoint of any layout: each rank reads
-    its own shards, into its parameters and new optimizer states."""
+def read_dist_shards(cfg: TrainConfig, model: GPT, found: Found) -> dict:
+    """A torch_dist checkpoint of any layout, each rank reading its own shards:
+    into its parameters, and (unless weights_only) new optimizer states."""
     saved = read_dist_metadata(found.path).state_dict_metadata
     state, optim = dist_model_state(model), {}
     for name, p in model.named_parameters() if not weights_only(cfg) else ():
@@ -882,12 +850,8 @@ def load_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, found:
     if optim:
         state.update({"optimizer.param_groups": None, "scaler": None})
     state = read_dist(found.path, state)
-    if optim:
-        load_full_optimizer_state(model, optimizer, {"state": optim, "param_groups": state["optimizer.param_groups"]},
-                                  shard_like=lambda p, v: v)
-        if scaler and state["scaler"]:
-            scaler.load_state_dict(state["scaler"])
-    return start_position(cfg, state, found.path, log)
+    state["optimizer"] = {"state": optim, "param_groups": state.get("optimizer.param_groups")}
+    return state
 
 
 def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
@@ -971,10 +935,9 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> St
 
 
 def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
-    """Full fp32 weights and trainer_state of the DeepSpeed checkpoint in
-    tag_dir, any ZeRO stage and layout. zero_to_fp32 merges the DP partitions
-    of one model-parallel rank (pp_rank * tp + tp_rank) at a time, so each
-    one's files are shown to it alone; then the TP shards merge."""
+    """Full fp32 weights and trainer_state of a DeepSpeed checkpoint, any ZeRO
+    stage and layout: zero_to_fp32 merges one model-parallel rank's (pp_rank *
+    tp + tp_rank) DP partitions at a time, then the TP shards merge."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     meta = read_deepspeed_meta(tag_dir)
     tp, layout = meta["tensor_model_parallel_size"], meta["tensor_parallel_layout"]
@@ -992,9 +955,8 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
                     os.symlink(os.path.abspath(f), os.path.join(tmp, "rank", os.path.basename(f)))
                 shards.append(get_fp32_state_dict_from_zero_checkpoint(tmp, tag="rank"))
         for name, t in shards[0].items():
-            if name not in full:
-                full[name] = parallel.merge_shards([s[name] for s in shards], *layout[name]) \
-                    if name in layout else t
+            if name not in full:  # (a tied embedding: the first stage's)
+                full[name] = parallel.merge_shards([s[name] for s in shards], *layout[name]) if name in layout else t
     return full, meta
 
 
@@ -1017,10 +979,9 @@ def stage0_master_weights(model_states: dict) -> dict:
 
 
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
-    """Write the consolidated fp32 weights of a checkpoint of any kind, or of
-    a Hugging Face directory (a fine-tune's start), as fmt="plain": a
-    weights-only torch-format checkpoint (for --no-load-optim or --finetune,
-    any layout), or fmt="hf": a Hugging Face GPT-2 or Llama directory."""
+    """The fp32 weights of a checkpoint of any kind, or of a Hugging Face
+    directory, written as fmt="plain": a weights-only torch-format checkpoint
+    (for --no-load-optim or --finetune), or fmt="hf": a Hugging Face directory."""
     check_export_target(out, fmt)
     hf_source = checkpoint if is_hf_directory(checkpoint) else None
     if hf_source:
