@@ -92,8 +92,7 @@ def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor
 
 
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
-    """(model state dict, optimizer state keyed by parameter name), full,
-    assembled tensor by tensor on global rank 0; (None, None) elsewhere."""
+    """The full states, assembled tensor by tensor on global rank 0; (None, None) elsewhere."""
     if parallel.layout.dp_rank != 0 or parallel.layout.cp_rank != 0:
         return None, None
     params = dict(model.named_parameters())
@@ -113,8 +112,7 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
 
 
 def gather_stages(obj) -> list | None:
-    """Every pipeline stage's small `obj` (pickled whole), in stage order, on
-    the first stage; None on the others. Collective over the pipeline group."""
+    """Every pipeline stage's small `obj`, in stage order, on the first stage; None on the others."""
     group = parallel.layout.pp_group
     stages = [None] * parallel.layout.pp_size if parallel.layout.pp_rank == 0 else None
     dist.gather_object(obj, stages, dst=dist.get_global_rank(group, 0), group=group)
@@ -122,9 +120,8 @@ def gather_stages(obj) -> list | None:
 
 
 def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[None, None]:
-    """Every stage's states merged on the first stage (global rank 0), keyed as
-    at pp=1; (None, None) on the others. Each stage lists its tensors, then
-    sends them one at a time. A tied embedding's first copy is kept."""
+    """Every stage's states merged on the first stage, keyed as at pp=1; (None,
+    None) on the others. Each stage lists its tensors, then sends them one by one."""
     items = {("model", k): v for k, v in model_sd.items()}
     items.update({("optimizer", name, k): v for name, state in optim.items() for k, v in state.items()})
     listed = {key: (v.shape, v.dtype) if torch.is_tensor(v) else v for key, v in items.items()}
@@ -196,9 +193,8 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
 
 @contextlib.contextmanager
 def freed_on_failure(tmp: str, mine: bool = True):
-    """A save that fails removes what it wrote (SAVE/iter_N.tmp, if `mine`) at
-    once: on a full disk, the next save needs its space. Whether the disk was
-    full is judged before (the removal would free it) and raised as an ENOSPC."""
+    """A save that fails removes SAVE/iter_N.tmp (if `mine`) at once, for the
+    next save's space, having judged (disk_full) whether the disk was full."""
     try:
         yield
     except BaseException as e:
@@ -224,8 +220,7 @@ def iteration_of(name: str) -> int | None:
 
 
 def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
-    """Once `current` is published: delete unfinished saves (iter_N.tmp) and,
-    with `keep`, all but the `keep` newest checkpoints up to `current`."""
+    """Delete unfinished saves (iter_N.tmp) and all but the `keep` newest checkpoints up to `current`."""
     for name in sorted(os.listdir(save_dir)):
         if name.startswith("iter_") and name.endswith(".tmp"):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
@@ -297,8 +292,7 @@ def disk_full(error: BaseException, directory: str | None) -> str | None:
     return f"{stats.f_bavail * stats.f_frsize:,} bytes free on {directory}; {type(error).__name__}: {said}"
 
 
-# Digests: each save lists every file's sha256 beside them (DIGESTS); a load
-# checks them, and a damaged checkpoint gives way to an older intact one.
+# Digests: every save lists its files' sha256 (DIGESTS), which every load checks.
 
 def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, str]:
     """The sha256 of every file in directory, rank r hashing files r, r+W, ... (collective)."""
@@ -332,8 +326,7 @@ def damage(found: Found) -> str | None:
 
 
 def cut_short(found: Found) -> str | None:
-    """A file cut short, found by its own index: a torch.save file is a zip
-    whose directory is its last bytes; DCP's .metadata gives every piece's extent."""
+    """A file cut short, by its own index: a zip's directory, DCP's .metadata."""
     if found.kind == "torch_dist":
         try:
             metadata = dist_reader(found.path).read_metadata()
@@ -380,8 +373,7 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
 
 def save_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
                     consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
-    """--ckpt-format torch_dist (the default): every rank writes its own
-    shards; torch: gather the full states on global rank 0 and write them there."""
+    """torch_dist: every rank writes its own shards; torch: global rank 0 writes the full states."""
     if cfg.ckpt_format == "torch_dist":
         return save_dist_checkpoint(cfg, model, optimizer, scaler, iteration, consumed_samples, log, saver)
     model_sd, optim_sd = states_for_writer(model, optimizer)
@@ -477,9 +469,8 @@ def kind_of(path: str) -> str | None:
 
 
 def verified_checkpoint(load_dir: str, log) -> Found | None:
-    """The newest intact checkpoint in load_dir, or None where it holds none.
-    A damaged one is reported in one line, and the next older is tried; with
-    none intact, an error names the damage (never silently from scratch)."""
+    """The newest intact checkpoint in load_dir, or None where it holds none;
+    with checkpoints there but none intact, an error names the damage."""
     latest, problems = latest_checkpoint(load_dir), []
     if latest is None:
         return None
@@ -515,8 +506,7 @@ def read_deepspeed_meta(tag_dir: str) -> dict:
 
 
 def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
-    """--load's checkpoint (None: start from scratch), refused where this run
-    cannot take it: a full resume needs the run's own kind; weights_only, any."""
+    """--load's checkpoint (None: start from scratch), refused where this run cannot take it."""
     if not cfg.load:
         return None
     log(f"loading --load {cfg.load}")  # verifying and reading a large checkpoint takes a while
@@ -541,9 +531,8 @@ def weights_only(cfg: TrainConfig) -> bool:
     return cfg.no_load_optim or cfg.finetune
 
 
-# What a checkpoint's weights compute (weights of the same shapes can load into
-# another model), checked on a resume or fine-tune; a fine-tune may change the
-# RoPE base, and learned positions add their number (max_position_embeddings).
+# What a checkpoint's weights compute (weights of the same shapes can load into another model);
+# a fine-tune may change the RoPE base, and learned positions add max_position_embeddings.
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                 "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
                 "normalization", "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear",
@@ -563,8 +552,7 @@ def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
 
 
 def saved_model_config(found: Found) -> dict | None:
-    """The model_config a checkpoint of any kind records, read without its
-    tensors (a plain file is mapped, unless in torch's pre-zip format)."""
+    """The model_config a checkpoint of any kind records, read without its tensors."""
     if found.kind == "deepspeed":
         return read_deepspeed_meta(found.path).get("model_config")
     if found.kind == "torch_dist":
@@ -575,8 +563,7 @@ def saved_model_config(found: Found) -> dict | None:
 
 
 def saved_model(found: Found, **runtime) -> tuple[GPT, dict]:
-    """The model a checkpoint of any kind holds, on the host, and the rest of
-    its state (read_weights); how it runs (`runtime`: kernels, ...) is the caller's."""
+    """The model a checkpoint of any kind holds, on the host, and the rest of its state."""
     weights, state = read_weights(found)
     model = GPT(checked_model_config(state["model_config"], weights, found.path, **runtime))
     model.load_full_state_dict(weights)
@@ -622,8 +609,7 @@ class Start:
 
 
 def start_position(cfg: TrainConfig, state: dict, path: str, log) -> Start:
-    """Where the run continues from, once `state` is loaded; restores its RNG
-    unless told not to. --finetune starts a new run at zero."""
+    """Where the run continues from, once `state` is loaded; restores its RNG."""
     if cfg.finetune:
         log(f"--finetune: loaded the weights of {path} (iteration {state['iteration']}); "
             f"starting at iteration 0")
@@ -665,8 +651,7 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
 
 
 def read_weights(found: Found) -> tuple[dict, dict]:
-    """(full fp32 weights, the rest of its state) of a checkpoint of any kind,
-    any ZeRO stage and layout. Needs no process group."""
+    """(full fp32 weights, the rest of its state) of a checkpoint of any kind; no process group."""
     if found.kind == "torch_dist":  # every tensor of "model." whole
         saved = read_dist_metadata(found.path).state_dict_metadata
         state = read_dist(found.path, {key: torch.empty(md.size, dtype=md.properties.dtype)
@@ -680,8 +665,7 @@ def read_weights(found: Found) -> tuple[dict, dict]:
         client = torch.load(glob.glob(os.path.join(found.path, "*mp_rank_00_model_states.pt"))[0],
                             map_location="cpu")
     return weights, {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
-                     "rng": client["rng"], "config": client["config"],
-                     "model_config": meta["model_config"]}
+                     "rng": client["rng"], "config": client["config"], "model_config": meta["model_config"]}
 
 
 # --ckpt-format torch_dist: the states above, flat ("model.NAME", "optimizer.NAME.exp_avg", ...),
@@ -727,8 +711,7 @@ def dist_model_state(model: GPT) -> dict:
 
 def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iteration: int,
                          consumed_samples: int, log, saver: AsyncSave | None = None) -> None:
-    """--ckpt-format torch_dist: every rank writes its own shards (dcp.save),
-    rank 0 publishes; with a saver (--async-save), in the background."""
+    """Every rank writes its own shards (dcp.save); with a saver (--async-save), in the background."""
     import torch.distributed.checkpoint as dcp
     params, state, like = dict(model.named_parameters()), {}, {}  # like: the parameter a tensor is shaped like
     for name, t in model.state_dict().items():
@@ -785,17 +768,16 @@ class AsyncSave:
         self.first_step = optimizer.register_step_post_hook(self._make_host_copy)  # removed by start()
 
     def _make_host_copy(self, optimizer, args, kwargs) -> None:
-        """Once, after the first step: stage the parameters and optimizer states
-        in the background, a head start for the first save (which meets any error itself)."""
+        """Once, after the first step: a head start on the first save's host copy."""
         if self.pending is not None:  # made already (or a save came first)
             return
         tensors = [p for group in optimizer.param_groups for p in group["params"]]
         tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        self._in_background(self._stage_quietly, dict(enumerate(tensors)))
 
-    def _stage_quietly(self, tensors: dict) -> None:
-        with contextlib.suppress(Exception):  # e.g. out of host memory: the first save will say so
-            self.stager.stage(tensors)
+        def stage_quietly():
+            with contextlib.suppress(Exception):  # e.g. out of host memory: the first save will say so
+                self.stager.stage(dict(enumerate(tensors)))
+        self._in_background(stage_quietly)
 
     def start(self, state: dict, write) -> None:
         """write(a host copy of state, group) in the background, once the previous write is done."""
@@ -818,8 +800,7 @@ class AsyncSave:
         thread.shutdown(wait=False)  # its one thread ends with fn
 
     def wait(self, report: bool = True) -> None:
-        """Until the write in flight is done. A failed write raises here
-        (on_every_rank's one line), unless not `report`."""
+        """Until the write in flight is done; a failed one raises here, if `report`."""
         pending, self.pending = self.pending, None
         error = pending.exception() if pending is not None else None
         if error is not None and report:
@@ -834,8 +815,7 @@ class AsyncSave:
 
 
 def read_dist_shards(cfg: TrainConfig, model: GPT, found: Found) -> dict:
-    """A torch_dist checkpoint of any layout, each rank reading its own shards:
-    into its parameters, and (unless weights_only) new optimizer states."""
+    """A torch_dist checkpoint read into this rank's parameters and (unless weights_only) optimizer states."""
     saved = read_dist_metadata(found.path).state_dict_metadata
     state, optim = dist_model_state(model), {}
     for name, p in model.named_parameters() if not weights_only(cfg) else ():
@@ -855,12 +835,10 @@ def read_dist_shards(cfg: TrainConfig, model: GPT, found: Found) -> dict:
 
 
 def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
-    """`state` (name: this rank's tensor, or None for a non-tensor) read from
-    the torch_dist checkpoint at path, with what train.py writes besides."""
+    """`state` (this rank's tensors, None for non-tensors), and what train.py writes, read from path."""
     import torch.distributed.checkpoint as dcp
     saved = read_dist_metadata(path).state_dict_metadata
-    missing = sorted(set(state) - set(saved))
-    if missing:
+    if missing := sorted(set(state) - set(saved)):
         raise UsageError(f"{path} has no {', '.join(missing[:3])}: a checkpoint of another model")
     ours = ("iteration", "consumed_samples", "config", "model_config", "rng.stage0")  # what train.py writes
     if missing := [key for key in ours if key not in saved]:
@@ -961,8 +939,7 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
 
 
 def stage0_master_weights(model_states: dict) -> dict:
-    """The fp32 weights of one stage-0 model-states file: the module's, or
-    under --bf16/--fp16 the optimizer's fp32_groups (matrices, then vectors)."""
+    """The fp32 weights of one stage-0 model-states file: under --bf16/--fp16 the optimizer's."""
     module = model_states["module"]
     groups = (model_states.get("optimizer") or {}).get("fp32_groups")
     if groups is None:
@@ -1002,11 +979,9 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
 
 
 def check_export_target(out: str, fmt: str) -> None:
-    """--export-to: a new or empty directory, or an earlier export of the same
-    format, which this one writes over; never a save directory."""
+    """--export-to: a new or empty directory, or an earlier export of the same format."""
     check_writable_directory(out, "--export-to")
-    held = not_an_export(out, fmt) if os.path.isdir(out) else None
-    if held:
+    if os.path.isdir(out) and (held := not_an_export(out, fmt)):
         raise UsageError(f"--export-to {out} holds {held}: an export writes only into a new or empty "
                          f"directory, or over an earlier --export-format {fmt} export; give another directory")
 
@@ -1030,8 +1005,7 @@ def not_an_export(out: str, fmt: str) -> str | None:
 
 
 def is_weights_export(path: str) -> bool:
-    """Whether path is a plain checkpoint of weights alone (export_weights'),
-    read without its tensors (mmap)."""
+    """Whether path is a plain checkpoint of weights alone (export_weights'), read without its tensors."""
     if not os.path.isfile(os.path.join(path, PLAIN_FILE)):
         return False
     try:
