@@ -2,19 +2,16 @@
 export (docs/checkpoints.md). In order:
 
   - plain (--ckpt-format torch): SAVE/iter_0000100/model_optim_rng.pt +
-    latest_checkpointed_iteration.txt, full (unsharded) states written by rank
-    0, so any layout loads them; then what every kind shares: publish, the
-    digests, the vote that stops every rank when one's write fails
+    latest_checkpointed_iteration.txt, full states written by rank 0 (any
+    layout loads them); what every kind shares: publish, digests, the vote
   - which checkpoint --load reads (the newest intact one), and what it may take
-  - torch_dist (the default): the same states, each rank writing its own
-    shards through torch.distributed.checkpoint (with --async-save, in the background)
-  - DeepSpeed: engine.save_checkpoint's own layout plus trainer_state.json, so
-    its tools (zero_to_fp32) read it; export of any kind's weights (to Hugging
-    Face: huggingface.py)
+  - torch_dist (the default): each rank writes its own shards through
+    torch.distributed.checkpoint (--async-save: in the background)
+  - DeepSpeed: engine.save_checkpoint's layout plus trainer_state.json (its
+    tools read it); export of any kind's weights (Hugging Face: huggingface.py)
 Every kind is written under a temporary name, renamed into place, then
-pointed at (publish): a crash at any point leaves the previous checkpoint
-and the pointer to it intact. Every file is read through untrusted.py: a
-checkpoint may come from anyone.
+pointed at (publish): a crash leaves the previous checkpoint and its pointer
+intact. Every file is read through untrusted.py: a checkpoint may come from anyone.
 """
 from __future__ import annotations
 
@@ -73,8 +70,7 @@ def set_rng_state(state: dict, log) -> None:
 
 
 def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like) -> None:
-    """Inverse of states_for_writer: this rank's shards (shard_like), in
-    torch's own format (parameters numbered in param-group order)."""
+    """Inverse of states_for_writer: this rank's shards (shard_like), numbered as torch numbers them."""
     names = {id(p): n for n, p in model.named_parameters()}
     params = (p for group in optimizer.param_groups for p in group["params"])
     state = {index: {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
@@ -85,16 +81,15 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like) ->
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def gather_to_writer(param: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor | None:
-    """The full tensor of `t` (a parameter, or state shaped like it) on TP rank 0's host, else None."""
-    t = parallel.gather_like(param, t, to_first=True)
-    return None if t is None else t.detach().cpu()
-
 
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
     """The full states, assembled tensor by tensor on global rank 0; (None, None) elsewhere."""
     if parallel.layout.dp_rank != 0 or parallel.layout.cp_rank != 0:
         return None, None
+
+    def gather_to_writer(param, t):  # the full tensor of `t` (shaped like param) on TP rank 0's host, else None
+        t = parallel.gather_like(param, t, to_first=True)
+        return None if t is None else t.detach().cpu()
     params = dict(model.named_parameters())
     model_sd = {name: gather_to_writer(params[name], t) if name in params
                 else (t.detach().cpu() if parallel.layout.tp_rank == 0 else None)
@@ -120,8 +115,7 @@ def gather_stages(obj) -> list | None:
 
 
 def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[None, None]:
-    """Every stage's states merged on the first stage, keyed as at pp=1; (None,
-    None) on the others. Each stage lists its tensors, then sends them one by one."""
+    """Every stage's states, keyed as at pp=1, sent tensor by tensor to the first; (None, None) elsewhere."""
     items = {("model", k): v for k, v in model_sd.items()}
     items.update({("optimizer", name, k): v for name, state in optim.items() for k, v in state.items()})
     listed = {key: (v.shape, v.dtype) if torch.is_tensor(v) else v for key, v in items.items()}
@@ -146,9 +140,8 @@ def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[Non
 
 def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
     """Move a completely written checkpoint directory into place, then make it
-    the latest, all forced to disk first: a crash or power loss leaves the old
-    checkpoint and pointer or the new ones. A re-saved iteration's old copy is
-    final_dir.old until the new one is in place (see checkpoint_dir)."""
+    the latest, all forced to disk first: a crash leaves the old checkpoint and
+    pointer or the new ones (a re-saved iteration's old copy is final_dir.old)."""
     for root, _, files in os.walk(tmp_dir):
         for name in files:
             fsync_path(os.path.join(root, name))
@@ -170,13 +163,6 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def checkpoint_dir(save_dir: str, tag: str) -> str:
-    """SAVE/TAG, or SAVE/TAG.old after a crash mid re-save (see publish)."""
-    path = os.path.join(save_dir, tag)
-    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
-        return path + ".old"
-    return path
-
 
 def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     """SAVE/iter_N/model_optim_rng.pt + SAVE/latest_checkpointed_iteration.txt."""
@@ -193,8 +179,7 @@ def write_plain_checkpoint(save_dir: str, state: dict) -> str:
 
 @contextlib.contextmanager
 def freed_on_failure(tmp: str, mine: bool = True):
-    """A save that fails removes SAVE/iter_N.tmp (if `mine`) at once, for the
-    next save's space, having judged (disk_full) whether the disk was full."""
+    """A failed save's SAVE/iter_N.tmp goes at once (if `mine`), once disk_full has judged the disk."""
     try:
         yield
     except BaseException as e:
@@ -401,9 +386,8 @@ class Found:
 
 
 def latest_checkpoint(load_dir: str) -> Found | None:
-    """The latest checkpoint in load_dir, or None: the newer of the two
-    pointers' (they differ after a crash between a DeepSpeed save's two
-    writes), else the newest iter_N."""
+    """The latest checkpoint in load_dir, or None: the newer pointer's (they differ after a crash
+    between a DeepSpeed save's two writes), else the newest iter_N."""
     what_is_there(load_dir)
     named, megatron, deepspeed = [], os.path.join(load_dir, LATEST), os.path.join(load_dir, DS_LATEST)
     if os.path.exists(megatron):
@@ -414,20 +398,23 @@ def latest_checkpoint(load_dir: str) -> Found | None:
         if not (text.isascii() and text.isdigit()):  # a damaged file
             raise UsageError(f"{megatron} holds {text[:40]!r}, not an iteration number: write the iteration "
                              f"to load into it, or delete it to load the newest iter_N there")
-        named.append((int(text), checkpoint_dir(load_dir, f"iter_{int(text):07d}")))
+        named.append(f"iter_{int(text):07d}")
     if os.path.exists(deepspeed):  # the same rules: a checkpoint of load_dir
         tag = pointer_text(deepspeed)
         if iteration_of(tag) is None:
             raise UsageError(f"{deepspeed} holds {tag[:40]!r}, not the name of a checkpoint in {load_dir} "
                              f"(iter_NNNNNNN): write the one to load into it, or delete it to load the newest "
                              f"iter_N there")
-        named.append((iteration_of(tag), checkpoint_dir(load_dir, tag)))
+        named.append(tag)
     if not named and os.path.isdir(load_dir):
-        named = [(i, os.path.join(load_dir, f"iter_{i:07d}")) for i in saved_iterations(load_dir)[-1:]]
+        named = [f"iter_{i:07d}" for i in saved_iterations(load_dir)[-1:]]
     if not named:
         return None
-    iteration, path = max(named, key=lambda n: n[0])
-    return Found(kind_of(path), iteration, path)  # kind None: named, but incomplete or gone (see damage)
+    tag = max(named, key=lambda name: int(name[5:]))
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):  # after a crash mid re-save (see publish)
+        path += ".old"
+    return Found(kind_of(path), int(tag[5:]), path)  # kind None: named, but incomplete or gone (see damage)
 
 
 def pointer_text(path: str) -> str:
@@ -469,8 +456,7 @@ def kind_of(path: str) -> str | None:
 
 
 def verified_checkpoint(load_dir: str, log) -> Found | None:
-    """The newest intact checkpoint in load_dir, or None where it holds none;
-    with checkpoints there but none intact, an error names the damage."""
+    """The newest intact checkpoint in load_dir, or None where it holds none (none intact: an error)."""
     latest, problems = latest_checkpoint(load_dir), []
     if latest is None:
         return None
@@ -600,8 +586,7 @@ def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> G
 
 @dataclasses.dataclass(frozen=True)
 class Start:
-    """Where a run starts: after `iteration` and `consumed` samples of the
-    checkpoint at `path` (None: a fresh start), whose run's flags were `config`."""
+    """After `iteration` and `consumed` samples of the checkpoint at `path`, whose flags were `config`."""
     iteration: int = 0
     consumed: int = 0
     path: str | None = None
@@ -678,9 +663,8 @@ AS_THEY_ARE = dict(flatten_state_dict=False, flatten_sharded_tensors=False)  # o
 
 
 def as_shards(param, t: torch.Tensor) -> torch.Tensor:
-    """`t` (a parameter, or state shaped like it) as DCP sees it: a TP shard as
-    a ShardedTensor of views of its pieces of the full tensor, one a block for a
-    fused one ([Q_r | K_r | V_r] of [Q | K | V], which no DTensor placement describes)."""
+    """`t` (a parameter, or state shaped like it) as DCP sees it: a TP shard as a ShardedTensor of
+    views of its pieces of the full tensor ([Q_r | K_r | V_r]: no DTensor placement describes it)."""
     if not getattr(param, "tensor_model_parallel", False) or parallel.layout.tp_size == 1:
         return t
     from torch.distributed._shard.metadata import ShardMetadata
@@ -752,9 +736,8 @@ def save_dist_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, iterat
 
 
 class AsyncSave:
-    """--async-save (docs/checkpoints.md): the loop waits only while DCP's
-    stager copies the state to host memory; a thread then writes that copy
-    (write_every_rank), one write at a time, on a gloo group of its own. The
+    """--async-save (docs/checkpoints.md): the loop waits only while DCP's stager copies the state
+    to host memory; a thread writes that copy (write_every_rank) on a gloo group of its own. The
     next save and the end of the run wait for it, and raise its error."""
 
     def __init__(self, timeout, optimizer):
@@ -884,9 +867,8 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
 
 
 def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> Start:
-    """Resume everything from the DeepSpeed checkpoint `found`, written with
-    this run's layout: ZeRO's partitions are one per rank of DP x CP
-    (zero.DeepSpeedMPU), so only that product must match (stage 0: any)."""
+    """Resume everything from a DeepSpeed checkpoint of this run's layout (ZeRO's
+    partitions are one per rank of DP x CP: only that product must match)."""
     meta, lay = read_deepspeed_meta(found.path), parallel.layout
 
     def refuse(name, saved, now):
@@ -913,9 +895,8 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> St
 
 
 def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
-    """Full fp32 weights and trainer_state of a DeepSpeed checkpoint, any ZeRO
-    stage and layout: zero_to_fp32 merges one model-parallel rank's (pp_rank *
-    tp + tp_rank) DP partitions at a time, then the TP shards merge."""
+    """Full fp32 weights and trainer_state of a DeepSpeed checkpoint, any layout: zero_to_fp32 merges
+    each model-parallel rank's (pp_rank * tp + tp_rank) DP partitions, then its TP shards merge."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     meta = read_deepspeed_meta(tag_dir)
     tp, layout = meta["tensor_model_parallel_size"], meta["tensor_parallel_layout"]
@@ -956,9 +937,8 @@ def stage0_master_weights(model_states: dict) -> dict:
 
 
 def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
-    """The fp32 weights of a checkpoint of any kind, or of a Hugging Face
-    directory, written as fmt="plain": a weights-only torch-format checkpoint
-    (for --no-load-optim or --finetune), or fmt="hf": a Hugging Face directory."""
+    """The fp32 weights of a checkpoint of any kind, or of a Hugging Face directory, written as
+    fmt="plain" (a weights-only torch-format checkpoint) or fmt="hf" (a Hugging Face directory)."""
     check_export_target(out, fmt)
     hf_source = checkpoint if is_hf_directory(checkpoint) else None
     if hf_source:
