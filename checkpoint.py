@@ -154,7 +154,7 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
     save_dir = os.path.dirname(final_dir)
     fsync_path(save_dir)
     ds_pointer = os.path.join(save_dir, DS_LATEST)  # written by a DeepSpeed save, for its tools
-    if kind != "deepspeed" and os.path.exists(ds_pointer):  # it would name an older checkpoint: first gone
+    if kind != "deepspeed" and os.path.exists(ds_pointer):  # it would name an older checkpoint: it goes first
         os.remove(ds_pointer)
         fsync_path(save_dir)
     atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(str(iteration).encode()))
@@ -184,7 +184,7 @@ def freed_on_failure(tmp: str, mine: bool = True):
         yield
     except BaseException as e:
         full = None
-        if isinstance(e, Exception) and not isinstance(e, UsageError):  # (a UsageError: on_every_rank's, said)
+        if isinstance(e, Exception) and not isinstance(e, UsageError):  # (a UsageError: a verdict, said)
             full = disk_full(e, os.path.dirname(tmp))
         if mine:
             shutil.rmtree(tmp, ignore_errors=True)
