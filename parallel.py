@@ -20,19 +20,12 @@ column block A_r and row block B_r; g sums the partial products. In backward,
 f sums the partial gradients w.r.t. X. The embedding is split by vocabulary,
 and the loss is computed on vocab-sharded logits without gathering them.
 
-Layout of ranks: tensor-parallel groups are CONSECUTIVE ranks, inside one
-node where the interconnect is fastest (TP communicates every layer); DP
-groups are the ranks with the same TP rank. With 8 ranks and tp=2: TP groups
-[0,1] [2,3] [4,5] [6,7], DP groups [0,2,4,6] [1,3,5,7]. Pipeline stages
-(pipeline.py) are the outermost dimension (section 1 draws all three).
-
 Sequence parallelism (Korthikanti et al., 2022). Outside the f ... g pairs,
 every rank runs the same LayerNorms, dropouts and residual adds on the same
 (B, T, C) activations, and keeps them for backward. Sequence parallelism
-splits THOSE along the sequence:
-rank r holds tokens [r T/tp, (r+1) T/tp). g becomes a reduce-scatter (each
-rank keeps the sum for its tokens only), and f an all-gather (the
-column-parallel layer needs every token):
+splits THOSE along the sequence: rank r holds tokens [r T/tp, (r+1) T/tp).
+g becomes a reduce-scatter (each rank keeps the sum for its tokens only),
+and f an all-gather (the column-parallel layer needs every token):
 
     x_r --LN--> --all-gather--> [X A_r] --GeLU--> [. B_r] --reduce-scatter--> y_r
 
@@ -102,18 +95,15 @@ from launch import UsageError
 
 @dataclasses.dataclass
 class Layout:
-    """This rank's place in the TP x DP x PP layout: its process group in each
-    dimension (None in a single process), the dimension's size and this rank's
-    index in it. embedding_group: the first and last stage of this rank's
-    pipeline (None at pp = 1), which both hold the tied embedding. mp_group:
-    model parallelism, TP x PP, the ranks with this rank's DP rank that
-    together hold one replica (the TP group at pp = 1); DeepSpeed sums its
-    grad norm and checks overflow over it (zero.DeepSpeedMPU).
-    Context parallelism (context.py) splits each sequence over cp_group, the
-    cp consecutive TP groups of one replica's stage; they share the weights
-    and read the same batches, so gradients are averaged over dp_cp_group
-    (DP x CP, Megatron's data-parallel group with context parallelism; the
-    DP group at cp = 1) while the data is split over dp_group alone."""
+    """This rank's place in the TP x CP x DP x PP layout: its process group in
+    each dimension (None in a single process), the dimension's size and this
+    rank's index in it. embedding_group: the first and last stage of this
+    rank's pipeline (None at pp = 1), which both hold the tied embedding.
+    mp_group: TP x PP, the ranks that together hold one replica (DeepSpeed's
+    grad norm and overflow check: zero.DeepSpeedMPU). cp_group (context.py):
+    the cp consecutive TP groups of one replica's stage, which split each
+    sequence; they share weights and batches, so gradients are averaged over
+    dp_cp_group (DP x CP; the DP group at cp = 1), the data split over dp_group."""
     tp_group: object = None
     tp_size: int = 1
     tp_rank: int = 0
@@ -257,8 +247,6 @@ def launch_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the TP group into a new contiguous tensor (launched and waited for)."""
-    if layout.tp_size == 1:
-        return x.clone(memory_format=torch.contiguous_format)
     return torch.ops._c10d_functional.wait_tensor(
         torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", layout.tp_group.group_name))
 
@@ -290,12 +278,9 @@ def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
 
 def _launch_all_gather_as_sum(x: torch.Tensor) -> torch.Tensor:
     """launch_all_gather of CPU tensors (gloo): the sum of every rank's x at
-    its own rows, zeros elsewhere. Gloo's two threads assign the group's
-    status string (the op's name) without a lock, and ALLGATHER_COALESCED is
-    too long for std::string's inline buffer: with two collectives in flight
-    (sequence parallelism, Domino) the heap is corrupted ("malloc():
-    unaligned tcache chunk detected"; bench/check_gloo_gather.py). The sum
-    moves about twice an all-gather's bytes."""
+    its own rows, zeros elsewhere. Gloo's all-gather beside another collective
+    in flight (sequence parallelism, Domino) corrupts the heap: see
+    bench/check_gloo_gather.py. The sum moves about twice an all-gather's bytes."""
     before, after = layout.tp_rank * x.shape[0], (layout.tp_size - 1 - layout.tp_rank) * x.shape[0]
     # zeros above and below x along dim 0 (a pad, not a cat: Inductor would keep x twice for backward)
     return launch_all_reduce(F.pad(x, (0, 0) * (x.dim() - 1) + (before, after)))   # (tp * B, ...)
@@ -337,10 +322,9 @@ def _sequence_parts(x: torch.Tensor) -> torch.Tensor:
 # ============================================================================
 # 2. Tensor parallelism: f, g and the parallel layers
 # ============================================================================
-# Megatron's two operators (the module docstring draws them), each an
-# autograd Function of two lines, and the layers built on them: a
-# column-parallel linear is f, then F.linear; a row-parallel one is F.linear,
-# then g. With tp=1 f and g are the identity and add no autograd node at all.
+# Megatron's f and g (the module docstring draws them), and the layers built
+# on them: a column-parallel linear is f, then F.linear; a row-parallel one is
+# F.linear, then g. With tp=1 f and g are the identity and add no autograd node.
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     """f: forward y = x (every rank already holds x); backward
@@ -400,6 +384,17 @@ def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
+def _from_linear(cls, linear: nn.Linear, **kwargs):
+    """Layer.from_linear: shard an existing full nn.Linear (init_method copies
+    its weight: no random number is drawn)."""
+    layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                init_method=lambda w: w.copy_(linear.weight), **kwargs)
+    if linear.bias is not None:
+        with torch.no_grad():
+            layer.bias.copy_(shard_like(layer.bias, linear.bias))
+    return layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its OUTPUT dim: rank r holds the rows
     A_r (out/tp, in) and computes Y_r = f(X) A_r^T + b_r, sharded (..., out/tp).
@@ -423,10 +418,7 @@ class ColumnParallelLinear(nn.Module):
             return _SequenceParallelLinear.apply(_WaitForGrad.apply(x), None, self.weight, self.bias)
         return F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)  # (..., out/tp)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
-        """Shard an existing full nn.Linear (no random numbers drawn)."""
-        return _from_linear(cls, linear, **kwargs)
+    from_linear = classmethod(_from_linear)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -459,24 +451,11 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_tensor_parallel_region(partial)         # (B, T, out)
         return y if self.bias is None else y + self.bias
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
-        """Shard an existing full nn.Linear (no random numbers drawn)."""
-        return _from_linear(cls, linear, **kwargs)
+    from_linear = classmethod(_from_linear)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {_local_shape(self.weight)[1]}), "
                 f"out_features={self.out_features}, sequence_parallel={self.sequence_parallel}")
-
-
-def _from_linear(cls, linear: nn.Linear, **kwargs):
-    # init_method copies the existing weight, so the RNG stream is untouched.
-    layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                init_method=lambda w: w.copy_(linear.weight), **kwargs)
-    if linear.bias is not None:
-        with torch.no_grad():
-            layer.bias.copy_(shard_like(layer.bias, linear.bias))
-    return layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -499,8 +478,6 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # An out-of-range id would silently embed to zeros: train.check_batches
         # checks every batch's ids on the host, before the model.
-        if layout.tp_size == 1:
-            return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)      # (B, T)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)                        # (B, T, C)
@@ -558,10 +535,8 @@ def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
 # ============================================================================
 # 3. Sequence parallelism: f and g along the sequence, and its column GEMM
 # ============================================================================
-# (The module docstring draws it.) Out of the tensor-parallel region g
-# becomes a reduce-scatter, into it f becomes an all-gather; the
-# column-parallel GEMM gathers its input itself, so as to keep only this
-# rank's tokens for backward.
+# (The module docstring draws it.) The column-parallel GEMM gathers its input
+# itself, so as to keep only this rank's tokens for backward.
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Into the tensor-parallel region (before a column-parallel layer or the
@@ -654,10 +629,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        # Under autocast, forward's GEMM ran in grad_out's dtype (e.g. bf16),
-        # but backward runs outside autocast: do the GEMMs in grad_out's dtype,
-        # as autograd does for an autocast F.linear, and cast each gradient
-        # back to its input's dtype.
+        # Backward runs outside autocast: do the GEMMs in grad_out's dtype (e.g. bf16), as
+        # autograd does for an autocast F.linear, and cast each gradient back to its input's.
         dtype = grad_out.dtype
         regather = launch_all_gather(_after(x, grad_out)) if x is not None else None
         partial = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)   # (B, T, in), this rank's share
@@ -714,18 +687,13 @@ def _(x, dependency):
 #     backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
 #
 # Under sequence parallelism each all-reduce is a reduce-scatter, in flight
-# the same way (_SequenceParallelLinear leaves dX's in flight anyway), and
-# entering a sublayer also launches the all-gather of the chunk's LayerNorm
-# output, which the column-parallel GEMM waits for; the previous chunk's row
-# GEMM runs meanwhile. A row-parallel layer's dY all-gathers are waited for
-# at once (its GEMMs need them). Under a zero-bubble pipeline (pipeline.py)
+# the same way, and entering a sublayer also launches the all-gather of the
+# chunk's LayerNorm output for the column-parallel GEMM, while the previous
+# chunk's row GEMM runs (a row-parallel layer's dY all-gathers are waited for
+# at once: its GEMMs need them). Under a zero-bubble pipeline (pipeline.py)
 # the dW GEMMs leave for the schedule's W: then the other chunk's dX GEMMs
-# (and its attention or GeLU backward) alone hide each dX reduction.
-#
-# Eager mode and torch.compile run the same launches and waits (section 1);
-# in the compiled graph each is a node, where eager mode calls it.
-# tests/test_parallel.py checks this order on two ranks, in eager mode and in
-# the compiled graphs.
+# alone hide each dX reduction. tests/test_parallel.py checks this order on
+# two ranks, eager and compiled.
 
 class _CopyToTensorParallelRegionInFlight(torch.autograd.Function):
     """Domino's f: forward y = x; backward launches dx = sum_r dy_r and
@@ -781,19 +749,20 @@ class _LandedReduce(torch.autograd.Function):
 
 
 class PendingReduce:
-    """A RowParallelLinear's forward with g (under sequence parallelism its
-    reduce-scatter) launched and left in flight; wait() returns the sum plus
-    bias. Domino waits when the chunk enters its next sublayer."""
+    """A sublayer's RowParallelLinear forward with g (under sequence
+    parallelism its reduce-scatter) launched and left in flight; wait()
+    returns dropout(the sum plus bias). Domino waits when the chunk enters
+    its next sublayer."""
 
-    def __init__(self, row: RowParallelLinear, x: torch.Tensor):
-        self._partial = F.linear(x, row.weight)                    # (B, T, out), this rank's share
-        self._bias, self._sequence_parallel = row.bias, row.sequence_parallel
-        launch = launch_reduce_scatter_sequence if row.sequence_parallel else launch_all_reduce
+    def __init__(self, sublayer: Sublayer, x: torch.Tensor):
+        self._row, self._dropout = sublayer.row, sublayer.dropout
+        self._partial = F.linear(x, self._row.weight)              # (B, T, out), this rank's share
+        launch = launch_reduce_scatter_sequence if self._row.sequence_parallel else launch_all_reduce
         self._in_flight = launch(self._partial.detach())          # -> (B, T/tp, out) or (B, T, out)
 
     def wait(self) -> torch.Tensor:
-        out = _LandedReduce.apply(self._partial, wait(self._in_flight), self._sequence_parallel)
-        return out if self._bias is None else out + self._bias
+        out = _LandedReduce.apply(self._partial, wait(self._in_flight), self._row.sequence_parallel)
+        return self._dropout(out if self._row.bias is None else out + self._row.bias)
 
 
 class Sublayer(NamedTuple):
@@ -803,14 +772,6 @@ class Sublayer(NamedTuple):
     dropout: nn.Module
 
 
-def _finish_branch(pending):
-    """dropout(all-reduced branch output), waiting for the all-reduce only now."""
-    if pending is None:
-        return None
-    reduce, drop = pending
-    return drop(reduce.wait())
-
-
 def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: Callable,
            sequence_parallel: bool = False) -> list[torch.Tensor]:
     """Run every chunk (b, T, C) through every sublayer, interleaved as drawn
@@ -818,10 +779,11 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
     (x + branch, norm(x + branch)) is the model's residual add and LayerNorm
     (branch None: no add)."""
     chunks = list(chunks)
-    pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
+    pending = [None] * len(chunks)   # per chunk: its last sublayer's PendingReduce
 
     def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
-        chunks[i], h = add_and_norm(sublayers[s].norm, chunks[i], _finish_branch(pending[i]))
+        branch = pending[i].wait() if pending[i] else None
+        chunks[i], h = add_and_norm(sublayers[s].norm, chunks[i], branch)
         # under sequence parallelism h holds this rank's tokens: start gathering them all now
         gathered = launch_all_gather(in_autocast_dtype(h.detach())) if sequence_parallel else None
         return _WaitForGrad.apply(h), ChunkCollectives(gathered)
@@ -834,8 +796,8 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
                 entered[i + 1] = enter(i + 1, s)
             elif s + 1 < len(sublayers):              # ...or the first, the next sublayer
                 entered[0] = enter(0, s + 1)
-            pending[i] = (PendingReduce(sublayer.row, y), sublayer.dropout)  # ...before this row GEMM
-    return [c + _finish_branch(p) for c, p in zip(chunks, pending)]
+            pending[i] = PendingReduce(sublayer, y)   # ...before this row GEMM
+    return [c + p.wait() for c, p in zip(chunks, pending)]
 
 
 # ============================================================================
@@ -848,13 +810,14 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
 # dropout (other tokens). Their masks must differ too, so they draw from a
 # second stream, seeded differently on each tensor-parallel rank:
 #
-#     with _TRACKER.fork():
+#     with per_rank_rng():
 #         y = F.dropout(x, p)        # this rank's own mask
 #
-# fork() swaps the default generator's state for the tracked one and back.
+# per_rank_rng() swaps the default generator's state for the tracked one and back.
 
-MODEL_PARALLEL_RNG = "model-parallel-rng"
+MODEL_PARALLEL_RNG = "model-parallel-rng"   # the stream's name, in checkpoints too
 MODEL_PARALLEL_SEED_OFFSET = 2718   # Megatron's: rank r's stream is seeded seed + 2718 + r
+_TRACKER: dict[str, dict] = {}      # the tracked streams: name -> states, as default_rng_state's
 
 
 def default_rng_state() -> dict:
@@ -871,55 +834,42 @@ def _set_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class RNGTracker:
-    """Named generator states beside the default one; fork(name) draws from one."""
-
-    def __init__(self):
-        self._states: dict[str, dict] = {}
-
-    def add(self, name: str, seed: int) -> None:
-        """Start the stream `name` from `seed` (the default stream is untouched)."""
-        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
-        if torch.cuda.is_available():  # this process's GPU only
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-                torch.cuda.manual_seed(seed)
-                state["cuda"] = torch.cuda.get_rng_state()
-        self._states[name] = state
-
-    def get_states(self) -> dict:
-        return {name: dict(state) for name, state in self._states.items()}
-
-    def set_states(self, states: dict) -> None:
-        self._states = {name: dict(state) for name, state in states.items()}
-
-    @contextlib.contextmanager
-    def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Draw from stream `name` inside the block; the default one is restored."""
-        if name not in self._states:
-            raise RuntimeError(f"RNG stream {name!r} was never seeded: call "
-                               f"parallel.model_parallel_seed(seed) after parallel.initialize()")
-        outside = default_rng_state()
-        _set_state(self._states[name])
-        try:
-            yield
-        finally:
-            self._states[name] = default_rng_state()
-            _set_state(outside)
-
-
-_TRACKER = RNGTracker()
+def _replace_tracker(states: dict) -> None:
+    _TRACKER.clear()
+    _TRACKER.update(states)
 
 
 def model_parallel_seed(seed: int) -> None:
     """Seed the tensor-parallel stream (TP ranks differ, DP replicas agree).
     Call on every rank, after parallel.initialize(), next to torch.manual_seed."""
-    _TRACKER.set_states({})
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + layout.tp_rank)
+    seed += MODEL_PARALLEL_SEED_OFFSET + layout.tp_rank
+    state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+    if torch.cuda.is_available():  # this process's GPU only; the default stream is untouched
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+            torch.cuda.manual_seed(seed)
+            state["cuda"] = torch.cuda.get_rng_state()
+    _replace_tracker({MODEL_PARALLEL_RNG: state})
+
+
+@contextlib.contextmanager
+def per_rank_rng():
+    """Draw from this TP rank's own stream inside the block (dropout over
+    values that differ from rank to rank); the default one is restored."""
+    if MODEL_PARALLEL_RNG not in _TRACKER:
+        raise RuntimeError(f"RNG stream {MODEL_PARALLEL_RNG!r} was never seeded: call "
+                           f"parallel.model_parallel_seed(seed) after parallel.initialize()")
+    outside = default_rng_state()
+    _set_state(_TRACKER[MODEL_PARALLEL_RNG])
+    try:
+        yield
+    finally:
+        _TRACKER[MODEL_PARALLEL_RNG] = default_rng_state()
+        _set_state(outside)
 
 
 def rng_tracker_states_of_every_tp_rank() -> list[dict]:
     """Every TP rank's tracker states, in TP-rank order (collective)."""
-    mine = _TRACKER.get_states()
+    mine = dict(_TRACKER)
     if layout.tp_size == 1:
         return [mine]
     everyone = [None] * layout.tp_size
@@ -933,39 +883,33 @@ def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     if len(states) != layout.tp_size or any(s.keys() != default_rng_state().keys()
                                        for s in states[layout.tp_rank].values()):
         return False
-    _TRACKER.set_states(states[layout.tp_rank])
+    _replace_tracker(states[layout.tp_rank])
     return True
-
-
-def per_rank_rng():
-    """Draw from this TP rank's own stream (the tracker's fork()): for dropout
-    over values that differ from rank to rank."""
-    return _TRACKER.fork()
 
 
 def checkpoint_with_rng(checkpoint_fn, fn, *args):
     """checkpoint_fn(fn, *args) (torch's or DeepSpeed's activation
     checkpointing), replaying the tracker's streams too: checkpointing
-    restores only the DEFAULT generator for its recompute, so fork()'s masks
+    restores only the DEFAULT generator for its recompute, so per_rank_rng's masks
     would differ and the gradients be silently wrong. The recompute runs from
     the tracker's states of the first run, then the current ones come back."""
-    start = _TRACKER.get_states()
+    start = dict(_TRACKER)
     runs = []
 
     def run(*inputs):
         if torch.compiler.is_compiling():
             # the recompute replays the traced graph; should fn break it (the
-            # tracker's fork does), Dynamo runs this eagerly, through the branches below
+            # tracker's swap does), Dynamo runs this eagerly, through the branches below
             return fn(*inputs)
         if not runs:                     # the forward pass
             runs.append(True)
             return fn(*inputs)
-        now = _TRACKER.get_states()      # the recompute, in backward
-        _TRACKER.set_states(start)
+        now = dict(_TRACKER)             # the recompute, in backward
+        _replace_tracker(start)
         try:
             return fn(*inputs)
         finally:
-            _TRACKER.set_states(now)
+            _replace_tracker(now)
     return checkpoint_fn(run, *args)
 
 
