@@ -162,10 +162,8 @@ def _group_sum(x, G):
 def _block_forward(q, k, v, causal: bool, impl: str, docs=None):
     """(o, lse) of softmax(q k^T / sqrt(D)) v over one block: o (B, H, n, D)
     and lse (B, H, n), fp32. The Triton kernel's lse is in base 2 of the
-    scaled scores, (B*H, n): lse = lse2 * ln 2; its o is in the inputs' dtype
-    (merged in fp32 all the same). With documents (docs, torch only) a row
-    may read no key of the block: its lse is -inf and its o 0, which _merge
-    weighs exp(-inf) = 0."""
+    scaled scores, (B*H, n): lse = lse2 * ln 2. With documents (docs, torch
+    only) a row may read no key of the block: lse -inf, o 0 (see _merge)."""
     if impl == "triton" and docs is None:  # the Triton kernels take no document masks
         o, lse2 = kernels._attn_forward(*kernels._kernel_inputs(q, k, v), causal, 1 / math.sqrt(q.shape[-1]))
         return o.float(), lse2.view(q.shape[:3]) / kernels.LOG2E
@@ -180,8 +178,7 @@ def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str, docs=None):
     its query rows (FlashAttention-2's backward):
         P = exp(S - lse)  dV = P^T dO  dP = dO V^T  delta = rowsum(dO * O)
         dS = P (dP - delta)  dQ = dS K / sqrt(D)  dK = dS^T Q / sqrt(D),
-    dK and dV summed over the query heads of each K/V head. The final lse is
-    finite (every token reads itself), so a masked score gives P = 0."""
+    dK and dV summed over the query heads of each K/V head."""
     scale = 1 / math.sqrt(q.shape[-1])
     if impl == "triton" and docs is None:
         q2, k2, v2 = kernels._kernel_inputs(q, k, v)
@@ -223,7 +220,6 @@ class Ring:
         self.pending = None
 
     def start(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        assert self.pending is None, "one exchange in flight at a time"
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
         ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next) for t in sent]
@@ -253,7 +249,7 @@ def _ring_forward(q, k, v, documents, impl: str):
     K/V of step s+1 (and their document ids) travel while step s's blocks run."""
     lay = parallel.layout
     cp, c = lay.cp_size, q.shape[2] // 2
-    ring = Ring(lay.cp_group) if cp > 1 else None
+    ring = Ring(lay.cp_group)
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)                 # (B, H, 2c, D)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, 2c)
     held = _travelling(k, v, documents)                                            # [(2, B, G, 2c, D), ...]
@@ -278,12 +274,12 @@ def _ring_backward(do, q, k, v, documents, o, lse, impl: str):
     dK/dV home (cp sends of dK/dV in all)."""
     lay = parallel.layout
     cp, c = lay.cp_size, q.shape[2] // 2
-    ring = Ring(lay.cp_group) if cp > 1 else None
+    ring = Ring(lay.cp_group)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     held, dkv = _travelling(k, v, documents), None  # dkv: (2, B, G, 2c, D), of the K/V held
     for step in range(cp):
         sent = (held if step < cp - 1 else []) + ([dkv] if step > 0 else [])
-        received = ring.start(*sent) if sent else []
+        received = ring.start(*sent)
         kv = held[0]
         mine = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for rows, cols, causal in step_blocks(step, lay.cp_rank, cp, c):
@@ -293,14 +289,12 @@ def _ring_backward(do, q, k, v, documents, o, lse, impl: str):
             dq[:, :, rows] += grads[0]
             mine[0][:, :, cols] += grads[1]
             mine[1][:, :, cols] += grads[2]
-        if sent:
-            ring.wait()
+        ring.wait()
         dkv = mine + received[-1] if step > 0 else mine  # the earlier holders' sum, and this rank's
         if step < cp - 1:
             held = received[:len(held)]
-    if cp > 1:
-        (dkv,) = ring.start(dkv)  # to its owner, rank + 1 (whose K/V this rank held last)
-        ring.wait()
+    (dkv,) = ring.start(dkv)  # to its owner, rank + 1 (whose K/V this rank held last)
+    ring.wait()
     # copies: a custom op's outputs may not be views of one tensor
     return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
 
@@ -387,55 +381,34 @@ def _heads_to_sequence(y: torch.Tensor) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(B, C * Hc, T // C, D)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """Forward _sequence_to_heads, backward its inverse (a permutation's gradient)."""
+class _AllToAll(torch.autograd.Function):
+    """Forward _sequence_to_heads (to_heads) or _heads_to_sequence, backward
+    the other: the gradient of a permutation is its inverse."""
 
     @staticmethod
-    def forward(ctx, x):
-        return _sequence_to_heads(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_sequence(grad)
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """Forward _heads_to_sequence, backward _sequence_to_heads."""
-
-    @staticmethod
-    def forward(ctx, y):
-        return _heads_to_sequence(y)
+    def forward(ctx, x, to_heads: bool):
+        ctx.to_heads = to_heads
+        return _sequence_to_heads(x) if to_heads else _heads_to_sequence(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _sequence_to_heads(grad)
-
-
-def _gather_documents(documents: torch.Tensor) -> torch.Tensor:
-    """This rank's document ids (B, 2c) -> the full sequences' (B, T), in
-    natural order: every rank sends its ids to every rank, as if one head
-    each, and _sequence_to_heads puts the chunks in order."""
-    C = parallel.layout.cp_size
-    return _sequence_to_heads(documents[:, None, :, None].expand(-1, C, -1, 1))[:, 0, :, 0]
-
-
-def _causal_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
-    """Ordinary causal attention over whole sequences, (B, H, T, D); with
-    documents (B, T), causal within each (the torch path: the Triton kernels
-    take no document masks)."""
-    if impl == "triton" and documents is None:
-        return kernels.flash_attention(q, k, v, causal=True)
-    mask = None if documents is None else same_document(documents, documents, causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+        return (_heads_to_sequence(grad) if ctx.to_heads else _sequence_to_heads(grad)), None
 
 
 def a2a_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
-    """Ulysses: all-to-all to head-sharded full sequences, attention, back.
-    The heads and K/V groups divide by C (parallel.check_layout)."""
-    q, k, v = (_SequenceToHeads.apply(t) for t in (q, k, v))  # (B, H/C or G/C, T, D)
-    full = None if documents is None else _gather_documents(documents)  # (B, T)
-    return _HeadsToSequence.apply(_causal_attention(q, k, v, impl, full))
+    """Ulysses: all-to-all to head-sharded full sequences, ordinary causal
+    attention, back. The heads and K/V groups divide by C (parallel.check_layout)."""
+    q, k, v = (_AllToAll.apply(t, True) for t in (q, k, v))  # (B, H/C or G/C, T, D)
+    if impl == "triton" and documents is None:
+        return _AllToAll.apply(kernels.flash_attention(q, k, v, causal=True), False)
+    mask = None
+    if documents is not None:  # the full sequences' ids (B, T): sent to every rank as if one head each
+        C = parallel.layout.cp_size
+        full = _sequence_to_heads(documents[:, None, :, None].expand(-1, C, -1, 1))[:, 0, :, 0]
+        mask = same_document(full, full, causal=True)  # the torch path: the Triton kernels take no masks
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                       enable_gqa=k.shape[1] != q.shape[1])
+    return _AllToAll.apply(y, False)
 
 
 # ============================================================================
