@@ -84,12 +84,11 @@ def local_positions(seq_length: int, cp: int, rank: int) -> torch.Tensor:
 
 def split_batch(batch: dict) -> dict:
     """This CP rank's share of a micro-batch of host tensors (every CP rank
-    reads the same micro-batch): its tokens of every sequence, their labels,
-    loss mask and positions (each token keeps its place in the full sequence,
-    for learned positions and RoPE alike), their document ids if the batch
-    has them, and `loss_weight`: the factor that turns the model's masked
-    mean over the local tokens into this rank's share of the full sequences'
-    mean, times cp (the gradients are averaged over DP x CP, Megatron's way):
+    reads the same one): every tensor at its tokens (positions keep each
+    token's place in the full sequence, for learned positions and RoPE alike),
+    and `loss_weight`, which turns the model's masked mean over the local
+    tokens into this rank's share of the full sequences' mean, times cp (the
+    gradients are averaged over DP x CP, Megatron's way):
 
         loss_weight = cp x (tokens kept here) / (tokens kept in the full sequences)
 
@@ -153,12 +152,6 @@ def _torch_scores(q, k, causal, docs=None):
     return s
 
 
-def _group_sum(x, G):
-    """(B, H, n, D) -> (B, G, n, D): the sum over each K/V head's query heads."""
-    B, H, n, D = x.shape
-    return x.view(B, G, H // G, n, D).sum(2)
-
-
 def _block_forward(q, k, v, causal: bool, impl: str, docs=None):
     """(o, lse) of softmax(q k^T / sqrt(D)) v over one block: o (B, H, n, D)
     and lse (B, H, n), fp32. The Triton kernel's lse is in base 2 of the
@@ -193,7 +186,7 @@ def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str, docs=None):
     ds = p * (dp - (do * o).sum(-1, keepdim=True))                       # delta = rowsum(dO * O)
     dq = ds @ k.float().repeat_interleave(repeat, dim=1) * scale
     dk = ds.transpose(-1, -2) @ q.float() * scale
-    return dq, _group_sum(dk, G), _group_sum(dv, G)
+    return dq, dk.unflatten(1, (G, repeat)).sum(2), dv.unflatten(1, (G, repeat)).sum(2)  # (B, G, n, D)
 
 
 def _merge(o, lse, rows, o_block, lse_block) -> None:

@@ -52,12 +52,12 @@ Sections:
        torch.compile), divisibility checks
     2. tensor parallelism: f and g, then ColumnParallelLinear (f, F.linear),
        RowParallelLinear (F.linear, g), VocabParallelEmbedding
-    3. sequence parallelism: f and g along the sequence, its column GEMM
+    3. sequence parallelism: f and g along the sequence, its column GEMM, the
+       replicated parameters' gradient sums (clipping: train.clip_grad_norm_)
     4. Domino: the same collectives left in flight, and its schedule
     5. the per-rank random stream for dropout, and checkpointing that replays it
     6. cross entropy on vocab-sharded logits
-    7. gradients: sequence-parallel sums (clipping: train.clip_grad_norm_)
-    8. slicing full tensors into shards and back; full state dicts; the
+    7. slicing full tensors into shards and back; full state dicts; the
        attributes parameters carry from one module to another (mark)
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Layout:
     """This rank's place in the TP x CP x DP x PP layout: its process group in
     each dimension (None in a single process), the dimension's size and this
     rank's index in it. embedding_group: the first and last stage of this
-    rank's pipeline (None at pp = 1), which both hold the tied embedding.
+    rank's pipeline, which hold the tied embedding (None on the others).
     mp_group: TP x PP, the ranks that together hold one replica (DeepSpeed's
     grad norm and overflow check: zero.DeepSpeedMPU). cp_group (context.py):
     the cp consecutive TP groups of one replica's stage, which split each
@@ -159,7 +159,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
 
     def mine(rank_lists):  # every rank creates every group, in the same order; this rank's
         made = [(dist.new_group(ranks, timeout=timeout), ranks) for ranks in rank_lists]
-        return next(group for group, ranks in made if rank in ranks)
+        return next((group for group, ranks in made if rank in ranks), None)
     stages = [range(s * stage_size, (s + 1) * stage_size) for s in range(pp)]
     # TP: consecutive ranks; DP: same stage, CP and TP rank
     new.tp_group = new.mp_group = mine([list(range(a, a + tp)) for a in range(0, world, tp)])
@@ -170,13 +170,10 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         new.cp_group = mine([list(range(st[0] + d * cp * tp + t, st[0] + (d + 1) * cp * tp, tp))
                              for st in stages for d in range(dp) for t in range(tp)])
         new.dp_cp_group = mine([list(range(st[0] + t, st[-1] + 1, tp)) for st in stages for t in range(tp)])
-    for first in range(stage_size):                                   # PP: same DP, CP and TP rank
-        ranks = list(range(first, world, stage_size))
-        group = dist.new_group(ranks, timeout=timeout)
-        embedding = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
-        if rank in ranks:
-            new.pp_group, new.embedding_group = group, embedding
+    pipelines = [list(range(first, world, stage_size)) for first in range(stage_size)]
+    new.pp_group = mine(pipelines)                                    # PP: same DP, CP and TP rank
     if pp > 1:                                                        # TP x PP: same DP and CP rank
+        new.embedding_group = mine([[ranks[0], ranks[-1]] for ranks in pipelines])
         new.mp_group = mine([[s * stage_size + r + t for s in range(pp) for t in range(tp)]
                              for r in range(0, stage_size, tp)])
     layout = new
@@ -660,6 +657,18 @@ def _(x, dependency):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def sum_sequence_parallel_grads(module: nn.Module) -> None:
+    """Under sequence parallelism every replicated parameter (norms,
+    row-parallel biases, learned positions) sees only this rank's tokens,
+    so its full gradient is the sum over the TP group; without it the ranks'
+    copies silently drift apart. A hook sums it in backward, before it lands
+    in .grad, so DDP's and ZeRO's hooks, accumulation and clipping all see
+    the full gradient (Megatron all-reduces them once per step instead)."""
+    for p in module.parameters():
+        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
+            p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
+
+
 # ============================================================================
 # 4. Domino: the same collectives, left in flight while another chunk computes
 # ============================================================================
@@ -969,23 +978,7 @@ def vocab_parallel_lse(row_max, sum_exp, z_target):
 
 
 # ============================================================================
-# 7. Gradients: sequence-parallel sums (the global norm and clipping: train.clip_grad_norm_)
-# ============================================================================
-
-def sum_sequence_parallel_grads(module: nn.Module) -> None:
-    """Under sequence parallelism every replicated parameter (norms,
-    row-parallel biases, learned positions) sees only this rank's tokens,
-    so its full gradient is the sum over the TP group; without it the ranks'
-    copies silently drift apart. A hook sums it in backward, before it lands
-    in .grad, so DDP's and ZeRO's hooks, accumulation and clipping all see
-    the full gradient (Megatron all-reduces them once per step instead)."""
-    for p in module.parameters():
-        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
-            p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
-
-
-# ============================================================================
-# 8. Shards and full tensors: parameters, optimizer state, state dicts
+# 7. Shards and full tensors: parameters, optimizer state, state dicts
 # ============================================================================
 
 def _block_sizes(full_size: int, blocks) -> list[int]:
@@ -1032,29 +1025,8 @@ def merge_shards(shards: list[torch.Tensor], dim: int, blocks=1) -> torch.Tensor
 
 def mark(obj, **attributes) -> None:
     """Set attributes that other modules read on a parameter (or module).
-    This is their list; every one the project sets on an object goes through
-    here (fuses_residual_add is a class attribute, DeepSpeed sets ds_shape).
-
-    On parameters:
-      tensor_model_parallel  True on a TP shard (set here, _mark_sharded);
-                             read by train.clip_grad_norm_ (counted on every TP rank),
-                             sum_sequence_parallel_grads, the state-dict and
-                             checkpoint gathers, and DeepSpeed's own grad norm
-      partition_dim          the dim a TP shard was cut along (_mark_sharded)
-      partition_blocks       how it was cut: 1, a count of equal blocks, or the
-                             blocks' sizes (shard_tensor); read with partition_dim
-                             to gather or re-cut it (checkpoint.py)
-      pipeline_copy          True on the last pipeline stage's copy of a tied
-                             embedding (gpt.GPT); train.clip_grad_norm_ counts it once
-      ds_pipe_replicated     DeepSpeed's name for pipeline_copy, for its grad norm
-                             (zero.DeepSpeedTraining)
-      ds_shape               DeepSpeed's, set by ZeRO-3 on a partitioned parameter:
-                             the full shape (read by _local_shape, train.param_ndim)
-    On modules:
-      residual_out           a Linear writing into the residual stream (gpt.py);
-                             gpt.init_weights scales its init by 1/sqrt(2 layers)
-      fuses_residual_add     a norm module that also adds the residual
-                             (kernels.TritonLayerNorm; gpt.add_and_norm asks)"""
+    Every one the project sets goes through here; docs/tensor-parallel.md
+    lists them and their readers."""
     for name, value in attributes.items():
         setattr(obj, name, value)
 
