@@ -44,10 +44,9 @@ groups) divisible by C x tp.
 
 Documents (--reset-attention-mask): a token reads only its own document
 (same_document, the rule gpt.py applies at cp = 1). In the ring the keys'
-document ids travel with K and V, and each block is masked by them; a query
-may find no key of its document in a block (its lse there is -inf and weighs
-0 in the merge), but it reads itself at step 0, so its final lse is finite.
-a2a gathers the full sequences' ids and masks ordinary attention.
+document ids travel with K and V and mask each block (a query may read no
+key of a block: _merge; it reads itself at step 0, so its final lse is
+finite); a2a gathers the full sequences' ids and masks ordinary attention.
 
 Sections:
     1. the zigzag split of a batch, its loss weight, and the document mask
@@ -237,9 +236,17 @@ def _block_documents(documents, held, rows, cols):
     return None if documents is None else (documents[:, rows], held[1][:, cols])
 
 
-def _ring_forward(q, k, v, documents, impl: str):
-    """(o, lse) of this rank's queries over every rank's K/V: at step s the
-    K/V of step s+1 (and their document ids) travel while step s's blocks run."""
+# Forward and backward are custom operators with their autograd, as
+# kernels.flash_attention_op: torch.compile sees one opaque op (no graph
+# break, no tracing into the ring's communication). The ops read the CP group
+# from parallel.layout (an op's arguments are tensors and scalars).
+
+@torch.library.custom_op("context::ring_attention", mutates_args=())
+def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[torch.Tensor],
+                      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o in q's dtype, lse (B, H, 2c) fp32) of this rank's queries over every
+    rank's K/V; documents: this rank's (B, 2c) document ids, or None. At step
+    s the K/V of step s+1 (and their document ids) travel while step s's blocks run."""
     lay = parallel.layout
     cp, c = lay.cp_size, q.shape[2] // 2
     ring = Ring(lay.cp_group)
@@ -259,8 +266,16 @@ def _ring_forward(q, k, v, documents, impl: str):
     return o.to(q.dtype), lse
 
 
-def _ring_backward(do, q, k, v, documents, o, lse, impl: str):
-    """(dq, dk, dv) of _ring_forward. The K/V travel ahead as in forward; the
+@ring_attention_op.register_fake
+def _(q, k, v, documents, impl):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("context::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               documents: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
+                               impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ring_attention_op. The K/V travel ahead as in forward; the
     dK/dV (fp32) of the K/V a rank holds at step s were summed by the ranks
     that held them before and arrive from rank - 1 one step behind, while
     step s runs; after the last step one more send brings each rank its own
@@ -290,31 +305,6 @@ def _ring_backward(do, q, k, v, documents, o, lse, impl: str):
     ring.wait()
     # copies: a custom op's outputs may not be views of one tensor
     return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
-
-
-# Forward and backward as custom operators with their autograd, as
-# kernels.flash_attention_op: torch.compile sees one opaque op (no graph
-# break, no tracing into the ring's communication). The ops read the CP group
-# from parallel.layout (an op's arguments are tensors and scalars).
-
-@torch.library.custom_op("context::ring_attention", mutates_args=())
-def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[torch.Tensor],
-                      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o in q's dtype, lse (B, H, 2c) fp32) of ring attention; documents:
-    this rank's (B, 2c) document ids, or None."""
-    return _ring_forward(q, k, v, documents, impl)
-
-
-@ring_attention_op.register_fake
-def _(q, k, v, documents, impl):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-@torch.library.custom_op("context::ring_attention_backward", mutates_args=())
-def ring_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               documents: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
-                               impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ring_backward(do, q, k, v, documents, o, lse, impl)
 
 
 @ring_attention_backward_op.register_fake

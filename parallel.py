@@ -223,13 +223,12 @@ def check_layout(config, tp: int | None = None) -> None:
 
 
 # --------------------------------------------------------------------------
-# Raw collectives on the TP group, in one form for eager mode and
-# torch.compile: functional collectives, which Dynamo traces into the graph
-# (a work handle would break it) and eager mode runs as they are. A launch
-# returns a new tensor, read only through wait(); the graph keeps the two as
-# two nodes, and what runs between them overlaps the collective, eager or
-# compiled (Domino). They never modify their input: autograd may hand the
-# same gradient to several branches (residual adds).
+# Raw collectives on the TP group, one form for eager mode and torch.compile:
+# functional collectives, which Dynamo traces into the graph (a work handle
+# would break it). A launch returns a new tensor, read only through wait();
+# what runs between the two overlaps the collective, eager or compiled
+# (Domino). They never modify their input: autograd may hand the same
+# gradient to several branches (residual adds).
 # --------------------------------------------------------------------------
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -287,9 +286,7 @@ def gathered_sequence(in_flight: torch.Tensor) -> torch.Tensor:
     """The landed launch_all_gather of every rank's (B, T/tp, ...): the
     slices joined in rank order, (B, T, ...)."""
     parts = wait(in_flight).unflatten(0, (layout.tp_size, -1))     # (tp, B, T/tp, ...): rank r's at [r]
-    tp, B, s = parts.shape[:3]
-    # (tp, B, s, ...) -> (B, tp, s, ...) -> (B, tp*s, ...): a copy unless B == 1
-    return parts.movedim(0, 1).reshape(B, tp * s, *parts.shape[3:])
+    return parts.movedim(0, 1).flatten(1, 2)     # (B, tp, T/tp, ...) -> (B, T, ...): a copy unless B == 1
 
 
 def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
@@ -299,21 +296,16 @@ def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
 
 def launch_reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
     """Start the sum of x (B, T, ...) over the TP group, of which this rank
-    keeps its tokens: (B, T/tp, ...) after wait()."""
-    return torch.ops._c10d_functional.reduce_scatter_tensor(_sequence_parts(x).flatten(0, 1), "sum",
+    keeps its tokens: (B, T/tp, ...) after wait() (config.py checks that tp
+    divides --seq-length)."""
+    parts = x.unflatten(1, (layout.tp_size, -1)).movedim(1, 0)     # (tp, B, T/tp, ...): rank r's at [r]
+    return torch.ops._c10d_functional.reduce_scatter_tensor(parts.flatten(0, 1).contiguous(), "sum",
                                                             layout.tp_size, layout.tp_group.group_name)
 
 
 def reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
     """Sum x (B, T, ...) over the TP group and keep this rank's tokens (B, T/tp, ...)."""
     return wait(launch_reduce_scatter_sequence(x))
-
-
-def _sequence_parts(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, ...) -> (tp, B, T/tp, ...), contiguous: rank r's tokens at [r]
-    (config.py checks that tp divides --seq-length)."""
-    B, T, tp = x.shape[0], x.shape[1], layout.tp_size
-    return x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()
 
 
 # ============================================================================
@@ -376,11 +368,6 @@ def _sharded_master(shape: tuple[int, ...], init_method, dim: int,
     return _mark_sharded(nn.Parameter(shard), dim, blocks)
 
 
-def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
-    """A parameter's shape on this rank, also under ZeRO-3 (`ds_shape`)."""
-    return tuple(getattr(param, "ds_shape", param.shape))
-
-
 def _from_linear(cls, linear: nn.Linear, **kwargs):
     """Layer.from_linear: shard an existing full nn.Linear (init_method copies
     its weight: no random number is drawn)."""
@@ -405,10 +392,9 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and layout.tp_size > 1
         self.in_features, self.out_features, self.blocks = in_features, out_features, blocks
         self.weight = _sharded_master((out_features, in_features), init_method, 0, blocks)
+        self.bias = None
         if bias:  # zeros, as in Megatron
             self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // layout.tp_size)), 0, blocks)
-        else:
-            self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # dX's reduce-scatter is waited for at once
@@ -418,8 +404,9 @@ class ColumnParallelLinear(nn.Module):
     from_linear = classmethod(_from_linear)
 
     def extra_repr(self) -> str:
+        local = getattr(self.weight, "ds_shape", self.weight.shape)[0]  # ZeRO-3 empties the weight
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {_local_shape(self.weight)[0]}), blocks={self.blocks}, "
+                f"(local {local}), blocks={self.blocks}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
 
@@ -451,7 +438,8 @@ class RowParallelLinear(nn.Module):
     from_linear = classmethod(_from_linear)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {_local_shape(self.weight)[1]}), "
+        local = getattr(self.weight, "ds_shape", self.weight.shape)[1]  # ZeRO-3 empties the weight
+        return (f"in_features={self.in_features} (local {local}), "
                 f"out_features={self.out_features}, sequence_parallel={self.sequence_parallel}")
 
 
@@ -672,10 +660,9 @@ def sum_sequence_parallel_grads(module: nn.Module) -> None:
 # ============================================================================
 # 4. Domino: the same collectives, left in flight while another chunk computes
 # ============================================================================
-# Domino (Wang et al.) hides tensor parallelism's communication behind
-# computation. The micro-batch is split along the batch into chunks that are
-# independent until the loss. The layer stack is a list of sublayers
-# (attention and MLP), and a chunk's pass through a sublayer is
+# The micro-batch is split along the batch into chunks, independent until the
+# loss. The layer stack is a list of sublayers (attention and MLP), and a
+# chunk's pass through a sublayer is
 #
 #     enter:  wait for its previous row-parallel all-reduce, residual add,
 #             LayerNorm, and the node where backward will wait (see below)
