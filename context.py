@@ -201,10 +201,9 @@ def _merge(o, lse, rows, o_block, lse_block) -> None:
 
 
 class Ring:
-    """Point-to-point round the CP ring: each exchange sends tensors to the
-    next rank and receives as many, of the same shapes, from the previous one
-    (batch_isend_irecv, as the pipeline does). One exchange is in flight at a
-    time: start() posts it and returns the buffers wait() fills."""
+    """Point-to-point round the CP ring: start() sends tensors to the next
+    rank and returns as many buffers of the same shapes, which wait() fills
+    from the previous one (batch_isend_irecv, as the pipeline does)."""
 
     def __init__(self, group):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -275,11 +274,10 @@ def _(q, k, v, documents, impl):
 def ring_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                documents: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
                                impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of ring_attention_op. The K/V travel ahead as in forward; the
-    dK/dV (fp32) of the K/V a rank holds at step s were summed by the ranks
-    that held them before and arrive from rank - 1 one step behind, while
-    step s runs; after the last step one more send brings each rank its own
-    dK/dV home (cp sends of dK/dV in all)."""
+    """(dq, dk, dv) of ring_attention_op. The K/V travel ahead as in forward;
+    the dK/dV (fp32) of the K/V a rank holds at step s, summed by their
+    earlier holders, arrive from rank - 1 one step behind, while step s runs;
+    one more send after the last step brings each rank its own dK/dV home."""
     lay = parallel.layout
     cp, c = lay.cp_size, q.shape[2] // 2
     ring = Ring(lay.cp_group)
@@ -402,10 +400,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str,
               documents: torch.Tensor | None = None) -> torch.Tensor:
     """Exact causal attention of this CP rank's queries over the full sequences.
     q (B, nh, T/C, hd), k, v (B, G, T/C, hd): this rank's zigzag chunks
-    (section 1); returns y (B, nh, T/C, hd) in q's dtype. comm_type "p2p"
-    (ring) or "a2a" (Ulysses); impl "torch" or "triton" (kernels.py);
-    documents: this rank's (B, T/C) document ids (split_batch's), and then
-    each token reads only its own document's (same_document)."""
+    (section 1) -> y (B, nh, T/C, hd) in q's dtype. comm_type "p2p" (ring) or
+    "a2a" (Ulysses); impl "torch" or "triton" (kernels.py); documents: this
+    rank's (B, T/C) document ids (split_batch's), or None."""
     if comm_type == "a2a":
         return a2a_attention(q, k, v, impl, documents)
     return ring_attention_op(q, k, v, documents, impl)[0]

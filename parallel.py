@@ -192,10 +192,9 @@ def destroy() -> None:
 
 def check_layout(config, tp: int | None = None) -> None:
     """Raise UsageError unless tensor parallelism of size tp can split this
-    model: tp divides every quantity that gets split (num_query_groups: each
-    rank keeps whole key/value heads; under context parallelism's all-to-all
-    cp x tp divides the heads), and Domino, which interleaves the
-    chunks' sublayers, is not asked to recompute them."""
+    model: tp divides every quantity that gets split (each rank keeps whole
+    key/value heads; under a2a context parallelism cp x tp divides the heads),
+    and Domino, which interleaves the chunks' sublayers, need not recompute them."""
     if tp is None:  # the model being built: at this process's layout
         # A multi-rank job that forgot initialize() would otherwise silently
         # train as if every rank were alone.
@@ -647,11 +646,10 @@ def _(x, dependency):
 
 def sum_sequence_parallel_grads(module: nn.Module) -> None:
     """Under sequence parallelism every replicated parameter (norms,
-    row-parallel biases, learned positions) sees only this rank's tokens,
-    so its full gradient is the sum over the TP group; without it the ranks'
-    copies silently drift apart. A hook sums it in backward, before it lands
-    in .grad, so DDP's and ZeRO's hooks, accumulation and clipping all see
-    the full gradient (Megatron all-reduces them once per step instead)."""
+    row-parallel biases, learned positions) sees only this rank's tokens:
+    its full gradient is the sum over the TP group. A hook sums it in
+    backward, before it lands in .grad, so DDP's and ZeRO's hooks,
+    accumulation and clipping all see it (Megatron sums once per step)."""
     for p in module.parameters():
         if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
             p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
@@ -705,17 +703,15 @@ class _CopyToTensorParallelRegionInFlight(torch.autograd.Function):
 
 
 class ChunkCollectives(NamedTuple):
-    """What Domino launched for one chunk's column-parallel layer as the
-    chunk entered its sublayer: under sequence parallelism the all-gather of
-    the layer's input (launch_all_gather), else None."""
+    """What Domino launched for a chunk's column-parallel layer as the chunk
+    entered its sublayer: under sequence parallelism the input's all-gather."""
     gathered_input: torch.Tensor | None
 
 
 class DominoColumnParallelLinear(ColumnParallelLinear):
-    """A ColumnParallelLinear whose dX reduction Domino leaves in flight:
-    forward(x, chunk) takes x through the _WaitForGrad node made as the chunk
-    entered the sublayer, where backward waits for it (without a chunk, as
-    generation runs it: the plain layer)."""
+    """A ColumnParallelLinear whose dX reduction Domino leaves in flight, for
+    the _WaitForGrad node made as the chunk entered the sublayer (without a
+    chunk, as generation runs it: the plain layer)."""
 
     def forward(self, x: torch.Tensor, chunk: ChunkCollectives | None = None) -> torch.Tensor:
         if chunk is None:
@@ -729,10 +725,9 @@ class DominoColumnParallelLinear(ColumnParallelLinear):
 class _LandedReduce(torch.autograd.Function):
     """Domino's g, once landed: forward returns `reduced`, the collective of
     `partial` that PendingReduce launched; backward is g's (under sequence
-    parallelism the reduce-scatter's: an all-gather). The sum enters the
-    graph only AFTER landing: gloo finishes a reduce-scatter with a copy_
-    into the output on its own thread, which autograd would record, cutting
-    the gradient's way back."""
+    parallelism an all-gather). The sum enters the graph only AFTER landing:
+    gloo finishes a reduce-scatter with a copy_ into the output on its own
+    thread, which autograd would record, cutting the gradient's way back."""
 
     @staticmethod
     def forward(ctx, partial, reduced, sequence_parallel: bool):
@@ -746,9 +741,8 @@ class _LandedReduce(torch.autograd.Function):
 
 class PendingReduce:
     """A sublayer's RowParallelLinear forward with g (under sequence
-    parallelism its reduce-scatter) launched and left in flight; wait()
-    returns dropout(the sum plus bias). Domino waits when the chunk enters
-    its next sublayer."""
+    parallelism its reduce-scatter) left in flight; wait(), as the chunk
+    enters its next sublayer, returns dropout(the sum plus bias)."""
 
     def __init__(self, sublayer: Sublayer, x: torch.Tensor):
         self._row, self._dropout = sublayer.row, sublayer.dropout
@@ -770,10 +764,9 @@ class Sublayer(NamedTuple):
 
 def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: Callable,
            sequence_parallel: bool = False) -> list[torch.Tensor]:
-    """Run every chunk (b, T, C) through every sublayer, interleaved as drawn
-    above; return the chunks' outputs. add_and_norm(norm, x, branch) ->
-    (x + branch, norm(x + branch)) is the model's residual add and LayerNorm
-    (branch None: no add)."""
+    """Every chunk (b, T, C) through every sublayer, interleaved as drawn
+    above: the chunks' outputs. add_and_norm(norm, x, branch or None) ->
+    (x + branch, norm(x + branch)) is the model's residual add and LayerNorm."""
     chunks = list(chunks)
     pending = [None] * len(chunks)   # per chunk: its last sublayer's PendingReduce
 
@@ -886,9 +879,9 @@ def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
 def checkpoint_with_rng(checkpoint_fn, fn, *args):
     """checkpoint_fn(fn, *args) (torch's or DeepSpeed's activation
     checkpointing), replaying the tracker's streams too: checkpointing
-    restores only the DEFAULT generator for its recompute, so per_rank_rng's masks
-    would differ and the gradients be silently wrong. The recompute runs from
-    the tracker's states of the first run, then the current ones come back."""
+    restores only the DEFAULT generator for its recompute, so per_rank_rng's
+    masks would differ and the gradients be silently wrong. The recompute
+    runs from the first run's tracker states, then the current ones return."""
     start = dict(_TRACKER)
     runs = []
 
@@ -947,9 +940,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 loss (...) from logits sharded over the vocab (..., V/tp)
-    and full target ids (...), tp > 1 (at tp = 1 it is F.cross_entropy)."""
-    # An out-of-range target would silently get a loss of log(sum exp) (no
-    # rank owns it): train.check_batches checks every batch's ids on the host.
+    and full target ids (...), tp > 1 (at tp = 1 it is F.cross_entropy). No
+    rank owns an out-of-range target: train.check_batches refuses them."""
     return _VocabParallelCrossEntropy.apply(logits, target)
 
 
@@ -1005,9 +997,8 @@ def merge_shards(shards: list[torch.Tensor], dim: int, blocks=1) -> torch.Tensor
     """Inverse of shard_tensor: rebuild the full tensor from every rank's shard."""
     world = len(shards)
     local = [s // world for s in _block_sizes(shards[0].shape[dim] * world, blocks)]
-    per_rank_blocks = [s.split(local, dim=dim) for s in shards]  # [rank][block]
-    blocks = [torch.cat([rb[b] for rb in per_rank_blocks], dim=dim) for b in range(len(local))]
-    return torch.cat(blocks, dim=dim)
+    per_rank = [s.split(local, dim=dim) for s in shards]  # [rank][block]
+    return torch.cat([piece for block in zip(*per_rank) for piece in block], dim=dim)  # block by block
 
 
 def mark(obj, **attributes) -> None:
