@@ -44,10 +44,9 @@ groups) divisible by C x tp.
 
 Documents (--reset-attention-mask): a token reads only its own document
 (same_document, the rule gpt.py applies at cp = 1). In the ring the keys'
-document ids travel with K and V, and each block is masked by them; a query
-may find no key of its document in a block (its lse there is -inf and weighs
-0 in the merge), but it reads itself at step 0, so its final lse is finite.
-a2a gathers the full sequences' ids and masks ordinary attention.
+document ids travel with K and V and mask each block (a query may read no
+key of a block: _merge; it reads itself at step 0, so its final lse is
+finite); a2a gathers the full sequences' ids and masks ordinary attention.
 
 Sections:
     1. the zigzag split of a batch, its loss weight, and the document mask
@@ -84,12 +83,11 @@ def local_positions(seq_length: int, cp: int, rank: int) -> torch.Tensor:
 
 def split_batch(batch: dict) -> dict:
     """This CP rank's share of a micro-batch of host tensors (every CP rank
-    reads the same micro-batch): its tokens of every sequence, their labels,
-    loss mask and positions (each token keeps its place in the full sequence,
-    for learned positions and RoPE alike), their document ids if the batch
-    has them, and `loss_weight`: the factor that turns the model's masked
-    mean over the local tokens into this rank's share of the full sequences'
-    mean, times cp (the gradients are averaged over DP x CP, Megatron's way):
+    reads the same one): every tensor at its tokens (positions keep each
+    token's place in the full sequence, for learned positions and RoPE alike),
+    and `loss_weight`, which turns the model's masked mean over the local
+    tokens into this rank's share of the full sequences' mean, times cp (the
+    gradients are averaged over DP x CP, Megatron's way):
 
         loss_weight = cp x (tokens kept here) / (tokens kept in the full sequences)
 
@@ -153,19 +151,11 @@ def _torch_scores(q, k, causal, docs=None):
     return s
 
 
-def _group_sum(x, G):
-    """(B, H, n, D) -> (B, G, n, D): the sum over each K/V head's query heads."""
-    B, H, n, D = x.shape
-    return x.view(B, G, H // G, n, D).sum(2)
-
-
 def _block_forward(q, k, v, causal: bool, impl: str, docs=None):
     """(o, lse) of softmax(q k^T / sqrt(D)) v over one block: o (B, H, n, D)
     and lse (B, H, n), fp32. The Triton kernel's lse is in base 2 of the
-    scaled scores, (B*H, n): lse = lse2 * ln 2; its o is in the inputs' dtype
-    (merged in fp32 all the same). With documents (docs, torch only) a row
-    may read no key of the block: its lse is -inf and its o 0, which _merge
-    weighs exp(-inf) = 0."""
+    scaled scores, (B*H, n): lse = lse2 * ln 2. With documents (docs, torch
+    only) a row may read no key of the block: lse -inf, o 0 (see _merge)."""
     if impl == "triton" and docs is None:  # the Triton kernels take no document masks
         o, lse2 = kernels._attn_forward(*kernels._kernel_inputs(q, k, v), causal, 1 / math.sqrt(q.shape[-1]))
         return o.float(), lse2.view(q.shape[:3]) / kernels.LOG2E
@@ -180,8 +170,7 @@ def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str, docs=None):
     its query rows (FlashAttention-2's backward):
         P = exp(S - lse)  dV = P^T dO  dP = dO V^T  delta = rowsum(dO * O)
         dS = P (dP - delta)  dQ = dS K / sqrt(D)  dK = dS^T Q / sqrt(D),
-    dK and dV summed over the query heads of each K/V head. The final lse is
-    finite (every token reads itself), so a masked score gives P = 0."""
+    dK and dV summed over the query heads of each K/V head."""
     scale = 1 / math.sqrt(q.shape[-1])
     if impl == "triton" and docs is None:
         q2, k2, v2 = kernels._kernel_inputs(q, k, v)
@@ -196,7 +185,7 @@ def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str, docs=None):
     ds = p * (dp - (do * o).sum(-1, keepdim=True))                       # delta = rowsum(dO * O)
     dq = ds @ k.float().repeat_interleave(repeat, dim=1) * scale
     dk = ds.transpose(-1, -2) @ q.float() * scale
-    return dq, _group_sum(dk, G), _group_sum(dv, G)
+    return dq, dk.unflatten(1, (G, repeat)).sum(2), dv.unflatten(1, (G, repeat)).sum(2)  # (B, G, n, D)
 
 
 def _merge(o, lse, rows, o_block, lse_block) -> None:
@@ -212,10 +201,9 @@ def _merge(o, lse, rows, o_block, lse_block) -> None:
 
 
 class Ring:
-    """Point-to-point round the CP ring: each exchange sends tensors to the
-    next rank and receives as many, of the same shapes, from the previous one
-    (batch_isend_irecv, as the pipeline does). One exchange is in flight at a
-    time: start() posts it and returns the buffers wait() fills."""
+    """Point-to-point round the CP ring: start() sends tensors to the next
+    rank and returns as many buffers of the same shapes, which wait() fills
+    from the previous one (batch_isend_irecv, as the pipeline does)."""
 
     def __init__(self, group):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -223,7 +211,6 @@ class Ring:
         self.pending = None
 
     def start(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        assert self.pending is None, "one exchange in flight at a time"
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
         ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next) for t in sent]
@@ -248,12 +235,20 @@ def _block_documents(documents, held, rows, cols):
     return None if documents is None else (documents[:, rows], held[1][:, cols])
 
 
-def _ring_forward(q, k, v, documents, impl: str):
-    """(o, lse) of this rank's queries over every rank's K/V: at step s the
-    K/V of step s+1 (and their document ids) travel while step s's blocks run."""
+# Forward and backward are custom operators with their autograd, as
+# kernels.flash_attention_op: torch.compile sees one opaque op (no graph
+# break, no tracing into the ring's communication). The ops read the CP group
+# from parallel.layout (an op's arguments are tensors and scalars).
+
+@torch.library.custom_op("context::ring_attention", mutates_args=())
+def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[torch.Tensor],
+                      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o in q's dtype, lse (B, H, 2c) fp32) of this rank's queries over every
+    rank's K/V; documents: this rank's (B, 2c) document ids, or None. At step
+    s the K/V of step s+1 (and their document ids) travel while step s's blocks run."""
     lay = parallel.layout
     cp, c = lay.cp_size, q.shape[2] // 2
-    ring = Ring(lay.cp_group) if cp > 1 else None
+    ring = Ring(lay.cp_group)
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)                 # (B, H, 2c, D)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, 2c)
     held = _travelling(k, v, documents)                                            # [(2, B, G, 2c, D), ...]
@@ -270,54 +265,6 @@ def _ring_forward(q, k, v, documents, impl: str):
     return o.to(q.dtype), lse
 
 
-def _ring_backward(do, q, k, v, documents, o, lse, impl: str):
-    """(dq, dk, dv) of _ring_forward. The K/V travel ahead as in forward; the
-    dK/dV (fp32) of the K/V a rank holds at step s were summed by the ranks
-    that held them before and arrive from rank - 1 one step behind, while
-    step s runs; after the last step one more send brings each rank its own
-    dK/dV home (cp sends of dK/dV in all)."""
-    lay = parallel.layout
-    cp, c = lay.cp_size, q.shape[2] // 2
-    ring = Ring(lay.cp_group) if cp > 1 else None
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    held, dkv = _travelling(k, v, documents), None  # dkv: (2, B, G, 2c, D), of the K/V held
-    for step in range(cp):
-        sent = (held if step < cp - 1 else []) + ([dkv] if step > 0 else [])
-        received = ring.start(*sent) if sent else []
-        kv = held[0]
-        mine = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for rows, cols, causal in step_blocks(step, lay.cp_rank, cp, c):
-            grads = _block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                    o[:, :, rows], lse[:, :, rows], causal, impl,
-                                    _block_documents(documents, held, rows, cols))
-            dq[:, :, rows] += grads[0]
-            mine[0][:, :, cols] += grads[1]
-            mine[1][:, :, cols] += grads[2]
-        if sent:
-            ring.wait()
-        dkv = mine + received[-1] if step > 0 else mine  # the earlier holders' sum, and this rank's
-        if step < cp - 1:
-            held = received[:len(held)]
-    if cp > 1:
-        (dkv,) = ring.start(dkv)  # to its owner, rank + 1 (whose K/V this rank held last)
-        ring.wait()
-    # copies: a custom op's outputs may not be views of one tensor
-    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
-
-
-# Forward and backward as custom operators with their autograd, as
-# kernels.flash_attention_op: torch.compile sees one opaque op (no graph
-# break, no tracing into the ring's communication). The ops read the CP group
-# from parallel.layout (an op's arguments are tensors and scalars).
-
-@torch.library.custom_op("context::ring_attention", mutates_args=())
-def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[torch.Tensor],
-                      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o in q's dtype, lse (B, H, 2c) fp32) of ring attention; documents:
-    this rank's (B, 2c) document ids, or None."""
-    return _ring_forward(q, k, v, documents, impl)
-
-
 @ring_attention_op.register_fake
 def _(q, k, v, documents, impl):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -327,7 +274,35 @@ def _(q, k, v, documents, impl):
 def ring_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                documents: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
                                impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ring_backward(do, q, k, v, documents, o, lse, impl)
+    """(dq, dk, dv) of ring_attention_op. The K/V travel ahead as in forward;
+    the dK/dV (fp32) of the K/V a rank holds at step s, summed by their
+    earlier holders, arrive from rank - 1 one step behind, while step s runs;
+    one more send after the last step brings each rank its own dK/dV home."""
+    lay = parallel.layout
+    cp, c = lay.cp_size, q.shape[2] // 2
+    ring = Ring(lay.cp_group)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    held, dkv = _travelling(k, v, documents), None  # dkv: (2, B, G, 2c, D), of the K/V held
+    for step in range(cp):
+        sent = (held if step < cp - 1 else []) + ([dkv] if step > 0 else [])
+        received = ring.start(*sent)
+        kv = held[0]
+        mine = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for rows, cols, causal in step_blocks(step, lay.cp_rank, cp, c):
+            grads = _block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                    o[:, :, rows], lse[:, :, rows], causal, impl,
+                                    _block_documents(documents, held, rows, cols))
+            dq[:, :, rows] += grads[0]
+            mine[0][:, :, cols] += grads[1]
+            mine[1][:, :, cols] += grads[2]
+        ring.wait()
+        dkv = mine + received[-1] if step > 0 else mine  # the earlier holders' sum, and this rank's
+        if step < cp - 1:
+            held = received[:len(held)]
+    (dkv,) = ring.start(dkv)  # to its owner, rank + 1 (whose K/V this rank held last)
+    ring.wait()
+    # copies: a custom op's outputs may not be views of one tensor
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
 
 
 @ring_attention_backward_op.register_fake
@@ -387,55 +362,34 @@ def _heads_to_sequence(y: torch.Tensor) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(B, C * Hc, T // C, D)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """Forward _sequence_to_heads, backward its inverse (a permutation's gradient)."""
+class _AllToAll(torch.autograd.Function):
+    """Forward _sequence_to_heads (to_heads) or _heads_to_sequence, backward
+    the other: the gradient of a permutation is its inverse."""
 
     @staticmethod
-    def forward(ctx, x):
-        return _sequence_to_heads(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_sequence(grad)
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """Forward _heads_to_sequence, backward _sequence_to_heads."""
-
-    @staticmethod
-    def forward(ctx, y):
-        return _heads_to_sequence(y)
+    def forward(ctx, x, to_heads: bool):
+        ctx.to_heads = to_heads
+        return _sequence_to_heads(x) if to_heads else _heads_to_sequence(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _sequence_to_heads(grad)
-
-
-def _gather_documents(documents: torch.Tensor) -> torch.Tensor:
-    """This rank's document ids (B, 2c) -> the full sequences' (B, T), in
-    natural order: every rank sends its ids to every rank, as if one head
-    each, and _sequence_to_heads puts the chunks in order."""
-    C = parallel.layout.cp_size
-    return _sequence_to_heads(documents[:, None, :, None].expand(-1, C, -1, 1))[:, 0, :, 0]
-
-
-def _causal_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
-    """Ordinary causal attention over whole sequences, (B, H, T, D); with
-    documents (B, T), causal within each (the torch path: the Triton kernels
-    take no document masks)."""
-    if impl == "triton" and documents is None:
-        return kernels.flash_attention(q, k, v, causal=True)
-    mask = None if documents is None else same_document(documents, documents, causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+        return (_heads_to_sequence(grad) if ctx.to_heads else _sequence_to_heads(grad)), None
 
 
 def a2a_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
-    """Ulysses: all-to-all to head-sharded full sequences, attention, back.
-    The heads and K/V groups divide by C (parallel.check_layout)."""
-    q, k, v = (_SequenceToHeads.apply(t) for t in (q, k, v))  # (B, H/C or G/C, T, D)
-    full = None if documents is None else _gather_documents(documents)  # (B, T)
-    return _HeadsToSequence.apply(_causal_attention(q, k, v, impl, full))
+    """Ulysses: all-to-all to head-sharded full sequences, ordinary causal
+    attention, back. The heads and K/V groups divide by C (parallel.check_layout)."""
+    q, k, v = (_AllToAll.apply(t, True) for t in (q, k, v))  # (B, H/C or G/C, T, D)
+    if impl == "triton" and documents is None:
+        return _AllToAll.apply(kernels.flash_attention(q, k, v, causal=True), False)
+    mask = None
+    if documents is not None:  # the full sequences' ids (B, T): sent to every rank as if one head each
+        C = parallel.layout.cp_size
+        full = _sequence_to_heads(documents[:, None, :, None].expand(-1, C, -1, 1))[:, 0, :, 0]
+        mask = same_document(full, full, causal=True)  # the torch path: the Triton kernels take no masks
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                       enable_gqa=k.shape[1] != q.shape[1])
+    return _AllToAll.apply(y, False)
 
 
 # ============================================================================
@@ -446,10 +400,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str,
               documents: torch.Tensor | None = None) -> torch.Tensor:
     """Exact causal attention of this CP rank's queries over the full sequences.
     q (B, nh, T/C, hd), k, v (B, G, T/C, hd): this rank's zigzag chunks
-    (section 1); returns y (B, nh, T/C, hd) in q's dtype. comm_type "p2p"
-    (ring) or "a2a" (Ulysses); impl "torch" or "triton" (kernels.py);
-    documents: this rank's (B, T/C) document ids (split_batch's), and then
-    each token reads only its own document's (same_document)."""
+    (section 1) -> y (B, nh, T/C, hd) in q's dtype. comm_type "p2p" (ring) or
+    "a2a" (Ulysses); impl "torch" or "triton" (kernels.py); documents: this
+    rank's (B, T/C) document ids (split_batch's), or None."""
     if comm_type == "a2a":
         return a2a_attention(q, k, v, impl, documents)
     return ring_attention_op(q, k, v, documents, impl)[0]

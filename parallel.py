@@ -20,19 +20,12 @@ column block A_r and row block B_r; g sums the partial products. In backward,
 f sums the partial gradients w.r.t. X. The embedding is split by vocabulary,
 and the loss is computed on vocab-sharded logits without gathering them.
 
-Layout of ranks: tensor-parallel groups are CONSECUTIVE ranks, inside one
-node where the interconnect is fastest (TP communicates every layer); DP
-groups are the ranks with the same TP rank. With 8 ranks and tp=2: TP groups
-[0,1] [2,3] [4,5] [6,7], DP groups [0,2,4,6] [1,3,5,7]. Pipeline stages
-(pipeline.py) are the outermost dimension (section 1 draws all three).
-
 Sequence parallelism (Korthikanti et al., 2022). Outside the f ... g pairs,
 every rank runs the same LayerNorms, dropouts and residual adds on the same
 (B, T, C) activations, and keeps them for backward. Sequence parallelism
-splits THOSE along the sequence:
-rank r holds tokens [r T/tp, (r+1) T/tp). g becomes a reduce-scatter (each
-rank keeps the sum for its tokens only), and f an all-gather (the
-column-parallel layer needs every token):
+splits THOSE along the sequence: rank r holds tokens [r T/tp, (r+1) T/tp).
+g becomes a reduce-scatter (each rank keeps the sum for its tokens only),
+and f an all-gather (the column-parallel layer needs every token):
 
     x_r --LN--> --all-gather--> [X A_r] --GeLU--> [. B_r] --reduce-scatter--> y_r
 
@@ -59,12 +52,12 @@ Sections:
        torch.compile), divisibility checks
     2. tensor parallelism: f and g, then ColumnParallelLinear (f, F.linear),
        RowParallelLinear (F.linear, g), VocabParallelEmbedding
-    3. sequence parallelism: f and g along the sequence, its column GEMM
+    3. sequence parallelism: f and g along the sequence, its column GEMM, the
+       replicated parameters' gradient sums (clipping: train.clip_grad_norm_)
     4. Domino: the same collectives left in flight, and its schedule
     5. the per-rank random stream for dropout, and checkpointing that replays it
     6. cross entropy on vocab-sharded logits
-    7. gradients: sequence-parallel sums (clipping: train.clip_grad_norm_)
-    8. slicing full tensors into shards and back; full state dicts; the
+    7. slicing full tensors into shards and back; full state dicts; the
        attributes parameters carry from one module to another (mark)
 """
 from __future__ import annotations
@@ -102,18 +95,15 @@ from launch import UsageError
 
 @dataclasses.dataclass
 class Layout:
-    """This rank's place in the TP x DP x PP layout: its process group in each
-    dimension (None in a single process), the dimension's size and this rank's
-    index in it. embedding_group: the first and last stage of this rank's
-    pipeline (None at pp = 1), which both hold the tied embedding. mp_group:
-    model parallelism, TP x PP, the ranks with this rank's DP rank that
-    together hold one replica (the TP group at pp = 1); DeepSpeed sums its
-    grad norm and checks overflow over it (zero.DeepSpeedMPU).
-    Context parallelism (context.py) splits each sequence over cp_group, the
-    cp consecutive TP groups of one replica's stage; they share the weights
-    and read the same batches, so gradients are averaged over dp_cp_group
-    (DP x CP, Megatron's data-parallel group with context parallelism; the
-    DP group at cp = 1) while the data is split over dp_group alone."""
+    """This rank's place in the TP x CP x DP x PP layout: its process group in
+    each dimension (None in a single process), the dimension's size and this
+    rank's index in it. embedding_group: the first and last stage of this
+    rank's pipeline, which hold the tied embedding (None on the others).
+    mp_group: TP x PP, the ranks that together hold one replica (DeepSpeed's
+    grad norm and overflow check: zero.DeepSpeedMPU). cp_group (context.py):
+    the cp consecutive TP groups of one replica's stage, which split each
+    sequence; they share weights and batches, so gradients are averaged over
+    dp_cp_group (DP x CP; the DP group at cp = 1), the data split over dp_group."""
     tp_group: object = None
     tp_size: int = 1
     tp_rank: int = 0
@@ -169,7 +159,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
 
     def mine(rank_lists):  # every rank creates every group, in the same order; this rank's
         made = [(dist.new_group(ranks, timeout=timeout), ranks) for ranks in rank_lists]
-        return next(group for group, ranks in made if rank in ranks)
+        return next((group for group, ranks in made if rank in ranks), None)
     stages = [range(s * stage_size, (s + 1) * stage_size) for s in range(pp)]
     # TP: consecutive ranks; DP: same stage, CP and TP rank
     new.tp_group = new.mp_group = mine([list(range(a, a + tp)) for a in range(0, world, tp)])
@@ -180,13 +170,10 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         new.cp_group = mine([list(range(st[0] + d * cp * tp + t, st[0] + (d + 1) * cp * tp, tp))
                              for st in stages for d in range(dp) for t in range(tp)])
         new.dp_cp_group = mine([list(range(st[0] + t, st[-1] + 1, tp)) for st in stages for t in range(tp)])
-    for first in range(stage_size):                                   # PP: same DP, CP and TP rank
-        ranks = list(range(first, world, stage_size))
-        group = dist.new_group(ranks, timeout=timeout)
-        embedding = dist.new_group([ranks[0], ranks[-1]], timeout=timeout) if pp > 1 else None
-        if rank in ranks:
-            new.pp_group, new.embedding_group = group, embedding
+    pipelines = [list(range(first, world, stage_size)) for first in range(stage_size)]
+    new.pp_group = mine(pipelines)                                    # PP: same DP, CP and TP rank
     if pp > 1:                                                        # TP x PP: same DP and CP rank
+        new.embedding_group = mine([[ranks[0], ranks[-1]] for ranks in pipelines])
         new.mp_group = mine([[s * stage_size + r + t for s in range(pp) for t in range(tp)]
                              for r in range(0, stage_size, tp)])
     layout = new
@@ -205,10 +192,9 @@ def destroy() -> None:
 
 def check_layout(config, tp: int | None = None) -> None:
     """Raise UsageError unless tensor parallelism of size tp can split this
-    model: tp divides every quantity that gets split (num_query_groups: each
-    rank keeps whole key/value heads; under context parallelism's all-to-all
-    cp x tp divides the heads), and Domino, which interleaves the
-    chunks' sublayers, is not asked to recompute them."""
+    model: tp divides every quantity that gets split (each rank keeps whole
+    key/value heads; under a2a context parallelism cp x tp divides the heads),
+    and Domino, which interleaves the chunks' sublayers, need not recompute them."""
     if tp is None:  # the model being built: at this process's layout
         # A multi-rank job that forgot initialize() would otherwise silently
         # train as if every rank were alone.
@@ -236,13 +222,12 @@ def check_layout(config, tp: int | None = None) -> None:
 
 
 # --------------------------------------------------------------------------
-# Raw collectives on the TP group, in one form for eager mode and
-# torch.compile: functional collectives, which Dynamo traces into the graph
-# (a work handle would break it) and eager mode runs as they are. A launch
-# returns a new tensor, read only through wait(); the graph keeps the two as
-# two nodes, and what runs between them overlaps the collective, eager or
-# compiled (Domino). They never modify their input: autograd may hand the
-# same gradient to several branches (residual adds).
+# Raw collectives on the TP group, one form for eager mode and torch.compile:
+# functional collectives, which Dynamo traces into the graph (a work handle
+# would break it). A launch returns a new tensor, read only through wait();
+# what runs between the two overlaps the collective, eager or compiled
+# (Domino). They never modify their input: autograd may hand the same
+# gradient to several branches (residual adds).
 # --------------------------------------------------------------------------
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -257,8 +242,6 @@ def launch_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the TP group into a new contiguous tensor (launched and waited for)."""
-    if layout.tp_size == 1:
-        return x.clone(memory_format=torch.contiguous_format)
     return torch.ops._c10d_functional.wait_tensor(
         torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", layout.tp_group.group_name))
 
@@ -290,12 +273,9 @@ def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
 
 def _launch_all_gather_as_sum(x: torch.Tensor) -> torch.Tensor:
     """launch_all_gather of CPU tensors (gloo): the sum of every rank's x at
-    its own rows, zeros elsewhere. Gloo's two threads assign the group's
-    status string (the op's name) without a lock, and ALLGATHER_COALESCED is
-    too long for std::string's inline buffer: with two collectives in flight
-    (sequence parallelism, Domino) the heap is corrupted ("malloc():
-    unaligned tcache chunk detected"; bench/check_gloo_gather.py). The sum
-    moves about twice an all-gather's bytes."""
+    its own rows, zeros elsewhere. Gloo's all-gather beside another collective
+    in flight (sequence parallelism, Domino) corrupts the heap: see
+    bench/check_gloo_gather.py. The sum moves about twice an all-gather's bytes."""
     before, after = layout.tp_rank * x.shape[0], (layout.tp_size - 1 - layout.tp_rank) * x.shape[0]
     # zeros above and below x along dim 0 (a pad, not a cat: Inductor would keep x twice for backward)
     return launch_all_reduce(F.pad(x, (0, 0) * (x.dim() - 1) + (before, after)))   # (tp * B, ...)
@@ -305,9 +285,7 @@ def gathered_sequence(in_flight: torch.Tensor) -> torch.Tensor:
     """The landed launch_all_gather of every rank's (B, T/tp, ...): the
     slices joined in rank order, (B, T, ...)."""
     parts = wait(in_flight).unflatten(0, (layout.tp_size, -1))     # (tp, B, T/tp, ...): rank r's at [r]
-    tp, B, s = parts.shape[:3]
-    # (tp, B, s, ...) -> (B, tp, s, ...) -> (B, tp*s, ...): a copy unless B == 1
-    return parts.movedim(0, 1).reshape(B, tp * s, *parts.shape[3:])
+    return parts.movedim(0, 1).flatten(1, 2)     # (B, tp, T/tp, ...) -> (B, T, ...): a copy unless B == 1
 
 
 def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
@@ -317,8 +295,10 @@ def all_gather_sequence(x: torch.Tensor) -> torch.Tensor:
 
 def launch_reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
     """Start the sum of x (B, T, ...) over the TP group, of which this rank
-    keeps its tokens: (B, T/tp, ...) after wait()."""
-    return torch.ops._c10d_functional.reduce_scatter_tensor(_sequence_parts(x).flatten(0, 1), "sum",
+    keeps its tokens: (B, T/tp, ...) after wait() (config.py checks that tp
+    divides --seq-length)."""
+    parts = x.unflatten(1, (layout.tp_size, -1)).movedim(1, 0)     # (tp, B, T/tp, ...): rank r's at [r]
+    return torch.ops._c10d_functional.reduce_scatter_tensor(parts.flatten(0, 1).contiguous(), "sum",
                                                             layout.tp_size, layout.tp_group.group_name)
 
 
@@ -327,20 +307,12 @@ def reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
     return wait(launch_reduce_scatter_sequence(x))
 
 
-def _sequence_parts(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, ...) -> (tp, B, T/tp, ...), contiguous: rank r's tokens at [r]
-    (config.py checks that tp divides --seq-length)."""
-    B, T, tp = x.shape[0], x.shape[1], layout.tp_size
-    return x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()
-
-
 # ============================================================================
 # 2. Tensor parallelism: f, g and the parallel layers
 # ============================================================================
-# Megatron's two operators (the module docstring draws them), each an
-# autograd Function of two lines, and the layers built on them: a
-# column-parallel linear is f, then F.linear; a row-parallel one is F.linear,
-# then g. With tp=1 f and g are the identity and add no autograd node at all.
+# Megatron's f and g (the module docstring draws them), and the layers built
+# on them: a column-parallel linear is f, then F.linear; a row-parallel one is
+# F.linear, then g. With tp=1 f and g are the identity and add no autograd node.
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     """f: forward y = x (every rank already holds x); backward
@@ -395,9 +367,15 @@ def _sharded_master(shape: tuple[int, ...], init_method, dim: int,
     return _mark_sharded(nn.Parameter(shard), dim, blocks)
 
 
-def _local_shape(param: nn.Parameter) -> tuple[int, ...]:
-    """A parameter's shape on this rank, also under ZeRO-3 (`ds_shape`)."""
-    return tuple(getattr(param, "ds_shape", param.shape))
+def _from_linear(cls, linear: nn.Linear, **kwargs):
+    """Layer.from_linear: shard an existing full nn.Linear (init_method copies
+    its weight: no random number is drawn)."""
+    layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                init_method=lambda w: w.copy_(linear.weight), **kwargs)
+    if linear.bias is not None:
+        with torch.no_grad():
+            layer.bias.copy_(shard_like(layer.bias, linear.bias))
+    return layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -413,24 +391,21 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and layout.tp_size > 1
         self.in_features, self.out_features, self.blocks = in_features, out_features, blocks
         self.weight = _sharded_master((out_features, in_features), init_method, 0, blocks)
+        self.bias = None
         if bias:  # zeros, as in Megatron
             self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // layout.tp_size)), 0, blocks)
-        else:
-            self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # dX's reduce-scatter is waited for at once
             return _SequenceParallelLinear.apply(_WaitForGrad.apply(x), None, self.weight, self.bias)
         return F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)  # (..., out/tp)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
-        """Shard an existing full nn.Linear (no random numbers drawn)."""
-        return _from_linear(cls, linear, **kwargs)
+    from_linear = classmethod(_from_linear)
 
     def extra_repr(self) -> str:
+        local = getattr(self.weight, "ds_shape", self.weight.shape)[0]  # ZeRO-3 empties the weight
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {_local_shape(self.weight)[0]}), blocks={self.blocks}, "
+                f"(local {local}), blocks={self.blocks}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
 
@@ -459,24 +434,12 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_tensor_parallel_region(partial)         # (B, T, out)
         return y if self.bias is None else y + self.bias
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
-        """Shard an existing full nn.Linear (no random numbers drawn)."""
-        return _from_linear(cls, linear, **kwargs)
+    from_linear = classmethod(_from_linear)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {_local_shape(self.weight)[1]}), "
+        local = getattr(self.weight, "ds_shape", self.weight.shape)[1]  # ZeRO-3 empties the weight
+        return (f"in_features={self.in_features} (local {local}), "
                 f"out_features={self.out_features}, sequence_parallel={self.sequence_parallel}")
-
-
-def _from_linear(cls, linear: nn.Linear, **kwargs):
-    # init_method copies the existing weight, so the RNG stream is untouched.
-    layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                init_method=lambda w: w.copy_(linear.weight), **kwargs)
-    if linear.bias is not None:
-        with torch.no_grad():
-            layer.bias.copy_(shard_like(layer.bias, linear.bias))
-    return layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -499,8 +462,6 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # An out-of-range id would silently embed to zeros: train.check_batches
         # checks every batch's ids on the host, before the model.
-        if layout.tp_size == 1:
-            return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)      # (B, T)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)                        # (B, T, C)
@@ -558,10 +519,8 @@ def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
 # ============================================================================
 # 3. Sequence parallelism: f and g along the sequence, and its column GEMM
 # ============================================================================
-# (The module docstring draws it.) Out of the tensor-parallel region g
-# becomes a reduce-scatter, into it f becomes an all-gather; the
-# column-parallel GEMM gathers its input itself, so as to keep only this
-# rank's tokens for backward.
+# (The module docstring draws it.) The column-parallel GEMM gathers its input
+# itself, so as to keep only this rank's tokens for backward.
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Into the tensor-parallel region (before a column-parallel layer or the
@@ -654,10 +613,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        # Under autocast, forward's GEMM ran in grad_out's dtype (e.g. bf16),
-        # but backward runs outside autocast: do the GEMMs in grad_out's dtype,
-        # as autograd does for an autocast F.linear, and cast each gradient
-        # back to its input's dtype.
+        # Backward runs outside autocast: do the GEMMs in grad_out's dtype (e.g. bf16), as
+        # autograd does for an autocast F.linear, and cast each gradient back to its input's.
         dtype = grad_out.dtype
         regather = launch_all_gather(_after(x, grad_out)) if x is not None else None
         partial = (grad_out @ weight.to(dtype)).to(ctx.input_dtype)   # (B, T, in), this rank's share
@@ -687,13 +644,23 @@ def _(x, dependency):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def sum_sequence_parallel_grads(module: nn.Module) -> None:
+    """Under sequence parallelism every replicated parameter (norms,
+    row-parallel biases, learned positions) sees only this rank's tokens:
+    its full gradient is the sum over the TP group. A hook sums it in
+    backward, before it lands in .grad, so DDP's and ZeRO's hooks,
+    accumulation and clipping all see it (Megatron sums once per step)."""
+    for p in module.parameters():
+        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
+            p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
+
+
 # ============================================================================
 # 4. Domino: the same collectives, left in flight while another chunk computes
 # ============================================================================
-# Domino (Wang et al.) hides tensor parallelism's communication behind
-# computation. The micro-batch is split along the batch into chunks that are
-# independent until the loss. The layer stack is a list of sublayers
-# (attention and MLP), and a chunk's pass through a sublayer is
+# The micro-batch is split along the batch into chunks, independent until the
+# loss. The layer stack is a list of sublayers (attention and MLP), and a
+# chunk's pass through a sublayer is
 #
 #     enter:  wait for its previous row-parallel all-reduce, residual add,
 #             LayerNorm, and the node where backward will wait (see below)
@@ -714,18 +681,13 @@ def _(x, dependency):
 #     backward  ... row1' | body1'[launch 1] | row0' | wait 1 | ...
 #
 # Under sequence parallelism each all-reduce is a reduce-scatter, in flight
-# the same way (_SequenceParallelLinear leaves dX's in flight anyway), and
-# entering a sublayer also launches the all-gather of the chunk's LayerNorm
-# output, which the column-parallel GEMM waits for; the previous chunk's row
-# GEMM runs meanwhile. A row-parallel layer's dY all-gathers are waited for
-# at once (its GEMMs need them). Under a zero-bubble pipeline (pipeline.py)
+# the same way, and entering a sublayer also launches the all-gather of the
+# chunk's LayerNorm output for the column-parallel GEMM, while the previous
+# chunk's row GEMM runs (a row-parallel layer's dY all-gathers are waited for
+# at once: its GEMMs need them). Under a zero-bubble pipeline (pipeline.py)
 # the dW GEMMs leave for the schedule's W: then the other chunk's dX GEMMs
-# (and its attention or GeLU backward) alone hide each dX reduction.
-#
-# Eager mode and torch.compile run the same launches and waits (section 1);
-# in the compiled graph each is a node, where eager mode calls it.
-# tests/test_parallel.py checks this order on two ranks, in eager mode and in
-# the compiled graphs.
+# alone hide each dX reduction. tests/test_parallel.py checks this order on
+# two ranks, eager and compiled.
 
 class _CopyToTensorParallelRegionInFlight(torch.autograd.Function):
     """Domino's f: forward y = x; backward launches dx = sum_r dy_r and
@@ -741,17 +703,15 @@ class _CopyToTensorParallelRegionInFlight(torch.autograd.Function):
 
 
 class ChunkCollectives(NamedTuple):
-    """What Domino launched for one chunk's column-parallel layer as the
-    chunk entered its sublayer: under sequence parallelism the all-gather of
-    the layer's input (launch_all_gather), else None."""
+    """What Domino launched for a chunk's column-parallel layer as the chunk
+    entered its sublayer: under sequence parallelism the input's all-gather."""
     gathered_input: torch.Tensor | None
 
 
 class DominoColumnParallelLinear(ColumnParallelLinear):
-    """A ColumnParallelLinear whose dX reduction Domino leaves in flight:
-    forward(x, chunk) takes x through the _WaitForGrad node made as the chunk
-    entered the sublayer, where backward waits for it (without a chunk, as
-    generation runs it: the plain layer)."""
+    """A ColumnParallelLinear whose dX reduction Domino leaves in flight, for
+    the _WaitForGrad node made as the chunk entered the sublayer (without a
+    chunk, as generation runs it: the plain layer)."""
 
     def forward(self, x: torch.Tensor, chunk: ChunkCollectives | None = None) -> torch.Tensor:
         if chunk is None:
@@ -765,10 +725,9 @@ class DominoColumnParallelLinear(ColumnParallelLinear):
 class _LandedReduce(torch.autograd.Function):
     """Domino's g, once landed: forward returns `reduced`, the collective of
     `partial` that PendingReduce launched; backward is g's (under sequence
-    parallelism the reduce-scatter's: an all-gather). The sum enters the
-    graph only AFTER landing: gloo finishes a reduce-scatter with a copy_
-    into the output on its own thread, which autograd would record, cutting
-    the gradient's way back."""
+    parallelism an all-gather). The sum enters the graph only AFTER landing:
+    gloo finishes a reduce-scatter with a copy_ into the output on its own
+    thread, which autograd would record, cutting the gradient's way back."""
 
     @staticmethod
     def forward(ctx, partial, reduced, sequence_parallel: bool):
@@ -781,19 +740,19 @@ class _LandedReduce(torch.autograd.Function):
 
 
 class PendingReduce:
-    """A RowParallelLinear's forward with g (under sequence parallelism its
-    reduce-scatter) launched and left in flight; wait() returns the sum plus
-    bias. Domino waits when the chunk enters its next sublayer."""
+    """A sublayer's RowParallelLinear forward with g (under sequence
+    parallelism its reduce-scatter) left in flight; wait(), as the chunk
+    enters its next sublayer, returns dropout(the sum plus bias)."""
 
-    def __init__(self, row: RowParallelLinear, x: torch.Tensor):
-        self._partial = F.linear(x, row.weight)                    # (B, T, out), this rank's share
-        self._bias, self._sequence_parallel = row.bias, row.sequence_parallel
-        launch = launch_reduce_scatter_sequence if row.sequence_parallel else launch_all_reduce
+    def __init__(self, sublayer: Sublayer, x: torch.Tensor):
+        self._row, self._dropout = sublayer.row, sublayer.dropout
+        self._partial = F.linear(x, self._row.weight)              # (B, T, out), this rank's share
+        launch = launch_reduce_scatter_sequence if self._row.sequence_parallel else launch_all_reduce
         self._in_flight = launch(self._partial.detach())          # -> (B, T/tp, out) or (B, T, out)
 
     def wait(self) -> torch.Tensor:
-        out = _LandedReduce.apply(self._partial, wait(self._in_flight), self._sequence_parallel)
-        return out if self._bias is None else out + self._bias
+        out = _LandedReduce.apply(self._partial, wait(self._in_flight), self._row.sequence_parallel)
+        return self._dropout(out if self._row.bias is None else out + self._row.bias)
 
 
 class Sublayer(NamedTuple):
@@ -803,25 +762,17 @@ class Sublayer(NamedTuple):
     dropout: nn.Module
 
 
-def _finish_branch(pending):
-    """dropout(all-reduced branch output), waiting for the all-reduce only now."""
-    if pending is None:
-        return None
-    reduce, drop = pending
-    return drop(reduce.wait())
-
-
 def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: Callable,
            sequence_parallel: bool = False) -> list[torch.Tensor]:
-    """Run every chunk (b, T, C) through every sublayer, interleaved as drawn
-    above; return the chunks' outputs. add_and_norm(norm, x, branch) ->
-    (x + branch, norm(x + branch)) is the model's residual add and LayerNorm
-    (branch None: no add)."""
+    """Every chunk (b, T, C) through every sublayer, interleaved as drawn
+    above: the chunks' outputs. add_and_norm(norm, x, branch or None) ->
+    (x + branch, norm(x + branch)) is the model's residual add and LayerNorm."""
     chunks = list(chunks)
-    pending = [None] * len(chunks)   # per chunk: (in-flight all-reduce, its dropout)
+    pending = [None] * len(chunks)   # per chunk: its last sublayer's PendingReduce
 
     def enter(i, s):  # -> (LayerNorm output (b, T, C), where its grad is awaited)
-        chunks[i], h = add_and_norm(sublayers[s].norm, chunks[i], _finish_branch(pending[i]))
+        branch = pending[i].wait() if pending[i] else None
+        chunks[i], h = add_and_norm(sublayers[s].norm, chunks[i], branch)
         # under sequence parallelism h holds this rank's tokens: start gathering them all now
         gathered = launch_all_gather(in_autocast_dtype(h.detach())) if sequence_parallel else None
         return _WaitForGrad.apply(h), ChunkCollectives(gathered)
@@ -834,8 +785,8 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
                 entered[i + 1] = enter(i + 1, s)
             elif s + 1 < len(sublayers):              # ...or the first, the next sublayer
                 entered[0] = enter(0, s + 1)
-            pending[i] = (PendingReduce(sublayer.row, y), sublayer.dropout)  # ...before this row GEMM
-    return [c + _finish_branch(p) for c, p in zip(chunks, pending)]
+            pending[i] = PendingReduce(sublayer, y)   # ...before this row GEMM
+    return [c + p.wait() for c, p in zip(chunks, pending)]
 
 
 # ============================================================================
@@ -848,13 +799,14 @@ def domino(sublayers: list[Sublayer], chunks: list[torch.Tensor], add_and_norm: 
 # dropout (other tokens). Their masks must differ too, so they draw from a
 # second stream, seeded differently on each tensor-parallel rank:
 #
-#     with _TRACKER.fork():
+#     with per_rank_rng():
 #         y = F.dropout(x, p)        # this rank's own mask
 #
-# fork() swaps the default generator's state for the tracked one and back.
+# per_rank_rng() swaps the default generator's state for the tracked one and back.
 
-MODEL_PARALLEL_RNG = "model-parallel-rng"
+MODEL_PARALLEL_RNG = "model-parallel-rng"   # the stream's name, in checkpoints too
 MODEL_PARALLEL_SEED_OFFSET = 2718   # Megatron's: rank r's stream is seeded seed + 2718 + r
+_TRACKER: dict[str, dict] = {}      # the tracked streams: name -> states, as default_rng_state's
 
 
 def default_rng_state() -> dict:
@@ -871,55 +823,42 @@ def _set_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class RNGTracker:
-    """Named generator states beside the default one; fork(name) draws from one."""
-
-    def __init__(self):
-        self._states: dict[str, dict] = {}
-
-    def add(self, name: str, seed: int) -> None:
-        """Start the stream `name` from `seed` (the default stream is untouched)."""
-        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
-        if torch.cuda.is_available():  # this process's GPU only
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-                torch.cuda.manual_seed(seed)
-                state["cuda"] = torch.cuda.get_rng_state()
-        self._states[name] = state
-
-    def get_states(self) -> dict:
-        return {name: dict(state) for name, state in self._states.items()}
-
-    def set_states(self, states: dict) -> None:
-        self._states = {name: dict(state) for name, state in states.items()}
-
-    @contextlib.contextmanager
-    def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Draw from stream `name` inside the block; the default one is restored."""
-        if name not in self._states:
-            raise RuntimeError(f"RNG stream {name!r} was never seeded: call "
-                               f"parallel.model_parallel_seed(seed) after parallel.initialize()")
-        outside = default_rng_state()
-        _set_state(self._states[name])
-        try:
-            yield
-        finally:
-            self._states[name] = default_rng_state()
-            _set_state(outside)
-
-
-_TRACKER = RNGTracker()
+def _replace_tracker(states: dict) -> None:
+    _TRACKER.clear()
+    _TRACKER.update(states)
 
 
 def model_parallel_seed(seed: int) -> None:
     """Seed the tensor-parallel stream (TP ranks differ, DP replicas agree).
     Call on every rank, after parallel.initialize(), next to torch.manual_seed."""
-    _TRACKER.set_states({})
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + layout.tp_rank)
+    seed += MODEL_PARALLEL_SEED_OFFSET + layout.tp_rank
+    state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+    if torch.cuda.is_available():  # this process's GPU only; the default stream is untouched
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+            torch.cuda.manual_seed(seed)
+            state["cuda"] = torch.cuda.get_rng_state()
+    _replace_tracker({MODEL_PARALLEL_RNG: state})
+
+
+@contextlib.contextmanager
+def per_rank_rng():
+    """Draw from this TP rank's own stream inside the block (dropout over
+    values that differ from rank to rank); the default one is restored."""
+    if MODEL_PARALLEL_RNG not in _TRACKER:
+        raise RuntimeError(f"RNG stream {MODEL_PARALLEL_RNG!r} was never seeded: call "
+                           f"parallel.model_parallel_seed(seed) after parallel.initialize()")
+    outside = default_rng_state()
+    _set_state(_TRACKER[MODEL_PARALLEL_RNG])
+    try:
+        yield
+    finally:
+        _TRACKER[MODEL_PARALLEL_RNG] = default_rng_state()
+        _set_state(outside)
 
 
 def rng_tracker_states_of_every_tp_rank() -> list[dict]:
     """Every TP rank's tracker states, in TP-rank order (collective)."""
-    mine = _TRACKER.get_states()
+    mine = dict(_TRACKER)
     if layout.tp_size == 1:
         return [mine]
     everyone = [None] * layout.tp_size
@@ -933,39 +872,33 @@ def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     if len(states) != layout.tp_size or any(s.keys() != default_rng_state().keys()
                                        for s in states[layout.tp_rank].values()):
         return False
-    _TRACKER.set_states(states[layout.tp_rank])
+    _replace_tracker(states[layout.tp_rank])
     return True
-
-
-def per_rank_rng():
-    """Draw from this TP rank's own stream (the tracker's fork()): for dropout
-    over values that differ from rank to rank."""
-    return _TRACKER.fork()
 
 
 def checkpoint_with_rng(checkpoint_fn, fn, *args):
     """checkpoint_fn(fn, *args) (torch's or DeepSpeed's activation
     checkpointing), replaying the tracker's streams too: checkpointing
-    restores only the DEFAULT generator for its recompute, so fork()'s masks
-    would differ and the gradients be silently wrong. The recompute runs from
-    the tracker's states of the first run, then the current ones come back."""
-    start = _TRACKER.get_states()
+    restores only the DEFAULT generator for its recompute, so per_rank_rng's
+    masks would differ and the gradients be silently wrong. The recompute
+    runs from the first run's tracker states, then the current ones return."""
+    start = dict(_TRACKER)
     runs = []
 
     def run(*inputs):
         if torch.compiler.is_compiling():
             # the recompute replays the traced graph; should fn break it (the
-            # tracker's fork does), Dynamo runs this eagerly, through the branches below
+            # tracker's swap does), Dynamo runs this eagerly, through the branches below
             return fn(*inputs)
         if not runs:                     # the forward pass
             runs.append(True)
             return fn(*inputs)
-        now = _TRACKER.get_states()      # the recompute, in backward
-        _TRACKER.set_states(start)
+        now = dict(_TRACKER)             # the recompute, in backward
+        _replace_tracker(start)
         try:
             return fn(*inputs)
         finally:
-            _TRACKER.set_states(now)
+            _replace_tracker(now)
     return checkpoint_fn(run, *args)
 
 
@@ -1007,9 +940,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 loss (...) from logits sharded over the vocab (..., V/tp)
-    and full target ids (...), tp > 1 (at tp = 1 it is F.cross_entropy)."""
-    # An out-of-range target would silently get a loss of log(sum exp) (no
-    # rank owns it): train.check_batches checks every batch's ids on the host.
+    and full target ids (...), tp > 1 (at tp = 1 it is F.cross_entropy). No
+    rank owns an out-of-range target: train.check_batches refuses them."""
     return _VocabParallelCrossEntropy.apply(logits, target)
 
 
@@ -1025,23 +957,7 @@ def vocab_parallel_lse(row_max, sum_exp, z_target):
 
 
 # ============================================================================
-# 7. Gradients: sequence-parallel sums (the global norm and clipping: train.clip_grad_norm_)
-# ============================================================================
-
-def sum_sequence_parallel_grads(module: nn.Module) -> None:
-    """Under sequence parallelism every replicated parameter (norms,
-    row-parallel biases, learned positions) sees only this rank's tokens,
-    so its full gradient is the sum over the TP group; without it the ranks'
-    copies silently drift apart. A hook sums it in backward, before it lands
-    in .grad, so DDP's and ZeRO's hooks, accumulation and clipping all see
-    the full gradient (Megatron all-reduces them once per step instead)."""
-    for p in module.parameters():
-        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
-            p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
-
-
-# ============================================================================
-# 8. Shards and full tensors: parameters, optimizer state, state dicts
+# 7. Shards and full tensors: parameters, optimizer state, state dicts
 # ============================================================================
 
 def _block_sizes(full_size: int, blocks) -> list[int]:
@@ -1081,36 +997,14 @@ def merge_shards(shards: list[torch.Tensor], dim: int, blocks=1) -> torch.Tensor
     """Inverse of shard_tensor: rebuild the full tensor from every rank's shard."""
     world = len(shards)
     local = [s // world for s in _block_sizes(shards[0].shape[dim] * world, blocks)]
-    per_rank_blocks = [s.split(local, dim=dim) for s in shards]  # [rank][block]
-    blocks = [torch.cat([rb[b] for rb in per_rank_blocks], dim=dim) for b in range(len(local))]
-    return torch.cat(blocks, dim=dim)
+    per_rank = [s.split(local, dim=dim) for s in shards]  # [rank][block]
+    return torch.cat([piece for block in zip(*per_rank) for piece in block], dim=dim)  # block by block
 
 
 def mark(obj, **attributes) -> None:
     """Set attributes that other modules read on a parameter (or module).
-    This is their list; every one the project sets on an object goes through
-    here (fuses_residual_add is a class attribute, DeepSpeed sets ds_shape).
-
-    On parameters:
-      tensor_model_parallel  True on a TP shard (set here, _mark_sharded);
-                             read by train.clip_grad_norm_ (counted on every TP rank),
-                             sum_sequence_parallel_grads, the state-dict and
-                             checkpoint gathers, and DeepSpeed's own grad norm
-      partition_dim          the dim a TP shard was cut along (_mark_sharded)
-      partition_blocks       how it was cut: 1, a count of equal blocks, or the
-                             blocks' sizes (shard_tensor); read with partition_dim
-                             to gather or re-cut it (checkpoint.py)
-      pipeline_copy          True on the last pipeline stage's copy of a tied
-                             embedding (gpt.GPT); train.clip_grad_norm_ counts it once
-      ds_pipe_replicated     DeepSpeed's name for pipeline_copy, for its grad norm
-                             (zero.DeepSpeedTraining)
-      ds_shape               DeepSpeed's, set by ZeRO-3 on a partitioned parameter:
-                             the full shape (read by _local_shape, train.param_ndim)
-    On modules:
-      residual_out           a Linear writing into the residual stream (gpt.py);
-                             gpt.init_weights scales its init by 1/sqrt(2 layers)
-      fuses_residual_add     a norm module that also adds the residual
-                             (kernels.TritonLayerNorm; gpt.add_and_norm asks)"""
+    Every one the project sets goes through here; docs/tensor-parallel.md
+    lists them and their readers."""
     for name, value in attributes.items():
         setattr(obj, name, value)
 

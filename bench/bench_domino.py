@@ -119,7 +119,7 @@ def without_tp_communication():
     launches = {
         "launch_all_reduce": lambda x: x.clone(memory_format=torch.contiguous_format),
         "launch_all_gather": lambda x: x.new_zeros((tp * x.shape[0], *x.shape[1:])),
-        "launch_reduce_scatter_sequence": lambda x: parallel._sequence_parts(x)[0].zero_(),
+        "launch_reduce_scatter_sequence": lambda x: x.new_zeros((x.shape[0], x.shape[1] // tp, *x.shape[2:])),
     }
     with mock.patch.object(parallel, "dist", NoTP()), mock.patch.multiple(parallel, **launches):
         yield
