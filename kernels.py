@@ -718,7 +718,9 @@ def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, rms):
 
 
 def _rows(t):
-    """(..., N) -> contiguous (M, N); fp32 under the interpreter."""
+    """(..., N) -> contiguous (M, N); fp32 under the interpreter. None stays None."""
+    if t is None:
+        return None
     t = t.reshape(-1, t.shape[-1])
     return (t.float() if INTERPRET else t).contiguous()
 
@@ -728,40 +730,33 @@ def _stats(mean, bias):
     return mean if bias is not None else mean.new_empty(0)
 
 
+def _sum_dtype(x, residual):
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
 # The kernels as custom operators with their autograd (see flash_attention_op).
 # bias None is RMSNorm, which has no mean and no bias gradient (both empty).
+# residual None is the plain norm, s = x, returned empty.
 
 @torch.library.custom_op("kernels::layer_norm", mutates_args=())
-def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-                  out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, mean, rstd) of LayerNorm (RMSNorm) over the last dim of x."""
-    y, _, mean, rstd = _ln_forward(_rows(x), None, weight, bias, eps, out_dtype)
-    return y.reshape(x.shape).to(out_dtype or x.dtype), _stats(mean, bias), rstd
+def layer_norm_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s, y, mean, rstd) for s = x + residual and y = LayerNorm(s) (RMSNorm)
+    over the last dim, s as stored for backward (fp32 under the interpreter;
+    add_layer_norm casts)."""
+    y, s, mean, rstd = _ln_forward(_rows(x), _rows(residual), weight, bias, eps, out_dtype)
+    s = x.new_empty(0) if s is None else s.reshape(x.shape)
+    return s, y.reshape(x.shape).to(out_dtype or _sum_dtype(x, residual)), _stats(mean, bias), rstd
 
 
 @layer_norm_op.register_fake
-def _(x, weight, bias, eps, out_dtype):
-    mean, rstd = (x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32) for _ in range(2))
-    return torch.empty_like(x, dtype=out_dtype or x.dtype), _stats(mean, bias), rstd
-
-
-@torch.library.custom_op("kernels::add_layer_norm", mutates_args=())
-def add_layer_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(s, y, mean, rstd) for s = x + residual and y = LayerNorm(s) (RMSNorm),
-    s as stored for backward (fp32 under the interpreter; add_layer_norm casts)."""
-    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    y, s, mean, rstd = _ln_forward(_rows(x), _rows(residual), weight, bias, eps, out_dtype)
-    return s.reshape(x.shape), y.reshape(x.shape).to(out_dtype or sum_dtype), _stats(mean, bias), rstd
-
-
-@add_layer_norm_op.register_fake
 def _(x, residual, weight, bias, eps, out_dtype):
-    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    sum_dtype = _sum_dtype(x, residual)
+    s = x.new_empty(0) if residual is None else torch.empty_like(
+        x, dtype=torch.float32 if INTERPRET else sum_dtype)
     mean, rstd = (x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32) for _ in range(2))
-    return (torch.empty_like(x, dtype=torch.float32 if INTERPRET else sum_dtype),
-            torch.empty_like(x, dtype=out_dtype or sum_dtype), _stats(mean, bias), rstd)
+    return s, torch.empty_like(x, dtype=out_dtype or sum_dtype), _stats(mean, bias), rstd
 
 
 @torch.library.custom_op("kernels::layer_norm_backward", mutates_args=())
@@ -769,8 +764,7 @@ def layer_norm_backward_op(dy: torch.Tensor, dsum: torch.Tensor | None, x: torch
                            weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                            rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db) at the normalized input x (see _ln_backward)."""
-    dsum2 = None if dsum is None else _rows(dsum)
-    dx, dw, db = _ln_backward(_rows(x), weight, mean, rstd, _rows(dy), dsum2, rms)
+    dx, dw, db = _ln_backward(_rows(x), weight, mean, rstd, _rows(dy), _rows(dsum), rms)
     return dx.reshape(x.shape).to(x.dtype), dw, weight.new_empty(0) if db is None else db
 
 
@@ -780,36 +774,24 @@ def _(dy, dsum, x, weight, mean, rstd, rms):
 
 
 def _layer_norm_setup(ctx, inputs, output):
-    x, weight, bias, _, _ = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.rms = bias is None
-
-
-def _layer_norm_grad(ctx, dy, dmean, drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = layer_norm_backward_op(dy, None, x, weight, mean, rstd, ctx.rms)
-    return dx, dw, None if ctx.rms else db, None, None
-
-
-def _add_layer_norm_setup(ctx, inputs, output):
     x, residual, weight, bias, _, _ = inputs
     s, _, mean, rstd = output
-    ctx.save_for_backward(s, weight, mean, rstd)
-    ctx.rms, ctx.dtypes = bias is None, (x.dtype, residual.dtype)
+    ctx.fused_add = residual is not None
+    ctx.save_for_backward(s if ctx.fused_add else x, weight, mean, rstd)
+    ctx.rms, ctx.dtypes = bias is None, (x.dtype, residual.dtype if ctx.fused_add else None)
 
 
-def _add_layer_norm_grad(ctx, ds, dy, dmean, drstd):
-    """s feeds both the norm and the residual stream: ds_total = ds +
-    LayerNorm-backward(dy), the gradient of x and of residual alike."""
+def _layer_norm_grad(ctx, ds, dy, dmean, drstd):
+    """With the fused add, s feeds both the norm and the residual stream:
+    ds_total = ds + LayerNorm-backward(dy), the gradient of x and of residual alike."""
     s, weight, mean, rstd = ctx.saved_tensors
-    dsum, dw, db = layer_norm_backward_op(dy, ds, s, weight, mean, rstd, ctx.rms)
+    dsum, dw, db = layer_norm_backward_op(dy, ds if ctx.fused_add else None, s, weight, mean, rstd, ctx.rms)
     x_dtype, res_dtype = ctx.dtypes
-    return dsum.to(x_dtype), dsum.to(res_dtype), dw, None if ctx.rms else db, None, None
+    d_residual = dsum.to(res_dtype) if ctx.fused_add else None
+    return dsum.to(x_dtype), d_residual, dw, None if ctx.rms else db, None, None
 
 
 layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
-add_layer_norm_op.register_autograd(_add_layer_norm_grad, setup_context=_add_layer_norm_setup)
 
 
 def _check_layer_norm_inputs(x, weight, bias):
@@ -829,7 +811,7 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, out_dtype: torch.dtype | None
     """Fused LayerNorm over the last dim of x, weight and bias (N,) (may be fp32
     for 16-bit x). Statistics in fp32; output in out_dtype (default: x's)."""
     _check_layer_norm_inputs(x, weight, bias)
-    return layer_norm_op(x, weight, bias, float(eps), out_dtype)[0]
+    return layer_norm_op(x, None, weight, bias, float(eps), out_dtype)[1]
 
 
 def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
@@ -844,7 +826,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
                          f"got {tuple(x.shape)} on {x.device} and {tuple(residual.shape)} "
                          f"on {residual.device}")
     _check_layer_norm_inputs(x, weight, bias)
-    s, y, _, _ = add_layer_norm_op(x, residual, weight, bias, float(eps), out_dtype)
+    s, y, _, _ = layer_norm_op(x, residual, weight, bias, float(eps), out_dtype)
     return s.to(torch.promote_types(x.dtype, residual.dtype)), y
 
 
