@@ -42,23 +42,15 @@ except ImportError:
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _device_of(device_or_tensor) -> torch.device:
-    if isinstance(device_or_tensor, torch.Tensor):
-        return device_or_tensor.device
-    return torch.device(device_or_tensor)
+def triton_usable(device) -> bool:
+    """Whether the kernels can run on `device`: CUDA, or CPU under TRITON_INTERPRET=1."""
+    return HAS_TRITON and torch.device(device).type == ("cpu" if INTERPRET else "cuda")
 
 
-def triton_usable(device_or_tensor) -> bool:
-    """Whether the kernels can run on this device (or tensor's device): CUDA,
-    or CPU under TRITON_INTERPRET=1."""
-    return HAS_TRITON and _device_of(device_or_tensor).type == ("cpu" if INTERPRET else "cuda")
-
-
-def require_triton(device_or_tensor) -> None:
-    """Raise a UsageError naming the fix when triton_usable() is False."""
-    if triton_usable(device_or_tensor):
+def require_triton(device) -> None:
+    """Raise a UsageError naming the fix when triton_usable(device) is False."""
+    if triton_usable(device):
         return
-    device = _device_of(device_or_tensor)
     if not HAS_TRITON:
         why = "the triton package is not installed (pip install triton)"
     elif INTERPRET:
@@ -79,17 +71,13 @@ def require_triton(device_or_tensor) -> None:
 # scores in registers and folds it into the output with an *online softmax*
 # (running max and denominator per row); backward recomputes the tiles from
 # the saved per-row log-sum-exp.
-#
-#   2a. the kernels: forward, backward preprocess, dK/dV, dQ
-#   2b. launchers: autotuned on CUDA, one fixed config in the interpreter
-#   2c. the custom operators with their autograd, and flash_attention()
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the fast hardware op
 
 
 # ---------------------------------------------------------------------------
-# 2a. Attention kernels
+# 2a. Attention kernels: forward, backward preprocess, dK/dV, dQ
 #
 # q, o, do, dq are (B, H, T, D), k, v, dk, dv (B, G, T, D), with any strides
 # whose last dim is contiguous: q, k, v are read in place as transposed views
@@ -433,7 +421,7 @@ def _check_attention_inputs(q, k, v):
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or len({q.dtype, k.dtype, v.dtype}) != 1:
         raise UsageError(f"flash_attention needs q, k, v of one dtype among fp32/fp16/bf16; "
                          f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    require_triton(q)
+    require_triton(q.device)
 
 
 def _dot_precision(dtype) -> str:
@@ -442,10 +430,6 @@ def _dot_precision(dtype) -> str:
     if dtype == torch.float32 and (INTERPRET or torch.get_float32_matmul_precision() == "highest"):
         return "ieee"
     return "tf32"
-
-
-def _bhtd_strides(t):
-    return t.stride(0), t.stride(1), t.stride(2)
 
 
 def _rows_last(t):
@@ -486,8 +470,8 @@ def _attn_forward(q, k, v, causal, sm_scale):
     o = _empty_bthd(q)
     _check_int32_offsets(T, q, k, o)
     lse = torch.empty((B * H, T), device=q.device, dtype=torch.float32)
-    _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, H // k.shape[1], *_bhtd_strides(q),
-                 *_bhtd_strides(k), *_bhtd_strides(o), sm_scale * LOG2E, HEAD_DIM=D,
+    _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, H // k.shape[1], *q.stride()[:3],
+                 *k.stride()[:3], *o.stride()[:3], sm_scale * LOG2E, HEAD_DIM=D,
                  CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
     return o, lse
 
@@ -500,17 +484,17 @@ def _attn_backward(do, q, k, v, o, lse, causal, sm_scale):
     delta = torch.empty_like(lse)
     block = 16 if INTERPRET else 64
     grid = (triton.cdiv(T, block), B * H)
-    _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *_bhtd_strides(o),
-                                      *_bhtd_strides(do), HEAD_DIM=D, BLOCK_M=block)
+    _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *o.stride()[:3],
+                                      *do.stride()[:3], HEAD_DIM=D, BLOCK_M=block)
     dq, dk, dv = _empty_bthd(q), _empty_bthd(k), _empty_bthd(k)
     consts = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
     G = k.shape[1]  # one dK/dV program row per (batch, key/value head)
-    inputs = (T, H, H // G, *_bhtd_strides(q), *_bhtd_strides(k), *_bhtd_strides(do))
+    inputs = (T, H, H // G, *q.stride()[:3], *k.stride()[:3], *do.stride()[:3])
     scales = (sm_scale, sm_scale * LOG2E)
     _launch_attn("dkdv", T, B * G, q, k, v, do, lse, delta, dk, dv, *inputs,
-                 *_bhtd_strides(dk), *scales, **consts)
+                 *dk.stride()[:3], *scales, **consts)
     _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *inputs,
-                 *_bhtd_strides(dq), *scales, **consts)
+                 *dq.stride()[:3], *scales, **consts)
     return dq, dk, dv
 
 
@@ -576,12 +560,10 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None)
 # ============================================================================
 # LayerNorm is memory bound: one fused pass (read x once, write y once) beats
 # the several elementwise kernels an unfused version launches.
-#
-#   3a. the kernels (RMS: a constexpr switch, no mean and no bias)
-#   3b. launch helpers, autograd wrappers, the public functions and modules
 
 # ---------------------------------------------------------------------------
-# 3a. LayerNorm kernels. x is viewed as (M, N) rows; BLOCK_N = next_pow2(N).
+# 3a. The kernels, on x viewed as (M, N) rows; BLOCK_N = next_pow2(N). RMS is a
+# constexpr switch: no mean and no bias.
 # ---------------------------------------------------------------------------
 if HAS_TRITON:
 
@@ -661,7 +643,7 @@ if HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------
-# 3b. Launch helpers, autograd wrappers and public API
+# 3b. Launch, the custom operators with their autograd, public API and modules
 # ---------------------------------------------------------------------------
 _MAX_LN_BYTES = 65536  # one row must fit in a program's registers/shared memory
 
@@ -674,47 +656,6 @@ def _layer_norm_config(N: int):
     rows = max(1, min(16, 2048 // block_n)) if not INTERPRET else 16
     num_warps = min(max(block_n * rows // 512, 1), 16)
     return block_n, rows, num_warps
-
-
-def _ln_forward(x2, res2, weight, bias, eps, out_dtype=None):
-    """Launch the forward kernel on (M, N) rows: y, s, mean, rstd. With res2,
-    s = x2 + res2 (in the promoted dtype, like torch's `+`) is normalized, else
-    s is None. y is in out_dtype (default, and always under the interpreter: that
-    of s; the caller casts). bias None: RMSNorm."""
-    M, N = x2.shape
-    rms = bias is None
-    weight = weight.contiguous()
-    bias = weight if rms else bias.contiguous()  # RMS: an unused stand-in
-    s = None if res2 is None else torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
-    y = torch.empty_like(x2 if s is None else s, dtype=None if INTERPRET else out_dtype)
-    mean, rstd = (torch.empty(M, device=x2.device, dtype=torch.float32) for _ in range(2))
-    block_n, rows, num_warps = _layer_norm_config(N)
-    # without a residual, x2 stands in for the unused RES and SUM
-    _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
-        x2, x2 if res2 is None else res2, weight, bias, y, x2 if s is None else s, mean, rstd,
-        M, N, eps, HAS_RESIDUAL=res2 is not None, RMS=rms, ROWS=rows, BLOCK_N=block_n,
-        num_warps=num_warps)
-    return y, s, mean, rstd
-
-
-def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, rms):
-    """Launch the backward kernel at the normalized input x2 (s for the fused
-    add; dsum2 the gradient that reached s along the residual stream):
-    dx in x2's dtype, dw, db (None for RMSNorm)."""
-    M, N = x2.shape
-    dx = torch.empty_like(x2)
-    block_n, rows, num_warps = _layer_norm_config(N)
-    # enough programs to fill the GPU, few enough that the (G, N) partials stay small
-    sms = 1 if INTERPRET else torch.cuda.get_device_properties(x2.device).multi_processor_count
-    programs = min(triton.cdiv(M, rows), 4 * sms)
-    dw_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
-    db_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
-    _layer_norm_bwd_kernel[(programs,)](x2, weight, dy2, dy2 if dsum2 is None else dsum2, dx,
-                                        mean, rstd, dw_partial, db_partial, M, N,
-                                        HAS_DSUM=dsum2 is not None, RMS=rms, ROWS=rows,
-                                        BLOCK_N=block_n, num_warps=num_warps)
-    db = None if rms else db_partial.sum(0).to(weight.dtype)
-    return dx, dw_partial.sum(0).to(weight.dtype), db
 
 
 def _rows(t):
@@ -735,18 +676,29 @@ def _sum_dtype(x, residual):
 
 
 # The kernels as custom operators with their autograd (see flash_attention_op).
-# bias None is RMSNorm, which has no mean and no bias gradient (both empty).
-# residual None is the plain norm, s = x, returned empty.
+# bias None is RMSNorm: no mean, no bias gradient (both empty).
 
 @torch.library.custom_op("kernels::layer_norm", mutates_args=())
 def layer_norm_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(s, y, mean, rstd) for s = x + residual and y = LayerNorm(s) (RMSNorm)
-    over the last dim, s as stored for backward (fp32 under the interpreter;
-    add_layer_norm casts)."""
-    y, s, mean, rstd = _ln_forward(_rows(x), _rows(residual), weight, bias, eps, out_dtype)
-    s = x.new_empty(0) if s is None else s.reshape(x.shape)
+    """(s, y, mean, rstd): y = LayerNorm(s) (RMSNorm) over the last dim, in
+    out_dtype (default: s's), of s = x + residual in their promoted dtype, like
+    torch's `+`. s is as stored for backward (fp32 under the interpreter;
+    add_layer_norm casts); without a residual s = x, returned empty."""
+    x2, res2 = _rows(x), _rows(residual)  # (M, N)
+    M, N = x2.shape
+    rms = bias is None
+    weight = weight.contiguous()
+    s = x2 if res2 is None else torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
+    y = torch.empty_like(s, dtype=None if INTERPRET else out_dtype)
+    mean, rstd = (torch.empty(M, device=x.device, dtype=torch.float32) for _ in range(2))
+    block_n, rows, num_warps = _layer_norm_config(N)
+    # stand-ins for what is unused: x2 for RES without a residual, weight for RMSNorm's B
+    _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
+        x2, x2 if res2 is None else res2, weight, weight if rms else bias.contiguous(), y, s, mean, rstd, M, N, eps,
+        HAS_RESIDUAL=res2 is not None, RMS=rms, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+    s = x.new_empty(0) if residual is None else s.reshape(x.shape)
     return s, y.reshape(x.shape).to(out_dtype or _sum_dtype(x, residual)), _stats(mean, bias), rstd
 
 
@@ -763,9 +715,22 @@ def _(x, residual, weight, bias, eps, out_dtype):
 def layer_norm_backward_op(dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor,
                            weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                            rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, db) at the normalized input x (see _ln_backward)."""
-    dx, dw, db = _ln_backward(_rows(x), weight, mean, rstd, _rows(dy), _rows(dsum), rms)
-    return dx.reshape(x.shape).to(x.dtype), dw, weight.new_empty(0) if db is None else db
+    """(dx, dw, db) at the normalized input x (s for the fused add, and dsum the
+    gradient that reached s along the residual stream); db empty for RMSNorm."""
+    x2, dy2, dsum2 = _rows(x), _rows(dy), _rows(dsum)  # (M, N)
+    M, N = x2.shape
+    dx = torch.empty_like(x2)
+    block_n, rows, num_warps = _layer_norm_config(N)
+    # enough programs to fill the GPU, few enough that the (G, N) partials stay small
+    sms = 1 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
+    programs = min(triton.cdiv(M, rows), 4 * sms)
+    dw_partial, db_partial = (torch.empty((programs, N), device=x.device, dtype=torch.float32) for _ in range(2))
+    _layer_norm_bwd_kernel[(programs,)](x2, weight, dy2, dy2 if dsum2 is None else dsum2, dx,
+                                        mean, rstd, dw_partial, db_partial, M, N,
+                                        HAS_DSUM=dsum2 is not None, RMS=rms, ROWS=rows,
+                                        BLOCK_N=block_n, num_warps=num_warps)
+    db = weight.new_empty(0) if rms else db_partial.sum(0).to(weight.dtype)
+    return dx.reshape(x.shape).to(x.dtype), dw_partial.sum(0).to(weight.dtype), db
 
 
 @layer_norm_backward_op.register_fake
@@ -804,21 +769,21 @@ def _check_layer_norm_inputs(x, weight, bias):
                          f"kernel (max {_MAX_LN_BYTES // 4}); use layernorm_impl='torch'")
     if x.numel() == 0:
         raise UsageError("layer_norm: got an empty input tensor")
-    require_triton(x)
+    require_triton(x.device)
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
-    """Fused LayerNorm over the last dim of x, weight and bias (N,) (may be fp32
-    for 16-bit x). Statistics in fp32; output in out_dtype (default: x's)."""
+    """LayerNorm over the last dim of x (RMSNorm when bias is None); weight and
+    bias (N,) may be fp32 for 16-bit x. Statistics in fp32; output in out_dtype
+    (default: x's)."""
     _check_layer_norm_inputs(x, weight, bias)
     return layer_norm_op(x, None, weight, bias, float(eps), out_dtype)[1]
 
 
 def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
                    out_dtype: torch.dtype | None = None):
-    """Fused residual add + LayerNorm: (s, layer_norm(s)) for s = x + residual,
-    s in their promoted dtype and layer_norm(s) in out_dtype (default: the same).
-    In a pre-LN block, `x = x + attn(ln_1(x)); h = ln_2(x)` becomes
+    """(s, layer_norm(s)) for s = x + residual in their promoted dtype, from one
+    kernel. In a pre-LN block, `x = x + attn(ln_1(x)); h = ln_2(x)` becomes
     `x, h = add_layer_norm(x, attn(ln_1(x)), ...)`: s is written once, and in
     backward the residual stream's gradient is folded into the norm's kernel."""
     if residual.shape != x.shape or residual.device != x.device:
@@ -827,7 +792,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
                          f"on {residual.device}")
     _check_layer_norm_inputs(x, weight, bias)
     s, y, _, _ = layer_norm_op(x, residual, weight, bias, float(eps), out_dtype)
-    return s.to(torch.promote_types(x.dtype, residual.dtype)), y
+    return s.to(_sum_dtype(x, residual)), y
 
 
 class _FusedNorm:
@@ -836,11 +801,10 @@ class _FusedNorm:
     fuses_residual_add = True  # gpt.add_and_norm checks this
 
     def forward(self, x, residual=None):
-        """x (..., N) -> norm(x); with residual, (s, norm(s)) for s = x + residual
-        from one kernel, through the module call so hooks (ZeRO-3's gathering)
-        see it. Under autocast norm(x) is written in the autocast dtype: the
-        matmul it feeds would round an fp32 output the same way, so this saves a
-        write, a read and a cast. The residual stream keeps its own dtype."""
+        """x (..., N) -> norm(x); with residual, add_layer_norm's (s, norm(s)),
+        through the module call so hooks (ZeRO-3's gathering) see it. Under
+        autocast norm(x) is written in the autocast dtype, as the matmul it feeds
+        would round it: a write, a read and a cast saved. s keeps its dtype."""
         bias = getattr(self, "bias", None)
         if residual is None:
             return layer_norm(x, self.weight, bias, self.eps, _autocast_dtype(x))
@@ -848,18 +812,16 @@ class _FusedNorm:
 
 
 class TritonLayerNorm(_FusedNorm, torch.nn.LayerNorm):
-    """Drop-in nn.LayerNorm (same parameters, state_dict keys and init) whose
-    forward runs the fused kernel; subclassing keeps isinstance checks
-    (weight-decay grouping, init) and checkpoints interchangeable with torch."""
+    """nn.LayerNorm (same parameters, state_dict keys and init; isinstance
+    checks hold) whose forward runs the fused kernel."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
-        # always affine with bias: the kernel expects both weight and bias
+        # always affine with bias: without one the kernel would compute RMSNorm
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
 
 
 class TritonRMSNorm(_FusedNorm, torch.nn.RMSNorm):
-    """Drop-in nn.RMSNorm (same parameter, state_dict key and init) whose
-    forward runs the fused kernel."""
+    """nn.RMSNorm whose forward runs the fused kernel."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
