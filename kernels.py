@@ -842,10 +842,10 @@ if HAS_TRITON:
     @triton.jit
     def _row_stats_kernel(Z, LABELS, MAX, SUMEXP, TARGET, V, stride_z, vocab_start,
                           BLOCK_V: tl.constexpr):
-        """Program r: row r's max m, sum(exp(z - m)) (online, rescaled as the
-        running max grows), and the target logit if this rank's vocab slice
-        holds the target (else 0)."""
-        log2e = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+        """Program r: row r's max m, sum(exp(z - m)) (an online softmax, as in
+        _attn_fwd_inner), and the target logit if this rank's vocab slice holds
+        the target (else 0)."""
+        log2e = 1.4426950408889634  # LOG2E
         r = tl.program_id(0)
         row = Z + r.to(tl.int64) * stride_z
         m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # per-lane running max
@@ -893,7 +893,7 @@ def _block_v(V: int, z) -> int:
 def loss_row_stats(z: torch.Tensor, labels: torch.Tensor, vocab_start: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max, sum(exp(z - max)), target logit or 0), fp32 (n,) each, of the rows
-    of a span of logits z (n, V_local). A custom operator, as is loss_row_grad_."""
+    of a span of logits z (n, V_local)."""
     n, V = z.shape
     stats = [torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3)]
     _row_stats_kernel[(n,)](z, labels, *stats, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))
@@ -913,64 +913,53 @@ def loss_row_grad_(z: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, wei
     _row_grad_kernel[(n,)](z, labels, lse, weight, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))
 
 
-@loss_row_grad_.register_fake
-def _(z, labels, lse, weight, vocab_start):
-    return None
-
-
 # ============================================================================
 # 5. The LM head and the loss, fused over spans of tokens
 #    (FusedLinearCrossEntropy: gpt.GPT.head's loss_impl "fused")
 # ============================================================================
-#
 # Why: the LM head's output is the largest activation of a GPT step. At GPT-2
 # 124M, micro-batch 8, seq 1024, the logits are 8192 x 50304 values: 1.65 GB
-# in fp32 for a stable softmax, plus as much again for their gradient and the
+# in fp32 for a stable softmax, and as much again for their gradient and the
 # softmax kept for backward. The fused loss (the idea of Liger-Kernel's fused
 # linear cross-entropy and Apple's Cut Cross-Entropy) walks the tokens in
-# spans, so the (tokens, vocab) logits never exist whole. For each span it
+# spans, so those logits never exist whole. For each span it
 #
 #   1. makes the span's logits z = h W^T             (n, V) in the matmul dtype,
 #   2. takes each row's max, sum of exp and target logit in fp32 (the log-sum-
 #      exp, lse), with one pass over z,
 #   3. overwrites z with its gradient (softmax(z) - onehot(target)) * w_i,
-#      kept in units of the largest weight so that it fits fp16 (see below),
-#   4. turns that into the input gradient dh = dz W and adds dz^T h to dW,
+#      in units of the largest weight (FusedLinearCrossEntropy says why),
+#   4. turns that into dh = dz W and adds dz^T h to dW, and frees z.
 #
-# and then frees z. The gradient can be made in forward because the loss is a
-# weighted sum of per-token losses, sum_i w_i * loss_i (w_i = loss_mask_i /
-# sum(loss_mask), or 1/N): backward only scales the stored dh and dW by the
-# incoming scalar (under --fp16, the loss scale), in fp32. No span keeps
-# logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
+# The gradient can be made in forward because the loss is a weighted sum of
+# per-token losses, sum_i w_i * loss_i: backward only scales the stored dh and
+# dW by the incoming scalar, in fp32. Nothing (tokens, vocab)-sized is fp32.
 #
-# Tensor parallelism (Megatron's vocab-parallel cross-entropy): W is this
-# rank's vocab slice, so each rank sees a slice of every row. Step 2
-# all-reduces the per-row max (MAX) and the rescaled sum of exp and the target
-# logit (SUM) over the TP group, as parallel.vocab_parallel_cross_entropy
-# does; dh is then a partial sum, which the f operator in front of the head
-# all-reduces in backward.
+# Under tensor parallelism (Megatron's vocab-parallel cross-entropy) W is this
+# rank's vocab slice: step 2 merges the rows' statistics over the TP group
+# (parallel.vocab_parallel_lse), and dh is a partial sum, which the f operator
+# in front of the head all-reduces in backward.
 #
-# On CUDA the row passes of steps 2 and 3 are Triton kernels (one read of the
-# logits for the statistics, one read and one in-place write for the
-# gradient); elsewhere the same maths runs as torch ops, in place on the span.
-# loss_impl="full" (GPT.head's logits, then F.cross_entropy) is its reference.
+# On CUDA the row passes of steps 2 and 3 are section 4's kernels (one read of
+# the logits, then one read and one in-place write); elsewhere the same maths
+# runs as torch ops, in place. loss_impl="full" (logits, then F.cross_entropy)
+# is its reference.
 
 # Logits per span (tokens x local vocab), by device: larger spans make
-# slightly more efficient matmuls, smaller ones save memory. On CUDA a span
-# costs its logits alone: 2**28 is 512 MiB in bf16, 5336 tokens of a
-# 50304-row vocabulary. Elsewhere the torch row passes work on fp32 spans
-# (16-bit ones get an fp32 copy); 2**24 (64 MiB, 333 tokens) cuts the head +
-# loss peak several-fold against the full logits and runs faster (bench/RESULTS.md).
+# slightly faster matmuls, smaller ones save memory. 2**28 is 512 MiB of bf16
+# logits, 5336 tokens of a 50304-row vocabulary. On CPU the row passes work on
+# fp32 spans; 2**24 (64 MiB, 333 tokens) is faster than full logits there, at
+# a fraction of their peak memory (bench/RESULTS.md).
 SPAN_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
 
 
 def span_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = True,
                         triton_kernels: bool | None = None):
-    """One span's (lse, target logit), fp32 (n,), over the full vocabulary.
-    z: the span's logits (n, V_local); labels (n,): full-vocabulary ids;
-    weight (n,) fp32: each token's weight. With need_grads, z is overwritten by
-    weight * (softmax(z) - onehot(labels)); without, z holds scratch values."""
-    # Triton on CUDA only: on CPU the interpreter is far too slow to train.
+    """One span's (lse, target logit), fp32 (n,), over the full vocabulary, of
+    its logits z (n, V_local), labels (n,) (full-vocabulary ids) and fp32 token
+    weights (n,). With need_grads, z is overwritten by weight * (softmax(z) -
+    onehot(labels)); without, by scratch values. Triton on CUDA only (the
+    interpreter is far too slow to train); tests pass triton_kernels."""
     triton_kernels = HAS_TRITON and (z.is_cuda if triton_kernels is None else triton_kernels)
     if triton_kernels:
         row_max, sum_exp, z_target = loss_row_stats(z, labels, vocab_start)
@@ -1006,8 +995,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     whether backward will run (False: the loss alone, for evaluation). Matmuls
     run in the autocast dtype when autocast is on, else in h's dtype.
 
-    The gradients are made before backward's incoming gradient (under --fp16,
-    the loss scale) is known, so they are kept in units of w_max = max_i w_i:
+    The gradients are made before the incoming gradient (under --fp16, the
+    loss scale) is known, so they are kept in units of w_max = max_i w_i:
     each logit gradient (w_i / w_max) * (softmax - onehot) lies in [-1, 1], and
     backward multiplies by grad_loss * w_max in fp32. With the weights
     themselves (1/N: 5e-4 at 2048 tokens) the fp16 gradient of a token with
@@ -1017,7 +1006,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, loss_mask, need_grads):
         kind = h.device.type
-        compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+        compute_dtype = _autocast_dtype(h) or h.dtype
         need_grads = need_grads and (h.requires_grad or weight.requires_grad)
         ctx.h_shape = h.shape
         h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
@@ -1041,9 +1030,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 z = h_c[rows] @ w_c.t()                              # (n, V_local)
                 lse, z_target = span_lse_and_grad_(z, labels[rows], unit_weight[rows], vocab_start,
                                                     need_grads)       # z is now dz / w_max
-                # Not `loss +=`: under torch 2.11's compile, an autograd.Function whose returned
-                # tensor was updated in place gets all-zero gradients (2.13's does not)
-                loss = loss + (token_weight[rows] * (lse - z_target)).sum()
+                loss += (token_weight[rows] * (lse - z_target)).sum()
                 if not need_grads:  # evaluation: the loss alone
                     continue
                 torch.mm(z, w_c, out=dh[rows])                       # (n, C), partial under TP
