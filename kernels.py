@@ -34,9 +34,7 @@ try:
     import triton
     import triton.language as tl
     HAS_TRITON = True
-except ImportError:
-    triton = None
-    tl = None
+except ImportError:  # the kernels' names stay undefined; require_triton() says why
     HAS_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -89,7 +87,6 @@ LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the fast hard
 # (B*H, T) fp32. Scores are in base 2: s2 = (q.k) * sm_scale * log2(e),
 # lse2 = max + log2(sum exp2(s2 - max)), p = exp2(s2 - lse2). T_BUCKET is
 # unused by the maths: it is the autotuning key (_build_launchers).
-# ---------------------------------------------------------------------------
 if HAS_TRITON:
 
     @triton.jit
@@ -296,8 +293,7 @@ if HAS_TRITON:
 
 # ---------------------------------------------------------------------------
 # 2b. Launchers: triton.autotune on CUDA (the best tiles depend on the GPU, T,
-# D and dtype); the interpreter cannot time configs and runs one small one.
-# ---------------------------------------------------------------------------
+# D and dtype); the interpreter runs one small config.
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: few, so the
 # first step's autotuning stays cheap, and none that spills registers for
 # 16-bit inputs (bench/check_compile.py, sm_90, fails if one does). Forward
@@ -356,9 +352,8 @@ def _attn_configs(kernel: str, wide: bool = False):
 def _keep_attn_config(config, kernel: str, head_dim: int, dtype, group: int = 1,
                       wide: bool = False) -> bool:
     """Whether autotune times `config` for this head dim, input dtype and GQA
-    group. fp32 inputs (no autocast) take the small tiles of ATTN_CONFIGS that
-    fit in shared memory; they still spill at head dim >= 64, one reason fp32
-    runs use TF32."""
+    group. fp32 inputs take the small tiles of ATTN_CONFIGS that fit in shared
+    memory; they still spill at head dim >= 64, one reason fp32 runs use TF32."""
     tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
     if dtype == torch.float32:
         return tile in ATTN_CONFIGS[kernel] and tile[0] * tile[1] <= 64 * 64 and tile[3] <= 3
@@ -378,11 +373,10 @@ def _build_launchers():
     kernels = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
     if INTERPRET:
         return kernels
-    # Tune once per key (Triton adds the dtypes) and cache the result on disk next
-    # to the compiled kernels (TRITON_CACHE_DIR), so a second run's first step does
-    # not re-time every config. The key has a power-of-two bucket of T (T_BUCKET),
-    # not T: generate() grows T by one token a step, and re-timing every config
-    # per length takes seconds.
+    # Tune once per key (Triton adds the dtypes), cached on disk with the compiled
+    # kernels (TRITON_CACHE_DIR) for the next run. The key holds a power-of-two
+    # bucket of T (T_BUCKET), not T: generate() grows T a token a step, and
+    # re-timing every config per length takes seconds.
     wide = os.environ.get("KERNELS_AUTOTUNE", "").lower() == "wide"
     key = ["T_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "DOT_PRECISION"]
     return {name: triton.autotune(
@@ -406,7 +400,6 @@ def _launch_attn(name: str, num_rows: int, bh: int, *args, **constexprs):
 
 # ---------------------------------------------------------------------------
 # 2c. custom operators, autograd and public API
-# ---------------------------------------------------------------------------
 def _check_attention_inputs(q, k, v):
     B, H, T, D = q.shape if q.dim() == 4 else (None,) * 4
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2:]) != (B, (T, D)) \
@@ -438,8 +431,7 @@ def _rows_last(t):
 
 
 def _empty_bthd(like):
-    """An empty (B, H, T, D) tensor laid out as (B, T, H, D) in memory, so the
-    model's reshape to (B, T, C) is free."""
+    """An empty (B, H, T, D) tensor, (B, T, H, D) in memory (see 2a)."""
     B, H, T, D = like.shape
     return torch.empty((B, T, H, D), device=like.device, dtype=like.dtype).transpose(1, 2)
 
@@ -564,7 +556,6 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None)
 # ---------------------------------------------------------------------------
 # 3a. The kernels, on x viewed as (M, N) rows; BLOCK_N = next_pow2(N). RMS is a
 # constexpr switch: no mean and no bias.
-# ---------------------------------------------------------------------------
 if HAS_TRITON:
 
     @triton.jit
@@ -644,7 +635,6 @@ if HAS_TRITON:
 
 # ---------------------------------------------------------------------------
 # 3b. Launch, the custom operators with their autograd, public API and modules
-# ---------------------------------------------------------------------------
 _MAX_LN_BYTES = 65536  # one row must fit in a program's registers/shared memory
 
 
