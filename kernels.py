@@ -34,31 +34,21 @@ try:
     import triton
     import triton.language as tl
     HAS_TRITON = True
-except ImportError:
-    triton = None
-    tl = None
+except ImportError:  # the kernels' names stay undefined; require_triton() says why
     HAS_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _device_of(device_or_tensor) -> torch.device:
-    if isinstance(device_or_tensor, torch.Tensor):
-        return device_or_tensor.device
-    return torch.device(device_or_tensor)
+def triton_usable(device) -> bool:
+    """Whether the kernels can run on `device`: CUDA, or CPU under TRITON_INTERPRET=1."""
+    return HAS_TRITON and torch.device(device).type == ("cpu" if INTERPRET else "cuda")
 
 
-def triton_usable(device_or_tensor) -> bool:
-    """Whether the kernels can run on this device (or tensor's device): CUDA,
-    or CPU under TRITON_INTERPRET=1."""
-    return HAS_TRITON and _device_of(device_or_tensor).type == ("cpu" if INTERPRET else "cuda")
-
-
-def require_triton(device_or_tensor) -> None:
-    """Raise a UsageError naming the fix when triton_usable() is False."""
-    if triton_usable(device_or_tensor):
+def require_triton(device) -> None:
+    """Raise a UsageError naming the fix when triton_usable(device) is False."""
+    if triton_usable(device):
         return
-    device = _device_of(device_or_tensor)
     if not HAS_TRITON:
         why = "the triton package is not installed (pip install triton)"
     elif INTERPRET:
@@ -79,17 +69,13 @@ def require_triton(device_or_tensor) -> None:
 # scores in registers and folds it into the output with an *online softmax*
 # (running max and denominator per row); backward recomputes the tiles from
 # the saved per-row log-sum-exp.
-#
-#   2a. the kernels: forward, backward preprocess, dK/dV, dQ
-#   2b. launchers: autotuned on CUDA, one fixed config in the interpreter
-#   2c. the custom operators with their autograd, and flash_attention()
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the fast hardware op
 
 
 # ---------------------------------------------------------------------------
-# 2a. Attention kernels
+# 2a. Attention kernels: forward, backward preprocess, dK/dV, dQ
 #
 # q, o, do, dq are (B, H, T, D), k, v, dk, dv (B, G, T, D), with any strides
 # whose last dim is contiguous: q, k, v are read in place as transposed views
@@ -101,7 +87,6 @@ LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the fast hard
 # (B*H, T) fp32. Scores are in base 2: s2 = (q.k) * sm_scale * log2(e),
 # lse2 = max + log2(sum exp2(s2 - max)), p = exp2(s2 - lse2). T_BUCKET is
 # unused by the maths: it is the autotuning key (_build_launchers).
-# ---------------------------------------------------------------------------
 if HAS_TRITON:
 
     @triton.jit
@@ -308,8 +293,7 @@ if HAS_TRITON:
 
 # ---------------------------------------------------------------------------
 # 2b. Launchers: triton.autotune on CUDA (the best tiles depend on the GPU, T,
-# D and dtype); the interpreter cannot time configs and runs one small one.
-# ---------------------------------------------------------------------------
+# D and dtype); the interpreter runs one small config.
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel: few, so the
 # first step's autotuning stays cheap, and none that spills registers for
 # 16-bit inputs (bench/check_compile.py, sm_90, fails if one does). Forward
@@ -368,9 +352,8 @@ def _attn_configs(kernel: str, wide: bool = False):
 def _keep_attn_config(config, kernel: str, head_dim: int, dtype, group: int = 1,
                       wide: bool = False) -> bool:
     """Whether autotune times `config` for this head dim, input dtype and GQA
-    group. fp32 inputs (no autocast) take the small tiles of ATTN_CONFIGS that
-    fit in shared memory; they still spill at head dim >= 64, one reason fp32
-    runs use TF32."""
+    group. fp32 inputs take the small tiles of ATTN_CONFIGS that fit in shared
+    memory; they still spill at head dim >= 64, one reason fp32 runs use TF32."""
     tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
     if dtype == torch.float32:
         return tile in ATTN_CONFIGS[kernel] and tile[0] * tile[1] <= 64 * 64 and tile[3] <= 3
@@ -390,11 +373,10 @@ def _build_launchers():
     kernels = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
     if INTERPRET:
         return kernels
-    # Tune once per key (Triton adds the dtypes) and cache the result on disk next
-    # to the compiled kernels (TRITON_CACHE_DIR), so a second run's first step does
-    # not re-time every config. The key has a power-of-two bucket of T (T_BUCKET),
-    # not T: generate() grows T by one token a step, and re-timing every config
-    # per length takes seconds.
+    # Tune once per key (Triton adds the dtypes), cached on disk with the compiled
+    # kernels (TRITON_CACHE_DIR) for the next run. The key holds a power-of-two
+    # bucket of T (T_BUCKET), not T: generate() grows T a token a step, and
+    # re-timing every config per length takes seconds.
     wide = os.environ.get("KERNELS_AUTOTUNE", "").lower() == "wide"
     key = ["T_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "DOT_PRECISION"]
     return {name: triton.autotune(
@@ -418,7 +400,6 @@ def _launch_attn(name: str, num_rows: int, bh: int, *args, **constexprs):
 
 # ---------------------------------------------------------------------------
 # 2c. custom operators, autograd and public API
-# ---------------------------------------------------------------------------
 def _check_attention_inputs(q, k, v):
     B, H, T, D = q.shape if q.dim() == 4 else (None,) * 4
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2:]) != (B, (T, D)) \
@@ -433,7 +414,7 @@ def _check_attention_inputs(q, k, v):
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or len({q.dtype, k.dtype, v.dtype}) != 1:
         raise UsageError(f"flash_attention needs q, k, v of one dtype among fp32/fp16/bf16; "
                          f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    require_triton(q)
+    require_triton(q.device)
 
 
 def _dot_precision(dtype) -> str:
@@ -444,18 +425,13 @@ def _dot_precision(dtype) -> str:
     return "tf32"
 
 
-def _bhtd_strides(t):
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _rows_last(t):
     """t itself when its last dim is contiguous (the kernels take any other strides)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _empty_bthd(like):
-    """An empty (B, H, T, D) tensor laid out as (B, T, H, D) in memory, so the
-    model's reshape to (B, T, C) is free."""
+    """An empty (B, H, T, D) tensor, (B, T, H, D) in memory (see 2a)."""
     B, H, T, D = like.shape
     return torch.empty((B, T, H, D), device=like.device, dtype=like.dtype).transpose(1, 2)
 
@@ -486,8 +462,8 @@ def _attn_forward(q, k, v, causal, sm_scale):
     o = _empty_bthd(q)
     _check_int32_offsets(T, q, k, o)
     lse = torch.empty((B * H, T), device=q.device, dtype=torch.float32)
-    _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, H // k.shape[1], *_bhtd_strides(q),
-                 *_bhtd_strides(k), *_bhtd_strides(o), sm_scale * LOG2E, HEAD_DIM=D,
+    _launch_attn("fwd", T, B * H, q, k, v, o, lse, T, H, H // k.shape[1], *q.stride()[:3],
+                 *k.stride()[:3], *o.stride()[:3], sm_scale * LOG2E, HEAD_DIM=D,
                  CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
     return o, lse
 
@@ -500,17 +476,17 @@ def _attn_backward(do, q, k, v, o, lse, causal, sm_scale):
     delta = torch.empty_like(lse)
     block = 16 if INTERPRET else 64
     grid = (triton.cdiv(T, block), B * H)
-    _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *_bhtd_strides(o),
-                                      *_bhtd_strides(do), HEAD_DIM=D, BLOCK_M=block)
+    _attn_bwd_preprocess_kernel[grid](o, do, delta, T, H, *o.stride()[:3],
+                                      *do.stride()[:3], HEAD_DIM=D, BLOCK_M=block)
     dq, dk, dv = _empty_bthd(q), _empty_bthd(k), _empty_bthd(k)
     consts = dict(HEAD_DIM=D, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
     G = k.shape[1]  # one dK/dV program row per (batch, key/value head)
-    inputs = (T, H, H // G, *_bhtd_strides(q), *_bhtd_strides(k), *_bhtd_strides(do))
+    inputs = (T, H, H // G, *q.stride()[:3], *k.stride()[:3], *do.stride()[:3])
     scales = (sm_scale, sm_scale * LOG2E)
     _launch_attn("dkdv", T, B * G, q, k, v, do, lse, delta, dk, dv, *inputs,
-                 *_bhtd_strides(dk), *scales, **consts)
+                 *dk.stride()[:3], *scales, **consts)
     _launch_attn("dq", T, B * H, q, k, v, do, lse, delta, dq, *inputs,
-                 *_bhtd_strides(dq), *scales, **consts)
+                 *dq.stride()[:3], *scales, **consts)
     return dq, dk, dv
 
 
@@ -576,13 +552,10 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None)
 # ============================================================================
 # LayerNorm is memory bound: one fused pass (read x once, write y once) beats
 # the several elementwise kernels an unfused version launches.
-#
-#   3a. the kernels (RMS: a constexpr switch, no mean and no bias)
-#   3b. launch helpers, autograd wrappers, the public functions and modules
 
 # ---------------------------------------------------------------------------
-# 3a. LayerNorm kernels. x is viewed as (M, N) rows; BLOCK_N = next_pow2(N).
-# ---------------------------------------------------------------------------
+# 3a. The kernels, on x viewed as (M, N) rows; BLOCK_N = next_pow2(N). RMS is a
+# constexpr switch: no mean and no bias.
 if HAS_TRITON:
 
     @triton.jit
@@ -661,8 +634,7 @@ if HAS_TRITON:
 
 
 # ---------------------------------------------------------------------------
-# 3b. Launch helpers, autograd wrappers and public API
-# ---------------------------------------------------------------------------
+# 3b. Launch, the custom operators with their autograd, public API and modules
 _MAX_LN_BYTES = 65536  # one row must fit in a program's registers/shared memory
 
 
@@ -676,49 +648,10 @@ def _layer_norm_config(N: int):
     return block_n, rows, num_warps
 
 
-def _ln_forward(x2, res2, weight, bias, eps, out_dtype=None):
-    """Launch the forward kernel on (M, N) rows: y, s, mean, rstd. With res2,
-    s = x2 + res2 (in the promoted dtype, like torch's `+`) is normalized, else
-    s is None. y is in out_dtype (default, and always under the interpreter: that
-    of s; the caller casts). bias None: RMSNorm."""
-    M, N = x2.shape
-    rms = bias is None
-    weight = weight.contiguous()
-    bias = weight if rms else bias.contiguous()  # RMS: an unused stand-in
-    s = None if res2 is None else torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
-    y = torch.empty_like(x2 if s is None else s, dtype=None if INTERPRET else out_dtype)
-    mean, rstd = (torch.empty(M, device=x2.device, dtype=torch.float32) for _ in range(2))
-    block_n, rows, num_warps = _layer_norm_config(N)
-    # without a residual, x2 stands in for the unused RES and SUM
-    _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
-        x2, x2 if res2 is None else res2, weight, bias, y, x2 if s is None else s, mean, rstd,
-        M, N, eps, HAS_RESIDUAL=res2 is not None, RMS=rms, ROWS=rows, BLOCK_N=block_n,
-        num_warps=num_warps)
-    return y, s, mean, rstd
-
-
-def _ln_backward(x2, weight, mean, rstd, dy2, dsum2, rms):
-    """Launch the backward kernel at the normalized input x2 (s for the fused
-    add; dsum2 the gradient that reached s along the residual stream):
-    dx in x2's dtype, dw, db (None for RMSNorm)."""
-    M, N = x2.shape
-    dx = torch.empty_like(x2)
-    block_n, rows, num_warps = _layer_norm_config(N)
-    # enough programs to fill the GPU, few enough that the (G, N) partials stay small
-    sms = 1 if INTERPRET else torch.cuda.get_device_properties(x2.device).multi_processor_count
-    programs = min(triton.cdiv(M, rows), 4 * sms)
-    dw_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
-    db_partial = torch.empty((programs, N), device=x2.device, dtype=torch.float32)
-    _layer_norm_bwd_kernel[(programs,)](x2, weight, dy2, dy2 if dsum2 is None else dsum2, dx,
-                                        mean, rstd, dw_partial, db_partial, M, N,
-                                        HAS_DSUM=dsum2 is not None, RMS=rms, ROWS=rows,
-                                        BLOCK_N=block_n, num_warps=num_warps)
-    db = None if rms else db_partial.sum(0).to(weight.dtype)
-    return dx, dw_partial.sum(0).to(weight.dtype), db
-
-
 def _rows(t):
-    """(..., N) -> contiguous (M, N); fp32 under the interpreter."""
+    """(..., N) -> contiguous (M, N); fp32 under the interpreter. None stays None."""
+    if t is None:
+        return None
     t = t.reshape(-1, t.shape[-1])
     return (t.float() if INTERPRET else t).contiguous()
 
@@ -728,50 +661,66 @@ def _stats(mean, bias):
     return mean if bias is not None else mean.new_empty(0)
 
 
+def _sum_dtype(x, residual):
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
 # The kernels as custom operators with their autograd (see flash_attention_op).
-# bias None is RMSNorm, which has no mean and no bias gradient (both empty).
+# bias None is RMSNorm: no mean, no bias gradient (both empty).
 
 @torch.library.custom_op("kernels::layer_norm", mutates_args=())
-def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-                  out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, mean, rstd) of LayerNorm (RMSNorm) over the last dim of x."""
-    y, _, mean, rstd = _ln_forward(_rows(x), None, weight, bias, eps, out_dtype)
-    return y.reshape(x.shape).to(out_dtype or x.dtype), _stats(mean, bias), rstd
+def layer_norm_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s, y, mean, rstd): y = LayerNorm(s) (RMSNorm) over the last dim, in
+    out_dtype (default: s's), of s = x + residual in their promoted dtype, like
+    torch's `+`. s is as stored for backward (fp32 under the interpreter;
+    add_layer_norm casts); without a residual s = x, returned empty."""
+    x2, res2 = _rows(x), _rows(residual)  # (M, N)
+    M, N = x2.shape
+    rms = bias is None
+    weight = weight.contiguous()
+    s = x2 if res2 is None else torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, res2.dtype))
+    y = torch.empty_like(s, dtype=None if INTERPRET else out_dtype)
+    mean, rstd = (torch.empty(M, device=x.device, dtype=torch.float32) for _ in range(2))
+    block_n, rows, num_warps = _layer_norm_config(N)
+    # stand-ins for what is unused: x2 for RES without a residual, weight for RMSNorm's B
+    _layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
+        x2, x2 if res2 is None else res2, weight, weight if rms else bias.contiguous(), y, s, mean, rstd, M, N, eps,
+        HAS_RESIDUAL=res2 is not None, RMS=rms, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+    s = x.new_empty(0) if residual is None else s.reshape(x.shape)
+    return s, y.reshape(x.shape).to(out_dtype or _sum_dtype(x, residual)), _stats(mean, bias), rstd
 
 
 @layer_norm_op.register_fake
-def _(x, weight, bias, eps, out_dtype):
-    mean, rstd = (x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32) for _ in range(2))
-    return torch.empty_like(x, dtype=out_dtype or x.dtype), _stats(mean, bias), rstd
-
-
-@torch.library.custom_op("kernels::add_layer_norm", mutates_args=())
-def add_layer_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(s, y, mean, rstd) for s = x + residual and y = LayerNorm(s) (RMSNorm),
-    s as stored for backward (fp32 under the interpreter; add_layer_norm casts)."""
-    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    y, s, mean, rstd = _ln_forward(_rows(x), _rows(residual), weight, bias, eps, out_dtype)
-    return s.reshape(x.shape), y.reshape(x.shape).to(out_dtype or sum_dtype), _stats(mean, bias), rstd
-
-
-@add_layer_norm_op.register_fake
 def _(x, residual, weight, bias, eps, out_dtype):
-    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    sum_dtype = _sum_dtype(x, residual)
+    s = x.new_empty(0) if residual is None else torch.empty_like(
+        x, dtype=torch.float32 if INTERPRET else sum_dtype)
     mean, rstd = (x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32) for _ in range(2))
-    return (torch.empty_like(x, dtype=torch.float32 if INTERPRET else sum_dtype),
-            torch.empty_like(x, dtype=out_dtype or sum_dtype), _stats(mean, bias), rstd)
+    return s, torch.empty_like(x, dtype=out_dtype or sum_dtype), _stats(mean, bias), rstd
 
 
 @torch.library.custom_op("kernels::layer_norm_backward", mutates_args=())
 def layer_norm_backward_op(dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor,
                            weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                            rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, db) at the normalized input x (see _ln_backward)."""
-    dsum2 = None if dsum is None else _rows(dsum)
-    dx, dw, db = _ln_backward(_rows(x), weight, mean, rstd, _rows(dy), dsum2, rms)
-    return dx.reshape(x.shape).to(x.dtype), dw, weight.new_empty(0) if db is None else db
+    """(dx, dw, db) at the normalized input x (s for the fused add, and dsum the
+    gradient that reached s along the residual stream); db empty for RMSNorm."""
+    x2, dy2, dsum2 = _rows(x), _rows(dy), _rows(dsum)  # (M, N)
+    M, N = x2.shape
+    dx = torch.empty_like(x2)
+    block_n, rows, num_warps = _layer_norm_config(N)
+    # enough programs to fill the GPU, few enough that the (G, N) partials stay small
+    sms = 1 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
+    programs = min(triton.cdiv(M, rows), 4 * sms)
+    dw_partial, db_partial = (torch.empty((programs, N), device=x.device, dtype=torch.float32) for _ in range(2))
+    _layer_norm_bwd_kernel[(programs,)](x2, weight, dy2, dy2 if dsum2 is None else dsum2, dx,
+                                        mean, rstd, dw_partial, db_partial, M, N,
+                                        HAS_DSUM=dsum2 is not None, RMS=rms, ROWS=rows,
+                                        BLOCK_N=block_n, num_warps=num_warps)
+    db = weight.new_empty(0) if rms else db_partial.sum(0).to(weight.dtype)
+    return dx.reshape(x.shape).to(x.dtype), dw_partial.sum(0).to(weight.dtype), db
 
 
 @layer_norm_backward_op.register_fake
@@ -780,36 +729,24 @@ def _(dy, dsum, x, weight, mean, rstd, rms):
 
 
 def _layer_norm_setup(ctx, inputs, output):
-    x, weight, bias, _, _ = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.rms = bias is None
-
-
-def _layer_norm_grad(ctx, dy, dmean, drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = layer_norm_backward_op(dy, None, x, weight, mean, rstd, ctx.rms)
-    return dx, dw, None if ctx.rms else db, None, None
-
-
-def _add_layer_norm_setup(ctx, inputs, output):
     x, residual, weight, bias, _, _ = inputs
     s, _, mean, rstd = output
-    ctx.save_for_backward(s, weight, mean, rstd)
-    ctx.rms, ctx.dtypes = bias is None, (x.dtype, residual.dtype)
+    ctx.fused_add = residual is not None
+    ctx.save_for_backward(s if ctx.fused_add else x, weight, mean, rstd)
+    ctx.rms, ctx.dtypes = bias is None, (x.dtype, residual.dtype if ctx.fused_add else None)
 
 
-def _add_layer_norm_grad(ctx, ds, dy, dmean, drstd):
-    """s feeds both the norm and the residual stream: ds_total = ds +
-    LayerNorm-backward(dy), the gradient of x and of residual alike."""
+def _layer_norm_grad(ctx, ds, dy, dmean, drstd):
+    """With the fused add, s feeds both the norm and the residual stream:
+    ds_total = ds + LayerNorm-backward(dy), the gradient of x and of residual alike."""
     s, weight, mean, rstd = ctx.saved_tensors
-    dsum, dw, db = layer_norm_backward_op(dy, ds, s, weight, mean, rstd, ctx.rms)
+    dsum, dw, db = layer_norm_backward_op(dy, ds if ctx.fused_add else None, s, weight, mean, rstd, ctx.rms)
     x_dtype, res_dtype = ctx.dtypes
-    return dsum.to(x_dtype), dsum.to(res_dtype), dw, None if ctx.rms else db, None, None
+    d_residual = dsum.to(res_dtype) if ctx.fused_add else None
+    return dsum.to(x_dtype), d_residual, dw, None if ctx.rms else db, None, None
 
 
 layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
-add_layer_norm_op.register_autograd(_add_layer_norm_grad, setup_context=_add_layer_norm_setup)
 
 
 def _check_layer_norm_inputs(x, weight, bias):
@@ -822,21 +759,21 @@ def _check_layer_norm_inputs(x, weight, bias):
                          f"kernel (max {_MAX_LN_BYTES // 4}); use layernorm_impl='torch'")
     if x.numel() == 0:
         raise UsageError("layer_norm: got an empty input tensor")
-    require_triton(x)
+    require_triton(x.device)
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, out_dtype: torch.dtype | None = None):
-    """Fused LayerNorm over the last dim of x, weight and bias (N,) (may be fp32
-    for 16-bit x). Statistics in fp32; output in out_dtype (default: x's)."""
+    """LayerNorm over the last dim of x (RMSNorm when bias is None); weight and
+    bias (N,) may be fp32 for 16-bit x. Statistics in fp32; output in out_dtype
+    (default: x's)."""
     _check_layer_norm_inputs(x, weight, bias)
-    return layer_norm_op(x, weight, bias, float(eps), out_dtype)[0]
+    return layer_norm_op(x, None, weight, bias, float(eps), out_dtype)[1]
 
 
 def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
                    out_dtype: torch.dtype | None = None):
-    """Fused residual add + LayerNorm: (s, layer_norm(s)) for s = x + residual,
-    s in their promoted dtype and layer_norm(s) in out_dtype (default: the same).
-    In a pre-LN block, `x = x + attn(ln_1(x)); h = ln_2(x)` becomes
+    """(s, layer_norm(s)) for s = x + residual in their promoted dtype, from one
+    kernel. In a pre-LN block, `x = x + attn(ln_1(x)); h = ln_2(x)` becomes
     `x, h = add_layer_norm(x, attn(ln_1(x)), ...)`: s is written once, and in
     backward the residual stream's gradient is folded into the norm's kernel."""
     if residual.shape != x.shape or residual.device != x.device:
@@ -844,8 +781,8 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5,
                          f"got {tuple(x.shape)} on {x.device} and {tuple(residual.shape)} "
                          f"on {residual.device}")
     _check_layer_norm_inputs(x, weight, bias)
-    s, y, _, _ = add_layer_norm_op(x, residual, weight, bias, float(eps), out_dtype)
-    return s.to(torch.promote_types(x.dtype, residual.dtype)), y
+    s, y, _, _ = layer_norm_op(x, residual, weight, bias, float(eps), out_dtype)
+    return s.to(_sum_dtype(x, residual)), y
 
 
 class _FusedNorm:
@@ -854,11 +791,10 @@ class _FusedNorm:
     fuses_residual_add = True  # gpt.add_and_norm checks this
 
     def forward(self, x, residual=None):
-        """x (..., N) -> norm(x); with residual, (s, norm(s)) for s = x + residual
-        from one kernel, through the module call so hooks (ZeRO-3's gathering)
-        see it. Under autocast norm(x) is written in the autocast dtype: the
-        matmul it feeds would round an fp32 output the same way, so this saves a
-        write, a read and a cast. The residual stream keeps its own dtype."""
+        """x (..., N) -> norm(x); with residual, add_layer_norm's (s, norm(s)),
+        through the module call so hooks (ZeRO-3's gathering) see it. Under
+        autocast norm(x) is written in the autocast dtype, as the matmul it feeds
+        would round it: a write, a read and a cast saved. s keeps its dtype."""
         bias = getattr(self, "bias", None)
         if residual is None:
             return layer_norm(x, self.weight, bias, self.eps, _autocast_dtype(x))
@@ -866,18 +802,16 @@ class _FusedNorm:
 
 
 class TritonLayerNorm(_FusedNorm, torch.nn.LayerNorm):
-    """Drop-in nn.LayerNorm (same parameters, state_dict keys and init) whose
-    forward runs the fused kernel; subclassing keeps isinstance checks
-    (weight-decay grouping, init) and checkpoints interchangeable with torch."""
+    """nn.LayerNorm (same parameters, state_dict keys and init; isinstance
+    checks hold) whose forward runs the fused kernel."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
-        # always affine with bias: the kernel expects both weight and bias
+        # always affine with bias: without one the kernel would compute RMSNorm
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
 
 
 class TritonRMSNorm(_FusedNorm, torch.nn.RMSNorm):
-    """Drop-in nn.RMSNorm (same parameter, state_dict key and init) whose
-    forward runs the fused kernel."""
+    """nn.RMSNorm whose forward runs the fused kernel."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
@@ -898,10 +832,10 @@ if HAS_TRITON:
     @triton.jit
     def _row_stats_kernel(Z, LABELS, MAX, SUMEXP, TARGET, V, stride_z, vocab_start,
                           BLOCK_V: tl.constexpr):
-        """Program r: row r's max m, sum(exp(z - m)) (online, rescaled as the
-        running max grows), and the target logit if this rank's vocab slice
-        holds the target (else 0)."""
-        log2e = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+        """Program r: row r's max m, sum(exp(z - m)) (an online softmax, as in
+        _attn_fwd_inner), and the target logit if this rank's vocab slice holds
+        the target (else 0)."""
+        log2e = 1.4426950408889634  # LOG2E
         r = tl.program_id(0)
         row = Z + r.to(tl.int64) * stride_z
         m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # per-lane running max
@@ -949,7 +883,7 @@ def _block_v(V: int, z) -> int:
 def loss_row_stats(z: torch.Tensor, labels: torch.Tensor, vocab_start: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max, sum(exp(z - max)), target logit or 0), fp32 (n,) each, of the rows
-    of a span of logits z (n, V_local). A custom operator, as is loss_row_grad_."""
+    of a span of logits z (n, V_local)."""
     n, V = z.shape
     stats = [torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3)]
     _row_stats_kernel[(n,)](z, labels, *stats, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))
@@ -969,64 +903,53 @@ def loss_row_grad_(z: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, wei
     _row_grad_kernel[(n,)](z, labels, lse, weight, V, z.stride(0), vocab_start, BLOCK_V=_block_v(V, z))
 
 
-@loss_row_grad_.register_fake
-def _(z, labels, lse, weight, vocab_start):
-    return None
-
-
 # ============================================================================
 # 5. The LM head and the loss, fused over spans of tokens
 #    (FusedLinearCrossEntropy: gpt.GPT.head's loss_impl "fused")
 # ============================================================================
-#
 # Why: the LM head's output is the largest activation of a GPT step. At GPT-2
 # 124M, micro-batch 8, seq 1024, the logits are 8192 x 50304 values: 1.65 GB
-# in fp32 for a stable softmax, plus as much again for their gradient and the
+# in fp32 for a stable softmax, and as much again for their gradient and the
 # softmax kept for backward. The fused loss (the idea of Liger-Kernel's fused
 # linear cross-entropy and Apple's Cut Cross-Entropy) walks the tokens in
-# spans, so the (tokens, vocab) logits never exist whole. For each span it
+# spans, so those logits never exist whole. For each span it
 #
 #   1. makes the span's logits z = h W^T             (n, V) in the matmul dtype,
 #   2. takes each row's max, sum of exp and target logit in fp32 (the log-sum-
 #      exp, lse), with one pass over z,
 #   3. overwrites z with its gradient (softmax(z) - onehot(target)) * w_i,
-#      kept in units of the largest weight so that it fits fp16 (see below),
-#   4. turns that into the input gradient dh = dz W and adds dz^T h to dW,
+#      in units of the largest weight (FusedLinearCrossEntropy says why),
+#   4. turns that into dh = dz W and adds dz^T h to dW, and frees z.
 #
-# and then frees z. The gradient can be made in forward because the loss is a
-# weighted sum of per-token losses, sum_i w_i * loss_i (w_i = loss_mask_i /
-# sum(loss_mask), or 1/N): backward only scales the stored dh and dW by the
-# incoming scalar (under --fp16, the loss scale), in fp32. No span keeps
-# logits for backward, and nothing (tokens, vocab)-sized is ever fp32.
+# The gradient can be made in forward because the loss is a weighted sum of
+# per-token losses, sum_i w_i * loss_i: backward only scales the stored dh and
+# dW by the incoming scalar, in fp32. Nothing (tokens, vocab)-sized is fp32.
 #
-# Tensor parallelism (Megatron's vocab-parallel cross-entropy): W is this
-# rank's vocab slice, so each rank sees a slice of every row. Step 2
-# all-reduces the per-row max (MAX) and the rescaled sum of exp and the target
-# logit (SUM) over the TP group, as parallel.vocab_parallel_cross_entropy
-# does; dh is then a partial sum, which the f operator in front of the head
-# all-reduces in backward.
+# Under tensor parallelism (Megatron's vocab-parallel cross-entropy) W is this
+# rank's vocab slice: step 2 merges the rows' statistics over the TP group
+# (parallel.vocab_parallel_lse), and dh is a partial sum, which the f operator
+# in front of the head all-reduces in backward.
 #
-# On CUDA the row passes of steps 2 and 3 are Triton kernels (one read of the
-# logits for the statistics, one read and one in-place write for the
-# gradient); elsewhere the same maths runs as torch ops, in place on the span.
-# loss_impl="full" (GPT.head's logits, then F.cross_entropy) is its reference.
+# On CUDA the row passes of steps 2 and 3 are section 4's kernels (one read of
+# the logits, then one read and one in-place write); elsewhere the same maths
+# runs as torch ops, in place. loss_impl="full" (logits, then F.cross_entropy)
+# is its reference.
 
 # Logits per span (tokens x local vocab), by device: larger spans make
-# slightly more efficient matmuls, smaller ones save memory. On CUDA a span
-# costs its logits alone: 2**28 is 512 MiB in bf16, 5336 tokens of a
-# 50304-row vocabulary. Elsewhere the torch row passes work on fp32 spans
-# (16-bit ones get an fp32 copy); 2**24 (64 MiB, 333 tokens) cuts the head +
-# loss peak several-fold against the full logits and runs faster (bench/RESULTS.md).
+# slightly faster matmuls, smaller ones save memory. 2**28 is 512 MiB of bf16
+# logits, 5336 tokens of a 50304-row vocabulary. On CPU the row passes work on
+# fp32 spans; 2**24 (64 MiB, 333 tokens) is faster than full logits there, at
+# a fraction of their peak memory (bench/RESULTS.md).
 SPAN_LOGITS = {"cuda": 2 ** 28, "cpu": 2 ** 24}
 
 
 def span_lse_and_grad_(z, labels, weight, vocab_start: int, need_grads: bool = True,
                         triton_kernels: bool | None = None):
-    """One span's (lse, target logit), fp32 (n,), over the full vocabulary.
-    z: the span's logits (n, V_local); labels (n,): full-vocabulary ids;
-    weight (n,) fp32: each token's weight. With need_grads, z is overwritten by
-    weight * (softmax(z) - onehot(labels)); without, z holds scratch values."""
-    # Triton on CUDA only: on CPU the interpreter is far too slow to train.
+    """One span's (lse, target logit), fp32 (n,), over the full vocabulary, of
+    its logits z (n, V_local), labels (n,) (full-vocabulary ids) and fp32 token
+    weights (n,). With need_grads, z is overwritten by weight * (softmax(z) -
+    onehot(labels)); without, by scratch values. Triton on CUDA only (the
+    interpreter is far too slow to train); tests pass triton_kernels."""
     triton_kernels = HAS_TRITON and (z.is_cuda if triton_kernels is None else triton_kernels)
     if triton_kernels:
         row_max, sum_exp, z_target = loss_row_stats(z, labels, vocab_start)
@@ -1062,8 +985,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     whether backward will run (False: the loss alone, for evaluation). Matmuls
     run in the autocast dtype when autocast is on, else in h's dtype.
 
-    The gradients are made before backward's incoming gradient (under --fp16,
-    the loss scale) is known, so they are kept in units of w_max = max_i w_i:
+    The gradients are made before the incoming gradient (under --fp16, the
+    loss scale) is known, so they are kept in units of w_max = max_i w_i:
     each logit gradient (w_i / w_max) * (softmax - onehot) lies in [-1, 1], and
     backward multiplies by grad_loss * w_max in fp32. With the weights
     themselves (1/N: 5e-4 at 2048 tokens) the fp16 gradient of a token with
@@ -1073,7 +996,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, loss_mask, need_grads):
         kind = h.device.type
-        compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+        compute_dtype = _autocast_dtype(h) or h.dtype
         need_grads = need_grads and (h.requires_grad or weight.requires_grad)
         ctx.h_shape = h.shape
         h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
@@ -1097,9 +1020,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 z = h_c[rows] @ w_c.t()                              # (n, V_local)
                 lse, z_target = span_lse_and_grad_(z, labels[rows], unit_weight[rows], vocab_start,
                                                     need_grads)       # z is now dz / w_max
-                # Not `loss +=`: under torch 2.11's compile, an autograd.Function whose returned
-                # tensor was updated in place gets all-zero gradients (2.13's does not)
-                loss = loss + (token_weight[rows] * (lse - z_target)).sum()
+                loss += (token_weight[rows] * (lse - z_target)).sum()
                 if not need_grads:  # evaluation: the loss alone
                     continue
                 torch.mm(z, w_c, out=dh[rows])                       # (n, C), partial under TP

@@ -189,7 +189,7 @@ def layer_norm_bytes(impl: str, kind: str, M: int, N: int, device: str = "cuda")
     total = 3 * act + 8 * M
     if impl == "ours":
         block_n, rows, _ = kernels._layer_norm_config(N)
-        programs = min(-(-M // rows), 4 * sm_count(device))  # as kernels._ln_backward
+        programs = min(-(-M // rows), 4 * sm_count(device))  # as kernels.layer_norm_backward_op
         total += 2 * (2 * programs * N * 4)           # dW, dB partials: written, then read
     return total
 
