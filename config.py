@@ -501,6 +501,18 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     Face's placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed
     as they are (zero.deepspeed_config), kept in cfg.deepspeed_json."""
     user = read_deepspeed_json(cfg.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        if key in user:
+            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
+                             f"train.py passes its own AdamW and learning-rate schedule "
+                             f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
+    writer = (user.get("checkpoint") or {}).get("writer") or {}
+    # As DeepSpeed reads the two: a truthy "decoupled", any "datastates_ckpt" section but false
+    if cfg.save and (writer.get("decoupled") or user.get("datastates_ckpt", False) is not False):
+        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
+                         f"(checkpoint.writer.decoupled, datastates_ckpt) returns before the files are on "
+                         f"disk, and train.py would point `latest` at a checkpoint still being "
+                         f"written; remove it (saves are written synchronously, then published)")
     precision_given = bool({"bf16", "fp16"} & given)  # then both bf16 and fp16 are decided
     updates = {}
     for path, (name, convert) in DEEPSPEED_JSON_FLAGS.items():
@@ -541,17 +553,26 @@ def json_value(cfg: TrainConfig, key: str, convert, raw):
 
 def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
     """The global batch (micro batch x data-parallel size x accumulation steps)
-    of a --deepspeed_config's gradient_accumulation_steps, if nothing set it."""
-    if not cfg.deepspeed_config or cfg.global_batch_size is not None:
+    of a --deepspeed_config's gradient_accumulation_steps, if nothing set it;
+    else the steps must agree with it."""
+    if not cfg.deepspeed_config:
         return cfg
-    steps = json_value(cfg, "gradient_accumulation_steps", whole_number,
-                       cfg.deepspeed_json.get("gradient_accumulation_steps"))
+    raw = cfg.deepspeed_json.get("gradient_accumulation_steps")
+    steps = json_value(cfg, "gradient_accumulation_steps", whole_number, raw)
     if steps is None:
         return cfg
     if steps < 1:
         raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: gradient_accumulation_steps: {steps} "
                          f"is less than 1")
-    return dataclasses.replace(cfg, global_batch_size=cfg.micro_batch_size * dp_size * steps)
+    per_step = cfg.micro_batch_size * dp_size
+    if cfg.global_batch_size is None:
+        return dataclasses.replace(cfg, global_batch_size=per_step * steps)
+    if cfg.global_batch_size % per_step == 0 and cfg.global_batch_size != per_step * steps:
+        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: gradient_accumulation_steps={raw} "
+                         f"contradicts the batch flags (--micro-batch-size x data-parallel size x accumulation "
+                         f"= --global-batch-size gives {cfg.global_batch_size // per_step}); make them agree "
+                         f"or drop the key")
+    return cfg
 
 
 # ----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import launch
 import parallel
 import pipeline
 from launch import UsageError, say
-from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config, whole_number
+from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
@@ -105,13 +105,11 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
         "bf16": {"enabled": cfg.bf16},
         "fp16": fp16,
     }
-    user = {}
-    if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)
-        user = cfg.deepspeed_json
-        check_deepspeed_config(user, ours, cfg)
+    # a --deepspeed_config's values that flags also set are in cfg already, checked (config.py)
+    user = cfg.deepspeed_json or {}
     config = {**user, **ours}
     # DeepSpeed counts each sample once per rank it averages over (the mpu's DP x CP ranks),
-    # so its train_batch_size is cp times the global batch a user writes (checked above)
+    # so its train_batch_size is cp times the global batch a user writes
     config["train_batch_size"] = ours["train_batch_size"] * cfg.context_parallel_size
     zero = dict(user.get("zero_optimization", {}))
     zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
@@ -154,28 +152,6 @@ def check_as_deepspeed_reads(cfg: TrainConfig, config: dict) -> None:
             key = ".".join(map(str, (section, *error["loc"])))
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={error['input']!r}: DeepSpeed "
                              f"refuses it ({error['msg']})") from None
-
-
-def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
-    """What config.fill_from_deepspeed_json could not settle: sections train.py
-    owns, and the batch split, which depends on the data-parallel size."""
-    for key in ("optimizer", "scheduler"):
-        if key in user:
-            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
-                             f"train.py passes its own AdamW and learning-rate schedule "
-                             f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
-    writer = (user.get("checkpoint") or {}).get("writer") or {}
-    # As DeepSpeed reads the two: a truthy "decoupled", any "datastates_ckpt" section but false
-    if cfg.save and (writer.get("decoupled") or user.get("datastates_ckpt", False) is not False):
-        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
-                         f"(checkpoint.writer.decoupled, datastates_ckpt) returns before the files are on "
-                         f"disk, and train.py would point `latest` at a checkpoint still being "
-                         f"written; remove it (saves are written synchronously, then published)")
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        if json_value(cfg, key, whole_number, user.get(key)) not in (None, ours[key]):
-            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
-                             f"the batch flags (--micro-batch-size x data-parallel size x accumulation "
-                             f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")
 
 
 def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT:
