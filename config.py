@@ -159,17 +159,15 @@ class TrainConfig:
     initial_loss_scale: float = flag(2.0 ** 16, "first loss scale under --fp16")
     hysteresis: int | None = flag(None, "--fp16: the non-finite steps since the scale last grew that halve it "
                                         "(default 1; under --deepspeed DeepSpeed's, 2)")
-    loss_scale_window: int | None = flag(None, "--fp16: the finite steps in a row that double the loss scale "
-                                               "(default 2000; under --deepspeed DeepSpeed's, 1000)",
-                                         type=whole_number)
+    loss_scale_window: int | None = flag(None, "--fp16: the finite steps in a row that double the loss scale (default "
+                                               "2000; under --deepspeed DeepSpeed's, 1000)", type=whole_number)
     min_loss_scale: float | None = flag(None, "--fp16: the loss scale never halves below this (default: no "
                                               "floor; under --deepspeed DeepSpeed's, 1)")
     compile: bool = flag(False, "torch.compile the model (the whole step: no graph break at any layout)")
     compile_backend: str = flag("inductor", "torch.compile's backend: inductor, or aot_eager (the same graphs, "
                                             "run op by op: tells a compiler difference from a tracing one)")
-    compile_mode: str = flag("default", "torch.compile's mode: default | reduce-overhead (the step replayed as "
-                                        "CUDA graphs; fixed shapes, GPU only) | max-autotune | "
-                                        "max-autotune-no-cudagraphs")
+    compile_mode: str = flag("default", "torch.compile's mode: default | reduce-overhead (the step replayed as CUDA "
+                                        "graphs; fixed shapes, GPU only) | max-autotune | max-autotune-no-cudagraphs")
     # data
     data_path: list[str] = flag(["data/shakespeare_text_document"], "PREFIX, or a weighted blend: W1 PREFIX1 "
                                                                    "W2 PREFIX2 ...", nargs="+")
