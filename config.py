@@ -35,9 +35,8 @@ def flag(default, help: str, tools=(TRAIN,), **argparse_kwargs):
 
 
 def whole_number(value) -> int:
-    """A count given as text or as a JSON number: 1000, "1e3" or 1000.0 (Megatron
-    declares --loss-scale-window a float, and a recipe may write it so) is 1000;
-    1000.5, true or "many" is an error."""
+    """A count as text or a JSON number: 1000, "1e3" or 1000.0 (Megatron's
+    --loss-scale-window is a float) is 1000; 1000.5, true or "many" an error."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -47,17 +46,14 @@ def whole_number(value) -> int:
     return int(number)
 
 
-# How DeepSpeed's config (pydantic) reads a JSON switch, any case: bool("false") is True.
 SWITCH_WORDS = {**dict.fromkeys(("true", "t", "yes", "y", "on", "1"), True),
                 **dict.fromkeys(("false", "f", "no", "n", "off", "0"), False)}
 
 
 def json_switch(value) -> bool:
-    """A DeepSpeed JSON switch as DeepSpeed reads it: true, 1 or "true", "yes",
-    "on" ... is True; false, 0 or "false", "no", "off" ... is False; else an error."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
+    """A DeepSpeed JSON switch as DeepSpeed (pydantic) reads it, where bool("false")
+    would be True: true, 1, "true", "yes", "on" ... or false, 0, "false", "off" ... (any case)."""
+    if isinstance(value, (bool, int, float)) and value in (0, 1):
         return bool(value)
     if isinstance(value, str) and value.lower() in SWITCH_WORDS:
         return SWITCH_WORDS[value.lower()]
@@ -380,7 +376,7 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     """Megatron-style flags (and a --deepspeed_config JSON) -> a checked
     TrainConfig, for train.py or evaluate.py (`tool`)."""
     given = vars(build_parser(tool, usage).parse_args(argv))
-    switches = take_field_less_flags(given, tool)
+    take_field_less_flags(given, tool)
     tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig) if f.metadata}
     others = sorted(name for name in given if tool not in tools[name])
     if others and tool == TRAIN:
@@ -394,7 +390,6 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     if cfg.deepspeed_config:
         cfg = fill_from_deepspeed_json(cfg, set(given))
     check_common(cfg)
-    check_layout_switches(cfg, switches)
     if tool == TRAIN:
         check_training(cfg, set(given))
     elif cfg.pipeline_model_parallel_size != 1:
@@ -408,13 +403,13 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
 LAYOUT_SWITCHES = ("--no-position-embedding", "--use-rotary-position-embeddings", "--no-pipeline-parallel")
 
 
-def take_field_less_flags(given: dict, tool: str) -> set[str]:
+def take_field_less_flags(given: dict, tool: str) -> None:
     """Take out of `given` the flags that fill no TrainConfig field: the
     deepspeed launcher's --local_rank (we read torchrun's LOCAL_RANK), the
     TensorBoard switches, the no-effect ones (named in one line), the refused
-    --use-distributed-optimizer, and LAYOUT_SWITCHES, returned for
-    check_layout_switches. Megatron-DeepSpeed's --num-key-value-heads N is
-    grouped-query attention, and its rotary switch is rope."""
+    --use-distributed-optimizer, and LAYOUT_SWITCHES (an error where they do
+    not hold). Megatron-DeepSpeed's --num-key-value-heads N is grouped-query
+    attention, and its rotary switch is rope."""
     for launcher_only in ("local_rank", "tensorboard_switch"):
         given.pop(launcher_only, None)
     if given.pop("use_distributed_optimizer", False):
@@ -432,17 +427,13 @@ def take_field_less_flags(given: dict, tool: str) -> set[str]:
                              "positions unless --no-position-embedding; here rope has no learned positions: "
                              "add --no-position-embedding (the same model) or drop the flag")
         given["position_embedding_type"] = "rope"
-    return switches
-
-
-def check_layout_switches(cfg: TrainConfig, switches: set[str]) -> None:
-    """LAYOUT_SWITCHES given where they hold (else one line), and change nothing more."""
-    if "--no-position-embedding" in switches and position_embedding_type(cfg) != "rope":
+    if "--no-position-embedding" in switches and \
+            position_embedding_type(given.get("preset"), given.get("position_embedding_type")) != "rope":
         raise UsageError("--no-position-embedding: a model without positions is not built here; with "
                          "--position-embedding-type rope it has no learned positions (and the flag no effect)")
-    if "--no-pipeline-parallel" in switches and cfg.pipeline_model_parallel_size != 1:
-        raise UsageError(f"--no-pipeline-parallel with --pipeline-model-parallel-size "
-                         f"{cfg.pipeline_model_parallel_size}: give one of them")
+    pp = given.get("pipeline_model_parallel_size", 1)
+    if "--no-pipeline-parallel" in switches and pp != 1:
+        raise UsageError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {pp}: give one of them")
 
 
 # ----------------------------------------------------------------------------
@@ -627,14 +618,13 @@ def check_common(cfg: TrainConfig) -> None:
     if cfg.group_query_attention and cfg.num_query_groups is None:
         raise UsageError("--group-query-attention needs --num-query-groups G (the key/value heads)")
     rope_flags = cfg.rotary_base is not None or cfg.rotary_percent is not None
-    if rope_flags and position_embedding_type(cfg) != "rope":
+    if rope_flags and position_embedding_type(cfg.preset, cfg.position_embedding_type) != "rope":
         raise UsageError("--rotary-base/--rotary-percent need --position-embedding-type rope")
 
 
-def position_embedding_type(cfg: TrainConfig) -> str:
+def position_embedding_type(preset: str | None, flag: str | None) -> str:
     """The run's positions: the flag's, else the preset's (GPT-2's learned ones by default)."""
-    preset = GPTConfig.from_preset(cfg.preset) if cfg.preset else GPTConfig()
-    return cfg.position_embedding_type or preset.position_embedding_type
+    return flag or (GPTConfig.from_preset(preset) if preset else GPTConfig()).position_embedding_type
 
 
 def check_training(cfg: TrainConfig, given: set[str]) -> None:
