@@ -341,8 +341,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser(tool: str, usage: str) -> argparse.ArgumentParser:
     """One flag per TrainConfig field (`--foo-bar` fills `foo_bar`), plus the
     aliases; the other tool's flags are hidden from --help. Every default is
-    SUPPRESS, so the namespace holds exactly the flags on the command line
-    (a --deepspeed_config JSON may fill the others)."""
+    SUPPRESS: the namespace holds exactly the flags on the command line."""
     # allow_abbrev=False, as in Megatron: --recompute must not mean --recompute-activations.
     p = ArgumentParser(prog=tool, description=usage, allow_abbrev=False, argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -486,9 +485,9 @@ def read_deepspeed_json(path: str) -> dict:
 
 def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     """A JSON value fills its flag where the command line left it unset; a
-    flag given must agree with it (else an error names both). "auto" (Hugging
-    Face's placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed
-    as they are (zero.deepspeed_config), kept in cfg.deepspeed_json."""
+    flag given must agree with it ("auto", Hugging Face's placeholder, is
+    unset). The JSON is kept in cfg.deepspeed_json for zero.deepspeed_config.
+    Sections train.py owns are refused."""
     user = read_deepspeed_json(cfg.deepspeed_config)
     for key in ("optimizer", "scheduler"):
         if key in user:
@@ -568,18 +567,16 @@ def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
 # 4. Checks
 # ----------------------------------------------------------------------------
 
-# The number flags: argparse's float() takes nan and inf, which a range check
-# (x < 0) lets through and which fail deep in torch (--lr nan) or silently turn
-# a feature off (--clip-grad nan: no clipping). The loss scale's two are
-# checked with --fp16 alone (validate_loss_scale), as Megatron ignores them without it.
+# The float flags: argparse takes nan and inf, which a range check lets through and which
+# fail deep in torch (--lr nan) or silently turn a feature off (--clip-grad nan: no clipping).
+# The loss scale's two are checked with --fp16 alone (validate_loss_scale), as in Megatron.
 FINITE = [f.name for f in dataclasses.fields(TrainConfig)
           if f.type.startswith("float") and f.name not in ("initial_loss_scale", "min_loss_scale")]
 
 
-# What a number's meaning allows, as [low, high) (None: no bound): outside it a run
-# fails deep in torch (AdamW's --adam-beta1 1.5) or silently does something else
-# (a negative --clip-grad flips every gradient, a negative --weight-decay grows them).
-# A count's least is 0 where 0 means "never" (or "none").
+# What a number's meaning allows, as [low, high) (None: no bound): outside it a run fails deep
+# in torch (--adam-beta1 1.5) or silently does something else (a negative --clip-grad flips
+# every gradient). A count's least is 0 where 0 means "never" (or "none").
 RANGES = {**dict.fromkeys(("micro_batch_size", "seq_length", "log_interval", "train_iters", "train_samples",
                            "train_tokens", "global_batch_size", "lr_decay_iters", "lr_decay_samples",
                            "lr_decay_tokens", "hysteresis", "loss_scale_window", "context_parallel_size"),
@@ -736,15 +733,14 @@ def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
     if cfg.lr_warmup_fraction is not None and not 0 <= cfg.lr_warmup_fraction <= 1:
         raise UsageError(f"--lr-warmup-fraction {cfg.lr_warmup_fraction} must lie in [0, 1]")
     if cfg.rampup_batch_size:
-        start, increment, _ = cfg.rampup_batch_size
+        start, increment, samples = cfg.rampup_batch_size
         final = cfg.global_batch_size
         if final is None or not 0 < start <= final or increment <= 0 or (final - start) % increment:
             raise UsageError(f"--rampup-batch-size {start} {increment} ...: needs --global-batch-size "
-                             f"G with 0 < START <= G and G - START a multiple of INCREMENT "
-                             f"(got G={final})")
-        if cfg.rampup_batch_size[2] <= 0:
-            raise UsageError(f"--rampup-batch-size {start} {increment} {cfg.rampup_batch_size[2]}: the "
-                             f"ramp's samples must be more than 0")
+                             f"G with 0 < START <= G and G - START a multiple of INCREMENT (got G={final})")
+        if samples <= 0:
+            raise UsageError(f"--rampup-batch-size {start} {increment} {samples}: the ramp's samples must be "
+                             f"more than 0")
 
 
 def validate_sequence_parallel(cfg: TrainConfig) -> None:
@@ -867,9 +863,7 @@ def validate_deepspeed(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--export-format {cfg.export_format!r}: use plain or hf")
     if cfg.ckpt_format not in ("torch", "torch_dist"):
         raise UsageError(f"--ckpt-format {cfg.ckpt_format!r}: use torch or torch_dist")
-    # --deepspeed writes DeepSpeed's own checkpoints whatever --ckpt-format says, so its default
-    # (torch_dist) is no conflict; only torch_dist asked for by name is (torch, the old default, is kept
-    # for the scripts that spelled it out).
+    # --deepspeed writes DeepSpeed's own checkpoints whatever --ckpt-format's default: only torch_dist by name conflicts
     if cfg.deepspeed and "ckpt_format" in given and cfg.ckpt_format == "torch_dist":
         raise UsageError("--ckpt-format torch_dist is for plain runs: --deepspeed writes DeepSpeed's own "
                          "checkpoints (each rank its own files already); drop one of them")
@@ -900,10 +894,8 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                      activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl,
                      sequence_parallel=cfg.sequence_parallel, cp_comm_type=cfg.cp_comm_type)
-    # Under --compile, torch's kernels: Inductor launches them from its own code, where
-    # each call of our Triton kernels (custom ops) costs 0.25-0.4 ms of host time, which
-    # a compiled step cannot hide (bench/RESULTS.md, H200 2026-11-27: 350M 174k tokens/s
-    # with torch's kernels, 160k with ours; 124M 507k and 500k).
+    # Under --compile, torch's kernels: each call of our Triton kernels (custom ops) costs
+    # 0.25-0.4 ms of host time that a compiled step cannot hide (bench/RESULTS.md, 2026-11-27).
     cuda = device is not None and device.type == "cuda"
     default_impl = "triton" if cuda and not cfg.compile else "torch"
     overrides["attention_impl"] = cfg.attention_impl or default_impl
@@ -926,12 +918,11 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
 
 
 def check_fits(cfg: TrainConfig, mcfg: GPTConfig) -> None:
-    """One line naming the flag whose model cannot be built here at all: the
-    largest single allocation it asks for, in fp32, above this machine's
-    memory, where the allocator's error (or the kernel's OOM kill) would come
-    instead. GPT builds each piece whole on the host before a rank keeps its
-    slice, and one micro-batch's widest activation lives on one device, so no
-    layout makes either smaller."""
+    """One line naming the flag whose model cannot be built here at all (not the
+    allocator's error or an OOM kill): its largest single allocation, in fp32,
+    above this machine's memory. No layout makes it smaller: GPT builds each
+    piece whole before a rank keeps its slice, and one micro-batch's widest
+    activation lives on one device."""
     H, B, T = mcfg.hidden_size, cfg.micro_batch_size, cfg.seq_length
     width = max(3 * H, mcfg.ffn_hidden_size * (2 if mcfg.swiglu else 1))  # qkv's output, or the MLP's
     positions = mcfg.max_position_embeddings if mcfg.position_embedding_type == "learned_absolute" else 0
