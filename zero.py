@@ -214,8 +214,7 @@ class DeepSpeedTraining:
         ds = import_deepspeed(env.device)
         check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
         ds.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")
-        # The mpu hands ZeRO our groups, at any tp: without it DeepSpeed clones the
-        # world with new_group, which drops --distributed-timeout-minutes.
+        # Our groups, at any tp: else DeepSpeed clones the world, dropping --distributed-timeout-minutes.
         mpu = DeepSpeedMPU()
         config = deepspeed_config(cfg, parallel.layout.dp_size, accum)
         stage = config["zero_optimization"]["stage"]
@@ -271,10 +270,9 @@ class DeepSpeedTraining:
             self.engine.set_gradient_accumulation_boundary(False)
 
     def micro_batch(self, last: bool):
-        """Before a micro-batch's forward: DeepSpeed averages the gradients over
-        the data-parallel group, and steps, at the boundary it is told, the last
-        micro-batch. The batch may change between steps (--rampup-batch-size), so
-        the boundary is said rather than counted from the start of the run."""
+        """Before a micro-batch's forward: DeepSpeed averages the gradients, and
+        steps, at the boundary it is told, the last micro-batch (said, not
+        counted from the run's start: --rampup-batch-size changes the batch)."""
         self.engine.set_gradient_accumulation_boundary(last)
         return nullcontext()
 
