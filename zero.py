@@ -108,7 +108,7 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     user = cfg.deepspeed_json or {}
     config = {**user, **ours}
     zero = dict(user.get("zero_optimization", {}))
-    zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
+    zero["stage"] = 1 if cfg.zero_stage is None else cfg.zero_stage  # the JSON's stage is in cfg (config.py)
     if cfg.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     # unset (None): DeepSpeed's default, on at ZeRO-3 only, and stages take ZeRO 0 or 1
