@@ -35,9 +35,8 @@ def flag(default, help: str, tools=(TRAIN,), **argparse_kwargs):
 
 
 def whole_number(value) -> int:
-    """A count given as text or as a JSON number: 1000, "1e3" or 1000.0 (Megatron
-    declares --loss-scale-window a float, and a recipe may write it so) is 1000;
-    1000.5, true or "many" is an error."""
+    """A count as text or a JSON number: 1000, "1e3" or 1000.0 (Megatron's
+    --loss-scale-window is a float) is 1000; 1000.5, true or "many" an error."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -47,17 +46,14 @@ def whole_number(value) -> int:
     return int(number)
 
 
-# How DeepSpeed's config (pydantic) reads a JSON switch, any case: bool("false") is True.
 SWITCH_WORDS = {**dict.fromkeys(("true", "t", "yes", "y", "on", "1"), True),
                 **dict.fromkeys(("false", "f", "no", "n", "off", "0"), False)}
 
 
 def json_switch(value) -> bool:
-    """A DeepSpeed JSON switch as DeepSpeed reads it: true, 1 or "true", "yes",
-    "on" ... is True; false, 0 or "false", "no", "off" ... is False; else an error."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
+    """A DeepSpeed JSON switch as DeepSpeed (pydantic) reads it, where bool("false")
+    would be True: true, 1, "true", "yes", "on" ... or false, 0, "false", "off" ... (any case)."""
+    if isinstance(value, (bool, int, float)) and value in (0, 1):
         return bool(value)
     if isinstance(value, str) and value.lower() in SWITCH_WORDS:
         return SWITCH_WORDS[value.lower()]
@@ -159,17 +155,15 @@ class TrainConfig:
     initial_loss_scale: float = flag(2.0 ** 16, "first loss scale under --fp16")
     hysteresis: int | None = flag(None, "--fp16: the non-finite steps since the scale last grew that halve it "
                                         "(default 1; under --deepspeed DeepSpeed's, 2)")
-    loss_scale_window: int | None = flag(None, "--fp16: the finite steps in a row that double the loss scale "
-                                               "(default 2000; under --deepspeed DeepSpeed's, 1000)",
-                                         type=whole_number)
+    loss_scale_window: int | None = flag(None, "--fp16: the finite steps in a row that double the loss scale (default "
+                                               "2000; under --deepspeed DeepSpeed's, 1000)", type=whole_number)
     min_loss_scale: float | None = flag(None, "--fp16: the loss scale never halves below this (default: no "
                                               "floor; under --deepspeed DeepSpeed's, 1)")
     compile: bool = flag(False, "torch.compile the model (the whole step: no graph break at any layout)")
     compile_backend: str = flag("inductor", "torch.compile's backend: inductor, or aot_eager (the same graphs, "
                                             "run op by op: tells a compiler difference from a tracing one)")
-    compile_mode: str = flag("default", "torch.compile's mode: default | reduce-overhead (the step replayed as "
-                                        "CUDA graphs; fixed shapes, GPU only) | max-autotune | "
-                                        "max-autotune-no-cudagraphs")
+    compile_mode: str = flag("default", "torch.compile's mode: default | reduce-overhead (the step replayed as CUDA "
+                                        "graphs; fixed shapes, GPU only) | max-autotune | max-autotune-no-cudagraphs")
     # data
     data_path: list[str] = flag(["data/shakespeare_text_document"], "PREFIX, or a weighted blend: W1 PREFIX1 "
                                                                    "W2 PREFIX2 ...", nargs="+")
@@ -347,8 +341,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser(tool: str, usage: str) -> argparse.ArgumentParser:
     """One flag per TrainConfig field (`--foo-bar` fills `foo_bar`), plus the
     aliases; the other tool's flags are hidden from --help. Every default is
-    SUPPRESS, so the namespace holds exactly the flags on the command line
-    (a --deepspeed_config JSON may fill the others)."""
+    SUPPRESS: the namespace holds exactly the flags on the command line."""
     # allow_abbrev=False, as in Megatron: --recompute must not mean --recompute-activations.
     p = ArgumentParser(prog=tool, description=usage, allow_abbrev=False, argument_default=argparse.SUPPRESS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -382,7 +375,7 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     """Megatron-style flags (and a --deepspeed_config JSON) -> a checked
     TrainConfig, for train.py or evaluate.py (`tool`)."""
     given = vars(build_parser(tool, usage).parse_args(argv))
-    switches = take_field_less_flags(given, tool)
+    take_field_less_flags(given, tool)
     tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig) if f.metadata}
     others = sorted(name for name in given if tool not in tools[name])
     if others and tool == TRAIN:
@@ -396,7 +389,6 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     if cfg.deepspeed_config:
         cfg = fill_from_deepspeed_json(cfg, set(given))
     check_common(cfg)
-    check_layout_switches(cfg, switches)
     if tool == TRAIN:
         check_training(cfg, set(given))
     elif cfg.pipeline_model_parallel_size != 1:
@@ -410,13 +402,13 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
 LAYOUT_SWITCHES = ("--no-position-embedding", "--use-rotary-position-embeddings", "--no-pipeline-parallel")
 
 
-def take_field_less_flags(given: dict, tool: str) -> set[str]:
+def take_field_less_flags(given: dict, tool: str) -> None:
     """Take out of `given` the flags that fill no TrainConfig field: the
     deepspeed launcher's --local_rank (we read torchrun's LOCAL_RANK), the
     TensorBoard switches, the no-effect ones (named in one line), the refused
-    --use-distributed-optimizer, and LAYOUT_SWITCHES, returned for
-    check_layout_switches. Megatron-DeepSpeed's --num-key-value-heads N is
-    grouped-query attention, and its rotary switch is rope."""
+    --use-distributed-optimizer, and LAYOUT_SWITCHES (an error where they do
+    not hold). Megatron-DeepSpeed's --num-key-value-heads N is grouped-query
+    attention, and its rotary switch is rope."""
     for launcher_only in ("local_rank", "tensorboard_switch"):
         given.pop(launcher_only, None)
     if given.pop("use_distributed_optimizer", False):
@@ -434,17 +426,13 @@ def take_field_less_flags(given: dict, tool: str) -> set[str]:
                              "positions unless --no-position-embedding; here rope has no learned positions: "
                              "add --no-position-embedding (the same model) or drop the flag")
         given["position_embedding_type"] = "rope"
-    return switches
-
-
-def check_layout_switches(cfg: TrainConfig, switches: set[str]) -> None:
-    """LAYOUT_SWITCHES given where they hold (else one line), and change nothing more."""
-    if "--no-position-embedding" in switches and position_embedding_type(cfg) != "rope":
+    if "--no-position-embedding" in switches and \
+            position_embedding_type(given.get("preset"), given.get("position_embedding_type")) != "rope":
         raise UsageError("--no-position-embedding: a model without positions is not built here; with "
                          "--position-embedding-type rope it has no learned positions (and the flag no effect)")
-    if "--no-pipeline-parallel" in switches and cfg.pipeline_model_parallel_size != 1:
-        raise UsageError(f"--no-pipeline-parallel with --pipeline-model-parallel-size "
-                         f"{cfg.pipeline_model_parallel_size}: give one of them")
+    pp = given.get("pipeline_model_parallel_size", 1)
+    if "--no-pipeline-parallel" in switches and pp != 1:
+        raise UsageError(f"--no-pipeline-parallel with --pipeline-model-parallel-size {pp}: give one of them")
 
 
 # ----------------------------------------------------------------------------
@@ -497,10 +485,22 @@ def read_deepspeed_json(path: str) -> dict:
 
 def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     """A JSON value fills its flag where the command line left it unset; a
-    flag given must agree with it (else an error names both). "auto" (Hugging
-    Face's placeholder) counts as unset. DeepSpeed-only keys go to DeepSpeed
-    as they are (zero.deepspeed_config), kept in cfg.deepspeed_json."""
+    flag given must agree with it ("auto", Hugging Face's placeholder, is
+    unset). The JSON is kept in cfg.deepspeed_json for zero.deepspeed_config.
+    Sections train.py owns are refused."""
     user = read_deepspeed_json(cfg.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        if key in user:
+            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
+                             f"train.py passes its own AdamW and learning-rate schedule "
+                             f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
+    writer = (user.get("checkpoint") or {}).get("writer") or {}
+    # As DeepSpeed reads the two: a truthy "decoupled", any "datastates_ckpt" section but false
+    if cfg.save and (writer.get("decoupled") or user.get("datastates_ckpt", False) is not False):
+        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
+                         f"(checkpoint.writer.decoupled, datastates_ckpt) returns before the files are on "
+                         f"disk, and train.py would point `latest` at a checkpoint still being "
+                         f"written; remove it (saves are written synchronously, then published)")
     precision_given = bool({"bf16", "fp16"} & given)  # then both bf16 and fp16 are decided
     updates = {}
     for path, (name, convert) in DEEPSPEED_JSON_FLAGS.items():
@@ -541,35 +541,42 @@ def json_value(cfg: TrainConfig, key: str, convert, raw):
 
 def batch_from_deepspeed_json(cfg: TrainConfig, dp_size: int) -> TrainConfig:
     """The global batch (micro batch x data-parallel size x accumulation steps)
-    of a --deepspeed_config's gradient_accumulation_steps, if nothing set it."""
-    if not cfg.deepspeed_config or cfg.global_batch_size is not None:
+    of a --deepspeed_config's gradient_accumulation_steps, if nothing set it;
+    else the steps must agree with it."""
+    if not cfg.deepspeed_config:
         return cfg
-    steps = json_value(cfg, "gradient_accumulation_steps", whole_number,
-                       cfg.deepspeed_json.get("gradient_accumulation_steps"))
+    raw = cfg.deepspeed_json.get("gradient_accumulation_steps")
+    steps = json_value(cfg, "gradient_accumulation_steps", whole_number, raw)
     if steps is None:
         return cfg
     if steps < 1:
         raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: gradient_accumulation_steps: {steps} "
                          f"is less than 1")
-    return dataclasses.replace(cfg, global_batch_size=cfg.micro_batch_size * dp_size * steps)
+    per_step = cfg.micro_batch_size * dp_size
+    if cfg.global_batch_size is None:
+        return dataclasses.replace(cfg, global_batch_size=per_step * steps)
+    if cfg.global_batch_size % per_step == 0 and cfg.global_batch_size != per_step * steps:
+        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: gradient_accumulation_steps={raw} "
+                         f"contradicts the batch flags (--micro-batch-size x data-parallel size x accumulation "
+                         f"= --global-batch-size gives {cfg.global_batch_size // per_step}); make them agree "
+                         f"or drop the key")
+    return cfg
 
 
 # ----------------------------------------------------------------------------
 # 4. Checks
 # ----------------------------------------------------------------------------
 
-# The number flags: argparse's float() takes nan and inf, which a range check
-# (x < 0) lets through and which fail deep in torch (--lr nan) or silently turn
-# a feature off (--clip-grad nan: no clipping). The loss scale's two are
-# checked with --fp16 alone (validate_loss_scale), as Megatron ignores them without it.
+# The float flags: argparse takes nan and inf, which a range check lets through and which
+# fail deep in torch (--lr nan) or silently turn a feature off (--clip-grad nan: no clipping).
+# The loss scale's two are checked with --fp16 alone (validate_loss_scale), as in Megatron.
 FINITE = [f.name for f in dataclasses.fields(TrainConfig)
           if f.type.startswith("float") and f.name not in ("initial_loss_scale", "min_loss_scale")]
 
 
-# What a number's meaning allows, as [low, high) (None: no bound): outside it a run
-# fails deep in torch (AdamW's --adam-beta1 1.5) or silently does something else
-# (a negative --clip-grad flips every gradient, a negative --weight-decay grows them).
-# A count's least is 0 where 0 means "never" (or "none").
+# What a number's meaning allows, as [low, high) (None: no bound): outside it a run fails deep
+# in torch (--adam-beta1 1.5) or silently does something else (a negative --clip-grad flips
+# every gradient). A count's least is 0 where 0 means "never" (or "none").
 RANGES = {**dict.fromkeys(("micro_batch_size", "seq_length", "log_interval", "train_iters", "train_samples",
                            "train_tokens", "global_batch_size", "lr_decay_iters", "lr_decay_samples",
                            "lr_decay_tokens", "hysteresis", "loss_scale_window", "context_parallel_size"),
@@ -608,14 +615,13 @@ def check_common(cfg: TrainConfig) -> None:
     if cfg.group_query_attention and cfg.num_query_groups is None:
         raise UsageError("--group-query-attention needs --num-query-groups G (the key/value heads)")
     rope_flags = cfg.rotary_base is not None or cfg.rotary_percent is not None
-    if rope_flags and position_embedding_type(cfg) != "rope":
+    if rope_flags and position_embedding_type(cfg.preset, cfg.position_embedding_type) != "rope":
         raise UsageError("--rotary-base/--rotary-percent need --position-embedding-type rope")
 
 
-def position_embedding_type(cfg: TrainConfig) -> str:
+def position_embedding_type(preset: str | None, flag: str | None) -> str:
     """The run's positions: the flag's, else the preset's (GPT-2's learned ones by default)."""
-    preset = GPTConfig.from_preset(cfg.preset) if cfg.preset else GPTConfig()
-    return cfg.position_embedding_type or preset.position_embedding_type
+    return flag or (GPTConfig.from_preset(preset) if preset else GPTConfig()).position_embedding_type
 
 
 def check_training(cfg: TrainConfig, given: set[str]) -> None:
@@ -727,15 +733,14 @@ def validate_schedule(cfg: TrainConfig, given: set[str]) -> None:
     if cfg.lr_warmup_fraction is not None and not 0 <= cfg.lr_warmup_fraction <= 1:
         raise UsageError(f"--lr-warmup-fraction {cfg.lr_warmup_fraction} must lie in [0, 1]")
     if cfg.rampup_batch_size:
-        start, increment, _ = cfg.rampup_batch_size
+        start, increment, samples = cfg.rampup_batch_size
         final = cfg.global_batch_size
         if final is None or not 0 < start <= final or increment <= 0 or (final - start) % increment:
             raise UsageError(f"--rampup-batch-size {start} {increment} ...: needs --global-batch-size "
-                             f"G with 0 < START <= G and G - START a multiple of INCREMENT "
-                             f"(got G={final})")
-        if cfg.rampup_batch_size[2] <= 0:
-            raise UsageError(f"--rampup-batch-size {start} {increment} {cfg.rampup_batch_size[2]}: the "
-                             f"ramp's samples must be more than 0")
+                             f"G with 0 < START <= G and G - START a multiple of INCREMENT (got G={final})")
+        if samples <= 0:
+            raise UsageError(f"--rampup-batch-size {start} {increment} {samples}: the ramp's samples must be "
+                             f"more than 0")
 
 
 def validate_sequence_parallel(cfg: TrainConfig) -> None:
@@ -858,9 +863,7 @@ def validate_deepspeed(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--export-format {cfg.export_format!r}: use plain or hf")
     if cfg.ckpt_format not in ("torch", "torch_dist"):
         raise UsageError(f"--ckpt-format {cfg.ckpt_format!r}: use torch or torch_dist")
-    # --deepspeed writes DeepSpeed's own checkpoints whatever --ckpt-format says, so its default
-    # (torch_dist) is no conflict; only torch_dist asked for by name is (torch, the old default, is kept
-    # for the scripts that spelled it out).
+    # --deepspeed writes DeepSpeed's own checkpoints whatever --ckpt-format's default: only torch_dist by name conflicts
     if cfg.deepspeed and "ckpt_format" in given and cfg.ckpt_format == "torch_dist":
         raise UsageError("--ckpt-format torch_dist is for plain runs: --deepspeed writes DeepSpeed's own "
                          "checkpoints (each rank its own files already); drop one of them")
@@ -891,10 +894,8 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
     overrides.update(hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                      activation_checkpointing=cfg.recompute_activations, loss_impl=cfg.loss_impl,
                      sequence_parallel=cfg.sequence_parallel, cp_comm_type=cfg.cp_comm_type)
-    # Under --compile, torch's kernels: Inductor launches them from its own code, where
-    # each call of our Triton kernels (custom ops) costs 0.25-0.4 ms of host time, which
-    # a compiled step cannot hide (bench/RESULTS.md, H200 2026-11-27: 350M 174k tokens/s
-    # with torch's kernels, 160k with ours; 124M 507k and 500k).
+    # Under --compile, torch's kernels: each call of our Triton kernels (custom ops) costs
+    # 0.25-0.4 ms of host time that a compiled step cannot hide (bench/RESULTS.md, 2026-11-27).
     cuda = device is not None and device.type == "cuda"
     default_impl = "triton" if cuda and not cfg.compile else "torch"
     overrides["attention_impl"] = cfg.attention_impl or default_impl
@@ -917,12 +918,11 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
 
 
 def check_fits(cfg: TrainConfig, mcfg: GPTConfig) -> None:
-    """One line naming the flag whose model cannot be built here at all: the
-    largest single allocation it asks for, in fp32, above this machine's
-    memory, where the allocator's error (or the kernel's OOM kill) would come
-    instead. GPT builds each piece whole on the host before a rank keeps its
-    slice, and one micro-batch's widest activation lives on one device, so no
-    layout makes either smaller."""
+    """One line naming the flag whose model cannot be built here at all (not the
+    allocator's error or an OOM kill): its largest single allocation, in fp32,
+    above this machine's memory. No layout makes it smaller: GPT builds each
+    piece whole before a rank keeps its slice, and one micro-batch's widest
+    activation lives on one device."""
     H, B, T = mcfg.hidden_size, cfg.micro_batch_size, cfg.seq_length
     width = max(3 * H, mcfg.ffn_hidden_size * (2 if mcfg.swiglu else 1))  # qkv's output, or the MLP's
     positions = mcfg.max_position_embeddings if mcfg.position_embedding_type == "learned_absolute" else 0

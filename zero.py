@@ -18,7 +18,7 @@ import launch
 import parallel
 import pipeline
 from launch import UsageError, say
-from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config, whole_number
+from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config
 from gpt import GPT, init_weights
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
@@ -62,16 +62,13 @@ def check_deepspeed_precision(cfg: TrainConfig, accelerator) -> None:
 
 class DeepSpeedMPU:
     """The "model parallel unit" DeepSpeed asks for, backed by parallel.py's
-    groups. ZeRO averages gradients and shards over the data-parallel group,
-    which under context parallelism is DP x CP (dp_cp_group: the CP ranks of
-    a replica train the same weights on different tokens; Megatron-DeepSpeed
-    hands DeepSpeed its sequence-data-parallel group the same way). Its
-    model-parallel group is every rank holding a piece of one replica, TP x
-    PP: the grad norm and the overflow flag are summed over it, and its rank
-    names the checkpoint's files (one per TP shard of each stage). Replicated
-    params are counted once per TP rank (the norm asks for the tensor-parallel
-    rank, Megatron-core's name), and a stage's copy of the tied embedding not
-    at all (`ds_pipe_replicated`)."""
+    groups. ZeRO averages and shards over the data-parallel group, DP x CP
+    (the CP ranks of a replica train the same weights on different tokens,
+    as Megatron-DeepSpeed's sequence-data-parallel group). The model-parallel
+    group, TP x PP, holds one replica: the grad norm and the overflow flag are
+    summed over it, and its rank names the checkpoint's files. Replicated
+    params count once per TP rank, a stage's copy of the tied embedding not at
+    all (`ds_pipe_replicated`)."""
 
     def get_model_parallel_rank(self):
         return parallel.layout.pp_rank * parallel.layout.tp_size + parallel.layout.tp_rank
@@ -90,7 +87,8 @@ class DeepSpeedMPU:
 
 
 def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
-    """DeepSpeed's JSON config, from train.py's flags (or checked against them)."""
+    """DeepSpeed's JSON config: train.py's flags, over a --deepspeed_config's
+    other keys (its values that flags also set are in cfg already: config.py)."""
     fp16 = {"enabled": cfg.fp16}
     if cfg.fp16:  # the loss scaler's flags where given, else DeepSpeed's defaults; its floor is an int there
         given = {"initial_scale_power": int(math.log2(cfg.initial_loss_scale)), "hysteresis": cfg.hysteresis,
@@ -100,21 +98,17 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     ours = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": accum,
-        "train_batch_size": cfg.micro_batch_size * dp_size * accum,
+        # DeepSpeed counts each sample once per rank it averages over (the mpu's DP x CP ranks),
+        # so its train_batch_size is cp times the global batch a user writes
+        "train_batch_size": cfg.micro_batch_size * dp_size * accum * cfg.context_parallel_size,
         "gradient_clipping": cfg.clip_grad,
         "bf16": {"enabled": cfg.bf16},
         "fp16": fp16,
     }
-    user = {}
-    if cfg.deepspeed_config:  # its values that flags also set are in cfg already (config.py)
-        user = cfg.deepspeed_json
-        check_deepspeed_config(user, ours, cfg)
+    user = cfg.deepspeed_json or {}
     config = {**user, **ours}
-    # DeepSpeed counts each sample once per rank it averages over (the mpu's DP x CP ranks),
-    # so its train_batch_size is cp times the global batch a user writes (checked above)
-    config["train_batch_size"] = ours["train_batch_size"] * cfg.context_parallel_size
     zero = dict(user.get("zero_optimization", {}))
-    zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
+    zero["stage"] = 1 if cfg.zero_stage is None else cfg.zero_stage  # the JSON's stage is in cfg (config.py)
     if cfg.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     # unset (None): DeepSpeed's default, on at ZeRO-3 only, and stages take ZeRO 0 or 1
@@ -156,37 +150,13 @@ def check_as_deepspeed_reads(cfg: TrainConfig, config: dict) -> None:
                              f"refuses it ({error['msg']})") from None
 
 
-def check_deepspeed_config(user: dict, ours: dict, cfg: TrainConfig) -> None:
-    """What config.fill_from_deepspeed_json could not settle: sections train.py
-    owns, and the batch split, which depends on the data-parallel size."""
-    for key in ("optimizer", "scheduler"):
-        if key in user:
-            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
-                             f"train.py passes its own AdamW and learning-rate schedule "
-                             f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
-    writer = (user.get("checkpoint") or {}).get("writer") or {}
-    # As DeepSpeed reads the two: a truthy "decoupled", any "datastates_ckpt" section but false
-    if cfg.save and (writer.get("decoupled") or user.get("datastates_ckpt", False) is not False):
-        raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
-                         f"(checkpoint.writer.decoupled, datastates_ckpt) returns before the files are on "
-                         f"disk, and train.py would point `latest` at a checkpoint still being "
-                         f"written; remove it (saves are written synchronously, then published)")
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        if json_value(cfg, key, whole_number, user.get(key)) not in (None, ours[key]):
-            raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: {key}={user[key]} contradicts "
-                             f"the batch flags (--micro-batch-size x data-parallel size x accumulation "
-                             f"= --global-batch-size gives {ours[key]}); make them agree or drop the key")
-
-
 def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT:
     """Build the model under deepspeed.zero.Init, each layer partitioned over
-    the data-parallel group (DP x CP, as the mpu's) as soon as it is built: no
-    rank holds the full model. GPT's own init then meets emptied partitions,
-    so it is redone one module at a time on gathered weights; only init_weights
-    draws random numbers, so the weights are train.build_model's. With tensor
-    parallelism GPT slices each layer's full weight after initializing it, so
-    that case is built outside zero.Init, by build_model (1/tp slices plus one
-    full layer at a time; deepspeed.initialize partitions)."""
+    the data-parallel group (DP x CP) as soon as it is built: no rank holds the
+    full model. GPT's own init then meets emptied partitions, so init_weights
+    (the only random draws) is redone on each module gathered: the weights are
+    train.build_model's. Under TP, GPT slices each layer's full weight after
+    initializing it, so build_model builds it (deepspeed.initialize partitions)."""
     device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
     if parallel.layout.tp_size > 1:
         return build_model(cfg, torch.device("cpu"), kernels_for=device)
@@ -210,7 +180,7 @@ def each_module_gathered(model: GPT, ds, fn) -> None:
                 fn(prefix, module)
 
 
-def load_weights(model: GPT, weights: dict) -> None:
+def load_weights(model: GPT, weights: dict, ds) -> None:
     """Full weights into a model that DeepSpeed has not wrapped yet; under
     ZeRO-3 (zero.Init, tp=1), one gathered module at a time."""
     if not any(hasattr(p, "ds_id") for p in model.parameters()):
@@ -222,18 +192,16 @@ def load_weights(model: GPT, weights: dict) -> None:
         for name, p in module.named_parameters(recurse=False):
             p.copy_(weights[f"{prefix}.{name}" if prefix else name])
 
-    import deepspeed
-    each_module_gathered(model, deepspeed, copy)
+    each_module_gathered(model, ds, copy)
 
 
 class DeepSpeedTraining:
-    """Model + our AdamW (train.build_optimizer, handed in) -> a DeepSpeed
-    engine, resumed from --load if it holds a checkpoint; step and save as
-    train.PlainTraining. A full resume reads
-    DeepSpeed's own checkpoint (this layout only). With --no-load-optim or
-    --finetune the weights alone come from a checkpoint of either kind and any
-    layout, loaded before deepspeed.initialize copies its fp32 master weights.
-    build_model, clip_grad_norm_: train.py's, which imports this module."""
+    """Model + our AdamW -> a DeepSpeed engine, resumed from --load; step and
+    save as train.PlainTraining. A full resume reads DeepSpeed's own checkpoint
+    (this layout only); with --no-load-optim or --finetune the weights alone
+    come from a checkpoint of either kind and any layout, loaded before
+    deepspeed.initialize copies its fp32 master weights. build_model,
+    build_optimizer, clip_grad_norm_: train.py's, which imports this module."""
     saver = None  # its saves are synchronous (config.py refuses --async-save with --deepspeed)
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer,
@@ -246,8 +214,7 @@ class DeepSpeedTraining:
         ds = import_deepspeed(env.device)
         check_deepspeed_precision(cfg, ds.accelerator.get_accelerator())
         ds.init_distributed(dist_backend="nccl" if env.device.type == "cuda" else "gloo")
-        # The mpu hands ZeRO our groups, at any tp: without it DeepSpeed clones the
-        # world with new_group, which drops --distributed-timeout-minutes.
+        # Our groups, at any tp: else DeepSpeed clones the world, dropping --distributed-timeout-minutes.
         mpu = DeepSpeedMPU()
         config = deepspeed_config(cfg, parallel.layout.dp_size, accum)
         stage = config["zero_optimization"]["stage"]
@@ -257,7 +224,7 @@ class DeepSpeedTraining:
         weights_only = found is not None and checkpoint.weights_only(cfg)
         if weights_only:
             weights, state = checkpoint.read_weights(found)
-            load_weights(model, weights)
+            load_weights(model, weights, ds)
         if cfg.recompute_activations:
             # DeepSpeed's recomputation; optionally each TP rank keeps 1/tp of the saved inputs.
             ds.checkpointing.configure(mpu, partition_activations=cfg.partition_activations)
@@ -265,8 +232,7 @@ class DeepSpeedTraining:
         # On CPU the unfused AdamW: with the fused CPU kernel a resumed ZeRO-2 run's
         # grad norms differ from the uninterrupted run's in the last bit.
         optimizer = build_optimizer(model, cfg, fused=env.device.type == "cuda")
-        # No lr_scheduler: begin sets each step's learning rate
-        # (the schedule may count samples and the batch ramp).
+        # No lr_scheduler: begin sets each step's learning rate (in samples, over the batch ramp).
         self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
         if cfg.compile and parallel.layout.pp_size == 1:
             # engine.module in place, after ZeRO's wrapping: the graphs see the partitioned model
@@ -275,11 +241,6 @@ class DeepSpeedTraining:
                 ds.zero.register_external_parameter(model, head.weight)
             kwargs = compile_options(cfg)
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
-        if self.engine.dp_world_size != parallel.layout.dp_cp_size:
-            raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the data-"
-                               f"parallel x context-parallel size is "
-                               f"{parallel.layout.dp_cp_size} (world / (tp x pp)): "
-                               f"the mpu was not applied")
         self.raw = self.engine.module
         # under stages, our schedule runs the module's chunks (pipeline.Stage), not the engine
         self.model = self.engine if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
@@ -300,8 +261,7 @@ class DeepSpeedTraining:
         """This step's batch size (--rampup-batch-size; as DeepSpeed counts it,
         over its DP x CP ranks) and learning rate; under stages, every backward
         of the schedule comes before the boundary."""
-        lay = parallel.layout
-        ds_batch = micro_batches * self.cfg.micro_batch_size * lay.dp_cp_size
+        ds_batch = micro_batches * self.cfg.micro_batch_size * parallel.layout.dp_cp_size
         if self.engine.train_batch_size() != ds_batch:
             self.engine.set_train_batch_size(ds_batch)
         for group in self.engine.optimizer.param_groups:
@@ -310,10 +270,9 @@ class DeepSpeedTraining:
             self.engine.set_gradient_accumulation_boundary(False)
 
     def micro_batch(self, last: bool):
-        """Before a micro-batch's forward: DeepSpeed averages the gradients over
-        the data-parallel group, and steps, at the boundary it is told, the last
-        micro-batch. The batch may change between steps (--rampup-batch-size), so
-        the boundary is said rather than counted from the start of the run."""
+        """Before a micro-batch's forward: DeepSpeed averages the gradients, and
+        steps, at the boundary it is told, the last micro-batch (said, not
+        counted from the run's start: --rampup-batch-size changes the batch)."""
         self.engine.set_gradient_accumulation_boundary(last)
         return nullcontext()
 
@@ -327,18 +286,17 @@ class DeepSpeedTraining:
             self.engine.step()
 
     def finish(self):
-        """The step's end: our clipping where DeepSpeed does not clip, then
-        engine.step. Returns (grad norm, 1.0 if the step was skipped else 0.0):
-        DeepSpeed's fp16 path skips an overflowing step itself, deciding over
-        the model-parallel group (the mpu) as Megatron does.
+        """The step's end: our clipping where DeepSpeed does not clip
+        (clips_itself), then engine.step. Returns (grad norm, 1.0 if the step
+        was skipped else 0.0): DeepSpeed's fp16 path skips an overflowing step
+        itself, deciding over the model-parallel group (the mpu) as Megatron.
 
-        Under stages (ZeRO 0 or 1) it goes as in DeepSpeed's PipelineEngine: our
-        1F1B schedule ran backward itself on the last stage's loss divided by
-        the accumulation and passed through `scale`, ZeRO's scale_if_loss, as
-        engine.backward does (config.py refuses the 16-bit optimizers that scale
-        otherwise), and the gradients stayed local. So first the tied
-        embedding's are summed over its two stages, then DeepSpeed averages
-        over the data-parallel group at a gradient-accumulation boundary."""
+        Under stages (ZeRO 0 or 1), as in DeepSpeed's PipelineEngine: our
+        schedule ran backward on the last stage's loss divided by the
+        accumulation and passed through `scale`, as engine.backward does
+        (config.py refuses the 16-bit optimizers that scale otherwise), and the
+        gradients stayed local. So the tied embedding's are summed over its two
+        stages, then DeepSpeed averages them over the data-parallel group."""
         engine = self.engine
         if parallel.layout.pp_size > 1:
             tied = pipeline.tied_embedding_copy(engine.module)
@@ -348,8 +306,11 @@ class DeepSpeedTraining:
                 dist.all_reduce(grad, group=parallel.layout.embedding_group)
             engine.set_gradient_accumulation_boundary(True)
             engine.allreduce_gradients()
-        grad_norm = clip_if_ours(engine, self.cfg, self.clip_grad_norm_)
-        engine.step()
+        grad_norm = None
+        if clips_itself(engine.zero_optimization_stage(), self.cfg):
+            max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
+            grad_norm = self.clip_grad_norm_(engine.module.parameters(), max_norm)
+        engine.step()  # clips where we did not, and then reports the norm
         if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
         return float(grad_norm), float(not engine.was_step_applied())
@@ -369,12 +330,3 @@ def clips_itself(stage: int, cfg: TrainConfig) -> bool:
     near-zero gradients into a visible drift; and it reports no norm there."""
     return stage == 0 and not (cfg.bf16 or cfg.fp16)
 
-
-def clip_if_ours(engine, cfg: TrainConfig, clip_grad_norm_) -> torch.Tensor | None:
-    """Where we clip (clips_itself): clip to --clip-grad with train.py's
-    clip_grad_norm_ and return the norm; else None (DeepSpeed clips in
-    engine.step and reports the norm)."""
-    if not clips_itself(engine.zero_optimization_stage(), cfg):
-        return None
-    max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
-    return clip_grad_norm_(engine.module.parameters(), max_norm)

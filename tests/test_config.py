@@ -506,16 +506,19 @@ def test_json_auto_values_and_accumulation_steps(tmp_path):
     """Hugging Face's "auto" leaves the flag in charge; gradient_accumulation_steps
     without train_batch_size gives the global batch (micro x data-parallel x
     steps) once the data-parallel size is known (the process groups exist),
-    here 2: the parser reads no environment behind the command line's back."""
+    here 2: the parser reads no environment behind the command line's back.
+    A --global-batch-size given must agree with the steps."""
     path = write_json(tmp_path, {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 3,
                                  "gradient_clipping": "auto"})
     cfg = parse("--deepspeed", "--deepspeed_config", path, "--micro-batch-size", "2",
                 "--tensor-model-parallel-size", "2")
     assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.clip_grad) == (2, None, 1.0)
     assert config_lib.batch_from_deepspeed_json(cfg, dp_size=2).global_batch_size == 2 * 2 * 3
-    given = config_lib.parse_args(["--preset", "tiny", "--deepspeed", "--deepspeed_config", path,
-                               "--global-batch-size", "8"])
-    assert config_lib.batch_from_deepspeed_json(given, dp_size=2).global_batch_size == 8
+    given = ["--preset", "tiny", "--deepspeed", "--deepspeed_config", path, "--micro-batch-size", "2"]
+    agreeing = config_lib.parse_args(given + ["--global-batch-size", "12"])
+    assert config_lib.batch_from_deepspeed_json(agreeing, dp_size=2).global_batch_size == 12
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3 contradicts the batch flags .* gives 2\)"):
+        config_lib.batch_from_deepspeed_json(config_lib.parse_args(given + ["--global-batch-size", "8"]), dp_size=2)
 
 
 def test_deepspeeds_older_bfloat16_section_means_bf16(tmp_path):
@@ -594,9 +597,8 @@ def test_an_asynchronous_checkpoint_writer_is_refused(tmp_path, content):
     "datastates_ckpt" section but false, an "enabled": false inside included."""
     from deepspeed.datastates.config import DeepSpeedDataStatesConfig
     assert DeepSpeedDataStatesConfig(content).enabled or "checkpoint" in content  # DeepSpeed's own reading
-    cfg = parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, content), "--save", str(tmp_path))
     with pytest.raises(ValueError, match="asynchronous checkpoint writer"):
-        zero.deepspeed_config(cfg, dp_size=1, accum=1)
+        parse("--deepspeed", "--deepspeed_config", write_json(tmp_path, content), "--save", str(tmp_path))
 
 
 @pytest.mark.parametrize("json_content, message", [
