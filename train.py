@@ -237,8 +237,10 @@ def check_batches(batches: list[dict], config: GPTConfig) -> list[dict]:
     # the true vocabulary: an id in the padding rows would train them silently
     checks = (("tokens", config.vocab_size, vocab), ("labels", config.vocab_size, vocab),
               ("position_ids", config.max_position_embeddings, "check --seq-length against --max-position-embeddings"))
-    bounds = torch.stack([torch.stack(b[name].aminmax()).long() for b in batches for name, _, _ in checks]).tolist()
-    for (lo, hi), (name, limit, fix) in zip(bounds, checks * len(batches)):  # (min, max) of each
+    extremes = []
+    for b, (name, _, _) in itertools.product(batches, checks):
+        extremes.append(torch.stack(b[name].aminmax()).long())  # (2,): min, max
+    for (lo, hi), (name, limit, fix) in zip(torch.stack(extremes).tolist(), checks * len(batches)):
         if lo < 0 or hi >= limit:
             raise UsageError(f"batch {name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
     return batches
@@ -449,10 +451,9 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     grads = counted + copies
     if not grads:
         return torch.tensor(0.0)
-    # Every grad's norm in a few launches (foreach), not a few per parameter: a loop
-    # over a 350M model's 292 grads kept an H200 waiting on the host (bench/RESULTS.md).
-    # The CPU's norm kernel sums in order (off by 2e-5 over a 3M-element embedding,
-    # enough to tell layouts apart after a few Adam steps): there it sums in fp64.
+    # Every grad's norm in a few launches (foreach): a loop per parameter kept an H200
+    # waiting on the host (bench/RESULTS.md). The CPU's norm kernel sums in order (off by
+    # 2e-5 over a 3M-element embedding, enough to tell layouts apart): there it sums in fp64.
     fp = torch.float64 if grads[0].device.type == "cpu" else torch.float32
     squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=fp)).square()
     sq = (squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0).float()
@@ -588,12 +589,11 @@ SIGTERM_BEFORE_THE_LOOP = ("train.py: SIGTERM before training started (while loa
 
 
 class Preemption:
-    """Turns SIGTERM (a cluster's preemption notice) once the loop has
-    started, or the end of --exit-duration-in-mins (a job's time limit,
-    counted from the start of the run), into a flag the loop checks. Every
-    rank must stop (and save) at the same iteration, so the ranks vote with an
-    all-reduce. On CUDA each vote is read one step late, once the next step is
-    queued, so the host never waits for the GPU: the ranks still agree, a step later."""
+    """Turns SIGTERM (a cluster's preemption notice) once the loop has started,
+    or the end of --exit-duration-in-mins (counted from the start of the run),
+    into a flag the loop checks. Every rank must stop (and save) at the same
+    iteration, so the ranks vote with an all-reduce. On CUDA each vote is read
+    one step late, once the next step is queued: the host never waits for the GPU."""
 
     def __init__(self, device: torch.device, minutes: float | None = None):
         self.device, self.requested = device, False
@@ -629,8 +629,8 @@ class Preemption:
 
 def check_losses(pending: list, logger: Logger, last_saved: int) -> list[float]:
     """Read the (iteration, device loss) pairs queued since the last check in one host
-    sync (at log intervals and saves, never per step), stop the run at the first
-    non-finite one, and return their values."""
+    sync (at log intervals and saves), stop the run at the first non-finite one, and
+    return their values."""
     values = torch.stack([loss.float() for _, loss in pending]).tolist()
     for (iteration, _), value in zip(pending, values):
         if not math.isfinite(value):
@@ -695,12 +695,11 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     global_batch = cfg.micro_batch_size * dp * accum
     ramp = range(cfg.rampup_batch_size[0], global_batch, cfg.rampup_batch_size[1]) if cfg.rampup_batch_size else []
     pp = parallel.layout.pp_size
-    if pp > 1:  # the layers must divide into stages: the model chunks a rank holds
-        v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
-                                         cfg.num_layers_per_virtual_pipeline_stage))
     for batch in [*ramp, global_batch]:
         micro_batches = gradient_accumulation_steps(cfg, dp, batch)
-        if pp > 1:
+        if pp > 1:  # v: the model chunks a rank holds (the layers must divide into stages)
+            v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
+                                             cfg.num_layers_per_virtual_pipeline_stage))
             pipeline.check_micro_batches(micro_batches, pp, v)
     return cfg, accum, global_batch
 
@@ -761,10 +760,10 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
 
 def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets, logger, preempt: Preemption,
          global_batch: int, accum: int) -> int:
-    """Train from the trainer's start to --train-iters (or a stop), the learning
-    rate following `schedule` (lr_schedule's); return the last
-    iteration. The host never waits for the GPU within an iteration: device values are
-    read only at log intervals, evaluations and saves, the preemption vote a step late."""
+    """Train from the trainer's start to --train-iters (or a stop), the learning rate
+    following `schedule`; return the last iteration. The host never waits for the GPU
+    within an iteration: device values are read only at log intervals, evaluations and
+    saves, the preemption vote a step late."""
     preempt.start()  # first: DataLoader workers, forked below, must not inherit the exit at once
     train_ds, valid_ds = datasets
     iteration, consumed = trainer.start.iteration, trainer.start.consumed
