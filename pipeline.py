@@ -34,10 +34,9 @@ from launch import UsageError
 # The layers are split into pp stages, one per pipeline rank (Huang et al.,
 # "GPipe", 2019; Narayanan et al., "Megatron-LM at scale", 2021): stage 0
 # holds the embedding, the last stage the final norm, the head and the loss.
-# A stage sends its output activations (B, T[/tp], C) to the next stage and,
-# in backward, the gradient w.r.t. its input to the previous one: point to
-# point, nothing else. To keep every stage busy the global batch is cut into
-# m micro-batches that follow each other through the pipe.
+# A stage sends its output (B, T[/tp], C) to the next stage and, in backward,
+# the gradient w.r.t. its input to the previous one, point to point. To keep
+# every stage busy the global batch is cut into m micro-batches.
 #
 # 1F1B (PipeDream-flush, Narayanan et al. 2021), pp=4, m=8; a forward
 # (digit: micro-batch) takes one tick, a backward (letter: a=0, b=1, ...) two:
@@ -80,13 +79,12 @@ from launch import UsageError
 # biases, norms, embeddings and LM head (small, or on one stage) get theirs in I.
 #
 # How it runs here: pipeline_timeline places every rank's actions (in
-# Megatron's order) on one clock, each action at the first tick its input
-# exists. run_pipeline then walks the ticks on every rank. At each tick a rank
-# starts its own action, if one starts then; then it sends what its action
-# ending at this tick produced and receives what its neighbours' actions
-# ending at this tick produced, in one batch_isend_irecv with them: both
-# sides of every message post it in the same batch, so nothing can wait on a
-# message posted later (NCCL would deadlock on mismatched orders).
+# Megatron's order) on one clock, each at the first tick its input exists.
+# run_pipeline walks the ticks on every rank: at each tick a rank starts its
+# action, if one starts then, then sends what its action ending at this tick
+# produced and receives what its neighbours' produced, in one
+# batch_isend_irecv: both sides of every message post it in the same batch,
+# so nothing waits on a message posted later (NCCL would deadlock).
 
 
 # ----------------------------------------------------------------------------
@@ -344,9 +342,8 @@ def _act(a: Action, forward, received: dict, in_flight: dict,
 # (W, dY, X) in the micro-batch's store; W computes dW = dY^T X from it. The
 # GEMMs are found where they run, so the model and parallel.py carry nothing
 # for it: a TorchFunctionMode sees each F.linear on a frozen weight; the
-# sequence-parallel column GEMM, in its own autograd Function, skips dW for a
-# frozen weight, and a forward hook keeps its tokens for I to gather again.
-# Activation checkpointing recomputes them as it does any saved tensor.
+# sequence-parallel column GEMM, in its own autograd Function, skips a frozen
+# weight's dW, and a forward hook keeps its tokens for I to gather again.
 
 class LaterWeightGrads(TorchFunctionMode):
     """A zero-bubble stage's block linears, whose dW waits for the schedule's W."""
@@ -363,15 +360,14 @@ class LaterWeightGrads(TorchFunctionMode):
     @contextlib.contextmanager
     def deferring(self, store: list, backward: bool = False):
         """A micro-batch's F, or (backward) its I: the blocks' dW go into
-        `store`. For the whole action the blocks' linear weights are frozen
-        (requires_grad off: a change to the parameters themselves, undone on
+        `store`, their linear weights frozen for the whole action (undone on
         exit). In F the mode is on throughout. In I it cannot be: a mode is
         off while it handles a call, so it would take torch.autograd.backward
         itself and see nothing inside. But activation checkpointing re-runs
-        each block's forward in I, and those F.linear calls must keep their
+        each block's forward in I, whose F.linear calls must keep their
         operands as the first forward did: so in I each block's forward
-        pre-hook turns the mode on and its forward hook off (each recompute
-        runs its whole block, early stop off, for the hooks to pair)."""
+        pre-hook turns the mode on and its forward hook off (early stop off:
+        each recompute runs its whole block, for the hooks to pair)."""
         self.store = store
         hooks = [m.register_forward_hook(self._keep_tokens) for m in self.columns]
         if backward:

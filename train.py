@@ -7,11 +7,10 @@ r"""Pretrain a GPT on Megatron-format token data.
 Sections:
   1. The learning-rate schedule, AdamW, the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
-  3. The step: one train_step for both engines and every layout (accumulation
-     over micro-batches, or across pipeline stages the 1F1B schedule of
-     pipeline.py); PlainTraining, the engine without DeepSpeed (mixed
-     precision, the fp16 loss scaler, clipping, the skip decision), whose
-     twin is zero.DeepSpeedTraining.
+  3. The step: one train_step for both engines and every layout (micro-batches
+     in turn, or pipeline.py's schedules); PlainTraining, the engine without
+     DeepSpeed (mixed precision, the fp16 loss scaler, clipping, the skip
+     decision), whose twin is zero.DeepSpeedTraining.
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
 Elsewhere: flags (config.py), launch (launch.py), process groups (parallel.py),
@@ -192,8 +191,7 @@ def eval_consumed(iteration: int, cfg: TrainConfig, global_batch: int) -> int:
 def build_datasets(cfg: TrainConfig, global_batch: int):
     """(train, valid) datasets for this run's samples; the test split is for offline evaluation."""
     train_samples = cfg.train_samples or cfg.train_iters * global_batch
-    # Validation runs every --eval-interval and once at the end; never where --split gives
-    # it no share (100,0,0), as in Megatron.
+    # Validation every --eval-interval and at the end; never where --split gives it no share
     evaluates = cfg.eval_interval > 0 and data_lib.parse_split(cfg.split)[1] > 0
     eval_runs = cfg.train_iters // cfg.eval_interval + 1 if evaluates else 0
     num_samples = (train_samples, eval_runs * cfg.eval_iters * global_batch, 0)
@@ -204,8 +202,8 @@ def build_datasets(cfg: TrainConfig, global_batch: int):
         reset_attention_mask=cfg.reset_attention_mask)[:2]
     if not dist.is_initialized():
         return build()
-    # Rank 0 builds and caches the index arrays, then the others load that cache. If rank 0
-    # fails (bad data), the others raise its error rather than hang in a collective.
+    # Rank 0 builds and caches the index arrays, then the others load that cache; if it
+    # fails (bad data), they raise its error rather than hang in a collective.
     mistake = [None]
     if dist.get_rank() == 0:
         try:
