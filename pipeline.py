@@ -1,18 +1,16 @@
 """Pipeline parallelism: the layers split into stages, one per pipeline rank,
-and the micro-batches of a step scheduled through them. Sections:
+and a step's micro-batches scheduled through them. Sections:
 
-  1. Stages: which layers (model chunks) a rank holds (pipeline_chunks;
-     train.build_model builds them), a chunk's forward from the model's own
-     pieces (Stage), the tied embedding's two copies
+  1. Stages: which layers (model chunks) a rank holds (pipeline_chunks), a
+     chunk's forward from the model's own pieces (Stage), the tied embedding
   2. The schedules: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), drawn,
      and timed on one clock
-  3. Running a schedule: the forwards, backwards and point-to-point exchanges
-     of one rank (run_pipeline); 3b. zero bubble's W, the blocks' weight
-     gradients left for later (LaterWeightGrads, weight_grads)
+  3. One rank's forwards, backwards and point-to-point exchanges
+     (run_pipeline); 3b. zero bubble's W, the blocks' weight gradients left
+     for later (LaterWeightGrads, weight_grads)
   4. The pipelined step: a step's micro-batches through this rank's stage
-  5. The gradient reductions stages need: over data parallelism (each
-     gradient's started as soon as it is final), and the tied embedding's
-     over its two stages
+  5. The gradient reductions: over data parallelism (each started once its
+     gradients are final), and the tied embedding's over its two stages
 """
 from __future__ import annotations
 
@@ -36,10 +34,9 @@ from launch import UsageError
 # The layers are split into pp stages, one per pipeline rank (Huang et al.,
 # "GPipe", 2019; Narayanan et al., "Megatron-LM at scale", 2021): stage 0
 # holds the embedding, the last stage the final norm, the head and the loss.
-# A stage sends its output activations (B, T[/tp], C) to the next stage and,
-# in backward, the gradient w.r.t. its input to the previous one: point to
-# point, nothing else. To keep every stage busy the global batch is cut into
-# m micro-batches that follow each other through the pipe.
+# A stage sends its output (B, T[/tp], C) to the next stage and, in backward,
+# the gradient w.r.t. its input to the previous one, point to point. To keep
+# every stage busy the global batch is cut into m micro-batches.
 #
 # 1F1B (PipeDream-flush, Narayanan et al. 2021), pp=4, m=8; a forward
 # (digit: micro-batch) takes one tick, a backward (letter: a=0, b=1, ...) two:
@@ -78,32 +75,27 @@ from launch import UsageError
 # of 3m+pp-1, (pp-1)/(3m+pp-1) (3 of 27 here; 1F1B: 3(pp-1) of 3m+3(pp-1),
 # 9 of 33). The price: a W keeps the inputs and output gradients of the
 # linears it needs (X, dY) from its I until it runs, s micro-batches' worth
-# on stage s. What W computes: the dW of the blocks' linears (attention's
-# qkv and proj, the MLP's fc and proj; section 3b); the
-# biases, norms, embeddings and the LM head (small, or on one stage only)
-# get their gradients in I.
+# on stage s. W computes the dW of the blocks' linears (section 3b); the
+# biases, norms, embeddings and LM head (small, or on one stage) get theirs in I.
 #
 # How it runs here: pipeline_timeline places every rank's actions (in
-# Megatron's order) on one clock, each action at the first tick its input
-# exists. run_pipeline then walks the ticks on every rank. At each tick a rank
-# starts its own action, if one starts then; then it sends what its action
-# ending at this tick produced and receives what its neighbours' actions
-# ending at this tick produced, in one batch_isend_irecv with them: both
-# sides of every message post it in the same batch, so nothing can wait on a
-# message posted later (NCCL would deadlock on mismatched orders).
+# Megatron's order) on one clock, each at the first tick its input exists.
+# run_pipeline walks the ticks on every rank: at each tick a rank starts its
+# action, if one starts then, then sends what its action ending at this tick
+# produced and receives what its neighbours' produced, in one
+# batch_isend_irecv: both sides of every message post it in the same batch,
+# so nothing waits on a message posted later (NCCL would deadlock).
 
 
 # ----------------------------------------------------------------------------
 # 1. Stages
-# ----------------------------------------------------------------------------
 
 class Stage(nn.Module):
     """This rank's stage of `model` (a GPT of this rank's layers), a model chunk
-    at a time from the model's own pieces: chunk `chunk` on micro-batch
-    `batch` embeds its tokens or runs on x (B, T[/tp], C), the previous
-    stage's output, and returns its output or, ending with the last layer,
-    the loss. A module, so that torch.compile(Stage(model)) compiles each
-    chunk's forward whole."""
+    at a time from the model's own pieces: chunk `chunk` embeds `batch`'s tokens
+    or runs on x (B, T[/tp], C), the previous stage's output, and returns its
+    output or, ending with the last layer, the loss. A module, so that
+    torch.compile(Stage(model)) compiles each chunk's forward whole."""
 
     def __init__(self, model: GPT):
         super().__init__()
@@ -150,7 +142,6 @@ def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
 
 # ----------------------------------------------------------------------------
 # 2. The schedules
-# ----------------------------------------------------------------------------
 
 class Action(NamedTuple):
     kind: str    # "F" forward, "B" backward; zero bubble: "I" input gradient, "W" weight gradients
@@ -206,10 +197,9 @@ def check_micro_batches(m: int, pp: int, v: int) -> None:
                          f"data-parallel size) one")
 
 
-# A backward costs about two forwards (the gradients w.r.t. inputs and
-# weights are a matmul each), so the clock gives it two ticks; a schedule
-# timed with equal ticks would make neighbours wait on each other's
-# backwards at every exchange. Zero bubble splits it into its two halves.
+# A backward costs about two forwards (the gradients w.r.t. inputs and weights
+# are a matmul each), so the clock gives it two ticks (equal ticks would make
+# neighbours wait on each other's backwards); zero bubble splits it in two.
 DURATION = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
@@ -245,11 +235,8 @@ def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False,
 
 
 def _input_of(a: Action, s: int, last: int) -> tuple[str, int, int] | None:
-    """What action a, run by virtual stage s, waits for: the (kind, virtual
-    stage, micro-batch) of the action whose end gives a its input. A forward
-    waits for the previous stage's forward (on the first stage, for nothing);
-    a backward (or input gradient) for the next stage's (on the last stage,
-    for its own forward); weight gradients for their own input gradient."""
+    """The (kind, virtual stage, micro-batch) of the action whose end gives
+    action a, run by virtual stage s, its input (None: the first forward)."""
     if a.kind == "F":
         return ("F", s - 1, a.micro) if s > 0 else None
     if a.kind == "W":
@@ -259,8 +246,8 @@ def _input_of(a: Action, s: int, last: int) -> tuple[str, int, int] | None:
 
 def _messages(a: Action | None, sender: int, pp: int, v: int):
     """(receiver, (kind, receiver's chunk, micro)) of what `sender`'s action a
-    sends when it ends: a forward's output goes to the next virtual stage, a
-    backward's (or I's) input gradient to the previous one; W sends nothing."""
+    sends when it ends: F's output to the next virtual stage, B's (I's) input
+    gradient to the previous one; W sends nothing."""
     if a is None or a.kind == "W":
         return None
     s = a.chunk * pp + sender + (1 if a.kind == "F" else -1)
@@ -271,23 +258,18 @@ def _messages(a: Action | None, sender: int, pp: int, v: int):
 
 # ----------------------------------------------------------------------------
 # 3. Running a schedule
-# ----------------------------------------------------------------------------
 
 def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple, device,
                  dtype=torch.float32, timeline: list | None = None, after=None,
                  later: LaterWeightGrads | None = None) -> None:
     """This rank's part of `ticks`. forward(chunk, micro, x) runs a model chunk
     on x, the previous stage's output (None on the first virtual stage), and
-    returns its output, on the last virtual stage the loss to differentiate.
-    A backward differentiates that output with the gradient the next stage
-    sent back, and sends x's gradient on. Under torch.no_grad (evaluation)
-    the ticks hold forwards alone. timeline: (tick, action, start, end) of
-    each action is appended to it. after(action), if given, runs as each
-    action ends, before its tick's exchange. later: zero bubble's (section
-    3b), for the ticks' W."""
+    returns its output, on the last virtual stage the loss. A backward
+    differentiates that output with the gradient the next stage sent back,
+    and sends x's gradient on. timeline: gets (tick, action, start, end) of
+    each action. after(action) runs as each action ends, before its tick's
+    exchange. later: zero bubble's (section 3b), for the ticks' W."""
     rank, pp, group = parallel.layout.pp_rank, parallel.layout.pp_size, parallel.layout.pp_group
-    if later is None and any(a.kind == "W" for row in ticks for a in row if a):
-        raise ValueError("zero bubble's ticks hold W actions: pass later=LaterWeightGrads(model)")
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
     in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output, dW store) until backward
@@ -328,10 +310,9 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
 
 def _act(a: Action, forward, received: dict, in_flight: dict,
          later: LaterWeightGrads | None = None) -> torch.Tensor | None:
-    """Run action a; returns what it sends on: a forward's output, a
-    backward's (or I's) gradient w.r.t. its input (None on the first virtual
-    stage). later (zero bubble): each micro-batch's linears leave their dW in
-    a store of its own, which its I keeps and its W empties."""
+    """Run action a; returns what it sends on (_messages). later (zero bubble):
+    each micro-batch's linears leave their dW in a store of its own, which its
+    I keeps and its W empties."""
     if a.kind == "W":
         weight_grads(in_flight.pop(("W", a.chunk, a.micro)))
         return None
@@ -354,7 +335,6 @@ def _act(a: Action, forward, received: dict, in_flight: dict,
 
 # ----------------------------------------------------------------------------
 # 3b. Zero bubble's W: the blocks' weight gradients, computed later
-# ----------------------------------------------------------------------------
 # Inside a micro-batch's F and I the blocks' linear weights are frozen
 # (requires_grad False): autograd computes every other gradient, but no dW
 # and no AccumulateGrad node for them (one would run in I gradient-less, and
@@ -362,9 +342,8 @@ def _act(a: Action, forward, received: dict, in_flight: dict,
 # (W, dY, X) in the micro-batch's store; W computes dW = dY^T X from it. The
 # GEMMs are found where they run, so the model and parallel.py carry nothing
 # for it: a TorchFunctionMode sees each F.linear on a frozen weight; the
-# sequence-parallel column GEMM, in its own autograd Function, skips dW for a
-# frozen weight, and a forward hook keeps its tokens for I to gather again.
-# Activation checkpointing recomputes them as it does any saved tensor.
+# sequence-parallel column GEMM, in its own autograd Function, skips a frozen
+# weight's dW, and a forward hook keeps its tokens for I to gather again.
 
 class LaterWeightGrads(TorchFunctionMode):
     """A zero-bubble stage's block linears, whose dW waits for the schedule's W."""
@@ -381,15 +360,14 @@ class LaterWeightGrads(TorchFunctionMode):
     @contextlib.contextmanager
     def deferring(self, store: list, backward: bool = False):
         """A micro-batch's F, or (backward) its I: the blocks' dW go into
-        `store`. For the whole action the blocks' linear weights are frozen
-        (requires_grad off: a change to the parameters themselves, undone on
+        `store`, their linear weights frozen for the whole action (undone on
         exit). In F the mode is on throughout. In I it cannot be: a mode is
         off while it handles a call, so it would take torch.autograd.backward
         itself and see nothing inside. But activation checkpointing re-runs
-        each block's forward in I, and those F.linear calls must keep their
+        each block's forward in I, whose F.linear calls must keep their
         operands as the first forward did: so in I each block's forward
-        pre-hook turns the mode on and its forward hook off (each recompute
-        runs its whole block, early stop off, for the hooks to pair)."""
+        pre-hook turns the mode on and its forward hook off (early stop off:
+        each recompute runs its whole block, for the hooks to pair)."""
         self.store = store
         hooks = [m.register_forward_hook(self._keep_tokens) for m in self.columns]
         if backward:
@@ -450,10 +428,9 @@ class _KeepOperands(torch.autograd.Function):
 
 
 def weight_grads(store: list) -> None:
-    """W: every dW = dY^T X left in `store`, summed per weight (Domino's
-    chunks use each weight twice) and accumulated into .grad through
-    autograd, so that the weights' hooks (data-parallel averaging) run as
-    after a plain backward."""
+    """W: every dW = dY^T X left in `store`, summed per weight (Domino's chunks
+    use each twice), into .grad through autograd, so that the weights' hooks
+    (data-parallel averaging) run as after a plain backward."""
     grads = {}
     with torch.no_grad():  # as in backward: X is an activation, and dW no node of any graph
         for weight, grad_out, x in store:
@@ -467,20 +444,16 @@ def weight_grads(store: list) -> None:
 
 # ----------------------------------------------------------------------------
 # 4. The pipelined step
-# ----------------------------------------------------------------------------
 
 def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precision, scale=None,
                   averager: GradientAverager | None = None) -> torch.Tensor:
-    """The micro-batches through this rank's pipeline stage in the schedule's
-    order (1F1B, interleaved, or ZB-H1 under --enable-zero-bubble;
-    run_pipeline), forwards (the Stage `stage`, maybe compiled, under
-    `precision`) and backwards; under torch.no_grad, forwards alone. The last stage
-    differentiates each micro-batch's share of the step's loss, scaled by the
-    engine's `scale` (its --fp16 loss scaling; None: as it is). Returns the
-    mean loss: the last stage computes it, and every stage gets it.
-    averager: the engine's data-parallel averaging (GradientAverager), which
-    starts on gradients as they become final (None: the engine reduces after
-    the step)."""
+    """The micro-batches through this rank's `stage` (maybe compiled, under
+    `precision`) in the schedule's order (1F1B, interleaved or ZB-H1), forwards
+    and backwards; under torch.no_grad, forwards alone. The last stage
+    differentiates each micro-batch's share of the loss, scaled by `scale`
+    (--fp16's; None: as it is). Returns the mean loss, on every stage.
+    averager: the GradientAverager that starts on gradients as they become
+    final (None: the engine reduces after the step)."""
     model = stage.model
     m, v = len(batches), len(model.layers)
     ticks = pipeline_timeline(parallel.layout.pp_size, m, v, forward_only=not torch.is_grad_enabled(),
@@ -494,7 +467,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
             out = stage(chunk, batches[micro], x)
         if model.layers[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
-        loss = out * batches[micro]["loss_weight"] / m if "loss_weight" in batches[micro] else out / m
+        loss = out * batches[micro].get("loss_weight", 1.0) / m  # (CP's weight: context.split_batch)
         total += loss.detach()
         return scale(loss) if scale and torch.is_grad_enabled() else loss
 
@@ -514,14 +487,13 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
 
 
 def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) -> None:
-    """Under pipeline parallelism, after the schedule: average the gradients
-    over data (and context) parallelism (DDP's job at pp = 1; with an averager, landing the
-    all-reduces pipeline_step started), then sum the tied embedding's over the
-    two stages that hold it, so both copies take the same step (Megatron's
-    embedding all-reduce)."""
+    """After the schedule: average the gradients over DP x CP (DDP's job at
+    pp = 1; with an averager, land the all-reduces pipeline_step started), then
+    sum the tied embedding's over its two stages, so both copies take the same
+    step (Megatron's embedding all-reduce)."""
     if averager is not None:
         averager.wait()
-    elif parallel.layout.dp_cp_size > 1:  # all at once (else GradientAverager)
+    elif parallel.layout.dp_cp_size > 1:
         average([p.grad for p in model.parameters() if p.grad is not None], parallel.layout.dp_cp_group)()
     tied = tied_embedding_copy(model)
     if tied is not None:
@@ -530,12 +502,10 @@ def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) 
 
 # ----------------------------------------------------------------------------
 # 5. The gradient reductions stages need
-# ----------------------------------------------------------------------------
 
 def average(grads: list[torch.Tensor], group):
-    """Start averaging `grads` over a data-parallel group, in one flat buffer
-    (one all-reduce for many small tensors). Returns land(), which waits for
-    the all-reduce and writes the averages back into `grads`."""
+    """Start averaging `grads` over `group` in one flat buffer (one all-reduce
+    for many small tensors). Returns land(), which writes the averages back."""
     flat = torch.cat([g.flatten().float() for g in grads])
     work = dist.all_reduce(flat, group=group, async_op=True)
 
@@ -549,17 +519,15 @@ def average(grads: list[torch.Tensor], group):
 
 class GradientAverager:
     """Averages a stage's gradients over its data-parallel group while the
-    schedule still runs (DDP's job at pp = 1; DDP's reducer cannot do it here:
-    it expects each forward's backward before the next forward, and 1F1B keeps
-    several micro-batches in flight).
+    schedule still runs (DDP's reducer cannot: it expects each forward's
+    backward before the next forward, and 1F1B keeps several in flight).
 
     A parameter's gradient is final once the step's last micro-batch has been
-    through its backward: a hook counts the accumulations. Final gradients
-    gather in a bucket (DDP's 25 MB), whose all-reduce is launched when it
-    fills, so it runs during the rest of that backward (Megatron's
-    --overlap-grad-reduce); flush() launches a partial bucket as each backward
-    ends. In 1F1B's drain the last stage ends first, and its all-reduces run
-    while stage 0 drains. wait(), before the optimizer step, lands them all."""
+    through its backward (a hook counts). Final gradients gather in a bucket
+    (DDP's 25 MB), all-reduced when it fills, during the rest of that backward
+    (Megatron's --overlap-grad-reduce); flush() launches a partial bucket as
+    each backward ends. In 1F1B's drain the last stage ends first, and its
+    all-reduces run while stage 0 drains. wait() lands them all."""
 
     def __init__(self, model: nn.Module, group, bucket_bytes: int = 25 * 2**20):
         self.group, self.bucket_bytes = group, bucket_bytes
@@ -569,8 +537,7 @@ class GradientAverager:
                 p.register_post_accumulate_grad_hook(self._accumulated)
 
     def begin(self, micro_batches: int) -> None:
-        """A step of `micro_batches` backwards through every parameter starts
-        (until then, and after wait(), the hooks do nothing)."""
+        """A step of `micro_batches` backwards starts (until then, and after wait(), the hooks do nothing)."""
         self.accumulated, self.micro_batches = {}, micro_batches
 
     def _accumulated(self, p: nn.Parameter) -> None:

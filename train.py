@@ -7,11 +7,10 @@ r"""Pretrain a GPT on Megatron-format token data.
 Sections:
   1. The learning-rate schedule, AdamW, the batch and its ramp.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
-  3. The step: one train_step for both engines and every layout (accumulation
-     over micro-batches, or across pipeline stages the 1F1B schedule of
-     pipeline.py); PlainTraining, the engine without DeepSpeed (mixed
-     precision, the fp16 loss scaler, clipping, the skip decision), whose
-     twin is zero.DeepSpeedTraining.
+  3. The step: one train_step for both engines and every layout (micro-batches
+     in turn, or pipeline.py's schedules); PlainTraining, the engine without
+     DeepSpeed (mixed precision, the fp16 loss scaler, clipping, the skip
+     decision), whose twin is zero.DeepSpeedTraining.
   4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
   5. The loop: preemption, loss checks, checkpoints, the closing sample.
 Elsewhere: flags (config.py), launch (launch.py), process groups (parallel.py),
@@ -53,8 +52,8 @@ from prepare import load_tokenizer
 # 1. What the flags describe: schedule, optimizer, batch
 
 def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: int | None = None) -> int:
-    """global batch = micro batch x data-parallel size x accumulation steps, for this
-    step's global_batch (it ramps with --rampup-batch-size; default --global-batch-size)."""
+    """global batch = micro batch x data-parallel size x accumulation steps
+    (global_batch: this step's, under --rampup-batch-size; default --global-batch-size)."""
     per_step = cfg.micro_batch_size * dp_size
     gbs = global_batch or cfg.global_batch_size or per_step
     if gbs % per_step != 0:
@@ -66,9 +65,8 @@ def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: in
 
 
 def lr_schedule(cfg: TrainConfig) -> tuple:
-    """What the learning rate follows (learning_rate): (peak, floor, decay
-    style, warmup end, decay end), the ends in iterations, or with
-    --train-samples in samples."""
+    """(peak, floor, decay style, warmup end, decay end) for learning_rate; the
+    ends in iterations, or with --train-samples in samples."""
     if cfg.train_samples is None:
         warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
     else:  # Megatron-DeepSpeed's token counts are samples of --seq-length tokens (fractions of one too)
@@ -81,11 +79,10 @@ def lr_schedule(cfg: TrainConfig) -> tuple:
 
 
 def learning_rate(done: int, schedule: tuple) -> float:
-    """Megatron's schedule: a linear warmup from 0 to --lr, then cosine or linear decay
-    to --min-lr (or --lr kept: constant), then --min-lr. schedule: lr_schedule's;
-    done: the iterations before this step, or with --train-samples the samples consumed
-    before it (--train-samples N x B is --train-iters N). As in Megatron, a warmup's
-    first step has lr 0."""
+    """Megatron's schedule: a linear warmup from 0 (its first step has lr 0) to
+    --lr, then cosine or linear decay to --min-lr (or --lr kept: constant), then
+    --min-lr. done: the iterations before this step, or with --train-samples the
+    samples consumed before it."""
     peak, floor, style, warmup, decay = schedule
     if done < warmup:
         return peak * done / warmup
@@ -99,11 +96,10 @@ def learning_rate(done: int, schedule: tuple) -> float:
 def schedule_to_follow(cfg: TrainConfig, start: checkpoint.Start, log) -> tuple:
     """The learning-rate schedule (lr_schedule) a run follows: this run's, or
     resuming with --use-checkpoint-opt_param-scheduler, the checkpoint's
-    (start.config: its run's TrainConfig). Megatron refuses schedules that differ
-    (--lr, --min-lr, the warmup or decay, or a longer --train-iters that ends
-    the decay later) unless one of its two flags says which to keep; here
-    this run's goes on by default, with one line that says what changed (the
-    lr may jump), and silently under --override-opt_param-scheduler."""
+    (start.config: its run's TrainConfig). Megatron refuses schedules that
+    differ unless one of those two flags says which to keep; here this run's
+    goes on, with one line saying what changed (the lr may jump), silent under
+    --override-opt_param-scheduler."""
     mine, saved, path = lr_schedule(cfg), start.config, start.path
     if path is None:  # a fresh start, or --finetune
         return mine
@@ -153,9 +149,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True
 
 
 def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:
-    """The global batch of the step after `consumed` samples. --rampup-batch-size START
+    """The global batch of the step after `consumed` samples: --rampup-batch-size START
     INCREMENT SAMPLES grows it from START by INCREMENT in equal sample intervals up to
-    SAMPLES, then it stays at --global-batch-size (Megatron's ramp-up, used by GPT-3)."""
+    SAMPLES, then --global-batch-size (Megatron's ramp-up, used by GPT-3)."""
     final = cfg.global_batch_size or cfg.micro_batch_size * dp_size
     if not cfg.rampup_batch_size:
         return final
@@ -195,8 +191,7 @@ def eval_consumed(iteration: int, cfg: TrainConfig, global_batch: int) -> int:
 def build_datasets(cfg: TrainConfig, global_batch: int):
     """(train, valid) datasets for this run's samples; the test split is for offline evaluation."""
     train_samples = cfg.train_samples or cfg.train_iters * global_batch
-    # Validation runs every --eval-interval and once at the end; never where --split gives
-    # it no share (100,0,0), as in Megatron.
+    # Validation every --eval-interval and at the end; never where --split gives it no share
     evaluates = cfg.eval_interval > 0 and data_lib.parse_split(cfg.split)[1] > 0
     eval_runs = cfg.train_iters // cfg.eval_interval + 1 if evaluates else 0
     num_samples = (train_samples, eval_runs * cfg.eval_iters * global_batch, 0)
@@ -207,8 +202,8 @@ def build_datasets(cfg: TrainConfig, global_batch: int):
         reset_attention_mask=cfg.reset_attention_mask)[:2]
     if not dist.is_initialized():
         return build()
-    # Rank 0 builds and caches the index arrays, then the others load that cache. If rank 0
-    # fails (bad data), the others raise its error rather than hang in a collective.
+    # Rank 0 builds and caches the index arrays, then the others load that cache; if it
+    # fails (bad data), they raise its error rather than hang in a collective.
     mistake = [None]
     if dist.get_rank() == 0:
         try:
@@ -236,18 +231,16 @@ def check_batches(batches: list[dict], config: GPTConfig) -> list[dict]:
     """Token ids and positions must index the embeddings: the one check of the
     ids, of a step's micro-batches, on the host, in one read (on a GPU a bad
     id is an opaque device-side assert, and checking there costs a sync)."""
-    vocab, positions = "check the data's tokenizer against the model's vocabulary (--tokenizer-type, " \
-        "--vocab-size)", "check --seq-length against --max-position-embeddings"
-    named, extremes = [], []
-    for b in batches:  # the true vocabulary: an id in the padding rows would train them silently
-        for name, limit, fix in (("tokens", config.vocab_size, vocab), ("labels", config.vocab_size, vocab),
-                                 ("position_ids", config.max_position_embeddings, positions)):
-            named.append((f"batch {name}", limit, fix))
-            extremes.append(torch.stack(b[name].aminmax()).long())  # (2,): min, max
-    bounds = torch.cat(extremes).tolist()
-    for (name, limit, fix), lo, hi in zip(named, bounds[::2], bounds[1::2]):
+    vocab = "check the data's tokenizer against the model's vocabulary (--tokenizer-type, --vocab-size)"
+    # the true vocabulary: an id in the padding rows would train them silently
+    checks = (("tokens", config.vocab_size, vocab), ("labels", config.vocab_size, vocab),
+              ("position_ids", config.max_position_embeddings, "check --seq-length against --max-position-embeddings"))
+    extremes = []
+    for b, (name, _, _) in itertools.product(batches, checks):
+        extremes.append(torch.stack(b[name].aminmax()).long())  # (2,): min, max
+    for (lo, hi), (name, limit, fix) in zip(torch.stack(extremes).tolist(), checks * len(batches)):
         if lo < 0 or hi >= limit:
-            raise UsageError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
+            raise UsageError(f"batch {name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
     return batches
 
 
@@ -261,9 +254,8 @@ def synchronize(device: torch.device) -> None:
 # 3. The step
 
 def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
-    """The run's model on `device`: this rank's layers of it under pipeline
-    parallelism (pipeline.pipeline_chunks; at pp = 1 all of them), with the
-    kernels chosen for `kernels_for` (default: device; ZeRO-3 under TP
+    """The run's model on `device` (this rank's layers: pipeline.pipeline_chunks),
+    with the kernels chosen for `kernels_for` (default: device; ZeRO-3 under TP
     builds on the host what runs on a GPU). Both engines build it."""
     mcfg = model_config(cfg, kernels_for or device)
     if cfg.domino:
@@ -284,13 +276,10 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
 
 def train_step(trainer, batches: list, lr: float):
     """One optimizer step over the micro-batches `batches` (host tensors), for
-    either engine: PlainTraining, or zero.DeepSpeedTraining. Each micro-batch's
-    forward and loss is the model's (under stages, pipeline.Stage's, a model
-    chunk at a time); the engine says how the step begins, how a micro-batch's
-    loss becomes gradients, and how the step ends.
-    Returns (loss averaged over micro-batches and DP ranks, grad norm, skipped:
-    1.0 or 0.0); the plain engine's stay on the device, so the host never waits
-    for the GPU here."""
+    either engine (PlainTraining, zero.DeepSpeedTraining): the engine says how
+    the step begins, how a micro-batch's loss becomes gradients, and how it
+    ends. Returns (the loss averaged over micro-batches and DP ranks, grad norm,
+    skipped: 1.0 or 0.0); the plain engine's stay on the device: no host wait."""
     m = len(batches)
     trainer.begin(m, lr)
     if parallel.layout.cp_size > 1:  # this rank's share of every sequence, and its loss weight
@@ -303,8 +292,7 @@ def train_step(trainer, batches: list, lr: float):
                 with trainer.precision:  # the engine's autocast (--bf16 / --fp16)
                     loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
                                          document_ids=b.get("document_ids"))
-                if "loss_weight" in b:
-                    loss = loss * b["loss_weight"]
+                loss = loss * b.get("loss_weight", 1.0)  # CP's (context.split_batch)
                 trainer.backward(loss, m)
             total += loss.detach() / m
     else:  # the same forward, a model chunk at a time, in 1F1B order through this rank's stage
@@ -360,12 +348,11 @@ class LossScaler:
 
 
 class PlainTraining:
-    """The engine without DeepSpeed: the model (build_model), our AdamW
-    and the --fp16 loss scaler, loaded from --load, wrapped for --compile and,
-    at pp = 1 over several data-parallel ranks, DDP. train_step drives it, as
-    it drives its twin zero.DeepSpeedTraining: begin the step; per micro-batch,
-    forward within micro_batch(), then backward (under stages, the schedule
-    differentiates the loss `scale` gives); finish the step."""
+    """The engine without DeepSpeed: the model (build_model), our AdamW and the
+    --fp16 loss scaler, loaded from --load, wrapped for --compile and, at pp = 1
+    over several data-parallel ranks, DDP. train_step drives it as it drives
+    zero.DeepSpeedTraining: begin; per micro-batch, forward within micro_batch(),
+    then backward (under stages, the schedule's, of the loss `scale` gives); finish."""
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, log):
         self.cfg, self.device, self.log = cfg, env.device, log
@@ -374,7 +361,6 @@ class PlainTraining:
         self.scaler = LossScaler(cfg.initial_loss_scale, env.device, cfg.loss_scale_window or 2000,
                                  cfg.hysteresis or 1, cfg.min_loss_scale or 0.0) if cfg.fp16 else None
         self.start = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer, self.scaler, log)
-        # What runs the forward: the model, or under stages one model chunk at a time
         self.model = self.raw if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
         if cfg.compile:
             self.model = torch.compile(self.model, **compile_options(cfg))
@@ -382,10 +368,8 @@ class PlainTraining:
         if lay.dp_cp_size > 1 and lay.pp_size == 1:
             self.model = DDP(self.model, process_group=lay.dp_cp_group,
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-        # What every step uses, settled once for the run:
         self.precision = autocast(cfg, env.device)               # the forward's (--bf16 / --fp16)
         self.scale = self.scaler.scale if self.scaler else None  # a loss's, before backward
-        # Under stages, the data-parallel average of each gradient starts as soon as it is final
         self.averager = pipeline.GradientAverager(self.raw, lay.dp_cp_group) \
             if lay.pp_size > 1 and lay.dp_cp_size > 1 else None
         self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
@@ -397,7 +381,7 @@ class PlainTraining:
         self.saver = checkpoint.AsyncSave(env.timeout, self.optimizer) if cfg.async_save and cfg.save else None
 
     def begin(self, micro_batches: int, lr: float) -> None:
-        """This step's learning rate; its gradients start from none (zero under CUDA graphs)."""
+        """This step's learning rate; gradients start from none (zero under CUDA graphs)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # Under CUDA graphs, autograd would make a replay's output buffer the .grad of
@@ -421,14 +405,11 @@ class PlainTraining:
         (self.scale(share) if self.scale else share).backward()
 
     def finish(self):
-        """Clip, then update the weights unless the gradient norm is inf or NaN,
-        decided on the device. Returns (grad norm, found_inf: 1.0 if the step was
-        skipped, else 0.0), both on the device.
-
-        Every rank decides alike: grad_norm is the whole model's, all-reduced over TP (grads
-        already averaged over DP), so per-shard decisions cannot let replicas drift apart.
-        Fused AdamW takes the flag as a tensor and, when it is 1, leaves weights, moments and
-        step count alone: no host read stalls the GPU queue."""
+        """Clip, then update the weights unless the gradient norm is inf or NaN.
+        Returns (grad norm, found_inf: 1.0 if the step was skipped), on the device.
+        Every rank decides alike: the norm is the whole model's (clip_grad_norm_),
+        so replicas cannot drift apart. Fused AdamW takes the flag as a tensor and,
+        when it is 1, leaves weights, moments and step count alone: no host read."""
         if parallel.layout.pp_size > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
             pipeline.reduce_pipeline_grads(self.raw, self.averager)
         if self.scaler:
@@ -452,13 +433,12 @@ class PlainTraining:
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clip to the TRUE global L2 norm of the full (unsharded) model's grads,
-    already averaged over data parallelism; like torch's, return the norm.
-    Replicated grads are identical on all TP ranks, so only TP rank 0 counts
-    them; the others add theirs times 0, and as 0 * inf is NaN, an inf in any
-    rank's copy makes the norm non-finite everywhere. A non-finite norm leaves
-    the grads untouched: the caller decides (e.g. skip the step). Under
-    pipeline parallelism each stage adds its own layers' squares (the last
+    """Clip to the global L2 norm of the full (unsharded) model's grads, already
+    averaged over DP; return the norm, like torch's. Replicated grads are the
+    same on all TP ranks, so TP rank 0 counts them; the others add theirs times
+    0 (0 * inf is NaN: an inf in any rank's copy makes the norm non-finite
+    everywhere). A non-finite norm leaves the grads untouched: the caller
+    decides. Each pipeline stage adds its own layers' squares (the last
     stage's copy of a tied embedding counts like a replica: times 0)."""
     lay = parallel.layout
     counted, copies = [], []  # copies: replicated grads that another rank counts
@@ -469,10 +449,9 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     grads = counted + copies
     if not grads:
         return torch.tensor(0.0)
-    # Every grad's norm in a few launches (foreach), not a few per parameter: a loop
-    # over a 350M model's 292 grads kept an H200 waiting on the host (bench/RESULTS.md).
-    # The CPU's norm kernel sums in order (off by 2e-5 over a 3M-element embedding,
-    # enough to tell layouts apart after a few Adam steps): there it sums in fp64.
+    # Every grad's norm in a few launches (foreach): a loop per parameter kept an H200
+    # waiting on the host (bench/RESULTS.md). The CPU's norm kernel sums in order (off by
+    # 2e-5 over a 3M-element embedding, enough to tell layouts apart): there it sums in fp64.
     fp = torch.float64 if grads[0].device.type == "cpu" else torch.float32
     squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=fp)).square()
     sq = (squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0).float()
@@ -493,9 +472,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 @torch.no_grad()
 def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, consumed: int,
                     accum: int) -> float:
-    """Mean loss over --eval-iters global batches, averaged over data-parallel ranks
-    (under --bf16 / --fp16 autocast, with either engine); mcfg: the model's
-    config, which its batches are checked against."""
+    """Mean loss over --eval-iters global batches, averaged over data-parallel
+    ranks, with either engine; mcfg: the config its batches are checked against."""
     model.eval()
     it = data_iterator(dataset, cfg, consumed)
     precision = autocast(cfg, device)
@@ -515,8 +493,8 @@ def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, c
 
 
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation), matched against
-# torch.cuda.get_device_name() most specific first; an unlisted GPU gets no MFU rather
-# than a guess. Sources: NVIDIA data sheets (sparse / 2), GeForce whitepapers.
+# torch.cuda.get_device_name() most specific first; an unlisted GPU (or None) gets no MFU,
+# not a guess. Sources: NVIDIA data sheets (sparse / 2), GeForce whitepapers.
 PEAK_FLOPS = {
     "H200 NVL": 835e12,     # H200 data sheet: 1,671 TFLOPS sparse (NVL)
     "H200": 989e12,         # H200 data sheet: 1,979 TFLOPS sparse (SXM)
@@ -528,7 +506,8 @@ PEAK_FLOPS = {
     "L40S": 362e12,         # L40S data sheet: 733 TFLOPS sparse
     "L40": 181e12,          # L40 data sheet: 362 TFLOPS sparse
     "L4": 121e12,           # L4 data sheet: 242 TFLOPS sparse
-    "A10": 125e12,          # A10 data sheet: 250 TFLOPS sparse (not A10G: AWS gives no bf16 rate)
+    "A10G": None,           # AWS gives no bf16 rate ("A10" is in its name, not its tensor rate)
+    "A10": 125e12,          # A10 data sheet: 250 TFLOPS sparse
     "RTX 4090": 82.6e12,    # Ada whitepaper: 165.2 with fp16 accumulate, 82.6 with fp32
     "RTX 3090": 35.6e12,    # GA102 whitepaper: 71 with fp16 accumulate, 35.6 with fp32
     "V100-SXM2": 125e12,    # V100 data sheet: fp16 (no bf16), SXM2
@@ -547,8 +526,6 @@ def device_peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
 
 def peak_flops_by_name(name: str) -> float | None:
     """PEAK_FLOPS of the first key the device name contains; None for an unknown device."""
-    if "A10G" in name:  # "A10" is in its name, but not its tensor rate
-        return None
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
@@ -610,12 +587,11 @@ SIGTERM_BEFORE_THE_LOOP = ("train.py: SIGTERM before training started (while loa
 
 
 class Preemption:
-    """Turns SIGTERM (a cluster's preemption notice) once the loop has
-    started, or the end of --exit-duration-in-mins (a job's time limit,
-    counted from the start of the run), into a flag the loop checks. Every
-    rank must stop (and save) at the same iteration, so the ranks vote with an
-    all-reduce. On CUDA each vote is read one step late, once the next step is
-    queued, so the host never waits for the GPU: the ranks still agree, a step later."""
+    """Turns SIGTERM (a cluster's preemption notice) once the loop has started,
+    or the end of --exit-duration-in-mins (counted from the start of the run),
+    into a flag the loop checks. Every rank must stop (and save) at the same
+    iteration, so the ranks vote with an all-reduce. On CUDA each vote is read
+    one step late, once the next step is queued: the host never waits for the GPU."""
 
     def __init__(self, device: torch.device, minutes: float | None = None):
         self.device, self.requested = device, False
@@ -651,8 +627,8 @@ class Preemption:
 
 def check_losses(pending: list, logger: Logger, last_saved: int) -> list[float]:
     """Read the (iteration, device loss) pairs queued since the last check in one host
-    sync (at log intervals and saves, never per step), stop the run at the first
-    non-finite one, and return their values."""
+    sync (at log intervals and saves), stop the run at the first non-finite one, and
+    return their values."""
     values = torch.stack([loss.float() for _, loss in pending]).tolist()
     for (iteration, _), value in zip(pending, values):
         if not math.isfinite(value):
@@ -717,12 +693,11 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     global_batch = cfg.micro_batch_size * dp * accum
     ramp = range(cfg.rampup_batch_size[0], global_batch, cfg.rampup_batch_size[1]) if cfg.rampup_batch_size else []
     pp = parallel.layout.pp_size
-    if pp > 1:  # the layers must divide into stages: the model chunks a rank holds
-        v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
-                                         cfg.num_layers_per_virtual_pipeline_stage))
     for batch in [*ramp, global_batch]:
         micro_batches = gradient_accumulation_steps(cfg, dp, batch)
-        if pp > 1:
+        if pp > 1:  # v: the model chunks a rank holds (the layers must divide into stages)
+            v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
+                                             cfg.num_layers_per_virtual_pipeline_stage))
             pipeline.check_micro_batches(micro_batches, pp, v)
     return cfg, accum, global_batch
 
@@ -783,10 +758,10 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
 
 def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets, logger, preempt: Preemption,
          global_batch: int, accum: int) -> int:
-    """Train from the trainer's start to --train-iters (or a stop), the learning
-    rate following `schedule` (lr_schedule's); return the last
-    iteration. The host never waits for the GPU within an iteration: device values are
-    read only at log intervals, evaluations and saves, the preemption vote a step late."""
+    """Train from the trainer's start to --train-iters (or a stop), the learning rate
+    following `schedule`; return the last iteration. The host never waits for the GPU
+    within an iteration: device values are read only at log intervals, evaluations and
+    saves, the preemption vote a step late."""
     preempt.start()  # first: DataLoader workers, forked below, must not inherit the exit at once
     train_ds, valid_ds = datasets
     iteration, consumed = trainer.start.iteration, trainer.start.consumed
