@@ -14,11 +14,9 @@
    an untied head (GPT.head).
 4. GPT-2 initialization (`init_weights`).
 5. Tensor parallelism (Megatron-style, see parallel.py): each layer is built
-   and initialized exactly as for tp=1, then sliced (shard_block) before the
-   next is built, so every tp trains the same model from the same seed and no
-   rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
-   A pipeline stage keeps its own layers (GPT(config, layers)); pipeline.Stage
-   runs them one model chunk at a time.
+   and initialized as for tp=1, then sliced (shard_block; see GPT.__init__).
+   Domino (domino_blocks) hides the TP all-reduces. A pipeline stage keeps its
+   own layers (GPT(config, layers)), which pipeline.Stage runs.
 6. Generation: the KV cache and `generate`.
 7. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
 8. The checks of a GPTConfig (`check_config`).
@@ -504,8 +502,10 @@ class GPT(nn.Module):
         chunk at a time: pipeline.Stage."""
         T = input_ids.shape[1]
         start = kv_cache.length if kv_cache is not None else 0  # positions already in the cache
-        if start + T > self.config.max_position_embeddings or self.sequence_parallel and T % parallel.layout.tp_size:
-            refuse_inputs(self, T, start)  # the reason, below the model
+        if start + T > self.config.max_position_embeddings:
+            raise UsageError(f"sequence length {start + T} exceeds max_position_embeddings "
+                             f"({self.config.max_position_embeddings}); use a shorter --seq-length or a "
+                             f"model with more positions")
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
         x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
@@ -583,15 +583,6 @@ class GPT(nn.Module):
 
     # -- bookkeeping ------------------------------------------------------------
 
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameters in this module (under TP this rank's shards); a tied head
-        counts once. exclude_embeddings drops wte, wpe and output_layer (Kaplan's N)."""
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            tables = ("wte", "wpe", "output_layer")
-            n -= sum(getattr(self, t).weight.numel() for t in tables if hasattr(self, t))
-        return n
-
     def full_state_dict(self) -> dict:
         """The unsharded state dict that checkpoints store (a collective: every TP
         rank must call it), so checkpoints do not depend on the layout."""
@@ -627,21 +618,6 @@ class GPT(nn.Module):
         if not tied:
             stage_of["output_layer"] = last
         return stage_of.get(piece, True)
-
-
-def refuse_inputs(model: GPT, tokens: int, start: int = 0) -> None:
-    """What GPT.forward found wrong with `tokens` new positions after `start`
-    cached ones. (Token ids: train.check_batches checks them on the host.)"""
-    tp = parallel.layout.tp_size
-    if model.sequence_parallel and tokens % tp:
-        raise UsageError(
-            f"sequence parallelism splits each sequence over the {tp} tensor-parallel ranks, but it "
-            f"has {tokens} tokens: use a --seq-length divisible by {tp} (generation runs under "
-            f"parallel.sequence_parallel_off, as generate does)")
-    raise UsageError(
-        f"sequence length {start + tokens} exceeds max_position_embeddings "
-        f"({model.config.max_position_embeddings}); use a shorter --seq-length or a "
-        f"model with more positions")
 
 
 # -----------------------------------------------------------------------------
@@ -743,7 +719,8 @@ def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
 
 
 def count_parameters(config: GPTConfig, exclude_embeddings: bool = False) -> int:
-    """GPT(config).num_parameters(...) of the full model, from the config alone."""
+    """The full model's parameters (a tied head once), from the config alone;
+    exclude_embeddings drops wte, wpe and output_layer (Kaplan's N)."""
     H, Fh, L = config.hidden_size, config.ffn_hidden_size, config.num_layers
     b = 0 if config.disable_bias_linear else 1          # a bias per output feature
     norm = H if config.normalization == "RMSNorm" else 2 * H
