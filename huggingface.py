@@ -28,11 +28,9 @@ def from_hf(path: str, **overrides) -> GPT:
     if kind not in ("gpt2", "llama"):
         raise UsageError(f"HF model_type {kind!r} in {path} is not supported: use a gpt2 or "
                          f"llama checkpoint")
-    to_config, to_ours = ((config_from_hf, hf_to_ours) if kind == "gpt2"
-                          else (llama_config_from_hf, llama_hf_to_ours))
-    config = to_config(hf, **overrides)
+    config = (config_from_hf if kind == "gpt2" else llama_config_from_hf)(hf, **overrides)
     model = GPT(config)
-    model.load_full_state_dict(to_ours(_read_hf_weights(path), config))
+    model.load_full_state_dict(hf_to_ours(_read_hf_weights(path), config))
     return model
 
 
@@ -42,9 +40,7 @@ def to_hf(model: GPT, path: str) -> None:
     AutoModelForCausalLM.from_pretrained(path) (GPT2LMHeadModel or
     LlamaForCausalLM); see hf_architecture."""
     kind = hf_architecture(model.config)  # before the (collective) gather: fail fast
-    to_config, to_hf_sd = ((config_to_hf, ours_to_hf) if kind == "gpt2"
-                           else (llama_config_to_hf, llama_ours_to_hf))
-    sd = to_hf_sd(model.full_state_dict(), model.config)
+    sd = ours_to_hf(model.full_state_dict(), model.config)
     os.makedirs(path, exist_ok=True)
     try:
         from safetensors.torch import save
@@ -52,7 +48,7 @@ def to_hf(model: GPT, path: str) -> None:
                      lambda f: f.write(save(sd, metadata={"format": "pt"})))
     except ImportError:
         atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
-    text = json.dumps(to_config(model.config), indent=2)
+    text = json.dumps((config_to_hf if kind == "gpt2" else llama_config_to_hf)(model.config), indent=2)
     atomic_write(os.path.join(path, HF_CONFIG), lambda f: f.write(text.encode()))
 
 
@@ -115,13 +111,6 @@ def _eos(config: GPTConfig) -> int:
     return config.vocab_size - 1  # the end of a document: GPT-2's <|endoftext|>, or NullTokenizer's N
 
 
-# GPT-2's state dict. HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,
-# attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
-# (in, out), the transpose of nn.Linear's (out, in).
-
-_VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
-_HF_RENAMES = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-               "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
 _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
     "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
     "reorder_and_upcast_attn": False, "add_cross_attention": False,
@@ -158,86 +147,6 @@ def config_to_hf(config: GPTConfig) -> dict:
         "bos_token_id": _eos(config), "eos_token_id": _eos(config),
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
     }
-
-
-def _is_conv1d_weight(name: str) -> bool:
-    return name.endswith(".weight") and any(f".{k}." in name for k in _HF_RENAMES)
-
-
-def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte (and an untied lm_head)."""
-    out = {}
-    for name, t in sd.items():
-        name = name.removeprefix("transformer.")
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # HF's causal-mask buffers, not weights
-        if name == "lm_head.weight":
-            if config.untie_embeddings_and_output_weights:
-                out["output_layer.weight"] = _pad_vocab_rows(t, config)
-            elif not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
-                raise UsageError("HF lm_head.weight differs from wte.weight, but config.json ties them "
-                                 "(tie_word_embeddings)")
-            continue
-        if _is_conv1d_weight(name):
-            t = t.t()
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{old}.", f".{new}.")
-        if name.startswith("h."):
-            name = "blocks." + name[2:]
-        out[name] = t.contiguous()
-    wte = out.get("wte.weight")
-    if wte is None or wte.shape[0] != config.vocab_size:
-        raise UsageError(f"HF wte.weight missing or not {config.vocab_size} rows")
-    out["wte.weight"] = _pad_vocab_rows(wte, config)
-    return out
-
-
-def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF GPT-2's (a tied lm_head omitted: HF re-ties it to wte)."""
-    out = {}
-    for name, t in sd.items():
-        if name in _VOCAB_TABLES:
-            t = t[:config.vocab_size]  # drop the padding rows
-        if name == "output_layer.weight":
-            out["lm_head.weight"] = t.detach().cpu().contiguous().clone()
-            continue
-        if name.startswith("blocks."):
-            name = "h." + name[len("blocks."):]
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{new}.", f".{old}.")
-        if _is_conv1d_weight(name):
-            t = t.t()
-        out["transformer." + name] = t.detach().cpu().contiguous().clone()
-    return out
-
-
-# Llama's state dict. HF names: model.embed_tokens, model.layers.{i}.{input_layernorm,
-# self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj},
-# model.norm, lm_head. Weights are nn.Linear's (out, in), like ours. Our fused
-# qkv is [q_proj | k_proj | v_proj] and our fc is [gate_proj | up_proj], and
-# both sides rotate half-dims apart (apply_rope), so nothing is permuted.
-
-
-def _llama_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]]:
-    """(our name, HF names, row sizes): each of our tensors is one HF tensor,
-    or (sizes given) the HF tensors stacked along dim 0."""
-    H, Fh = config.hidden_size, config.ffn_hidden_size
-    kv = config.num_query_groups * config.head_dim
-    table = [("wte.weight", ["model.embed_tokens.weight"], None),
-             ("ln_f.weight", ["model.norm.weight"], None)]
-    if config.untie_embeddings_and_output_weights:
-        table.append(("output_layer.weight", ["lm_head.weight"], None))
-    kinds = ("weight",) if config.disable_bias_linear else ("weight", "bias")
-    for i in range(config.num_layers):
-        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
-        table += [(ours + "ln_1.weight", [hf + "input_layernorm.weight"], None),
-                  (ours + "ln_2.weight", [hf + "post_attention_layernorm.weight"], None)]
-        for k in kinds:
-            table += [(ours + f"attn.qkv.{k}", [hf + f"self_attn.{p}_proj.{k}" for p in "qkv"], [H, kv, kv]),
-                      (ours + f"attn.proj.{k}", [hf + f"self_attn.o_proj.{k}"], None),
-                      (ours + f"mlp.fc.{k}", [hf + f"mlp.{p}_proj.{k}" for p in ("gate", "up")], [Fh, Fh]),
-                      (ours + f"mlp.proj.{k}", [hf + f"mlp.down_proj.{k}"], None)]
-    return table
 
 
 def llama_config_from_hf(hf: dict, **overrides) -> GPTConfig:
@@ -285,29 +194,83 @@ def llama_config_to_hf(config: GPTConfig) -> dict:
     }
 
 
-def llama_ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF Llama's: split qkv and fc, drop the vocab padding."""
+# The state dicts. GPT-2's HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,
+# attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}; its Conv1D stores weights as
+# (in, out), the transpose of nn.Linear's (out, in). Llama's: model.embed_tokens,
+# model.layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+# mlp.{gate,up,down}_proj}, model.norm, lm_head, (out, in) like ours. Our fused
+# qkv is [q_proj | k_proj | v_proj] and our fc is [gate_proj | up_proj], and
+# both sides rotate half-dims apart (apply_rope), so nothing is permuted.
+
+_VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
+_GPT2_BLOCK = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+               "ln_2": "ln_2", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}  # ours -> HF's, in a block
+_HF_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # HF's masks and RoPE: not weights
+
+
+def _hf_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]]:
+    """(our name, HF names, row sizes) of every weight: each of ours is one HF
+    tensor, or (sizes given) the HF tensors stacked along dim 0."""
+    c = config
+    if hf_architecture(c) == "gpt2":
+        table = [(name, ["transformer." + name], None) for name in ("wte.weight", "wpe.weight", "ln_f.weight",
+                                                                     "ln_f.bias")]
+        for i in range(c.num_layers):
+            table += [(f"blocks.{i}.{ours}.{k}", [f"transformer.h.{i}.{theirs}.{k}"], None)
+                      for ours, theirs in _GPT2_BLOCK.items() for k in ("weight", "bias")]
+    else:
+        H, Fh, kv = c.hidden_size, c.ffn_hidden_size, c.num_query_groups * c.head_dim
+        table = [("wte.weight", ["model.embed_tokens.weight"], None), ("ln_f.weight", ["model.norm.weight"], None)]
+        for i in range(c.num_layers):
+            ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+            table += [(ours + "ln_1.weight", [hf + "input_layernorm.weight"], None),
+                      (ours + "ln_2.weight", [hf + "post_attention_layernorm.weight"], None)]
+            for k in ("weight",) if c.disable_bias_linear else ("weight", "bias"):
+                table += [(ours + f"attn.qkv.{k}", [hf + f"self_attn.{p}_proj.{k}" for p in "qkv"], [H, kv, kv]),
+                          (ours + f"attn.proj.{k}", [hf + f"self_attn.o_proj.{k}"], None),
+                          (ours + f"mlp.fc.{k}", [hf + f"mlp.{p}_proj.{k}" for p in ("gate", "up")], [Fh, Fh]),
+                          (ours + f"mlp.proj.{k}", [hf + f"mlp.down_proj.{k}"], None)]
+    if c.untie_embeddings_and_output_weights:
+        table.append(("output_layer.weight", ["lm_head.weight"], None))
+    return table
+
+
+def _conv1d(hf_name: str) -> bool:
+    """Whether an HF weight is GPT-2's Conv1D, (in, out): ours transposed."""
+    return hf_name.endswith(".weight") and any(f".{k}." in hf_name for k in ("c_attn", "c_proj", "c_fc"))
+
+
+def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
+    """Our state dict -> HF's: drop the vocab padding, split qkv and fc (Llama),
+    transpose Conv1D weights (GPT-2); a tied lm_head is omitted (HF re-ties it)."""
     out = {}
-    for ours, theirs, sizes in _llama_names(config):
+    for ours, theirs, sizes in _hf_names(config):
         t = sd[ours][:config.vocab_size] if ours in _VOCAB_TABLES else sd[ours]
-        parts = t.split(sizes) if sizes else [t]
-        out.update({name: part.detach().cpu().contiguous().clone() for name, part in zip(theirs, parts)})
+        for name, part in zip(theirs, t.split(sizes) if sizes else [t]):
+            out[name] = (part.t() if _conv1d(name) else part).detach().cpu().contiguous().clone()
     return out
 
 
-def llama_hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF Llama state dict -> ours: stack q/k/v and gate/up, pad the vocab."""
-    names = _llama_names(config)
-    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, not a weight
-    if not config.untie_embeddings_and_output_weights:
-        sd.pop("lm_head.weight", None)  # tied: a copy of embed_tokens, if saved at all
+def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
+    """HF state dict -> ours: stack q/k/v and gate/up (Llama), transpose Conv1D
+    weights (GPT-2), pad the vocab."""
+    gpt2 = hf_architecture(config) == "gpt2"
+    # GPT-2's original checkpoints name its weights without "transformer."
+    sd = {("transformer." + k if gpt2 and not k.startswith(("transformer.", "lm_head.")) else k): v
+          for k, v in sd.items() if not k.endswith(_HF_BUFFERS)}
+    head = None if config.untie_embeddings_and_output_weights else sd.pop("lm_head.weight", None)
+    names = _hf_names(config)
     expected = {n for _, theirs, _ in names for n in theirs}
     if expected != set(sd):
-        raise UsageError(f"HF Llama weights do not match its config.json: missing "
+        raise UsageError(f"HF {'GPT-2' if gpt2 else 'Llama'} weights do not match its config.json: missing "
                          f"{sorted(expected - set(sd))[:5]}, unexpected {sorted(set(sd) - expected)[:5]}")
+    # A tied head, if saved at all, is a copy of the embedding (GPT-2's is checked).
+    if gpt2 and head is not None and not torch.equal(head, sd["transformer.wte.weight"]):
+        raise UsageError("HF lm_head.weight differs from wte.weight, but config.json ties them "
+                         "(tie_word_embeddings)")
     out = {}
     for ours, theirs, _ in names:
-        t = torch.cat([sd[n] for n in theirs])
+        t = torch.cat([sd[n].t() if _conv1d(n) else sd[n] for n in theirs])
         out[ours] = _pad_vocab_rows(t, config) if ours in _VOCAB_TABLES else t.contiguous()
     return out
 
