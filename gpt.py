@@ -150,7 +150,7 @@ def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 
 
 # -----------------------------------------------------------------------------
-# Plug-in seam: LayerNorm construction
+# Model
 
 
 def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
@@ -161,10 +161,6 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
     else:
         norm = nn.RMSNorm if rms else nn.LayerNorm
     return norm(hidden, eps=config.layernorm_epsilon)
-
-
-# -----------------------------------------------------------------------------
-# Model
 
 
 def rope_angles(config: GPTConfig, position_ids):

@@ -28,18 +28,17 @@ def from_hf(path: str, **overrides) -> GPT:
     if kind not in ("gpt2", "llama"):
         raise UsageError(f"HF model_type {kind!r} in {path} is not supported: use a gpt2 or "
                          f"llama checkpoint")
-    config = (config_from_hf if kind == "gpt2" else llama_config_from_hf)(hf, **overrides)
+    config = config_from_hf(hf, **overrides)
     model = GPT(config)
     model.load_full_state_dict(hf_to_ours(_read_hf_weights(path), config))
     return model
 
 
 def to_hf(model: GPT, path: str) -> None:
-    """Write config.json + model.safetensors (pytorch_model.bin if the
-    safetensors package is missing), atomically, for transformers'
-    AutoModelForCausalLM.from_pretrained(path) (GPT2LMHeadModel or
-    LlamaForCausalLM); see hf_architecture."""
-    kind = hf_architecture(model.config)  # before the (collective) gather: fail fast
+    """Write config.json + model.safetensors (pytorch_model.bin without the
+    safetensors package), atomically, for transformers'
+    AutoModelForCausalLM.from_pretrained(path); see hf_architecture."""
+    hf_architecture(model.config)  # before the (collective) gather: fail fast
     sd = ours_to_hf(model.full_state_dict(), model.config)
     os.makedirs(path, exist_ok=True)
     try:
@@ -48,7 +47,7 @@ def to_hf(model: GPT, path: str) -> None:
                      lambda f: f.write(save(sd, metadata={"format": "pt"})))
     except ImportError:
         atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
-    text = json.dumps((config_to_hf if kind == "gpt2" else llama_config_to_hf)(model.config), indent=2)
+    text = json.dumps(config_to_hf(model.config), indent=2)
     atomic_write(os.path.join(path, HF_CONFIG), lambda f: f.write(text.encode()))
 
 
@@ -58,13 +57,12 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 
 def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source: str | None) -> None:
     """The tokenizer beside an exported model, so that transformers'
-    AutoTokenizer.from_pretrained(path), and pipeline("text-generation",
-    model=path), read text as the model was trained, with no download
-    (without one they build an empty tokenizer, silently): a Hugging Face
-    source's own files, else GPT-2's for a run on GPT-2's BPE (`run`: its
-    TrainConfig; None for weights that came from Hugging Face: a GPT-2-sized
-    vocabulary), as vocab.json and merges.txt (Megatron's gpt2-vocab.json
-    and gpt2-merges.txt) and tokenizer_config.json."""
+    AutoTokenizer.from_pretrained(path) and pipeline("text-generation",
+    model=path) read text as the model was trained, with no download (without
+    one they build an empty tokenizer, silently): a Hugging Face source's own
+    files, else GPT-2's for a run on GPT-2's BPE (`run`: its TrainConfig; None
+    for weights from Hugging Face: a GPT-2-sized vocabulary), as vocab.json,
+    merges.txt (Megatron's gpt2-vocab.json, gpt2-merges.txt) and tokenizer_config.json."""
     files = {name: os.path.join(hf_source, name) for name in HF_TOKENIZER_FILES} if hf_source else {}
     files = {name: source for name, source in files.items() if os.path.isfile(source)}
     gpt2 = run["tokenizer_type"] == "GPT2BPETokenizer" if run else config.vocab_size == VOCAB_SIZE
@@ -82,9 +80,9 @@ def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source
 
 def hf_architecture(config: GPTConfig) -> str:
     """"gpt2" or "llama": the transformers architecture that computes exactly
-    this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
-    or without GQA, biases or a tied head, is Llama; either with a head of
-    its own or not); else a UsageError naming the closer one and its flags."""
+    this model (the default options are GPT-2; rope + RMSNorm + SwiGLU is
+    Llama, with or without GQA or biases; either tied or not); else a
+    UsageError naming the closer one and its flags."""
     c = config
     # what each architecture needs: (holds for this config?, the flag that makes it hold)
     needs = {"gpt2": [(c.position_embedding_type == "learned_absolute",
@@ -107,10 +105,6 @@ def hf_architecture(config: GPTConfig) -> str:
                      f"{', '.join(missing[arch])}: train with that, or use --export-format plain")
 
 
-def _eos(config: GPTConfig) -> int:
-    return config.vocab_size - 1  # the end of a document: GPT-2's <|endoftext|>, or NullTokenizer's N
-
-
 _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
     "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
     "reorder_and_upcast_attn": False, "add_cross_attention": False,
@@ -118,38 +112,24 @@ _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> require
 
 
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise UsageError(f"HF activation_function {act!r} is not supported; this GPT uses "
-                         f"tanh-approximate GELU ('gelu_new')")
-    for key, want in _HF_UNSUPPORTED.items():
-        if hf.get(key, want) != want:
-            raise UsageError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
+    """Our GPTConfig from a GPT-2 or Llama config.json; `overrides`, the
+    caller's choices, win (evaluate.py: no dropout)."""
     vocab = hf.get("vocab_size", 50257)
-    return GPTConfig(**{**dict(
-        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
-        vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)),
-        **overrides})  # the caller's choices win
-
-
-def config_to_hf(config: GPTConfig) -> dict:
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
-        "n_embd": config.hidden_size, "n_layer": config.num_layers, "n_head": config.num_attention_heads,
-        "n_inner": config.ffn_hidden_size, "activation_function": "gelu_new",
-        "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
-        "attn_pdrop": config.attention_dropout, "layer_norm_epsilon": config.layernorm_epsilon,
-        "initializer_range": config.init_method_std,
-        "bos_token_id": _eos(config), "eos_token_id": _eos(config),
-        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-    }
-
-
-def llama_config_from_hf(hf: dict, **overrides) -> GPTConfig:
+    shared = dict(vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab),
+                  init_method_std=hf.get("initializer_range", 0.02))
+    if hf.get("model_type", "gpt2") == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise UsageError(f"HF activation_function {act!r} is not supported; this GPT uses "
+                             f"tanh-approximate GELU ('gelu_new')")
+        for key, want in _HF_UNSUPPORTED.items():
+            if hf.get(key, want) != want:
+                raise UsageError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
+        return GPTConfig(**{**shared, **dict(
+            num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+            ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
+            layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)), **overrides})
     if hf.get("hidden_act", "silu") != "silu":
         raise UsageError(f"HF hidden_act {hf['hidden_act']!r} is not supported; Llama's MLP here is SwiGLU (silu)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -162,36 +142,37 @@ def llama_config_from_hf(hf: dict, **overrides) -> GPTConfig:
                          f"({H // nh}); this model has no separate head dim")
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         raise UsageError("HF attention_bias and mlp_bias differ; --disable-bias-linear sets both")
-    G, vocab = hf.get("num_key_value_heads") or nh, hf["vocab_size"]
-    return GPTConfig(**{**dict(
+    G = hf.get("num_key_value_heads") or nh
+    return GPTConfig(**{**shared, **dict(
         num_layers=hf["num_hidden_layers"], hidden_size=H, num_attention_heads=nh,
         num_query_groups=None if G == nh else G, ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"], vocab_size=vocab,
-        padded_vocab_size=pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_method_std=hf.get("initializer_range", 0.02),
+        max_position_embeddings=hf["max_position_embeddings"], layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         attention_dropout=hf.get("attention_dropout", 0.0), position_embedding_type="rope",
         rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         normalization="RMSNorm", swiglu=True, disable_bias_linear=not hf.get("attention_bias", False),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False)),
-        **overrides})  # the caller's choices win (evaluate.py: no dropout)
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False)), **overrides})
 
 
-def llama_config_to_hf(config: GPTConfig) -> dict:
-    bias, theta = not config.disable_bias_linear, config.rotary_base
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
-        "head_dim": config.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.layernorm_epsilon, "initializer_range": config.init_method_std,
-        # rope_theta for transformers 4.x, rope_parameters for 5.x
-        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": bias, "mlp_bias": bias, "attention_dropout": config.attention_dropout,
-        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-        "bos_token_id": _eos(config), "eos_token_id": _eos(config),
-    }
+def config_to_hf(config: GPTConfig) -> dict:
+    """config.json for transformers' GPT2LMHeadModel or LlamaForCausalLM."""
+    c, eos = config, config.vocab_size - 1  # the end of a document: GPT-2's <|endoftext|>, or NullTokenizer's N
+    shared = {"vocab_size": c.vocab_size, "initializer_range": c.init_method_std, "bos_token_id": eos,
+              "eos_token_id": eos, "tie_word_embeddings": not c.untie_embeddings_and_output_weights}
+    if hf_architecture(c) == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **shared,
+                "n_positions": c.max_position_embeddings, "n_embd": c.hidden_size, "n_layer": c.num_layers,
+                "n_head": c.num_attention_heads, "n_inner": c.ffn_hidden_size, "activation_function": "gelu_new",
+                "resid_pdrop": c.hidden_dropout, "embd_pdrop": c.hidden_dropout,
+                "attn_pdrop": c.attention_dropout, "layer_norm_epsilon": c.layernorm_epsilon}
+    bias, theta = not c.disable_bias_linear, c.rotary_base
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shared,
+            "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_query_groups,
+            "head_dim": c.head_dim, "hidden_act": "silu", "max_position_embeddings": c.max_position_embeddings,
+            "rms_norm_eps": c.layernorm_epsilon, "attention_bias": bias, "mlp_bias": bias,
+            "attention_dropout": c.attention_dropout,
+            # rope_theta for transformers 4.x, rope_parameters for 5.x
+            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
 
 # The state dicts. GPT-2's HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,
@@ -213,8 +194,8 @@ def _hf_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]
     tensor, or (sizes given) the HF tensors stacked along dim 0."""
     c = config
     if hf_architecture(c) == "gpt2":
-        table = [(name, ["transformer." + name], None) for name in ("wte.weight", "wpe.weight", "ln_f.weight",
-                                                                     "ln_f.bias")]
+        outside_blocks = ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")
+        table = [(name, ["transformer." + name], None) for name in outside_blocks]
         for i in range(c.num_layers):
             table += [(f"blocks.{i}.{ours}.{k}", [f"transformer.h.{i}.{theirs}.{k}"], None)
                       for ours, theirs in _GPT2_BLOCK.items() for k in ("weight", "bias")]
@@ -271,16 +252,12 @@ def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
     out = {}
     for ours, theirs, _ in names:
         t = torch.cat([sd[n].t() if _conv1d(n) else sd[n] for n in theirs])
-        out[ours] = _pad_vocab_rows(t, config) if ours in _VOCAB_TABLES else t.contiguous()
+        if ours in _VOCAB_TABLES:  # (vocab_size, C) -> (padded_vocab_size, C), zeros below
+            if t.shape[0] != config.vocab_size:
+                raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is {config.vocab_size}")
+            t = torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
+        out[ours] = t.contiguous()
     return out
-
-
-def _pad_vocab_rows(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """(vocab_size, C) -> (padded_vocab_size, C), zeros below."""
-    if t.shape[0] != config.vocab_size:
-        raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is "
-                         f"{config.vocab_size}")
-    return torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
 
 
 # Reading a local directory
