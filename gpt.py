@@ -14,11 +14,9 @@
    an untied head (GPT.head).
 4. GPT-2 initialization (`init_weights`).
 5. Tensor parallelism (Megatron-style, see parallel.py): each layer is built
-   and initialized exactly as for tp=1, then sliced (shard_block) before the
-   next is built, so every tp trains the same model from the same seed and no
-   rank holds the full model. Domino (domino_blocks) hides the TP all-reduces.
-   A pipeline stage keeps its own layers (GPT(config, layers)); pipeline.Stage
-   runs them one model chunk at a time.
+   and initialized as for tp=1, then sliced (shard_block; see GPT.__init__).
+   Domino (domino_blocks) hides the TP all-reduces. A pipeline stage keeps its
+   own layers (GPT(config, layers)), which pipeline.Stage runs.
 6. Generation: the KV cache and `generate`.
 7. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
 8. The checks of a GPTConfig (`check_config`).
@@ -152,16 +150,7 @@ def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 
 
 # -----------------------------------------------------------------------------
-# Plug-in seams: LayerNorm construction, attention over a KV cache
-
-
-def cached_attention(q, k, v):
-    """Attention of Tq new queries over Tk >= Tq keys, the last Tq theirs (a KV
-    cache step; inference only). Query i sees keys 0 .. Tk - Tq + i: the causal
-    mask aligned bottom right, where SDPA's is_causal aligns it top left."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (Tq, Tk)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+# Model
 
 
 def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
@@ -172,10 +161,6 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
     else:
         norm = nn.RMSNorm if rms else nn.LayerNorm
     return norm(hidden, eps=config.layernorm_epsilon)
-
-
-# -----------------------------------------------------------------------------
-# Model
 
 
 def rope_angles(config: GPTConfig, position_ids):
@@ -259,16 +244,18 @@ class CausalSelfAttention(nn.Module):
             k, v = cache(k, v)                           # (B, G, L + T, hd): the prefix's too
         # Causal softmax attention, scale 1/sqrt(hd); under GQA (G < nh) query
         # head h reads key/value head h // (nh/G).
-        if k.shape[2] != q.shape[2]:                     # new queries over a cached prefix
-            y = cached_attention(q, k, v)
-        elif parallel.layout.cp_size > 1 and cache is None:  # the other CP ranks' tokens too (context.py)
+        Tk = k.shape[2]                                  # > T: new queries over a cached prefix
+        if parallel.layout.cp_size > 1 and cache is None:  # the other CP ranks' tokens too (context.py)
             y = context.attention(q, k, v, cfg.cp_comm_type, cfg.attention_impl, documents)
-        elif cfg.attention_impl == "triton" and documents is None:  # FlashAttention-2 (kernels.py; no dropout)
+        elif cfg.attention_impl == "triton" and documents is None and Tk == T:  # FlashAttention-2 (no dropout)
             y = kernels.flash_attention(q, k, v, causal=True)
         else:
             p = cfg.attention_dropout if self.training else 0.0
-            # with documents, causal within each one (context.same_document): (B, 1, T, T)
-            mask = None if documents is None else context.same_document(documents, documents, causal=True)
+            mask = None
+            if Tk > T:  # query i sees keys 0 .. Tk - T + i: causal, aligned bottom right (is_causal: top left)
+                mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)  # (T, Tk)
+            elif documents is not None:  # causal within each document (context.same_document): (B, 1, T, T)
+                mask = context.same_document(documents, documents, causal=True)
             # Each TP rank holds other heads: attention dropout draws this rank's own mask.
             with parallel.per_rank_rng() if p > 0 and tp > 1 else contextlib.nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
@@ -421,18 +408,16 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, layers: list[range] | None = None):
-        """layers: the layers this module holds, as ranges; under pipeline
-        parallelism one range per model chunk of this rank, each as long, in
-        layer order (pipeline.pipeline_chunks; pipeline.Stage runs them);
-        default all. The first layer's holder has the embedding, the last
-        layer's the final norm and the head (and a copy of a tied embedding).
+        """layers: the layers this module holds, as ranges (default all); under
+        pipeline parallelism one range per model chunk of this rank, in layer
+        order (pipeline.pipeline_chunks). The first layer's holder has the
+        embedding, the last layer's the final norm and the head.
 
         Every piece of the whole model is built and initialized in one order
         (_pieces), as on one device, so every layout starts from the same
         weights; this module keeps the pieces it holds (holds), each cut to
         this rank's tensor-parallel slice (tensor_parallel_piece) before the
-        next is built: a rank never holds more than its slices plus one full
-        layer. The others are dropped, their random numbers drawn."""
+        next is built: a rank never holds more than its slices plus one layer."""
         super().__init__()
         self.config = config
         self.layers = layers or [range(config.num_layers)]
@@ -490,22 +475,20 @@ class GPT(nn.Module):
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_mask=None, kv_cache=None, document_ids=None):
         """input_ids (B, T) long -> logits (B, T, padded_vocab) or, with labels,
-        the masked mean cross-entropy loss (fp32 scalar). The ids are the
-        caller's to check (train.check_batches does, on the host); a label
-        has no ignore value: loss_mask leaves tokens out. kv_cache (generate):
-        a KVCache holding the positions before input_ids, which it extends.
-        document_ids (B, T) long (--reset-attention-mask): a token attends only
-        to the tokens of its own document, those of equal id (data._document_starts).
-        Under context parallelism (context.py) input_ids are this rank's share
-        of each sequence, position_ids their places in it, and attention
-        reaches the other CP ranks' tokens (CausalSelfAttention.heads).
-        Under sequence parallelism the blocks hold this rank's T/tp tokens. A
-        pipeline stage runs the same pieces (embed, blocks, head), a model
-        chunk at a time: pipeline.Stage."""
+        the loss (see head). The ids are the caller's to check (train.check_batches,
+        on the host). kv_cache (generate): a KVCache holding the positions
+        before input_ids, which it extends. document_ids (B, T) long
+        (--reset-attention-mask): a token attends only to its own document's
+        tokens, those of equal id (data._document_starts). Under context
+        parallelism (context.py) input_ids are this rank's share of each
+        sequence, position_ids their places in it. A pipeline stage runs the
+        same pieces (embed, blocks, head), a model chunk at a time: pipeline.Stage."""
         T = input_ids.shape[1]
         start = kv_cache.length if kv_cache is not None else 0  # positions already in the cache
-        if start + T > self.config.max_position_embeddings or self.sequence_parallel and T % parallel.layout.tp_size:
-            refuse_inputs(self, T, start)  # the reason, below the model
+        if start + T > self.config.max_position_embeddings:
+            raise UsageError(f"sequence length {start + T} exceeds max_position_embeddings "
+                             f"({self.config.max_position_embeddings}); use a shorter --seq-length or a "
+                             f"model with more positions")
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
         x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
@@ -532,10 +515,9 @@ class GPT(nn.Module):
         return self.drop(x + self.wpe(position_ids)), None
 
     def run_blocks(self, x, rope, blocks, documents=None):
-        """`blocks` in turn on x (B, T[/tp], C), with what changes how they run,
-        not what they compute: Domino's overlap of TP all-reduces
-        (domino_blocks) and activation checkpointing (each block recomputed in
-        backward)."""
+        """`blocks` in turn on x (B, T[/tp], C), under what changes how they run,
+        not what they compute: Domino's overlap of TP all-reduces (domino_blocks)
+        and activation checkpointing (each block recomputed in backward)."""
         n_chunks = min(self.config.domino_chunks, x.shape[0])
         if self.domino and n_chunks > 1:
             return domino_blocks(blocks, x, n_chunks, rope, documents)
@@ -552,9 +534,9 @@ class GPT(nn.Module):
 
     def head(self, x, labels=None, loss_mask=None):
         """The final norm and the LM head: (B, T[/tp], C) -> logits (B, T,
-        V_padded) or, with labels, the loss: the mean cross-entropy over the
-        tokens loss_mask keeps (all without one), fp32. loss_impl "fused" (the
-        default) computes the same loss without ever holding the logits whole
+        V_padded) or, with labels, the mean cross-entropy over the tokens
+        loss_mask keeps (all without one; a label has no ignore value), fp32.
+        loss_impl "fused" (the default) computes it without holding the logits whole
         (kernels.FusedLinearCrossEntropy). Under tensor parallelism each rank
         holds V/tp rows of the weight (Megatron's vocab-parallel head): h
         enters through f (under sequence parallelism it is all-gathered, and
@@ -582,15 +564,6 @@ class GPT(nn.Module):
         return kernels.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
 
     # -- bookkeeping ------------------------------------------------------------
-
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Parameters in this module (under TP this rank's shards); a tied head
-        counts once. exclude_embeddings drops wte, wpe and output_layer (Kaplan's N)."""
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            tables = ("wte", "wpe", "output_layer")
-            n -= sum(getattr(self, t).weight.numel() for t in tables if hasattr(self, t))
-        return n
 
     def full_state_dict(self) -> dict:
         """The unsharded state dict that checkpoints store (a collective: every TP
@@ -627,21 +600,6 @@ class GPT(nn.Module):
         if not tied:
             stage_of["output_layer"] = last
         return stage_of.get(piece, True)
-
-
-def refuse_inputs(model: GPT, tokens: int, start: int = 0) -> None:
-    """What GPT.forward found wrong with `tokens` new positions after `start`
-    cached ones. (Token ids: train.check_batches checks them on the host.)"""
-    tp = parallel.layout.tp_size
-    if model.sequence_parallel and tokens % tp:
-        raise UsageError(
-            f"sequence parallelism splits each sequence over the {tp} tensor-parallel ranks, but it "
-            f"has {tokens} tokens: use a --seq-length divisible by {tp} (generation runs under "
-            f"parallel.sequence_parallel_off, as generate does)")
-    raise UsageError(
-        f"sequence length {start + tokens} exceeds max_position_embeddings "
-        f"({model.config.max_position_embeddings}); use a shorter --seq-length or a "
-        f"model with more positions")
 
 
 # -----------------------------------------------------------------------------
@@ -743,7 +701,8 @@ def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
 
 
 def count_parameters(config: GPTConfig, exclude_embeddings: bool = False) -> int:
-    """GPT(config).num_parameters(...) of the full model, from the config alone."""
+    """The full model's parameters (a tied head once), from the config alone;
+    exclude_embeddings drops wte, wpe and output_layer (Kaplan's N)."""
     H, Fh, L = config.hidden_size, config.ffn_hidden_size, config.num_layers
     b = 0 if config.disable_bias_linear else 1          # a bias per output feature
     norm = H if config.normalization == "RMSNorm" else 2 * H
@@ -780,24 +739,20 @@ def flops_per_token(config: GPTConfig, seq_length: int) -> int:
 
 
 def check_config(config: GPTConfig) -> None:
-    """Sizes, probabilities and implementation names."""
-    positive = ("num_layers", "hidden_size", "num_attention_heads",
-                "max_position_embeddings", "vocab_size", "padded_vocab_size")
-    for name in positive:
+    """Sizes, probabilities, names, and the architecture options (Megatron's flags)."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "vocab_size",
+                 "padded_vocab_size"):
         value = getattr(config, name)
         if not isinstance(value, int) or value <= 0:
             raise UsageError(f"GPTConfig.{name} must be a positive int, got {value!r}")
     if config.hidden_size % config.num_attention_heads != 0:
-        raise UsageError(
-            f"hidden_size ({config.hidden_size}) must be divisible by num_attention_heads "
-            f"({config.num_attention_heads}); pick a head count that divides it")
+        raise UsageError(f"hidden_size ({config.hidden_size}) must be divisible by num_attention_heads "
+                         f"({config.num_attention_heads}); pick a head count that divides it")
     if config.ffn_hidden_size <= 0:
         raise UsageError(f"ffn_hidden_size must be positive or None, got {config.ffn_hidden_size}")
     if config.padded_vocab_size < config.vocab_size:
-        raise UsageError(
-            f"padded_vocab_size ({config.padded_vocab_size}) must be >= vocab_size "
-            f"({config.vocab_size}); use e.g. pad_vocab_size({config.vocab_size}) = "
-            f"{pad_vocab_size(config.vocab_size)}")
+        raise UsageError(f"padded_vocab_size ({config.padded_vocab_size}) must be >= vocab_size ({config.vocab_size}); "
+                         f"use e.g. pad_vocab_size({config.vocab_size}) = {pad_vocab_size(config.vocab_size)}")
     for name in ("hidden_dropout", "attention_dropout"):
         p = getattr(config, name)
         if not 0.0 <= p < 1.0:
@@ -806,34 +761,16 @@ def check_config(config: GPTConfig) -> None:
         raise UsageError(f"domino_chunks must be an int >= 1 (1 = off), got {config.domino_chunks!r}")
     if config.layernorm_epsilon <= 0 or config.init_method_std <= 0:
         raise UsageError("layernorm_epsilon and init_method_std must be > 0")
-    for name, choices in (("attention_impl", ATTENTION_IMPLS), ("loss_impl", LOSS_IMPLS),
-                          ("layernorm_impl", LAYERNORM_IMPLS)):
+    for name, choices, flag in (("attention_impl", ATTENTION_IMPLS, ""), ("loss_impl", LOSS_IMPLS, ""),
+                                ("layernorm_impl", LAYERNORM_IMPLS, ""),
+                                ("position_embedding_type", POSITION_EMBEDDING_TYPES, " (--position-embedding-type)"),
+                                ("normalization", NORMALIZATIONS, " (--normalization)")):
         if getattr(config, name) not in choices:
-            raise UsageError(f"unknown {name} {getattr(config, name)!r}; choose one of {list(choices)}")
-    check_architecture(config)
-    if config.attention_impl == "triton":
-        if config.head_dim not in kernels.SUPPORTED_HEAD_DIMS:
-            raise UsageError(f"attention_impl='triton' supports head dims "
-                             f"{kernels.SUPPORTED_HEAD_DIMS}, not {config.head_dim}; change "
-                             f"hidden_size/num_attention_heads or use attention_impl='torch'")
-        if config.attention_dropout > 0:
-            raise UsageError("attention_impl='triton' has no attention dropout; set "
-                             "attention_dropout=0 or use attention_impl='torch'")
-
-
-def check_architecture(config: GPTConfig) -> None:
-    """The architecture options (Megatron's flags): positions, norm, RoPE, GQA."""
-    if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-        raise UsageError(f"unknown position_embedding_type {config.position_embedding_type!r} "
-                         f"(--position-embedding-type); choose one of {list(POSITION_EMBEDDING_TYPES)}")
-    if config.normalization not in NORMALIZATIONS:
-        raise UsageError(f"unknown normalization {config.normalization!r} (--normalization); "
-                         f"choose one of {list(NORMALIZATIONS)}")
+            raise UsageError(f"unknown {name} {getattr(config, name)!r}{flag}; choose one of {list(choices)}")
     if config.rotary_base <= 0:
         raise UsageError(f"rotary_base must be > 0 (--rotary-base), got {config.rotary_base}")
     if not 0.0 < config.rotary_percent <= 1.0:
-        raise UsageError(f"rotary_percent must lie in (0, 1] (--rotary-percent), "
-                         f"got {config.rotary_percent}")
+        raise UsageError(f"rotary_percent must lie in (0, 1] (--rotary-percent), got {config.rotary_percent}")
     if config.position_embedding_type == "rope" and (config.rotary_dim == 0 or config.rotary_dim % 2):
         raise UsageError(f"RoPE rotates pairs of dims, but --rotary-percent {config.rotary_percent} "
                          f"of head dim {config.head_dim} is {config.rotary_dim}: pick a "
@@ -842,3 +779,11 @@ def check_architecture(config: GPTConfig) -> None:
     if not isinstance(groups, int) or groups <= 0 or config.num_attention_heads % groups:
         raise UsageError(f"num_query_groups ({groups!r}, --num-query-groups) must be a positive "
                          f"int that divides num_attention_heads ({config.num_attention_heads})")
+    if config.attention_impl == "triton":
+        if config.head_dim not in kernels.SUPPORTED_HEAD_DIMS:
+            raise UsageError(f"attention_impl='triton' supports head dims "
+                             f"{kernels.SUPPORTED_HEAD_DIMS}, not {config.head_dim}; change "
+                             f"hidden_size/num_attention_heads or use attention_impl='torch'")
+        if config.attention_dropout > 0:
+            raise UsageError("attention_impl='triton' has no attention dropout; set "
+                             "attention_dropout=0 or use attention_impl='torch'")

@@ -28,23 +28,18 @@ def from_hf(path: str, **overrides) -> GPT:
     if kind not in ("gpt2", "llama"):
         raise UsageError(f"HF model_type {kind!r} in {path} is not supported: use a gpt2 or "
                          f"llama checkpoint")
-    to_config, to_ours = ((config_from_hf, hf_to_ours) if kind == "gpt2"
-                          else (llama_config_from_hf, llama_hf_to_ours))
-    config = to_config(hf, **overrides)
+    config = config_from_hf(hf, **overrides)
     model = GPT(config)
-    model.load_full_state_dict(to_ours(_read_hf_weights(path), config))
+    model.load_full_state_dict(hf_to_ours(_read_hf_weights(path), config))
     return model
 
 
 def to_hf(model: GPT, path: str) -> None:
-    """Write config.json + model.safetensors (pytorch_model.bin if the
-    safetensors package is missing), atomically, for transformers'
-    AutoModelForCausalLM.from_pretrained(path) (GPT2LMHeadModel or
-    LlamaForCausalLM); see hf_architecture."""
-    kind = hf_architecture(model.config)  # before the (collective) gather: fail fast
-    to_config, to_hf_sd = ((config_to_hf, ours_to_hf) if kind == "gpt2"
-                           else (llama_config_to_hf, llama_ours_to_hf))
-    sd = to_hf_sd(model.full_state_dict(), model.config)
+    """Write config.json + model.safetensors (pytorch_model.bin without the
+    safetensors package), atomically, for transformers'
+    AutoModelForCausalLM.from_pretrained(path); see hf_architecture."""
+    hf_architecture(model.config)  # before the (collective) gather: fail fast
+    sd = ours_to_hf(model.full_state_dict(), model.config)
     os.makedirs(path, exist_ok=True)
     try:
         from safetensors.torch import save
@@ -52,7 +47,7 @@ def to_hf(model: GPT, path: str) -> None:
                      lambda f: f.write(save(sd, metadata={"format": "pt"})))
     except ImportError:
         atomic_write(os.path.join(path, "pytorch_model.bin"), lambda f: torch.save(sd, f))
-    text = json.dumps(to_config(model.config), indent=2)
+    text = json.dumps(config_to_hf(model.config), indent=2)
     atomic_write(os.path.join(path, HF_CONFIG), lambda f: f.write(text.encode()))
 
 
@@ -62,13 +57,12 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 
 def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source: str | None) -> None:
     """The tokenizer beside an exported model, so that transformers'
-    AutoTokenizer.from_pretrained(path), and pipeline("text-generation",
-    model=path), read text as the model was trained, with no download
-    (without one they build an empty tokenizer, silently): a Hugging Face
-    source's own files, else GPT-2's for a run on GPT-2's BPE (`run`: its
-    TrainConfig; None for weights that came from Hugging Face: a GPT-2-sized
-    vocabulary), as vocab.json and merges.txt (Megatron's gpt2-vocab.json
-    and gpt2-merges.txt) and tokenizer_config.json."""
+    AutoTokenizer.from_pretrained(path) and pipeline("text-generation",
+    model=path) read text as the model was trained, with no download (without
+    one they build an empty tokenizer, silently): a Hugging Face source's own
+    files, else GPT-2's for a run on GPT-2's BPE (`run`: its TrainConfig; None
+    for weights from Hugging Face: a GPT-2-sized vocabulary), as vocab.json,
+    merges.txt (Megatron's gpt2-vocab.json, gpt2-merges.txt) and tokenizer_config.json."""
     files = {name: os.path.join(hf_source, name) for name in HF_TOKENIZER_FILES} if hf_source else {}
     files = {name: source for name, source in files.items() if os.path.isfile(source)}
     gpt2 = run["tokenizer_type"] == "GPT2BPETokenizer" if run else config.vocab_size == VOCAB_SIZE
@@ -86,9 +80,9 @@ def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source
 
 def hf_architecture(config: GPTConfig) -> str:
     """"gpt2" or "llama": the transformers architecture that computes exactly
-    this model (the default options are GPT-2; rope + RMSNorm + SwiGLU, with
-    or without GQA, biases or a tied head, is Llama; either with a head of
-    its own or not); else a UsageError naming the closer one and its flags."""
+    this model (the default options are GPT-2; rope + RMSNorm + SwiGLU is
+    Llama, with or without GQA or biases; either tied or not); else a
+    UsageError naming the closer one and its flags."""
     c = config
     # what each architecture needs: (holds for this config?, the flag that makes it hold)
     needs = {"gpt2": [(c.position_embedding_type == "learned_absolute",
@@ -111,17 +105,6 @@ def hf_architecture(config: GPTConfig) -> str:
                      f"{', '.join(missing[arch])}: train with that, or use --export-format plain")
 
 
-def _eos(config: GPTConfig) -> int:
-    return config.vocab_size - 1  # the end of a document: GPT-2's <|endoftext|>, or NullTokenizer's N
-
-
-# GPT-2's state dict. HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,
-# attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}. HF's Conv1D stores weights as
-# (in, out), the transpose of nn.Linear's (out, in).
-
-_VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
-_HF_RENAMES = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-               "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
 _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> required value
     "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
     "reorder_and_upcast_attn": False, "add_cross_attention": False,
@@ -129,118 +112,24 @@ _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> require
 
 
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise UsageError(f"HF activation_function {act!r} is not supported; this GPT uses "
-                         f"tanh-approximate GELU ('gelu_new')")
-    for key, want in _HF_UNSUPPORTED.items():
-        if hf.get(key, want) != want:
-            raise UsageError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
+    """Our GPTConfig from a GPT-2 or Llama config.json; `overrides`, the
+    caller's choices, win (evaluate.py: no dropout)."""
     vocab = hf.get("vocab_size", 50257)
-    return GPTConfig(**{**dict(
-        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
-        vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), init_method_std=hf.get("initializer_range", 0.02),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)),
-        **overrides})  # the caller's choices win
-
-
-def config_to_hf(config: GPTConfig) -> dict:
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
-        "n_embd": config.hidden_size, "n_layer": config.num_layers, "n_head": config.num_attention_heads,
-        "n_inner": config.ffn_hidden_size, "activation_function": "gelu_new",
-        "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
-        "attn_pdrop": config.attention_dropout, "layer_norm_epsilon": config.layernorm_epsilon,
-        "initializer_range": config.init_method_std,
-        "bos_token_id": _eos(config), "eos_token_id": _eos(config),
-        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-    }
-
-
-def _is_conv1d_weight(name: str) -> bool:
-    return name.endswith(".weight") and any(f".{k}." in name for k in _HF_RENAMES)
-
-
-def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF GPT-2 state dict -> ours: rename, transpose Conv1D weights, pad wte (and an untied lm_head)."""
-    out = {}
-    for name, t in sd.items():
-        name = name.removeprefix("transformer.")
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # HF's causal-mask buffers, not weights
-        if name == "lm_head.weight":
-            if config.untie_embeddings_and_output_weights:
-                out["output_layer.weight"] = _pad_vocab_rows(t, config)
-            elif not torch.equal(t, sd.get("transformer.wte.weight", sd.get("wte.weight"))):
-                raise UsageError("HF lm_head.weight differs from wte.weight, but config.json ties them "
-                                 "(tie_word_embeddings)")
-            continue
-        if _is_conv1d_weight(name):
-            t = t.t()
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{old}.", f".{new}.")
-        if name.startswith("h."):
-            name = "blocks." + name[2:]
-        out[name] = t.contiguous()
-    wte = out.get("wte.weight")
-    if wte is None or wte.shape[0] != config.vocab_size:
-        raise UsageError(f"HF wte.weight missing or not {config.vocab_size} rows")
-    out["wte.weight"] = _pad_vocab_rows(wte, config)
-    return out
-
-
-def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF GPT-2's (a tied lm_head omitted: HF re-ties it to wte)."""
-    out = {}
-    for name, t in sd.items():
-        if name in _VOCAB_TABLES:
-            t = t[:config.vocab_size]  # drop the padding rows
-        if name == "output_layer.weight":
-            out["lm_head.weight"] = t.detach().cpu().contiguous().clone()
-            continue
-        if name.startswith("blocks."):
-            name = "h." + name[len("blocks."):]
-        for old, new in _HF_RENAMES.items():
-            name = name.replace(f".{new}.", f".{old}.")
-        if _is_conv1d_weight(name):
-            t = t.t()
-        out["transformer." + name] = t.detach().cpu().contiguous().clone()
-    return out
-
-
-# Llama's state dict. HF names: model.embed_tokens, model.layers.{i}.{input_layernorm,
-# self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj},
-# model.norm, lm_head. Weights are nn.Linear's (out, in), like ours. Our fused
-# qkv is [q_proj | k_proj | v_proj] and our fc is [gate_proj | up_proj], and
-# both sides rotate half-dims apart (apply_rope), so nothing is permuted.
-
-
-def _llama_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]]:
-    """(our name, HF names, row sizes): each of our tensors is one HF tensor,
-    or (sizes given) the HF tensors stacked along dim 0."""
-    H, Fh = config.hidden_size, config.ffn_hidden_size
-    kv = config.num_query_groups * config.head_dim
-    table = [("wte.weight", ["model.embed_tokens.weight"], None),
-             ("ln_f.weight", ["model.norm.weight"], None)]
-    if config.untie_embeddings_and_output_weights:
-        table.append(("output_layer.weight", ["lm_head.weight"], None))
-    kinds = ("weight",) if config.disable_bias_linear else ("weight", "bias")
-    for i in range(config.num_layers):
-        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
-        table += [(ours + "ln_1.weight", [hf + "input_layernorm.weight"], None),
-                  (ours + "ln_2.weight", [hf + "post_attention_layernorm.weight"], None)]
-        for k in kinds:
-            table += [(ours + f"attn.qkv.{k}", [hf + f"self_attn.{p}_proj.{k}" for p in "qkv"], [H, kv, kv]),
-                      (ours + f"attn.proj.{k}", [hf + f"self_attn.o_proj.{k}"], None),
-                      (ours + f"mlp.fc.{k}", [hf + f"mlp.{p}_proj.{k}" for p in ("gate", "up")], [Fh, Fh]),
-                      (ours + f"mlp.proj.{k}", [hf + f"mlp.down_proj.{k}"], None)]
-    return table
-
-
-def llama_config_from_hf(hf: dict, **overrides) -> GPTConfig:
+    shared = dict(vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab),
+                  init_method_std=hf.get("initializer_range", 0.02))
+    if hf.get("model_type", "gpt2") == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise UsageError(f"HF activation_function {act!r} is not supported; this GPT uses "
+                             f"tanh-approximate GELU ('gelu_new')")
+        for key, want in _HF_UNSUPPORTED.items():
+            if hf.get(key, want) != want:
+                raise UsageError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
+        return GPTConfig(**{**shared, **dict(
+            num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+            ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
+            layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)), **overrides})
     if hf.get("hidden_act", "silu") != "silu":
         raise UsageError(f"HF hidden_act {hf['hidden_act']!r} is not supported; Llama's MLP here is SwiGLU (silu)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -253,71 +142,122 @@ def llama_config_from_hf(hf: dict, **overrides) -> GPTConfig:
                          f"({H // nh}); this model has no separate head dim")
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         raise UsageError("HF attention_bias and mlp_bias differ; --disable-bias-linear sets both")
-    G, vocab = hf.get("num_key_value_heads") or nh, hf["vocab_size"]
-    return GPTConfig(**{**dict(
+    G = hf.get("num_key_value_heads") or nh
+    return GPTConfig(**{**shared, **dict(
         num_layers=hf["num_hidden_layers"], hidden_size=H, num_attention_heads=nh,
         num_query_groups=None if G == nh else G, ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"], vocab_size=vocab,
-        padded_vocab_size=pad_vocab_size(vocab),
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), init_method_std=hf.get("initializer_range", 0.02),
+        max_position_embeddings=hf["max_position_embeddings"], layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         attention_dropout=hf.get("attention_dropout", 0.0), position_embedding_type="rope",
         rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         normalization="RMSNorm", swiglu=True, disable_bias_linear=not hf.get("attention_bias", False),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False)),
-        **overrides})  # the caller's choices win (evaluate.py: no dropout)
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False)), **overrides})
 
 
-def llama_config_to_hf(config: GPTConfig) -> dict:
-    bias, theta = not config.disable_bias_linear, config.rotary_base
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
-        "head_dim": config.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.layernorm_epsilon, "initializer_range": config.init_method_std,
-        # rope_theta for transformers 4.x, rope_parameters for 5.x
-        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": bias, "mlp_bias": bias, "attention_dropout": config.attention_dropout,
-        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-        "bos_token_id": _eos(config), "eos_token_id": _eos(config),
-    }
+def config_to_hf(config: GPTConfig) -> dict:
+    """config.json for transformers' GPT2LMHeadModel or LlamaForCausalLM."""
+    c, eos = config, config.vocab_size - 1  # the end of a document: GPT-2's <|endoftext|>, or NullTokenizer's N
+    shared = {"vocab_size": c.vocab_size, "initializer_range": c.init_method_std, "bos_token_id": eos,
+              "eos_token_id": eos, "tie_word_embeddings": not c.untie_embeddings_and_output_weights}
+    if hf_architecture(c) == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **shared,
+                "n_positions": c.max_position_embeddings, "n_embd": c.hidden_size, "n_layer": c.num_layers,
+                "n_head": c.num_attention_heads, "n_inner": c.ffn_hidden_size, "activation_function": "gelu_new",
+                "resid_pdrop": c.hidden_dropout, "embd_pdrop": c.hidden_dropout,
+                "attn_pdrop": c.attention_dropout, "layer_norm_epsilon": c.layernorm_epsilon}
+    bias, theta = not c.disable_bias_linear, c.rotary_base
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shared,
+            "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_query_groups,
+            "head_dim": c.head_dim, "hidden_act": "silu", "max_position_embeddings": c.max_position_embeddings,
+            "rms_norm_eps": c.layernorm_epsilon, "attention_bias": bias, "mlp_bias": bias,
+            "attention_dropout": c.attention_dropout,
+            # rope_theta for transformers 4.x, rope_parameters for 5.x
+            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
 
-def llama_ours_to_hf(sd: dict, config: GPTConfig) -> dict:
-    """Our state dict -> HF Llama's: split qkv and fc, drop the vocab padding."""
+# The state dicts. GPT-2's HF names: transformer.{wte,wpe,ln_f}, transformer.h.{i}.{ln_1,
+# attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}; its Conv1D stores weights as
+# (in, out), the transpose of nn.Linear's (out, in). Llama's: model.embed_tokens,
+# model.layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+# mlp.{gate,up,down}_proj}, model.norm, lm_head, (out, in) like ours. Our fused
+# qkv is [q_proj | k_proj | v_proj] and our fc is [gate_proj | up_proj], and
+# both sides rotate half-dims apart (apply_rope), so nothing is permuted.
+
+_VOCAB_TABLES = ("wte.weight", "output_layer.weight")  # padded rows here, not in HF
+_GPT2_BLOCK = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+               "ln_2": "ln_2", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}  # ours -> HF's, in a block
+_HF_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # HF's masks and RoPE: not weights
+
+
+def _hf_names(config: GPTConfig) -> list[tuple[str, list[str], list[int] | None]]:
+    """(our name, HF names, row sizes) of every weight: each of ours is one HF
+    tensor, or (sizes given) the HF tensors stacked along dim 0."""
+    c = config
+    if hf_architecture(c) == "gpt2":
+        outside_blocks = ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")
+        table = [(name, ["transformer." + name], None) for name in outside_blocks]
+        for i in range(c.num_layers):
+            table += [(f"blocks.{i}.{ours}.{k}", [f"transformer.h.{i}.{theirs}.{k}"], None)
+                      for ours, theirs in _GPT2_BLOCK.items() for k in ("weight", "bias")]
+    else:
+        H, Fh, kv = c.hidden_size, c.ffn_hidden_size, c.num_query_groups * c.head_dim
+        table = [("wte.weight", ["model.embed_tokens.weight"], None), ("ln_f.weight", ["model.norm.weight"], None)]
+        for i in range(c.num_layers):
+            ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+            table += [(ours + "ln_1.weight", [hf + "input_layernorm.weight"], None),
+                      (ours + "ln_2.weight", [hf + "post_attention_layernorm.weight"], None)]
+            for k in ("weight",) if c.disable_bias_linear else ("weight", "bias"):
+                table += [(ours + f"attn.qkv.{k}", [hf + f"self_attn.{p}_proj.{k}" for p in "qkv"], [H, kv, kv]),
+                          (ours + f"attn.proj.{k}", [hf + f"self_attn.o_proj.{k}"], None),
+                          (ours + f"mlp.fc.{k}", [hf + f"mlp.{p}_proj.{k}" for p in ("gate", "up")], [Fh, Fh]),
+                          (ours + f"mlp.proj.{k}", [hf + f"mlp.down_proj.{k}"], None)]
+    if c.untie_embeddings_and_output_weights:
+        table.append(("output_layer.weight", ["lm_head.weight"], None))
+    return table
+
+
+def _conv1d(hf_name: str) -> bool:
+    """Whether an HF weight is GPT-2's Conv1D, (in, out): ours transposed."""
+    return hf_name.endswith(".weight") and any(f".{k}." in hf_name for k in ("c_attn", "c_proj", "c_fc"))
+
+
+def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
+    """Our state dict -> HF's: drop the vocab padding, split qkv and fc (Llama),
+    transpose Conv1D weights (GPT-2); a tied lm_head is omitted (HF re-ties it)."""
     out = {}
-    for ours, theirs, sizes in _llama_names(config):
+    for ours, theirs, sizes in _hf_names(config):
         t = sd[ours][:config.vocab_size] if ours in _VOCAB_TABLES else sd[ours]
-        parts = t.split(sizes) if sizes else [t]
-        out.update({name: part.detach().cpu().contiguous().clone() for name, part in zip(theirs, parts)})
+        for name, part in zip(theirs, t.split(sizes) if sizes else [t]):
+            out[name] = (part.t() if _conv1d(name) else part).detach().cpu().contiguous().clone()
     return out
 
 
-def llama_hf_to_ours(sd: dict, config: GPTConfig) -> dict:
-    """HF Llama state dict -> ours: stack q/k/v and gate/up, pad the vocab."""
-    names = _llama_names(config)
-    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, not a weight
-    if not config.untie_embeddings_and_output_weights:
-        sd.pop("lm_head.weight", None)  # tied: a copy of embed_tokens, if saved at all
+def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
+    """HF state dict -> ours: stack q/k/v and gate/up (Llama), transpose Conv1D
+    weights (GPT-2), pad the vocab."""
+    gpt2 = hf_architecture(config) == "gpt2"
+    # GPT-2's original checkpoints name its weights without "transformer."
+    sd = {("transformer." + k if gpt2 and not k.startswith(("transformer.", "lm_head.")) else k): v
+          for k, v in sd.items() if not k.endswith(_HF_BUFFERS)}
+    head = None if config.untie_embeddings_and_output_weights else sd.pop("lm_head.weight", None)
+    names = _hf_names(config)
     expected = {n for _, theirs, _ in names for n in theirs}
     if expected != set(sd):
-        raise UsageError(f"HF Llama weights do not match its config.json: missing "
+        raise UsageError(f"HF {'GPT-2' if gpt2 else 'Llama'} weights do not match its config.json: missing "
                          f"{sorted(expected - set(sd))[:5]}, unexpected {sorted(set(sd) - expected)[:5]}")
+    # A tied head, if saved at all, is a copy of the embedding (GPT-2's is checked).
+    if gpt2 and head is not None and not torch.equal(head, sd["transformer.wte.weight"]):
+        raise UsageError("HF lm_head.weight differs from wte.weight, but config.json ties them "
+                         "(tie_word_embeddings)")
     out = {}
     for ours, theirs, _ in names:
-        t = torch.cat([sd[n] for n in theirs])
-        out[ours] = _pad_vocab_rows(t, config) if ours in _VOCAB_TABLES else t.contiguous()
+        t = torch.cat([sd[n].t() if _conv1d(n) else sd[n] for n in theirs])
+        if ours in _VOCAB_TABLES:  # (vocab_size, C) -> (padded_vocab_size, C), zeros below
+            if t.shape[0] != config.vocab_size:
+                raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is {config.vocab_size}")
+            t = torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
+        out[ours] = t.contiguous()
     return out
-
-
-def _pad_vocab_rows(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """(vocab_size, C) -> (padded_vocab_size, C), zeros below."""
-    if t.shape[0] != config.vocab_size:
-        raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is "
-                         f"{config.vocab_size}")
-    return torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
 
 
 # Reading a local directory
