@@ -97,8 +97,7 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise _corrupt(idx_path, f"header promises {n_seq} sequences and {n_doc} document boundaries "
                                      f"= {expected} bytes, but the file has {idx_bytes} bytes")
         self.dtype = np.dtype(_DTYPE_CODES[code])
-        self._idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r")  # non-empty: it holds the header
-        buf = self._idx_map
+        buf = np.memmap(idx_path, dtype=np.uint8, mode="r")  # non-empty: it holds the header
         self.sizes = np.frombuffer(buf, np.int32, n_seq, _HEADER_BYTES)                  # (S,)
         self.pointers = np.frombuffer(buf, np.int64, n_seq, _HEADER_BYTES + 4 * n_seq)   # (S,)
         self.doc_idx = np.frombuffer(buf, np.int64, n_doc, _HEADER_BYTES + 12 * n_seq)   # (D,)
@@ -350,8 +349,6 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(parts)
 
     def __getitem__(self, i: int) -> dict:
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"{self.name} sample {i} out of range [0, {self.num_samples})")
         sample = torch.from_numpy(self.sample_tokens(int(self.shuffle_idx[i])).astype(np.int64))  # (S+1,)
         tokens, labels = sample[:-1], sample[1:]                                                  # (S,)
         is_eod = tokens == self.eod_token

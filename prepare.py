@@ -18,8 +18,6 @@ Megatron-LM's tools/preprocess_data.py pipeline, with its flags where they apply
   3. Output: PREFIX_{key}_document.bin/.idx (uint16), Megatron's naming: the path
      to pass to train.py --data-path. Files are renamed into place only when
      complete, so an error or Ctrl-C leaves no .bin/.idx behind.
---workers processes tokenize chunks of documents and send back numpy arrays (cheap
-to pickle); the main process writes them in input order.
 """
 import argparse
 import bz2
@@ -119,9 +117,8 @@ class NullTokenizer:
 
 
 def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", vocab_size: int | None = None):
-    """GPT-2 BPE as a tiktoken Encoding, built from the installed files (~0.2 s once per
-    process), never from a download or tiktoken's cache, so tokens never depend on a cache.
-    (NullTokenizer, with its vocab_size: ids for text, as in Megatron.)"""
+    """GPT-2 BPE as a tiktoken Encoding built from the installed files (~0.2 s once per
+    process), never from a download or a cache; or NullTokenizer, given its vocab_size."""
     if tokenizer_type == "NullTokenizer" and vocab_size:
         return NullTokenizer(vocab_size)
     check_gpt2_bpe(tokenizer_type)
