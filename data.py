@@ -316,7 +316,7 @@ class GPTDataset(torch.utils.data.Dataset):
                  reset_position_ids: bool = False, eod_mask_loss: bool = False, name: str = "train",
                  reset_attention_mask: bool = False):
         documents = np.asarray(documents, dtype=np.int64)  # some, with tokens (build_train_valid_test_datasets)
-        self.indexed, self.name = indexed, name
+        self.indexed = indexed
         self.num_samples, self.seq_length = num_samples, seq_length
         self.eod_token, self.reset_position_ids, self.eod_mask_loss = eod_token, reset_position_ids, eod_mask_loss
         self.reset_attention_mask = reset_attention_mask
