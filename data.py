@@ -55,6 +55,14 @@ def best_dtype(vocab_size: int):
     return np.uint16 if vocab_size < 65500 else np.int32
 
 
+def _dtype_code(dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype not in _CODE_OF_DTYPE:
+        names = ", ".join(np.dtype(t).name for t in _DTYPE_CODES.values())
+        raise UsageError(f"token dtype {dtype.name} cannot be stored in a Megatron .idx file; use one of: {names}")
+    return _CODE_OF_DTYPE[dtype]
+
+
 def _corrupt(path: str, problem: str) -> UsageError:
     return UsageError(f"{path}: {problem}; the file is truncated or corrupt, re-run prepare.py to rebuild it")
 
@@ -97,7 +105,8 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise _corrupt(idx_path, f"header promises {n_seq} sequences and {n_doc} document boundaries "
                                      f"= {expected} bytes, but the file has {idx_bytes} bytes")
         self.dtype = np.dtype(_DTYPE_CODES[code])
-        buf = np.memmap(idx_path, dtype=np.uint8, mode="r")  # non-empty: it holds the header
+        self._idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r")  # non-empty: it holds the header
+        buf = self._idx_map
         self.sizes = np.frombuffer(buf, np.int32, n_seq, _HEADER_BYTES)                  # (S,)
         self.pointers = np.frombuffer(buf, np.int64, n_seq, _HEADER_BYTES + 4 * n_seq)   # (S,)
         self.doc_idx = np.frombuffer(buf, np.int64, n_doc, _HEADER_BYTES + 12 * n_seq)   # (D,)
@@ -125,10 +134,16 @@ class IndexedDataset(torch.utils.data.Dataset):
         return self.get(i)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens [offset, offset+length) of sequence i (to its end if length is None).
-        An i past the end raises numpy's IndexError, which ends `for seq in ds`."""
+        """Tokens [offset, offset+length) of sequence i (to its end if length is None)."""
+        n = len(self.sizes)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for {self.path_prefix} with {n} sequences")
+        i %= n
+        size = int(self.sizes[i])
         if length is None:
-            length = int(self.sizes[i]) - offset
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} of length {size}")
         start = int(self.pointers[i]) // self.dtype.itemsize + offset
         return np.asarray(self._bin[start:start + length])  # a plain ndarray view of the mapped file
 
@@ -140,7 +155,7 @@ def write_index_file(idx_path: str, sizes, doc_idx, dtype) -> None:
         raise UsageError("a sequence longer than 2**31-1 tokens cannot be indexed; split the document")
     with open(idx_path, "wb") as f:
         f.write(_INDEX_MAGIC)
-        f.write(struct.pack("<QBQQ", _INDEX_VERSION, _CODE_OF_DTYPE[np.dtype(dtype)], len(sizes), len(doc_idx)))
+        f.write(struct.pack("<QBQQ", _INDEX_VERSION, _dtype_code(dtype), len(sizes), len(doc_idx)))
         f.write(sizes.astype(np.int32).tobytes())
         f.write(((np.cumsum(sizes) - sizes) * np.dtype(dtype).itemsize).tobytes())  # byte offsets
         f.write(np.asarray(doc_idx, dtype=np.int64).tobytes())
@@ -152,6 +167,7 @@ class IndexedDatasetBuilder:
     leaves a half-written pair. As a context manager it cleans up on error."""
 
     def __init__(self, bin_path: str, dtype=np.uint16):
+        _dtype_code(dtype)  # fail now, not at finalize(), on an unsupported dtype
         self.dtype = np.dtype(dtype)
         self.bin_path = bin_path
         self._bin_tmp = bin_path + ".tmp"
@@ -165,6 +181,8 @@ class IndexedDatasetBuilder:
         """Append one document (one sequence) of token ids."""
         arr = np.asarray(tokens).reshape(-1)
         if arr.size and np.issubdtype(self.dtype, np.integer):
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise UsageError(f"token ids must be integers, got dtype {arr.dtype}")
             info = np.iinfo(self.dtype)
             lo, hi = int(arr.min()), int(arr.max())
             if lo < info.min or hi > info.max:
@@ -209,9 +227,12 @@ class IndexedDatasetBuilder:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        if not self._done:  # an error, or no finalize(): nothing is published
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None or not self._done:
             self.abort()
+            if exc_type is None:
+                raise RuntimeError(f"IndexedDatasetBuilder for {self.bin_path} left without finalize(); "
+                                   "nothing was written")
 
 
 # ----------------------------------------------------------------------------
@@ -304,6 +325,10 @@ def _cached_arrays(cache_dir: str, stem: str, description: dict, names: tuple, b
     return arrays, False
 
 
+def default_cache_dir(path_prefix: str) -> str:
+    return path_prefix + "-cache"
+
+
 class GPTDataset(torch.utils.data.Dataset):
     """num_samples samples of seq_length tokens over `documents` (sequence indices of
     `indexed`). Item i is a dict of (S,) tensors, S = seq_length: tokens, labels (tokens
@@ -316,7 +341,7 @@ class GPTDataset(torch.utils.data.Dataset):
                  reset_position_ids: bool = False, eod_mask_loss: bool = False, name: str = "train",
                  reset_attention_mask: bool = False):
         documents = np.asarray(documents, dtype=np.int64)  # some, with tokens (build_train_valid_test_datasets)
-        self.indexed = indexed
+        self.indexed, self.name = indexed, name
         self.num_samples, self.seq_length = num_samples, seq_length
         self.eod_token, self.reset_position_ids, self.eod_mask_loss = eod_token, reset_position_ids, eod_mask_loss
         self.reset_attention_mask = reset_attention_mask
@@ -328,7 +353,7 @@ class GPTDataset(torch.utils.data.Dataset):
             "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
         }
         arrays, self.cache_hit = _cached_arrays(
-            cache_dir or prefix + "-cache", f"gpt-{name}", description,
+            cache_dir or default_cache_dir(prefix), f"gpt-{name}", description,
             ("doc_idx", "sample_idx", "shuffle_idx"),
             lambda: build_gpt_indices(indexed.sizes, documents, seq_length, num_samples, seed))
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
@@ -349,6 +374,8 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(parts)
 
     def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"{self.name} sample {i} out of range [0, {self.num_samples})")
         sample = torch.from_numpy(self.sample_tokens(int(self.shuffle_idx[i])).astype(np.int64))  # (S+1,)
         tokens, labels = sample[:-1], sample[1:]                                                  # (S,)
         is_eod = tokens == self.eod_token
@@ -408,21 +435,30 @@ class BlendedDataset(torch.utils.data.Dataset):
         # The blend order depends only on the weights and the length, not on the datasets.
         description = {"class": "BlendedDataset", "version": _INDEX_CACHE_VERSION, "weights": self.weights,
                        "num_samples": num_samples}
-        cache_dir = cache_dir or datasets[0].indexed.path_prefix + "-cache"
+        cache_dir = cache_dir or default_cache_dir(datasets[0].indexed.path_prefix)
         arrays, self.cache_hit = _cached_arrays(cache_dir, f"blend-{name}", description,
                                                 ("dataset_index", "dataset_sample_index"),
                                                 lambda: build_blending_indices(self.weights, num_samples))
         self.dataset_index, self.dataset_sample_index = arrays
+        counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
+        for k, (d, c) in enumerate(zip(self.datasets, counts)):
+            if c > len(d):
+                raise UsageError(f"blend needs {c} samples from dataset {k} but it only has {len(d)}; "
+                                 "build it with more samples (weight * num_samples plus a margin)")
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"blended sample {i} out of range [0, {self.num_samples})")
         return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]
 
 
 def parse_blend(data_path: list[str]) -> tuple[list[str], list[float]]:
     """Megatron --data-path: ["A"] or ["0.3", "A", "0.7", "B"] -> (prefixes, normalized weights)."""
+    if isinstance(data_path, str):
+        data_path = data_path.split()
     if len(data_path) == 1:
         return list(data_path), [1.0]
     if len(data_path) == 0 or len(data_path) % 2:
@@ -506,6 +542,10 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 # ----------------------------------------------------------------------------
 # 4. The vocabulary the tokens index: GPT-2's BPE
+# ----------------------------------------------------------------------------
+# prepare.py tokenizes with GPT-2's files; here is how any copy of them is
+# recognized, so the flags that name them (--vocab-file, --merge-file) can be
+# checked without the tokenizer.
 
 VOCAB_SIZE = 50257  # true GPT-2 vocabulary (tokens ids 0..50256)
 

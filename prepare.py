@@ -18,6 +18,8 @@ Megatron-LM's tools/preprocess_data.py pipeline, with its flags where they apply
   3. Output: PREFIX_{key}_document.bin/.idx (uint16), Megatron's naming: the path
      to pass to train.py --data-path. Files are renamed into place only when
      complete, so an error or Ctrl-C leaves no .bin/.idx behind.
+--workers processes tokenize chunks of documents and send back numpy arrays (cheap
+to pickle); the main process writes them in input order.
 """
 import argparse
 import bz2
@@ -117,8 +119,9 @@ class NullTokenizer:
 
 
 def load_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", vocab_size: int | None = None):
-    """GPT-2 BPE as a tiktoken Encoding built from the installed files (~0.2 s once per
-    process), never from a download or a cache; or NullTokenizer, given its vocab_size."""
+    """GPT-2 BPE as a tiktoken Encoding, built from the installed files (~0.2 s once per
+    process), never from a download or tiktoken's cache, so tokens never depend on a cache.
+    (NullTokenizer, with its vocab_size: ids for text, as in Megatron.)"""
     if tokenizer_type == "NullTokenizer" and vocab_size:
         return NullTokenizer(vocab_size)
     check_gpt2_bpe(tokenizer_type)
@@ -217,7 +220,7 @@ def iter_text_documents(path: str, split: str = "file") -> Iterator[str]:
             yield text
     elif split == "line":  # \n, \r\n or \r: not str.splitlines' form feeds and Unicode separators
         yield from (line for line in re.split(r"\r\n|\r|\n", text) if line.strip())
-    else:  # "paragraph"
+    else:  # "paragraph" (prepare checked it)
         yield from (p.strip() for p in re.split(r"\n[ \t\r]*\n", text) if p.strip())
 
 
@@ -333,9 +336,13 @@ def encode_document(enc, text: str, append_eod: bool = True, dtype=np.uint16) ->
     return out
 
 
+@functools.cache
+def _worker_tokenizer():  # a worker's own, built once: load_tokenizer looks up the files at each call
+    return load_tokenizer()
+
+
 def _encode_chunk_in_worker(docs: list[str], append_eod: bool, dtype) -> list[np.ndarray]:
-    enc = load_tokenizer()  # the worker's own, built at its first chunk (_gpt2_encoding is cached)
-    return [encode_document(enc, doc, append_eod, dtype) for doc in docs]
+    return [encode_document(_worker_tokenizer(), doc, append_eod, dtype) for doc in docs]
 
 
 def tokenize_documents(docs: Iterable[str], enc, workers: int = 1, append_eod: bool = True,
@@ -412,6 +419,8 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
             tokenizer_type: str = "GPT2BPETokenizer", log_interval: int = 1000) -> PrepareStats:
     """The whole preprocessing run; inputs=None means the default Shakespeare corpus."""
     # Validate everything that can fail up front, before any output file exists.
+    if text_split not in ("file", "line", "paragraph"):
+        raise UsageError(f"--text-split {text_split!r} is not one of file, line, paragraph")
     if not inputs and (json_key is not None or text_split != "file"):
         raise UsageError("--json-keys and --text-split are for --input files; without --input prepare.py "
                          "writes its own corpus, Shakespeare's plays, one document per scene")
@@ -430,12 +439,19 @@ def prepare(inputs: list[str] | None = None, output_prefix: str = DEFAULT_OUTPUT
 
 def merge(inputs: list[str], output_prefix: str) -> PrepareStats:
     """Concatenate .bin/.idx datasets, in the order given, into output_prefix.bin/.idx."""
+    if not inputs:
+        raise UsageError("merge needs at least one --input prefix")
     prefixes = [re.sub(r"\.(bin|idx)$", "", p) for p in inputs]  # tolerate "A.bin" for prefix "A"
     start = time.perf_counter()
-    dtype = IndexedDataset(prefixes[0]).dtype
+    dtype = IndexedDataset(prefixes[0]).dtype  # opening each input first validates it before any output exists
+    for prefix in prefixes[1:]:
+        other = IndexedDataset(prefix).dtype
+        if other != dtype:
+            raise UsageError(f"cannot merge {prefix} (dtype {other.name}) with "
+                             f"{prefixes[0]} (dtype {dtype.name}); rebuild them with the same tokenizer")
     os.makedirs(os.path.dirname(output_prefix) or ".", exist_ok=True)
     with IndexedDatasetBuilder(output_prefix + ".bin", dtype=dtype) as builder:
-        for prefix in prefixes:  # an input missing, damaged or of another dtype leaves no output
+        for prefix in prefixes:
             builder.add_index(prefix)
         builder.finalize(output_prefix + ".idx")
     merged = IndexedDataset(output_prefix)
