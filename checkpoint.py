@@ -72,24 +72,31 @@ def set_rng_state(state: dict, log) -> None:
 def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like) -> None:
     """Inverse of states_for_writer: this rank's shards (shard_like), numbered as torch numbers them."""
     names = {id(p): n for n, p in model.named_parameters()}
-    params = (p for group in optimizer.param_groups for p in group["params"])
-    state = {index: {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
-                     for k, v in saved["state"][names[id(p)]].items()} for index, p in enumerate(params)}
+    state = {}
+    for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        if names[id(p)] not in saved["state"]:
+            raise KeyError(f"checkpoint has no optimizer state for parameter {names[id(p)]!r}")
+        state[index] = {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
+                        for k, v in saved["state"][names[id(p)]].items()}
     # the saved hyperparameters, with this optimizer's own numbering (a stage holds some of the parameters)
     groups = [{**g, "params": own["params"]}
               for g, own in zip(saved["param_groups"], optimizer.state_dict()["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
-    """The full states, assembled tensor by tensor on global rank 0; (None, None) elsewhere."""
+    """The full states, assembled tensor by tensor on global rank 0; (None, None) elsewhere.
+    Only the first DP replica's first CP rank takes part. (Gathering on every rank
+    would put 16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
     if parallel.layout.dp_rank != 0 or parallel.layout.cp_rank != 0:
         return None, None
 
-    def gather_to_writer(param, t):  # the full tensor of `t` (shaped like param) on TP rank 0's host, else None
+    def gather_to_writer(param, t):
+        """The full `t` (shaped like param) on TP rank 0's host, else None: a gather straight
+        to the CPU, so no GPU holds more than one full tensor beyond its own shards."""
         t = parallel.gather_like(param, t, to_first=True)
         return None if t is None else t.detach().cpu()
+
     params = dict(model.named_parameters())
     model_sd = {name: gather_to_writer(params[name], t) if name in params
                 else (t.detach().cpu() if parallel.layout.tp_rank == 0 else None)
@@ -115,7 +122,8 @@ def gather_stages(obj) -> list | None:
 
 
 def whole_pipeline(model_sd: dict, optim: dict) -> tuple[dict, dict] | tuple[None, None]:
-    """Every stage's states, keyed as at pp=1, sent tensor by tensor to the first; (None, None) elsewhere."""
+    """Every stage's states, keyed as at pp=1, sent tensor by tensor to the first; (None, None)
+    elsewhere. A tied embedding is on two stages: the first's copy is kept (the two are equal)."""
     items = {("model", k): v for k, v in model_sd.items()}
     items.update({("optimizer", name, k): v for name, state in optim.items() for k, v in state.items()})
     listed = {key: (v.shape, v.dtype) if torch.is_tensor(v) else v for key, v in items.items()}
@@ -161,7 +169,6 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
     if kind == "deepspeed":
         atomic_write(ds_pointer, lambda f: f.write(f"iter_{iteration:07d}".encode()))
     shutil.rmtree(old, ignore_errors=True)
-
 
 
 def write_plain_checkpoint(save_dir: str, state: dict) -> str:
@@ -226,7 +233,9 @@ def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -
 
 def on_every_rank(fn, what: str, group=None, directory: str | None = None) -> None:
     """Run fn(), then agree with every rank of `group` whether all succeeded: a
-    rank that failed raises its error, the others stop with one line naming it."""
+    rank that failed raises its error, the others stop with one line naming it
+    (at a bare barrier they would wait forever). A failed write into `directory`
+    on a full disk is the user's to fix: one line."""
     error = None
     try:
         fn()
@@ -263,7 +272,8 @@ def os_error_in(error: BaseException) -> OSError | None:
 
 def disk_full(error: BaseException, directory: str | None) -> str | None:
     """How a failed write ran out of space (one line), or None: said by an
-    OSError's errno, or (torch.save's zip writer has none) by the filesystem."""
+    OSError's errno, or by the filesystem: torch.save's zip writer raises a
+    RuntimeError without one ("unexpected pos ...", "basic_ios::clear")."""
     cause = os_error_in(error)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else None
@@ -389,7 +399,8 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     """The latest checkpoint in load_dir, or None: the newer pointer's (they differ after a crash
     between a DeepSpeed save's two writes), else the newest iter_N."""
     what_is_there(load_dir)
-    named, megatron, deepspeed = [], os.path.join(load_dir, LATEST), os.path.join(load_dir, DS_LATEST)
+    named = []
+    megatron, deepspeed = os.path.join(load_dir, LATEST), os.path.join(load_dir, DS_LATEST)
     if os.path.exists(megatron):
         text = pointer_text(megatron)
         if text == "release":
@@ -558,7 +569,9 @@ def saved_model(found: Found, **runtime) -> tuple[GPT, dict]:
 
 def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> GPTConfig:
     """The GPTConfig of a checkpoint's model_config `record`, once its layer
-    count and shapes (of a model on the meta device) are the stored `weights`'."""
+    count and shapes (of a model on the meta device) are the stored `weights`':
+    a damaged or edited record (hidden_size 2**20 would ask for 211 GB) is one
+    line, not a model of the claimed size."""
     unknown = sorted(set(record) - {f.name for f in dataclasses.fields(GPTConfig)})
     if unknown:
         raise UsageError(f"checkpoint {path}: its model_config has {', '.join(unknown)}, which this version "
@@ -604,11 +617,13 @@ def start_position(cfg: TrainConfig, state: dict, path: str, log) -> Start:
         raise UsageError(f"checkpoint {path} holds the state of iteration {state['iteration']}, not of "
                          f"{named}: renamed or damaged; give it its own name, or remove it to load the one before")
     if not cfg.no_load_rng and state.get("rng"):  # this stage's own streams, if saved at this pipeline size
-        stages, pp = state.get("pipeline_rng") or [state["rng"]], parallel.layout.pp_size
+        stages = state.get("pipeline_rng") or [state["rng"]]
+        pp = parallel.layout.pp_size
         if len(stages) != pp and pp > 1:
             log(f"the random streams were saved at pipeline size {len(stages)}: every stage starts "
                 f"from the first stage's")
-        set_rng_state(stages[parallel.layout.pp_rank] if len(stages) == pp else stages[0], log)
+        own = parallel.layout.pp_rank if len(stages) == pp else 0
+        set_rng_state(stages[own], log)
     log(f"loaded checkpoint {path} (iteration {state['iteration']}"
         f"{', weights only' if cfg.no_load_optim else ''})")
     return Start(state["iteration"], state["consumed_samples"], path, state.get("config"))
@@ -620,7 +635,10 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
     if found is None:
         return Start()
     if found.kind == "torch_dist":
-        state, shard_like = read_dist_shards(cfg, model, found), lambda p, v: v  # this rank's shards already
+        state = read_dist_shards(cfg, model, found)
+
+        def shard_like(p, v):  # DCP read this rank's shards already
+            return v
     else:
         weights, state = read_weights(found)
         if state.get("optimizer") is None and not weights_only(cfg):
@@ -654,8 +672,9 @@ def read_weights(found: Found) -> tuple[dict, dict]:
 
 
 # --ckpt-format torch_dist: the states above, flat ("model.NAME", "optimizer.NAME.exp_avg", ...),
-# through torch.distributed.checkpoint (DCP): each rank writes the pieces it holds, and a load reads
-# what overlaps its own, at any layout. DCP takes a second to import: only the functions that use it do.
+# through torch.distributed.checkpoint (DCP): each rank writes the pieces it holds, each once (DCP's
+# planner drops the copies other replicas or stages hold), and a load reads what overlaps its own, at
+# any layout. Rank 0 writes the non-tensors; each stage's first rank its random streams (a byte tensor). DCP takes a second to import: only the functions that use it do.
 
 # DCP warns whenever it runs in one process; read_dist and a one-process save ask for that.
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")

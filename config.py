@@ -490,13 +490,13 @@ def fill_from_deepspeed_json(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     Sections train.py owns are refused."""
     user = read_deepspeed_json(cfg.deepspeed_config)
     for key in ("optimizer", "scheduler"):
-        if key in user:
+        if key in user and cfg.deepspeed:  # (without --deepspeed: validate_deepspeed's line)
             raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: remove the {key!r} section; "
                              f"train.py passes its own AdamW and learning-rate schedule "
                              f"(--lr, --lr-warmup-iters, --lr-decay-style, ...)")
     writer = (user.get("checkpoint") or {}).get("writer") or {}
     # As DeepSpeed reads the two: a truthy "decoupled", any "datastates_ckpt" section but false
-    if cfg.save and (writer.get("decoupled") or user.get("datastates_ckpt", False) is not False):
+    if cfg.deepspeed and cfg.save and (writer.get("decoupled") or user.get("datastates_ckpt", False) is not False):
         raise UsageError(f"--deepspeed_config {cfg.deepspeed_config}: an asynchronous checkpoint writer "
                          f"(checkpoint.writer.decoupled, datastates_ckpt) returns before the files are on "
                          f"disk, and train.py would point `latest` at a checkpoint still being "

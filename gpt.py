@@ -153,6 +153,15 @@ def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 # Model
 
 
+def cached_attention(q, k, v):
+    """Attention of Tq new queries over Tk >= Tq keys, the last Tq theirs (a KV
+    cache step; inference only). Query i sees keys 0 .. Tk - Tq + i: the causal
+    mask aligned bottom right, where SDPA's is_causal aligns it top left."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (Tq, Tk)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
     """Every norm in the model: LayerNorm (weight and bias) or RMSNorm (weight only)."""
     rms = config.normalization == "RMSNorm"
@@ -244,18 +253,16 @@ class CausalSelfAttention(nn.Module):
             k, v = cache(k, v)                           # (B, G, L + T, hd): the prefix's too
         # Causal softmax attention, scale 1/sqrt(hd); under GQA (G < nh) query
         # head h reads key/value head h // (nh/G).
-        Tk = k.shape[2]                                  # > T: new queries over a cached prefix
-        if parallel.layout.cp_size > 1 and cache is None:  # the other CP ranks' tokens too (context.py)
+        if k.shape[2] != q.shape[2]:                     # new queries over a cached prefix
+            y = cached_attention(q, k, v)
+        elif parallel.layout.cp_size > 1 and cache is None:  # the other CP ranks' tokens too (context.py)
             y = context.attention(q, k, v, cfg.cp_comm_type, cfg.attention_impl, documents)
-        elif cfg.attention_impl == "triton" and documents is None and Tk == T:  # FlashAttention-2 (no dropout)
+        elif cfg.attention_impl == "triton" and documents is None:  # FlashAttention-2 (kernels.py; no dropout)
             y = kernels.flash_attention(q, k, v, causal=True)
         else:
             p = cfg.attention_dropout if self.training else 0.0
-            mask = None
-            if Tk > T:  # query i sees keys 0 .. Tk - T + i: causal, aligned bottom right (is_causal: top left)
-                mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)  # (T, Tk)
-            elif documents is not None:  # causal within each document (context.same_document): (B, 1, T, T)
-                mask = context.same_document(documents, documents, causal=True)
+            # with documents, causal within each one (context.same_document): (B, 1, T, T)
+            mask = None if documents is None else context.same_document(documents, documents, causal=True)
             # Each TP rank holds other heads: attention dropout draws this rank's own mask.
             with parallel.per_rank_rng() if p > 0 and tp > 1 else contextlib.nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
@@ -417,7 +424,8 @@ class GPT(nn.Module):
         (_pieces), as on one device, so every layout starts from the same
         weights; this module keeps the pieces it holds (holds), each cut to
         this rank's tensor-parallel slice (tensor_parallel_piece) before the
-        next is built: a rank never holds more than its slices plus one layer."""
+        next is built: a rank never holds more than its slices plus one full
+        layer. The others are dropped, their random numbers drawn."""
         super().__init__()
         self.config = config
         self.layers = layers or [range(config.num_layers)]
@@ -481,7 +489,8 @@ class GPT(nn.Module):
         (--reset-attention-mask): a token attends only to its own document's
         tokens, those of equal id (data._document_starts). Under context
         parallelism (context.py) input_ids are this rank's share of each
-        sequence, position_ids their places in it. A pipeline stage runs the
+        sequence, position_ids their places in it. Under sequence parallelism
+        the blocks hold this rank's T/tp tokens. A pipeline stage runs the
         same pieces (embed, blocks, head), a model chunk at a time: pipeline.Stage."""
         T = input_ids.shape[1]
         start = kv_cache.length if kv_cache is not None else 0  # positions already in the cache

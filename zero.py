@@ -108,7 +108,7 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int, accum: int) -> dict:
     user = cfg.deepspeed_json or {}
     config = {**user, **ours}
     zero = dict(user.get("zero_optimization", {}))
-    zero["stage"] = 1 if cfg.zero_stage is None else cfg.zero_stage  # the JSON's stage is in cfg (config.py)
+    zero["stage"] = zero.get("stage", 1) if cfg.zero_stage is None else cfg.zero_stage
     if cfg.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     # unset (None): DeepSpeed's default, on at ZeRO-3 only, and stages take ZeRO 0 or 1
@@ -241,6 +241,10 @@ class DeepSpeedTraining:
                 ds.zero.register_external_parameter(model, head.weight)
             kwargs = compile_options(cfg)
             self.engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
+        if self.engine.dp_world_size != parallel.layout.dp_cp_size:  # a DeepSpeed that ignored our mpu
+            raise RuntimeError(f"DeepSpeed shards over {self.engine.dp_world_size} ranks but the data-"
+                               f"parallel x context-parallel size is {parallel.layout.dp_cp_size} "
+                               f"(world / (tp x pp)): the mpu was not applied")
         self.raw = self.engine.module
         # under stages, our schedule runs the module's chunks (pipeline.Stage), not the engine
         self.model = self.engine if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
