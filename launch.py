@@ -8,9 +8,10 @@ module every other may import, so it imports none of them.
      for each restart of an elastic job (init_distributed)
   3. Files that appear whole: written under a temporary name, forced to disk,
      renamed into place (atomic_write, fsync_path)
-  4. Files that may come from anyone (a downloaded checkpoint, one copied
-     from a shared disk): read only where a file is what it claims to be,
-     then as data alone (checkpoint.py and huggingface.py read through it)
+  4. Files that may come from anyone (a checkpoint downloaded or copied):
+     read only where a file is what it claims to be, then as data alone:
+     plain files, digests, pickles of data only, DCP's index (checkpoint.py
+     and huggingface.py read through it)
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import traceback
 import uuid
 import warnings
 import zipfile
+from unittest import mock
 
 import numpy as np
 import torch
@@ -55,15 +57,14 @@ class UsageError(ValueError):
 
 @contextlib.contextmanager
 def errors_reported(prog: str):
-    """Around a program's whole run (train.py's and evaluate.py's main): a
-    user's mistake reported once, and a collective that gave up on a dead or
-    silent peer named."""
+    """Around a program's whole run (train.py's and evaluate.py's main)."""
     try:
         yield
     except UsageError as e:
         report_usage_error(e, prog)
-    except RuntimeError as e:  # gloo's and torch.distributed's errors are RuntimeErrors
-        if not is_collective_failure(e):
+    except RuntimeError as e:  # gave up on a peer (timed out, or it died)? gloo raises a plain RuntimeError
+        gave_up = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
+        if not isinstance(e, dist.DistError) and not any(s in str(e) for s in gave_up):
             raise
         report_collective_failure(e, prog)
 
@@ -74,7 +75,7 @@ def global_rank() -> int:
 
 
 def say(line: str) -> None:
-    """Print a note to the user once, on rank 0 (every one goes through here)."""
+    """Print a note to the user once, on rank 0."""
     if global_rank() == 0:
         print(line, flush=True)
 
@@ -99,24 +100,15 @@ def report_usage_error(e: UsageError, prog: str) -> None:
     sys.exit(2)
 
 
-def is_collective_failure(e: RuntimeError) -> bool:
-    """A collective or the store that gave up on a peer: the timeout ran out,
-    or the peer died. gloo raises a plain RuntimeError for both."""
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(
-        s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))
-
-
 def report_collective_failure(e: RuntimeError, prog: str) -> None:
-    """The traceback, then one line: which collective gave up (the line of
-    this project that waited on it) and what it means."""
+    """The traceback, then one line: which collective gave up (this
+    project's line that waited on it) and what it means."""
     traceback.print_exc()
     here = os.path.dirname(os.path.abspath(__file__))
-    ours = [f for f in traceback.extract_tb(e.__traceback__)
-            if os.path.dirname(os.path.abspath(f.filename)) == here]
+    frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__))
+                  if os.path.dirname(os.path.abspath(f.filename)) == here), None)
     what, where = "a collective", ""
-    if ours:
-        frame = ours[-1]
+    if frame:
         where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name} (`{frame.line}`)"
         if "backward" in frame.line:  # DDP and ZeRO reduce gradients from autograd hooks
             what = "the gradient all-reduce (run inside backward)"
@@ -128,9 +120,8 @@ def report_collective_failure(e: RuntimeError, prog: str) -> None:
 
 
 def parse_json(data, where: str, then: str = ""):
-    """json.loads(data), or one line (UsageError) naming `where` and why it is
-    not JSON: cut short, not UTF-8, or nested deeper than Python's parser
-    recurses (a RecursionError, which is not a ValueError). `then`: what to do."""
+    """json.loads(data), or a UsageError naming `where` and why it is not
+    JSON (nesting too deep raises RecursionError, not a ValueError). `then`: what to do."""
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as e:
@@ -142,13 +133,12 @@ _sigterm_wakeup = None  # the pipe's write end while sigterm_exits is in force
 
 
 def sigterm_exits(line: str) -> None:
-    """From now until sigterm_calls: SIGTERM (a scheduler's preemption notice,
-    `timeout`) ends this process at once, with `line` on stderr and status
-    143 (128 + SIGTERM, a shell's status for it), whatever the process is
-    doing: reading a file that never answers, waiting on a peer. Python runs
-    a handler only between two bytecodes of the main thread, never while it
-    waits inside C (a collective, a store), so the byte that the C-level
-    handler writes to the wakeup fd is read by a thread of its own."""
+    """Until sigterm_calls: SIGTERM (a preemption notice, `timeout`) ends this
+    process at once, with `line` on stderr and status 143 (128 + SIGTERM),
+    whatever it is doing. Python runs a handler only between two bytecodes of
+    the main thread, never while it waits inside C (a collective, a store, a
+    file that never answers): a thread reads the byte the C-level handler
+    writes to the wakeup fd."""
     global _sigterm_wakeup
     read, write = os.pipe()
     os.set_blocking(write, False)  # set_wakeup_fd requires it: a signal handler never blocks
@@ -156,25 +146,23 @@ def sigterm_exits(line: str) -> None:
     if _sigterm_wakeup is not None:  # an earlier run in this process (tests): its thread ends
         os.close(_sigterm_wakeup)
     _sigterm_wakeup = write
-    threading.Thread(target=_exit_on_sigterm, args=(read, line), daemon=True, name="sigterm").start()
+
+    def exit_on_sigterm():
+        while received := os.read(read, 64):  # the numbers of the signals caught; b"" once the pipe is closed
+            if signal.SIGTERM in received:
+                # One write of the whole line: the ranks share one stderr and end together,
+                # and print's two writes (the text, then its newline) would interleave.
+                os.write(sys.stderr.fileno(), f"{line}\n".encode())
+                os._exit(128 + signal.SIGTERM)
+        os.close(read)
+    threading.Thread(target=exit_on_sigterm, daemon=True, name="sigterm").start()
     # Last: until now SIGTERM's default action ended the process (without the line); none is lost.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread acts; the main thread need not
 
 
-def _exit_on_sigterm(read: int, line: str) -> None:
-    while received := os.read(read, 64):  # the numbers of the signals caught; b"" once the pipe is closed
-        if signal.SIGTERM in received:
-            # One write of the whole line: the ranks share one stderr and end together,
-            # and print's two writes (the text, then its newline) would interleave.
-            os.write(sys.stderr.fileno(), f"{line}\n".encode())
-            os._exit(128 + signal.SIGTERM)
-    os.close(read)
-
-
 def sigterm_calls(handler) -> None:
-    """From now on SIGTERM calls handler (the main thread, between two
-    bytecodes), and no longer ends the process. The handler goes in first:
-    a SIGTERM in between still ends the process, none is lost."""
+    """From now on SIGTERM calls handler (in the main thread) instead of
+    ending the process. The handler goes in first: none is lost in between."""
     global _sigterm_wakeup
     signal.signal(signal.SIGTERM, handler)
     if _sigterm_wakeup is not None:
@@ -202,11 +190,10 @@ class Dist:
 
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0, one_queue: bool = False,
                      deepspeed: bool = False) -> Dist:
-    """Start the default process group from torchrun's environment (a single
-    process without it; gloo on CPU). The groups of a parallel layout are
-    parallel.initialize's. one_queue: one hardware queue (see
-    parallel._SequenceParallelLinear), set before anything creates the
-    CUDA context, which reads it."""
+    """The default process group from torchrun's environment (one process
+    without it; gloo on CPU; a layout's groups are parallel.initialize's).
+    one_queue: one hardware queue (see parallel._SequenceParallelLinear),
+    set before anything creates the CUDA context, which reads it."""
     if one_queue:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     rank = int(os.environ.get("RANK", 0))
@@ -221,13 +208,10 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0, 
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if world > 1 and not dist.is_initialized():
         if backend == "gloo":
-            # gloo connects a group's ranks inside init_process_group and
-            # new_group, and the rank that dials returns once its connection is
-            # made, while its peer may still be accepting it. A rank that then
-            # leaves (a user error found right after, a run that ends) closes
-            # the socket under that peer, which fails with "Connection closed
-            # by peer" instead. torch's switch for a barrier at the end of each
-            # makes every rank wait for all. (NCCL connects at first use.)
+            # gloo connects a group's ranks inside init_process_group and new_group: the rank
+            # that dials returns once connected, and leaving then (a user error, the run's end)
+            # fails its peer, still accepting, with "Connection closed by peer". This barrier at
+            # the end of each makes every rank wait for all. (NCCL connects at first use.)
             os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
         dist.init_process_group(backend=backend, timeout=timeout, **elastic_store(rank, world, timeout))
     elif deepspeed and not dist.is_initialized():
@@ -242,12 +226,10 @@ ATTEMPT_STORE_KEY = "/parallel.py/attempt_store"
 
 
 def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
-    """init_process_group's store under torchrun: a new one for each attempt.
-    The agents' shared store (TORCHELASTIC_USE_AGENT_STORE) keeps a dead
-    attempt's keys, and after a restart workers would connect to ranks that
-    no longer exist. No attempt number is the same on every node, so rank 0
-    starts a store of its own and publishes its address with a fresh nonce,
-    which a dead attempt's address cannot answer with."""
+    """init_process_group's store under torchrun, a new one for each attempt:
+    the agents' shared store (TORCHELASTIC_USE_AGENT_STORE) keeps a dead
+    attempt's keys, which would connect workers to ranks that are gone. No attempt
+    number is the same on every node: rank 0 publishes its own store's address with a nonce."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     host = os.environ["MASTER_ADDR"]  # the node of global rank 0, whose agent hosts this store
@@ -263,8 +245,8 @@ def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
 
 
 def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
-    """The store rank 0 started for this attempt: read the key again until its
-    address answers with its own nonce (it may still hold a dead attempt's)."""
+    """The store rank 0 started for this attempt: read the key until its
+    address answers with its nonce (it may still hold a dead attempt's)."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         host, port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
@@ -289,10 +271,9 @@ def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
 
 def atomic_write(path: str, write) -> None:
     """write(f) into a temporary file beside `path`, force it to disk, rename
-    it into place and force the directory entry: a reader, or the machine
-    after a power loss, finds the old file or the new one, never a torn one.
-    The temporary name is per process: several ranks may write the same file
-    (to_hf under tensor parallelism). The project's one atomic write."""
+    it into place and force the directory entry: a reader, or the machine after
+    a power loss, finds the old file or the new one, never a torn one. The
+    temporary name is per process (ranks may write one file: to_hf under TP)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -307,8 +288,7 @@ def atomic_write(path: str, write) -> None:
 
 
 def fsync_path(path: str) -> None:
-    """Force a file's contents, or a directory's entries (a rename into it,
-    say), to disk (POSIX: both open read-only)."""
+    """Force a file's contents, or a directory's entries, to disk (POSIX: both open read-only)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -325,16 +305,18 @@ DIGESTS = "checksums.sha256"  # every file's sha256, in sha256sum's format (`sha
 DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last: a torch_dist checkpoint
 
 
-# 1. Plain files: a name a checkpoint gives is a regular file of its own
-# directory, never a link, FIFO or device, nor a path that leads elsewhere.
+def _not_regular(mode: int) -> str | None:
+    """What a file of this mode is, where it is not a regular file."""
+    kinds = ((stat.S_ISREG, None), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "a device")
+
 
 def plain_file_problem(directory: str, name: str) -> str | None:
-    """Why `name` is not a plain file of `directory`, or None. The names a
-    checkpoint gives (checksums.sha256's, DCP's index's, a Hugging Face
-    index's) may not lead elsewhere: a bare file name (no directory part, no
-    `..`, nothing sha256sum would escape) of a regular file there, not a
-    link, directory, FIFO or device, which a tar or zip can carry and whose
-    reading would go outside the checkpoint or never end."""
+    """Why `name` is not a plain file of `directory`, or None. A name a
+    checkpoint gives (its digests', DCP's or a Hugging Face index's) is a bare
+    file name (no `/`, no `..`, nothing sha256sum would escape) of a regular file:
+    a link, FIFO or device (a tar can carry them) would be read outside it or forever."""
     if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0"):
         return f"{name!r} is not a file name in the checkpoint's directory"
     path = os.path.join(directory, name)
@@ -344,23 +326,16 @@ def plain_file_problem(directory: str, name: str) -> str | None:
         return f"{name} is missing"
     if stat.S_ISLNK(mode):
         return f"{name} is a symbolic link (to {os.readlink(path)}), not a file"
-    return None if stat.S_ISREG(mode) else f"{name} is {_not_a_file(mode)}, not a file"
-
-
-def _not_a_file(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
-    return next((what for test, what in kinds if test(mode)), "a device")
+    what = _not_regular(mode)
+    return what and f"{name} is {what}, not a file"
 
 
 @contextlib.contextmanager
 def regular_file(path: str, follow: bool = False):
-    """(binary file, size) of `path`, opened only if it is a regular file
-    (and, unless `follow`, not a link), checked before the open and again on
-    the open file; a UsageError otherwise. A FIFO never blocks the open, and
-    a reader takes no more than `size` bytes: /dev/zero has no end."""
-    mode = (os.stat if follow else os.lstat)(path).st_mode
-    if not stat.S_ISREG(mode):
-        what = "a symbolic link" if stat.S_ISLNK(mode) else _not_a_file(mode)
+    """(binary file, size) of `path`, opened only if it is a regular file (and,
+    unless `follow`, not a link), checked before the open and on the open file;
+    a UsageError otherwise. A FIFO never blocks the open; a reader takes `size` bytes."""
+    if what := _not_regular((os.stat if follow else os.lstat)(path).st_mode):
         raise UsageError(f"{path} is {what}, not a file")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
@@ -370,42 +345,35 @@ def regular_file(path: str, follow: bool = False):
         raise UsageError(f"{path} is a symbolic link, not a file") from None
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # swapped since the check
-            raise UsageError(f"{path} is {_not_a_file(info.st_mode)}, not a file")
+        if what := _not_regular(info.st_mode):  # swapped since the check
+            raise UsageError(f"{path} is {what}, not a file")
         os.set_blocking(fd, True)  # O_NONBLOCK was for the open alone
         yield f, info.st_size
 
 
 def named_files(directory: str, names, index: str, links: bool = False) -> list[str]:
-    """directory/name of each name a checkpoint's own index (DCP's .metadata,
-    a Hugging Face weight map) gives: only a plain file of the directory
-    (plain_file_problem) and, where it has digests, one they list (verified
-    before it is read); anything else would have a checkpoint read whatever
-    file it chose. `links`: a link to a regular file is read too (a Hugging
-    Face cache's snapshot is links into its blobs/, as transformers reads it)."""
+    """directory/name of each name a checkpoint's own index (DCP's, a Hugging
+    Face weight map) gives, each a plain file of it and one its digests list, if
+    any. `links`: a link to a regular file too (a Hugging Face cache's snapshot)."""
     listed = listed_digests(directory) if os.path.exists(os.path.join(directory, DIGESTS)) else None
     paths = {}
     for name in names:
         if isinstance(name, str) and name in paths:  # DCP's index names each file many times
             continue
+        path = os.path.join(directory, str(name))
         problem = plain_file_problem(directory, name) if isinstance(name, str) else f"{name!r} is not a file name"
-        if problem and links and os.path.islink(os.path.join(directory, name)) and \
-                os.path.isfile(os.path.join(directory, name)):
+        if problem and links and os.path.islink(path) and os.path.isfile(path):
             problem = None
         if problem is None and listed is not None and name not in listed:
             problem = f"{name} is not one of the files its {DIGESTS} lists"
         if problem:
             raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not one of "
                              f"its own files ({problem}). Load checkpoints only from a source you trust")
-        paths[name] = os.path.join(directory, name)
+        paths[name] = path
     return list(paths.values())
 
 
-# 2. Digests: every file's sha256, listed beside them at a save (DIGESTS) and
-# checked before a load reads them.
-
 def sha256_of(path: str) -> str:
-    """The sha256 of a regular file's bytes (regular_file), read in blocks."""
     digest = hashlib.sha256()
     with regular_file(path) as (f, left):
         while left > 0 and (block := f.read(min(left, 1 << 24))):
@@ -415,13 +383,11 @@ def sha256_of(path: str) -> str:
 
 
 def listed_digests(directory: str) -> dict[str, str]:
-    """name -> sha256 of every line of directory's DIGESTS, in sha256sum's
-    format: `SHA256  NAME`, or `SHA256 *NAME` as `sha256sum -b` writes (its
-    binary mode hashes the same bytes). A UsageError names a line of any
-    other form; the names are checked where they are read (damage)."""
-    path, listed = os.path.join(directory, DIGESTS), {}
-    with regular_file(path) as (f, size):
+    """name -> sha256 of each line of directory's DIGESTS: `SHA256  NAME`, or
+    `SHA256 *NAME` as `sha256sum -b` writes; any other line is a UsageError."""
+    with regular_file(os.path.join(directory, DIGESTS)) as (f, size):
         text = f.read(size).decode("utf-8", "replace")
+    listed = {}
     for number, line in enumerate(text.removesuffix("\n").split("\n") if text else [], 1):
         match = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line)
         if not match or match[2] in listed:
@@ -441,13 +407,12 @@ def write_digests(directory: str, digests: dict[str, str]) -> None:
 
 
 def digests_problem(directory: str, names: list[str]) -> str | None:
-    """damage's verdict on the files `names` of a directory with DIGESTS
-    (each of which damage found a plain file already)."""
-    listed = listed_digests(directory)
-    there = set(names)  # so only a listed name not among them is left to judge: missing, or no plain name
-    problem = next(filter(None, (plain_file_problem(directory, name) for name in listed if name not in there)), None)
-    if problem:  # before any file is read
-        return problem
+    """checkpoint.damage's verdict on the files `names` of a directory with
+    DIGESTS, each of which it found a plain file already."""
+    listed, there = listed_digests(directory), set(names)
+    for name in listed:  # before any file is read: a listed name not there is missing, or no plain name
+        if name not in there and (problem := plain_file_problem(directory, name)):
+            return problem
     unlisted = [name for name in names if name not in listed and name != DIGESTS]
     if unlisted:  # another run's, saved over this one (at another data-parallel size, say)
         return (f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not listed in {DIGESTS} "
@@ -458,12 +423,10 @@ def digests_problem(directory: str, names: list[str]) -> str | None:
     return None
 
 
-# 3. Data only: torch.load unpickles, and a pickle may name any function for the
-# reader to call: a downloaded checkpoint could run a command on every rank that
-# reads it. So every checkpoint file is read as weights_only: tensors, numbers,
+# Data only (docs/checkpoints.md): a pickle may name any function for its reader
+# to call, so every checkpoint file is read as weights_only: tensors, numbers,
 # strings and containers, plus the few types below, which rebuild data and call
-# nothing else. DeepSpeed's own reads (engine.load_checkpoint, zero_to_fp32) pass
-# weights_only=False; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that.
+# nothing else. TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides DeepSpeed's weights_only=False.
 
 # A file of another pickle protocol than torch.save's is refused in one line, without torch's warning too.
 warnings.filterwarnings("ignore", "Detected pickle protocol")
@@ -471,66 +434,43 @@ warnings.filterwarnings("ignore", "Detected pickle protocol")
 
 def _data_types(deepspeed: bool) -> list:
     """numpy's ndarray, for np.random's state in every checkpoint's "rng"; with
-    `deepspeed`, DeepSpeed's enum, loss scalers and fragment addresses, in its
-    optimizer files (a plain or torch_dist load imports no DeepSpeed)."""
+    `deepspeed`, the types in DeepSpeed's optimizer files (only its loads import it)."""
     rebuild = np.zeros(0).__reduce__()[0]  # numpy's array reconstructor, under both its module names:
     types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # the state's key array is uint32
              (rebuild, "numpy._core.multiarray._reconstruct"),  # numpy 2
              (rebuild, "numpy.core.multiarray._reconstruct")]  # numpy 1's checkpoints
-    if not deepspeed:
-        return types
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-        types += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-    except ImportError:  # no DeepSpeed here: no file needs its types
-        pass
+    if deepspeed:
+        with contextlib.suppress(ImportError):  # no DeepSpeed here: no file needs its types
+            from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+            from deepspeed.runtime.zero.config import ZeroStageEnum
+            from deepspeed.utils.tensor_fragment import fragment_address
+            types += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
     return types
 
 
 @contextlib.contextmanager
 def data_only_loads(where: str, kind: str = "plain"):
-    """Every torch.load inside, DeepSpeed's included, reads data only
-    (weights_only=True). A file that holds anything else is not read: one
-    line names it and what it holds. `where`: the checkpoint's directory (or
-    file), of `kind` ("plain", "torch_dist" or "deepspeed"; see _pickles_in)."""
-    force, before = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ[force] = "1"
-    try:
-        with torch.serialization.safe_globals(_data_types(kind == "deepspeed")):
-            try:
-                yield
-            except pickle.UnpicklingError as e:
-                raise UsageError(_code_in_files(where, kind, e)) from None
-    finally:
-        if before is None:
-            del os.environ[force]
-        else:
-            os.environ[force] = before
+    """Every torch.load inside, DeepSpeed's included, reads data only; a file
+    that holds more is refused in one line naming it and what it holds.
+    `where`: the checkpoint's directory (or file), of `kind` ("plain", "torch_dist" or "deepspeed")."""
+    with mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"), \
+            torch.serialization.safe_globals(_data_types(kind == "deepspeed")):
+        try:
+            yield
+        except pickle.UnpicklingError as e:
+            raise UsageError(_code_in_files(where, kind, e)) from None
 
 
 def _code_in_files(where: str, kind: str, error: pickle.UnpicklingError) -> str:
-    """Which files under `where` hold more than data, found without unpickling
-    them (a static scan); else what the unpickler refused."""
-    shown = "; ".join(f"{f} holds {', '.join(found)}" for f, found in _pickles_in(where, kind, error) if found)
-    if not shown:
-        reason = [line for line in str(error).splitlines() if "global" in line.lower() or "got <" in line]
-        shown = f"a file there holds {(reason or ['more than data'])[0].strip()}"
-    return (f"refusing to read the checkpoint in {where}: {shown}, not data (tensors, numbers, "
-            f"containers); a file like that can run code when it is read. Load checkpoints only "
-            f"from a source you trust")
-
-
-def _pickles_in(where: str, kind: str, error: pickle.UnpicklingError):
-    """(a pickle's name, the globals in it that weights_only refuses) for each
-    pickle a load reads under `where`: its .pt files, or a torch_dist
+    """Which pickles a load reads under `where` hold more than data, by a
+    static scan (never unpickled): its .pt files, or a torch_dist
     checkpoint's non-tensors, each a torch.save zip within a .distcp file
-    (unless the refusal was of its index, .metadata, itself)."""
+    (unless the refusal was of its index itself); else what the unpickler refused."""
+    found = []  # (a pickle's name, the globals in it that weights_only refuses)
     if kind != "torch_dist":
         for path in sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]:
             with open(path, "rb") as f:
-                yield path, _unsafe_globals(f)
+                found.append((path, _unsafe_globals(f)))
     elif DIST_METADATA not in str(error):
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
         metadata = dist_reader(where).read_metadata()
@@ -539,27 +479,25 @@ def _pickles_in(where: str, kind: str, error: pickle.UnpicklingError):
                 with open(os.path.join(where, info.relative_path), "rb") as f:
                     f.seek(info.offset)
                     piece = io.BytesIO(f.read(info.length))
-                yield f"{os.path.join(where, info.relative_path)} (its {index.fqn})", _unsafe_globals(piece)
+                found.append((f"{os.path.join(where, info.relative_path)} (its {index.fqn})", _unsafe_globals(piece)))
+    shown = "; ".join(f"{name} holds {', '.join(names)}" for name, names in found if names)
+    if not shown:
+        reason = [line for line in str(error).splitlines() if "global" in line.lower() or "got <" in line]
+        shown = f"a file there holds {(reason or ['more than data'])[0].strip()}"
+    return (f"refusing to read the checkpoint in {where}: {shown}, not data (tensors, numbers, "
+            f"containers); a file like that can run code when it is read. Load checkpoints only "
+            f"from a source you trust")
 
 
 def _unsafe_globals(f) -> list[str]:
     """The globals in a file torch.load reads (f: open, binary) that weights_only
-    refuses, read statically: torch's own scan of a torch.save zip, else of
-    the pickles of torch's legacy (pre-zip) format or a raw pickle, against
-    the same allow-list."""
+    refuses: torch's own scan of a torch.save zip, else ours of the opcodes of
+    torch's legacy format (five pickles, then raw bytes) or a raw pickle, where
+    a protocol 4 global takes the two strings last pushed or fetched from the memo."""
     zipped = zipfile.is_zipfile(f)
     f.seek(0)
     if zipped:
         return torch.serialization.get_unsafe_globals_in_checkpoint(f)
-    from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
-    return sorted(_pickle_globals(f) - set(_get_allowed_globals()) - set(_get_user_allowed_globals()))
-
-
-def _pickle_globals(f) -> set[str]:
-    """Every module.name the pickles at the start of a file (f: open, binary)
-    name (torch's legacy format is five pickles, then raw bytes; a raw pickle
-    is one), by reading their opcodes: a protocol 4 global takes the two
-    strings last pushed or fetched from the memo."""
     found, strings, memo, top = set(), [], {}, None
     for _ in range(5):
         try:
@@ -578,16 +516,13 @@ def _pickle_globals(f) -> set[str]:
                     strings.append(top)
         except ValueError:  # past the pickles: the raw bytes of tensors, or the end
             break
-    return found
+    from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
+    return sorted(found - set(_get_allowed_globals()) - set(_get_user_allowed_globals()))
 
-
-# 4. torch.distributed.checkpoint's index (DIST_METADATA, itself a pickle),
-# read with DCP's metadata classes alone.
 
 def dist_reader(path: str):
-    """DCP's reader, but its index (DIST_METADATA, a pickle) is read with
-    only DCP's metadata classes and torch's dtypes allowed: a torch_dist
-    checkpoint never runs code from its files either (see data_only_loads)."""
+    """DCP's reader, but its index (a pickle) may hold only dcp_metadata_globals
+    and name only the checkpoint's own files."""
     import torch.distributed.checkpoint as dcp
     reader = dcp.FileSystemReader(path)
 
@@ -604,11 +539,8 @@ def dist_reader(path: str):
 
 
 class DistMetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata classes (dataclasses and enums), torch's dtypes, and the
-    few helpers its pickle names; any other global is refused before it is
-    looked up: finding a global imports its module, which runs its code."""
-    ALSO = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
-    DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    """Any global but dcp_metadata_globals is refused before it is looked up:
+    finding a global imports its module, which runs its code."""
 
     def find_class(self, module: str, name: str):
         if (module, name) in dcp_metadata_globals():
@@ -618,11 +550,11 @@ class DistMetadataUnpickler(pickle.Unpickler):
 
 @functools.cache
 def dcp_metadata_globals() -> frozenset:
-    """What DistMetadataUnpickler allows, as (module, name): read off this
-    torch's DCP modules, so the list follows torch's versions."""
-    allowed = set(DistMetadataUnpickler.ALSO)
+    """(module, name) of DCP's metadata classes (dataclasses and enums, read
+    off this torch's DCP modules), torch's dtypes and the few helpers its pickle names."""
+    allowed = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
     allowed |= {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
-    for module in DistMetadataUnpickler.DCP_MODULES:
+    for module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
         for n, v in vars(importlib.import_module(module)).items():
             if isinstance(v, type) and v.__module__ == module and (
                     dataclasses.is_dataclass(v) or issubclass(v, enum.Enum)):
