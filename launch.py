@@ -8,10 +8,8 @@ module every other may import, so it imports none of them.
      for each restart of an elastic job (init_distributed)
   3. Files that appear whole: written under a temporary name, forced to disk,
      renamed into place (atomic_write, fsync_path)
-  4. Files that may come from anyone (a checkpoint downloaded or copied):
-     read only where a file is what it claims to be, then as data alone:
-     plain files, digests, pickles of data only, DCP's index (checkpoint.py
-     and huggingface.py read through it)
+  4. Files that may come from anyone, as checkpoint.py and huggingface.py read
+     them: plain files, their digests, pickles of data only, DCP's index
 """
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ import traceback
 import uuid
 import warnings
 import zipfile
-from unittest import mock
 
 import numpy as np
 import torch
@@ -81,9 +78,8 @@ def say(line: str) -> None:
 
 
 def report_usage_error(e: UsageError, prog: str) -> None:
-    """Rank 0 prints the mistake and exits with status 2; the others wait for
-    it in the group's store (or for the launcher to stop them) and stay
-    silent. A rank whose wait ends found its mistake alone and prints it."""
+    """Rank 0 prints the mistake and exits with status 2; the others wait for it in
+    the store (or for the launcher to stop them), and print only a mistake of their own."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's Preemption handler would keep it alive
     rank = global_rank()
     if rank != 0 and dist.is_initialized():
@@ -133,12 +129,11 @@ _sigterm_wakeup = None  # the pipe's write end while sigterm_exits is in force
 
 
 def sigterm_exits(line: str) -> None:
-    """Until sigterm_calls: SIGTERM (a preemption notice, `timeout`) ends this
-    process at once, with `line` on stderr and status 143 (128 + SIGTERM),
-    whatever it is doing. Python runs a handler only between two bytecodes of
-    the main thread, never while it waits inside C (a collective, a store, a
-    file that never answers): a thread reads the byte the C-level handler
-    writes to the wakeup fd."""
+    """Until sigterm_calls: SIGTERM (a preemption notice, `timeout`) ends this process
+    at once, with `line` on stderr and status 143 (128 + SIGTERM), whatever it does.
+    Python runs a handler only between two bytecodes of the main thread, never while
+    it waits inside C (a collective, a store, a file that never answers): a thread
+    reads the byte the C-level handler writes to the wakeup fd."""
     global _sigterm_wakeup
     read, write = os.pipe()
     os.set_blocking(write, False)  # set_wakeup_fd requires it: a signal handler never blocks
@@ -190,9 +185,8 @@ class Dist:
 
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0, one_queue: bool = False,
                      deepspeed: bool = False) -> Dist:
-    """The default process group from torchrun's environment (one process
-    without it; gloo on CPU; a layout's groups are parallel.initialize's).
-    one_queue: one hardware queue (see parallel._SequenceParallelLinear),
+    """The default process group from torchrun's environment (one process without
+    it; gloo on CPU). one_queue: one hardware queue (see parallel._SequenceParallelLinear),
     set before anything creates the CUDA context, which reads it."""
     if one_queue:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -313,10 +307,10 @@ def _not_regular(mode: int) -> str | None:
 
 
 def plain_file_problem(directory: str, name: str) -> str | None:
-    """Why `name` is not a plain file of `directory`, or None. A name a
-    checkpoint gives (its digests', DCP's or a Hugging Face index's) is a bare
-    file name (no `/`, no `..`, nothing sha256sum would escape) of a regular file:
-    a link, FIFO or device (a tar can carry them) would be read outside it or forever."""
+    """Why `name`, given by a checkpoint (its digests, DCP's or a Hugging Face index),
+    is not a bare file name (nothing sha256sum would escape) of a regular file of
+    `directory`, or None: a link, FIFO or device (a tar can carry them) would be read
+    outside it or forever."""
     if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0"):
         return f"{name!r} is not a file name in the checkpoint's directory"
     path = os.path.join(directory, name)
@@ -432,40 +426,42 @@ def digests_problem(directory: str, names: list[str]) -> str | None:
 warnings.filterwarnings("ignore", "Detected pickle protocol")
 
 
-def _data_types(deepspeed: bool) -> list:
-    """numpy's ndarray, for np.random's state in every checkpoint's "rng"; with
-    `deepspeed`, the types in DeepSpeed's optimizer files (only its loads import it)."""
+@contextlib.contextmanager
+def data_only_loads(where: str, kind: str = "plain"):
+    """Every torch.load inside, DeepSpeed's included, reads data only: numpy's
+    arrays too (np.random's state in every checkpoint's "rng"), and for `kind`
+    "deepspeed" the types of its optimizer files (only its loads import it). A file
+    that holds more is refused in one line naming it and what it holds. `where`: the
+    checkpoint's directory (or file), of `kind` ("plain", "torch_dist" or "deepspeed")."""
     rebuild = np.zeros(0).__reduce__()[0]  # numpy's array reconstructor, under both its module names:
     types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # the state's key array is uint32
              (rebuild, "numpy._core.multiarray._reconstruct"),  # numpy 2
              (rebuild, "numpy.core.multiarray._reconstruct")]  # numpy 1's checkpoints
-    if deepspeed:
+    if kind == "deepspeed":
         with contextlib.suppress(ImportError):  # no DeepSpeed here: no file needs its types
             from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
             from deepspeed.runtime.zero.config import ZeroStageEnum
             from deepspeed.utils.tensor_fragment import fragment_address
             types += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-    return types
-
-
-@contextlib.contextmanager
-def data_only_loads(where: str, kind: str = "plain"):
-    """Every torch.load inside, DeepSpeed's included, reads data only; a file
-    that holds more is refused in one line naming it and what it holds.
-    `where`: the checkpoint's directory (or file), of `kind` ("plain", "torch_dist" or "deepspeed")."""
-    with mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"), \
-            torch.serialization.safe_globals(_data_types(kind == "deepspeed")):
-        try:
-            yield
-        except pickle.UnpicklingError as e:
-            raise UsageError(_code_in_files(where, kind, e)) from None
+    force, before = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ[force] = "1"
+    try:
+        with torch.serialization.safe_globals(types):  # also what _code_in_files' scan allows
+            try:
+                yield
+            except pickle.UnpicklingError as e:
+                raise UsageError(_code_in_files(where, kind, e)) from None
+    finally:  # this key alone: the rest of os.environ may have changed inside
+        if before is None:
+            del os.environ[force]
+        else:
+            os.environ[force] = before
 
 
 def _code_in_files(where: str, kind: str, error: pickle.UnpicklingError) -> str:
-    """Which pickles a load reads under `where` hold more than data, by a
-    static scan (never unpickled): its .pt files, or a torch_dist
-    checkpoint's non-tensors, each a torch.save zip within a .distcp file
-    (unless the refusal was of its index itself); else what the unpickler refused."""
+    """Which pickles a load reads under `where` hold more than data, by a static scan:
+    its .pt files, or a torch_dist checkpoint's non-tensors, each a torch.save zip in
+    a .distcp file (unless its index was refused); else what the unpickler refused."""
     found = []  # (a pickle's name, the globals in it that weights_only refuses)
     if kind != "torch_dist":
         for path in sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]:
@@ -521,8 +517,8 @@ def _unsafe_globals(f) -> list[str]:
 
 
 def dist_reader(path: str):
-    """DCP's reader, but its index (a pickle) may hold only dcp_metadata_globals
-    and name only the checkpoint's own files."""
+    """DCP's reader, but its index (a pickle) is read by DistMetadataUnpickler
+    and may name only the checkpoint's own files."""
     import torch.distributed.checkpoint as dcp
     reader = dcp.FileSystemReader(path)
 
@@ -539,27 +535,26 @@ def dist_reader(path: str):
 
 
 class DistMetadataUnpickler(pickle.Unpickler):
-    """Any global but dcp_metadata_globals is refused before it is looked up:
-    finding a global imports its module, which runs its code."""
+    """Only this torch's DCP metadata classes (dataclasses and enums), its dtypes and
+    the few helpers DCP's pickle names: any other global is refused before it is
+    looked up, as finding a global imports its module, which runs its code."""
 
     def find_class(self, module: str, name: str):
-        if (module, name) in dcp_metadata_globals():
+        if (module, name) in self.allowed():
             return super().find_class(module, name)  # a module imported already
         raise pickle.UnpicklingError(f"the global {module}.{name} in {DIST_METADATA}")
 
-
-@functools.cache
-def dcp_metadata_globals() -> frozenset:
-    """(module, name) of DCP's metadata classes (dataclasses and enums, read
-    off this torch's DCP modules), torch's dtypes and the few helpers its pickle names."""
-    allowed = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
-    allowed |= {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
-    for module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
-        for n, v in vars(importlib.import_module(module)).items():
-            if isinstance(v, type) and v.__module__ == module and (
-                    dataclasses.is_dataclass(v) or issubclass(v, enum.Enum)):
-                allowed.add((module, n))
-    return frozenset(allowed)
+    @staticmethod
+    @functools.cache
+    def allowed() -> frozenset:
+        names = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+        names |= {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+        for module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
+            for n, v in vars(importlib.import_module(module)).items():
+                if isinstance(v, type) and v.__module__ == module and (
+                        dataclasses.is_dataclass(v) or issubclass(v, enum.Enum)):
+                    names.add((module, n))
+        return frozenset(names)
 
 
 def read_dist_metadata(path: str):
