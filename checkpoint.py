@@ -40,8 +40,8 @@ from config import TrainConfig, model_config
 from gpt import GPT, GPTConfig
 from huggingface import HF_CONFIG, from_hf, is_hf_directory, to_hf, write_hf_tokenizer
 from launch import UsageError, atomic_write, fsync_path, parse_json
-from untrusted import (DIGESTS, DIST_METADATA, data_only_loads, digest_files, digests_problem, dist_reader,
-                       plain_file_problem, read_dist_metadata, regular_file, write_digests)
+from launch import (DIGESTS, DIST_METADATA, data_only_loads, digest_files, digests_problem, dist_reader,
+                    plain_file_problem, read_dist_metadata, regular_file, write_digests)
 
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"

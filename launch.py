@@ -8,22 +8,38 @@ module every other may import, so it imports none of them.
      for each restart of an elastic job (init_distributed)
   3. Files that appear whole: written under a temporary name, forced to disk,
      renamed into place (atomic_write, fsync_path)
+  4. Files that may come from anyone, as checkpoint.py and huggingface.py read
+     them: plain files, their digests, pickles of data only, DCP's index
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import enum
+import errno
+import functools
+import glob
+import hashlib
+import importlib
+import io
 import json
 import os
+import pickle
+import pickletools
+import re
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+import warnings
+import zipfile
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,15 +54,15 @@ class UsageError(ValueError):
 
 @contextlib.contextmanager
 def errors_reported(prog: str):
-    """Around a program's whole run (train.py's and evaluate.py's main): a
-    user's mistake reported once, and a collective that gave up on a dead or
-    silent peer named."""
+    """Around a program's whole run (train.py's and evaluate.py's main): a user's
+    mistake, or a collective that gave up on a dead or silent peer, said in one line."""
     try:
         yield
     except UsageError as e:
         report_usage_error(e, prog)
-    except RuntimeError as e:  # gloo's and torch.distributed's errors are RuntimeErrors
-        if not is_collective_failure(e):
+    except RuntimeError as e:  # gave up on a peer (timed out, or it died)? gloo raises a plain RuntimeError
+        gave_up = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
+        if not isinstance(e, dist.DistError) and not any(s in str(e) for s in gave_up):
             raise
         report_collective_failure(e, prog)
 
@@ -57,15 +73,14 @@ def global_rank() -> int:
 
 
 def say(line: str) -> None:
-    """Print a note to the user once, on rank 0 (every one goes through here)."""
+    """Print a note to the user once, on rank 0."""
     if global_rank() == 0:
         print(line, flush=True)
 
 
 def report_usage_error(e: UsageError, prog: str) -> None:
-    """Rank 0 prints the mistake and exits with status 2; the others wait for
-    it in the group's store (or for the launcher to stop them) and stay
-    silent. A rank whose wait ends found its mistake alone and prints it."""
+    """Rank 0 prints the mistake and exits with status 2; the others wait for it in
+    the store (or for the launcher to stop them), and print only a mistake of their own."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's Preemption handler would keep it alive
     rank = global_rank()
     if rank != 0 and dist.is_initialized():
@@ -82,24 +97,15 @@ def report_usage_error(e: UsageError, prog: str) -> None:
     sys.exit(2)
 
 
-def is_collective_failure(e: RuntimeError) -> bool:
-    """A collective or the store that gave up on a peer: the timeout ran out,
-    or the peer died. gloo raises a plain RuntimeError for both."""
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(
-        s in text for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer"))
-
-
 def report_collective_failure(e: RuntimeError, prog: str) -> None:
-    """The traceback, then one line: which collective gave up (the line of
-    this project that waited on it) and what it means."""
+    """The traceback, then one line: which collective gave up (this
+    project's line that waited on it) and what it means."""
     traceback.print_exc()
     here = os.path.dirname(os.path.abspath(__file__))
-    ours = [f for f in traceback.extract_tb(e.__traceback__)
-            if os.path.dirname(os.path.abspath(f.filename)) == here]
+    frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__))
+                  if os.path.dirname(os.path.abspath(f.filename)) == here), None)
     what, where = "a collective", ""
-    if ours:
-        frame = ours[-1]
+    if frame:
         where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name} (`{frame.line}`)"
         if "backward" in frame.line:  # DDP and ZeRO reduce gradients from autograd hooks
             what = "the gradient all-reduce (run inside backward)"
@@ -111,9 +117,8 @@ def report_collective_failure(e: RuntimeError, prog: str) -> None:
 
 
 def parse_json(data, where: str, then: str = ""):
-    """json.loads(data), or one line (UsageError) naming `where` and why it is
-    not JSON: cut short, not UTF-8, or nested deeper than Python's parser
-    recurses (a RecursionError, which is not a ValueError). `then`: what to do."""
+    """json.loads(data), or a UsageError naming `where` and why it is not
+    JSON (nesting too deep raises RecursionError, not a ValueError). `then`: what to do."""
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as e:
@@ -125,13 +130,11 @@ _sigterm_wakeup = None  # the pipe's write end while sigterm_exits is in force
 
 
 def sigterm_exits(line: str) -> None:
-    """From now until sigterm_calls: SIGTERM (a scheduler's preemption notice,
-    `timeout`) ends this process at once, with `line` on stderr and status
-    143 (128 + SIGTERM, a shell's status for it), whatever the process is
-    doing: reading a file that never answers, waiting on a peer. Python runs
-    a handler only between two bytecodes of the main thread, never while it
-    waits inside C (a collective, a store), so the byte that the C-level
-    handler writes to the wakeup fd is read by a thread of its own."""
+    """Until sigterm_calls: SIGTERM (a preemption notice, `timeout`) ends this process
+    at once, with `line` on stderr and status 143 (128 + SIGTERM), whatever it does.
+    Python runs a handler only between two bytecodes of the main thread, never while
+    it waits inside C (a collective, a store, a file that never answers): a thread
+    reads the byte the C-level handler writes to the wakeup fd."""
     global _sigterm_wakeup
     read, write = os.pipe()
     os.set_blocking(write, False)  # set_wakeup_fd requires it: a signal handler never blocks
@@ -139,25 +142,23 @@ def sigterm_exits(line: str) -> None:
     if _sigterm_wakeup is not None:  # an earlier run in this process (tests): its thread ends
         os.close(_sigterm_wakeup)
     _sigterm_wakeup = write
-    threading.Thread(target=_exit_on_sigterm, args=(read, line), daemon=True, name="sigterm").start()
+
+    def exit_on_sigterm():
+        while received := os.read(read, 64):  # the numbers of the signals caught; b"" once the pipe is closed
+            if signal.SIGTERM in received:
+                # One write of the whole line: the ranks share one stderr and end together,
+                # and print's two writes (the text, then its newline) would interleave.
+                os.write(sys.stderr.fileno(), f"{line}\n".encode())
+                os._exit(128 + signal.SIGTERM)
+        os.close(read)
+    threading.Thread(target=exit_on_sigterm, daemon=True, name="sigterm").start()
     # Last: until now SIGTERM's default action ended the process (without the line); none is lost.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread acts; the main thread need not
 
 
-def _exit_on_sigterm(read: int, line: str) -> None:
-    while received := os.read(read, 64):  # the numbers of the signals caught; b"" once the pipe is closed
-        if signal.SIGTERM in received:
-            # One write of the whole line: the ranks share one stderr and end together,
-            # and print's two writes (the text, then its newline) would interleave.
-            os.write(sys.stderr.fileno(), f"{line}\n".encode())
-            os._exit(128 + signal.SIGTERM)
-    os.close(read)
-
-
 def sigterm_calls(handler) -> None:
-    """From now on SIGTERM calls handler (the main thread, between two
-    bytecodes), and no longer ends the process. The handler goes in first:
-    a SIGTERM in between still ends the process, none is lost."""
+    """From now on SIGTERM calls handler (in the main thread) instead of
+    ending the process. The handler goes in first: none is lost in between."""
     global _sigterm_wakeup
     signal.signal(signal.SIGTERM, handler)
     if _sigterm_wakeup is not None:
@@ -170,7 +171,7 @@ def sigterm_calls(handler) -> None:
 # 2. torchrun's environment
 # ----------------------------------------------------------------------------
 
-@dataclass
+@dataclasses.dataclass
 class Dist:
     rank: int
     world_size: int
@@ -185,11 +186,9 @@ class Dist:
 
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0, one_queue: bool = False,
                      deepspeed: bool = False) -> Dist:
-    """Start the default process group from torchrun's environment (a single
-    process without it; gloo on CPU). The groups of a parallel layout are
-    parallel.initialize's. one_queue: one hardware queue (see
-    parallel._SequenceParallelLinear), set before anything creates the
-    CUDA context, which reads it."""
+    """The default process group from torchrun's environment (one process without
+    it; gloo on CPU). one_queue: one hardware queue (see parallel._SequenceParallelLinear),
+    set before anything creates the CUDA context, which reads it."""
     if one_queue:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     rank = int(os.environ.get("RANK", 0))
@@ -204,13 +203,10 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0, 
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if world > 1 and not dist.is_initialized():
         if backend == "gloo":
-            # gloo connects a group's ranks inside init_process_group and
-            # new_group, and the rank that dials returns once its connection is
-            # made, while its peer may still be accepting it. A rank that then
-            # leaves (a user error found right after, a run that ends) closes
-            # the socket under that peer, which fails with "Connection closed
-            # by peer" instead. torch's switch for a barrier at the end of each
-            # makes every rank wait for all. (NCCL connects at first use.)
+            # gloo connects a group's ranks inside init_process_group and new_group: the rank
+            # that dials returns once connected, and leaving then (a user error, the run's end)
+            # fails its peer, still accepting, with "Connection closed by peer". This barrier at
+            # the end of each makes every rank wait for all. (NCCL connects at first use.)
             os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
         dist.init_process_group(backend=backend, timeout=timeout, **elastic_store(rank, world, timeout))
     elif deepspeed and not dist.is_initialized():
@@ -225,12 +221,10 @@ ATTEMPT_STORE_KEY = "/parallel.py/attempt_store"
 
 
 def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
-    """init_process_group's store under torchrun: a new one for each attempt.
-    The agents' shared store (TORCHELASTIC_USE_AGENT_STORE) keeps a dead
-    attempt's keys, and after a restart workers would connect to ranks that
-    no longer exist. No attempt number is the same on every node, so rank 0
-    starts a store of its own and publishes its address with a fresh nonce,
-    which a dead attempt's address cannot answer with."""
+    """init_process_group's store under torchrun, a new one for each attempt:
+    the agents' shared store (TORCHELASTIC_USE_AGENT_STORE) keeps a dead
+    attempt's keys, which would connect workers to ranks that are gone. No attempt
+    number is the same on every node: rank 0 publishes its own store's address with a nonce."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     host = os.environ["MASTER_ADDR"]  # the node of global rank 0, whose agent hosts this store
@@ -246,8 +240,8 @@ def elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
 
 
 def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
-    """The store rank 0 started for this attempt: read the key again until its
-    address answers with its own nonce (it may still hold a dead attempt's)."""
+    """The store rank 0 started for this attempt: read the key until its
+    address answers with its nonce (it may still hold a dead attempt's)."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         host, port, nonce = agent.get(ATTEMPT_STORE_KEY).decode().split()
@@ -272,10 +266,9 @@ def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
 
 def atomic_write(path: str, write) -> None:
     """write(f) into a temporary file beside `path`, force it to disk, rename
-    it into place and force the directory entry: a reader, or the machine
-    after a power loss, finds the old file or the new one, never a torn one.
-    The temporary name is per process: several ranks may write the same file
-    (to_hf under tensor parallelism). The project's one atomic write."""
+    it into place and force the directory entry: a reader, or the machine after
+    a power loss, finds the old file or the new one, never a torn one. The
+    temporary name is per process (ranks may write one file: to_hf under TP)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -290,10 +283,281 @@ def atomic_write(path: str, write) -> None:
 
 
 def fsync_path(path: str) -> None:
-    """Force a file's contents, or a directory's entries (a rename into it,
-    say), to disk (POSIX: both open read-only)."""
+    """Force a file's contents, or a directory's entries, to disk (POSIX: both open read-only)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------
+# 4. Files that may come from anyone: read only where a file is what it
+# claims to be, then as data alone
+# ----------------------------------------------------------------------------
+
+DIGESTS = "checksums.sha256"  # every file's sha256, in sha256sum's format (`sha256sum -c` reads it)
+DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last: a torch_dist checkpoint
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file of this mode is, where it is not a regular file."""
+    kinds = ((stat.S_ISREG, None), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "a device")
+
+
+def plain_file_problem(directory: str, name: str) -> str | None:
+    """Why `name`, given by a checkpoint (its digests, DCP's or a Hugging Face index),
+    is not a bare file name (nothing sha256sum would escape) of a regular file of
+    `directory`, or None: a link, FIFO or device (a tar can carry them) would be read
+    outside it or forever."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0"):
+        return f"{name!r} is not a file name in the checkpoint's directory"
+    path = os.path.join(directory, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return f"{name} is missing"
+    if stat.S_ISLNK(mode):
+        return f"{name} is a symbolic link (to {os.readlink(path)}), not a file"
+    what = _not_regular(mode)
+    return what and f"{name} is {what}, not a file"
+
+
+@contextlib.contextmanager
+def regular_file(path: str, follow: bool = False):
+    """(binary file, size) of `path`, opened only if it is a regular file (and,
+    unless `follow`, not a link), checked before the open and on the open file;
+    a UsageError otherwise. A FIFO never blocks the open; a reader takes `size` bytes."""
+    if what := _not_regular((os.stat if follow else os.lstat)(path).st_mode):
+        raise UsageError(f"{path} is {what}, not a file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:  # swapped for a link since the check
+        if e.errno != errno.ELOOP:
+            raise
+        raise UsageError(f"{path} is a symbolic link, not a file") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if what := _not_regular(info.st_mode):  # swapped since the check
+            raise UsageError(f"{path} is {what}, not a file")
+        os.set_blocking(fd, True)  # O_NONBLOCK was for the open alone
+        yield f, info.st_size
+
+
+def named_files(directory: str, names, index: str, links: bool = False) -> list[str]:
+    """directory/name of each name a checkpoint's own index (DCP's, a Hugging
+    Face weight map) gives, each a plain file of it and one its digests list, if
+    any. `links`: a link to a regular file too (a Hugging Face cache's snapshot)."""
+    listed = listed_digests(directory) if os.path.exists(os.path.join(directory, DIGESTS)) else None
+    paths = {}
+    for name in names:
+        if isinstance(name, str) and name in paths:  # DCP's index names each file many times
+            continue
+        path = os.path.join(directory, str(name))
+        problem = plain_file_problem(directory, name) if isinstance(name, str) else f"{name!r} is not a file name"
+        if problem and links and os.path.islink(path) and os.path.isfile(path):
+            problem = None
+        if problem is None and listed is not None and name not in listed:
+            problem = f"{name} is not one of the files its {DIGESTS} lists"
+        if problem:
+            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not one of "
+                             f"its own files ({problem}). Load checkpoints only from a source you trust")
+        paths[name] = path
+    return list(paths.values())
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with regular_file(path) as (f, left):
+        while left > 0 and (block := f.read(min(left, 1 << 24))):
+            digest.update(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+def listed_digests(directory: str) -> dict[str, str]:
+    """name -> sha256 of each line of directory's DIGESTS: `SHA256  NAME`, or
+    `SHA256 *NAME` as `sha256sum -b` writes; any other line is a UsageError."""
+    with regular_file(os.path.join(directory, DIGESTS)) as (f, size):
+        text = f.read(size).decode("utf-8", "replace")
+    listed = {}
+    for number, line in enumerate(text.removesuffix("\n").split("\n") if text else [], 1):
+        match = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line)
+        if not match or match[2] in listed:
+            raise UsageError(f"line {number} of {DIGESTS}, {line[:80]!r}, is not `SHA256  NAME` of a file "
+                             f"listed once")
+        listed[match[2]] = match[1].lower()
+    return listed
+
+
+def digest_files(directory: str, names: list[str]) -> dict[str, str]:
+    return {name: sha256_of(os.path.join(directory, name)) for name in names}
+
+
+def write_digests(directory: str, digests: dict[str, str]) -> None:
+    text = "".join(f"{d}  {name}\n" for name, d in sorted(digests.items()))
+    atomic_write(os.path.join(directory, DIGESTS), lambda f: f.write(text.encode()))
+
+
+def digests_problem(directory: str, names: list[str]) -> str | None:
+    """checkpoint.damage's verdict on the files `names` of a directory with
+    DIGESTS, each of which it found a plain file already."""
+    listed, there = listed_digests(directory), set(names)
+    for name in listed:  # before any file is read: a listed name not there is missing, or no plain name
+        if name not in there and (problem := plain_file_problem(directory, name)):
+            return problem
+    unlisted = [name for name in names if name not in listed and name != DIGESTS]
+    if unlisted:  # another run's, saved over this one (at another data-parallel size, say)
+        return (f"{', '.join(unlisted)} {'is' if len(unlisted) == 1 else 'are'} not listed in {DIGESTS} "
+                f"(another save's, written over this one?)")
+    for name, digest in listed.items():
+        if sha256_of(os.path.join(directory, name)) != digest:
+            return f"{name} is damaged (its sha256 is not the one {DIGESTS} records)"
+    return None
+
+
+# Data only (docs/checkpoints.md): a pickle may name any function for its reader
+# to call, so every checkpoint file is read as weights_only: tensors, numbers,
+# strings and containers, plus the few types below, which rebuild data and call
+# nothing else. TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides DeepSpeed's weights_only=False.
+
+# A file of another pickle protocol than torch.save's is refused in one line, without torch's warning too.
+warnings.filterwarnings("ignore", "Detected pickle protocol")
+
+
+@contextlib.contextmanager
+def data_only_loads(where: str, kind: str = "plain"):
+    """Every torch.load inside, DeepSpeed's included, reads data only: numpy's
+    arrays too (np.random's state in every checkpoint's "rng"), and for `kind`
+    "deepspeed" the types of its optimizer files (only its loads import it). A file
+    that holds more is refused in one line naming it and what it holds. `where`: the
+    checkpoint's directory (or file), of `kind` ("plain", "torch_dist" or "deepspeed")."""
+    rebuild = np.zeros(0).__reduce__()[0]  # numpy's array reconstructor, under both its module names:
+    types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # the state's key array is uint32
+             (rebuild, "numpy._core.multiarray._reconstruct"),  # numpy 2
+             (rebuild, "numpy.core.multiarray._reconstruct")]  # numpy 1's checkpoints
+    if kind == "deepspeed":
+        with contextlib.suppress(ImportError):  # no DeepSpeed here: no file needs its types
+            from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+            from deepspeed.runtime.zero.config import ZeroStageEnum
+            from deepspeed.utils.tensor_fragment import fragment_address
+            types += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    force, before = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ[force] = "1"
+    try:
+        with torch.serialization.safe_globals(types):  # also what _code_in_files' scan allows
+            try:
+                yield
+            except pickle.UnpicklingError as e:
+                raise UsageError(_code_in_files(where, kind, e)) from None
+    finally:  # this key alone: the rest of os.environ may have changed inside
+        if before is None:
+            del os.environ[force]
+        else:
+            os.environ[force] = before
+
+
+def _code_in_files(where: str, kind: str, error: pickle.UnpicklingError) -> str:
+    """Which pickles a load reads under `where` hold more than data, by a static scan:
+    its .pt files, or a torch_dist checkpoint's non-tensors, each a torch.save zip in
+    a .distcp file (unless its index was refused); else what the unpickler refused."""
+    found = []  # (a pickle's name, the globals in it that weights_only refuses)
+    if kind != "torch_dist":
+        for path in sorted(glob.glob(os.path.join(where, "*.pt"))) if os.path.isdir(where) else [where]:
+            with open(path, "rb") as f:
+                found.append((path, _unsafe_globals(f)))
+    elif DIST_METADATA not in str(error):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+        metadata = dist_reader(where).read_metadata()
+        for index, info in metadata.storage_data.items():
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                with open(os.path.join(where, info.relative_path), "rb") as f:
+                    f.seek(info.offset)
+                    piece = io.BytesIO(f.read(info.length))
+                found.append((f"{os.path.join(where, info.relative_path)} (its {index.fqn})", _unsafe_globals(piece)))
+    shown = "; ".join(f"{name} holds {', '.join(names)}" for name, names in found if names)
+    if not shown:
+        reason = [line for line in str(error).splitlines() if "global" in line.lower() or "got <" in line]
+        shown = f"a file there holds {(reason or ['more than data'])[0].strip()}"
+    return (f"refusing to read the checkpoint in {where}: {shown}, not data (tensors, numbers, "
+            f"containers); a file like that can run code when it is read. Load checkpoints only "
+            f"from a source you trust")
+
+
+def _unsafe_globals(f) -> list[str]:
+    """The globals in a file torch.load reads (f: open, binary) that weights_only
+    refuses: torch's own scan of a torch.save zip, else ours of the opcodes of
+    torch's legacy format (five pickles, then raw bytes) or a raw pickle, where
+    a protocol 4 global takes the two strings last pushed or fetched from the memo."""
+    zipped = zipfile.is_zipfile(f)
+    f.seek(0)
+    if zipped:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(f)
+    found, strings, memo, top = set(), [], {}, None
+    for _ in range(5):
+        try:
+            for op, arg, _ in pickletools.genops(f):
+                if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[len(memo) if arg is None else arg] = top
+                    continue
+                if op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    arg = memo.get(arg)
+                if op.name == "GLOBAL":
+                    found.add(arg.replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    found.add(".".join(strings[-2:]))
+                top = arg if isinstance(arg, str) and op.name != "GLOBAL" else None
+                if top is not None:
+                    strings.append(top)
+        except ValueError:  # past the pickles: the raw bytes of tensors, or the end
+            break
+    from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
+    return sorted(found - set(_get_allowed_globals()) - set(_get_user_allowed_globals()))
+
+
+def dist_reader(path: str):
+    """DCP's reader, but its index (a pickle) is read by DistMetadataUnpickler
+    and may name only the checkpoint's own files."""
+    import torch.distributed.checkpoint as dcp
+    reader = dcp.FileSystemReader(path)
+
+    def read_metadata(*args, **kwargs):
+        with open(os.path.join(path, DIST_METADATA), "rb") as f:
+            metadata = DistMetadataUnpickler(f).load()
+        named_files(path, (info.relative_path for info in metadata.storage_data.values()),
+                    os.path.join(path, DIST_METADATA))  # before DCP opens any of them
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = reader.load_id
+        return metadata
+    reader.read_metadata = read_metadata  # in place of DCP's unpickling of the index
+    return reader
+
+
+class DistMetadataUnpickler(pickle.Unpickler):
+    """Only this torch's DCP metadata classes (dataclasses and enums), its dtypes and
+    the few helpers DCP's pickle names: any other global is refused before it is
+    looked up, as finding a global imports its module, which runs its code."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.allowed():
+            return super().find_class(module, name)  # a module imported already
+        raise pickle.UnpicklingError(f"the global {module}.{name} in {DIST_METADATA}")
+
+    @staticmethod
+    @functools.cache
+    def allowed() -> frozenset:
+        names = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+        names |= {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+        for module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
+            for n, v in vars(importlib.import_module(module)).items():
+                if isinstance(v, type) and v.__module__ == module and (
+                        dataclasses.is_dataclass(v) or issubclass(v, enum.Enum)):
+                    names.add((module, n))
+        return frozenset(names)
+
+
+def read_dist_metadata(path: str):
+    with data_only_loads(path, "torch_dist"):
+        return dist_reader(path).read_metadata()

@@ -38,9 +38,8 @@ from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bou
                       run_train, tiny, tiny_model, tokens, train_on_ranks)
 from gpt import GPT, LLAMA_OPTIONS
 from huggingface import HF_CONFIG, from_hf, hf_architecture, hf_to_ours, ours_to_hf, to_hf
-from launch import UsageError
+from launch import UsageError, sha256_of
 from prepare import load_tokenizer
-from untrusted import sha256_of
 
 
 # -----------------------------------------------------------------------------
