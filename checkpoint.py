@@ -11,7 +11,7 @@ export (docs/checkpoints.md). In order:
     tools read it); export of any kind's weights (Hugging Face: huggingface.py)
 Every kind is written under a temporary name, renamed into place, then
 pointed at (publish): a crash leaves the previous checkpoint and its pointer
-intact. Every file is read through untrusted.py: a checkpoint may come from anyone.
+intact. Every file is read through launch.py's section 4: a checkpoint may come from anyone.
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ import parallel
 from config import TrainConfig, model_config
 from gpt import GPT, GPTConfig
 from huggingface import HF_CONFIG, from_hf, is_hf_directory, to_hf, write_hf_tokenizer
-from launch import UsageError, atomic_write, fsync_path, parse_json
-from launch import (DIGESTS, DIST_METADATA, data_only_loads, digest_files, digests_problem, dist_reader,
-                    plain_file_problem, read_dist_metadata, regular_file, write_digests)
+from launch import (DIGESTS, DIST_METADATA, UsageError, atomic_write, data_only_loads, digest_files, digests_problem,
+                    dist_reader, fsync_path, parse_json, plain_file_problem, read_dist_metadata, regular_file,
+                    write_digests)
 
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"
@@ -674,7 +674,8 @@ def read_weights(found: Found) -> tuple[dict, dict]:
 # --ckpt-format torch_dist: the states above, flat ("model.NAME", "optimizer.NAME.exp_avg", ...),
 # through torch.distributed.checkpoint (DCP): each rank writes the pieces it holds, each once (DCP's
 # planner drops the copies other replicas or stages hold), and a load reads what overlaps its own, at
-# any layout. Rank 0 writes the non-tensors; each stage's first rank its random streams (a byte tensor). DCP takes a second to import: only the functions that use it do.
+# any layout. Rank 0 writes the non-tensors; each stage's first rank its random streams (a byte tensor).
+# DCP takes a second to import: only the functions that use it do.
 
 # DCP warns whenever it runs in one process; read_dist and a one-process save ask for that.
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")

@@ -12,9 +12,8 @@ import torch
 
 from data import VOCAB_SIZE
 from gpt import GPT, GPTConfig, pad_vocab_size
-from launch import UsageError, atomic_write, parse_json
+from launch import UsageError, atomic_write, data_only_loads, named_files, parse_json
 from prepare import gpt2_bpe_files
-from launch import data_only_loads, named_files
 
 HF_CONFIG = "config.json"  # a Hugging Face model directory's
 
