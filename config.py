@@ -621,7 +621,9 @@ def check_common(cfg: TrainConfig) -> None:
 
 def position_embedding_type(preset: str | None, flag: str | None) -> str:
     """The run's positions: the flag's, else the preset's (GPT-2's learned ones by default)."""
-    return flag or (GPTConfig.from_preset(preset) if preset else GPTConfig()).position_embedding_type
+    if flag:
+        return flag
+    return (GPTConfig.from_preset(preset) if preset else GPTConfig()).position_embedding_type
 
 
 def check_training(cfg: TrainConfig, given: set[str]) -> None:

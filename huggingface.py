@@ -235,14 +235,15 @@ def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
     """HF state dict -> ours: stack q/k/v and gate/up (Llama), transpose Conv1D
     weights (GPT-2), pad the vocab."""
     gpt2 = hf_architecture(config) == "gpt2"
-    # GPT-2's original checkpoints name its weights without "transformer."
-    sd = {("transformer." + k if gpt2 and not k.startswith(("transformer.", "lm_head.")) else k): v
-          for k, v in sd.items() if not k.endswith(_HF_BUFFERS)}
+    model = "GPT-2" if gpt2 else "Llama"
+    sd = {k: v for k, v in sd.items() if not k.endswith(_HF_BUFFERS)}
+    if gpt2:  # GPT-2's original checkpoints name its weights without "transformer."
+        sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in sd.items()}
     head = None if config.untie_embeddings_and_output_weights else sd.pop("lm_head.weight", None)
     names = _hf_names(config)
     expected = {n for _, theirs, _ in names for n in theirs}
     if expected != set(sd):
-        raise UsageError(f"HF {'GPT-2' if gpt2 else 'Llama'} weights do not match its config.json: missing "
+        raise UsageError(f"HF {model} weights do not match its config.json: missing "
                          f"{sorted(expected - set(sd))[:5]}, unexpected {sorted(set(sd) - expected)[:5]}")
     # A tied head, if saved at all, is a copy of the embedding (GPT-2's is checked).
     if gpt2 and head is not None and not torch.equal(head, sd["transformer.wte.weight"]):
@@ -253,7 +254,8 @@ def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
         t = torch.cat([sd[n].t() if _conv1d(n) else sd[n] for n in theirs])
         if ours in _VOCAB_TABLES:  # (vocab_size, C) -> (padded_vocab_size, C), zeros below
             if t.shape[0] != config.vocab_size:
-                raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is {config.vocab_size}")
+                raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is "
+                                 f"{config.vocab_size}")
             t = torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
         out[ours] = t.contiguous()
     return out

@@ -344,6 +344,7 @@ def _act(a: Action, forward, received: dict, in_flight: dict,
 # for it: a TorchFunctionMode sees each F.linear on a frozen weight; the
 # sequence-parallel column GEMM, in its own autograd Function, skips a frozen
 # weight's dW, and a forward hook keeps its tokens for I to gather again.
+# Activation checkpointing recomputes them as it does any saved tensor.
 
 class LaterWeightGrads(TorchFunctionMode):
     """A zero-bubble stage's block linears, whose dW waits for the schedule's W."""
@@ -467,7 +468,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
             out = stage(chunk, batches[micro], x)
         if model.layers[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
-        loss = out * batches[micro].get("loss_weight", 1.0) / m  # (CP's weight: context.split_batch)
+        loss = out * batches[micro]["loss_weight"] / m if "loss_weight" in batches[micro] else out / m
         total += loss.detach()
         return scale(loss) if scale and torch.is_grad_enabled() else loss
 

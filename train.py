@@ -231,16 +231,18 @@ def check_batches(batches: list[dict], config: GPTConfig) -> list[dict]:
     """Token ids and positions must index the embeddings: the one check of the
     ids, of a step's micro-batches, on the host, in one read (on a GPU a bad
     id is an opaque device-side assert, and checking there costs a sync)."""
-    vocab = "check the data's tokenizer against the model's vocabulary (--tokenizer-type, --vocab-size)"
-    # the true vocabulary: an id in the padding rows would train them silently
-    checks = (("tokens", config.vocab_size, vocab), ("labels", config.vocab_size, vocab),
-              ("position_ids", config.max_position_embeddings, "check --seq-length against --max-position-embeddings"))
-    extremes = []
-    for b, (name, _, _) in itertools.product(batches, checks):
-        extremes.append(torch.stack(b[name].aminmax()).long())  # (2,): min, max
-    for (lo, hi), (name, limit, fix) in zip(torch.stack(extremes).tolist(), checks * len(batches)):
+    vocab, positions = "check the data's tokenizer against the model's vocabulary (--tokenizer-type, " \
+        "--vocab-size)", "check --seq-length against --max-position-embeddings"
+    named, extremes = [], []
+    for b in batches:  # the true vocabulary: an id in the padding rows would train them silently
+        for name, limit, fix in (("tokens", config.vocab_size, vocab), ("labels", config.vocab_size, vocab),
+                                 ("position_ids", config.max_position_embeddings, positions)):
+            named.append((f"batch {name}", limit, fix))
+            extremes.append(torch.stack(b[name].aminmax()).long())  # (2,): min, max
+    bounds = torch.cat(extremes).tolist()
+    for (name, limit, fix), lo, hi in zip(named, bounds[::2], bounds[1::2]):
         if lo < 0 or hi >= limit:
-            raise UsageError(f"batch {name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
+            raise UsageError(f"{name} must lie in [0, {limit}), got values in [{lo}, {hi}]; {fix}")
     return batches
 
 
@@ -292,7 +294,8 @@ def train_step(trainer, batches: list, lr: float):
                 with trainer.precision:  # the engine's autocast (--bf16 / --fp16)
                     loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
                                          document_ids=b.get("document_ids"))
-                loss = loss * b.get("loss_weight", 1.0)  # CP's (context.split_batch)
+                if "loss_weight" in b:  # CP's (context.split_batch)
+                    loss = loss * b["loss_weight"]
                 trainer.backward(loss, m)
             total += loss.detach() / m
     else:  # the same forward, a model chunk at a time, in 1F1B order through this rank's stage
@@ -693,11 +696,12 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     global_batch = cfg.micro_batch_size * dp * accum
     ramp = range(cfg.rampup_batch_size[0], global_batch, cfg.rampup_batch_size[1]) if cfg.rampup_batch_size else []
     pp = parallel.layout.pp_size
+    if pp > 1:  # the layers must divide into stages: the model chunks a rank holds
+        v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
+                                         cfg.num_layers_per_virtual_pipeline_stage))
     for batch in [*ramp, global_batch]:
         micro_batches = gradient_accumulation_steps(cfg, dp, batch)
-        if pp > 1:  # v: the model chunks a rank holds (the layers must divide into stages)
-            v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
-                                             cfg.num_layers_per_virtual_pipeline_stage))
+        if pp > 1:
             pipeline.check_micro_batches(micro_batches, pp, v)
     return cfg, accum, global_batch
 
