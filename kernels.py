@@ -996,7 +996,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, loss_mask, need_grads):
         kind = h.device.type
-        compute_dtype = _autocast_dtype(h) or h.dtype
+        compute_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
         need_grads = need_grads and (h.requires_grad or weight.requires_grad)
         ctx.h_shape = h.shape
         h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
