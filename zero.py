@@ -67,8 +67,9 @@ class DeepSpeedMPU:
     as Megatron-DeepSpeed's sequence-data-parallel group). The model-parallel
     group, TP x PP, holds one replica: the grad norm and the overflow flag are
     summed over it, and its rank names the checkpoint's files. Replicated
-    params count once per TP rank, a stage's copy of the tied embedding not at
-    all (`ds_pipe_replicated`)."""
+    params count once per TP rank (the norm asks for the tensor-parallel rank,
+    Megatron-core's name), a stage's copy of the tied embedding not at all
+    (`ds_pipe_replicated`)."""
 
     def get_model_parallel_rank(self):
         return parallel.layout.pp_rank * parallel.layout.tp_size + parallel.layout.tp_rank
@@ -156,7 +157,8 @@ def build_model_zero3(cfg: TrainConfig, ds, ds_config: dict, build_model) -> GPT
     full model. GPT's own init then meets emptied partitions, so init_weights
     (the only random draws) is redone on each module gathered: the weights are
     train.build_model's. Under TP, GPT slices each layer's full weight after
-    initializing it, so build_model builds it (deepspeed.initialize partitions)."""
+    initializing it, so build_model builds it (1/tp slices plus one full layer
+    at a time; deepspeed.initialize partitions)."""
     device = torch.device(ds.get_accelerator().device_name())  # what the kernels will run on
     if parallel.layout.tp_size > 1:
         return build_model(cfg, torch.device("cpu"), kernels_for=device)
