@@ -362,26 +362,36 @@ def _heads_to_sequence(y: torch.Tensor) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(B, C * Hc, T // C, D)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Forward _sequence_to_heads (to_heads) or _heads_to_sequence, backward
-    the other: the gradient of a permutation is its inverse."""
+class _SequenceToHeads(torch.autograd.Function):
+    """Forward _sequence_to_heads, backward its inverse (a permutation's gradient)."""
 
     @staticmethod
-    def forward(ctx, x, to_heads: bool):
-        ctx.to_heads = to_heads
-        return _sequence_to_heads(x) if to_heads else _heads_to_sequence(x)
+    def forward(ctx, x):
+        return _sequence_to_heads(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return (_heads_to_sequence(grad) if ctx.to_heads else _sequence_to_heads(grad)), None
+        return _heads_to_sequence(grad)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """Forward _heads_to_sequence, backward _sequence_to_heads."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return _heads_to_sequence(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad)
 
 
 def a2a_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
     """Ulysses: all-to-all to head-sharded full sequences, ordinary causal
     attention, back. The heads and K/V groups divide by C (parallel.check_layout)."""
-    q, k, v = (_AllToAll.apply(t, True) for t in (q, k, v))  # (B, H/C or G/C, T, D)
+    q, k, v = (_SequenceToHeads.apply(t) for t in (q, k, v))  # (B, H/C or G/C, T, D)
     if impl == "triton" and documents is None:
-        return _AllToAll.apply(kernels.flash_attention(q, k, v, causal=True), False)
+        return _HeadsToSequence.apply(kernels.flash_attention(q, k, v, causal=True))
     mask = None
     if documents is not None:  # the full sequences' ids (B, T): sent to every rank as if one head each
         C = parallel.layout.cp_size
@@ -389,7 +399,7 @@ def a2a_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
         mask = same_document(full, full, causal=True)  # the torch path: the Triton kernels take no masks
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                        enable_gqa=k.shape[1] != q.shape[1])
-    return _AllToAll.apply(y, False)
+    return _HeadsToSequence.apply(y)
 
 
 # ============================================================================
