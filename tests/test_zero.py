@@ -236,9 +236,9 @@ def worker(out: str, plan: str) -> None:
 
 def context_parallel_runs(out: str) -> None:
     """4 processes, CP_STEPS steps each: CP=2 x D=2 under ZeRO-1 (saved halfway)
-    and ZeRO-3; ZeRO-1 resumed from its halfway checkpoint at CP=4 x D=1.
-    (CP with TP and pipeline stages: tests/test_pipeline.py's layouts; a
-    resume in its own layout is bit for bit for every ZeRO stage above.)"""
+    and ZeRO-3; ZeRO-1 resumed from its halfway checkpoint at CP=4 x D=1;
+    CP=2 with ZeRO-1 over 2 ZB-H1 stages. (CP with TP: tests/test_pipeline.py's
+    layouts; a resume in its own layout is bit for bit for every ZeRO stage above.)"""
     import torch.distributed as dist
     ck = lambda name: os.path.join(out, "ckpt_" + name)
     short = ["--train-iters", str(CP_STEPS), "--lr-decay-iters", str(STEPS)]  # the first steps of STEPS'
@@ -253,6 +253,8 @@ def context_parallel_runs(out: str) -> None:
     worker_run(out, "cp4_z1_resume", ["--deepspeed", "--zero-stage", "1", "--context-parallel-size", "4", *short,
                                       "--load", ck("cp4_z1_resume")])
     worker_run(out, "cp2_z3", ["--deepspeed", "--zero-stage", "3", "--context-parallel-size", "2", *short])
+    worker_run(out, "pp2_cp2_z1_zb", ["--deepspeed", "--zero-stage", "1", "--context-parallel-size", "2", *short,
+                                      "--pipeline-model-parallel-size", "2", "--enable-zero-bubble"])
 
 
 def mixed_kinds_in_one_directory(out: str, ckpt: str) -> None:
@@ -528,6 +530,14 @@ def test_zero_with_context_parallel_trains_zeros_curve_and_resumes(runs):
     assert abs(full[-1]["val_loss"] - other[-1]["val_loss"]) < 1e-5  # the run's closing evaluation
     log = open(os.path.join(runs, "tp.log")).read()
     assert "world 4 = TP 1 x CP 2 (p2p) x DP 2 x PP 1" in log and "world 4 = TP 1 x CP 4 (p2p) x DP 1" in log
+
+
+def test_zero_with_context_parallel_composes_with_pipeline_stages(runs):
+    """CP=2 with ZeRO-1 over 2 ZB-H1 stages (DeepSpeed's reduction after our
+    schedule, over DP x CP): the first steps of ZeRO's curve at D=2, CP=1."""
+    got = metrics(runs, "pp2_cp2_z1_zb")
+    assert [m["iteration"] for m in got] == list(range(1, CP_STEPS + 1))
+    assert_same_steps(metrics(runs, "z1")[:CP_STEPS], got)
 
 
 @pytest.mark.parametrize("run", ["z3_llama", "tp2_z3_llama"])
