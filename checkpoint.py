@@ -445,7 +445,7 @@ def what_is_there(load_dir: str) -> None:
                          f"names the iteration that loads)")
     if is_hf_directory(load_dir):
         raise UsageError(f"{load_dir} is a Hugging Face model directory, not a train.py checkpoint: "
-                         f"evaluate.py reads it with --hf, and train.py --export-from {load_dir} --export-to "
+                         f"eval_tasks.py reads it with --hf, and train.py --export-from {load_dir} --export-to "
                          f"DIR makes one that --load DIR --finetune trains from")
 
 

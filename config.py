@@ -1,4 +1,4 @@
-"""The flags of train.py and evaluate.py, in Megatron's names. Sections:
+"""The flags of train.py and eval_tasks.py, in Megatron's names. Sections:
 
   1. TrainConfig: one field a flag, with its default, help and tools
   2. The parser: fields -> argparse, Megatron's other spellings
@@ -23,7 +23,7 @@ from context import COMM_TYPES
 from data import check_gpt2_bpe
 from launch import UsageError, parse_json, say
 
-TRAIN, EVALUATE = "train.py", "evaluate.py"
+TRAIN, EVALUATE = "train.py", "eval_tasks.py"
 BOTH, EVAL = (TRAIN, EVALUATE), (EVALUATE,)
 
 
@@ -83,7 +83,7 @@ class TrainConfig:
     layernorm_impl: str | None = flag(None, "triton | torch (default: triton on CUDA in eager mode, torch on "
                                             "CPU and under --compile)", BOTH)
     loss_impl: str = flag("fused", "fused: LM head + cross-entropy in chunks, never the full fp32 logits "
-                                   "(kernels.FusedLinearCrossEntropy); full: the logits, then the loss (for comparison)")
+                                   "(fused_kernels.FusedLinearCrossEntropy); full: the logits, then the loss (for comparison)")
     recompute_activations: bool = flag(False, "activation checkpointing: recompute each block in backward", BOTH)
     # architecture options (unset: the preset's, GPT-2's by default)
     position_embedding_type: str | None = flag(None, "learned_absolute | rope (default: the preset's, learned_absolute)")
@@ -185,13 +185,13 @@ class TrainConfig:
     eval_iters: int = flag(10, "global batches per validation")
     log_interval: int = flag(10, "log every N steps", BOTH)
     metrics_file: str | None = flag(None, "also write the logged figures as JSON lines here "
-                                          "(evaluate.py: its results, one JSON object)", BOTH)
+                                          "(eval_tasks.py: its results, one JSON object)", BOTH)
     tensorboard_dir: str | None = flag(None, "also log to TensorBoard here")
     tensorboard_queue_size: int = flag(1000, "TensorBoard events buffered before a write")
     peak_flops: float | None = flag(None, "peak FLOP/s of one device for MFU (default: by GPU name)")
     # checkpoints
     save: str | None = flag(None, "checkpoint directory to write")
-    load: str | None = flag(None, "checkpoint directory to resume from (evaluate.py: to evaluate)", BOTH)
+    load: str | None = flag(None, "checkpoint directory to resume from (eval_tasks.py: to evaluate)", BOTH)
     ckpt_format: str = flag("torch_dist", "torch_dist (as Megatron): every rank writes its own shards "
                                           "(torch.distributed.checkpoint) | torch: one file, gathered tensor by "
                                           "tensor on rank 0; --deepspeed writes DeepSpeed's own")
@@ -373,14 +373,14 @@ def build_parser(tool: str, usage: str) -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = "") -> TrainConfig:
     """Megatron-style flags (and a --deepspeed_config JSON) -> a checked
-    TrainConfig, for train.py or evaluate.py (`tool`)."""
+    TrainConfig, for train.py or eval_tasks.py (`tool`)."""
     given = vars(build_parser(tool, usage).parse_args(argv))
     take_field_less_flags(given, tool)
     tools = {f.name: f.metadata["tools"] for f in dataclasses.fields(TrainConfig) if f.metadata}
     others = sorted(name for name in given if tool not in tools[name])
     if others and tool == TRAIN:
-        raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in others)}: evaluate.py's flags; "
-                         f"run evaluate.py to evaluate a checkpoint")
+        raise UsageError(f"{', '.join('--' + f.replace('_', '-') for f in others)}: eval_tasks.py's flags; "
+                         f"run eval_tasks.py to evaluate a checkpoint")
     if others:  # a training script's arguments reused, as Megatron's tasks/main.py takes them
         say(f"{tool}: ignoring {', '.join('--' + f.replace('_', '-') for f in others)}: train.py's "
             f"flags, which do not apply to evaluation")
@@ -392,7 +392,7 @@ def parse_args(argv: list[str] | None = None, tool: str = TRAIN, usage: str = ""
     if tool == TRAIN:
         check_training(cfg, set(given))
     elif cfg.pipeline_model_parallel_size != 1:
-        raise UsageError(f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: evaluate.py "
+        raise UsageError(f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: eval_tasks.py "
                          f"runs whole models (split by --tensor-model-parallel-size alone); use 1: "
                          f"checkpoints saved at any pipeline size load there")
     return cfg

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import kernels
+import fused_kernels
 import parallel
 
 COMM_TYPES = ("p2p", "a2a")
@@ -157,8 +157,8 @@ def _block_forward(q, k, v, causal: bool, impl: str, docs=None):
     scaled scores, (B*H, n): lse = lse2 * ln 2. With documents (docs, torch
     only) a row may read no key of the block: lse -inf, o 0 (see _merge)."""
     if impl == "triton" and docs is None:  # the Triton kernels take no document masks
-        o, lse2 = kernels._attn_forward(*kernels._kernel_inputs(q, k, v), causal, 1 / math.sqrt(q.shape[-1]))
-        return o.float(), lse2.view(q.shape[:3]) / kernels.LOG2E
+        o, lse2 = fused_kernels._attn_forward(*fused_kernels._kernel_inputs(q, k, v), causal, 1 / math.sqrt(q.shape[-1]))
+        return o.float(), lse2.view(q.shape[:3]) / fused_kernels.LOG2E
     s = _torch_scores(q, k, causal, docs)
     lse = s.logsumexp(-1)
     p = torch.exp(s - lse.clamp(min=torch.finfo(s.dtype).min)[..., None])  # a row of -inf: exp(-inf) = 0, no NaN
@@ -173,9 +173,9 @@ def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str, docs=None):
     dK and dV summed over the query heads of each K/V head."""
     scale = 1 / math.sqrt(q.shape[-1])
     if impl == "triton" and docs is None:
-        q2, k2, v2 = kernels._kernel_inputs(q, k, v)
-        lse2 = (lse * kernels.LOG2E).reshape(-1, q.shape[2])  # (B*H, n), base 2
-        grads = kernels._attn_backward(do, q2, k2, v2, o.to(q2.dtype), lse2, causal, scale)
+        q2, k2, v2 = fused_kernels._kernel_inputs(q, k, v)
+        lse2 = (lse * fused_kernels.LOG2E).reshape(-1, q.shape[2])  # (B*H, n), base 2
+        grads = fused_kernels._attn_backward(do, q2, k2, v2, o.to(q2.dtype), lse2, causal, scale)
         return tuple(g.float() for g in grads)
     G, repeat = k.shape[1], q.shape[1] // k.shape[1]
     do, o = do.float(), o.float()
@@ -236,7 +236,7 @@ def _block_documents(documents, held, rows, cols):
 
 
 # Forward and backward are custom operators with their autograd, as
-# kernels.flash_attention_op: torch.compile sees one opaque op (no graph
+# fused_kernels.flash_attention_op: torch.compile sees one opaque op (no graph
 # break, no tracing into the ring's communication). The ops read the CP group
 # from parallel.layout (an op's arguments are tensors and scalars).
 
@@ -391,7 +391,7 @@ def a2a_attention(q, k, v, impl: str, documents=None) -> torch.Tensor:
     attention, back. The heads and K/V groups divide by C (parallel.check_layout)."""
     q, k, v = (_SequenceToHeads.apply(t) for t in (q, k, v))  # (B, H/C or G/C, T, D)
     if impl == "triton" and documents is None:
-        return _HeadsToSequence.apply(kernels.flash_attention(q, k, v, causal=True))
+        return _HeadsToSequence.apply(fused_kernels.flash_attention(q, k, v, causal=True))
     mask = None
     if documents is not None:  # the full sequences' ids (B, T): sent to every rank as if one head each
         C = parallel.layout.cp_size
@@ -411,7 +411,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str,
     """Exact causal attention of this CP rank's queries over the full sequences.
     q (B, nh, T/C, hd), k, v (B, G, T/C, hd): this rank's zigzag chunks
     (section 1) -> y (B, nh, T/C, hd) in q's dtype. comm_type "p2p" (ring) or
-    "a2a" (Ulysses); impl "torch" or "triton" (kernels.py); documents: this
+    "a2a" (Ulysses); impl "torch" or "triton" (fused_kernels.py); documents: this
     rank's (B, T/C) document ids (split_batch's), or None."""
     if comm_type == "a2a":
         return a2a_attention(q, k, v, impl, documents)

@@ -566,7 +566,7 @@ def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
     if tokenizer_type != "GPT2BPETokenizer":  # (train.py's NullTokenizer has no text to tokenize)
         raise UsageError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
                          f"(GPT-2's BPE, {VOCAB_SIZE} tokens) tokenizes text here (train.py and "
-                         f"evaluate.py also take ids: NullTokenizer --vocab-size N)")
+                         f"eval_tasks.py also take ids: NullTokenizer --vocab-size N)")
     def digest(path, flag, read):
         try:
             with open(path, encoding="utf-8") as f:

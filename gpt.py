@@ -41,16 +41,16 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import context
-import kernels
+import fused_kernels
 import parallel
 from launch import UsageError
 
 # -----------------------------------------------------------------------------
 # Config
 
-ATTENTION_IMPLS = ("torch", "triton")  # "triton": kernels.flash_attention (FlashAttention-2)
-LAYERNORM_IMPLS = ("torch", "triton")  # "triton": kernels.TritonLayerNorm (fused LayerNorm)
-LOSS_IMPLS = ("fused", "full")         # "fused": kernels.FusedLinearCrossEntropy (head + loss in spans)
+ATTENTION_IMPLS = ("torch", "triton")  # "triton": fused_kernels.flash_attention (FlashAttention-2)
+LAYERNORM_IMPLS = ("torch", "triton")  # "triton": fused_kernels.TritonLayerNorm (fused LayerNorm)
+LOSS_IMPLS = ("fused", "full")         # "fused": fused_kernels.FusedLinearCrossEntropy (head + loss in spans)
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -166,7 +166,7 @@ def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
     """Every norm in the model: LayerNorm (weight and bias) or RMSNorm (weight only)."""
     rms = config.normalization == "RMSNorm"
     if config.layernorm_impl == "triton":
-        norm = kernels.TritonRMSNorm if rms else kernels.TritonLayerNorm
+        norm = fused_kernels.TritonRMSNorm if rms else fused_kernels.TritonLayerNorm
     else:
         norm = nn.RMSNorm if rms else nn.LayerNorm
     return norm(hidden, eps=config.layernorm_epsilon)
@@ -257,8 +257,8 @@ class CausalSelfAttention(nn.Module):
             y = cached_attention(q, k, v)
         elif parallel.layout.cp_size > 1 and cache is None:  # the other CP ranks' tokens too (context.py)
             y = context.attention(q, k, v, cfg.cp_comm_type, cfg.attention_impl, documents)
-        elif cfg.attention_impl == "triton" and documents is None:  # FlashAttention-2 (kernels.py; no dropout)
-            y = kernels.flash_attention(q, k, v, causal=True)
+        elif cfg.attention_impl == "triton" and documents is None:  # FlashAttention-2 (fused_kernels.py; no dropout)
+            y = fused_kernels.flash_attention(q, k, v, causal=True)
         else:
             p = cfg.attention_dropout if self.training else 0.0
             # with documents, causal within each one (context.same_document): (B, 1, T, T)
@@ -311,19 +311,19 @@ class Block(nn.Module):
         if not getattr(self.ln_2, "fuses_residual_add", False):
             x = x + self.attn(self.ln_1(x), rope, cache, documents)  # (B, T, C)
             return x + self.mlp(self.ln_2(x))
-        # kernels.TritonLayerNorm: the residual add and ln_2 in one kernel
+        # fused_kernels.TritonLayerNorm: the residual add and ln_2 in one kernel
         x, h = add_and_norm(self.ln_2, x, self.attn(self.ln_1(x), rope, cache, documents))
         return x + self.mlp(h)
 
 
 def add_and_norm(ln: nn.Module, x, branch):
     """(x + branch, ln(x + branch)); branch=None: (x, ln(x)). With
-    layernorm_impl='triton' both run in one kernel (kernels.add_layer_norm),
+    layernorm_impl='triton' both run in one kernel (fused_kernels.add_layer_norm),
     saving a write and a read of the residual stream, forward and backward
     (Block.forward and Domino's sublayers)."""
     if branch is None:
         return x, ln(x)
-    if getattr(ln, "fuses_residual_add", False):  # kernels.TritonLayerNorm
+    if getattr(ln, "fuses_residual_add", False):  # fused_kernels.TritonLayerNorm
         return ln(x, residual=branch)
     x = x + branch
     return x, ln(x)
@@ -546,7 +546,7 @@ class GPT(nn.Module):
         V_padded) or, with labels, the mean cross-entropy over the tokens
         loss_mask keeps (all without one; a label has no ignore value), fp32.
         loss_impl "fused" (the default) computes it without holding the logits whole
-        (kernels.FusedLinearCrossEntropy). Under tensor parallelism each rank
+        (fused_kernels.FusedLinearCrossEntropy). Under tensor parallelism each rank
         holds V/tp rows of the weight (Megatron's vocab-parallel head): h
         enters through f (under sequence parallelism it is all-gathered, and
         the backward reduce-scatter does f's sum), the logits are all-gathered
@@ -570,7 +570,7 @@ class GPT(nn.Module):
                 return token_loss.mean()
             mask = loss_mask.flatten().float()
             return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)  # a fully masked batch: 0, not NaN
-        return kernels.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
+        return fused_kernels.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
 
     # -- bookkeeping ------------------------------------------------------------
 
@@ -789,9 +789,9 @@ def check_config(config: GPTConfig) -> None:
         raise UsageError(f"num_query_groups ({groups!r}, --num-query-groups) must be a positive "
                          f"int that divides num_attention_heads ({config.num_attention_heads})")
     if config.attention_impl == "triton":
-        if config.head_dim not in kernels.SUPPORTED_HEAD_DIMS:
+        if config.head_dim not in fused_kernels.SUPPORTED_HEAD_DIMS:
             raise UsageError(f"attention_impl='triton' supports head dims "
-                             f"{kernels.SUPPORTED_HEAD_DIMS}, not {config.head_dim}; change "
+                             f"{fused_kernels.SUPPORTED_HEAD_DIMS}, not {config.head_dim}; change "
                              f"hidden_size/num_attention_heads or use attention_impl='torch'")
         if config.attention_dropout > 0:
             raise UsageError("attention_impl='triton' has no attention dropout; set "

@@ -1,5 +1,5 @@
 """Hugging Face GPT-2 and Llama directories, local ones only, in and out: our
-GPT from one (from_hf: evaluate.py --hf, train.py --export-from), and one from
+GPT from one (from_hf: eval_tasks.py --hf, train.py --export-from), and one from
 our GPT (to_hf, and its tokenizer: --export-format hf). Both directions
 drop/add the vocabulary padding rows (zeros on import: their logits are 0 and
 they are never sampled).
@@ -112,7 +112,7 @@ _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> require
 
 def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     """Our GPTConfig from a GPT-2 or Llama config.json; `overrides`, the
-    caller's choices, win (evaluate.py: no dropout)."""
+    caller's choices, win (eval_tasks.py: no dropout)."""
     vocab = hf.get("vocab_size", 50257)
     shared = dict(vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab),
                   init_method_std=hf.get("initializer_range", 0.02))

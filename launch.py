@@ -54,7 +54,7 @@ class UsageError(ValueError):
 
 @contextlib.contextmanager
 def errors_reported(prog: str):
-    """Around a program's whole run (train.py's and evaluate.py's main): a user's
+    """Around a program's whole run (train.py's and eval_tasks.py's main): a user's
     mistake, or a collective that gave up on a dead or silent peer, said in one line."""
     try:
         yield

@@ -749,7 +749,7 @@ def train(cfg: TrainConfig, env: launch.Dist) -> None:
     if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
         if parallel.layout.pp_size > 1:
             logger.print("no sample printed: the model is split into pipeline stages; sample from the saved "
-                         "checkpoint with evaluate.py --task GENERATE --load SAVE (any checkpoint loads there)")
+                         "checkpoint with eval_tasks.py --task GENERATE --load SAVE (any checkpoint loads there)")
         else:
             try:
                 text = sample_text(trainer.raw, cfg, env.device)

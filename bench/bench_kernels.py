@@ -1,18 +1,18 @@
-"""Benchmark the Triton kernels in kernels.py against PyTorch's on one GPU.
+"""Benchmark the Triton kernels in fused_kernels.py against PyTorch's on one GPU.
 
 Attention: causal, bf16, forward, backward and forward+backward TFLOP/s of
-kernels.flash_attention vs F.scaled_dot_product_attention restricted to its
+fused_kernels.flash_attention vs F.scaled_dot_product_attention restricted to its
 FlashAttention backend, at a fixed token budget (B*T tokens, H*D hidden) so
 every sequence length does the same amount of non-attention work. Inputs come
 in the layout the model passes: q, k, v are (B, H, T, D) views of one (B, T,
 3*H*D) QKV projection, and the output gradient is laid out (B, T, H, D).
 FLOPs follow FlashAttention's convention: forward 4*B*H*T^2*D / 2 (causal),
 backward 2.5x that, forward+backward 3.5x.
-LayerNorm: forward and backward GB/s of kernels.layer_norm vs F.layer_norm,
+LayerNorm: forward and backward GB/s of fused_kernels.layer_norm vs F.layer_norm,
 bf16 in and out (weights cast once, outside the timed region), counting every
 byte each one must move (for ours, the dW/dB partial-sum buffers too), and as
 a fraction of the GPU's peak and of a measured device-to-device copy.
-Residual add + LayerNorm: microseconds for kernels.add_layer_norm (one
+Residual add + LayerNorm: microseconds for fused_kernels.add_layer_norm (one
 kernel) vs the same add done by torch followed by each LayerNorm, with the
 model's autocast dtypes (fp32 residual stream, bf16 branch output).
 
@@ -72,7 +72,7 @@ def fmt(x: float) -> str:
 
 
 def sm_count(device: str) -> int:
-    """Streaming multiprocessors; kernels.py launches as if there were 1 under the interpreter."""
+    """Streaming multiprocessors; fused_kernels.py launches as if there were 1 under the interpreter."""
     return 1 if device == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
 
 
@@ -127,9 +127,9 @@ def autotune_snapshot() -> dict:
     """{kernel: {tuning key: {config: ms}}} of every tuning the launchers have
     done so far (Triton keeps only the last timings per launcher, so this is
     called after each launch that may have tuned)."""
-    import kernels
+    import fused_kernels
     out = {}
-    for name, launcher in kernels._LAUNCHERS.items():
+    for name, launcher in fused_kernels._LAUNCHERS.items():
         timings = getattr(launcher, "configs_timings", None) or {}
         best = getattr(launcher, "best_config", None)
         key = next((k for k, v in launcher.cache.items() if v is best), None) if best else None
@@ -140,7 +140,7 @@ def autotune_snapshot() -> dict:
 
 
 def bench_attention(args) -> list[str]:
-    import kernels
+    import fused_kernels
     kinds = ("fwd", "bwd", "fwd+bwd")
     rows = ["| T | D | B x H | " + " | ".join(f"{k} ours | {k} SDPA | {k} ratio" for k in kinds) + " |",
             "|---|---|---|" + "---|" * 3 * len(kinds)]
@@ -150,7 +150,7 @@ def bench_attention(args) -> list[str]:
         for T in args.seq_lens:
             B, H = max(1, args.tokens // T), args.hidden // D
             qkv, q, k, v, do = model_layout_inputs(B, H, T, D, args.dtype, args.device)
-            o = kernels.flash_attention(q, k, v)
+            o = fused_kernels.flash_attention(q, k, v)
             torch.autograd.grad(o, (q, k, v), do)  # tunes (once) outside the timing
             for name, per_key in autotune_snapshot().items():
                 tuning.setdefault(name, {}).update(per_key)
@@ -161,7 +161,7 @@ def bench_attention(args) -> list[str]:
             for kind in kinds:
                 flops = attention_flops(B, H, T, D, kind)
                 ours, ref = (flops / time_attention(fn, qkv, q, k, v, do, kind, args) / 1e9
-                             for fn in (kernels.flash_attention, sdpa_flash))
+                             for fn in (fused_kernels.flash_attention, sdpa_flash))
                 cells += [fmt(ours), fmt(ref), f"{ours / ref:.2f}"]
             rows.append(f"| {T} | {D} | {B} x {H} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
@@ -182,20 +182,20 @@ def layer_norm_bytes(impl: str, kind: str, M: int, N: int, device: str = "cuda")
     x, write y and the fp32 mean and rstd per row. Backward: read x, dy, mean,
     rstd; write dx; for ours also the fp32 dW/dB partial sums each program
     writes and the reduction reads back (torch's are counted as zero)."""
-    import kernels
+    import fused_kernels
     act = 2 * M * N  # one bf16 (M, N) tensor
     if kind == "fwd":
         return 2 * act + 8 * M
     total = 3 * act + 8 * M
     if impl == "ours":
-        block_n, rows, _ = kernels._layer_norm_config(N)
-        programs = min(-(-M // rows), 4 * sm_count(device))  # as kernels.layer_norm_backward_op
+        block_n, rows, _ = fused_kernels._layer_norm_config(N)
+        programs = min(-(-M // rows), 4 * sm_count(device))  # as fused_kernels.layer_norm_backward_op
         total += 2 * (2 * programs * N * 4)           # dW, dB partials: written, then read
     return total
 
 
 def bench_layer_norm(args, peak_tbs: float | None, copy_tbs: float) -> list[str]:
-    import kernels
+    import fused_kernels
     rows = ["| hidden | rows | fwd ours GB/s | fwd torch GB/s | bwd ours GB/s | bwd torch GB/s "
             "| ours fwd / bwd, % of peak | % of measured copy |",
             "|---|---|---|---|---|---|---|---|"]
@@ -206,7 +206,7 @@ def bench_layer_norm(args, peak_tbs: float | None, copy_tbs: float) -> list[str]
         dy = torch.randn(M, N, device=args.device, dtype=args.dtype)
         w32, b32 = (torch.randn(N, device=args.device, requires_grad=True) for _ in range(2))
         w16, b16 = (t.detach().to(args.dtype).requires_grad_() for t in (w32, b32))
-        fns = {"ours": lambda: kernels.layer_norm(x, w32, b32),          # the model's fp32 weights
+        fns = {"ours": lambda: fused_kernels.layer_norm(x, w32, b32),          # the model's fp32 weights
                "torch": lambda: F.layer_norm(x, (N,), w16, b16)}         # weights cast beforehand
         params = {"ours": (x, w32, b32), "torch": (x, w16, b16)}
         gbs = {}
@@ -228,10 +228,10 @@ def bench_layer_norm(args, peak_tbs: float | None, copy_tbs: float) -> list[str]
 
 def sweep_layer_norm(args) -> list[str]:
     """Time the LayerNorm kernels directly over (rows a program, warps) and,
-    for backward, programs per SM, to choose kernels._layer_norm_config."""
+    for backward, programs per SM, to choose fused_kernels._layer_norm_config."""
     import itertools
     import triton
-    import kernels
+    import fused_kernels
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows_out = ["| hidden | pass | config (rows, warps[, programs/SM]) | GB/s | current config GB/s |",
                 "|---|---|---|---|---|"]
@@ -245,7 +245,7 @@ def sweep_layer_norm(args) -> list[str]:
         mean, rstd = (torch.empty(M, device="cuda") for _ in range(2))
 
         def fwd(rows, warps):
-            kernels._layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
+            fused_kernels._layer_norm_fwd_kernel[(triton.cdiv(M, rows),)](
                 x, x, w, b, y, x, mean, rstd, M, N, 1e-5, HAS_RESIDUAL=False, ROWS=rows,
                 BLOCK_N=block_n, num_warps=warps)
 
@@ -253,12 +253,12 @@ def sweep_layer_norm(args) -> list[str]:
             programs = min(triton.cdiv(M, rows), per_sm * sms)
             dw_p = torch.empty((programs, N), device="cuda")
             db_p = torch.empty((programs, N), device="cuda")
-            kernels._layer_norm_bwd_kernel[(programs,)](
+            fused_kernels._layer_norm_bwd_kernel[(programs,)](
                 x, w, dy, dy, dx, mean, rstd, dw_p, db_p, M, N, HAS_DSUM=False, ROWS=rows,
                 BLOCK_N=block_n, num_warps=warps)
             return dw_p.sum(0), db_p.sum(0)
 
-        fwd(*kernels._layer_norm_config(N)[1:])  # mean/rstd for the backward
+        fwd(*fused_kernels._layer_norm_config(N)[1:])  # mean/rstd for the backward
         results = {"fwd": {}, "bwd": {}}
         for rows, warps in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8, 16)):
             if rows * block_n > 32768 or rows * block_n < 32 * warps:
@@ -270,7 +270,7 @@ def sweep_layer_norm(args) -> list[str]:
                 programs = min(triton.cdiv(M, rows), per_sm * sms)
                 nbytes = layer_norm_bytes("torch", "bwd", M, N) + 4 * 2 * programs * N * 4
                 results["bwd"][(rows, warps, per_sm)] = nbytes / ms / 1e6
-        _, cur_rows, cur_warps = kernels._layer_norm_config(N)
+        _, cur_rows, cur_warps = fused_kernels._layer_norm_config(N)
         current = {"fwd": results["fwd"].get((cur_rows, cur_warps)),
                    "bwd": results["bwd"].get((cur_rows, cur_warps, 4))}
         for kind in ("fwd", "bwd"):
@@ -282,7 +282,7 @@ def sweep_layer_norm(args) -> list[str]:
 
 
 def bench_add_layer_norm(args) -> list[str]:
-    import kernels
+    import fused_kernels
     rows = ["| hidden | fused fwd us | add + triton LN fwd us | add + torch LN fwd us "
             "| fused fwd+bwd us | add + triton LN fwd+bwd us | add + torch LN fwd+bwd us |",
             "|---|---|---|---|---|---|---|"]
@@ -296,8 +296,8 @@ def bench_add_layer_norm(args) -> list[str]:
         b = torch.randn(N, device=dev, requires_grad=True)
         ds, dy = torch.randn(M, N, device=dev), torch.randn(M, N, device=dev)
         variants = {
-            "fused": lambda: kernels.add_layer_norm(x, r, w, b),
-            "triton": lambda: (lambda s: (s, kernels.layer_norm(s, w, b)))(x + r),
+            "fused": lambda: fused_kernels.add_layer_norm(x, r, w, b),
+            "triton": lambda: (lambda s: (s, fused_kernels.layer_norm(s, w, b)))(x + r),
             "torch": lambda: (lambda s: (s, F.layer_norm(s, (N,), w, b)))(x + r),
         }
         fwd, both = [], []
@@ -339,7 +339,7 @@ def main():
         args.ln_hidden, args.ln_elements, args.ln_rows = [128], 4096, 32
     elif not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
-                 "the kernels' correctness tests run on CPU: pytest tests/test_kernels.py")
+                 "the kernels' correctness tests run on CPU: pytest tests/test_fused_kernels.py")
     import triton
     name = "CPU (Triton interpreter, --smoke)" if args.smoke else torch.cuda.get_device_name()
     peak = peak_bandwidth(name, args.peak_bw)

@@ -1,4 +1,4 @@
-"""Compile every Triton kernel config in kernels.py ahead of time for an NVIDIA
+"""Compile every Triton kernel config in fused_kernels.py ahead of time for an NVIDIA
 GPU (H100, sm_90, by default) and check that each one fits the GPU.
 
 Why: the kernels' correctness tests run on CPU through Triton's interpreter,
@@ -17,8 +17,8 @@ It covers every attention kernel x autotune config x head dim (32, 64, 128)
 x dtype (bf16, fp16, fp32), causal (the only mask the model uses), the
 backward preprocess kernel, and LayerNorm forward/backward (plain and with
 the fused residual add) for hidden sizes 768 to 16384, bf16 and fp32, with
-the block size and warps kernels._layer_norm_config picks. Arguments are
-typed and specialised as the launchers in kernels.py call them (see KERNELS).
+the block size and warps fused_kernels._layer_norm_config picks. Arguments are
+typed and specialised as the launchers in fused_kernels.py call them (see KERNELS).
 
 A config over the shared-memory limit "does not fit": triton.autotune skips
 it at run time, so that is fine as long as at least one config fits for every
@@ -26,7 +26,7 @@ it at run time, so that is fine as long as at least one config fits for every
 when one has no fitting config, when a 16-bit attention config that autotune
 keeps spills registers or has a ptxas performance warning (fp32 attention
 spills in every config at head dim >= 64, and is reported, not failed), when
-a compile fails for a reason other than resources, or when kernels.py has a
+a compile fails for a reason other than resources, or when fused_kernels.py has a
 `*_kernel` function with no entry in KERNELS below. It says nothing about speed: that needs a GPU
 (bench/bench_kernels.py).
 
@@ -54,7 +54,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable
 
-# kernels.py decides at import time whether @triton.jit gives compilable GPU
+# fused_kernels.py decides at import time whether @triton.jit gives compilable GPU
 # functions or interpreter objects; this script needs the former.
 os.environ["TRITON_INTERPRET"] = "0"
 # Triton 3.9 fuses mul+add into FMA unless told otherwise, and warns that the
@@ -67,7 +67,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import kernels  # noqa: E402
+import fused_kernels  # noqa: E402
 
 MODULES = (kernels,)  # where check_compile looks for *_kernel functions
 
@@ -78,7 +78,7 @@ MODULES = (kernels,)  # where check_compile looks for *_kernel functions
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 REGISTERS_PER_BLOCK = 65536  # 32-bit registers one block may use (sm_80/sm_90)
 
-HEAD_DIMS = kernels.SUPPORTED_HEAD_DIMS
+HEAD_DIMS = fused_kernels.SUPPORTED_HEAD_DIMS
 ATTN_DTYPES = ("bf16", "fp16", "fp32")
 LN_HIDDEN = (768, 1024, 1600, 4096, 8192, 16384)
 LN_DTYPES = ("bf16", "fp32")
@@ -110,7 +110,7 @@ class Config:
 @dataclass(frozen=True)
 class Kernel:
     name: str                                # short name for the report
-    function: str                            # the @triton.jit function in kernels.py
+    function: str                            # the @triton.jit function in fused_kernels.py
     cases: Callable[[argparse.Namespace], list]
     args: Callable[[dict], dict]             # case -> {argument: type string or sample int}
     constexprs: Callable[[dict], dict]       # case -> constexprs fixed by the launcher
@@ -180,7 +180,7 @@ def layer_norm_fwd_args(case):
 
 
 def layer_norm_config(case):
-    block_n, rows, num_warps = kernels._layer_norm_config(case["N"])
+    block_n, rows, num_warps = fused_kernels._layer_norm_config(case["N"])
     return [Config({"BLOCK_N": block_n, "ROWS": rows}, {"num_warps": num_warps})]
 
 
@@ -211,8 +211,8 @@ def attention_configs(kernel_name):
     """The autotune candidates for a case, after the pruning autotune applies."""
     import torch
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    return lambda c: from_autotune([cfg for cfg in kernels._attn_configs(kernel_name)
-                                    if kernels._keep_attn_config(cfg, kernel_name, c["D"], dtypes[c["dtype"]],
+    return lambda c: from_autotune([cfg for cfg in fused_kernels._attn_configs(kernel_name)
+                                    if fused_kernels._keep_attn_config(cfg, kernel_name, c["D"], dtypes[c["dtype"]],
                                                                  c["group"])])
 
 
@@ -254,7 +254,7 @@ KERNELS = [
 
 
 def uncovered_kernels() -> list:
-    """Launchable kernels in kernels.py (by convention the
+    """Launchable kernels in fused_kernels.py (by convention the
     @triton.jit functions named *_kernel; the others are helpers inlined into
     them) with no entry in KERNELS, so that a new kernel cannot silently go
     unchecked."""
@@ -290,7 +290,7 @@ def build_source(kernel: Kernel, case: dict, config: Config) -> ASTSource:
     given = {**kernel.args(case), **{name: "constexpr" for name in constexprs}}
     missing = [a for a in fn.arg_names if a not in given]
     extra = [a for a in given if a not in fn.arg_names]
-    if missing or extra:  # kernels.py changed the kernel's arguments
+    if missing or extra:  # fused_kernels.py changed the kernel's arguments
         raise ValueError(f"{kernel.function}({', '.join(fn.arg_names)}): the KERNELS entry "
                          f"lacks {missing} / has unknown {extra}; update bench/check_compile.py")
     signature, attrs = {}, {}
@@ -462,7 +462,7 @@ def summarise(records, opts) -> list:
             # autotune may pick must run without spills or serialized wgmma
             problems += [f"{r['kernel']} {r['case']} [{r['config']}]: autotune keeps it, but it "
                          f"{'spills ' + str(r['spill']) + ' B' if r['spill'] else 'has ptxas warnings'}: "
-                         f"drop it from kernels.py's ATTN_CONFIGS / _D128 / GQA_DKDV_CONFIGS"
+                         f"drop it from fused_kernels.py's ATTN_CONFIGS / _D128 / GQA_DKDV_CONFIGS"
                          for r in built if r["spill"] or r["warnings"]]
 
     if too_big:
@@ -545,7 +545,7 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
 
     problems = summarise(records, opts)
-    problems += [f"{name}: kernels.py defines it but bench/check_compile.py has no KERNELS "
+    problems += [f"{name}: fused_kernels.py defines it but bench/check_compile.py has no KERNELS "
                  f"entry for it" for name in missing]
     fits = sum(r["status"] == "fits" for r in records)
     print(f"\n{len(records)} compiles in {elapsed:.0f} s with {opts.jobs} workers: {fits} fit, "

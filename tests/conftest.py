@@ -3,7 +3,7 @@ corpus and the tiny model (tests: `from conftest import ...`, or the fixture
 `corpus` by name).
 
 Runs before any test module is imported, which matters for TRITON_INTERPRET=1:
-it lets the Triton kernels in kernels.py run on CPU tensors, and Triton reads it
+it lets the Triton kernels in fused_kernels.py run on CPU tensors, and Triton reads it
 at import (only set when there is no CUDA device: on a GPU the real kernels
 run). The GPT-2 tokenizer needs no setup: prepare.load_tokenizer builds it
 from files that requirements.txt installs.
@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
 # test_bench.py, which run whole scripts, to the end. By each file's wall time
 # in the suite (`--durations=0`, 2026-11-29), the longest first.
 LONGEST_FIRST = ["test_train.py", "test_checkpoint.py", "test_parallel.py", "test_pipeline.py", "test_zero.py",
-                 "test_launch.py", "test_kernels.py", "test_evaluate.py", "test_bench.py", "test_docs.py",
+                 "test_launch.py", "test_fused_kernels.py", "test_eval_tasks.py", "test_bench.py", "test_docs.py",
                  "test_conftest.py", "test_context.py"]
 
 
@@ -139,7 +139,7 @@ def deepspeed_launcher() -> list[str]:
 
 
 # -----------------------------------------------------------------------------
-# Launchers: train.py and evaluate.py under torchrun, the way README launches
+# Launchers: train.py and eval_tasks.py under torchrun, the way README launches
 # them; and gloo ranks from a forkserver (run_on_ranks) for the many runs
 
 

@@ -260,7 +260,7 @@ class _RunsACommand:
 
 def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
     """A model_optim_rng.pt whose unpickling would run a shell command, under
-    its pointer as a real checkpoint: --load, --export-from and evaluate.py
+    its pointer as a real checkpoint: --load, --export-from and eval_tasks.py
     each stop with one line that names the file, and the command never runs."""
     ckpt, ran = tmp_path / "ckpt", tmp_path / "the-command-ran"
     bad = ckpt / "iter_0000002" / checkpoint.PLAIN_FILE
@@ -269,7 +269,7 @@ def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
     (ckpt / checkpoint.LATEST).write_text("2")
     for args in (["train.py", *TINY, "--data-path", corpus, "--train-iters", "3", "--load", str(ckpt)],
                  ["train.py", "--export-from", str(ckpt), "--export-to", str(tmp_path / "exported")],
-                 ["evaluate.py", "--task", "GENERATE", "--load", str(ckpt), "--num-samples", "1"]):
+                 ["eval_tasks.py", "--task", "GENERATE", "--load", str(ckpt), "--num-samples", "1"]):
         proc = run_bounded([sys.executable, *args], 120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode != 0 and not ran.exists(), proc.stderr[-2000:]
         message = [line for line in proc.stderr.splitlines() if "refusing to read" in line]
@@ -278,7 +278,7 @@ def test_no_entry_point_runs_code_from_a_checkpoint_file(corpus, tmp_path):
 
 
 def stops_in_one_line(probes, ran=None, timeout=180):
-    """Each probe, (train.py's or evaluate.py's command line, what its error
+    """Each probe, (train.py's or eval_tasks.py's command line, what its error
     says), run at once from the project's root: each stops with a non-zero
     exit and that one line on stderr, no traceback; and `ran` (the file a
     payload would create) is not there."""
@@ -430,7 +430,7 @@ def test_a_checkpoint_whose_files_lead_elsewhere_is_passed_over_and_nothing_is_r
     format: `train.py --load` names each in one line and resumes from the
     newest intact one, whose checksums are in `sha256sum -b`'s form (which
     sha256sum -c reads too); an iter_NNNNNNN of digits that are not ASCII is
-    no checkpoint. With none intact, --export-from and evaluate.py stop in
+    no checkpoint. With none intact, --export-from and eval_tasks.py stop in
     one line. Each within a time bound: none reads /dev/zero or a FIFO."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(two_saves, ckpt)
@@ -475,7 +475,7 @@ def test_a_checkpoint_whose_files_lead_elsewhere_is_passed_over_and_nothing_is_r
     for iteration, like in ((4, 10), (2, 15)):  # now none is intact
         hostile[like][0](str(ckpt / f"iter_{iteration:07d}"))
     for args in (["train.py", "--export-from", str(ckpt), "--export-to", str(tmp_path / "exported")],
-                 ["evaluate.py", "--task", "GENERATE", "--load", str(ckpt), "--num-samples", "1"]):
+                 ["eval_tasks.py", "--task", "GENERATE", "--load", str(ckpt), "--num-samples", "1"]):
         proc = run_bounded([sys.executable, *args], 60, cwd=ROOT, env=env)
         errors = [line for line in proc.stderr.splitlines() if line.startswith(f"{args[0]}: error")]
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
@@ -542,18 +542,18 @@ def test_either_format_loads_with_no_flag(corpus, two_saves, dist_saves, tmp_pat
     """A checkpoint written before torch_dist became the default (the torch
     format, one model_optim_rng.pt) and one written with no --ckpt-format now
     (.metadata and .distcp files) are read with no flag: the same run saved
-    both ways resumes to the same loss, evaluate.py generates the same text
+    both ways resumes to the same loss, eval_tasks.py generates the same text
     from either, and --export-from exports the same weights."""
     assert sorted(os.listdir(os.path.join(two_saves, "iter_0000004"))) == [checkpoint.DIGESTS, checkpoint.PLAIN_FILE]
     assert sorted(os.listdir(os.path.join(dist_saves, "iter_0000004"))) == [
         checkpoint.DIST_METADATA, "__0_0.distcp", checkpoint.DIGESTS]
-    import evaluate
+    import eval_tasks
     results = []
     for name, saves in (("torch", two_saves), ("torch_dist", dist_saves)):
         out = tmp_path / name
         train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", saves, "--eval-interval", "0",
                     "--metrics-file", str(out) + ".jsonl"])
-        evaluate.main(["--task", "GENERATE", "--load", saves, "--num-samples", "2", "--out-seq-length", "8",
+        eval_tasks.main(["--task", "GENERATE", "--load", saves, "--num-samples", "2", "--out-seq-length", "8",
                        "--temperature", "0", "--sample-output-file", str(out) + ".samples"])
         checkpoint.export_weights(saves, str(out))
         with checkpoint.data_only_loads(str(out)):
@@ -587,7 +587,7 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
     __main__, which would parse train.py's own arguments), or names a file
     outside its directory for a tensor's bytes (or one in it that its digests
     do not list), or whose .distcp holds a payload: --load, --export-from and
-    evaluate.py each stop in one line, and nothing is imported or run."""
+    eval_tasks.py each stop in one line, and nothing is imported or run."""
     import torch.distributed.checkpoint as dcp
     ran, probes = tmp_path / "the-command-ran", []
     assert "torch.utils.model_dump" not in sys.modules
@@ -633,7 +633,7 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
     tag = planted("reads-elsewhere", reads("../../outside/secret.txt"),
                   ["train.py", "--export-to", str(tmp_path / "exported"), "--export-from"],
                   "names '../../outside/secret.txt', not one of its own files")
-    planted("payload", payload, ["evaluate.py", "--task", "GENERATE", "--num-samples", "1", "--load"],
+    planted("payload", payload, ["eval_tasks.py", "--task", "GENERATE", "--num-samples", "1", "--load"],
             "__0_0.distcp (its model_config) holds posix.system")
     stops_in_one_line(probes, ran)
     os.remove(os.path.join(tag, checkpoint.DIGESTS))  # a checkpoint without digests: its files' extents are checked
@@ -1114,7 +1114,7 @@ def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_s
         load = str(tmp_path / "hf")
         random_hf_model().save_pretrained(load)
         capsys.readouterr()  # transformers' own warnings
-        message = (f"{load} is a Hugging Face model directory, not a train.py checkpoint: evaluate.py reads it "
+        message = (f"{load} is a Hugging Face model directory, not a train.py checkpoint: eval_tasks.py reads it "
                    f"with --hf, and train.py --export-from {load} --export-to DIR makes one that --load DIR "
                    f"--finetune trains from")
     with pytest.raises(SystemExit) as stop:
@@ -1329,7 +1329,7 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     zip, or its pre-zip format), and a sharded checkpoint's index mapping a
     weight to a file outside the directory, to a file not safetensors, or
     lacking its weight_map (or naming a link to a FIFO), or a config.json or
-    safetensors file cut short: --export-from and evaluate.py --hf stop in
+    safetensors file cut short: --export-from and eval_tasks.py --hf stop in
     one line that names the file, and nothing runs or is read."""
     from safetensors.torch import load_file
     ran, probes = tmp_path / "the-command-ran", []
@@ -1345,7 +1345,7 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
         plant(hf)
         probes.append((["train.py", "--export-from", str(hf), "--export-to", str(tmp_path / f"{name}-out")], says))
         if evaluate:
-            probes.append((["evaluate.py", "--task", "GENERATE", "--num-samples", "1", "--hf", str(hf)], says))
+            probes.append((["eval_tasks.py", "--task", "GENERATE", "--num-samples", "1", "--hf", str(hf)], says))
 
     def indexed(files):
         return lambda hf: (hf / "model.safetensors.index.json").write_text(json.dumps(

@@ -404,7 +404,7 @@ def test_deepspeeds_bf16_optimizer_is_refused_over_pipeline_stages(tmp_path):
 
 
 def test_evaluate_runs_whole_models():
-    with pytest.raises(ValueError, match="evaluate.py runs whole models"):
+    with pytest.raises(ValueError, match="eval_tasks.py runs whole models"):
         config_lib.parse_args(["--preset", "tiny", "--pipeline-model-parallel-size", "2"], tool=config_lib.EVALUATE)
 
 
@@ -458,7 +458,7 @@ def test_zero_flags_without_deepspeed_are_an_error():
 
 
 def test_train_py_refuses_evaluate_flags():
-    with pytest.raises(ValueError, match="--task: evaluate.py's flags; run evaluate.py"):
+    with pytest.raises(ValueError, match="--task: eval_tasks.py's flags; run eval_tasks.py"):
         config_lib.parse_args(["--preset", "tiny", "--task", "LAMBADA"])
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import context
-import kernels
+import fused_kernels
 import parallel
 from conftest import IDS, TINY, read_metrics, run_on_ranks, train_on_ranks
 
@@ -130,12 +130,12 @@ def test_ring_and_all_to_all_equal_full_attention_on_4_ranks():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not kernels.triton_usable("cpu"),
+@pytest.mark.skipif(not fused_kernels.triton_usable("cpu"),
                     reason="the gloo ranks hold CPU tensors: the kernels run on them under TRITON_INTERPRET=1")
 def test_ring_with_the_triton_kernels_equals_full_attention():
-    """The ring's blocks through kernels.py's FlashAttention-2 forward and
+    """The ring's blocks through fused_kernels.py's FlashAttention-2 forward and
     backward (interpreted), GQA: the kernels' base-2 lse converts exactly;
-    and a2a's attention through kernels.flash_attention."""
+    and a2a's attention through fused_kernels.flash_attention."""
     cases = [("p2p", "triton", 4, 2, False), ("a2a", "triton", 4, 2, False)]
     run_on_ranks(_check_equals_full_attention, 2, cases, 64, 32, 1e-4, world_size=2)
 

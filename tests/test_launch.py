@@ -44,6 +44,30 @@ def test_the_import_graph_has_no_circle():
     assert order[0] == "launch" and project_imports("launch") == set()
 
 
+# Import names of packages installed beside a trainer, whether or not this
+# machine has them: a module of ours with one of these names would be found
+# first by any process whose sys.path starts at the project root (issue 68:
+# kernels.py hid Hugging Face's `kernels`, which transformers 5.25 imports).
+BESIDE_A_TRAINER = {"kernels", "evaluate", "datasets", "accelerate", "peft", "lm_eval", "triton_kernels",
+                    "flash_attn", "liger_kernel", "transformer_engine", "apex"}
+
+
+@pytest.mark.quick
+def test_no_module_of_ours_shadows_an_installed_package():
+    """A top-level module named as a package users install (any distribution on
+    this machine, or one in BESIDE_A_TRAINER) hides that package from
+    `python -c`, notebooks and pytest run at the root, and from any process
+    that imported ours first. docs/tests.md says why the names are what they are."""
+    import importlib.metadata
+    import sysconfig
+    installed = set(importlib.metadata.packages_distributions())
+    stdlib = {os.path.splitext(f)[0] for f in os.listdir(sysconfig.get_paths()["stdlib"])}
+    ours = set(MODULES) | {"tests", "bench", "docs"}
+    clashes = {m: "installed" if m in installed else "the standard library" if m in stdlib else "beside a trainer"
+               for m in ours & (installed | stdlib | BESIDE_A_TRAINER)}
+    assert not clashes, f"rename these top-level modules, whose names other packages use: {clashes}"
+
+
 def modules_loaded_by(imports: str, then: str = "") -> set[str]:
     """Every module a fresh interpreter holds after `import IMPORTS` and THEN."""
     code = f"import sys, {imports}\n{then}\nprint(' '.join(sys.modules))"
@@ -54,7 +78,7 @@ def modules_loaded_by(imports: str, then: str = "") -> set[str]:
 @pytest.mark.quick
 def test_preparing_data_loads_no_model_code():
     loaded = modules_loaded_by("prepare")
-    assert not {"gpt", "kernels", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & loaded
+    assert not {"gpt", "fused_kernels", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & loaded
 
 
 # a plain checkpoint's file, with np.random's state (numpy's types), read as every load reads it
@@ -71,9 +95,9 @@ with checkpoint.data_only_loads(where):
 def test_only_torch_dist_imports_pytorchs_distributed_checkpoint():
     """torch.distributed.checkpoint (DTensor's tables with it: about a second of
     every rank's start) is imported by the torch_dist functions when they run,
-    not by train.py or evaluate.py; nor is DeepSpeed (its import, and on a CPU
+    not by train.py or eval_tasks.py; nor is DeepSpeed (its import, and on a CPU
     its warning line) by a plain checkpoint's load: only DeepSpeed's files hold its types."""
-    loaded = modules_loaded_by("train, evaluate, checkpoint", then=READ_A_PLAIN_CHECKPOINT)
+    loaded = modules_loaded_by("train, eval_tasks, checkpoint", then=READ_A_PLAIN_CHECKPOINT)
     assert "checkpoint" in loaded and "torch.distributed.checkpoint" not in loaded
     assert "deepspeed" not in loaded
 

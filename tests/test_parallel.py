@@ -485,7 +485,7 @@ def _assert_same_run(got, want, what, tol=1e-5, grad_atol=1e-7):
 
 def _check_gpt_tensor_parallel_matches_single_gpu(options):
     # The reference is T=1 with the full-logits loss; T=2 runs the default
-    # fused head + loss (kernels.FusedLinearCrossEntropy), vocab-parallel.
+    # fused head + loss (fused_kernels.FusedLinearCrossEntropy), vocab-parallel.
     def build(tp, **overrides):
         return _build_gpt(tp, **options, **overrides)
 
@@ -935,8 +935,8 @@ def test_triton_kernels_under_tensor_parallel_and_domino(options):
     """The Triton kernels (interpreted on CPU here) at T=2, plain, with
     Domino chunks, and with Domino under sequence parallelism, reproduce the
     T=1 torch-kernel model."""
-    import kernels
-    if not kernels.triton_usable("cpu"):
+    import fused_kernels
+    if not fused_kernels.triton_usable("cpu"):
         pytest.skip("needs triton with TRITON_INTERPRET=1 (set by conftest.py without a GPU)")
     run_on_ranks(_check_triton_kernels_under_tensor_parallel, options)
 
@@ -1239,7 +1239,7 @@ def test_torch_dist_saves_fused_shards_as_pieces_of_the_full_tensor(tmp_path):
 # same ATen graphs, run op by op, without Inductor's C++ codegen, which costs
 # ~25 s per layout on 2 cores); one layout (SP + Domino) compiles with Inductor,
 # whose scheduler order is recorded too. train.py --compile is tested in
-# test_train.py, the Triton kernels as custom ops under compile in test_kernels.py.
+# test_train.py, the Triton kernels as custom ops under compile in test_fused_kernels.py.
 # Recomputation at T=1 compiles through train.py in test_train.py (over
 # pipeline stages, to the loss and gradient norm), and Domino's 3 chunks
 # compile here under sequence parallelism only (eagerly, with and without).

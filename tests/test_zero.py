@@ -655,7 +655,7 @@ def test_plain_and_deepspeed_saves_in_one_directory_always_read_the_latest(runs)
 
 def test_export_of_a_16_bit_stage_0_checkpoint_is_its_fp32_master_weights(runs, tmp_path):
     """ZeRO stage 0 under --bf16 keeps fp32 master weights in its optimizer
-    and 16-bit copies in the module. The export (and so evaluate.py,
+    and 16-bit copies in the module. The export (and so eval_tasks.py,
     --finetune and --no-load-optim) reads the masters: each exported tensor
     is one of them, bit for bit, and rounds to the module's 16-bit copy."""
     checkpoint.export_weights(os.path.join(runs, "ckpt_z0_bf16"), str(tmp_path / "export"), "plain")

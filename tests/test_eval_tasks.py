@@ -1,9 +1,9 @@
-"""evaluate.py: WikiText-103 perplexity and LAMBADA accuracy of a checkpoint.
+"""eval_tasks.py: WikiText-103 perplexity and LAMBADA accuracy of a checkpoint.
 
 Neither dataset ships here, so the tests write small files in each format
 from a Shakespeare play, train a tiny model on the same play, export it to
 Hugging Face, and compute every number a second time with transformers'
-GPT2LMHeadModel, written out plainly below. evaluate.py must agree with it
+GPT2LMHeadModel, written out plainly below. eval_tasks.py must agree with it
 for any layout (T=2, DP=2) and any kind of checkpoint (plain, DeepSpeed, --hf).
 """
 import glob
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import evaluate  # noqa: E402
+import eval_tasks  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
 from conftest import as_torchrun_rank, run_on_ranks, torchrun, train_on_ranks  # noqa: E402
@@ -100,7 +100,7 @@ def reference_perplexity(hf_dir: str, wiki_path: str, seq: int, stride: int) -> 
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     raw = open(wiki_path, encoding="utf-8").read()
-    tokens = encoder().encode_ordinary(evaluate.wikitext_detokenize(raw))
+    tokens = encoder().encode_ordinary(eval_tasks.wikitext_detokenize(raw))
     total, scored_up_to, start = 0.0, 0, 0  # targets 1..scored_up_to are done
     while scored_up_to < len(tokens) - 1:
         window = torch.tensor(tokens[start:start + seq + 1])
@@ -158,11 +158,11 @@ def reference(files):
 
 
 # ----------------------------------------------------------------------------
-# evaluate.py, in this process (T=1) and under torchrun (T=2, DP=2)
+# eval_tasks.py, in this process (T=1) and under torchrun (T=2, DP=2)
 # ----------------------------------------------------------------------------
 
 def task_flags(files, task: str) -> list[str]:
-    """evaluate.py's flags for one of the four evaluations every layout runs."""
+    """eval_tasks.py's flags for one of the four evaluations every layout runs."""
     common = ["--seq-length", str(SEQ), "--micro-batch-size", "3"]
     return {"wiki": ["--task", "WIKITEXT103", "--valid-data", files["wiki"], *common],
             "wiki_overlap": ["--task", "WIKITEXT103", "--valid-data", files["wiki"], *common,
@@ -197,7 +197,7 @@ def read_results(path):
 
 def evaluate_here(files, task: str, model: list[str], tmp_path):
     out = tmp_path / f"{task}.json"
-    evaluate.run([*evaluate_flags(files, task, out), *model])
+    eval_tasks.run([*evaluate_flags(files, task, out), *model])
     return read_results(out)
 
 
@@ -239,10 +239,10 @@ def test_samples_are_reproducible_from_the_seed(files, t1, tmp_path):
     the same --seed, and others with another; greedy is transformers' greedy
     (test_plain_checkpoint_matches_transformers[greedy])."""
     again = tmp_path / "again.jsonl"
-    evaluate.run([*sample_flags(files, "sampled"), "--load", files["ckpt"], "--sample-output-file", str(again)])
+    eval_tasks.run([*sample_flags(files, "sampled"), "--load", files["ckpt"], "--sample-output-file", str(again)])
     assert read_results(again) == t1["sampled"]
     other = tmp_path / "other.jsonl"
-    evaluate.run([*sample_flags(files, "sampled", seed=4), "--load", files["ckpt"],
+    eval_tasks.run([*sample_flags(files, "sampled", seed=4), "--load", files["ckpt"],
                   "--sample-output-file", str(other)])
     assert [s["tokens"] for s in read_results(other)] != [s["tokens"] for s in t1["sampled"]]
     assert [s["prompt"] for s in t1["sampled"]] == PROMPTS
@@ -299,25 +299,25 @@ def test_a_model_of_another_vocabulary_is_one_line(files, tmp_path, capsys):
                                  vocab_size=128256, max_position_embeddings=64)).save_pretrained(llama)
     capsys.readouterr()  # transformers' progress bars
     with pytest.raises(SystemExit) as stop:
-        evaluate.main([*evaluate_flags(files, "wiki", tmp_path / "out.json"), "--hf", llama])
+        eval_tasks.main([*evaluate_flags(files, "wiki", tmp_path / "out.json"), "--hf", llama])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "evaluate.py: error: the model's vocabulary has 128,256 tokens, GPT-2's BPE 50,257: evaluate.py reads "
+        "eval_tasks.py: error: the model's vocabulary has 128,256 tokens, GPT-2's BPE 50,257: eval_tasks.py reads "
         "text with GPT-2's BPE, or NullTokenizer (--tokenizer-type NullTokenizer --vocab-size N for N + 1); "
         "evaluate a model of another tokenizer with that tokenizer"]
 
 
 def worker(out: str, *model: str) -> None:
     """On run_on_ranks' ranks, as torchrun starts them: every evaluation in
-    one world (one launch per layout), which ends as evaluate.run ends it."""
+    one world (one launch per layout), which ends as eval_tasks.run ends it."""
     import torch.distributed as dist
     as_torchrun_rank()
     files = json.loads(open(os.path.join(out, "files.json")).read())
     env = None
     for task in TASKS:
-        cfg = evaluate.parse_args([*evaluate_flags(files, task, os.path.join(out, task + ".json")), *model])
-        env = env or evaluate.init_processes(cfg)
-        evaluate.run_task(cfg, env)
+        cfg = eval_tasks.parse_args([*evaluate_flags(files, task, os.path.join(out, task + ".json")), *model])
+        env = env or eval_tasks.init_processes(cfg)
+        eval_tasks.run_task(cfg, env)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -362,7 +362,7 @@ def test_deepspeed_checkpoint(files, tmp_path):
 def test_wikitext_is_detokenized_like_megatron():
     raw = (" = Title = \n \n = = History = = \n \n It cost 1 @,@ 600 ( about 3 @.@ 5 % ) in the "
            "well @-@ known \" game \" . The team 's score : N points ; 45 ° high ! \n")
-    assert evaluate.wikitext_detokenize(raw) == (
+    assert eval_tasks.wikitext_detokenize(raw) == (
         " = Title =\n\n== History ==\n\nIt cost 1,600 (about 3.5 %) in the well-known \"game\". "
         "The team's score: 1 points; 45°high!\n")
 
@@ -373,7 +373,7 @@ def test_wikitext_is_detokenized_like_megatron():
 def test_windows_score_every_target_exactly_once(n, seq, stride):
     tokens = list(range(n))
     scored = []
-    for w in evaluate.wikitext_windows(tokens, seq, stride):
+    for w in eval_tasks.wikitext_windows(tokens, seq, stride):
         assert 2 <= len(w.tokens) <= seq + 1 and w.scored >= 1
         scored += w.tokens[len(w.tokens) - w.scored:]  # the targets it scores
     assert scored == tokens[1:]
@@ -382,9 +382,9 @@ def test_windows_score_every_target_exactly_once(n, seq, stride):
 @pytest.mark.quick
 def test_strict_lambada_target_is_the_whole_last_word():
     enc = encoder()
-    context, target = evaluate.lambada_split("he went to the  Athenian ", enc, strict=True)
+    context, target = eval_tasks.lambada_split("he went to the  Athenian ", enc, strict=True)
     assert enc.decode(context) == "he went to the" and enc.decode(target) == " Athenian"
-    context, target = evaluate.lambada_split("he went to the Athenian", enc, strict=False)
+    context, target = eval_tasks.lambada_split("he went to the Athenian", enc, strict=False)
     assert enc.decode(context + target) == "he went to the Athenian" and len(target) == 1
 
 
@@ -402,10 +402,10 @@ def test_bad_lambada_file_is_one_line_naming_file_and_line(files, tmp_path, caps
     if content is not None:
         path.write_text(content)
     with pytest.raises(SystemExit) as exit:
-        evaluate.main(["--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"]])
+        eval_tasks.main(["--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"]])
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("evaluate.py: error: --valid-data " + message.format(path=path)), err
+    assert err.startswith("eval_tasks.py: error: --valid-data " + message.format(path=path)), err
     assert err.count("\n") == 1
 
 
@@ -418,10 +418,10 @@ def test_bad_prompts_file_is_one_line(files, tmp_path, capsys, content, message)
     if content is not None:
         path.write_text(content)
     with pytest.raises(SystemExit) as exit:
-        evaluate.main([*sample_flags({"prompts": str(path)}, "greedy"), "--load", files["ckpt"]])
+        eval_tasks.main([*sample_flags({"prompts": str(path)}, "greedy"), "--load", files["ckpt"]])
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("evaluate.py: error: --sample-input-file " + message.format(path=path)), err
+    assert err.startswith("eval_tasks.py: error: --sample-input-file " + message.format(path=path)), err
     assert err.count("\n") == 1
 
 
@@ -441,11 +441,11 @@ def test_bad_sampling_flags_are_one_line(files, tmp_path, capsys, flags, message
     (tmp_path / "prompts.txt").write_text("ROMEO:\n")
     flags = [flag.format(tmp=tmp_path) for flag in flags]
     with pytest.raises(SystemExit) as stop:
-        evaluate.main([*sample_flags({"prompts": str(tmp_path / "prompts.txt")}, "greedy"), *flags,
+        eval_tasks.main([*sample_flags({"prompts": str(tmp_path / "prompts.txt")}, "greedy"), *flags,
                        "--load", files["ckpt"]])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert err == f"evaluate.py: error: {message.format(tmp=tmp_path)}\n"
+    assert err == f"eval_tasks.py: error: {message.format(tmp=tmp_path)}\n"
 
 
 @pytest.mark.parametrize("content, message", [("", "the file is empty"),
@@ -455,11 +455,11 @@ def test_bad_wikitext_file(files, tmp_path, content, message):
     path = tmp_path / "wiki.test.tokens"
     path.write_text(content)
     with pytest.raises(ValueError, match=f"{path}: {message}"):
-        evaluate.run(["--task", "WIKITEXT103", "--valid-data", str(path), "--load", files["ckpt"]])
+        eval_tasks.run(["--task", "WIKITEXT103", "--valid-data", str(path), "--load", files["ckpt"]])
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--valid-data", "x"], "evaluate.py needs --task"),
+    (["--valid-data", "x"], "eval_tasks.py needs --task"),
     (["--task", "PTB", "--valid-data", "x", "--load", "c"], "--task PTB: use one of WIKITEXT103, LAMBADA"),
     (["--task", "LAMBADA", "--load", "c"], "needs --valid-data"),
     (["--task", "LAMBADA", "--valid-data", "x"], "needs a model: --load"),
@@ -478,7 +478,7 @@ def test_bad_wikitext_file(files, tmp_path, content, message):
 @pytest.mark.quick
 def test_bad_flags(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        evaluate.parse_args(flags)
+        eval_tasks.parse_args(flags)
 
 
 @pytest.mark.quick
@@ -489,9 +489,9 @@ def test_a_training_scripts_flags_are_ignored_in_one_line(capsys):
     task = ["--task", "GENERATE", "--load", "c", "--num-samples", "2", "--seq-length", "64"]
     training = ["--global-batch-size", "512", "--train-iters", "20000", "--lr", "6e-4", "--save", "ckpt",
                 "--hidden-dropout", "0.1", "--data-path", "data/x_text_document", "--split", "969,30,1"]
-    assert evaluate.parse_args([*task, *training]) == evaluate.parse_args(task)
+    assert eval_tasks.parse_args([*task, *training]) == eval_tasks.parse_args(task)
     printed = capsys.readouterr().out.splitlines()
-    assert printed == ["evaluate.py: ignoring --data-path, --global-batch-size, --hidden-dropout, --lr, --save, "
+    assert printed == ["eval_tasks.py: ignoring --data-path, --global-batch-size, --hidden-dropout, --lr, --save, "
                        "--split, --train-iters: train.py's flags, which do not apply to evaluation"]
 
 
@@ -500,9 +500,9 @@ def test_a_checkpoint_longer_than_the_model_and_a_wrong_preset_are_named(files, 
     path.write_text('{"text": "a b c"}\n')
     base = ["--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"]]
     with pytest.raises(ValueError, match="--seq-length 1024 exceeds the model's 64 positions"):
-        evaluate.run(base)
+        eval_tasks.run(base)
     with pytest.raises(ValueError, match="num_layers=12, the checkpoint's model has 2"):
-        evaluate.run([*base, "--seq-length", "64", "--preset", "124M"])
+        eval_tasks.run([*base, "--seq-length", "64", "--preset", "124M"])
 
 
 def edited_checkpoint(source: str, out, **record) -> str:
@@ -530,11 +530,11 @@ def edited_checkpoint(source: str, out, **record) -> str:
 ])
 def test_a_checkpoint_whose_model_config_is_not_its_tensors_is_one_line(files, tmp_path, capsys, record, message):
     """A checkpoint's model_config that does not describe its tensors (edited,
-    damaged), or holds keys a newer train.py writes: evaluate.py and
+    damaged), or holds keys a newer train.py writes: eval_tasks.py and
     --export-from say so in one line naming the checkpoint and the first key,
     before any model is built (hidden_size 2**20 would ask for 211 GB)."""
     iteration_dir = edited_checkpoint(files["ckpt"], tmp_path / "ckpt", **record)
-    for main, argv in ((evaluate.main, ["--task", "GENERATE", "--num-samples", "1", "--load", str(tmp_path / "ckpt")]),
+    for main, argv in ((eval_tasks.main, ["--task", "GENERATE", "--num-samples", "1", "--load", str(tmp_path / "ckpt")]),
                        (train.main, ["--export-from", str(tmp_path / "ckpt"), "--export-to", str(tmp_path / "out")])):
         with pytest.raises(SystemExit) as stop:
             main(argv)
@@ -548,10 +548,10 @@ def test_a_checkpoint_whose_model_config_is_not_its_tensors_is_one_line(files, t
 def test_bad_input_on_two_ranks_is_one_line_from_rank_0(files, tmp_path):
     path = tmp_path / "lambada.jsonl"
     path.write_text('{"text": "a b c"}\n["a list"]\n')
-    proc = torchrun("evaluate.py", "--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"],
+    proc = torchrun("eval_tasks.py", "--task", "LAMBADA", "--valid-data", str(path), "--load", files["ckpt"],
                     "--seq-length", "64", nproc=2, env=QUIET, check=False)
     assert proc.returncode != 0
-    assert proc.stderr.count("evaluate.py: error") == 1, proc.stderr[-3000:]
-    assert f'evaluate.py: error: --valid-data {path}:2: no "text" string' in proc.stderr
-    assert 'evaluate.py", line' not in proc.stderr  # no traceback through our code
+    assert proc.stderr.count("eval_tasks.py: error") == 1, proc.stderr[-3000:]
+    assert f'eval_tasks.py: error: --valid-data {path}:2: no "text" string' in proc.stderr
+    assert 'eval_tasks.py", line' not in proc.stderr  # no traceback through our code
 

@@ -1,4 +1,4 @@
-"""Tests for kernels.py: Triton FlashAttention-2, fused LayerNorm / RMSNorm and
+"""Tests for fused_kernels.py: Triton FlashAttention-2, fused LayerNorm / RMSNorm and
 the fused loss's row kernels, also as custom ops under torch.compile.
 
 Without a GPU, conftest.py sets TRITON_INTERPRET=1 so the very same kernels
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import fused_kernels
 import parallel
 from conftest import run_bounded
 
@@ -43,7 +43,7 @@ def attention_reference(q, k, v, do, causal=True, sm_scale=None):
 
 def run_flash(q, k, v, do, **kw):
     q, k, v = [t.detach().requires_grad_() for t in (q, k, v)]
-    o = kernels.flash_attention(q, k, v, **kw)
+    o = fused_kernels.flash_attention(q, k, v, **kw)
     o.backward(do)
     return o.detach(), q.grad, k.grad, v.grad
 
@@ -109,14 +109,14 @@ def test_flash_attention_reads_the_qkv_projection_in_place(monkeypatch):
     q, k, v = [t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2)]
     do = torch.randn(B, T, H, D, device=DEVICE).transpose(1, 2)
     launches = []
-    real_launch = kernels._launch_attn
+    real_launch = fused_kernels._launch_attn
 
     def spy(name, num_rows, bh, *args, **kw):
         launches.append((name, [a.data_ptr() for a in args if torch.is_tensor(a)]))
         return real_launch(name, num_rows, bh, *args, **kw)
 
     monkeypatch.setattr(kernels, "_launch_attn", spy)
-    o = kernels.flash_attention(q, k, v)
+    o = fused_kernels.flash_attention(q, k, v)
     grads = torch.autograd.grad(o, (q, k, v), do)
     assert [name for name, _ in launches] == ["fwd", "dkdv", "dq"]
     for name, ptrs in launches:
@@ -130,7 +130,7 @@ def test_flash_attention_reads_the_qkv_projection_in_place(monkeypatch):
 def test_first_query_attends_only_to_itself():
     # causal: output row 0 must equal v row 0 exactly, whatever the keys are
     q, k, v = [torch.randn(1, 2, 37, 32, device=DEVICE) for _ in range(3)]
-    o = kernels.flash_attention(q, k, v)
+    o = fused_kernels.flash_attention(q, k, v)
     torch.testing.assert_close(o[:, :, 0], v[:, :, 0], rtol=1e-6, atol=1e-6)
 
 
@@ -139,16 +139,16 @@ def test_first_query_attends_only_to_itself():
 def test_unsupported_head_dim_is_a_clear_error(D):
     q = torch.randn(1, 2, 16, D, device=DEVICE)
     with pytest.raises(ValueError, match="head dims"):
-        kernels.flash_attention(q, q, q)
+        fused_kernels.flash_attention(q, q, q)
 
 
 @pytest.mark.quick
 def test_mismatched_shapes_are_a_clear_error():
     q = torch.randn(1, 3, 16, 32, device=DEVICE)
     with pytest.raises(ValueError, match="k, v \\(B, G, T, D\\)"):
-        kernels.flash_attention(q, q[:, :, :8], q)
+        fused_kernels.flash_attention(q, q[:, :, :8], q)
     with pytest.raises(ValueError, match="G dividing H"):  # 2 key/value heads for 3 query heads
-        kernels.flash_attention(q, q[:, :2], q[:, :2])
+        fused_kernels.flash_attention(q, q[:, :2], q[:, :2])
 
 
 # Grouped-query attention: G key/value heads, each read by H/G query heads.
@@ -184,14 +184,14 @@ def test_grouped_query_attention_reads_the_shared_heads_in_place(monkeypatch):
     kv = torch.randn(B, T, 2 * G * D, device=DEVICE, requires_grad=True)  # as the model's views
     k, v = [t.view(B, T, G, D).transpose(1, 2) for t in kv.split(G * D, dim=2)]
     launches = []
-    real_launch = kernels._launch_attn
+    real_launch = fused_kernels._launch_attn
 
     def spy(name, num_rows, bh, *args, **kw):
         launches.append((name, bh, [a.data_ptr() for a in args[1:3]]))
         return real_launch(name, num_rows, bh, *args, **kw)
 
     monkeypatch.setattr(kernels, "_launch_attn", spy)
-    kernels.flash_attention(q, k, v).sum().backward()
+    fused_kernels.flash_attention(q, k, v).sum().backward()
     assert [(name, bh) for name, bh, _ in launches] == [("fwd", B * H), ("dkdv", B * G), ("dq", B * H)]
     for name, _, ptrs in launches:
         assert ptrs == [k.data_ptr(), v.data_ptr()], name
@@ -206,7 +206,7 @@ def check_layer_norm(shape, dtype, weight_dtype, seed=0):
     x = torch.randn(*shape, generator=g).mul(3).add(1).to(DEVICE, dtype).requires_grad_()
     w = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
     b = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
-    y = kernels.layer_norm(x, w, b, eps=1e-5)
+    y = fused_kernels.layer_norm(x, w, b, eps=1e-5)
     dy = torch.randn(y.shape, generator=g).to(DEVICE, dtype)
     y.backward(dy)
     x6, w6, b6 = [t.detach().double().requires_grad_() for t in (x, w, b)]
@@ -239,7 +239,7 @@ def test_triton_layernorm_module_is_a_drop_in_for_nn_layernorm():
     ref = torch.nn.LayerNorm(48).to(DEVICE)
     with torch.no_grad():
         ref.weight.normal_(), ref.bias.normal_()
-    mod = kernels.TritonLayerNorm(48).to(DEVICE)
+    mod = fused_kernels.TritonLayerNorm(48).to(DEVICE)
     mod.load_state_dict(ref.state_dict())  # same keys, so checkpoints are interchangeable
     x = torch.randn(3, 5, 48, device=DEVICE)
     torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
@@ -250,7 +250,7 @@ def test_triton_layernorm_module_is_a_drop_in_for_nn_layernorm():
 def test_layer_norm_bad_weight_shape_is_a_clear_error():
     x = torch.randn(4, 32, device=DEVICE)
     with pytest.raises(ValueError, match="weight and bias must have shape"):
-        kernels.layer_norm(x, torch.ones(16, device=DEVICE), torch.zeros(32, device=DEVICE))
+        fused_kernels.layer_norm(x, torch.ones(16, device=DEVICE), torch.zeros(32, device=DEVICE))
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +265,7 @@ def check_add_layer_norm(shape, x_dtype, r_dtype, weight_dtype, seed=0):
     r = torch.randn(*shape, generator=g).to(DEVICE, r_dtype).requires_grad_()
     w = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
     b = torch.randn(N, generator=g).to(DEVICE, weight_dtype).requires_grad_()
-    s, y = kernels.add_layer_norm(x, r, w, b, eps=1e-5)
+    s, y = fused_kernels.add_layer_norm(x, r, w, b, eps=1e-5)
     sum_dtype = torch.promote_types(x_dtype, r_dtype)
     ds, dy = [torch.randn(shape, generator=g).to(DEVICE, sum_dtype) for _ in range(2)]
     torch.autograd.backward([s, y], [ds, dy])
@@ -297,10 +297,10 @@ def test_add_layer_norm_matches_float64(shape, x_dtype, r_dtype, weight_dtype):
 @pytest.mark.quick
 def test_add_layer_norm_equals_add_then_layer_norm_exactly_in_fp32():
     """The fused kernel is the unfused pair with one memory trip fewer: the
-    same numbers as kernels.layer_norm applied to x + r (same kernel maths)."""
+    same numbers as fused_kernels.layer_norm applied to x + r (same kernel maths)."""
     g = torch.Generator().manual_seed(1)
     x, r = [torch.randn(4, 9, 48, generator=g).to(DEVICE) for _ in range(2)]
-    mod = kernels.TritonLayerNorm(48).to(DEVICE)
+    mod = fused_kernels.TritonLayerNorm(48).to(DEVICE)
     s, y = mod(x, residual=r)
     torch.testing.assert_close(s, x + r, rtol=0, atol=0)
     torch.testing.assert_close(y, mod(x + r), rtol=0, atol=0)
@@ -322,12 +322,12 @@ def test_fused_residual_add_goes_through_the_module_call():
 def test_add_layer_norm_shape_mismatch_is_a_clear_error():
     x = torch.randn(2, 32, device=DEVICE)
     with pytest.raises(ValueError, match="same shape"):
-        kernels.add_layer_norm(x, x[:1], torch.ones(32, device=DEVICE), torch.zeros(32, device=DEVICE))
+        fused_kernels.add_layer_norm(x, x[:1], torch.ones(32, device=DEVICE), torch.zeros(32, device=DEVICE))
 
 
 def test_triton_usable_follows_device():
-    assert kernels.triton_usable(DEVICE)
-    assert not kernels.triton_usable(torch.device("meta"))
+    assert fused_kernels.triton_usable(DEVICE)
+    assert not fused_kernels.triton_usable(torch.device("meta"))
 
 
 def _run_clean(code: str) -> subprocess.CompletedProcess:
@@ -340,7 +340,7 @@ def test_require_triton_on_cpu_without_interpreter_raises_helpful_error():
     code = (
         "import torch, kernels\n"
         "try:\n"
-        "    kernels.require_triton('cpu')\n"
+        "    fused_kernels.require_triton('cpu')\n"
         "except ValueError as e:  # launch.UsageError\n"
         "    print('RAISED', e)\n"
     )
@@ -355,10 +355,10 @@ def test_module_imports_and_falls_back_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
         "import torch, kernels\n"
-        "assert not kernels.HAS_TRITON and not kernels.triton_usable('cpu')\n"
+        "assert not fused_kernels.HAS_TRITON and not fused_kernels.triton_usable('cpu')\n"
         "q = torch.randn(1, 2, 8, 32)\n"
         "try:\n"
-        "    kernels.require_triton(q.device)\n"
+        "    fused_kernels.require_triton(q.device)\n"
         "except ValueError as e:  # launch.UsageError\n"
         "    print('RAISED', e)\n"
     )
@@ -376,8 +376,8 @@ def test_cuda_autotuning_is_keyed_by_length_bucket_and_kept_on_disk():
     them instead of timing every config again. Built here without the
     interpreter, as on a GPU (building needs no device)."""
     code = (
-        "import kernels\n"
-        "for name, launcher in kernels._LAUNCHERS.items():\n"
+        "import fused_kernels\n"
+        "for name, launcher in fused_kernels._LAUNCHERS.items():\n"
         "    print(name, launcher.keys, launcher.cache_results)\n"
     )
     out = _run_clean(code)
@@ -401,13 +401,13 @@ def check_rms_norm(shape, x_dtype, weight_dtype, fused_add, seed=0):
     s6 = x6 + r6 if fused_add else x6
     y6 = s6 * torch.rsqrt(s6.pow(2).mean(-1, keepdim=True) + 1e-5) * w6  # the definition
     if fused_add:
-        s, y = kernels.add_layer_norm(x, r, w, None, eps=1e-5)
+        s, y = fused_kernels.add_layer_norm(x, r, w, None, eps=1e-5)
         torch.autograd.backward([s, y], [ds, dy])
         torch.autograd.backward([s6, y6], [ds.double(), dy.double()])
         assert_close(s.detach(), s6.detach(), x_dtype, "s")
         assert_close(r.grad, r6.grad, x_dtype, "dr")
     else:
-        y = kernels.layer_norm(x, w, None, eps=1e-5)
+        y = fused_kernels.layer_norm(x, w, None, eps=1e-5)
         y.backward(dy)
         y6.backward(dy.double())
     assert_close(y.detach(), y6.detach(), x_dtype, "y")
@@ -431,7 +431,7 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
     ref = torch.nn.RMSNorm(48, eps=1e-5).to(DEVICE)
     with torch.no_grad():
         ref.weight.normal_()
-    mod = kernels.TritonRMSNorm(48, eps=1e-5).to(DEVICE)
+    mod = fused_kernels.TritonRMSNorm(48, eps=1e-5).to(DEVICE)
     mod.load_state_dict(ref.state_dict())  # same key, so checkpoints are interchangeable
     x, r = torch.randn(3, 5, 48, device=DEVICE), torch.randn(3, 5, 48, device=DEVICE)
     torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
@@ -441,7 +441,7 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
 
 
 # ---------------------------------------------------------------------------
-# the fused loss's row kernels (kernels.span_lse_and_grad_) against their torch twins
+# the fused loss's row kernels (fused_kernels.span_lse_and_grad_) against their torch twins
 
 @pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
@@ -450,7 +450,7 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
 def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
     """The Triton row kernels (interpreted on CPU) and the in-place torch ops
     give the same lse, target logit and, overwriting the chunk, gradient."""
-    if not (kernels.HAS_TRITON and (DEVICE == "cuda" or kernels.INTERPRET)):
+    if not (fused_kernels.HAS_TRITON and (DEVICE == "cuda" or fused_kernels.INTERPRET)):
         pytest.skip("needs triton, and TRITON_INTERPRET=1 on CPU (set by conftest.py)")
     g = torch.Generator().manual_seed(0)
     z = (4 * torch.randn(9, 203, generator=g)).to(DEVICE)          # 203: a ragged last block
@@ -459,7 +459,7 @@ def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
     results = []
     for use_triton in (True, False):
         dz = z.clone()
-        lse, target = kernels.span_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
+        lse, target = fused_kernels.span_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
                                                    triton_kernels=use_triton)
         results.append((lse, target, dz))
     (lse, target, dz), (lse_t, target_t, dz_t) = results
@@ -533,22 +533,22 @@ OPS = ["flash_attention", "flash_attention-mha-noncausal", "layer_norm", "rms_no
 
 def _op_cases():
     """(op, args) for every custom op (OPS), at tiny shapes."""
-    import kernels
+    import fused_kernels
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape, grad=True: torch.randn(*shape, generator=g).requires_grad_(grad)  # noqa: E731
     q, k, v = rand(1, 4, 20, 32), rand(1, 2, 20, 32), rand(1, 2, 20, 32)   # grouped-query
     x, res, w, b = rand(3, 5, 48), rand(3, 5, 48), rand(48), rand(48)
     z, labels = rand(6, 40, grad=False), torch.randint(0, 40, (6,), generator=g)
     return {
-        "flash_attention": (kernels.flash_attention_op, (q, k, v, True, 0.2)),
-        "flash_attention-mha-noncausal": (kernels.flash_attention_op, (q, q.detach().requires_grad_(),
+        "flash_attention": (fused_kernels.flash_attention_op, (q, k, v, True, 0.2)),
+        "flash_attention-mha-noncausal": (fused_kernels.flash_attention_op, (q, q.detach().requires_grad_(),
                                                                          rand(1, 4, 20, 32), False, 0.1)),
-        "layer_norm": (kernels.layer_norm_op, (x, None, w, b, 1e-5, None)),
-        "rms_norm": (kernels.layer_norm_op, (x, None, w, None, 1e-5, None)),
-        "add_layer_norm": (kernels.layer_norm_op, (x, res, w, b, 1e-5, None)),
-        "add_rms_norm": (kernels.layer_norm_op, (x, res, w, None, 1e-5, None)),
-        "loss_row_stats": (kernels.loss_row_stats, (z, labels, 10)),
-        "loss_row_grad_": (kernels.loss_row_grad_, (z.clone(), labels, z.logsumexp(-1), torch.rand(6, generator=g), 0)),
+        "layer_norm": (fused_kernels.layer_norm_op, (x, None, w, b, 1e-5, None)),
+        "rms_norm": (fused_kernels.layer_norm_op, (x, None, w, None, 1e-5, None)),
+        "add_layer_norm": (fused_kernels.layer_norm_op, (x, res, w, b, 1e-5, None)),
+        "add_rms_norm": (fused_kernels.layer_norm_op, (x, res, w, None, 1e-5, None)),
+        "loss_row_stats": (fused_kernels.loss_row_stats, (z, labels, 10)),
+        "loss_row_grad_": (fused_kernels.loss_row_grad_, (z.clone(), labels, z.logsumexp(-1), torch.rand(6, generator=g), 0)),
         "parallel_after": (torch.ops.parallel.after, (x.detach(), res.detach())),  # backward only
     }
 
@@ -602,7 +602,7 @@ def test_fused_loss_row_kernels_compile_whole():
     z, labels, weight = torch.randn(8, 40, generator=g), torch.randint(0, 40, (8,), generator=g), torch.rand(8, generator=g)
 
     def passes(z):
-        lse, target = kernels.span_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
+        lse, target = fused_kernels.span_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
         return lse, target, z
     want = passes(z.clone())
     torch._dynamo.reset()
@@ -750,7 +750,7 @@ def test_gpu_fp32_attention_uses_tf32_only_when_torch_does():
     for precision in ("highest", "high"):
         torch.set_float32_matmul_precision(precision)
         try:
-            out = kernels.flash_attention(q, k, v)
+            out = fused_kernels.flash_attention(q, k, v)
         finally:
             torch.set_float32_matmul_precision("highest")
         errors[precision] = ((out.double() - ref).abs().max() / ref.abs().max()).item()
@@ -778,7 +778,7 @@ def test_gpu_layer_norm_writes_the_autocast_dtype_with_the_same_rounding():
     kernel is compiled separately and may fuse multiply-adds differently, so
     the fp32 value before rounding can differ in its last bit and, rarely,
     round to the neighbouring bf16 number (seen on an H100, 2026-11-23)."""
-    ln = kernels.TritonLayerNorm(1024).to(DEVICE)
+    ln = fused_kernels.TritonLayerNorm(1024).to(DEVICE)
     with torch.no_grad():
         ln.weight.normal_(), ln.bias.normal_()
     x = torch.randn(4096, 1024, device=DEVICE)
@@ -915,10 +915,10 @@ def test_layer_norm_output_in_the_autocast_dtype_leaves_training_unchanged(monke
 AUTOTUNE_PROBE = """
 import sys, torch
 sys.path.insert(0, {root!r})
-import kernels
+import fused_kernels
 qkv = torch.randn(4, 1024, 3, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 q, k, v = qkv.unbind(2)
-kernels.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).sum().backward()
+fused_kernels.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).sum().backward()
 torch.cuda.synchronize()
 """
 

@@ -1,11 +1,11 @@
 r"""Zero-shot evaluation of a checkpoint (WikiText-103 perplexity, LAMBADA
 accuracy), and samples from it.
 
-    torchrun --nproc_per_node N evaluate.py --task WIKITEXT103 --valid-data wiki.test.tokens \
+    torchrun --nproc_per_node N eval_tasks.py --task WIKITEXT103 --valid-data wiki.test.tokens \
         --load CKPT [--tensor-model-parallel-size T] [--overlapping-eval 32] [--seq-length 1024]
-    torchrun --nproc_per_node N evaluate.py --task LAMBADA --valid-data lambada_test.jsonl \
+    torchrun --nproc_per_node N eval_tasks.py --task LAMBADA --valid-data lambada_test.jsonl \
         --load CKPT [--strict-lambada]
-    torchrun --nproc_per_node N evaluate.py --task GENERATE --load CKPT \
+    torchrun --nproc_per_node N eval_tasks.py --task GENERATE --load CKPT \
         (--sample-input-file prompts.txt | --num-samples 8) [--sample-output-file out.jsonl] \
         [--out-seq-length 256] [--temperature 0.8] [--top_k 50] [--top_p 0.9] [--seed 1]
 
@@ -147,7 +147,7 @@ def check_model_flags(cfg: TrainConfig, mcfg: GPTConfig) -> None:
         tokenizer = f"NullTokenizer's {cfg.vocab_size} ids and its end of document" \
             if cfg.tokenizer_type == "NullTokenizer" else "GPT-2's BPE"
         raise UsageError(f"the model's vocabulary has {mcfg.vocab_size:,} tokens, {tokenizer} "
-                         f"{tokens:,}: evaluate.py reads text with GPT-2's BPE, or NullTokenizer "
+                         f"{tokens:,}: eval_tasks.py reads text with GPT-2's BPE, or NullTokenizer "
                          f"(--tokenizer-type NullTokenizer --vocab-size N for N + 1); evaluate a model of "
                          f"another tokenizer with that tokenizer")
     if mcfg.max_position_embeddings < cfg.seq_length and cfg.task != "GENERATE":  # samples slide
@@ -333,10 +333,10 @@ GENERATE_FLAGS = ("sample_input_file", "sample_output_file", "num_samples", "out
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """evaluate.py's flags, checked: one task, one file (or prompts), one model."""
+    """eval_tasks.py's flags, checked: one task, one file (or prompts), one model."""
     cfg = config.parse_args(argv, EVALUATE, usage=__doc__)
     if cfg.task is None:
-        raise UsageError(f"evaluate.py needs --task: {' or '.join(EVAL_TASKS)}")
+        raise UsageError(f"eval_tasks.py needs --task: {' or '.join(EVAL_TASKS)}")
     if cfg.task not in EVAL_TASKS:
         raise UsageError(f"--task {cfg.task}: use one of {', '.join(EVAL_TASKS)}")
     if cfg.task == "GENERATE":
@@ -353,7 +353,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for flag in ("sample_output_file", "metrics_file"):  # written at the end: checked before the model loads
         check_writable(f"--{flag.replace('_', '-')}", getattr(cfg, flag))
     if bool(cfg.load) == bool(cfg.hf):
-        raise UsageError("evaluate.py needs a model: --load CHECKPOINT (plain or DeepSpeed) "
+        raise UsageError("eval_tasks.py needs a model: --load CHECKPOINT (plain or DeepSpeed) "
                          "or --hf DIRECTORY (Hugging Face GPT-2 or Llama), one of them")
     if cfg.overlapping_eval is not None and not 0 < cfg.overlapping_eval <= cfg.seq_length:
         raise UsageError(f"--overlapping-eval {cfg.overlapping_eval} must lie in [1, --seq-length "
@@ -396,8 +396,8 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """evaluate.py's command line: a user's mistake is one line from rank 0 (launch.errors_reported)."""
-    with launch.errors_reported("evaluate.py"):
+    """eval_tasks.py's command line: a user's mistake is one line from rank 0 (launch.errors_reported)."""
+    with launch.errors_reported("eval_tasks.py"):
         run(argv)
 
 

@@ -494,7 +494,7 @@ def _attn_backward(do, q, k, v, o, lse, causal, sm_scale):
 # opaque op with a fake (shape-only) implementation instead of tracing into
 # the launchers, and fuses the code around it; eager mode runs the same ops.
 
-@torch.library.custom_op("kernels::flash_attention", mutates_args=())
+@torch.library.custom_op("fused_kernels::flash_attention", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) = FlashAttention-2 forward, o in q's dtype."""
@@ -508,7 +508,7 @@ def _(q, k, v, causal, sm_scale):
     return _empty_bthd(q), q.new_empty((B * H, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("kernels::flash_attention_backward", mutates_args=())
+@torch.library.custom_op("fused_kernels::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 o: torch.Tensor, lse: torch.Tensor, causal: bool,
                                 sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -668,7 +668,7 @@ def _sum_dtype(x, residual):
 # The kernels as custom operators with their autograd (see flash_attention_op).
 # bias None is RMSNorm: no mean, no bias gradient (both empty).
 
-@torch.library.custom_op("kernels::layer_norm", mutates_args=())
+@torch.library.custom_op("fused_kernels::layer_norm", mutates_args=())
 def layer_norm_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -701,7 +701,7 @@ def _(x, residual, weight, bias, eps, out_dtype):
     return s, torch.empty_like(x, dtype=out_dtype or sum_dtype), _stats(mean, bias), rstd
 
 
-@torch.library.custom_op("kernels::layer_norm_backward", mutates_args=())
+@torch.library.custom_op("fused_kernels::layer_norm_backward", mutates_args=())
 def layer_norm_backward_op(dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor,
                            weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                            rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -879,7 +879,7 @@ def _block_v(V: int, z) -> int:
     return 64 if z.device.type == "cpu" else min(4096, triton.next_power_of_2(V))
 
 
-@torch.library.custom_op("kernels::loss_row_stats", mutates_args=())
+@torch.library.custom_op("fused_kernels::loss_row_stats", mutates_args=())
 def loss_row_stats(z: torch.Tensor, labels: torch.Tensor, vocab_start: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max, sum(exp(z - max)), target logit or 0), fp32 (n,) each, of the rows
@@ -895,7 +895,7 @@ def _(z, labels, vocab_start):
     return tuple(z.new_empty(z.shape[0], dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.custom_op("kernels::loss_row_grad_", mutates_args=("z",))
+@torch.library.custom_op("fused_kernels::loss_row_grad_", mutates_args=("z",))
 def loss_row_grad_(z: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, weight: torch.Tensor,
                    vocab_start: int) -> None:
     """z <- weight * (softmax(z) - onehot(labels)), in place, given each row's lse."""
