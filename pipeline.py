@@ -352,10 +352,13 @@ class LaterWeightGrads(TorchFunctionMode):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.blocks = list(model.blocks)
-        linears = [m for m in model.blocks.modules()
-                   if isinstance(m, (nn.Linear, parallel.ColumnParallelLinear, parallel.RowParallelLinear))]
-        self.weights = {m.weight for m in linears}
-        self.columns = [m for m in linears if getattr(m, "sequence_parallel", False)]
+        linears = {name: m for name, m in model.blocks.named_modules()
+                   if isinstance(m, (nn.Linear, parallel.ColumnParallelLinear, parallel.RowParallelLinear))}
+        self.weights = {m.weight: f"blocks.{name}" for name, m in linears.items()}  # -> the layer's name
+        # Only a column layer's SP GEMM runs inside its own Function; a row layer's F.linear
+        # (its input whole, (B, T, in/tp)) is caught by the mode like any other.
+        self.columns = [m for m in linears.values()
+                        if isinstance(m, parallel.ColumnParallelLinear) and m.sequence_parallel]
         self.store = None   # the running micro-batch's, inside deferring()
 
     @contextlib.contextmanager
@@ -380,7 +383,7 @@ class LaterWeightGrads(TorchFunctionMode):
             with contextlib.nullcontext() if backward else self, \
                     torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 yield
-            if backward and {w for w, _, _ in store} != self.weights:  # a dW would be lost silently
+            if backward and {w for _, w, _, _ in store} != set(self.weights):  # a dW would be lost silently
                 raise RuntimeError("zero bubble: a block linear's weight reached no F.linear in this "
                                    "micro-batch, so its gradient was never kept for W")
         finally:
@@ -401,31 +404,31 @@ class LaterWeightGrads(TorchFunctionMode):
         if func is F.linear and args[1] in self.weights and torch.is_grad_enabled():
             x, weight, bias = (*args, kwargs.get("bias"))[:3]
             x = parallel.in_autocast_dtype(x)    # keep the 16 bits autocast's F.linear keeps
-            return _KeepOperands.apply(F.linear(x, weight, bias), x, weight, self.store, False)
+            return _KeepOperands.apply(F.linear(x, weight, bias), x, weight, self.store, False, self.weights[weight])
         return func(*args, **kwargs)
 
     def _keep_tokens(self, column, args, y):
         """A sequence-parallel column layer's forward hook: its tokens kept."""
         if column.sequence_parallel and y.requires_grad:  # (not while generating, nor without grad)
             x = parallel.in_autocast_dtype(args[0])      # (B, T/tp, in), as the layer keeps them
-            return _KeepOperands.apply(y, x, column.weight, self.store, True)
+            return _KeepOperands.apply(y, x, column.weight, self.store, True, self.weights[column.weight])
 
 
 class _KeepOperands(torch.autograd.Function):
-    """y = X W^T + b itself; backward passes dY on and leaves (W, dY, X) in
-    `store` for W (gather: X is this rank's tokens, all-gathered now)."""
+    """y = X W^T + b itself; backward passes dY on and leaves (name, W, dY, X)
+    in `store` for W (gather: X is this rank's tokens, all-gathered now)."""
 
     @staticmethod
-    def forward(ctx, y, x, weight, store: list, gather: bool):
-        ctx.weight, ctx.store, ctx.gather = weight, store, gather
+    def forward(ctx, y, x, weight, store: list, gather: bool, name: str):
+        ctx.weight, ctx.store, ctx.gather, ctx.name = weight, store, gather, name
         ctx.save_for_backward(x)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, = ctx.saved_tensors
-        ctx.store.append((ctx.weight, grad_out, parallel.all_gather_sequence(x) if ctx.gather else x))
-        return grad_out, None, None, None, None
+        ctx.store.append((ctx.name, ctx.weight, grad_out, parallel.all_gather_sequence(x) if ctx.gather else x))
+        return grad_out, None, None, None, None, None
 
 
 def weight_grads(store: list) -> None:
@@ -434,7 +437,10 @@ def weight_grads(store: list) -> None:
     (data-parallel averaging) run as after a plain backward."""
     grads = {}
     with torch.no_grad():  # as in backward: X is an activation, and dW no node of any graph
-        for weight, grad_out, x in store:
+        for name, weight, grad_out, x in store:
+            if grad_out.shape[:-1] != x.shape[:-1] or (grad_out.shape[-1], x.shape[-1]) != weight.shape:
+                raise RuntimeError(f"zero bubble: {name} kept dY {tuple(grad_out.shape)} and X {tuple(x.shape)}, "
+                                   f"which do not make its weight's {tuple(weight.shape)} gradient dY^T X")
             g2d, x2d = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
             g = (g2d.t() @ x2d.to(grad_out.dtype)).to(weight.dtype)   # (out, in), in dY's dtype
             grads[weight] = grads[weight] + g if weight in grads else g

@@ -241,6 +241,72 @@ def test_zb_h1_takes_1f1bs_gradients_in_16_bit_with_dropout(dtype):
     run_on_ranks(_check_zb_h1_takes_1f1bs_gradients_in_16_bit, dtype)
 
 
+# Every case ZB-H1's deferral treats apart: a plain F.linear (the mode), a column
+# layer's SP GEMM (its own Function: a hook keeps its tokens), a row layer under SP
+# (its dY is the reduce-scatter's input, whole), Domino's chunks (each weight twice),
+# CP's local tokens, and recomputation in I (the mode re-entered per block; Domino
+# refuses it).
+ZB_DEFERRALS = {  # name: (tp, cp, sequence_parallel, domino_chunks, recompute)
+    "TP=1": (1, 1, False, 1, False), "TP=1, recompute": (1, 1, False, 1, True),
+    "TP=2": (2, 1, False, 1, False), "TP=2, SP": (2, 1, True, 1, False),
+    "TP=2, SP, recompute": (2, 1, True, 1, True), "TP=2, Domino": (2, 1, False, 2, False),
+    "TP=2, SP, Domino": (2, 1, True, 2, False),
+    "CP=2": (1, 2, False, 1, False), "CP=2, recompute": (1, 2, False, 1, True),
+}
+
+
+def _check_zb_h1_defers_every_kind_of_linear():
+    import context
+    m, failed = 2, []
+    for name, (tp, cp, sp, chunks, recompute) in ZB_DEFERRALS.items():
+        parallel.destroy()
+        parallel.initialize(tp, context_parallel_size=cp)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                              vocab_size=100, padded_vocab_size=128, sequence_parallel=sp, domino_chunks=chunks,
+                              activation_checkpointing=recompute))
+        batches = []
+        for i in range(m):
+            x, y, mask = uneven_batch(i, batch_size=2)
+            batch = {"tokens": x, "labels": y, "loss_mask": mask, "position_ids": torch.arange(8).expand(2, 8)}
+            batches.append(context.split_batch(batch) if cp > 1 else batch)
+        grads, weight_grads, deferred = [], pipeline.weight_grads, []
+        pipeline.weight_grads = lambda store: (deferred.append(len(store)), weight_grads(store))[1]
+        try:
+            for zb in (False, True):  # 1F1B's backward, then ZB-H1's I and W, on the same micro-batches
+                cfg = SimpleNamespace(seq_length=8, micro_batch_size=2, enable_zero_bubble=zb)
+                pipeline.pipeline_step(pipeline.Stage(model), batches, cfg, torch.device("cpu"), nullcontext())
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                model.zero_grad(set_to_none=True)
+        finally:
+            pipeline.weight_grads = weight_grads
+        # each W took the dW of 2 blocks x 4 linears, of each Domino chunk
+        if deferred != [2 * 4 * chunks] * m:
+            failed.append(f"{name}: W kept {deferred} operands, not {[2 * 4 * chunks] * m}")
+        failed += [f"{name}: {n}" for n, want in grads[0].items()
+                   if not torch.allclose(grads[1][n], want, rtol=1e-6, atol=1e-7)]
+    assert not failed, failed
+
+
+@pytest.mark.quick
+def test_zb_h1_defers_the_weight_gradient_of_every_kind_of_linear():
+    """ZB-H1's W computes autograd's dW for every kind of linear the deferral
+    treats apart (ZB_DEFERRALS: TP 1 and 2, SP on and off, Domino on and off,
+    recomputation on and off, CP on and off), in one launch of 2 ranks: the
+    gradients of one stage's 1F1B backward and of its I + W agree."""
+    run_on_ranks(_check_zb_h1_defers_every_kind_of_linear)
+
+
+def test_a_deferred_weight_gradient_of_the_wrong_shape_names_its_layer():
+    """A kept X whose tokens do not match dY's (issue 73: an SP row layer's
+    input gathered again) is a programming error named before any matmul."""
+    w = torch.nn.Parameter(torch.zeros(4, 8))
+    store = [("blocks.0.mlp.proj", w, torch.ones(2, 3, 4), torch.ones(2, 6, 8))]
+    with pytest.raises(RuntimeError, match=r"zero bubble: blocks.0.mlp.proj kept dY \(2, 3, 4\) and X \(2, 6, 8\)"):
+        pipeline.weight_grads(store)
+    assert w.grad is None
+
+
 def _check_a_receive_due_inside_an_action_is_posted_before_it():
     pp, m, v = 2, 8, 2
     parallel.destroy()
@@ -433,11 +499,12 @@ PIPELINE_LAYOUTS = {  # name: (processes, flags), each trained from scratch for 
     "interleaved PP=2 x DP=2": (4, ["--pipeline-model-parallel-size", "2",
                                     "--num-layers-per-virtual-pipeline-stage", "1"]),
     "PP=2 with recomputation": (2, ["--pipeline-model-parallel-size", "2", "--recompute-activations"]),
-    # PP=2 x TP=2 with SP and Domino: under ZB-H1 here; under 1F1B over DP=2, interleaved and compiled below
-    "ZB-H1 PP=2 x TP=2, sequence parallel, Domino": (4, ["--pipeline-model-parallel-size", "2",
-                                                         "--tensor-model-parallel-size", "2",
-                                                         "--sequence-parallel", "--domino",
-                                                         "--enable-zero-bubble"]),
+    # PP=2 x TP=2 with SP: under ZB-H1 here (issue 73's command; with Domino and recomputation, against
+    # 1F1B, in test_zb_h1_defers_the_weight_gradient_of_every_kind_of_linear); with Domino under 1F1B
+    # over DP=2, interleaved and compiled below
+    "ZB-H1 PP=2 x TP=2, sequence parallel": (4, ["--pipeline-model-parallel-size", "2",
+                                                 "--tensor-model-parallel-size", "2",
+                                                 "--sequence-parallel", "--enable-zero-bubble"]),
     # every kind of parallelism at once: 8 ranks, each micro-batch through 2 stages of 2 TP ranks (also DIST_WRITER)
     "PP=2 x TP=2 x DP=2, sequence parallel, Domino": (8, ["--pipeline-model-parallel-size", "2",
                                                           "--tensor-model-parallel-size", "2",
@@ -574,7 +641,7 @@ def pipeline_runs(ids_corpus, tmp_path_factory):
 def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipeline_runs):
     """PP=2's checkpoint (iteration 4) is the whole model, and so are CP=2's
     (torch) and CP=2 x TP=2's (torch_dist): exported to Hugging Face each
-    holds PP=1's weights of iteration 4 (the same curve). evaluate.py samples
+    holds PP=1's weights of iteration 4 (the same curve). eval_tasks.py samples
     from a pipelined run's (DIST_WRITER's torch_dist), and names a context-
     parallel flag it was given in one line, as a training flag it ignores."""
     out = pipeline_runs["dir"]
@@ -588,11 +655,11 @@ def test_a_pipelined_runs_checkpoint_exports_and_samples_as_the_whole_model(pipe
         assert whole.keys() == weights.keys(), name
         for key in whole:
             torch.testing.assert_close(weights[key], whole[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
-    proc = torchrun("evaluate.py", "--task", "GENERATE", "--load", str(out / "dist"), "--num-samples", "1",
+    proc = torchrun("eval_tasks.py", "--task", "GENERATE", "--load", str(out / "dist"), "--num-samples", "1",
                     "--out-seq-length", "4", "--seq-length", "32", "--context-parallel-size", "2", *IDS)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
     ignored = [line for line in proc.stdout.splitlines() if "--context-parallel-size" in line]
-    assert ignored == ["evaluate.py: ignoring --context-parallel-size: train.py's flags, which do not apply to "
+    assert ignored == ["eval_tasks.py: ignoring --context-parallel-size: train.py's flags, which do not apply to "
                        "evaluation"], proc.stdout[-2000:]
 
 
@@ -691,7 +758,10 @@ def test_every_schedule_in_16_bits_trains_the_16_bit_curve_of_one_stage(pipeline
     assert sorted(got) == sorted(want) == list(range(1, 9))
     for i, m in got.items():
         for key in ("loss", "grad_norm", "val_loss"):
-            assert m.get(key) == pytest.approx(want[i].get(key), rel=5e-4), (name, i, key)
+            if want[i].get(key) is None:  # no validation at this iteration (pytest 9.2's approx takes no None)
+                assert m.get(key) is None, (name, i, key)
+            else:
+                assert m.get(key) == pytest.approx(want[i][key], rel=5e-4), (name, i, key)
         assert m.get("skipped_iterations") == want[i].get("skipped_iterations"), (name, i)
     if name.startswith("fp16"):
         assert [got[i]["skipped_iterations"] for i in (1, 2)] == [1, 0]  # the overflow and the halved scale
