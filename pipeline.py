@@ -1,8 +1,9 @@
 """Pipeline parallelism: the layers split into stages, one per pipeline rank,
 and a step's micro-batches scheduled through them. Sections:
 
-  1. Stages: which layers (model chunks) a rank holds (pipeline_chunks), a
-     chunk's forward from the model's own pieces (Stage), the tied embedding
+  1. Stages: which layers (model chunks) a rank holds (pipeline_chunks), the
+     pieces of the model it keeps (stage_model), a chunk's forward from the
+     model's own pieces (Stage), the tied embedding
   2. The schedules: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), drawn,
      and timed on one clock
   3. One rank's forwards, backwards and point-to-point exchanges
@@ -28,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 import parallel
 from config import TrainConfig
 from data import to_device
-from gpt import GPT, rope_angles
+from gpt import GPT, GPTConfig, rope_angles
 from launch import UsageError
 
 # The layers are split into pp stages, one per pipeline rank (Huang et al.,
@@ -91,18 +92,19 @@ from launch import UsageError
 # 1. Stages
 
 class Stage(nn.Module):
-    """This rank's stage of `model` (a GPT of this rank's layers), a model chunk
-    at a time from the model's own pieces: chunk `chunk` embeds `batch`'s tokens
+    """stage_model's `model` (or a whole GPT: one chunk), a model chunk at a
+    time, from the model's own pieces: chunk `chunk` embeds `batch`'s tokens
     or runs on x (B, T[/tp], C), the previous stage's output, and returns its
-    output or, ending with the last layer, the loss. A module, so that
-    torch.compile(Stage(model)) compiles each chunk's forward whole."""
+    output or, ending with the last layer, the loss (a module: torch.compile
+    compiles each chunk's forward whole)."""
 
     def __init__(self, model: GPT):
         super().__init__()
         self.model = model
+        self.chunks = getattr(model, "pipeline_chunks", None) or [range(model.config.num_layers)]
 
     def forward(self, chunk: int, batch: dict, x=None):
-        model, layers = self.model, self.model.layers[chunk]
+        model, layers = self.model, self.chunks[chunk]
         if layers.start == 0:
             x, rope = model.embed(batch["tokens"], batch["position_ids"])  # (B, T[/tp], C)
         else:
@@ -131,13 +133,31 @@ def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stag
     return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(num_layers // (pp * n))]
 
 
+def stage_model(config: GPTConfig, chunks: list[range]) -> GPT:
+    """The stage of layers `chunks`: the whole model, built and initialized as
+    on one device (GPT), keeping their blocks; the first layer's stage the
+    embeddings, the last layer's the final norm and the head (tied: a copy of
+    the embedding, marked pipeline_copy)."""
+    first, last = chunks[0].start == 0, chunks[-1].stop == config.num_layers
+    tied = not config.untie_embeddings_and_output_weights
+    ends = {"wte": first or (last and tied), "wpe": first, "ln_f": last, "output_layer": last}
+
+    def keep(piece: str) -> bool:  # a piece of the whole model, as GPT._pieces names it
+        kind, _, layer = piece.partition(".")
+        return any(int(layer) in chunk for chunk in chunks) if kind == "blocks" else ends[kind]
+    model = GPT(config, keep)
+    parallel.mark(model, pipeline_chunks=chunks)  # the chunks Stage runs
+    if hasattr(model, "wte") and not first:
+        parallel.mark(model.wte.weight, pipeline_copy=True)
+    return model
+
+
 def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
     """Where a tied embedding is split over two pipeline stages (the first's
     embedding, the last's head) and this stage holds one copy: its weight,
     whose gradient the two stages sum; else None."""
     tied = not model.config.untie_embeddings_and_output_weights
-    one_end = model.holds_first_layer != model.holds_last_layer
-    return model.wte.weight if tied and one_end and hasattr(model, "wte") else None
+    return model.wte.weight if tied and parallel.layout.pp_size > 1 and hasattr(model, "wte") else None
 
 
 # ----------------------------------------------------------------------------
@@ -462,7 +482,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
     averager: the GradientAverager that starts on gradients as they become
     final (None: the engine reduces after the step)."""
     model = stage.model
-    m, v = len(batches), len(model.layers)
+    m, v = len(batches), len(stage.chunks)
     ticks = pipeline_timeline(parallel.layout.pp_size, m, v, forward_only=not torch.is_grad_enabled(),
                               zero_bubble=cfg.enable_zero_bubble)
     batches = [to_device(b, device) for b in batches]
@@ -472,7 +492,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
         nonlocal total
         with precision:
             out = stage(chunk, batches[micro], x)
-        if model.layers[chunk].stop < model.config.num_layers:  # not the last layer's chunk
+        if stage.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
         loss = out * batches[micro]["loss_weight"] / m if "loss_weight" in batches[micro] else out / m
         total += loss.detach()

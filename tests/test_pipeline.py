@@ -163,7 +163,7 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
+    stage = pipeline.stage_model(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
     in_flight, calls, timeline = _InFlight(), iter(range(100)), []
     runner = pipeline.Stage(stage)
     forward = runner.forward
@@ -209,9 +209,9 @@ def _check_zb_h1_takes_1f1bs_gradients_in_16_bit(dtype):
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                          vocab_size=100, padded_vocab_size=128, hidden_dropout=0.1, attention_dropout=0.1),
-                pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
+    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                       vocab_size=100, padded_vocab_size=128, hidden_dropout=0.1, attention_dropout=0.1)
+    stage = pipeline.stage_model(config, pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
     batches = []
     for i in range(m):
         x, y, mask = uneven_batch(i, batch_size=2)
@@ -400,7 +400,7 @@ def _check_data_parallel_average_starts_as_gradients_become_final():
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                  vocab_size=100, padded_vocab_size=128)
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank, 1))
+    stage = pipeline.stage_model(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank, 1))
     cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2,
                           enable_zero_bubble=False)
     batches = []
@@ -457,8 +457,9 @@ def _check_zb_h1_averages_over_data_parallel_as_1f1b():
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=pp)  # 4 ranks: PP=2 x DP=2
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                          vocab_size=100, padded_vocab_size=128), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
+    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                       vocab_size=100, padded_vocab_size=128)
+    stage = pipeline.stage_model(config, pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
     batches = []
     for i in range(m):  # each data-parallel rank its own micro-batches
         x, y, mask = uneven_batch(10 * parallel.layout.dp_rank + i, batch_size=2)
