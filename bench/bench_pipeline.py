@@ -249,6 +249,7 @@ def pipeline_step(model, batches, s: Schedule, device, timeline=None, memory=Non
     m, (b, T) = len(batches), batches[0][0].shape
     ticks = pipeline.pipeline_timeline(parallel.layout.pp_size, m, s.v, zero_bubble=s.zero_bubble)
     positions, stage = torch.arange(T, device=device), pipeline.Stage(model)
+    zero_bubble = pipeline.LaterWeightGrads(model) if s.zero_bubble else None
 
     def forward(chunk: int, micro: int, x):
         if memory is not None:
@@ -264,7 +265,7 @@ def pipeline_step(model, batches, s: Schedule, device, timeline=None, memory=Non
     with watch(memory), host_waits_for_device(device):
         pipeline.run_pipeline(ticks, s.v, forward, (b, T, model.config.hidden_size), device,
                               timeline=timeline, after=memory and (lambda a: memory.action_ended()),
-                              later=pipeline.LaterWeightGrads(model) if s.zero_bubble else None)
+                              act=zero_bubble and zero_bubble.act)
     model.zero_grad(set_to_none=True)
 
 

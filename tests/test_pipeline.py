@@ -1,8 +1,10 @@
 """Pipeline parallelism (pipeline.py): the schedules as pure functions,
 stages on 2 gloo ranks against the whole model on one, then train.py's
 pipelined runs from the command line, against PP=1's."""
+import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -98,6 +100,22 @@ def test_zb_h1_idles_pp_minus_1_ticks_a_stage_a_third_of_1f1b(pp, m):
     assert len(one_f_one_b) == 3 * m + 3 * (pp - 1)
     if (pp, m) == (4, 8):
         assert (len(ticks), len(one_f_one_b)) == (27, 33)  # idle 3/27 = 0.111 vs 9/33 = 0.273
+
+
+@pytest.mark.quick
+def test_the_charts_pipeline_py_draws_are_the_schedules_it_runs():
+    """pipeline.py's comments draw 1F1B (pp=4, m=8), interleaved 1F1B (pp=2,
+    v=2, m=4) and ZB-H1 (pp=4, m=8), in that order; each is, character for
+    character, chart() of pipeline_timeline, which run_pipeline walks tick by
+    tick: the text and the code agree."""
+    drawn = re.findall(r"(?:^#     stage \d+  \S+\n)+", inspect.getsource(pipeline), re.M)
+    drawn = [block.replace("#     ", "").rstrip("\n") for block in drawn]
+    assert drawn == [pipeline.chart(pipeline.pipeline_timeline(4, 8)),
+                     pipeline.chart(pipeline.pipeline_timeline(2, 4, 2)),
+                     pipeline.chart(pipeline.pipeline_timeline(4, 8, zero_bubble=True))]
+    # the chart's idle ticks ('.') are the bubble: 9 of 33 a 1F1B stage, 3 of 27 a ZB-H1 stage
+    assert [row.count(".") for row in drawn[0].splitlines()] == [9] * 4
+    assert [row.count(".") for row in drawn[2].splitlines()] == [3] * 4
 
 
 @pytest.mark.quick
