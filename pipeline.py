@@ -227,15 +227,15 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
 
         for each tick t:
             if this rank starts an action a at t:
-                post the receives due while a runs      (unblock_senders_during)
-                run a                                   (act: _act's F or B; 3b's F, I or W)
-            send what this rank's action ending at t made, and receive what
-            its neighbours' actions ending at t made    (one batch_isend_irecv)
+                post the receives due while a runs    (unblock_senders_during)
+                run a                                 (act: _act's F or B; 3b's F, I or W)
+            send what this rank's action ending at t made, and receive
+            what its neighbours' actions ending at t made    (exchange)
 
     forward(chunk, micro, x) runs a model chunk on x, the previous stage's
-    output (None on the first virtual stage), and returns its output, on the
-    last virtual stage the loss. timeline: gets (tick, action, start, end)
-    of each action. after(action) runs as each action ends."""
+    output (None on the first virtual stage): its output, on the last the
+    loss. timeline gets each action's (tick, action, start, end); after(action)
+    runs as it ends."""
     rank, pp, group = parallel.layout.pp_rank, parallel.layout.pp_size, parallel.layout.pp_group
     act = act or _act
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
@@ -258,6 +258,16 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
         for due in range(t, t + DURATION[a.kind] - 1):
             posted[due] = (ops := receives(due)) and dist.batch_isend_irecv(ops)
 
+    def exchange(t: int, output: torch.Tensor | None) -> None:
+        """One batch_isend_irecv in which both sides post each message: nothing
+        waits on one posted later (NCCL would deadlock)."""
+        ops = [] if t in posted else receives(t)
+        sent = _messages(ending.get((t, rank)), rank, pp, v)
+        if sent is not None:
+            ops.append(dist.P2POp(dist.isend, checked_output(output, shape, dtype), group=group, group_peer=sent[0]))
+        for work in (posted.pop(t, None) or []) + (dist.batch_isend_irecv(ops) if ops else []):
+            work.wait()
+
     output = None
     for t, row in enumerate(ticks):
         a = row[rank]
@@ -269,13 +279,7 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
                 timeline.append((t, a, start, time.perf_counter()))
             if after is not None:
                 after(a)
-        ops = [] if t in posted else receives(t)
-        sent = _messages(ending.get((t, rank)), rank, pp, v)
-        if sent is not None:
-            ops.append(dist.P2POp(dist.isend, checked_output(output, shape, dtype), group=group, group_peer=sent[0]))
-        # both sides post each message in one batch: nothing waits on one posted later (NCCL would deadlock)
-        for work in (posted.pop(t, None) or []) + (dist.batch_isend_irecv(ops) if ops else []):
-            work.wait()
+        exchange(t, output)
 
 
 def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | None:
@@ -320,10 +324,9 @@ def zb_h1_order(pp: int, rank: int, m: int) -> list[Action]:
 
 
 class LaterWeightGrads(TorchFunctionMode):
-    """A stage's block linears, whose dW waits for W. During a micro-batch's F
-    and I their weights are frozen, so autograd computes every gradient but
-    theirs, and this mode (on in F) makes each F.linear on a frozen weight
-    keep (X, dY) in the micro-batch's store (_KeepOperands), for its W."""
+    """A stage's block linears, whose dW waits for W: frozen in F and I, so that
+    autograd computes all other gradients, while this mode (on in F) makes each
+    F.linear on a frozen weight keep (X, dY) in the micro-batch's store."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -368,8 +371,7 @@ class LaterWeightGrads(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _keep_tokens(self, column, args, y):
-        """SP's: a column layer's GEMM runs in its own autograd Function, out of
-        the mode's sight; this forward hook keeps its T/tp tokens, gathered in I."""
+        """SP's: a column layer's GEMM runs in its own Function, out of the mode's sight: keep its tokens here."""
         if column.sequence_parallel and y.requires_grad:  # (not while generating, nor without grad)
             x = parallel.in_autocast_dtype(args[0])      # (B, T/tp, in), as the layer keeps them
             return _KeepOperands.apply(y, x, column.weight, self.store, True, self.weights[column.weight])
@@ -476,7 +478,6 @@ def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) 
         dist.all_reduce(tied.grad, group=parallel.layout.embedding_group)
 
 
-
 def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
     """Where a tied embedding is split over two pipeline stages (the first's
     embedding, the last's head) and this stage holds one copy: its weight,
@@ -530,7 +531,7 @@ class GradientAverager:
                 self.flush()
 
     def after(self, a: Action) -> None:
-        """run_pipeline's after: a backward (B, I, W) ended, so launch the final gradients a partial bucket holds."""
+        """run_pipeline's after: a backward (B, I, W) ended; launch the final gradients a partial bucket holds."""
         if a.kind != "F":
             self.flush()
 
