@@ -36,7 +36,7 @@ import struct
 import numpy as np
 import torch
 
-from launch import UsageError, atomic_write, fsync_path
+from launch import UsageError, atomic_write, fsync_path, parse_json, text_file
 
 # ----------------------------------------------------------------------------
 # 1. Megatron mmap indexed dataset (.bin/.idx)
@@ -567,23 +567,17 @@ def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
         raise UsageError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
                          f"(GPT-2's BPE, {VOCAB_SIZE} tokens) tokenizes text here (train.py and "
                          f"eval_tasks.py also take ids: NullTokenizer --vocab-size N)")
-    def digest(path, flag, read):
-        try:
-            with open(path, encoding="utf-8") as f:
-                return read(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
-
     other = "this project tokenizes with GPT-2's BPE only (gpt2-vocab.json / gpt2-merges.txt)"
+    most = 16 << 20  # bytes: GPT-2's vocab and merges are 1 MB and 0.5 MB; no FIFO or /dev/zero is read forever
     if vocab_file:
-        vocab = digest(vocab_file, "--vocab-file", json.load)
+        vocab = parse_json(text_file(vocab_file, most, "--vocab-file "), f"--vocab-file {vocab_file}")
         if vocab_digest(vocab) != GPT2_VOCAB_SHA256:
             size = len(vocab) if isinstance(vocab, dict) else "not a dict of"
             raise UsageError(f"--vocab-file {vocab_file} is not GPT-2's vocabulary ({size} entries; "
                              f"GPT-2 has {VOCAB_SIZE}): {other}")
     if merge_file:
-        merges = digest(merge_file, "--merge-file", lambda f: [
-            line for line in f.read().splitlines() if line and not line.startswith("#version")])
+        merges = [line for line in text_file(merge_file, most, "--merge-file ").splitlines()
+                  if line and not line.startswith("#version")]
         if hashlib.sha256("\n".join(merges).encode()).hexdigest() != GPT2_MERGES_SHA256:
             raise UsageError(f"--merge-file {merge_file} is not GPT-2's merges ({len(merges)} merges; "
                              f"GPT-2 has 50000): {other}")
