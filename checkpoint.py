@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 import parallel
 from config import TrainConfig, model_config
-from gpt import GPT, GPTConfig
-from huggingface import HF_CONFIG, from_hf, is_hf_directory, to_hf, write_hf_tokenizer
+from gpt import GPT, GPTConfig, claimed_shapes, wanted_type
+from huggingface import HF_CONFIG, from_hf, hf_tokenizer, is_hf_directory, to_hf, write_files
 from launch import (DIGESTS, DIST_METADATA, UsageError, atomic_write, data_only_loads, digest_files, digests_problem,
                     dist_reader, fsync_path, parse_json, plain_file_problem, read_dist_metadata, regular_file,
                     write_digests)
@@ -568,25 +568,30 @@ def saved_model(found: Found, **runtime) -> tuple[GPT, dict]:
 
 
 def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> GPTConfig:
-    """The GPTConfig of a checkpoint's model_config `record`, once its layer
-    count and shapes (of a model on the meta device) are the stored `weights`':
-    a damaged or edited record (hidden_size 2**20 would ask for 211 GB) is one
-    line, not a model of the claimed size."""
+    """The GPTConfig of a checkpoint's model_config `record`, once its values are
+    of their fields' types and its layer count and shapes (gpt.claimed_shapes) are
+    the stored `weights`': a damaged or edited record (hidden_size 2**20 would ask
+    for 211 GB, layernorm_epsilon NaN compute NaN) is one line, not a model."""
+    if not isinstance(record, dict):
+        raise UsageError(f"checkpoint {path}: its model_config is {type(record).__name__}, not a dict of "
+                         f"GPTConfig's fields: the checkpoint is damaged or was edited")
     unknown = sorted(set(record) - {f.name for f in dataclasses.fields(GPTConfig)})
     if unknown:
         raise UsageError(f"checkpoint {path}: its model_config has {', '.join(unknown)}, which this version "
                          f"does not know: it was written by a newer train.py; read it with that version")
-    mcfg = GPTConfig(**{**record, **runtime})
+    for name, value in record.items():
+        if wanted := wanted_type(name, value):
+            raise UsageError(f"checkpoint {path}: its model_config's {name} is {value!r}, not {wanted}: the "
+                             f"checkpoint is damaged or was edited")
+    try:
+        mcfg = GPTConfig(**{**record, **runtime})
+    except UsageError as e:
+        raise UsageError(f"checkpoint {path}: {e}") from None
     layers = len({key.split(".")[1] for key in weights if key.startswith("blocks.")})
     if mcfg.num_layers != layers:
         raise UsageError(f"checkpoint {path}: its model_config says num_layers {mcfg.num_layers}, its "
                          f"tensors hold {layers} layers: the checkpoint is damaged or was edited")
-    whole, parallel.layout = parallel.layout, parallel.Layout(initialized=True)
-    try:
-        with torch.device("meta"):
-            claimed = {key: tuple(t.shape) for key, t in GPT(mcfg).state_dict().items()}
-    finally:
-        parallel.layout = whole
+    claimed = claimed_shapes(mcfg, f"checkpoint {path}: its model_config")
     stored = {key: tuple(t.shape) for key, t in weights.items()}
     for key in claimed | stored:
         if claimed.get(key) != stored.get(key):
@@ -970,8 +975,9 @@ def export_weights(checkpoint: str, out: str, fmt: str = "plain") -> None:
                              f"{LATEST} nor DeepSpeed's {DS_LATEST})")
         model, state = saved_model(found)  # tp=1, on CPU
     if fmt == "hf":
+        tokenizer = hf_tokenizer(model.config, state["config"], hf_source)  # read (and checked) first
         to_hf(model, out)
-        write_hf_tokenizer(out, model.config, state["config"], hf_source)
+        write_files(out, tokenizer)
         return
     state.update(model=model.full_state_dict(), optimizer=None, scaler=None,
                  model_config=dataclasses.asdict(model.config))

@@ -21,7 +21,7 @@ import torch
 from gpt import GPTConfig, PRESETS, count_parameters, pad_vocab_size
 from context import COMM_TYPES
 from data import check_gpt2_bpe
-from launch import UsageError, parse_json, say
+from launch import UsageError, parse_json, say, text_file
 
 TRAIN, EVALUATE = "train.py", "eval_tasks.py"
 BOTH, EVAL = (TRAIN, EVALUATE), (EVALUATE,)
@@ -458,14 +458,7 @@ def read_deepspeed_json(path: str) -> dict:
     """The --deepspeed_config JSON, its "bfloat16" section (DeepSpeed's other
     spelling) renamed "bf16": else the "bf16" section zero.deepspeed_config
     writes would silently override it, and the run would train in fp32."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise UsageError(f"--deepspeed_config {path}: no such file") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--deepspeed_config {path}: not UTF-8 text ({e.reason} at byte {e.start}); "
-                         f"save it as UTF-8") from None
+    text = text_file(path, 16 << 20, "--deepspeed_config ")  # bytes: a config is KBs; no FIFO is read forever
     user = parse_json(text, f"--deepspeed_config {path}")
     if not isinstance(user, dict):
         raise UsageError(f"--deepspeed_config {path}: not a JSON object ({{\"key\": value, ...}})")

@@ -36,7 +36,7 @@ import struct
 import numpy as np
 import torch
 
-from launch import UsageError, atomic_write, fsync_path
+from launch import UsageError, atomic_write, fsync_path, parse_json, say, text_file
 
 # ----------------------------------------------------------------------------
 # 1. Megatron mmap indexed dataset (.bin/.idx)
@@ -307,22 +307,79 @@ def _file_stamp(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _cached_arrays(cache_dir: str, stem: str, description: dict, names: tuple, build) -> tuple[list, bool]:
+def _cached_arrays(cache_dir: str, stem: str, description: dict, names: tuple, build, problem) -> tuple[list, bool]:
     """(arrays `names`, was_cache_hit): loaded from cache_dir, or build() (a tuple in the
     order of names) and saved there. File names carry a sha256 of the description, so any
     change of input lands in fresh files; atomic writes mean a crash or a concurrent rank
-    never leaves a truncated .npy."""
+    never leaves a truncated .npy. Cached arrays are checked, problem(*arrays) (a file cut
+    short or rewritten from outside would fail a read mid-run): damaged, they are rebuilt."""
     text = json.dumps(description, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
     paths = [os.path.join(cache_dir, f"{stem}-{digest}-{n}.npy") for n in names]
     if all(os.path.isfile(p) for p in paths):
-        return [np.load(p, mmap_mode="r") for p in paths], True
+        try:
+            arrays = [np.load(p, mmap_mode="r") for p in paths]
+            why = problem(*arrays)
+        except (ValueError, OSError, EOFError) as e:  # cut short, or not a .npy of numbers
+            why = f"a file is not an array ({e})"
+        if why is None:
+            return arrays, True
+        say(f"the sample-index cache {os.path.join(cache_dir, f'{stem}-{digest}-*.npy')} is damaged ({why}): "
+            f"rebuilding it")
     arrays = build()
     os.makedirs(cache_dir, exist_ok=True)
     for path, array in zip(paths, arrays):
         atomic_write(path, lambda f, a=array: np.save(f, a))
     atomic_write(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), lambda f: f.write(text.encode()))
     return arrays, False
+
+
+def _layout_problem(name: str, array: np.ndarray, dtype, shape: tuple) -> str | None:
+    """Where `array` is not of `dtype` and `shape` (None: any length), what it is."""
+    if array.dtype == dtype and array.ndim == len(shape) and all(n in (None, m) for n, m in zip(shape, array.shape)):
+        return None
+    return f"{name} is {array.dtype} {array.shape}, not {np.dtype(dtype)} {tuple('N' if n is None else n for n in shape)}"
+
+
+def _gpt_indices_problem(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
+                         doc_idx, sample_idx, shuffle_idx) -> str | None:
+    """What build_gpt_indices would not have built, or None: doc_idx of these documents
+    only; sample_idx's row i at stream token i * seq_length, inside its document; and
+    shuffle_idx (at least num_samples long) naming samples that are there."""
+    for name, array, shape in (("doc_idx", doc_idx, (None,)), ("sample_idx", sample_idx, (None, 2)),
+                               ("shuffle_idx", shuffle_idx, (None,))):
+        if problem := _layout_problem(name, array, np.int64, shape):
+            return problem
+    if not num_samples <= len(shuffle_idx) == len(sample_idx) - 1:
+        return f"{len(shuffle_idx)} samples in shuffle_idx, {len(sample_idx) - 1} in sample_idx, {num_samples} asked"
+    if not (0 <= shuffle_idx.min() and shuffle_idx.max() < len(shuffle_idx)):
+        return "shuffle_idx names samples that are not there"
+    if not np.isin(doc_idx, documents).all():
+        return "doc_idx names documents that are not this split's"
+    doc, offset = sample_idx[:, 0], sample_idx[:, 1]
+    if not ((0 <= doc) & (doc < len(doc_idx))).all():
+        return "sample_idx names documents that are not there"
+    doc_sizes = sizes[doc_idx].astype(np.int64)                # (D,)
+    first = np.cumsum(doc_sizes) - doc_sizes                   # each document's first stream token
+    inside = (0 <= offset) & (offset < doc_sizes[doc])
+    if not inside.all() or not np.array_equal(first[doc] + offset, np.arange(len(sample_idx)) * seq_length):
+        return f"sample_idx's rows are not {seq_length} stream tokens apart, each inside its document"
+    return None
+
+
+def _blend_problem(datasets: list, num_samples: int, dataset_index, dataset_sample_index) -> str | None:
+    """What build_blending_indices would not have built, or None: num_samples picks, each
+    of a dataset there and a sample it holds."""
+    for name, array, dtype in (("dataset_index", dataset_index, np.int16),
+                               ("dataset_sample_index", dataset_sample_index, np.int64)):
+        if problem := _layout_problem(name, array, dtype, (num_samples,)):
+            return problem
+    if num_samples and not (0 <= dataset_index.min() and dataset_index.max() < len(datasets)):
+        return "dataset_index names datasets that are not there"
+    held = np.array([len(d) for d in datasets], dtype=np.int64)[dataset_index]
+    if not ((0 <= dataset_sample_index) & (dataset_sample_index < held)).all():
+        return "dataset_sample_index names samples that are not there"
+    return None
 
 
 def default_cache_dir(path_prefix: str) -> str:
@@ -355,7 +412,8 @@ class GPTDataset(torch.utils.data.Dataset):
         arrays, self.cache_hit = _cached_arrays(
             cache_dir or default_cache_dir(prefix), f"gpt-{name}", description,
             ("doc_idx", "sample_idx", "shuffle_idx"),
-            lambda: build_gpt_indices(indexed.sizes, documents, seq_length, num_samples, seed))
+            lambda: build_gpt_indices(indexed.sizes, documents, seq_length, num_samples, seed),
+            lambda *cached: _gpt_indices_problem(indexed.sizes, documents, seq_length, num_samples, *cached))
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
 
     def __len__(self) -> int:
@@ -438,7 +496,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         cache_dir = cache_dir or default_cache_dir(datasets[0].indexed.path_prefix)
         arrays, self.cache_hit = _cached_arrays(cache_dir, f"blend-{name}", description,
                                                 ("dataset_index", "dataset_sample_index"),
-                                                lambda: build_blending_indices(self.weights, num_samples))
+                                                lambda: build_blending_indices(self.weights, num_samples),
+                                                lambda *cached: _blend_problem(datasets, num_samples, *cached))
         self.dataset_index, self.dataset_sample_index = arrays
         counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for k, (d, c) in enumerate(zip(self.datasets, counts)):
@@ -567,23 +626,17 @@ def check_gpt2_bpe(tokenizer_type: str, vocab_file: str | None = None,
         raise UsageError(f"--tokenizer-type {tokenizer_type} is not supported; only GPT2BPETokenizer "
                          f"(GPT-2's BPE, {VOCAB_SIZE} tokens) tokenizes text here (train.py and "
                          f"eval_tasks.py also take ids: NullTokenizer --vocab-size N)")
-    def digest(path, flag, read):
-        try:
-            with open(path, encoding="utf-8") as f:
-                return read(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
-
     other = "this project tokenizes with GPT-2's BPE only (gpt2-vocab.json / gpt2-merges.txt)"
+    most = 16 << 20  # bytes: GPT-2's vocab and merges are 1 MB and 0.5 MB; no FIFO or /dev/zero is read forever
     if vocab_file:
-        vocab = digest(vocab_file, "--vocab-file", json.load)
+        vocab = parse_json(text_file(vocab_file, most, "--vocab-file "), f"--vocab-file {vocab_file}")
         if vocab_digest(vocab) != GPT2_VOCAB_SHA256:
             size = len(vocab) if isinstance(vocab, dict) else "not a dict of"
             raise UsageError(f"--vocab-file {vocab_file} is not GPT-2's vocabulary ({size} entries; "
                              f"GPT-2 has {VOCAB_SIZE}): {other}")
     if merge_file:
-        merges = digest(merge_file, "--merge-file", lambda f: [
-            line for line in f.read().splitlines() if line and not line.startswith("#version")])
+        merges = [line for line in text_file(merge_file, most, "--merge-file ").splitlines()
+                  if line and not line.startswith("#version")]
         if hashlib.sha256("\n".join(merges).encode()).hexdigest() != GPT2_MERGES_SHA256:
             raise UsageError(f"--merge-file {merge_file} is not GPT-2's merges ({len(merges)} merges; "
                              f"GPT-2 has 50000): {other}")

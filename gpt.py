@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -95,6 +96,7 @@ class GPTConfig:
     num_query_groups: int | None = None
 
     def __post_init__(self):
+        check_types(self)  # at the end of this file: before any value is used
         if self.ffn_hidden_size is None:  # under SwiGLU Megatron's: 3 matrices of about 4h's 2 in parameters
             self.ffn_hidden_size = int(8 * self.hidden_size / 3) // 64 * 64 if self.swiglu else 4 * self.hidden_size
             if self.ffn_hidden_size == 0:
@@ -717,12 +719,37 @@ def flops_per_token(config: GPTConfig, seq_length: int) -> int:
 # The checks of a GPTConfig (its __post_init__ runs them), before any model is built
 
 
+# What each annotated type of a field admits. A config comes from flags, or from a file
+# (a checkpoint's model_config, a Hugging Face config.json) that may hold anything: True
+# is no size, and NaN or inf no epsilon or RoPE base (a model of them computes NaN).
+ADMITS = {"int": ("an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+          "float": ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and abs(v) <= sys.float_info.max),
+          "bool": ("true or false", lambda v: isinstance(v, bool)),
+          "str": ("a string", lambda v: isinstance(v, str)),
+          "None": ("none", lambda v: v is None)}
+
+
+def wanted_type(name: str, value) -> str | None:
+    """What GPTConfig's field `name` admits by its annotation ("int | None": "an int or
+    none"), where `value` is not one of those; else None."""
+    kinds = GPTConfig.__dataclass_fields__[name].type.split(" | ")
+    return None if any(ADMITS[kind][1](value) for kind in kinds) else " or ".join(ADMITS[k][0] for k in kinds)
+
+
+def check_types(config: GPTConfig) -> None:
+    """Every field of the type its annotation gives (ADMITS)."""
+    for name in GPTConfig.__dataclass_fields__:
+        if wanted := wanted_type(name, getattr(config, name)):
+            raise UsageError(f"GPTConfig.{name} must be {wanted}, got {getattr(config, name)!r}")
+
+
 def check_config(config: GPTConfig) -> None:
     """Sizes, probabilities, names, and the architecture options (Megatron's flags)."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "vocab_size",
                  "padded_vocab_size"):
         value = getattr(config, name)
-        if not isinstance(value, int) or value <= 0:
+        if value <= 0:
             raise UsageError(f"GPTConfig.{name} must be a positive int, got {value!r}")
     if config.hidden_size % config.num_attention_heads != 0:
         raise UsageError(f"hidden_size ({config.hidden_size}) must be divisible by num_attention_heads "
@@ -736,7 +763,7 @@ def check_config(config: GPTConfig) -> None:
         p = getattr(config, name)
         if not 0.0 <= p < 1.0:
             raise UsageError(f"{name} must be in [0, 1), got {p}")
-    if not isinstance(config.domino_chunks, int) or config.domino_chunks < 1:
+    if config.domino_chunks < 1:
         raise UsageError(f"domino_chunks must be an int >= 1 (1 = off), got {config.domino_chunks!r}")
     if config.layernorm_epsilon <= 0 or config.init_method_std <= 0:
         raise UsageError("layernorm_epsilon and init_method_std must be > 0")
@@ -755,7 +782,7 @@ def check_config(config: GPTConfig) -> None:
                          f"of head dim {config.head_dim} is {config.rotary_dim}: pick a "
                          f"--rotary-percent that gives an even number of dims")
     groups = config.num_query_groups
-    if not isinstance(groups, int) or groups <= 0 or config.num_attention_heads % groups:
+    if groups <= 0 or config.num_attention_heads % groups:
         raise UsageError(f"num_query_groups ({groups!r}, --num-query-groups) must be a positive "
                          f"int that divides num_attention_heads ({config.num_attention_heads})")
     if config.attention_impl == "triton":
@@ -766,3 +793,19 @@ def check_config(config: GPTConfig) -> None:
         if config.attention_dropout > 0:
             raise UsageError("attention_impl='triton' has no attention dropout; set "
                              "attention_dropout=0 or use attention_impl='torch'")
+
+
+def claimed_shapes(config: GPTConfig, where: str) -> dict[str, tuple[int, ...]]:
+    """Every state-dict shape of the whole model (tp = 1, every stage) that `config`
+    describes, from a model on the meta device: no memory, whatever it claims. A
+    file's config (`where`, for the one line of a claim that no machine holds, or
+    that overflows torch's sizes) is held to its tensors' shapes by these."""
+    if count_parameters(config) > 2 ** 50:
+        raise UsageError(f"{where} describes a model of {count_parameters(config):.3g} parameters, more than "
+                         f"any machine holds")
+    whole, parallel.layout = parallel.layout, parallel.Layout(initialized=True)
+    try:
+        with torch.device("meta"):
+            return {key: tuple(t.shape) for key, t in GPT(config).state_dict().items()}
+    finally:
+        parallel.layout = whole

@@ -7,15 +7,18 @@ they are never sampled).
 
 import json
 import os
+import re
 
 import torch
 
 from data import VOCAB_SIZE
-from gpt import GPT, GPTConfig, pad_vocab_size
-from launch import UsageError, atomic_write, data_only_loads, named_files, parse_json
+from gpt import GPT, GPTConfig, claimed_shapes, pad_vocab_size, wanted_type
+from launch import UsageError, atomic_write, data_only_loads, named_files, parse_json, plain_file_problem, small_file
 from prepare import gpt2_bpe_files
 
 HF_CONFIG = "config.json"  # a Hugging Face model directory's
+JSON_MOST = 16 << 20  # bytes: a model's config.json or shard index is KBs; a file this long is no such file
+TOKENIZER_MOST = 256 << 20  # bytes: a tokenizer's files are MBs
 
 
 def from_hf(path: str, **overrides) -> GPT:
@@ -27,9 +30,12 @@ def from_hf(path: str, **overrides) -> GPT:
     if kind not in ("gpt2", "llama"):
         raise UsageError(f"HF model_type {kind!r} in {path} is not supported: use a gpt2 or "
                          f"llama checkpoint")
-    config = config_from_hf(hf, **overrides)
+    where = os.path.join(path, HF_CONFIG)
+    config = config_from_hf(hf, where, **overrides)
+    shapes, read = _hf_weights(path)
+    check_claim(config, shapes, where)  # before a model of its size is built
     model = GPT(config)
-    model.load_full_state_dict(hf_to_ours(_read_hf_weights(path), config))
+    model.load_full_state_dict(hf_to_ours(read(), config))
     return model
 
 
@@ -54,27 +60,32 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "merges.txt", "tokenizer.model")  # a Hugging Face tokenizer, in any of its forms
 
 
-def write_hf_tokenizer(path: str, config: GPTConfig, run: dict | None, hf_source: str | None) -> None:
-    """The tokenizer beside an exported model, so that transformers'
+def hf_tokenizer(config: GPTConfig, run: dict | None, hf_source: str | None) -> dict[str, bytes]:
+    """The tokenizer to write beside an exported model (name -> bytes), so that transformers'
     AutoTokenizer.from_pretrained(path) and pipeline("text-generation",
     model=path) read text as the model was trained, with no download (without
     one they build an empty tokenizer, silently): a Hugging Face source's own
     files, else GPT-2's for a run on GPT-2's BPE (`run`: its TrainConfig; None
     for weights from Hugging Face: a GPT-2-sized vocabulary), as vocab.json,
-    merges.txt (Megatron's gpt2-vocab.json, gpt2-merges.txt) and tokenizer_config.json."""
-    files = {name: os.path.join(hf_source, name) for name in HF_TOKENIZER_FILES} if hf_source else {}
-    files = {name: source for name, source in files.items() if os.path.isfile(source)}
+    merges.txt (Megatron's gpt2-vocab.json, gpt2-merges.txt) and tokenizer_config.json.
+    A source's files are held to its weights' rule (_own_path): none is read through a
+    link that leads out of it (an exported directory is uploaded: /etc/passwd would go too)."""
+    own = [name for name in HF_TOKENIZER_FILES if hf_source and os.path.lexists(os.path.join(hf_source, name))]
+    contents = {name: small_file(_own_path(hf_source, name), TOKENIZER_MOST) for name in own}  # all before a write
     gpt2 = run["tokenizer_type"] == "GPT2BPETokenizer" if run else config.vocab_size == VOCAB_SIZE
-    if not files and gpt2:
-        files = dict(zip(("vocab.json", "merges.txt"), gpt2_bpe_files()))
+    if not contents and gpt2:
+        contents = {name: small_file(source, TOKENIZER_MOST)
+                    for name, source in zip(("vocab.json", "merges.txt"), gpt2_bpe_files())}
         eod = "<|endoftext|>"  # GPT-2's one special token: also its bos and unk
         text = json.dumps({"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.max_position_embeddings,
                            "bos_token": eod, "eos_token": eod, "unk_token": eod, "add_prefix_space": False})
-        atomic_write(os.path.join(path, "tokenizer_config.json"), lambda f: f.write(text.encode()))
-    for name, source in files.items():
-        with open(source, "rb") as f:
-            content = f.read()
-        atomic_write(os.path.join(path, name), lambda f: f.write(content))
+        contents["tokenizer_config.json"] = text.encode()
+    return contents
+
+
+def write_files(path: str, contents: dict[str, bytes]) -> None:
+    for name, content in contents.items():
+        atomic_write(os.path.join(path, name), lambda f, c=content: f.write(c))
 
 
 def hf_architecture(config: GPTConfig) -> str:
@@ -110,12 +121,40 @@ _HF_UNSUPPORTED = {  # HF GPT-2 options this model does not implement -> require
 }
 
 
-def config_from_hf(hf: dict, **overrides) -> GPTConfig:
-    """Our GPTConfig from a GPT-2 or Llama config.json; `overrides`, the
-    caller's choices, win (eval_tasks.py: no dropout)."""
-    vocab = hf.get("vocab_size", 50257)
-    shared = dict(vocab_size=vocab, padded_vocab_size=pad_vocab_size(vocab),
-                  init_method_std=hf.get("initializer_range", 0.02))
+# GPTConfig's fields from config.json's keys: field -> (key, its default; _REQUIRED: none)
+_REQUIRED = object()
+_GPT2_KEYS = {"num_layers": ("n_layer", _REQUIRED), "hidden_size": ("n_embd", _REQUIRED),
+              "num_attention_heads": ("n_head", _REQUIRED), "ffn_hidden_size": ("n_inner", None),
+              "max_position_embeddings": ("n_positions", _REQUIRED), "layernorm_epsilon": ("layer_norm_epsilon", 1e-5),
+              "untie_embeddings_and_output_weights": ("tie_word_embeddings", True)}  # (negated)
+_LLAMA_KEYS = {"num_layers": ("num_hidden_layers", _REQUIRED), "hidden_size": ("hidden_size", _REQUIRED),
+               "num_attention_heads": ("num_attention_heads", _REQUIRED),
+               "num_query_groups": ("num_key_value_heads", None), "ffn_hidden_size": ("intermediate_size", _REQUIRED),
+               "max_position_embeddings": ("max_position_embeddings", _REQUIRED),
+               "layernorm_epsilon": ("rms_norm_eps", 1e-6), "attention_dropout": ("attention_dropout", 0.0),
+               "untie_embeddings_and_output_weights": ("tie_word_embeddings", False),  # (negated)
+               "disable_bias_linear": ("attention_bias", False),  # (negated)
+               "rotary_base": ("rope_theta", 10000.0)}  # (rope_parameters' own first)
+
+
+def _hf_values(hf: dict, keys: dict, where: str) -> dict:
+    """GPTConfig's fields from `hf` by `keys`, each there where
+    required and of its field's type (gpt.wanted_type); else one line naming the key."""
+    values = {}
+    for field, (key, default) in keys.items():
+        if key not in hf and default is _REQUIRED:
+            raise UsageError(f"{where} has no {key!r}: not a complete {hf.get('model_type', 'gpt2')} config")
+        values[field] = hf.get(key, default)
+        if wanted := wanted_type(field, values[field]):
+            raise UsageError(f"{where}: {key} is {values[field]!r}, not {wanted}")
+    return values
+
+
+def config_from_hf(hf: dict, where: str = HF_CONFIG, **overrides) -> GPTConfig:
+    """Our GPTConfig from a GPT-2 or Llama config.json (at `where`); `overrides`,
+    the caller's choices, win (eval_tasks.py: no dropout)."""
+    v = _hf_values(hf, {"vocab_size": ("vocab_size", 50257), "init_method_std": ("initializer_range", 0.02)}, where)
+    v["padded_vocab_size"] = pad_vocab_size(v["vocab_size"])
     if hf.get("model_type", "gpt2") == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -124,32 +163,33 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         for key, want in _HF_UNSUPPORTED.items():
             if hf.get(key, want) != want:
                 raise UsageError(f"HF config has {key}={hf[key]!r}; only {want!r} is supported")
-        return GPTConfig(**{**shared, **dict(
-            num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-            ffn_hidden_size=hf.get("n_inner"), max_position_embeddings=hf["n_positions"],
-            layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True)), **overrides})
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UsageError(f"HF hidden_act {hf['hidden_act']!r} is not supported; Llama's MLP here is SwiGLU (silu)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise UsageError(f"HF RoPE scaling {rope_type!r} is not supported; only plain RoPE (rope_type 'default')")
-    H, nh = hf["hidden_size"], hf["num_attention_heads"]
-    if (hf.get("head_dim") or H // nh) != H // nh:
-        raise UsageError(f"HF head_dim {hf['head_dim']} is not hidden_size / num_attention_heads "
-                         f"({H // nh}); this model has no separate head dim")
-    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        raise UsageError("HF attention_bias and mlp_bias differ; --disable-bias-linear sets both")
-    G = hf.get("num_key_value_heads") or nh
-    return GPTConfig(**{**shared, **dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=H, num_attention_heads=nh,
-        num_query_groups=None if G == nh else G, ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"], layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        attention_dropout=hf.get("attention_dropout", 0.0), position_embedding_type="rope",
-        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        normalization="RMSNorm", swiglu=True, disable_bias_linear=not hf.get("attention_bias", False),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False)), **overrides})
+        v |= _hf_values(hf, _GPT2_KEYS, where)
+    else:
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UsageError(f"HF hidden_act {hf['hidden_act']!r} is not supported; Llama's MLP here is SwiGLU (silu)")
+        key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        rope = hf.get(key) or {}
+        if not isinstance(rope, dict):
+            raise UsageError(f"{where}: {key} is {rope!r}, not an object (\"rope_type\": ...)")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UsageError(f"HF RoPE scaling {rope_type!r} is not supported; only plain RoPE (rope_type 'default')")
+        if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+            raise UsageError("HF attention_bias and mlp_bias differ; --disable-bias-linear sets both")
+        v |= _hf_values({**hf, **rope}, _LLAMA_KEYS, where)
+        v.update(rotary_base=float(v["rotary_base"]), disable_bias_linear=not v["disable_bias_linear"],
+                 position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+        if v["num_query_groups"] in (0, v["num_attention_heads"]):  # 0: transformers' "one per head", too
+            v["num_query_groups"] = None
+    v["untie_embeddings_and_output_weights"] = not v["untie_embeddings_and_output_weights"]
+    try:
+        config = GPTConfig(**{**v, **overrides})
+    except UsageError as e:
+        raise UsageError(f"{where}: {e}") from None
+    if hf.get("model_type", "gpt2") == "llama" and (hf.get("head_dim") or config.head_dim) != config.head_dim:
+        raise UsageError(f"HF head_dim {hf['head_dim']!r} is not hidden_size / num_attention_heads "
+                         f"({config.head_dim}); this model has no separate head dim")
+    return config
 
 
 def config_to_hf(config: GPTConfig) -> dict:
@@ -233,79 +273,124 @@ def ours_to_hf(sd: dict, config: GPTConfig) -> dict:
 
 def hf_to_ours(sd: dict, config: GPTConfig) -> dict:
     """HF state dict -> ours: stack q/k/v and gate/up (Llama), transpose Conv1D
-    weights (GPT-2), pad the vocab."""
-    gpt2 = hf_architecture(config) == "gpt2"
-    model = "GPT-2" if gpt2 else "Llama"
-    sd = {k: v for k, v in sd.items() if not k.endswith(_HF_BUFFERS)}
-    if gpt2:  # GPT-2's original checkpoints name its weights without "transformer."
-        sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in sd.items()}
-    head = None if config.untie_embeddings_and_output_weights else sd.pop("lm_head.weight", None)
-    names = _hf_names(config)
-    expected = {n for _, theirs, _ in names for n in theirs}
-    if expected != set(sd):
-        raise UsageError(f"HF {model} weights do not match its config.json: missing "
-                         f"{sorted(expected - set(sd))[:5]}, unexpected {sorted(set(sd) - expected)[:5]}")
+    weights (GPT-2), pad the vocab. Its names and shapes are config's (check_claim)."""
+    sd, head = _as_named(sd, config)
     # A tied head, if saved at all, is a copy of the embedding (GPT-2's is checked).
-    if gpt2 and head is not None and not torch.equal(head, sd["transformer.wte.weight"]):
+    if hf_architecture(config) == "gpt2" and head is not None and not torch.equal(head, sd["transformer.wte.weight"]):
         raise UsageError("HF lm_head.weight differs from wte.weight, but config.json ties them "
                          "(tie_word_embeddings)")
     out = {}
-    for ours, theirs, _ in names:
+    for ours, theirs, _ in _hf_names(config):
         t = torch.cat([sd[n].t() if _conv1d(n) else sd[n] for n in theirs])
         if ours in _VOCAB_TABLES:  # (vocab_size, C) -> (padded_vocab_size, C), zeros below
-            if t.shape[0] != config.vocab_size:
-                raise UsageError(f"HF embedding has {t.shape[0]} rows, config.json's vocab_size is "
-                                 f"{config.vocab_size}")
             t = torch.cat([t, t.new_zeros(config.padded_vocab_size - t.shape[0], t.shape[1])])
         out[ours] = t.contiguous()
     return out
 
 
-# Reading a local directory
+def _as_named(sd: dict, config: GPTConfig) -> tuple[dict, object]:
+    """An HF state dict (of tensors, or of shapes) named as _hf_names names it, HF's
+    buffers dropped; and a tied head's entry (None if none: HF re-ties it)."""
+    sd = {k: v for k, v in sd.items() if not k.endswith(_HF_BUFFERS)}
+    if hf_architecture(config) == "gpt2":  # GPT-2's original checkpoints name its weights without "transformer."
+        sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in sd.items()}
+    return sd, None if config.untie_embeddings_and_output_weights else sd.pop("lm_head.weight", None)
+
+
+def check_claim(config: GPTConfig, shapes: dict, where: str) -> None:
+    """config.json (at `where`) against its weights' shapes (HF name -> shape, from
+    the files' headers), before a model of its size is built: a config.json claiming
+    20000 layers, or a width of 2**20, over weights of a few MB, is one line. The
+    layer count first: even the table of 20000 layers' names is long."""
+    shapes, _ = _as_named({k: tuple(s) for k, s in shapes.items()}, config)
+    layers = {m[1] for k in shapes if (m := re.match(r"(?:transformer\.h|model\.layers)\.(\d+)\.", k))}
+    if len(layers) != config.num_layers:
+        raise UsageError(f"{where} says {config.num_layers} layers, its weights hold {len(layers)}: they are "
+                         f"not one model's")
+    names = _hf_names(config)
+    expected = {n for _, theirs, _ in names for n in theirs}
+    if expected != set(shapes):
+        raise UsageError(f"the weights beside {where} do not match it: missing {sorted(expected - set(shapes))[:5]}, "
+                         f"unexpected {sorted(set(shapes) - expected)[:5]}")
+    ours = claimed_shapes(config, where)  # on the meta device
+    for name, theirs, sizes in names:
+        rest = ours[name][1:]
+        rows = [config.vocab_size] if name in _VOCAB_TABLES else sizes or [ours[name][0]]
+        for hf_name, want in zip(theirs, ((n, *rest) for n in rows)):
+            want = want[::-1] if _conv1d(hf_name) else want
+            if shapes[hf_name] != want:
+                raise UsageError(f"{where} does not describe its weights: {hf_name} is of shape "
+                                 f"{shapes[hf_name]} there, of shape {want} by {HF_CONFIG}")
+
+
+# Reading a local directory: config.json, the weights and the tokenizer's files are each
+# a regular file of it, or a link that stays in place (launch.link_in_place: a Hugging
+# Face cache's snapshot links into its blobs/), of a bounded size
 
 def is_hf_directory(path: str) -> bool:
     return os.path.isfile(os.path.join(path, HF_CONFIG))
 
 
+def _own_path(directory: str, name: str) -> str:
+    """directory/name, a file of the Hugging Face `directory`; else one line."""
+    if problem := plain_file_problem(directory, name, links=True):
+        raise UsageError(f"refusing to read {os.path.join(directory, name)}: {problem}. Load models only from a "
+                         f"source you trust")
+    return os.path.join(directory, name)
+
+
 def _read_hf_config(path: str) -> dict:
     cfg_path = os.path.join(path, HF_CONFIG)
-    if not os.path.isfile(cfg_path):
+    if not os.path.lexists(cfg_path):
         raise UsageError(f"{cfg_path} not found; from_hf needs a local directory "
                          f"written by save_pretrained (no hub downloads)")
-    with open(cfg_path, "rb") as f:
-        hf = parse_json(f.read(), cfg_path, ": cut short or damaged")
+    hf = parse_json(small_file(_own_path(path, HF_CONFIG), JSON_MOST), cfg_path, ": cut short or damaged")
     if not isinstance(hf, dict):
         raise UsageError(f"{cfg_path} is not a JSON object: not a Hugging Face model's config")
     return hf
 
 
-def _read_hf_weights(path: str) -> dict:
-    st, index, binf = (os.path.join(path, n) for n in
-                       ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
-    if os.path.isfile(st) or os.path.isfile(index):
-        files = [st] if os.path.isfile(st) else _hf_shards(path, index)
-        return {k: v for f in files for k, v in _read_safetensors(f).items()}
-    if os.path.isfile(binf):
+def _hf_weights(path: str):
+    """(HF name -> shape of each weight, from the files' own headers; a function that
+    reads the weights): model.safetensors, a sharded one's index, or pytorch_model.bin
+    (read whole: torch.load's index is its pickle)."""
+    there = [n for n in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+             if os.path.lexists(os.path.join(path, n))]
+    if not there:
+        raise UsageError(f"no model.safetensors or pytorch_model.bin in {path}")
+    if there[0] == "pytorch_model.bin":
+        binf = _own_path(path, there[0])
         with data_only_loads(binf):
-            return torch.load(binf, map_location="cpu", weights_only=True)
-    raise UsageError(f"no model.safetensors or pytorch_model.bin in {path}")
+            weights = torch.load(binf, map_location="cpu", weights_only=True)
+        if not isinstance(weights, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                                    for k, t in weights.items()):
+            raise UsageError(f"{binf} holds no state dict (a dict of tensors)")
+        return {k: t.shape for k, t in weights.items()}, lambda: weights
+    files = [_own_path(path, there[0])] if there[0] == "model.safetensors" else _hf_shards(path, there[0])
+    shapes = {k: s for f in files for k, s in _read_safetensors(f, shapes=True).items()}
+    return shapes, lambda: {k: t for f in files for k, t in _read_safetensors(f).items()}
 
 
-def _read_safetensors(path: str) -> dict:
-    """A safetensors file's tensors; one line where it is not one (cut short, damaged)."""
-    from safetensors import SafetensorError
+def _read_safetensors(path: str, shapes: bool = False) -> dict:
+    """A safetensors file's tensors, or (`shapes`) their shapes, read from its header
+    alone (which the library checks against the file's size); one line where it is
+    not one (cut short, damaged)."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
     try:
-        return load_file(path)
+        if not shapes:
+            return load_file(path)
+        with safe_open(path, "pt") as f:
+            return {k: f.get_slice(k).get_shape() for k in f.keys()}
     except SafetensorError as e:
         raise UsageError(f"{path} is not a safetensors file ({e}): cut short or damaged") from None
 
 
-def _hf_shards(path: str, index: str) -> list[str]:
+def _hf_shards(path: str, name: str) -> list[str]:
     """The files a sharded checkpoint's index maps its weights to: safetensors
     files of its own directory, each there."""
-    with open(index, "rb") as f:
-        read = parse_json(f.read(), index)
+    index = os.path.join(path, name)
+    read = parse_json(small_file(_own_path(path, name), JSON_MOST), index)
     weight_map = read.get("weight_map") if isinstance(read, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise UsageError(f"{index} has no \"weight_map\" (each weight's file): not a sharded checkpoint's index")

@@ -307,11 +307,11 @@ def _not_regular(mode: int) -> str | None:
     return next((what for test, what in kinds if test(mode)), "a device")
 
 
-def plain_file_problem(directory: str, name: str) -> str | None:
+def plain_file_problem(directory: str, name: str, links: bool = False) -> str | None:
     """Why `name`, given by a checkpoint (its digests, DCP's or a Hugging Face index),
     is not a bare file name (nothing sha256sum would escape) of a regular file of
     `directory`, or None: a link, FIFO or device (a tar can carry them) would be read
-    outside it or forever."""
+    outside it or forever. `links`: a link that stays in place (link_in_place) is fine."""
     if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0"):
         return f"{name!r} is not a file name in the checkpoint's directory"
     path = os.path.join(directory, name)
@@ -320,9 +320,22 @@ def plain_file_problem(directory: str, name: str) -> str | None:
     except (FileNotFoundError, NotADirectoryError):
         return f"{name} is missing"
     if stat.S_ISLNK(mode):
+        if links and link_in_place(directory, path):
+            return None
         return f"{name} is a symbolic link (to {os.readlink(path)}), not a file"
     what = _not_regular(mode)
     return what and f"{name} is {what}, not a file"
+
+
+def link_in_place(directory: str, path: str) -> bool:
+    """Whether the link `path` leads to a regular file inside `directory` or, where that is
+    a Hugging Face cache's snapshot (REPO/snapshots/REVISION), inside REPO/blobs, where
+    the cache's links lead: never to a file elsewhere on disk (/etc/passwd, a dotfile)."""
+    target, here = os.path.realpath(path), os.path.realpath(directory)
+    places = [here]
+    if os.path.basename(os.path.dirname(here)) == "snapshots":
+        places.append(os.path.join(os.path.dirname(os.path.dirname(here)), "blobs"))
+    return os.path.isfile(target) and any(os.path.commonpath([target, place]) == place for place in places)
 
 
 @contextlib.contextmanager
@@ -349,16 +362,14 @@ def regular_file(path: str, follow: bool = False):
 def named_files(directory: str, names, index: str, links: bool = False) -> list[str]:
     """directory/name of each name a checkpoint's own index (DCP's, a Hugging
     Face weight map) gives, each a plain file of it and one its digests list, if
-    any. `links`: a link to a regular file too (a Hugging Face cache's snapshot)."""
+    any. `links`: a link that stays in place too (a Hugging Face cache's snapshot's)."""
     listed = listed_digests(directory) if os.path.exists(os.path.join(directory, DIGESTS)) else None
     paths = {}
     for name in names:
         if isinstance(name, str) and name in paths:  # DCP's index names each file many times
             continue
         path = os.path.join(directory, str(name))
-        problem = plain_file_problem(directory, name) if isinstance(name, str) else f"{name!r} is not a file name"
-        if problem and links and os.path.islink(path) and os.path.isfile(path):
-            problem = None
+        problem = plain_file_problem(directory, name, links) if isinstance(name, str) else f"{name!r} is not a file name"
         if problem is None and listed is not None and name not in listed:
             problem = f"{name} is not one of the files its {DIGESTS} lists"
         if problem:
@@ -366,6 +377,32 @@ def named_files(directory: str, names, index: str, links: bool = False) -> list[
                              f"its own files ({problem}). Load checkpoints only from a source you trust")
         paths[name] = path
     return list(paths.values())
+
+
+def small_file(path: str, most: int, named: str = "") -> bytes:
+    """The bytes of `path`, a regular file (or a link to one: a flag's, which the user
+    chose) of at most `most` bytes; else one line, `named` (the flag) before the path.
+    A FIFO or a device would be read forever, and a file of any size whole."""
+    try:
+        with regular_file(path, follow=True) as (f, size):
+            data = f.read(size) if size <= most else None
+    except FileNotFoundError:
+        raise UsageError(f"{named}{path}: no such file") from None
+    except OSError as e:
+        raise UsageError(f"{named}{path}: cannot read it ({e.strerror})") from None
+    except UsageError as e:
+        raise UsageError(f"{named}{e}") from None
+    if data is None:
+        raise UsageError(f"{named}{path} holds {size:,} bytes, more than a file of its kind ({most:,} at most)")
+    return data
+
+
+def text_file(path: str, most: int, named: str = "") -> str:
+    """small_file's bytes as UTF-8 text."""
+    try:
+        return small_file(path, most, named).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{named}{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
 
 
 def sha256_of(path: str) -> str:

@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp  # checkpoint.py's torch_dist calls: 
 from torch.distributed.checkpoint.staging import DefaultStager
 
 import checkpoint
+import eval_tasks
 import train
 from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_together,
                       run_train, tiny, tiny_model, tokens, train_on_ranks)
@@ -1365,17 +1366,21 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     planted("no-map", indexed(None), 'model.safetensors.index.json has no "weight_map"')
     stops_in_one_line(probes, ran)
     assert not any(p.name.endswith("-out") for p in tmp_path.iterdir())  # nothing exported
-    # A plain name that is a link: to a file, as a Hugging Face cache's snapshot links into its blobs/, it
-    # is read (the model loads); to a FIFO, which would block the read forever, it is refused in one line.
-    hub = tmp_path / "hub"
-    planted("hub", lambda hf: (os.symlink("../outside/x.safetensors", hf / "x.safetensors"),
-                               indexed("x.safetensors")(hf)), "")
-    assert from_hf(str(hub)).wte.weight.shape == tiny_model().wte.weight.shape
+    # A plain name that is a link into a Hugging Face cache's blobs/, as its snapshots' are, is read (the
+    # model loads); one to a file elsewhere, or to a FIFO, which would block the read forever, is one line.
+    snapshot = tmp_path / "hub" / "models--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tmp_path / "good", tmp_path / "hub" / "models--tiny" / "blobs")
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(f"../../blobs/{name}", snapshot / name)
+    assert from_hf(str(snapshot)).wte.weight.shape == tiny_model().wte.weight.shape
     os.mkfifo(tmp_path / "outside" / "fifo.safetensors")
-    planted("fifo", lambda hf: (os.symlink("../outside/fifo.safetensors", hf / "x.safetensors"),
-                                indexed("x.safetensors")(hf)), "")
-    with pytest.raises(UsageError, match="names 'x.safetensors', not one of its own files .*is a symbolic link"):
-        from_hf(str(tmp_path / "fifo"))
+    for target in ("x.safetensors", "fifo.safetensors"):
+        planted(target, lambda hf: (os.symlink(f"../outside/{target}", hf / "x.safetensors"),
+                                    indexed("x.safetensors")(hf)), "")
+        with pytest.raises(UsageError, match=f"names 'x.safetensors', not one of its own files .*is a symbolic "
+                                             f"link .to ../outside/{target}"):
+            from_hf(str(tmp_path / target))
     cut = tmp_path / "cut"  # files cut short (a copy that did not finish): UsageError, one line as above
     shutil.copytree(tmp_path / "good", cut)
     (cut / "model.safetensors").write_bytes((tmp_path / "good" / "model.safetensors").read_bytes()[:100])
@@ -1384,6 +1389,197 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
     (cut / "config.json").write_text((tmp_path / "good" / "config.json").read_text()[:30])
     with pytest.raises(UsageError, match="config.json: not JSON"):
         from_hf(str(cut))
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """A GPT-2 and a Llama directory, as to_hf writes them (the tiny models,
+    100 tokens: ~100 KB of safetensors each). -> {"gpt2": dir, "llama": dir}"""
+    out = tmp_path_factory.mktemp("hf")
+    for arch, options in (("gpt2", {}), ("llama", LLAMA)):
+        to_hf(tiny_model(**options), str(out / arch))
+    return {arch: str(out / arch) for arch in ("gpt2", "llama")}
+
+
+DROP = object()  # hf_variant: remove the key
+
+
+def hf_variant(source: str, out, config=None, weights=None, layout="safetensors") -> str:
+    """A copy of the Hugging Face directory `source` whose config.json is updated
+    with `config` (DROP removes a key), whose weights are updated with `weights`
+    (HF name -> tensor), stored as `layout`: "safetensors", "sharded" (two files
+    and an index) or "bin" (pytorch_model.bin). -> its path"""
+    from safetensors.torch import load_file, save_file
+    os.makedirs(out)
+    hf = json.load(open(os.path.join(source, HF_CONFIG)))
+    hf.update(config or {})
+    json.dump({k: v for k, v in hf.items() if v is not DROP}, open(os.path.join(out, HF_CONFIG), "w"))
+    sd = {**load_file(os.path.join(source, "model.safetensors")), **(weights or {})}
+    if layout == "bin":
+        torch.save(sd, os.path.join(out, "pytorch_model.bin"))
+    elif layout == "sharded":
+        names = sorted(sd)
+        shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+        for shard, held in shards.items():
+            save_file({n: sd[n] for n in held}, os.path.join(out, shard))
+        json.dump({"metadata": {}, "weight_map": {n: shard for shard, held in shards.items() for n in held}},
+                  open(os.path.join(out, "model.safetensors.index.json"), "w"))
+    else:
+        save_file(sd, os.path.join(out, "model.safetensors"))
+    return str(out)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("arch, config, weights, says", [
+    ("gpt2", {"n_layer": DROP}, None, "config.json has no 'n_layer': not a complete gpt2 config"),
+    ("gpt2", {"layer_norm_epsilon": "x"}, None, "config.json: layer_norm_epsilon is 'x', not a finite number"),
+    ("gpt2", {"layer_norm_epsilon": float("nan")}, None, "config.json: layer_norm_epsilon is nan, not a finite number"),
+    ("gpt2", {"tie_word_embeddings": "yes"}, None, "config.json: tie_word_embeddings is 'yes', not true or false"),
+    ("llama", {"num_attention_heads": 0}, None,
+     "config.json: GPTConfig.num_attention_heads must be a positive int, got 0"),
+    ("llama", {"rope_parameters": DROP, "rope_theta": "abc"}, None, "config.json: rope_theta is 'abc', not a finite"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, None,
+     "config.json: rope_theta is nan, not a finite number"),
+    ("llama", {"rope_parameters": DROP, "rope_scaling": [1, 2]}, None,
+     "config.json: rope_scaling is [1, 2], not an object"),
+    ("gpt2", None, {"transformer.h.0.attn.c_attn.weight": torch.zeros(64, 100)},
+     "config.json does not describe its weights: transformer.h.0.attn.c_attn.weight is of shape (64, 100) there, "
+     "of shape (64, 192) by config.json"),
+    ("llama", None, {"model.layers.1.mlp.down_proj.weight": torch.zeros(64, 100)},
+     "config.json does not describe its weights: model.layers.1.mlp.down_proj.weight is of shape (64, 100) there, "
+     "of shape (64, 128) by config.json"),
+], ids=["no-n_layer", "epsilon-x", "epsilon-nan", "tie-yes", "heads-0", "theta-abc", "theta-nan", "scaling-list",
+        "gpt2-shape", "llama-shape"])
+def test_a_hugging_face_config_or_weights_not_of_one_model_is_one_line(hf_models, tmp_path, capsys, arch, config,
+                                                                       weights, says):
+    """config.json with a key missing, a value of the wrong type, NaN (a model
+    of it computes NaN), a head count of 0, or rope_scaling not an object; or
+    weights of the wrong shape under the right names (load_state_dict's
+    traceback, once): --export-from and eval_tasks.py --hf say so in one line
+    naming the directory's config.json, and nothing is exported."""
+    hf = hf_variant(hf_models[arch], tmp_path / "hf", config, weights)
+    for main, argv in ((train.main, ["--export-from", hf, "--export-to", str(tmp_path / "out")]),
+                       (eval_tasks.main, ["--task", "GENERATE", "--num-samples", "1", "--hf", hf])):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and f"error: {hf}/{says}" in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+# What config.json claims over the tiny models' weights (a few hundred KB), each asking for 256 GB to 281 TB,
+# or (20000 layers) 4 GB: (the directory's architecture and layout, its claim, what the one line says)
+CLAIMS = [
+    ("gpt2", {"n_embd": 2 ** 20}, "transformer.wte.weight is of shape (100, 64) there, of shape (100, 1048576)"),
+    ("gpt2", {"vocab_size": 10 ** 9}, "transformer.wte.weight is of shape (100, 64) there, of shape (1000000000, 64)"),
+    ("gpt2", {"n_positions": 10 ** 12}, "transformer.wpe.weight is of shape (64, 64) there, of shape (1000000000000,"),
+    ("gpt2", {"n_inner": 2 ** 40}, "transformer.h.0.mlp.c_fc.weight is of shape (64, 256) there, of shape (64, 10995"),
+    ("gpt2", {"n_layer": 20000}, "config.json says 20000 layers, its weights hold 2"),
+    ("llama", {"hidden_size": 2 ** 20, "head_dim": 2 ** 18}, "model.embed_tokens.weight is of shape (100, 64) there"),
+    ("llama", {"vocab_size": 10 ** 9}, "model.embed_tokens.weight is of shape (100, 64) there, of shape (1000000000,"),
+    ("llama", {"intermediate_size": 2 ** 40}, "model.layers.0.mlp.gate_proj.weight is of shape (128, 64) there"),
+    ("llama", {"num_hidden_layers": 20000}, "config.json says 20000 layers, its weights hold 2"),
+    ("gpt2 sharded", {"n_layer": 20000}, "config.json says 20000 layers, its weights hold 2"),
+    ("gpt2 bin", {"n_embd": 2 ** 20}, "transformer.wte.weight is of shape (100, 64) there, of shape (100, 1048576)"),
+]
+
+
+def _mains_under_a_memory_limit(argvs: list[list[str]]) -> None:
+    """In a child process (tests/: importable): each argv (its program's name, then
+    its flags) through train.main or eval_tasks.main, under an address-space limit
+    1 GiB above what the imports take. Prints one JSON line: each run's exit status
+    (or the exception that ended it) and stderr, and how far the peak RSS grew."""
+    import contextlib
+    import io
+    import resource
+    import eval_tasks
+    from safetensors.torch import load_file  # noqa: F401  (imported before the peak is read)
+    size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+    before, results = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, []
+    for program, *flags in argvs:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                (eval_tasks.main if program == "eval_tasks.py" else train.main)(flags)
+                status = 0
+            except SystemExit as e:
+                status = e.code
+            except Exception as e:  # noqa: BLE001 -- the allocator's, say: reported, and the next one runs
+                status = f"{type(e).__name__}: {str(e)[:300]}"
+        results.append((status, err.getvalue()))
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    print(json.dumps({"results": results, "grew": grew}))
+
+
+def test_a_hugging_face_config_that_claims_more_than_its_weights_is_one_line_in_bounded_memory(hf_models, tmp_path):
+    """config.json's sizes against the weights' own shapes (the safetensors headers,
+    read without a tensor; pytorch_model.bin's tensors) before a model is built:
+    a width of 2**20, 10**9 tokens, 10**12 positions, an MLP 2**40 wide or 20000
+    layers over weights of a few hundred KB, in GPT-2 and Llama directories, sharded
+    or not, is one line from --export-from and eval_tasks.py --hf, under a memory
+    limit (the claims ask for 4 GB to 281 TB), and the peak memory grows by no
+    more than a few times the weights' bytes."""
+    argvs, says, biggest = [], [], 0
+    for i, (arch, claim, message) in enumerate(CLAIMS):
+        kind, _, layout = arch.partition(" ")
+        hf = hf_variant(hf_models[kind], tmp_path / str(i), claim, layout=layout or "safetensors")
+        biggest = max(biggest, sum(os.path.getsize(os.path.join(hf, n)) for n in os.listdir(hf)))
+        argvs.append(["train.py", "--export-from", hf, "--export-to", str(tmp_path / f"{i}-out")])
+        says.append(f"error: {hf}/{message}" if message.startswith("config.json") else
+                    f"error: {hf}/config.json does not describe its weights: {message}")
+    argvs.append(["eval_tasks.py", "--task", "GENERATE", "--num-samples", "1", "--hf", argvs[4][2]])
+    says.append(says[4])
+    child = [sys.executable, "-c", f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.dirname(__file__)!r}]; "
+                                   f"import test_checkpoint; test_checkpoint._mains_under_a_memory_limit({argvs!r})"]
+    proc = run_bounded(child, 300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for argv, (status, err), want in zip(argvs, report["results"], says):
+        assert status == 2 and err.count("\n") == 1 and want in err, (argv, status, err)
+    assert report["grew"] < 4 * biggest + (32 << 20), report["grew"]
+    assert not any(p.name.endswith("-out") for p in tmp_path.iterdir())
+
+
+def test_a_hugging_face_export_copies_no_tokenizer_file_through_a_link_out_or_past_a_bound(hf_models, tmp_path,
+                                                                                          capsys):
+    """The tokenizer's files, copied into an exported directory (the kind that
+    gets uploaded), are held to the weights' rule: tokenizer.json a link to a
+    file elsewhere (/etc/passwd, say) and merges.txt one to a dotfile, a FIFO,
+    or a file past the bound are one line, and nothing is exported; links into
+    a Hugging Face cache's blobs/, as its snapshots' are, are copied."""
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (tmp_path / ".netrc").write_text("machine example.com password hunter2\n")
+
+    def source(name, plant):
+        hf = hf_variant(hf_models["gpt2"], tmp_path / name)
+        plant(hf)
+        return hf
+
+    for hf, says in (
+            (source("links", lambda hf: (os.symlink(secret, os.path.join(hf, "tokenizer.json")),
+                                         os.symlink(tmp_path / ".netrc", os.path.join(hf, "merges.txt")))),
+             f"tokenizer.json is a symbolic link (to {secret}), not a file"),
+            (source("fifo", lambda hf: os.mkfifo(os.path.join(hf, "vocab.json"))), "vocab.json is a FIFO, not a file"),
+            (source("huge", lambda hf: open(os.path.join(hf, "tokenizer.json"), "wb").truncate(1 << 30)),  # sparse
+             "tokenizer.json holds 1,073,741,824 bytes, more than a file of its kind")):
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--export-from", hf, "--export-to", str(tmp_path / "out"), "--export-format", "hf"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and os.path.join(hf, says.split()[0]) in err \
+            and says in err, err
+        assert not os.path.exists(tmp_path / "out")
+    repo = tmp_path / "hub" / "models--tiny"  # a Hugging Face cache's layout
+    shutil.copytree(hf_models["gpt2"], repo / "blobs")
+    (repo / "blobs" / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        os.symlink(f"../../blobs/{name}", repo / "snapshots" / "abc123" / name)
+    train.main(["--export-from", str(repo / "snapshots" / "abc123"), "--export-to", str(tmp_path / "out"),
+                "--export-format", "hf"])
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": {"type": "BPE"}}'
+    assert not (tmp_path / "out" / "tokenizer.json").is_symlink()
 
 
 # -----------------------------------------------------------------------------

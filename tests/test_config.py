@@ -8,6 +8,7 @@ line and reads the config back.
 """
 import json
 import math
+import os
 import re
 
 import pytest
@@ -362,6 +363,49 @@ def test_gpt2_vocab_and_merge_files_are_checked(tmp_path):
     (tmp_path / "merges.txt").write_text("\n".join(lines[:-1]), encoding="utf-8")
     with pytest.raises(ValueError, match="merges.txt is not GPT-2's merges .49999 merges"):
         parse("--merge-file", str(tmp_path / "merges.txt"))
+
+
+def a_file_that_is_not(kind: str, tmp_path) -> tuple[str, str]:
+    """A file a flag may name that no reader should take whole: (its path, what the line says)."""
+    path = str(tmp_path / kind.replace(" ", "-"))
+    if kind == "nested 100,000 deep":
+        open(path, "w").write("[" * 100_000 + "]" * 100_000)
+        return path, f"{path}: not JSON (nested too deeply)"
+    if kind == "a 5,000-digit number":
+        open(path, "w").write("1" * 5000)
+        return path, f"{path}: not JSON (Exceeds the limit"
+    if kind == "a FIFO":  # its open would wait for a writer forever
+        os.mkfifo(path)
+        return path, f"{path} is a FIFO, not a file"
+    if kind == "a device":  # read forever
+        return "/dev/zero", "/dev/zero is a device, not a file"
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # "1 GiB": a sparse file, no disk used
+    return path, f"{path} holds 1,073,741,824 bytes, more than a file of its kind (16,777,216 at most)"
+
+
+@pytest.mark.parametrize("flag, kind", [
+    *[("--vocab-file", kind) for kind in ("nested 100,000 deep", "a 5,000-digit number", "a FIFO", "a device",
+                                          "1 GiB")],
+    *[("--merge-file", kind) for kind in ("a FIFO", "a device", "1 GiB")],
+    *[("--deepspeed_config", kind) for kind in ("a FIFO", "a device")],  # (its JSON was parse_json's already)
+])
+def test_a_file_a_flag_names_is_read_only_where_it_is_a_small_regular_file(capsys, tmp_path, flag, kind):
+    """--vocab-file, --merge-file (train.py's and prepare.py's) and --deepspeed_config
+    naming JSON nested too deep for the parser (a RecursionError), a number past
+    Python's digit limit (a ValueError), a FIFO (its open waits forever), a device
+    (/dev/zero: read forever) or a file far larger than such a file is: one line
+    naming the flag and the file, exit status 2, nothing read past the bound."""
+    path, says = a_file_that_is_not(kind, tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--preset", "tiny", "--data-path", "no/such/data", *(["--deepspeed"] if "deep" in flag else []),
+                    flag, path])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"train.py: error: {flag} {says}") and err.count("\n") == 1, err
+    if flag != "--deepspeed_config":
+        with pytest.raises(SystemExit) as stop:
+            prepare.main(["--output-prefix", str(tmp_path / "out"), flag, path])
+        assert str(stop.value.code).startswith(f"prepare.py: error: {flag} {says}"), stop.value.code
 
 
 @pytest.mark.parametrize("stage", ["2", "3"])

@@ -527,12 +527,22 @@ def edited_checkpoint(source: str, out, **record) -> str:
     (dict(num_layers=10 ** 9), "its model_config says num_layers 1000000000, its tensors hold 2 layers"),
     (dict(sliding_window=4096, attention_sinks=4), "its model_config has attention_sinks, sliding_window, which "
                                                    "this version does not know: it was written by a newer train.py"),
+    # Values of another type (each a TypeError once), or NaN, which built a model that computes NaN
+    (dict(layernorm_epsilon="x"), "its model_config's layernorm_epsilon is 'x', not a finite number: the "
+                                  "checkpoint is damaged or was edited"),
+    (dict(ffn_hidden_size="x"), "its model_config's ffn_hidden_size is 'x', not an int or none"),
+    (dict(rotary_base=None), "its model_config's rotary_base is None, not a finite number"),
+    (dict(layernorm_epsilon=float("nan")), "its model_config's layernorm_epsilon is nan, not a finite number"),
+    (dict(rotary_base=float("nan")), "its model_config's rotary_base is nan, not a finite number"),
+    (dict(num_layers=True), "its model_config's num_layers is True, not an int"),
+    (dict(num_attention_heads=0), "GPTConfig.num_attention_heads must be a positive int, got 0"),
 ])
 def test_a_checkpoint_whose_model_config_is_not_its_tensors_is_one_line(files, tmp_path, capsys, record, message):
     """A checkpoint's model_config that does not describe its tensors (edited,
-    damaged), or holds keys a newer train.py writes: eval_tasks.py and
-    --export-from say so in one line naming the checkpoint and the first key,
-    before any model is built (hidden_size 2**20 would ask for 211 GB)."""
+    damaged), holds keys a newer train.py writes, or values not of their fields'
+    types (gpt.wanted_type): eval_tasks.py and --export-from say so in one line
+    naming the checkpoint and the first key, before any model is built
+    (hidden_size 2**20 would ask for 211 GB)."""
     iteration_dir = edited_checkpoint(files["ckpt"], tmp_path / "ckpt", **record)
     for main, argv in ((eval_tasks.main, ["--task", "GENERATE", "--num-samples", "1", "--load", str(tmp_path / "ckpt")]),
                        (train.main, ["--export-from", str(tmp_path / "ckpt"), "--export-to", str(tmp_path / "out")])):

@@ -6,6 +6,7 @@ All on CPU with tiny shapes. Hugging Face GPT-2 and Llama in and out
 """
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -36,6 +37,23 @@ from conftest import ALL_OPTIONS, tiny, tiny_model, tokens
 def test_config_validation_names_the_problem(bad, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**bad)
+
+
+@pytest.mark.quick
+def test_every_field_is_checked_by_its_annotated_type():
+    """A config from a file may hold anything: each field is held to its annotation
+    (gpt.ADMITS, one table for all), so a string, a bool for a size, None where
+    no default fills in, NaN or inf (a model of them computes NaN) is one line
+    naming the field, before any value is used."""
+    for field in dataclasses.fields(GPTConfig):  # a new field's annotation is one ADMITS knows
+        assert all(kind in gpt.ADMITS for kind in field.type.split(" | ")), field
+    for name, value, wanted in (("layernorm_epsilon", "x", "a finite number"), ("rotary_base", math.nan,
+                                "a finite number"), ("init_method_std", math.inf, "a finite number"),
+                                ("hidden_size", 64.0, "an int"),
+                                ("num_layers", True, "an int"), ("ffn_hidden_size", "x", "an int or none"),
+                                ("swiglu", 1, "true or false"), ("normalization", None, "a string")):
+        with pytest.raises(ValueError, match=f"^GPTConfig.{name} must be {wanted}, got {re.escape(repr(value))}$"):
+            GPTConfig(**{name: value})
 
 
 @pytest.mark.quick

@@ -534,6 +534,59 @@ def test_a_truncated_index_is_one_line(corpus, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def _rewrite(path: str, edit) -> None:
+    """The .npy at path, as edit(array) makes it (a cache rewritten from outside)."""
+    array = np.load(path)
+    np.save(path, edit(array))
+
+
+# A sample-index cache damaged from outside (file name's end -> what is done to it, what the line says)
+DAMAGED_CACHE = {
+    "cut short": ("shuffle_idx.npy", lambda path: os.truncate(path, os.path.getsize(path) // 2), "not an array"),
+    "indexes past its samples": ("shuffle_idx.npy", lambda path: _rewrite(path, lambda a: a + len(a)),
+                                 "shuffle_idx names samples that are not there"),
+    "of another shape": ("sample_idx.npy", lambda path: _rewrite(path, lambda a: np.concatenate([a, a], axis=1)),
+                         "sample_idx is int64 ("),
+    "of another dtype": ("doc_idx.npy", lambda path: _rewrite(path, lambda a: a.astype(np.float64)),
+                         "doc_idx is float64"),
+    "a blend's picks past its datasets": ("dataset_index.npy", lambda path: _rewrite(path, lambda a: a + 2),
+                                          "dataset_index names datasets that are not there"),
+}
+
+
+@pytest.fixture(scope="module")
+def blend_cache(corpus, tmp_path_factory):
+    """A blend of two corpora trained on for 2 steps: its --data-cache-path holds each
+    split's GPTDataset index arrays and the blend's. -> (train.py's flags, the cache)"""
+    out = tmp_path_factory.mktemp("blend")
+    other = str(out / "other_text_document")
+    for ext in (".bin", ".idx"):
+        shutil.copy(corpus + ext, other + ext)
+    flags = [*TINY, "--data-path", "0.5", corpus, "0.5", other, "--train-iters", "2", "--eval-interval", "2"]
+    train.main([*flags, "--data-cache-path", str(out / "cache")])
+    return flags, str(out / "cache")
+
+
+@pytest.mark.parametrize("how", list(DAMAGED_CACHE))
+def test_a_damaged_sample_index_cache_is_rebuilt_and_said_in_one_line(blend_cache, tmp_path, capsys, how):
+    """The .npy files beside the data, cut short or rewritten from outside (out of
+    range, another shape or dtype): a read would fail mid-run, in the DataLoader.
+    They are checked as they load (data._gpt_indices_problem, _blend_problem),
+    rebuilt, and the run says so in one line and trains; the rebuilt files are
+    the ones first written."""
+    flags, cache = blend_cache
+    shutil.copytree(cache, tmp_path / "cache")
+    ending, damage, says = DAMAGED_CACHE[how]
+    damaged = sorted(glob.glob(str(tmp_path / "cache" / f"*-{ending}")))[0]
+    capsys.readouterr()
+    damage(damaged)
+    train.main([*flags, "--data-cache-path", str(tmp_path / "cache")])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "sample-index cache" in line]
+    assert len(lines) == 1 and "is damaged (" in lines[0] and says in lines[0] and lines[0].endswith(
+        "rebuilding it"), lines
+    assert open(damaged, "rb").read() == open(os.path.join(cache, os.path.basename(damaged)), "rb").read()
+
+
 @pytest.mark.parametrize("nodelist, head", [("gpu[07-09,12],cpu3", "gpu07"), ("node5", "node5"),
                                             ("a-1,a-2", "a-1")])
 def test_slurm_script_runs_one_torchrun_per_node_meeting_at_the_first(nodelist, head):
