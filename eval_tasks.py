@@ -42,7 +42,7 @@ from config import EVALUATE, TrainConfig, autocast, eod_token, model_config
 from gpt import GPT, GPTConfig, generate
 from launch import UsageError, parse_json
 from prepare import load_tokenizer
-from train import init_processes
+from train_ops import init_processes
 
 # ----------------------------------------------------------------------------
 # 1. Data
