@@ -42,7 +42,7 @@ import train_ops
 import zero
 from config import CUDA_GRAPH_MODES, TrainConfig, autocast, compile_options, eod_token, model_config
 from data import to_device
-from gpt import GPT, GPTConfig
+from gpt import GPT, GPTConfig, weighted_loss
 from launch import UsageError
 
 
@@ -191,8 +191,7 @@ def train_step(trainer, batches: list, lr: float):
                 with trainer.precision:  # the engine's autocast (--bf16 / --fp16)
                     loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
                                          document_ids=b.get("document_ids"))
-                if "loss_weight" in b:  # CP's (context.split_batch)
-                    loss = loss * b["loss_weight"]
+                loss = weighted_loss(loss, b)  # as it is, or CP's share of it (context.split_batch)
                 trainer.backward(loss, m)
             total += loss.detach() / m
     else:  # the same forward, a model chunk at a time, in 1F1B order through this rank's stage
@@ -385,9 +384,9 @@ def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, c
                   for i in range(cfg.eval_iters)]
     else:
         with precision:
-            losses = [model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
-                            document_ids=b.get("document_ids")).float()
-                      * b.get("loss_weight", 1.0) for b in (to_device(b, device) for b in batches)]
+            losses = [weighted_loss(model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
+                                          document_ids=b.get("document_ids")).float(), b)
+                      for b in (to_device(b, device) for b in batches)]
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.layout.dp_cp_group).item()
 
