@@ -307,14 +307,16 @@ class PlainTraining:
         """Clip, then update the weights unless the gradient norm is inf or NaN.
         Returns (grad norm, found_inf: 1.0 if the step was skipped), on the device.
         Every rank decides alike: the norm is the whole model's (clip_grad_norm_),
-        so replicas cannot drift apart. Fused AdamW takes the flag as a tensor and,
-        when it is 1, leaves weights, moments and step count alone: no host read."""
+        so replicas cannot drift apart; the skip stays on the device: no host read."""
         if parallel.layout.pp_size > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
             pipeline.reduce_pipeline_grads(self.raw, self.averager)
         if self.scaler:
             self.scaler.unscale_(self.raw.parameters())
         grad_norm = clip_grad_norm_(self.raw.parameters(), self.max_norm)
         found_inf = (~torch.isfinite(grad_norm)).float()
+        # torch's private protocol (GradScaler's with fused optimizers, no public API): step() reads
+        # grad_scale (None: unscaled) and found_inf; where found_inf is 1 the fused kernel leaves weights,
+        # moments and step count alone. Without it: `if not found_inf.item(): step()`, a host read.
         self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf
         self.optimizer.step()
         del self.optimizer.grad_scale, self.optimizer.found_inf
