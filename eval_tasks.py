@@ -42,7 +42,7 @@ from config import EVALUATE, TrainConfig, autocast, eod_token, model_config
 from gpt import GPT, GPTConfig, generate
 from launch import UsageError, parse_json
 from prepare import load_tokenizer
-from train import init_processes
+from train_ops import init_processes
 
 # ----------------------------------------------------------------------------
 # 1. Data
@@ -316,14 +316,12 @@ def sample(cfg: TrainConfig, env: launch.Dist) -> list[dict]:
 
 def write_samples(cfg: TrainConfig, samples: list[dict], env: launch.Dist) -> list[dict]:
     """JSON lines {prompt, text, tokens} to --sample-output-file, or printed (rank 0)."""
-    if env.is_main:
-        lines = "".join(json.dumps(s) + "\n" for s in samples)
-        if cfg.sample_output_file:
-            with open(cfg.sample_output_file, "w") as f:
-                f.write(lines)
-            print(f"wrote {len(samples)} samples to {cfg.sample_output_file}", flush=True)
-        else:
-            print(lines, end="", flush=True)
+    lines = "".join(json.dumps(s) + "\n" for s in samples)
+    if cfg.sample_output_file and env.is_main:
+        with open(cfg.sample_output_file, "w") as f:
+            f.write(lines)
+    launch.say(f"wrote {len(samples)} samples to {cfg.sample_output_file}" if cfg.sample_output_file
+               else lines.rstrip("\n"))  # (a sample is never empty: json.dumps's braces at least)
     return samples
 
 

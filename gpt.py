@@ -583,6 +583,12 @@ class GPT(nn.Module):
         parallel.load_full_state_dict(self, {k: v for k, v in sd.items() if not k.startswith(others)})
 
 
+def weighted_loss(loss: torch.Tensor, batch: dict) -> torch.Tensor:
+    """A micro-batch's loss as a step counts it (the one place for CP's weight): the model's, or
+    times context.split_batch's loss_weight, this CP rank's share of the full sequences' mean."""
+    return loss * batch["loss_weight"] if "loss_weight" in batch else loss
+
+
 # -----------------------------------------------------------------------------
 # Generation: a KV cache, top-k / top-p filtering, generate()
 #

@@ -81,7 +81,7 @@ def say(line: str) -> None:
 def report_usage_error(e: UsageError, prog: str) -> None:
     """Rank 0 prints the mistake and exits with status 2; the others wait for it in
     the store (or for the launcher to stop them), and print only a mistake of their own."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's Preemption handler would keep it alive
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train_ops.Preemption's handler would keep it alive
     rank = global_rank()
     if rank != 0 and dist.is_initialized():
         try:

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 import parallel
 from config import TrainConfig
 from data import to_device
-from gpt import GPT, GPTConfig, rope_angles
+from gpt import GPT, GPTConfig, rope_angles, weighted_loss
 from launch import UsageError
 
 # The layers are split into pp stages, one per pipeline rank (Huang et al.,
@@ -445,7 +445,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
             out = stage(chunk, batches[micro], x)
         if stage.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
-        loss = out * batches[micro]["loss_weight"] / m if "loss_weight" in batches[micro] else out / m
+        loss = weighted_loss(out, batches[micro]) / m
         total += loss.detach()
         return scale(loss) if scale and torch.is_grad_enabled() else loss
 

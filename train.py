@@ -5,14 +5,16 @@ r"""Pretrain a GPT on Megatron-format token data.
         --global-batch-size 256 --train-iters 5000 --bf16
 
 Sections:
-  1. The learning-rate schedule, AdamW, the batch and its ramp.
+  1. The learning-rate schedule, AdamW.
   2. Data: datasets and a data-parallel sampler that resumes exactly.
   3. The step: one train_step for both engines and every layout (micro-batches
      in turn, or pipeline.py's schedules); PlainTraining, the engine without
      DeepSpeed (mixed precision, the fp16 loss scaler, clipping, the skip
      decision), whose twin is zero.DeepSpeedTraining.
-  4. Evaluation, logging (stdout, JSON lines, TensorBoard), MFU.
-  5. The loop: preemption, loss checks, checkpoints, the closing sample.
+  4. Evaluation.
+  5. The loop: the run, its steps, evaluations and checkpoints.
+Around it (train_ops.py): the command line, the batch plan, the schedule a
+resume follows, logging and MFU, the loss checks, preemption, the closing sample.
 Elsewhere: flags (config.py), launch (launch.py), process groups (parallel.py),
 the model (gpt.py), pipeline stages and their schedules (pipeline.py),
 checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
@@ -20,13 +22,10 @@ checkpoints and weight export (checkpoint.py), DeepSpeed ZeRO (zero.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-import json
 import math
-import os
 import sys
-import time
-import types
 from contextlib import nullcontext
 
 import torch
@@ -39,44 +38,16 @@ import data as data_lib
 import launch
 import parallel
 import pipeline
+import train_ops
 import zero
-from config import (CUDA_GRAPH_MODES, TrainConfig, autocast, batch_from_deepspeed_json, compile_options,
-                    eod_token, model_config, parse_args)
+from config import CUDA_GRAPH_MODES, TrainConfig, autocast, compile_options, eod_token, model_config
 from data import to_device
-from gpt import GPT, GPTConfig, count_parameters, flops_per_token, generate
+from gpt import GPT, GPTConfig, weighted_loss
 from launch import UsageError
-from prepare import load_tokenizer
 
 
 # ----------------------------------------------------------------------------
-# 1. What the flags describe: schedule, optimizer, batch
-
-def gradient_accumulation_steps(cfg: TrainConfig, dp_size: int, global_batch: int | None = None) -> int:
-    """global batch = micro batch x data-parallel size x accumulation steps
-    (global_batch: this step's, under --rampup-batch-size; default --global-batch-size)."""
-    per_step = cfg.micro_batch_size * dp_size
-    gbs = global_batch or cfg.global_batch_size or per_step
-    if gbs % per_step != 0:
-        flag = "--rampup-batch-size START and INCREMENT, and --global-batch-size," \
-            if cfg.rampup_batch_size else "--global-batch-size"
-        raise UsageError(f"{flag} {gbs} is not divisible by --micro-batch-size {cfg.micro_batch_size} x "
-                         f"data-parallel size {dp_size} = {per_step}; use a multiple of {per_step}")
-    return gbs // per_step
-
-
-def lr_schedule(cfg: TrainConfig) -> tuple:
-    """(peak, floor, decay style, warmup end, decay end) for learning_rate; the
-    ends in iterations, or with --train-samples in samples."""
-    if cfg.train_samples is None:
-        warmup, decay = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters
-    else:  # Megatron-DeepSpeed's token counts are samples of --seq-length tokens (fractions of one too)
-        warmup, decay = cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples
-        warmup = warmup if cfg.lr_warmup_tokens is None else cfg.lr_warmup_tokens / cfg.seq_length
-        decay = decay if cfg.lr_decay_tokens is None else cfg.lr_decay_tokens / cfg.seq_length
-    if cfg.lr_warmup_fraction is not None:
-        warmup = cfg.lr_warmup_fraction * decay
-    return cfg.lr, cfg.min_lr, cfg.lr_decay_style, warmup, decay
-
+# 1. What the flags describe: schedule, optimizer
 
 def learning_rate(done: int, schedule: tuple) -> float:
     """Megatron's schedule: a linear warmup from 0 (its first step has lr 0) to
@@ -93,45 +64,6 @@ def learning_rate(done: int, schedule: tuple) -> float:
     return floor + coeff * (peak - floor)
 
 
-def schedule_to_follow(cfg: TrainConfig, start: checkpoint.Start, log) -> tuple:
-    """The learning-rate schedule (lr_schedule) a run follows: this run's, or
-    resuming with --use-checkpoint-opt_param-scheduler, the checkpoint's
-    (start.config: its run's TrainConfig). Megatron refuses schedules that
-    differ unless one of those two flags says which to keep; here this run's
-    goes on, with one line saying what changed (the lr may jump), silent under
-    --override-opt_param-scheduler."""
-    mine, saved, path = lr_schedule(cfg), start.config, start.path
-    if path is None:  # a fresh start, or --finetune
-        return mine
-    try:  # a flag newer than the checkpoint has its default there
-        theirs = lr_schedule(types.SimpleNamespace(**{**dataclasses.asdict(TrainConfig()), **saved})) \
-            if saved else None
-    except (AttributeError, TypeError):  # a config of another version
-        theirs = None
-    names = ("--lr", "--min-lr", "decay style", "warmup end", "decay end")
-
-    def differences(follow, other, whose):
-        return ", ".join(f"{name} {a if isinstance(a, str) else f'{a:g}'} ({whose}: "
-                         f"{b if isinstance(b, str) else f'{b:g}'})"
-                         for name, a, b in zip(names, follow, other) if a != b)
-    if cfg.use_checkpoint_opt_param_scheduler:
-        if theirs is None:
-            raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path} records no learning-rate "
-                             f"schedule; drop the flag and give the schedule's flags")
-        theirs_in_samples = saved["train_samples"] is not None
-        if theirs_in_samples != (cfg.train_samples is not None):
-            their_unit, my_unit = ("samples", "iterations") if theirs_in_samples else ("iterations", "samples")
-            flag = "--train-samples" if theirs_in_samples else "--train-iters"
-            raise UsageError(f"--use-checkpoint-opt_param-scheduler: {path}'s schedule counts {their_unit}, "
-                             f"this run's {my_unit}: give {flag}, as the checkpoint's run did")
-        if changed := differences(theirs, mine, "this run"):
-            log(f"the checkpoint's learning-rate schedule goes on: {changed}")
-        return theirs
-    if (changed := differences(mine, theirs or mine, "checkpoint")) and not cfg.override_opt_param_scheduler:
-        log(f"the learning-rate schedule is not the checkpoint's, this run's goes on: {changed}")
-    return mine
-
-
 def param_ndim(p: torch.nn.Parameter) -> int:
     # ZeRO-3 swaps p.data for an empty 1-D tensor and keeps the real shape in ds_shape.
     return len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
@@ -146,35 +78,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True
     # fused: one kernel for all tensors, which can skip a step on the device (train.PlainTraining.finish).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              eps=cfg.adam_eps, fused=fused)
-
-
-def global_batch_at(consumed: int, cfg: TrainConfig, dp_size: int) -> int:
-    """The global batch of the step after `consumed` samples: --rampup-batch-size START
-    INCREMENT SAMPLES grows it from START by INCREMENT in equal sample intervals up to
-    SAMPLES, then --global-batch-size (Megatron's ramp-up, used by GPT-3)."""
-    final = cfg.global_batch_size or cfg.micro_batch_size * dp_size
-    if not cfg.rampup_batch_size:
-        return final
-    start, increment, ramp_samples = cfg.rampup_batch_size
-    if consumed > ramp_samples or final == start:
-        return final
-    samples_per_increment = ramp_samples / ((final - start) // increment)
-    return start + int(consumed / samples_per_increment) * increment
-
-
-def with_run_length(cfg: TrainConfig, dp_size: int) -> TrainConfig:
-    """With --train-samples, --train-iters becomes the number of whole steps that fit,
-    and with --train-tokens too, the steps that start below that many tokens (Megatron-DeepSpeed's)."""
-    if cfg.train_samples is None:
-        return cfg
-    iterations, consumed = 0, 0
-    while consumed + (batch := global_batch_at(consumed, cfg, dp_size)) <= cfg.train_samples and \
-            (cfg.train_tokens is None or consumed * cfg.seq_length < cfg.train_tokens):
-        consumed += batch
-        iterations += 1
-    if iterations == 0:
-        raise UsageError(f"--train-samples {cfg.train_samples} is less than one global batch ({batch})")
-    return dataclasses.replace(cfg, train_iters=iterations)
 
 
 # ----------------------------------------------------------------------------
@@ -246,12 +149,6 @@ def check_batches(batches: list[dict], config: GPTConfig) -> list[dict]:
     return batches
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queue (host clocks then time real work); no-op on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ----------------------------------------------------------------------------
 # 3. The step
 
@@ -294,8 +191,7 @@ def train_step(trainer, batches: list, lr: float):
                 with trainer.precision:  # the engine's autocast (--bf16 / --fp16)
                     loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
                                          document_ids=b.get("document_ids"))
-                if "loss_weight" in b:  # CP's (context.split_batch)
-                    loss = loss * b["loss_weight"]
+                loss = weighted_loss(loss, b)  # as it is, or CP's share of it (context.split_batch)
                 trainer.backward(loss, m)
             total += loss.detach() / m
     else:  # the same forward, a model chunk at a time, in 1F1B order through this rank's stage
@@ -357,13 +253,13 @@ class PlainTraining:
     zero.DeepSpeedTraining: begin; per micro-batch, forward within micro_batch(),
     then backward (under stages, the schedule's, of the loss `scale` gives); finish."""
 
-    def __init__(self, cfg: TrainConfig, env: launch.Dist, log):
-        self.cfg, self.device, self.log = cfg, env.device, log
+    def __init__(self, cfg: TrainConfig, env: launch.Dist):
+        self.cfg, self.device = cfg, env.device
         self.raw = build_model(cfg, env.device)
         self.optimizer = build_optimizer(self.raw, cfg)
         self.scaler = LossScaler(cfg.initial_loss_scale, env.device, cfg.loss_scale_window or 2000,
                                  cfg.hysteresis or 1, cfg.min_loss_scale or 0.0) if cfg.fp16 else None
-        self.start = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer, self.scaler, log)
+        self.start = checkpoint.load_checkpoint(cfg, self.raw, self.optimizer, self.scaler, launch.say)
         self.model = self.raw if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
         if cfg.compile:
             self.model = torch.compile(self.model, **compile_options(cfg))
@@ -411,14 +307,16 @@ class PlainTraining:
         """Clip, then update the weights unless the gradient norm is inf or NaN.
         Returns (grad norm, found_inf: 1.0 if the step was skipped), on the device.
         Every rank decides alike: the norm is the whole model's (clip_grad_norm_),
-        so replicas cannot drift apart. Fused AdamW takes the flag as a tensor and,
-        when it is 1, leaves weights, moments and step count alone: no host read."""
+        so replicas cannot drift apart; the skip stays on the device: no host read."""
         if parallel.layout.pp_size > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
             pipeline.reduce_pipeline_grads(self.raw, self.averager)
         if self.scaler:
             self.scaler.unscale_(self.raw.parameters())
         grad_norm = clip_grad_norm_(self.raw.parameters(), self.max_norm)
         found_inf = (~torch.isfinite(grad_norm)).float()
+        # torch's private protocol (GradScaler's with fused optimizers, no public API): step() reads
+        # grad_scale (None: unscaled) and found_inf; where found_inf is 1 the fused kernel leaves weights,
+        # moments and step count alone. Without it: `if not found_inf.item(): step()`, a host read.
         self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf
         self.optimizer.step()
         del self.optimizer.grad_scale, self.optimizer.found_inf
@@ -428,7 +326,7 @@ class PlainTraining:
 
     def save(self, iteration: int, consumed: int) -> None:
         checkpoint.save_checkpoint(self.cfg, self.raw, self.optimizer, self.scaler, iteration,
-                                   consumed, self.log, self.saver)
+                                   consumed, launch.say, self.saver)
 
     def close(self) -> None:
         if self.saver:
@@ -470,7 +368,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------
-# 4. Evaluation, logging, MFU
+# 4. Evaluation
 
 @torch.no_grad()
 def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, consumed: int,
@@ -488,280 +386,52 @@ def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, c
                   for i in range(cfg.eval_iters)]
     else:
         with precision:
-            losses = [model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
-                            document_ids=b.get("document_ids")).float()
-                      * b.get("loss_weight", 1.0) for b in (to_device(b, device) for b in batches)]
+            losses = [weighted_loss(model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
+                                          document_ids=b.get("document_ids")).float(), b)
+                      for b in (to_device(b, device) for b in batches)]
     model.train()
     return parallel.all_reduce_mean(torch.stack(losses).mean(), parallel.layout.dp_cp_group).item()
-
-
-# Dense bf16 tensor-core peak FLOP/s (fp32 accumulation), matched against
-# torch.cuda.get_device_name() most specific first; an unlisted GPU (or None) gets no MFU,
-# not a guess. Sources: NVIDIA data sheets (sparse / 2), GeForce whitepapers.
-PEAK_FLOPS = {
-    "H200 NVL": 835e12,     # H200 data sheet: 1,671 TFLOPS sparse (NVL)
-    "H200": 989e12,         # H200 data sheet: 1,979 TFLOPS sparse (SXM)
-    "GH200": 989e12,        # GH200 data sheet: 1,979 TFLOPS sparse
-    "H100 NVL": 835e12,     # H100 data sheet: 1,671 TFLOPS sparse (NVL, per GPU)
-    "H100 PCIe": 756e12,    # H100 data sheet: 1,513 TFLOPS sparse (PCIe)
-    "H100": 989e12,         # H100 data sheet: 1,979 TFLOPS sparse (SXM; "H100 80GB HBM3")
-    "A100": 312e12,         # A100 data sheet: 312 dense (SXM and PCIe)
-    "L40S": 362e12,         # L40S data sheet: 733 TFLOPS sparse
-    "L40": 181e12,          # L40 data sheet: 362 TFLOPS sparse
-    "L4": 121e12,           # L4 data sheet: 242 TFLOPS sparse
-    "A10G": None,           # AWS gives no bf16 rate ("A10" is in its name, not its tensor rate)
-    "A10": 125e12,          # A10 data sheet: 250 TFLOPS sparse
-    "RTX 4090": 82.6e12,    # Ada whitepaper: 165.2 with fp16 accumulate, 82.6 with fp32
-    "RTX 3090": 35.6e12,    # GA102 whitepaper: 71 with fp16 accumulate, 35.6 with fp32
-    "V100-SXM2": 125e12,    # V100 data sheet: fp16 (no bf16), SXM2
-    "V100-PCIE": 112e12,    # V100 data sheet: fp16 (no bf16), PCIe
-}
-
-
-def device_peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
-    """Peak FLOP/s of one device: --peak-flops, else by GPU name; None on CPU."""
-    if cfg.peak_flops:
-        return cfg.peak_flops
-    if device.type != "cuda":
-        return None
-    return peak_flops_by_name(torch.cuda.get_device_name(device))
-
-
-def peak_flops_by_name(name: str) -> float | None:
-    """PEAK_FLOPS of the first key the device name contains; None for an unknown device."""
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
-class Logger:
-    """Prints, and writes the same figures to --metrics-file (JSON lines) and TensorBoard."""
-
-    def __init__(self, cfg: TrainConfig, enabled: bool, resume: bool):
-        self.enabled, self.file, self.tb = enabled, None, None
-        if not enabled:
-            return
-        if cfg.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_file)), exist_ok=True)
-            self.file = open(cfg.metrics_file, "a" if resume else "w")
-        if cfg.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(cfg.tensorboard_dir, max_queue=cfg.tensorboard_queue_size)
-
-    def print(self, msg: str) -> None:
-        if self.enabled:  # rank 0, decided once (main): as the logger's files
-            print(msg, flush=True)
-
-    def log(self, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        parts = [f"iter {metrics['iteration']:>6d}", f"loss {metrics['loss']:.4f}",
-                 f"lr {metrics['lr']:.3e}", f"grad norm {metrics['grad_norm']:.3f}",
-                 f"tokens/s {metrics['tokens_per_sec']:,.0f}"]
-        if metrics.get("mfu") is not None:
-            parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
-        if metrics.get("skipped_iterations"):
-            parts.append(f"skipped {metrics['skipped_iterations']} (non-finite grads)")
-        parts.append(f"batch {metrics['batch_size']}")
-        if "val_loss" in metrics:
-            parts.append(f"val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f})")
-        self.print(" | ".join(parts))
-        if self.file:
-            self.file.write(json.dumps(metrics) + "\n")
-            self.file.flush()
-        if self.tb:
-            for k, v in metrics.items():
-                if k != "iteration" and v is not None:
-                    name = {"val_loss": "valid/loss", "val_ppl": "valid/ppl"}.get(k, f"train/{k}")
-                    self.tb.add_scalar(name, v, metrics["iteration"])
-
-    def close(self) -> None:
-        for sink in (self.file, self.tb):
-            if sink:
-                sink.close()
 
 
 # ----------------------------------------------------------------------------
 # 5. The loop
 
-# Before the loop (reading the data, loading a checkpoint, building, waiting on a
-# peer) a run has nothing to save: SIGTERM ends it at once (main). From the loop's
-# start, Preemption.start, the one switch, has it save first.
-SIGTERM_BEFORE_THE_LOOP = ("train.py: SIGTERM before training started (while loading, building, waiting "
-                           "or exporting); nothing to save, exiting")
-
-
-class Preemption:
-    """Turns SIGTERM (a cluster's preemption notice) once the loop has started,
-    or the end of --exit-duration-in-mins (counted from the start of the run),
-    into a flag the loop checks. Every rank must stop (and save) at the same
-    iteration, so the ranks vote with an all-reduce. On CUDA each vote is read
-    one step late, once the next step is queued: the host never waits for the GPU."""
-
-    def __init__(self, device: torch.device, minutes: float | None = None):
-        self.device, self.requested = device, False
-        self.deadline = None if minutes is None else time.monotonic() + 60 * minutes
-        self.pending = None  # CUDA: (event, pinned host copy) of the last vote
-
-    def start(self) -> None:
-        """The loop starts: from now on SIGTERM stops it at the next vote, which saves."""
-        launch.sigterm_calls(self._handler)
-
-    def _handler(self, signum, frame):
-        self.requested = True
-
-    def agreed(self) -> bool:
-        """True on every rank, at the same iteration, once any rank got SIGTERM or is out of time."""
-        stop = self.requested or (self.deadline is not None and time.monotonic() > self.deadline)
-        # torch.full fills on the device; torch.tensor would copy from pageable memory and wait.
-        vote = torch.full((1,), float(stop), device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        if self.device.type != "cuda":
-            return bool(vote.item())  # nothing queued on a CPU to keep busy
-        host = torch.empty(1, pin_memory=True)
-        host.copy_(vote, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        previous, self.pending = self.pending, (event, host)
-        if previous is None:
-            return False
-        previous[0].synchronize()  # waits for the previous step only
-        return bool(previous[1].item())
-
-
-def check_losses(pending: list, logger: Logger, last_saved: int) -> list[float]:
-    """Read the (iteration, device loss) pairs queued since the last check in one host
-    sync (at log intervals and saves), stop the run at the first non-finite one, and
-    return their values."""
-    values = torch.stack([loss.float() for _, loss in pending]).tolist()
-    for (iteration, _), value in zip(pending, values):
-        if not math.isfinite(value):
-            logger.print(f"error: loss is {value} at iteration {iteration}; stopping without "
-                         f"saving (last good checkpoint: iteration {last_saved}). Lower --lr, "
-                         f"raise --lr-warmup-iters, or use --bf16 instead of --fp16.")
-            raise SystemExit(1)
-    pending.clear()
-    return values
-
-
-def sample_text(model: GPT, cfg: TrainConfig, device) -> str:
-    enc = load_tokenizer(cfg.tokenizer_type, cfg.vocab_size)  # a UsageError if the BPE package is missing
-    eod = enc.eot_token
-    # NullTokenizer has no text: its sample starts where a document does
-    prompt = [eod] if cfg.tokenizer_type == "NullTokenizer" else enc.encode_ordinary(cfg.sample_prompt)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)  # same on every tensor-parallel rank
-    out = generate(model, torch.tensor([prompt], device=device), max_new_tokens=cfg.sample_tokens,
-                   temperature=0.8, top_k=200, eos_token_id=eod, generator=gen)
-    return enc.decode([t for t in out[0].tolist() if t < eod])
-
-
-class Meter:
-    """Tokens/s, MFU and skipped steps between two log lines, read from the device only
-    then. The first step (compilation, autotuning) is timed and reported on its own."""
-
-    def __init__(self, cfg: TrainConfig, env: launch.Dist, mcfg: GPTConfig, logger, first: int):
-        self.device, self.world, self.logger, self.first = env.device, env.world_size, logger, first
-        self.flops_per_token = flops_per_token(mcfg, cfg.seq_length)
-        self.peak = device_peak_flops(cfg, env.device)
-        if self.peak is None and env.device.type == "cuda":
-            logger.print(f"MFU: unknown, {torch.cuda.get_device_name(env.device)!r} is not in "
-                         f"train.PEAK_FLOPS; pass --peak-flops (dense bf16 FLOP/s of one GPU)")
-        self.t0, self.tokens, self.skipped = time.time(), 0, 0
-
-    def count(self, iteration: int, tokens: int, skipped, log_now: bool) -> None:
-        """One step done; skipped: its device flag (not read here)."""
-        self.tokens, self.skipped = self.tokens + tokens, self.skipped + skipped
-        if iteration == self.first:
-            synchronize(self.device)
-            self.logger.print(f"first step (iteration {iteration}) took {time.time() - self.t0:.1f} s, "
-                              f"compilation and autotuning included")
-            if not log_now:
-                self.t0, self.tokens = time.time(), 0
-
-    def figures(self) -> dict:
-        """tokens_per_sec, mfu and skipped_iterations since the last call."""
-        synchronize(self.device)
-        tps = self.tokens / max(time.time() - self.t0, 1e-9)
-        mfu = self.flops_per_token * tps / (self.peak * self.world) if self.peak else None
-        figures = {"tokens_per_sec": tps, "mfu": mfu, "skipped_iterations": int(self.skipped)}
-        self.t0, self.tokens, self.skipped = time.time(), 0, 0
-        return figures
-
-
-def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
-    """(cfg with the run's length in iterations, accumulation steps, final global batch).
-    Every batch of a --rampup-batch-size is checked here too."""
-    dp = parallel.layout.dp_size
-    cfg = with_run_length(batch_from_deepspeed_json(cfg, dp), dp)  # --train-samples -> iterations
-    accum = gradient_accumulation_steps(cfg, dp)
-    global_batch = cfg.micro_batch_size * dp * accum
-    ramp = range(cfg.rampup_batch_size[0], global_batch, cfg.rampup_batch_size[1]) if cfg.rampup_batch_size else []
-    pp = parallel.layout.pp_size
-    if pp > 1:  # the layers must divide into stages: the model chunks a rank holds
-        v = len(pipeline.pipeline_chunks(model_config(cfg).num_layers, pp, 0,
-                                         cfg.num_layers_per_virtual_pipeline_stage))
-    for batch in [*ramp, global_batch]:
-        micro_batches = gradient_accumulation_steps(cfg, dp, batch)
-        if pp > 1:
-            pipeline.check_micro_batches(micro_batches, pp, v)
-    return cfg, accum, global_batch
-
-
 def train(cfg: TrainConfig, env: launch.Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
-    preempt = Preemption(env.device, cfg.exit_duration_in_mins)  # the time limit counts the setup too
+    preempt = train_ops.Preemption(env.device, cfg.exit_duration_in_mins)  # the time limit counts the setup too
     if cfg.save:  # now, not at the first save, a save interval of compute later
         checkpoint.check_writable_directory(cfg.save, "--save")
-    cfg, accum, global_batch = plan_batches(cfg)
-    logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
+    cfg, accum, global_batch = train_ops.plan_batches(cfg)
+    logger = train_ops.Logger(cfg, resume=bool(cfg.load))
     if cfg.domino and parallel.layout.tp_size == 1:
-        logger.print("--domino has nothing to overlap at tensor-parallel size 1: it is off")
+        launch.say("--domino has nothing to overlap at tensor-parallel size 1: it is off")
     if env.device.type == "cuda" and not (cfg.bf16 or cfg.fp16):
         # fp32 matmuls run on CUDA cores at a fraction of tensor-core speed; TF32 keeps fp32
         # storage and range with a 10-bit mantissa in products (as nanoGPT and Megatron).
         torch.set_float32_matmul_precision("high")
-        logger.print("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
+        launch.say("fp32 on a GPU: matmuls and attention use TF32 tensor cores; --bf16 is faster still")
     if cfg.deepspeed:  # DeepSpeed owns the optimizer step and the checkpoints
-        trainer = zero.DeepSpeedTraining(cfg, env, accum, logger.print, build_model, build_optimizer, clip_grad_norm_)
+        trainer = zero.DeepSpeedTraining(cfg, env, accum, launch.say, build_model, build_optimizer, clip_grad_norm_)
     else:
-        trainer = PlainTraining(cfg, env, logger.print)
-    schedule = schedule_to_follow(cfg, trainer.start, logger.print)
-    if trainer.start.iteration > cfg.train_iters:
-        raise UsageError(f"--load {cfg.load} is at iteration {trainer.start.iteration}, past this run's end "
-                         f"(--train-iters/--train-samples: {cfg.train_iters} iterations): raise it to "
-                         f"continue that run, or add --finetune to start a new run from its weights")
+        trainer = PlainTraining(cfg, env)
+    schedule = train_ops.schedule_to_follow(cfg, trainer.start)
     datasets = build_datasets(cfg, global_batch)
     if datasets[1] is None and cfg.eval_interval > 0 and cfg.eval_iters > 0:
-        logger.print(f"no evaluation: --split {cfg.split} gives the validation set no share")
-    ramp = f" (ramped up from {cfg.rampup_batch_size[0]})" if cfg.rampup_batch_size else ""
-    lay = parallel.layout
-    pp_schedule = "" if lay.pp_size == 1 else " (ZB-H1)" if cfg.enable_zero_bubble else \
-        " (interleaved 1F1B)" if cfg.num_layers_per_virtual_pipeline_stage else " (1F1B)"
-    logger.print(f"model: {count_parameters(trainer.raw.config):,} parameters | world {env.world_size} = "
-                 f"TP {lay.tp_size} x {f'CP {lay.cp_size} ({cfg.cp_comm_type}) x ' if lay.cp_size > 1 else ''}"
-                 f"DP {lay.dp_size} x PP {lay.pp_size}{pp_schedule} | global batch {global_batch} "
-                 f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
-                 f"device {env.device}")
+        launch.say(f"no evaluation: --split {cfg.split} gives the validation set no share")
+    train_ops.describe_run(cfg, env, trainer.raw.config, global_batch, accum)
     try:
         iteration = loop(cfg, env, trainer, schedule, datasets, logger, preempt, global_batch, accum)
     finally:  # at the end, a stop (SIGTERM) or an error: a checkpoint still being written is published first
         if trainer.saver:  # (its own error, after the loop's, would hide that one: reported only alone)
             trainer.saver.wait(report=sys.exc_info()[0] is None)
     if iteration >= cfg.train_iters and cfg.sample_tokens > 0:
-        if parallel.layout.pp_size > 1:
-            logger.print("no sample printed: the model is split into pipeline stages; sample from the saved "
-                         "checkpoint with eval_tasks.py --task GENERATE --load SAVE (any checkpoint loads there)")
-        else:
-            try:
-                text = sample_text(trainer.raw, cfg, env.device)
-                logger.print("-" * 40 + " sample " + "-" * 40 + "\n" + text + "\n" + "-" * 88)
-            except UsageError as e:  # no BPE package: training is done and saved, just say why
-                logger.print(f"no sample printed: {e}")
+        train_ops.closing_sample(trainer.raw, cfg, env.device)
     logger.close()
     trainer.close()
 
 
-def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets, logger, preempt: Preemption,
-         global_batch: int, accum: int) -> int:
+def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets, logger: train_ops.Logger,
+         preempt: train_ops.Preemption, global_batch: int, accum: int) -> int:
     """Train from the trainer's start to --train-iters (or a stop), the learning rate
     following `schedule`; return the last iteration. The host never waits for the GPU
     within an iteration: device values are read only at log intervals, evaluations and
@@ -770,12 +440,12 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets,
     train_ds, valid_ds = datasets
     iteration, consumed = trainer.start.iteration, trainer.start.consumed
     batches, mcfg = data_iterator(train_ds, cfg, consumed), trainer.raw.config
-    meter = Meter(cfg, env, mcfg, logger, iteration + 1)
+    meter = train_ops.Meter(cfg, env, mcfg, iteration + 1)
     pending, last_saved = [], iteration  # (iteration, loss on the device) since the last check
     since_log = []  # the losses read since the last log line
     dp = parallel.layout.dp_size
     while iteration < cfg.train_iters:
-        batch_size = global_batch_at(consumed, cfg, dp)
+        batch_size = train_ops.global_batch_at(consumed, cfg, dp) if cfg.rampup_batch_size else global_batch
         lr = learning_rate(consumed if cfg.train_samples else iteration, schedule)
         count = batch_size // (cfg.micro_batch_size * dp)  # a whole number: plan_batches checked each batch
         micro_batches = check_batches(list(itertools.islice(batches, count)), mcfg)
@@ -789,7 +459,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets,
         stop = preempt.agreed() or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
         save_now = cfg.save and (stop or last or bool(cfg.save_interval and iteration % cfg.save_interval == 0))
         if log_now or save_now:
-            since_log += check_losses(pending, logger, last_saved)
+            since_log += train_ops.check_losses(pending, last_saved)
         if log_now:  # the loss logged is the mean since the last log line, as Megatron's
             mean_loss, since_log = sum(since_log) / len(since_log), []
             metrics = {"iteration": iteration, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
@@ -803,34 +473,13 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets,
             trainer.save(iteration, consumed)
             last_saved = iteration
         if stop:
-            logger.print(f"exiting at iteration {iteration}")
+            launch.say(f"exiting at iteration {iteration}")
             break
     return iteration
 
 
-def init_processes(cfg: TrainConfig) -> launch.Dist:
-    """The default process group (launch.py), then this layout's TP, CP, DP and PP groups (parallel.py)."""
-    env = launch.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
-                                  one_queue=cfg.domino or cfg.sequence_parallel, deepspeed=cfg.deepspeed)
-    parallel.initialize(cfg.tensor_model_parallel_size, env.timeout, cfg.pipeline_model_parallel_size,
-                        cfg.context_parallel_size)
-    return env
-
-
-def main(argv: list[str] | None = None) -> None:
-    """train.py's command line: a user's mistake is one line from rank 0 (launch.errors_reported)."""
-    launch.sigterm_exits(SIGTERM_BEFORE_THE_LOOP)
-    with launch.errors_reported("train.py"):
-        cfg = parse_args(argv, usage=__doc__)
-        if cfg.export_from:
-            checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
-            print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
-            return
-        train(cfg, init_processes(cfg))
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-
+# train.py's command line (train_ops.main): the flags, a user's mistake in one line, then train.
+main = functools.partial(train_ops.main, train=train, usage=__doc__)
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ step's time (compilation and autotuning) is reported separately.
                        https://raw.githubusercontent.com/karpathy/nanoGPT/master/model.py
 
 MFU (model FLOPs utilization) = achieved model FLOP/s / the GPU's peak dense
-bf16 FLOP/s (train.PEAK_FLOPS by GPU name, or --peak-tflops), with model
+bf16 FLOP/s (train_ops.PEAK_FLOPS by GPU name, or --peak-tflops), with model
 FLOPs per token = gpt.flops_per_token(config, T): 6N for the weight matmuls
 forward+backward plus 12*L*H*T for attention, the causal half not subtracted
 (the PaLM / nanoGPT convention). The same count is used for nanoGPT.

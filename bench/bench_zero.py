@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
+import train_ops  # noqa: E402
 import zero  # noqa: E402
 
 
@@ -113,7 +114,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the figures here (rank 0)")
     args = p.parse_args()
     cfg = config.parse_args(["--preset", args.preset, "--deepspeed"])
-    env = train.init_processes(cfg)
+    env = train_ops.init_processes(cfg)
     results = [bench_stage(int(s), args, env) for s in args.stages.split(",")]
     if env.rank == 0:
         psi = results[0]["num_params"]

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 import checkpoint
 import eval_tasks
 import train
+import train_ops
 from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_together,
                       run_train, tiny, tiny_model, tokens, train_on_ranks)
 from gpt import GPT, LLAMA_OPTIONS
@@ -1054,7 +1055,7 @@ def test_megatron_flags_choose_the_checkpoints_schedule_or_this_runs(corpus, two
         f"iterations, this run's samples: give --train-iters, as the checkpoint's run did"]
 
 
-def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared():
+def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared(capsys):
     """A checkpoint's recorded flags lack those added since (here the token
     counts of a sample-based run): they take their defaults, so its schedule
     is still read, compared and, when asked, followed."""
@@ -1062,12 +1063,12 @@ def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared
     cfg = config.parse_args(["--preset", "tiny", "--train-samples", "64", "--lr", "1e-3"])
     saved = {k: v for k, v in dataclasses.asdict(cfg).items() if not k.endswith("_tokens")}
     saved["lr"] = 2e-3
-    said, start = [], checkpoint.Start(2, 16, "ckpt", saved)
-    assert train.schedule_to_follow(cfg, start, said.append) == train.lr_schedule(cfg)
-    assert said == ["the learning-rate schedule is not the checkpoint's, this run's goes on: --lr 0.001 "
-                    "(checkpoint: 0.002)"]
+    start = checkpoint.Start(2, 16, "ckpt", saved)
+    assert train_ops.schedule_to_follow(cfg, start) == train_ops.lr_schedule(cfg)
+    assert capsys.readouterr().out.splitlines() == [
+        "the learning-rate schedule is not the checkpoint's, this run's goes on: --lr 0.001 (checkpoint: 0.002)"]
     follow = dataclasses.replace(cfg, use_checkpoint_opt_param_scheduler=True)
-    assert train.schedule_to_follow(follow, start, said.append)[0] == 2e-3
+    assert train_ops.schedule_to_follow(follow, start)[0] == 2e-3
 
 
 @pytest.mark.quick

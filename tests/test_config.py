@@ -17,6 +17,7 @@ import torch
 import config as config_lib
 import prepare
 import train
+import train_ops
 import zero
 from conftest import ALL_OPTIONS, process_env, tiny_model
 from gpt import GPTConfig, LLAMA_OPTIONS
@@ -319,9 +320,9 @@ def test_loss_scale_flags_reach_deepspeeds_fp16_section_only_when_given():
 
 def test_loss_scale_flags_reach_the_plain_engines_scaler():
     cfg = parse("--fp16", *LOSS_SCALE_FLAGS)
-    scaler = train.PlainTraining(cfg, process_env(), print).scaler
+    scaler = train.PlainTraining(cfg, process_env()).scaler
     assert (scaler.hysteresis, scaler.growth_interval, scaler.min_scale) == (3, 100, 4.0)
-    default = train.PlainTraining(parse("--fp16"), process_env(), print).scaler
+    default = train.PlainTraining(parse("--fp16"), process_env()).scaler
     assert (default.hysteresis, default.growth_interval, default.min_scale) == (1, 2000, 0.0)
 
 
@@ -528,7 +529,7 @@ def test_deepspeed_json_fills_the_flags_the_command_line_left_unset(tmp_path):
     cfg = parse("--deepspeed", "--deepspeed_config", path)
     assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.clip_grad) == (2, 8, 0.5)
     assert cfg.zero_stage == 2 and cfg.fp16 and not cfg.bf16 and cfg.initial_loss_scale == 4096
-    ds = zero.deepspeed_config(cfg, dp_size=2, accum=train.gradient_accumulation_steps(cfg, 2))
+    ds = zero.deepspeed_config(cfg, dp_size=2, accum=train_ops.gradient_accumulation_steps(cfg, 2))
     assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}
     assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (8, 2)
     assert ds["zero_optimization"]["stage"] == 2 and ds["steps_per_print"] == 2000
@@ -595,11 +596,11 @@ def test_megatron_deepspeed_token_counts_are_samples_of_seq_length_tokens():
         return floor + 0.5 * (math.cos(math.pi * (tokens - warmup) / (decay - warmup)) + 1.0) * (peak - floor)
     cfg = parse("--seq-length", "32", "--global-batch-size", "2", "--train-samples", "1000", "--lr", "1e-3",
                 "--min-lr", "1e-4", "--lr-warmup-tokens", "100", "--lr-decay-tokens", "1000", "--train-tokens", "700")
-    schedule = train.lr_schedule(cfg)
+    schedule = train_ops.lr_schedule(cfg)
     for samples in range(0, 40, 2):  # 64 tokens a step: warmup and decay end within steps
         assert train.learning_rate(samples, schedule) == pytest.approx(
             megatron_deepspeed_lr(samples * 32, 1e-3, 1e-4, 100, 1000), abs=1e-12)
-    assert train.with_run_length(cfg, dp_size=1).train_iters == 11  # 10 steps reach 640 tokens, the 11th 704
+    assert train_ops.with_run_length(cfg, dp_size=1).train_iters == 11  # 10 steps reach 640 tokens, the 11th 704
 
 
 def test_megatron_deepspeed_gpt3_script_flags_as_pasted(tmp_path, capsys):
@@ -624,7 +625,7 @@ def test_megatron_deepspeed_gpt3_script_flags_as_pasted(tmp_path, capsys):
         --log-optimizer-states-to-tensorboard --data-impl mmap --deepspeed --deepspeed_config {ds_config}
         --zero-stage 1 --pipeline-model-parallel-size 1 --no-pipeline-parallel
         --deepspeed-activation-checkpointing""".split())
-    assert train.lr_schedule(cfg) == (2e-4, 1e-6, "cosine", 10.0, 40.0)  # samples of 32 tokens
+    assert train_ops.lr_schedule(cfg) == (2e-4, 1e-6, "cosine", 10.0, 40.0)  # samples of 32 tokens
     assert (cfg.hysteresis, cfg.initial_loss_scale, cfg.zero_stage, cfg.recompute_activations) == (2, 2048, 1, True)
     assert (cfg.loss_scale_window, cfg.min_loss_scale) == (500, 1.0)  # from the JSON's fp16 section
     assert ("train.py: --no-async-tensor-model-parallel-allreduce, --log-timers-to-tensorboard, "
@@ -749,12 +750,12 @@ def test_train_samples_is_train_iters_times_the_batch():
                      "--global-batch-size", "8", "--micro-batch-size", "4")
     by_samples = parse("--train-samples", "400", "--lr-warmup-samples", "40", "--lr-decay-samples", "320",
                        "--global-batch-size", "8", "--micro-batch-size", "4")
-    assert train.with_run_length(by_samples, dp_size=1).train_iters == 50
-    iters, samples = train.lr_schedule(by_iters), train.lr_schedule(by_samples)
+    assert train_ops.with_run_length(by_samples, dp_size=1).train_iters == 50
+    iters, samples = train_ops.lr_schedule(by_iters), train_ops.lr_schedule(by_samples)
     assert [train.learning_rate(i, iters) for i in range(50)] == \
         pytest.approx([train.learning_rate(8 * i, samples) for i in range(50)], abs=1e-12)
     fraction = parse("--train-iters", "50", "--lr-warmup-fraction", "0.1")
-    by_fraction = train.lr_schedule(fraction)
+    by_fraction = train_ops.lr_schedule(fraction)
     assert [train.learning_rate(i, by_fraction) / fraction.lr for i in (0, 4, 5)] == pytest.approx([0.0, 0.8, 1.0])
     assert train.learning_rate(50, by_fraction) == fraction.min_lr  # the decay ends with the run
 
@@ -764,9 +765,9 @@ def test_batch_ramp_follows_megatron():
     7 increments of 2, one every 1000/7 samples, then 16."""
     cfg = parse("--micro-batch-size", "1", "--global-batch-size", "16", "--rampup-batch-size", "2", "2", "1_000",
                 "--train-samples", "2000")
-    at = lambda consumed: train.global_batch_at(consumed, cfg, dp_size=2)
+    at = lambda consumed: train_ops.global_batch_at(consumed, cfg, dp_size=2)
     assert [at(c) for c in (0, 142, 143, 285, 286, 999, 1000, 1001, 5000)] == [2, 2, 4, 4, 6, 14, 16, 16, 16]
-    run = train.with_run_length(cfg, dp_size=2)
+    run = train_ops.with_run_length(cfg, dp_size=2)
     consumed = 0
     for _ in range(run.train_iters):
         consumed += at(consumed)

@@ -44,6 +44,50 @@ def test_the_import_graph_has_no_circle():
     assert order[0] == "launch" and project_imports("launch") == set()
 
 
+def reached_from(module: str) -> set[str]:
+    """Every project module that `module`'s imports reach, itself included."""
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += project_imports(m)
+    return seen
+
+
+@pytest.mark.quick
+def test_the_operational_module_and_the_evaluation_reach_nothing_of_train_py():
+    """train_ops.py (the command line, logging, preemption) is train.py's helper,
+    never its importer (train.main hands it train.train), and eval_tasks.py starts
+    its processes from train_ops, so evaluating loads no training loop."""
+    assert "train" not in reached_from("eval_tasks")
+    assert "train" not in reached_from("train_ops") and "train_ops" in project_imports("train")
+
+
+def calls_in(module: str) -> list[ast.Call]:
+    tree = ast.parse(open(os.path.join(ROOT, module + ".py")).read())
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+
+
+@pytest.mark.quick
+def test_rank_0_prints_in_one_form():
+    """A note to the user is launch.say's (rank 0, once): no module of the
+    training or evaluation prints for itself. launch.py holds say and the
+    one-line errors; prepare.py is one process and prints its progress."""
+    printing = {m for m in set(MODULES) - {"launch", "prepare"}
+                if any(isinstance(c.func, ast.Name) and c.func.id == "print" for c in calls_in(m))}
+    assert not printing, f"these modules print for themselves; use launch.say: {sorted(printing)}"
+
+
+@pytest.mark.quick
+def test_cps_loss_weight_is_made_in_one_place_and_applied_in_one():
+    """context.split_batch gives each micro-batch its loss_weight and gpt.weighted_loss
+    applies it; the step, the validation and the pipeline's last stage call that."""
+    naming = {m for m in MODULES if any(isinstance(n, ast.Constant) and n.value == "loss_weight"
+                                        for n in ast.walk(ast.parse(open(os.path.join(ROOT, m + ".py")).read())))}
+    assert naming == {"context", "gpt"}
+
+
 # Import names of packages installed beside a trainer, whether or not this
 # machine has them: a module of ours with one of these names would be found
 # first by any process whose sys.path starts at the project root (issue 68:

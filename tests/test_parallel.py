@@ -1085,7 +1085,7 @@ def _check_non_finite_grad_skips_the_step_on_every_rank(precision, poisoned):
     cfg = config.parse_args(["--preset", "tiny", "--clip-grad", "1.0", "--tensor-model-parallel-size", "2",
                              "--initial-loss-scale", "1024", *precision])
     _use_layout(2)
-    trainer = train.PlainTraining(cfg, process_env(), print)
+    trainer = train.PlainTraining(cfg, process_env())
     model, scaler = trainer.raw, trainer.scaler
     param = model.get_parameter(poisoned)
     assert getattr(param, "tensor_model_parallel", False) == (poisoned == "blocks.0.mlp.fc.weight")

@@ -378,7 +378,7 @@ def _check_pipeline_stages_share_one_loss_scale():
                              "--pipeline-model-parallel-size", "2"])
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=2)
-    trainer = train.PlainTraining(cfg, process_env(), print)  # its stage of the model
+    trainer = train.PlainTraining(cfg, process_env())  # its stage of the model
     model, scaler = trainer.raw, trainer.scaler
     poison = []
     if dist.get_rank() == 1:

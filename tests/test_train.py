@@ -31,6 +31,7 @@ import data as data_lib  # noqa: E402
 import parallel  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
+import train_ops  # noqa: E402
 from gpt import GPT, GPTConfig
 
 
@@ -42,9 +43,9 @@ from gpt import GPT, GPTConfig
 @pytest.mark.quick
 def test_global_batch_must_divide():
     cfg = config.TrainConfig(preset="tiny", micro_batch_size=4, global_batch_size=20)
-    assert train.gradient_accumulation_steps(cfg, dp_size=1) == 5
+    assert train_ops.gradient_accumulation_steps(cfg, dp_size=1) == 5
     with pytest.raises(ValueError, match="not divisible.*multiple of 8"):
-        train.gradient_accumulation_steps(cfg, dp_size=2)
+        train_ops.gradient_accumulation_steps(cfg, dp_size=2)
 
 
 @pytest.mark.quick
@@ -100,7 +101,7 @@ def test_learning_rate_is_megatrons(flags, per_step):
     for _ in range(decay // per_step + 10):
         megatron.append(groups[0]["lr"])
         theirs.step(per_step)
-    ours = [train.learning_rate(i * per_step, train.lr_schedule(cfg)) for i in range(len(megatron))]
+    ours = [train.learning_rate(i * per_step, train_ops.lr_schedule(cfg)) for i in range(len(megatron))]
     assert ours == pytest.approx(megatron, rel=1e-12, abs=1e-15)
     assert ours[0] == 0.0 and max(ours) == 1.0 and ours[-1] == (1.0 if "constant" in flags else 0.1)
 
@@ -122,9 +123,9 @@ def test_peak_flops_table():
     """MFU's denominator: --peak-flops wins; else the GPU's name (as
     torch.cuda.get_device_name spells it) picks the most specific entry."""
     cfg = config.TrainConfig(preset="tiny")
-    assert train.device_peak_flops(cfg, torch.device("cpu")) is None
+    assert train_ops.device_peak_flops(cfg, torch.device("cpu")) is None
     cfg.peak_flops = 123e12
-    assert train.device_peak_flops(cfg, torch.device("cpu")) == 123e12
+    assert train_ops.device_peak_flops(cfg, torch.device("cpu")) == 123e12
     names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
              "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
              "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12,
@@ -132,7 +133,7 @@ def test_peak_flops_table():
              "Tesla V100-PCIE-16GB": 112e12, "NVIDIA GeForce RTX 4090": 82.6e12,
              # no published bf16 rate, or not listed: unknown, never a guess
              "NVIDIA A10G": None, "Some New GPU": None}
-    assert {name: train.peak_flops_by_name(name) for name in names} == names
+    assert {name: train_ops.peak_flops_by_name(name) for name in names} == names
 
 
 # ----------------------------------------------------------------------------
@@ -372,7 +373,7 @@ def test_sigterm_before_the_loop_ends_the_run_at_once(corpus, tmp_path, nproc):
         proc.wait()
     assert proc.returncode != 0
     lines = err.read_text().splitlines()
-    assert sum(line == train.SIGTERM_BEFORE_THE_LOOP for line in lines) == nproc, lines[-20:]
+    assert sum(line == train_ops.SIGTERM_BEFORE_THE_LOOP for line in lines) == nproc, lines[-20:]
     assert 'train.py", line' not in err.read_text()  # no traceback of ours
 
 
@@ -459,7 +460,7 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(precision):
     own sync detector.)"""
     cfg = config.parse_args(["--preset", "tiny", "--seq-length", "16", "--micro-batch-size", "2",
                              "--initial-loss-scale", "256", *(["--fp16"] if precision == "fp16" else [])])
-    trainer = train.PlainTraining(cfg, process_env(), print)
+    trainer = train.PlainTraining(cfg, process_env())
     model, scaler = trainer.raw, trainer.scaler
     batch = {"tokens": torch.randint(0, 1000, (2, 16)), "labels": torch.randint(0, 1000, (2, 16)),
              "position_ids": torch.arange(16).expand(2, 16), "loss_mask": torch.ones(2, 16)}
@@ -486,7 +487,7 @@ def test_gpu_training_steps_never_synchronize():
         cfg = config.parse_args(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4",
                                  "--num-attention-heads", "2",  # head dim 32: the Triton kernels' smallest
                                  "--initial-loss-scale", "256", precision])
-        trainer = train.PlainTraining(cfg, process_env(device), print)
+        trainer = train.PlainTraining(cfg, process_env(device))
         batch = {k: v.pin_memory() for k, v in {
             "tokens": torch.randint(0, 1000, (4, 64)), "labels": torch.randint(0, 1000, (4, 64)),
             "position_ids": torch.arange(64).expand(4, 64).contiguous(), "loss_mask": torch.ones(4, 64)}.items()}
@@ -698,17 +699,17 @@ def test_domino_asks_cuda_for_one_hardware_queue(monkeypatch):
     import parallel
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")  # so teardown restores the original
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    train.init_processes(config.parse_args(["--preset", "tiny", "--domino"]))
+    train_ops.init_processes(config.parse_args(["--preset", "tiny", "--domino"]))
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    train.init_processes(config.parse_args(["--preset", "tiny", "--domino"]))
+    train_ops.init_processes(config.parse_args(["--preset", "tiny", "--domino"]))
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
     # --sequence-parallel overlaps its backward collectives with GEMMs the same way
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     cfg = dataclasses.replace(config.parse_args(["--preset", "tiny"]), sequence_parallel=True)
-    train.init_processes(cfg)  # (tp=1 here: only the environment is under test)
+    train_ops.init_processes(cfg)  # (tp=1 here: only the environment is under test)
     parallel.destroy()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
@@ -1071,7 +1072,7 @@ def compile_worker(out: str, data: str) -> None:
             parallel.destroy()
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            train.train(cfg, train.init_processes(cfg))
+            train.train(cfg, train_ops.init_processes(cfg))
             counters = torch._dynamo.utils.counters
             found[run] = {"graph_breaks": sum(counters["graph_break"].values()),
                           "graphs": counters["stats"]["unique_graphs"]}

@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
+import train_ops  # noqa: E402
 import zero  # noqa: E402
 from launch import UsageError  # noqa: E402
 from conftest import (IDS, VOCAB, as_torchrun_rank, deepspeed_launcher, free_port, run_on_ranks, torchrun,  # noqa: E402
@@ -58,7 +59,7 @@ def worker_run(out: str, name: str, extra: list[str]) -> None:
                                            "--metrics-file", os.path.join(out, name + ".jsonl"), *extra])
     parallel.destroy()
     start = time.monotonic()
-    env = train.init_processes(cfg)
+    env = train_ops.init_processes(cfg)
     train.train(cfg, env)
     if env.rank == 0:  # where the launch's time goes, in OUT/PLAN.log
         print(f"[{name}: {time.monotonic() - start:.1f} s]", flush=True)
@@ -72,11 +73,11 @@ def worker_eval_export(out: str, export: str, extra: list[str]) -> None:
     cfg = config.parse_args(COMMON + IDS + ["--data-path", os.path.join(out, "corpus_text_document"),
                                            "--data-cache-path", os.path.join(out, "cache"), *extra])
     parallel.destroy()
-    env = train.init_processes(cfg)
+    env = train_ops.init_processes(cfg)
     cfg = dataclasses.replace(cfg, load=export, no_load_optim=True)
     model = train.build_model(cfg, env.device)
     checkpoint.load_checkpoint(cfg, model, None, None, lambda message: None)
-    accum = train.gradient_accumulation_steps(cfg, parallel.layout.dp_size)
+    accum = train_ops.gradient_accumulation_steps(cfg, parallel.layout.dp_size)
     gb = cfg.micro_batch_size * parallel.layout.dp_size * accum
     _, valid = train.build_datasets(cfg, gb)
     loss = train.validation_loss(model, model.config, valid, cfg, env.device,
@@ -418,7 +419,7 @@ def test_a_checkpoint_of_the_other_kind_never_silently_starts_from_scratch(runs)
         checkpoint.load_checkpoint(cfg, None, None, None, print)
     cfg = config.parse_args(COMMON + ["--deepspeed", "--load", os.path.join(runs, "ckpt_ddp")])
     with pytest.raises(ValueError, match="holds a plain train.py checkpoint: resume it without --deepspeed"):
-        zero.DeepSpeedTraining(cfg, train.init_processes(cfg), 1, print, train.build_model, train.build_optimizer,
+        zero.DeepSpeedTraining(cfg, train_ops.init_processes(cfg), 1, print, train.build_model, train.build_optimizer,
                                train.clip_grad_norm_)
 
 
