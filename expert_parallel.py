@@ -32,11 +32,13 @@ different tokens: an expert's gradient covers its EP group's tokens, and
 reduce_expert_grads sums it over the ranks holding the same expert
 (layout.expert_dp_group) while DDP averages the other weights over DP x CP.
 
-Token counts are data-dependent. The plain loop and permute take each
-expert's tokens with nonzero (torch.compile: capture_dynamic_output_shape_ops,
-unbacked sizes); the grouped GEMM reads the counts as a tensor (offsets), so
-its shapes are fixed by the number of rows alone (N k dropless, E x capacity
-padded); the all-to-all's split sizes are host ints.
+torch.compile and the data-dependent token counts: the plain loop and
+permute take each expert's tokens with nonzero, whose size Dynamo traces as
+an unbacked symbol under capture_dynamic_output_shape_ops; the all-to-all's
+split sizes are host ints (.tolist()), traced under capture_scalar_outputs.
+With both, the layer compiles whole (no graph break) at EP = 1 and 2, both
+dispatchers. The grouped GEMM reads the counts as a tensor (its offsets);
+torch 2.13 traces grouped_mm in bf16 only (its fake kernel refuses fp32 and fp16).
 """
 from __future__ import annotations
 

@@ -300,7 +300,7 @@ def test_the_layer_compiles_whole(grouped):
     (fullgraph) when Dynamo may trace nonzero's data-dependent sizes
     (capture_dynamic_output_shape_ops): the loop's tokens per expert, permute's
     rows. The grouped GEMM compiles in bf16 only: torch 2.13's grouped_mm
-    fake kernel takes nothing else (fp32 runs eagerly)."""
+    fake kernel takes nothing else (in fp32 it runs in eager mode alone)."""
     layer = moe_layer(moe_grouped_gemm=grouped, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-3)
     x, g = hidden(), hidden(seed=2)
     precision = torch.autocast("cpu", torch.bfloat16, enabled=grouped)
@@ -366,6 +366,22 @@ def _check_expert_parallel_is_one_process():
                 grad = p.grad if name.startswith("experts.") else parallel.all_reduce_mean(p.grad, lay.dp_cp_group)
                 full = grads[name][first:first + El] if name.startswith("experts.") else grads[name]
                 torch.testing.assert_close(grad, full, rtol=1e-5, atol=1e-6, msg=f"{case}: {name}")
+        if ep == 2:
+            _check_compiled_expert_parallel_is_eager(rank)
+
+
+def _check_compiled_expert_parallel_is_eager(rank):
+    """Both dispatchers compile whole (fullgraph), forward and backward, when
+    Dynamo may trace data-dependent sizes: nonzero's (permute) and the host
+    ints of the all-to-all's split sizes (capture_scalar_outputs)."""
+    for dispatcher in ("alltoall", "allgather"):
+        layer = moe_layer(moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=0.1)
+        x, g = hidden(seed=10 + rank), hidden(seed=20 + rank)
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+            got = _output_and_grads(torch.compile(layer, backend="aot_eager", fullgraph=True), x, g)
+        layer.zero_grad()
+        for a, b in zip(got, _output_and_grads(layer, x, g)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=dispatcher)
 
 
 @pytest.mark.slow
@@ -376,7 +392,8 @@ def test_expert_parallel_gives_one_processs_outputs_and_gradients():
     router's (averaged over DP as DDP does) and each expert's
     (reduce_expert_grads), for the all-to-all and all-gather dispatchers, the
     loop and the grouped GEMM, dropless and with capacity (each rank drops
-    from its own tokens, as one process does), with the aux losses."""
+    from its own tokens, as one process does), with the aux losses. At EP = 2
+    both dispatchers also compile whole and give eager mode's numbers."""
     run_on_ranks(_check_expert_parallel_is_one_process, world_size=4)
 
 
