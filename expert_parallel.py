@@ -21,7 +21,7 @@ the same rows of the stacked weights at any EP:
         rank 1's rows  e0 e1 e1 | e2 e2 e3   --->  rank 1: from 0 [e2 e3 e3], from 1 [e2 e2 e3]
 
 The split sizes depend on the routing, so the ranks first exchange their row
-counts per expert (a small all-to-all, and the step's one wait for the host).
+counts per expert (a small all-to-all, and a wait for the host).
 The all-gather dispatcher (megatron-core's default) moves more bytes and
 needs no counts: every rank gathers the N x EP tokens of its EP group with
 their routing, computes its experts' share of each token's output, and a
@@ -121,7 +121,7 @@ def all_to_all_experts(mlps, rows, counts, grouped: bool):
     in the same order, each computed on the rank holding the expert."""
     ep, El = parallel.layout.ep_size, len(mlps.fc)
     received = all_to_all([El] * ep, [El] * ep, counts)           # (EP x E_local,) my experts' rows from each rank
-    sizes = torch.cat([counts, received]).tolist()                # the one wait for the host
+    sizes = torch.cat([counts, received]).tolist()                # split sizes are host ints: a wait
     pairs = sizes[ep * El:]                                       # rows per (source rank, my expert)
     send = [sum(sizes[r * El:(r + 1) * El]) for r in range(ep)]
     recv = [sum(pairs[r * El:(r + 1) * El]) for r in range(ep)]
