@@ -16,8 +16,8 @@
 4. GPT-2 initialization (`init_weights`).
 5. Tensor parallelism (Megatron-style, see parallel.py): each layer is built
    and initialized as for tp=1, then sliced (shard_block; see GPT.__init__).
-   Domino (domino_blocks) hides the TP all-reduces. A pipeline stage keeps its
-   own layers (GPT(config, layers)), which pipeline.Stage runs.
+   Domino (domino_blocks) hides the TP all-reduces. A pipeline stage keeps the
+   pieces pipeline.stage_model names (GPT(config, keep)).
 6. Generation: the KV cache and `generate`.
 7. Parameter/FLOP accounting (`count_parameters`, `flops_per_token`).
 8. The checks of a GPTConfig (`check_config`).
@@ -664,21 +664,16 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, layers: list[range] | None = None):
-        """layers: the layers this module holds, as ranges (default all); under
-        pipeline parallelism one range per model chunk of this rank, in layer
-        order (pipeline.pipeline_chunks). The first layer's holder has the
-        embedding, the last layer's the final norm and the head.
-
-        Every piece of the whole model is built and initialized in one order
+    def __init__(self, config: GPTConfig, keep: Callable[[str], bool] = lambda piece: True):
+        """Every piece of the whole model is built and initialized in one order
         (_pieces), as on one device, so every layout starts from the same
-        weights; this module keeps the pieces it holds (holds), each cut to
-        this rank's tensor-parallel slice (tensor_parallel_piece) before the
-        next is built: a rank never holds more than its slices plus one full
-        layer. The others are dropped, their random numbers drawn."""
+        weights, and cut to this rank's tensor-parallel slice before the next
+        is built: a rank never holds more than its slices plus one full layer.
+        keep(piece): whether this module keeps it (all, but on a pipeline
+        stage: pipeline.stage_model); the others are dropped, their random
+        numbers drawn."""
         super().__init__()
         self.config = config
-        self.layers = layers or [range(config.num_layers)]
         # How blocks are recomputed under activation checkpointing; train.py
         # swaps in DeepSpeed's (which can partition saved inputs across TP ranks).
         self.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
@@ -689,7 +684,7 @@ class GPT(nn.Module):
         self.drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
         for name, make in self._pieces():
             piece = self._build(make)
-            if self.holds(name):
+            if keep(name):
                 self._keep(name, tensor_parallel_piece(name, piece, config))
         if self.sequence_parallel:  # norms and biases see T/tp tokens: sum their grads
             parallel.sum_sequence_parallel_grads(self)
@@ -716,8 +711,6 @@ class GPT(nn.Module):
             self.blocks.add_module(layer, piece)
             return
         setattr(self, name, piece)
-        if name == "wte":  # on the last stage alone, a tied head's copy of the embedding
-            parallel.mark(piece.weight, pipeline_copy=not self.holds_first_layer)
 
     def _build(self, make: Callable[[], nn.Module]) -> nn.Module:
         """make() a piece and give it GPT-2's init. Only init_weights draws random
@@ -831,34 +824,11 @@ class GPT(nn.Module):
 
     def load_full_state_dict(self, sd: dict) -> None:
         """Inverse of full_state_dict (strict): each rank keeps its slice, and a
-        pipeline stage its own pieces of the whole model's state dict."""
-        parallel.load_full_state_dict(self, {k: v for k, v in sd.items() if self.holds(k)})
-
-    @property
-    def holds_first_layer(self) -> bool:  # and so the embedding (the pipeline's first stage)
-        return self.layers[0].start == 0
-
-    @property
-    def holds_last_layer(self) -> bool:  # and so the final norm, the head and the loss
-        return self.layers[-1].stop == self.config.num_layers
-
-    def holds(self, key: str) -> bool:
-        """Whether the whole model's state-dict `key` belongs to this stage. A
-        key that no stage of this model holds (a layer too many, an untied head
-        for a tied model) is kept, for the strict load to report."""
-        piece, _, rest = key.partition(".")
-        c = self.config
-        first, last = self.holds_first_layer, self.holds_last_layer
-        if piece == "blocks":
-            layer = int(rest.partition(".")[0])
-            return layer >= c.num_layers or any(layer in held for held in self.layers)
-        tied = not c.untie_embeddings_and_output_weights
-        stage_of = {"wte": first or (last and tied), "ln_f": last}  # pieces every model has
-        if c.position_embedding_type == "learned_absolute":
-            stage_of["wpe"] = first
-        if not tied:
-            stage_of["output_layer"] = last
-        return stage_of.get(piece, True)
+        pipeline stage its own pieces of the whole model's state dict (a key of
+        no piece, as a layer too many, is left for the strict load to report)."""
+        mine = {name for name, _ in self.named_modules()}
+        others = tuple(f"{name}." for name, _ in self._pieces() if name not in mine)  # another stage's
+        parallel.load_full_state_dict(self, {k: v for k, v in sd.items() if not k.startswith(others)})
 
 
 # -----------------------------------------------------------------------------

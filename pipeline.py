@@ -1,16 +1,8 @@
 """Pipeline parallelism: the layers split into stages, one per pipeline rank,
-and a step's micro-batches scheduled through them. Sections:
-
-  1. Stages: which layers (model chunks) a rank holds (pipeline_chunks), a
-     chunk's forward from the model's own pieces (Stage), the tied embedding
-  2. The schedules: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), drawn,
-     and timed on one clock
-  3. One rank's forwards, backwards and point-to-point exchanges
-     (run_pipeline); 3b. zero bubble's W, the blocks' weight gradients left
-     for later (LaterWeightGrads, weight_grads)
-  4. The pipelined step: a step's micro-batches through this rank's stage
-  5. The gradient reductions: over data parallelism (each started once its
-     gradients are final), and the tied embedding's over its two stages
+and a step's micro-batches scheduled through them. Sections: 1. the stages;
+2. the schedules, 1F1B and interleaved, timed on one clock and drawn (chart);
+3. run_pipeline, one rank's part of a schedule, and 3b. zero bubble (ZB-H1);
+4. the pipelined step; 5. the gradient reductions stages need; 6. the checks.
 """
 from __future__ import annotations
 
@@ -28,116 +20,101 @@ from torch.overrides import TorchFunctionMode
 import parallel
 from config import TrainConfig
 from data import to_device
-from gpt import GPT, rope_angles
+from gpt import GPT, GPTConfig, rope_angles
 from launch import UsageError
 
 # The layers are split into pp stages, one per pipeline rank (Huang et al.,
 # "GPipe", 2019; Narayanan et al., "Megatron-LM at scale", 2021): stage 0
 # holds the embedding, the last stage the final norm, the head and the loss.
-# A stage sends its output (B, T[/tp], C) to the next stage and, in backward,
-# the gradient w.r.t. its input to the previous one, point to point. To keep
-# every stage busy the global batch is cut into m micro-batches.
+# A stage sends its output (B, T[/tp], C) to the next one and, in backward,
+# the gradient w.r.t. its input to the previous one; the global batch is cut
+# into m micro-batches, to keep every stage busy. 1F1B (PipeDream-flush,
+# Narayanan et al. 2021), pp=4, m=8, drawn by chart(pipeline_timeline(4, 8)):
+# a forward (digit: micro-batch) takes a tick, a backward (letter: a=0, b=1,
+# ...) two, '.' is idle:
 #
-# 1F1B (PipeDream-flush, Narayanan et al. 2021), pp=4, m=8; a forward
-# (digit: micro-batch) takes one tick, a backward (letter: a=0, b=1, ...) two:
+#     stage 0  0123......aa4bb5cc6dd7ee.ff.gg.hh
+#     stage 1  .012....aa3bb4cc5dd6ee7ff.gg.hh..
+#     stage 2  ..01..aa2bb3cc4dd5ee6ff7gg.hh....
+#     stage 3  ...0aa1bb2cc3dd4ee5ff6gg7hh......
 #
-#     stage 0  0123      aa4bb5cc6dd7ee ff gg hh
-#     stage 1   012    aa3bb4cc5dd6ee7ff gg hh
-#     stage 2    01  aa2bb3cc4dd5ee6ff7gg hh
-#     stage 3     0aa1bb2cc3dd4ee5ff6gg7hh
+# Stage s warms up with pp-1-s forwards, then alternates a forward and a
+# backward (the steady state), then cools down with the last backwards: it
+# holds at most pp-s micro-batches' activations (GPipe, all forwards first,
+# holds m). The idle ticks, the bubble, are (pp-1)/(m+pp-1) of the step
+# (here 9 of 33 a stage): fewer with more micro-batches.
 #
-# Stage s warms up with pp-1-s forwards, then alternates one forward with one
-# backward, then drains the backwards: it never holds more than pp-s
-# micro-batches' activations (GPipe, all forwards first, holds m). The idle
-# ticks, the bubble, are (pp-1)/(m+pp-1) of the step (here 9 of 33 a stage):
-# fewer with more micro-batches.
+# Interleaved 1F1B (--num-layers-per-virtual-pipeline-stage): rank r holds v
+# model chunks, chunk c being virtual stage c*pp + r, and a micro-batch goes
+# round the ranks v times (pp=2, v=2, m=4: stages 0 and 2 are rank 0's):
 #
-# Interleaved 1F1B (--num-layers-per-virtual-pipeline-stage): each rank holds
-# v model chunks, chunk c of rank r being virtual stage c*pp + r, so a
-# micro-batch goes round the ranks v times. A tick is then 1/v as long, and
-# the bubble (pp-1)/(v*m+pp-1): about v times smaller, for v times more
-# point-to-point messages.
+#     stage 0  01..2...3...aa.bb......ccdd
+#     stage 1  .01......2aa3bb......ccdd..
+#     stage 2  ..01..aa.bb2..3...cc.dd....
+#     stage 3  ...0aa1bb......2cc3dd......
 #
-# Zero bubble, ZB-H1 (--enable-zero-bubble; Qi et al., "Zero Bubble Pipeline
-# Parallelism", ICLR 2024) splits each backward in two: I (the paper's B),
-# the gradient w.r.t. the stage's input, which the previous stage waits for,
-# and W, the weight gradients, which nothing waits for. Each takes one tick
-# (digit F, lower-case letter I, upper-case W; pp=4, m=8):
-#
-#     stage 0  0123...aA4bB5cC6dD7eEfFgGhH
-#     stage 1  .012..a3bA4cB5dC6eD7fEgFhGH
-#     stage 2  ..01.a2b3cA4dB5eC6fD7gEhFGH
-#     stage 3  ...0a1b2c3dA4eB5fC6gD7hEFGH
-#
-# The F's and I's keep 1F1B's order, so a stage holds as many micro-batches'
-# activations as in 1F1B; stage s runs each W s micro-batches after its I,
-# and those W's fill the drain where 1F1B idles. A stage idles pp-1 ticks
-# of 3m+pp-1, (pp-1)/(3m+pp-1) (3 of 27 here; 1F1B: 3(pp-1) of 3m+3(pp-1),
-# 9 of 33). The price: a W keeps the inputs and output gradients of the
-# linears it needs (X, dY) from its I until it runs, s micro-batches' worth
-# on stage s. W computes the dW of the blocks' linears (section 3b); the
-# biases, norms, embeddings and LM head (small, or on one stage) get theirs in I.
-#
-# How it runs here: pipeline_timeline places every rank's actions (in
-# Megatron's order) on one clock, each at the first tick its input exists.
-# run_pipeline walks the ticks on every rank: at each tick a rank starts its
-# action, if one starts then, then sends what its action ending at this tick
-# produced and receives what its neighbours' produced, in one
-# batch_isend_irecv: both sides of every message post it in the same batch,
-# so nothing waits on a message posted later (NCCL would deadlock).
+# A tick is 1/v as long, and the bubble (pp-1)/(v*m+pp-1) (here 3 of 27 a
+# rank): about v times smaller, for v times more messages. Zero bubble
+# (ZB-H1, section 3b) fills 1F1B's cool-down with weight gradients instead.
 
 
 # ----------------------------------------------------------------------------
 # 1. Stages
 
+def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
+    """The layers of each model chunk of pipeline rank `rank`: one chunk of
+    num_layers/pp consecutive layers, or v = num_layers/(pp*n) chunks of
+    n = layers_per_virtual_stage layers, chunk c being virtual stage c*pp + rank."""
+    n = layers_per_virtual_stage or num_layers // pp
+    check_layers(num_layers, pp, n, layers_per_virtual_stage)
+    return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(num_layers // (pp * n))]
+
+
+def stage_model(config: GPTConfig, chunks: list[range]) -> GPT:
+    """The stage of layers `chunks`: the whole model, built and initialized as
+    on one device (GPT), keeping their blocks; the first layer's stage the
+    embeddings, the last layer's the final norm and the head (tied: a copy of
+    the embedding, marked pipeline_copy)."""
+    first, last = chunks[0].start == 0, chunks[-1].stop == config.num_layers
+    tied = not config.untie_embeddings_and_output_weights
+    ends = {"wte": first or (last and tied), "wpe": first, "ln_f": last, "output_layer": last}
+
+    def keep(piece: str) -> bool:  # a piece of the whole model, as GPT._pieces names it
+        kind, _, layer = piece.partition(".")
+        return any(int(layer) in chunk for chunk in chunks) if kind == "blocks" else ends[kind]
+    model = GPT(config, keep)
+    parallel.mark(model, pipeline_chunks=chunks)  # the chunks Stage runs
+    if hasattr(model, "wte") and not first:
+        parallel.mark(model.wte.weight, pipeline_copy=True)
+    return model
+
+
 class Stage(nn.Module):
-    """This rank's stage of `model` (a GPT of this rank's layers), a model chunk
-    at a time from the model's own pieces: chunk `chunk` embeds `batch`'s tokens
+    """stage_model's `model` (or a whole GPT: one chunk), a model chunk at a
+    time, from the model's own pieces: chunk `chunk` embeds `batch`'s tokens
     or runs on x (B, T[/tp], C), the previous stage's output, and returns its
-    output or, ending with the last layer, the loss. A module, so that
-    torch.compile(Stage(model)) compiles each chunk's forward whole."""
+    output or, ending with the last layer, the loss (a module: torch.compile
+    compiles each chunk's forward whole)."""
 
     def __init__(self, model: GPT):
         super().__init__()
         self.model = model
+        self.chunks = getattr(model, "pipeline_chunks", None) or [range(model.config.num_layers)]
 
     def forward(self, chunk: int, batch: dict, x=None):
-        model, layers = self.model, self.model.layers[chunk]
+        model, layers = self.model, self.chunks[chunk]
         if layers.start == 0:
             x, rope = model.embed(batch["tokens"], batch["position_ids"])  # (B, T[/tp], C)
         else:
             rope = rope_angles(model.config, batch["position_ids"]) \
                 if model.config.position_embedding_type == "rope" else None
-        # every chunk holds n layers (pipeline_chunks), in model.blocks in layer order; a slice of
-        # the list, as a slice of the ModuleList would build a new module every forward (0.2 ms at 48)
+        # every chunk holds n layers, in model.blocks in layer order; a slice of the list, as a
+        # slice of the ModuleList would build a new module every forward (0.2 ms at 48)
         n = len(layers)
         x = model.run_blocks(x, rope, list(model.blocks)[chunk * n:(chunk + 1) * n], batch.get("document_ids"))
         if layers.stop < model.config.num_layers:
             return x
         return model.head(x, batch["labels"], batch["loss_mask"])
-
-
-def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
-    """The layers of each model chunk of pipeline rank `rank`: one chunk of
-    num_layers/pp consecutive layers, or v = num_layers/(pp*n) chunks of
-    n = layers_per_virtual_stage layers, chunk c being virtual stage c*pp + rank."""
-    if num_layers % pp:
-        raise UsageError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {num_layers} "
-                         f"(each stage holds as many layers)")
-    n = layers_per_virtual_stage or num_layers // pp
-    if num_layers % (pp * n):
-        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {n} x --pipeline-model-parallel-size "
-                         f"{pp} must divide --num-layers {num_layers}")
-    return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(num_layers // (pp * n))]
-
-
-def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
-    """Where a tied embedding is split over two pipeline stages (the first's
-    embedding, the last's head) and this stage holds one copy: its weight,
-    whose gradient the two stages sum; else None."""
-    tied = not model.config.untie_embeddings_and_output_weights
-    one_end = model.holds_first_layer != model.holds_last_layer
-    return model.wte.weight if tied and one_end and hasattr(model, "wte") else None
 
 
 # ----------------------------------------------------------------------------
@@ -149,52 +126,23 @@ class Action(NamedTuple):
     micro: int   # which micro-batch
 
 
-def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = False,
-               zero_bubble: bool = False) -> list[Action]:
+def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = False) -> list[Action]:
     """One rank's actions, in Megatron's order. The k-th of its m*v forwards
     runs chunk (k mod pp*v) // pp: micro-batches go through the chunks in
-    groups of pp (the backwards through the chunks in reverse). zero_bubble:
-    ZB-H1's order (zb_h1_order)."""
+    groups of pp (the backwards through the chunks in reverse)."""
     def action(kind: str, k: int) -> Action:
         chunk = k % (pp * v) // pp
         return Action(kind, v - 1 - chunk if kind == "B" else chunk, k // (pp * v) * pp + k % pp)
     total = m * v
     if forward_only:
         return [action("F", k) for k in range(total)]
-    if zero_bubble:
-        return zb_h1_order(pp, rank, m)
-    # Forwards before the first backward: enough to fill the pipe below this rank
-    # (interleaved: twice that, plus one round of the other chunks).
+    # Warm-up: forwards enough to fill the pipe below this rank (interleaved:
+    # twice that, plus one round of the other chunks); steady state; cool-down.
     warmup = min(total, pp - rank - 1 if v == 1 else 2 * (pp - rank - 1) + (v - 1) * pp)
     order = [action("F", k) for k in range(warmup)]
     for k in range(total - warmup):
         order += [action("F", warmup + k), action("B", k)]
     return order + [action("B", k) for k in range(total - warmup, total)]
-
-
-def zb_h1_order(pp: int, rank: int, m: int) -> list[Action]:
-    """ZB-H1 (Qi et al. 2024, drawn above): for x = 0, 1, ..., the triple
-    F x, I x-(pp-1-rank), W x-(pp-1), each where its micro-batch exists. The
-    I's lag 1F1B's backwards as much as 1F1B's; the W's lag the I's by
-    `rank`, which fills the drain where 1F1B idles."""
-    order = []
-    for x in range(m + pp - 1):
-        order += [Action(kind, 0, k) for kind, k in (("F", x), ("I", x - (pp - 1 - rank)), ("W", x - (pp - 1)))
-                  if 0 <= k < m]
-    return order
-
-
-def check_micro_batches(m: int, pp: int, v: int) -> None:
-    """A training step's m micro-batches must fill the pipeline (and, interleaved, go round in groups of pp)."""
-    if m < pp:
-        raise UsageError(f"{m} micro-batch(es) per step cannot fill {pp} pipeline stages: use "
-                         f"--global-batch-size >= --micro-batch-size x data-parallel size x "
-                         f"--pipeline-model-parallel-size")
-    if v > 1 and m % pp:
-        raise UsageError(f"the interleaved schedule sends micro-batches round in groups of "
-                         f"--pipeline-model-parallel-size {pp}: {m} micro-batches per step is not "
-                         f"a multiple; make --global-batch-size / (--micro-batch-size x "
-                         f"data-parallel size) one")
 
 
 # A backward costs about two forwards (the gradients w.r.t. inputs and weights
@@ -205,15 +153,16 @@ DURATION = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False,
                       zero_bubble: bool = False) -> list[list[Action | None]]:
-    """Every rank's actions on a common clock: ticks[t][rank] is the action the
-    rank starts at tick t, or None (busy with a backward, or idle: the
-    bubble). An action starts at the first tick after the one that finished
-    its input: the previous virtual stage's forward, or the next one's
-    backward (the last's: its own forward). zero_bubble: ZB-H1's order, one
-    model chunk a rank (config.validate_pipeline refuses interleaving it)."""
+    """Every rank's actions (rank_order's; zero_bubble: zb_h1_order's, one
+    chunk a rank) on a common clock: ticks[t][rank] is the action the rank
+    starts at tick t, or None (busy with a backward, or idle: the bubble). An
+    action starts at the first tick after the one that finished its input:
+    the previous virtual stage's forward, or the next one's backward (the
+    last's: its own forward)."""
     if not forward_only:
         check_micro_batches(m, pp, v)
-    orders = [rank_order(pp, r, m, v, forward_only, zero_bubble) for r in range(pp)]
+    orders = [zb_h1_order(pp, r, m) if zero_bubble and not forward_only else rank_order(pp, r, m, v, forward_only)
+              for r in range(pp)]
     done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> tick it ends
     last = pp * v - 1
     ticks, position, free = [], [0] * pp, [0] * pp  # free: the first tick a rank is not busy
@@ -235,8 +184,7 @@ def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False,
 
 
 def _input_of(a: Action, s: int, last: int) -> tuple[str, int, int] | None:
-    """The (kind, virtual stage, micro-batch) of the action whose end gives
-    action a, run by virtual stage s, its input (None: the first forward)."""
+    """The (kind, virtual stage, micro) whose end gives a, on stage s, its input."""
     if a.kind == "F":
         return ("F", s - 1, a.micro) if s > 0 else None
     if a.kind == "W":
@@ -256,24 +204,44 @@ def _messages(a: Action | None, sender: int, pp: int, v: int):
     return s % pp, (a.kind, s // pp, a.micro)
 
 
+def chart(ticks: list[list[Action | None]]) -> str:
+    """`ticks` drawn as above: a row per (virtual) stage, a column per tick; a
+    forward its micro-batch's digit (m <= 10), a backward its letter (a = 0)
+    over two ticks, zero bubble's I and W lower- and upper-case, '.' idle."""
+    pp, v = len(ticks[0]), 1 + max(a.chunk for row in ticks for a in row if a)
+    rows = [["."] * len(ticks) for _ in range(pp * v)]
+    for t, row in enumerate(ticks):
+        for r, a in enumerate(row):
+            if a is not None:
+                glyph = str(a.micro) if a.kind == "F" else chr(ord("A" if a.kind == "W" else "a") + a.micro)
+                rows[a.chunk * pp + r][t:t + DURATION[a.kind]] = glyph * DURATION[a.kind]
+    return "\n".join(f"stage {s}  {''.join(row)}" for s, row in enumerate(rows))
+
+
 # ----------------------------------------------------------------------------
 # 3. Running a schedule
 
 def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple, device,
-                 dtype=torch.float32, timeline: list | None = None, after=None,
-                 later: LaterWeightGrads | None = None) -> None:
-    """This rank's part of `ticks`. forward(chunk, micro, x) runs a model chunk
-    on x, the previous stage's output (None on the first virtual stage), and
-    returns its output, on the last virtual stage the loss. A backward
-    differentiates that output with the gradient the next stage sent back,
-    and sends x's gradient on. timeline: gets (tick, action, start, end) of
-    each action. after(action) runs as each action ends, before its tick's
-    exchange. later: zero bubble's (section 3b), for the ticks' W."""
+                 dtype=torch.float32, timeline: list | None = None, after=None, act=None) -> None:
+    """This rank's part of `ticks` (pipeline_timeline's), tick by tick:
+
+        for each tick t:
+            if this rank starts an action a at t:
+                post the receives due while a runs    (unblock_senders_during)
+                run a                                 (act: _act's F or B; 3b's F, I or W)
+            send what this rank's action ending at t made, and receive
+            what its neighbours' actions ending at t made    (exchange)
+
+    forward(chunk, micro, x) runs a model chunk on x, the previous stage's
+    output (None on the first virtual stage): its output, on the last the
+    loss. timeline gets each action's (tick, action, start, end); after(action)
+    runs as it ends."""
     rank, pp, group = parallel.layout.pp_rank, parallel.layout.pp_size, parallel.layout.pp_group
+    act = act or _act
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
-    in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output, dW store) until backward
-    posted: dict[int, list] = {}              # tick -> receives posted before the action spanning it
+    in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until its backward
+    posted: dict[int, list] = {}              # tick -> its receives, posted before an action spanning it
 
     def receives(t: int) -> list:  # what the neighbours' actions ending at tick t send here
         ops = []
@@ -284,120 +252,115 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
                 ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=neighbour))
         return ops
 
+    def unblock_senders_during(a: Action, t: int) -> None:
+        """A message due while a runs (a backward spans two ticks) is received
+        into a buffer posted now, so that its sender need not wait for a to end."""
+        for due in range(t, t + DURATION[a.kind] - 1):
+            posted[due] = (ops := receives(due)) and dist.batch_isend_irecv(ops)
+
+    def exchange(t: int, output: torch.Tensor | None) -> None:
+        """One batch_isend_irecv in which both sides post each message: nothing
+        waits on one posted later (NCCL would deadlock)."""
+        ops = [] if t in posted else receives(t)
+        sent = _messages(ending.get((t, rank)), rank, pp, v)
+        if sent is not None:
+            ops.append(dist.P2POp(dist.isend, checked_output(output, shape, dtype), group=group, group_peer=sent[0]))
+        for work in (posted.pop(t, None) or []) + (dist.batch_isend_irecv(ops) if ops else []):
+            work.wait()
+
+    output = None
     for t, row in enumerate(ticks):
         a = row[rank]
         if a is not None:
-            # A message due while this action runs (a backward spans two ticks) is received
-            # into a buffer posted now, so its sender need not wait for the action to end.
-            for due in range(t, t + DURATION[a.kind] - 1):
-                posted[due] = (ops := receives(due)) and dist.batch_isend_irecv(ops)
+            unblock_senders_during(a, t)
             start = time.perf_counter()
-            outgoing = _act(a, forward, received, in_flight, later)
+            output = act(a, forward, received, in_flight)
             if timeline is not None:
                 timeline.append((t, a, start, time.perf_counter()))
             if after is not None:
                 after(a)
-        ops = [] if t in posted else receives(t)
-        sent = _messages(ending.get((t, rank)), rank, pp, v)
-        if sent is not None:
-            if outgoing.shape != shape or outgoing.dtype != dtype:
-                raise RuntimeError(f"stage output {tuple(outgoing.shape)} {outgoing.dtype}, "
-                                   f"expected {shape} {dtype}")
-            ops.append(dist.P2POp(dist.isend, outgoing.contiguous(), group=group, group_peer=sent[0]))
-        for work in (posted.pop(t, None) or []) + (dist.batch_isend_irecv(ops) if ops else []):
-            work.wait()
+        exchange(t, output)
 
 
-def _act(a: Action, forward, received: dict, in_flight: dict,
-         later: LaterWeightGrads | None = None) -> torch.Tensor | None:
-    """Run action a; returns what it sends on (_messages). later (zero bubble):
-    each micro-batch's linears leave their dW in a store of its own, which its
-    I keeps and its W empties."""
-    if a.kind == "W":
-        weight_grads(in_flight.pop(("W", a.chunk, a.micro)))
-        return None
+def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | None:
+    """Run action a, F or B; returns what it sends on (_messages)."""
     if a.kind == "F":
         x = received.pop(("F", a.chunk, a.micro), None)
-        store = [] if later is not None and torch.is_grad_enabled() else None
-        with later.deferring(store) if store is not None else contextlib.nullcontext():
-            y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
+        y = forward(a.chunk, a.micro, None if x is None else x.requires_grad_(torch.is_grad_enabled()))
         if torch.is_grad_enabled():
-            in_flight[(a.chunk, a.micro)] = (x, y, store)
+            in_flight[(a.chunk, a.micro)] = (x, y)
         return y.detach()
-    x, y, store = in_flight.pop((a.chunk, a.micro))
-    # (a recomputed forward leaves its dW as the first did)
-    with later.deferring(store, backward=True) if store is not None else contextlib.nullcontext():
-        torch.autograd.backward(y, received.pop((a.kind, a.chunk, a.micro), None))
-    if store is not None:
-        in_flight[("W", a.chunk, a.micro)] = store
+    x, y = in_flight.pop((a.chunk, a.micro))
+    torch.autograd.backward(y, received.pop((a.kind, a.chunk, a.micro), None))
     return x.grad if x is not None else None  # (the graph goes as x and y do, on return)
 
 
 # ----------------------------------------------------------------------------
-# 3b. Zero bubble's W: the blocks' weight gradients, computed later
-# Inside a micro-batch's F and I the blocks' linear weights are frozen
-# (requires_grad False): autograd computes every other gradient, but no dW
-# and no AccumulateGrad node for them (one would run in I gradient-less, and
-# GradientAverager's hooks count each). Each such GEMM y = X W^T + b leaves
-# (W, dY, X) in the micro-batch's store; W computes dW = dY^T X from it. The
-# GEMMs are found where they run, so the model and parallel.py carry nothing
-# for it: a TorchFunctionMode sees each F.linear on a frozen weight; the
-# sequence-parallel column GEMM, in its own autograd Function, skips a frozen
-# weight's dW, and a forward hook keeps its tokens for I to gather again.
-# Activation checkpointing recomputes them as it does any saved tensor.
+# 3b. Zero bubble (ZB-H1): the weight gradients later
+#
+# Qi et al. ("Zero Bubble Pipeline Parallelism", ICLR 2024) split B in two:
+#
+#     I  (the input gradient)  a linear y = X W^T + b stores (X, dY), not dW
+#     W  (any tick later)      dW = dY^T X
+#
+# The previous stage waits for I, nothing for W. ZB-H1 (--enable-zero-bubble)
+# keeps 1F1B's F's and I's, and stage s runs each W s micro-batches after its
+# I, where 1F1B cools down (digit F, lower-case I, upper-case W, a tick each;
+# pp=4, m=8: 3 idle ticks of 27, 1F1B's 9 of 33):
+#
+#     stage 0  0123...aA4bB5cC6dD7eEfFgGhH
+#     stage 1  .012..a3bA4cB5dC6eD7fEgFhGH
+#     stage 2  ..01.a2b3cA4dB5eC6fD7gEhFGH
+#     stage 3  ...0a1b2c3dA4eB5fC6gD7hEFGH
+#
+# The price: stage s holds s micro-batches' (X, dY). W is the blocks'
+# linears'; the biases, norms, embeddings and head (small, or on one stage)
+# take theirs in I. The model and parallel.py carry nothing for it.
+
+def zb_h1_order(pp: int, rank: int, m: int) -> list[Action]:
+    """ZB-H1's: for x = 0, 1, ..., F x, I x-(pp-1-rank) and W x-(pp-1), where they exist."""
+    return [Action(kind, 0, k) for x in range(m + pp - 1)
+            for kind, k in (("F", x), ("I", x - (pp - 1 - rank)), ("W", x - (pp - 1))) if 0 <= k < m]
+
 
 class LaterWeightGrads(TorchFunctionMode):
-    """A zero-bubble stage's block linears, whose dW waits for the schedule's W."""
+    """A stage's block linears, whose dW waits for W: frozen in F and I, so that
+    autograd computes all other gradients, while this mode (on in F) makes each
+    F.linear on a frozen weight keep (X, dY) in the micro-batch's store."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.blocks = list(model.blocks)
         linears = {name: m for name, m in model.blocks.named_modules()
                    if isinstance(m, (nn.Linear, parallel.ColumnParallelLinear, parallel.RowParallelLinear))}
         self.weights = {m.weight: f"blocks.{name}" for name, m in linears.items()}  # -> the layer's name
-        # Only a column layer's SP GEMM runs inside its own Function; a row layer's F.linear
-        # (its input whole, (B, T, in/tp)) is caught by the mode like any other.
-        self.columns = [m for m in linears.values()
-                        if isinstance(m, parallel.ColumnParallelLinear) and m.sequence_parallel]
-        self.store = None   # the running micro-batch's, inside deferring()
+        self.sp_columns = [m for m in linears.values()  # (a row layer's SP F.linear is the mode's)
+                           if isinstance(m, parallel.ColumnParallelLinear) and m.sequence_parallel]
+        self.recomputed = list(model.blocks) if model.config.activation_checkpointing else []
+        self.stores, self.store = {}, None  # (chunk, micro) -> [(name, W, dY, X)]; the running one's
+
+    def act(self, a: Action, *args) -> torch.Tensor | None:
+        """run_pipeline's act: W, or _act's F and B (as I), deferring."""
+        if a.kind == "W":
+            return weight_grads(self.stores.pop((a.chunk, a.micro)))
+        with self.deferring(self.stores.setdefault((a.chunk, a.micro), []), backward=a.kind == "I"):
+            return _act(a, *args)
 
     @contextlib.contextmanager
     def deferring(self, store: list, backward: bool = False):
-        """A micro-batch's F, or (backward) its I: the blocks' dW go into
-        `store`, their linear weights frozen for the whole action (undone on
-        exit). In F the mode is on throughout. In I it cannot be: a mode is
-        off while it handles a call, so it would take torch.autograd.backward
-        itself and see nothing inside. But activation checkpointing re-runs
-        each block's forward in I, whose F.linear calls must keep their
-        operands as the first forward did: so in I each block's forward
-        pre-hook turns the mode on and its forward hook off (early stop off:
-        each recompute runs its whole block, for the hooks to pair)."""
+        """A micro-batch's F, or (backward) its I, keeping (X, dY) in `store`."""
         self.store = store
-        hooks = [m.register_forward_hook(self._keep_tokens) for m in self.columns]
+        with contextlib.ExitStack() as undo:
+            for w in self.weights:  # every run: frozen (no dW, nor an AccumulateGrad node for hooks to count)
+                w.requires_grad_(False)
+                undo.callback(w.requires_grad_, True)
+            for m in self.sp_columns:  # sequence parallelism's
+                undo.callback(m.register_forward_hook(self._keep_tokens).remove)
+            if self.recomputed:  # activation checkpointing's
+                self._for_recomputation(undo, backward)
+            undo.enter_context(contextlib.nullcontext() if backward else self)
+            yield
         if backward:
-            for b in self.blocks:
-                hooks += [b.register_forward_pre_hook(self._on), b.register_forward_hook(self._off)]
-        for w in self.weights:
-            w.requires_grad_(False)
-        try:
-            with contextlib.nullcontext() if backward else self, \
-                    torch.utils.checkpoint.set_checkpoint_early_stop(False):
-                yield
-            if backward and {w for _, w, _, _ in store} != set(self.weights):  # a dW would be lost silently
-                raise RuntimeError("zero bubble: a block linear's weight reached no F.linear in this "
-                                   "micro-batch, so its gradient was never kept for W")
-        finally:
-            for w in self.weights:
-                w.requires_grad_(True)
-            for hook in hooks:
-                hook.remove()
-            self.store = None
-
-    def _on(self, block, args) -> None:  # (a pre-hook's value would replace the block's input)
-        self.__enter__()
-
-    def _off(self, block, args, output) -> None:  # (a hook's value would replace its output)
-        self.__exit__(None, None, None)
+            check_every_dw_kept(store, self.weights)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -408,10 +371,20 @@ class LaterWeightGrads(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _keep_tokens(self, column, args, y):
-        """A sequence-parallel column layer's forward hook: its tokens kept."""
+        """SP's: a column layer's GEMM runs in its own Function, out of the mode's sight: keep its tokens here."""
         if column.sequence_parallel and y.requires_grad:  # (not while generating, nor without grad)
             x = parallel.in_autocast_dtype(args[0])      # (B, T/tp, in), as the layer keeps them
             return _KeepOperands.apply(y, x, column.weight, self.store, True, self.weights[column.weight])
+
+    def _for_recomputation(self, undo: contextlib.ExitStack, backward: bool) -> None:
+        """I re-runs each block's forward, whose F.linear calls must keep what
+        F's kept, but the mode is off through I (a mode is off while it handles
+        a call: torch.autograd.backward). So in I each block turns it on and
+        off, and in F early stop is off: each recompute runs its whole block."""
+        undo.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+        for b in self.recomputed if backward else []:  # (a hook's value would replace the block's input, output)
+            undo.callback(b.register_forward_pre_hook(lambda *_: self.__enter__() and None).remove)
+            undo.callback(b.register_forward_hook(lambda *_: self.__exit__(None, None, None)).remove)
 
 
 class _KeepOperands(torch.autograd.Function):
@@ -432,15 +405,13 @@ class _KeepOperands(torch.autograd.Function):
 
 
 def weight_grads(store: list) -> None:
-    """W: every dW = dY^T X left in `store`, summed per weight (Domino's chunks
-    use each twice), into .grad through autograd, so that the weights' hooks
-    (data-parallel averaging) run as after a plain backward."""
+    """W: every dW = dY^T X in `store`, summed per weight (Domino's chunks use
+    each twice), into .grad through autograd: the weights' hooks (data-parallel
+    averaging) run as after a plain backward."""
     grads = {}
     with torch.no_grad():  # as in backward: X is an activation, and dW no node of any graph
         for name, weight, grad_out, x in store:
-            if grad_out.shape[:-1] != x.shape[:-1] or (grad_out.shape[-1], x.shape[-1]) != weight.shape:
-                raise RuntimeError(f"zero bubble: {name} kept dY {tuple(grad_out.shape)} and X {tuple(x.shape)}, "
-                                   f"which do not make its weight's {tuple(weight.shape)} gradient dY^T X")
+            check_operands(name, weight, grad_out, x)
             g2d, x2d = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
             g = (g2d.t() @ x2d.to(grad_out.dtype)).to(weight.dtype)   # (out, in), in dY's dtype
             grads[weight] = grads[weight] + g if weight in grads else g
@@ -462,7 +433,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
     averager: the GradientAverager that starts on gradients as they become
     final (None: the engine reduces after the step)."""
     model = stage.model
-    m, v = len(batches), len(model.layers)
+    m, v = len(batches), len(stage.chunks)
     ticks = pipeline_timeline(parallel.layout.pp_size, m, v, forward_only=not torch.is_grad_enabled(),
                               zero_bubble=cfg.enable_zero_bubble)
     batches = [to_device(b, device) for b in batches]
@@ -472,7 +443,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
         nonlocal total
         with precision:
             out = stage(chunk, batches[micro], x)
-        if model.layers[chunk].stop < model.config.num_layers:  # not the last layer's chunk
+        if stage.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
         loss = out * batches[micro]["loss_weight"] / m if "loss_weight" in batches[micro] else out / m
         total += loss.detach()
@@ -483,15 +454,15 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
     # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
     dtype = next(model.parameters()).dtype
 
-    def after(a: Action) -> None:  # a backward (I, W) ended: launch the final gradients a partial bucket holds
-        if averager is not None and a.kind != "F":
-            averager.flush()
-    later = LaterWeightGrads(model) if cfg.enable_zero_bubble else None
+    zero_bubble = LaterWeightGrads(model) if cfg.enable_zero_bubble and torch.is_grad_enabled() else None
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
-                 dtype, after=after, later=later)
+                 dtype, after=averager and averager.after, act=zero_bubble and zero_bubble.act)
     dist.all_reduce(total, group=parallel.layout.pp_group)  # zero but on the last stage
     return total
 
+
+# ----------------------------------------------------------------------------
+# 5. The gradient reductions stages need
 
 def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) -> None:
     """After the schedule: average the gradients over DP x CP (DDP's job at
@@ -507,8 +478,13 @@ def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) 
         dist.all_reduce(tied.grad, group=parallel.layout.embedding_group)
 
 
-# ----------------------------------------------------------------------------
-# 5. The gradient reductions stages need
+def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
+    """Where a tied embedding is split over two pipeline stages (the first's
+    embedding, the last's head) and this stage holds one copy: its weight,
+    whose gradient the two stages sum; else None."""
+    tied = not model.config.untie_embeddings_and_output_weights
+    return model.wte.weight if tied and parallel.layout.pp_size > 1 and hasattr(model, "wte") else None
+
 
 def average(grads: list[torch.Tensor], group):
     """Start averaging `grads` over `group` in one flat buffer (one all-reduce
@@ -554,6 +530,11 @@ class GradientAverager:
             if sum(q.grad.numel() * 4 for q in self.bucket) >= self.bucket_bytes:  # fp32 bytes
                 self.flush()
 
+    def after(self, a: Action) -> None:
+        """run_pipeline's after: a backward (B, I, W) ended; launch the final gradients a partial bucket holds."""
+        if a.kind != "F":
+            self.flush()
+
     def flush(self) -> None:
         """Launch the bucket's all-reduce, if it holds any gradient."""
         if self.bucket:
@@ -568,3 +549,50 @@ class GradientAverager:
         for land in self.pending:
             land()
         self.pending = []
+
+
+# ----------------------------------------------------------------------------
+# 6. The checks
+
+def check_layers(num_layers: int, pp: int, n: int, layers_per_virtual_stage: int | None) -> None:
+    """The layers must divide into pp stages (of chunks of n layers)."""
+    if num_layers % pp:
+        raise UsageError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {num_layers} "
+                         f"(each stage holds as many layers)")
+    if num_layers % (pp * n):
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} x "
+                         f"--pipeline-model-parallel-size {pp} must divide --num-layers {num_layers}")
+
+
+def check_micro_batches(m: int, pp: int, v: int) -> None:
+    """A training step's m micro-batches must fill the pipeline (and, interleaved, go round in groups of pp)."""
+    if m < pp:
+        raise UsageError(f"{m} micro-batch(es) per step cannot fill {pp} pipeline stages: use "
+                         f"--global-batch-size >= --micro-batch-size x data-parallel size x "
+                         f"--pipeline-model-parallel-size")
+    if v > 1 and m % pp:
+        raise UsageError(f"the interleaved schedule sends micro-batches round in groups of "
+                         f"--pipeline-model-parallel-size {pp}: {m} micro-batches per step is not "
+                         f"a multiple; make --global-batch-size / (--micro-batch-size x "
+                         f"data-parallel size) one")
+
+
+def checked_output(output: torch.Tensor, shape: tuple, dtype) -> torch.Tensor:
+    """A stage's output, as the next stage's receive buffer expects it."""
+    if output.shape != shape or output.dtype != dtype:
+        raise RuntimeError(f"stage output {tuple(output.shape)} {output.dtype}, expected {shape} {dtype}")
+    return output.contiguous()
+
+
+def check_every_dw_kept(store: list, weights: dict) -> None:
+    """After a zero-bubble I: every block linear's (X, dY) is in `store` (else a dW would be lost silently)."""
+    if {w for _, w, _, _ in store} != set(weights):
+        raise RuntimeError("zero bubble: a block linear's weight reached no F.linear in this "
+                           "micro-batch, so its gradient was never kept for W")
+
+
+def check_operands(name: str, weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """A zero-bubble W's kept dY and X must make `weight`'s gradient dY^T X."""
+    if grad_out.shape[:-1] != x.shape[:-1] or (grad_out.shape[-1], x.shape[-1]) != weight.shape:
+        raise RuntimeError(f"zero bubble: {name} kept dY {tuple(grad_out.shape)} and X {tuple(x.shape)}, "
+                           f"which do not make its weight's {tuple(weight.shape)} gradient dY^T X")

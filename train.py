@@ -256,7 +256,7 @@ def synchronize(device: torch.device) -> None:
 # 3. The step
 
 def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.device | None = None) -> GPT:
-    """The run's model on `device` (this rank's layers: pipeline.pipeline_chunks),
+    """The run's model on `device` (this rank's stage: pipeline.stage_model),
     with the kernels chosen for `kernels_for` (default: device; ZeRO-3 under TP
     builds on the host what runs on a GPU). Both engines build it."""
     mcfg = model_config(cfg, kernels_for or device)
@@ -268,8 +268,8 @@ def build_model(cfg: TrainConfig, device: torch.device, kernels_for: torch.devic
     torch.manual_seed(cfg.seed)
     parallel.model_parallel_seed(cfg.seed)
     lay = parallel.layout
-    model = GPT(mcfg, pipeline.pipeline_chunks(mcfg.num_layers, lay.pp_size, lay.pp_rank,
-                                               cfg.num_layers_per_virtual_pipeline_stage)).to(device)
+    model = pipeline.stage_model(mcfg, pipeline.pipeline_chunks(mcfg.num_layers, lay.pp_size, lay.pp_rank,
+                                                                cfg.num_layers_per_virtual_pipeline_stage)).to(device)
     if lay.pp_rank > 0:  # each stage its own dropout masks (Megatron's seed + 100 x stage)
         torch.manual_seed(cfg.seed + 100 * lay.pp_rank)
         parallel.model_parallel_seed(cfg.seed + 100 * lay.pp_rank)

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import launch  # noqa: E402
 import parallel  # noqa: E402
 import pipeline  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPTConfig  # noqa: E402
 
 
 def parse_args():
@@ -68,7 +68,7 @@ def main():
     torch.manual_seed(0)
     per_chunk = args.num_layers // (pp * args.virtual_stages)
     chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.layout.pp_rank, per_chunk)
-    stage = GPT(config, chunks).to(d.device)
+    stage = pipeline.stage_model(config, chunks).to(d.device)
     cfg = SimpleNamespace(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                           enable_zero_bubble=False)
     g = torch.Generator().manual_seed(parallel.layout.dp_rank)

@@ -126,7 +126,7 @@ def build(args, device, v: int) -> GPT:
     torch.manual_seed(0)
     chunks = pipeline.pipeline_chunks(args.num_layers, pp, parallel.layout.pp_rank,
                                       args.num_layers // (pp * v))
-    return GPT(config, chunks).to(device)
+    return pipeline.stage_model(config, chunks).to(device)
 
 
 class SavedActivations:
@@ -184,7 +184,7 @@ class SavedActivations:
     def action_ended(self) -> None:
         """Peak of the saved bytes and the deferred W's inputs (X, dY) together."""
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for store in self.stores for _, dy, x in store for t in (dy, x)}
+                for store in self.stores for _, _, dy, x in store for t in (dy, x)}
         held = sum(n for ptr, n in held.items() if ptr not in self.storages)
         self.peak_with_w = max(self.peak_with_w, self.live + held)
 
@@ -249,13 +249,14 @@ def pipeline_step(model, batches, s: Schedule, device, timeline=None, memory=Non
     m, (b, T) = len(batches), batches[0][0].shape
     ticks = pipeline.pipeline_timeline(parallel.layout.pp_size, m, s.v, zero_bubble=s.zero_bubble)
     positions, stage = torch.arange(T, device=device), pipeline.Stage(model)
+    zero_bubble = pipeline.LaterWeightGrads(model) if s.zero_bubble else None
 
     def forward(chunk: int, micro: int, x):
         if memory is not None:
             memory.current = (chunk, micro)
         tokens, labels = batches[micro]
         out = stage(chunk, {"tokens": tokens, "position_ids": positions, "labels": labels, "loss_mask": None}, x)
-        if model.layers[chunk].stop == model.config.num_layers:
+        if stage.chunks[chunk].stop == model.config.num_layers:
             out = out / m                                  # the loss, averaged over the step
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -264,7 +265,7 @@ def pipeline_step(model, batches, s: Schedule, device, timeline=None, memory=Non
     with watch(memory), host_waits_for_device(device):
         pipeline.run_pipeline(ticks, s.v, forward, (b, T, model.config.hidden_size), device,
                               timeline=timeline, after=memory and (lambda a: memory.action_ended()),
-                              later=pipeline.LaterWeightGrads(model) if s.zero_bubble else None)
+                              act=zero_bubble and zero_bubble.act)
     model.zero_grad(set_to_none=True)
 
 

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpt
 import fused_kernels
+import pipeline
 from gpt import (GPT, GPTConfig, LLAMA_OPTIONS, PRESETS, KVCache, apply_rope, count_parameters, filter_logits,
                  flops_per_token, generate, rope_angles)
 from conftest import ALL_OPTIONS, tiny, tiny_model, tokens
@@ -725,13 +726,18 @@ def test_gpu_fused_loss_follows_full_logits_in_a_quarter_of_the_memory():
                                              ("blocks.2.ln_1.weight", {})],
                          ids=["untied-head-into-tied", "positions-into-rope", "layer-too-many"])
 def test_a_state_dict_with_a_piece_the_model_lacks_is_refused(single_rank, extra, overrides):
-    """A pipeline stage loads its own pieces of the whole model's state dict;
-    a piece that no stage of this model holds is an error, not dropped."""
+    """A pipeline stage loads its own pieces of the whole model's state dict,
+    skipping the other stages'; a piece that no stage of this model holds is
+    an error, not dropped."""
     model = tiny_model(**overrides)
     sd = model.full_state_dict()
     sd[extra] = torch.zeros(3)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         model.load_full_state_dict(sd)
-    stage = gpt.GPT(tiny(**overrides), [range(1, 2)])  # the last of two stages
-    held = {k for k in sd if stage.holds(k)}
-    assert extra in held and "blocks.0.ln_1.weight" not in held and "ln_f.weight" in held
+    stage = pipeline.stage_model(tiny(**overrides), [range(1, 2)])  # the last of two stages
+    with pytest.raises(RuntimeError, match="Unexpected key") as refused:
+        stage.load_full_state_dict(sd)
+    assert extra in str(refused.value) and "blocks.0." not in str(refused.value), refused.value
+    del sd[extra]
+    stage.load_full_state_dict({k: v + 1 for k, v in sd.items()})
+    assert all(torch.equal(v, sd[k] + 1) for k, v in stage.state_dict().items())

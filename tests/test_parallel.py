@@ -1173,7 +1173,7 @@ def _check_a_pipelined_save_sends_rank_0_every_stage_tensor_by_tensor():
         parallel.destroy()
         parallel.initialize(1, pipeline_model_parallel_size=pp)
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(2, pp, parallel.layout.pp_rank, None))
+        model = pipeline.stage_model(GPTConfig(**shape), pipeline.pipeline_chunks(2, pp, parallel.layout.pp_rank))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for p in model.parameters():
             p.grad = torch.full_like(p, 0.5)

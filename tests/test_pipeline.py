@@ -1,8 +1,10 @@
 """Pipeline parallelism (pipeline.py): the schedules as pure functions,
 stages on 2 gloo ranks against the whole model on one, then train.py's
 pipelined runs from the command line, against PP=1's."""
+import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -101,6 +103,22 @@ def test_zb_h1_idles_pp_minus_1_ticks_a_stage_a_third_of_1f1b(pp, m):
 
 
 @pytest.mark.quick
+def test_the_charts_pipeline_py_draws_are_the_schedules_it_runs():
+    """pipeline.py's comments draw 1F1B (pp=4, m=8), interleaved 1F1B (pp=2,
+    v=2, m=4) and ZB-H1 (pp=4, m=8), in that order; each is, character for
+    character, chart() of pipeline_timeline, which run_pipeline walks tick by
+    tick: the text and the code agree."""
+    drawn = re.findall(r"(?:^#     stage \d+  \S+\n)+", inspect.getsource(pipeline), re.M)
+    drawn = [block.replace("#     ", "").rstrip("\n") for block in drawn]
+    assert drawn == [pipeline.chart(pipeline.pipeline_timeline(4, 8)),
+                     pipeline.chart(pipeline.pipeline_timeline(2, 4, 2)),
+                     pipeline.chart(pipeline.pipeline_timeline(4, 8, zero_bubble=True))]
+    # the chart's idle ticks ('.') are the bubble: 9 of 33 a 1F1B stage, 3 of 27 a ZB-H1 stage
+    assert [row.count(".") for row in drawn[0].splitlines()] == [9] * 4
+    assert [row.count(".") for row in drawn[2].splitlines()] == [3] * 4
+
+
+@pytest.mark.quick
 def test_too_few_micro_batches_for_the_pipeline_name_the_flags():
     with pytest.raises(UsageError, match="1 micro-batch.*cannot fill 2 pipeline stages.*--global-batch-size"):
         pipeline.check_micro_batches(1, 2, 1)
@@ -163,7 +181,7 @@ def _check_pipeline_stage_pair_matches_the_whole_model(v: int, recompute: bool, 
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
+    stage = pipeline.stage_model(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, rank, 1 if v == 2 else None))
     in_flight, calls, timeline = _InFlight(), iter(range(100)), []
     runner = pipeline.Stage(stage)
     forward = runner.forward
@@ -209,9 +227,9 @@ def _check_zb_h1_takes_1f1bs_gradients_in_16_bit(dtype):
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                          vocab_size=100, padded_vocab_size=128, hidden_dropout=0.1, attention_dropout=0.1),
-                pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
+    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                       vocab_size=100, padded_vocab_size=128, hidden_dropout=0.1, attention_dropout=0.1)
+    stage = pipeline.stage_model(config, pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
     batches = []
     for i in range(m):
         x, y, mask = uneven_batch(i, batch_size=2)
@@ -400,7 +418,7 @@ def _check_data_parallel_average_starts_as_gradients_become_final():
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                  vocab_size=100, padded_vocab_size=128)
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank, 1))
+    stage = pipeline.stage_model(GPTConfig(**shape), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank, 1))
     cfg = SimpleNamespace(bf16=False, fp16=False, compile=False, seq_length=8, micro_batch_size=2,
                           enable_zero_bubble=False)
     batches = []
@@ -457,8 +475,9 @@ def _check_zb_h1_averages_over_data_parallel_as_1f1b():
     parallel.destroy()
     parallel.initialize(1, pipeline_model_parallel_size=pp)  # 4 ranks: PP=2 x DP=2
     torch.manual_seed(0)
-    stage = GPT(GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                          vocab_size=100, padded_vocab_size=128), pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
+    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                       vocab_size=100, padded_vocab_size=128)
+    stage = pipeline.stage_model(config, pipeline.pipeline_chunks(4, pp, parallel.layout.pp_rank))
     batches = []
     for i in range(m):  # each data-parallel rank its own micro-batches
         x, y, mask = uneven_batch(10 * parallel.layout.dp_rank + i, batch_size=2)
