@@ -405,6 +405,7 @@ def test_the_ep_groups_fold_dp_x_cp_as_megatron_folds_them(monkeypatch, world, t
     tp-cp-ep-dp-pp, expert TP = TP): EP takes consecutive ranks of DP x CP, CP first."""
     from megatron.core.parallel_state import RankGenerator
     theirs = RankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    monkeypatch.setattr(parallel, "layout", parallel.layout)  # put back after the test
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(dist, "new_group", lambda ranks, timeout=None: tuple(ranks))  # a group: its ranks
@@ -416,7 +417,6 @@ def test_the_ep_groups_fold_dp_x_cp_as_megatron_folds_them(monkeypatch, world, t
         assert list(lay.ep_group) == next(g for g in theirs.get_ranks("ep") if rank in g)
         assert list(lay.expert_dp_group) == next(g for g in theirs.get_ranks("dp") if rank in g)
         assert lay.ep_rank == lay.ep_group.index(rank)
-    monkeypatch.setattr(parallel, "layout", parallel.Layout())
 
 
 # -----------------------------------------------------------------------------
@@ -452,6 +452,7 @@ def test_a_bad_moe_option_is_refused_in_one_line(bad, flag):
 def test_layouts_the_experts_do_not_run_under_are_refused_in_one_line(monkeypatch):
     """An EP size that does not divide DP x CP (here one process), or the
     experts; and, so far, TP, CP or PP with experts."""
+    monkeypatch.setattr(parallel, "layout", parallel.layout)  # put back after the test
     with pytest.raises(UsageError, match="--expert-model-parallel-size 2 must divide"):
         parallel.initialize(expert_model_parallel_size=2)
     for layout, flag in ((parallel.Layout(ep_size=3), "divisible by --expert-model-parallel-size 3"),
