@@ -11,7 +11,8 @@
    architecture option is decided in one place: rope (rope_angles/apply_rope),
    RMSNorm (make_layernorm), SwiGLU (MLP), grouped-query attention
    (CausalSelfAttention), no linear biases (the two modules' constructors),
-   an untied head (GPT.head).
+   an untied head (GPT.head), q/k norms (CausalSelfAttention), a mixture of
+   experts in the MLP's place (MoE; its parallel layers: expert_parallel.py).
 4. GPT-2 initialization (`init_weights`).
 5. Tensor parallelism (Megatron-style, see parallel.py): each layer is built
    and initialized as for tp=1, then sliced (shard_block; see GPT.__init__).
@@ -30,6 +31,7 @@ layout. The extra rows are never produced by the tokenizer nor sampled.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import context
+import expert_parallel
 import fused_kernels
 import parallel
 from launch import UsageError
@@ -94,6 +97,27 @@ class GPTConfig:
     # key/value heads (G in shapes); fewer than the query heads is grouped-query
     # attention. None: one per query head
     num_query_groups: int | None = None
+    qk_layernorm: bool = False         # each head's q and k normed before RoPE (Qwen3, OLMo 2)
+    # Mixture of experts (MoE below; expert_parallel.py), Megatron's flags. How
+    # many ranks share the experts is the layout's (parallel.initialize), not the model's.
+    num_experts: int | None = None     # E experts in the MoE layers; None: every MLP dense
+    moe_layer_freq: int | list = 1     # layer i is MoE if i % freq == 0; or one 0/1 per layer
+    moe_ffn_hidden_size: int | None = None  # each expert's MLP width; None: ffn_hidden_size
+    moe_router_topk: int = 2           # k experts per token
+    moe_router_score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    moe_router_pre_softmax: bool = False  # softmax over all E, then top-k (else top-k logits, then softmax)
+    moe_shared_expert_intermediate_size: int | None = None  # an MLP every token runs, beside its k experts
+    moe_shared_expert_gate: bool = False  # its output times sigmoid(x w) (Qwen2-MoE)
+    moe_router_load_balancing_type: str = "aux_loss"  # or "seq_aux_loss", "none"
+    moe_aux_loss_coeff: float = 0.0    # 0: no load-balancing loss
+    moe_z_loss_coeff: float | None = None  # ST-MoE's router z-loss
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's aux-loss-free balancing
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: str = "probs"  # over capacity, keep the highest probs, or "position" (drop_tokens)
+    moe_pad_expert_input_to_capacity: bool = False  # every expert gets exactly its capacity of tokens
+    moe_grouped_gemm: bool = False     # a rank's experts in one grouped GEMM, not a loop
+    moe_token_dispatcher_type: str = "allgather"  # or "alltoall": how tokens reach other ranks' experts
 
     def __post_init__(self):
         check_types(self)  # at the end of this file: before any value is used
@@ -104,6 +128,8 @@ class GPTConfig:
                                  f"{self.hidden_size}: give --ffn-hidden-size")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         check_config(self)  # at the end of this file
 
     @property
@@ -232,6 +258,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(H, H, bias=bias)
         parallel.mark(self.proj, residual_out=True)  # the scaled init, see init_weights
         self.resid_drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        if config.qk_layernorm:  # over each head's hd dims, as Megatron's and Qwen3's
+            self.q_norm, self.k_norm = (make_layernorm(config, config.head_dim) for _ in "qk")
 
     def heads(self, x, *chunk, rope=None, cache=None, documents=None):
         """Everything before the output projection: (B, T, C) -> (B, T, C/tp).
@@ -249,6 +277,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
         k = k.view(B, T, G, hd).transpose(1, 2)          # (B, G, T, hd)
         v = v.view(B, T, G, hd).transpose(1, 2)          # (B, G, T, hd)
+        if cfg.qk_layernorm:                             # before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:
@@ -299,15 +329,233 @@ class MLP(nn.Module):
         return self.drop(self.proj(self.hidden(x)))    # (B, T, C)
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+def is_moe_layer(config: GPTConfig, layer: int) -> bool:
+    """Whether layer `layer` (from 0) has experts: Megatron's --moe-layer-freq, an
+    interval (layers 0, freq, 2 freq, ...) or a pattern, one 0 or 1 per layer."""
+    freq = config.moe_layer_freq
+    return config.num_experts is not None and (layer % freq == 0 if isinstance(freq, int) else freq[layer] == 1)
+
+
+class AuxLoss(torch.autograd.Function):
+    """Megatron's way for a loss computed inside the model to join backward
+    without being returned: forward passes x through; backward passes x's
+    gradient on and gives `loss` the gradient `scale`, as if scale * loss had
+    been added to the loss backward starts from (scale: that loss's own factor)."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        loss, = ctx.saved_tensors
+        return grad, torch.ones_like(loss) * ctx.scale, None
+
+
+def topk_routing(logits, config: GPTConfig, expert_bias=None):
+    """logits (N, E) fp32 -> probs (N, E), k non-zeros a row, and routing_map (N, E)
+    bool, the k chosen. softmax: the softmax of the k largest logits (the full
+    softmax's top k, renormalized), or with pre_softmax the full softmax's top k
+    as they are; sigmoid: the k largest sigmoids, summing to 1 if k > 1 (the
+    expert bias, aux-loss-free balancing, picks the k but does not weigh them)."""
+    k = config.moe_router_topk
+    if config.moe_router_score_function == "sigmoid":
+        scores = torch.sigmoid(logits)                                        # (N, E)
+        chosen = torch.topk(scores if expert_bias is None else scores + expert_bias, k, dim=-1).indices
+        top = scores.gather(1, chosen)                                        # (N, k)
+        top = top / (top.sum(-1, keepdim=True) + 1e-20) if k > 1 else top
+    elif config.moe_router_pre_softmax:
+        top, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)    # (N, k) each
+    else:
+        top, chosen = torch.topk(logits, k, dim=-1)
+        top = torch.softmax(top, dim=-1)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
+    return torch.zeros_like(logits).scatter(1, chosen, top), routing_map
+
+
+def drop_tokens(probs, routing_map, config: GPTConfig):
+    """Expert capacity (GShard, Switch): expert e takes at most ceil(k N / E x
+    capacity_factor) of the N tokens; past it, those of highest prob stay
+    ("probs"), or ("position") those torch.topk picks among its chosen tokens,
+    as megatron-core's apply_router_token_dropping (documented as the earliest
+    tokens; on a CPU not always). With padding, the map marks exactly
+    `capacity` tokens per expert (the extra ones weighted 0): fixed shapes."""
+    N, E = probs.shape
+    capacity = math.ceil(N * config.moe_router_topk / E * config.moe_expert_capacity_factor)
+    if capacity > N:  # room for every token
+        keep = torch.ones_like(routing_map)
+    else:
+        by = probs if config.moe_token_drop_policy == "probs" else routing_map.int()
+        kept = torch.topk(by, capacity, dim=0, sorted=False).indices          # (capacity, E)
+        keep = torch.zeros_like(routing_map).scatter(0, kept, True)
+    routing_map = keep if config.moe_pad_expert_input_to_capacity else routing_map & keep
+    return probs * routing_map, routing_map
+
+
+def load_balancing_loss(scores, chosen, k: int):
+    """Switch's loss over groups of T tokens, scores and chosen (S, T, E) -> the
+    mean over groups of E / (k T^2) sum_e (sum_t scores) (sum_t chosen): 1 when
+    both spread evenly, E at worst. One group: aux_loss; one per sequence: seq_aux_loss."""
+    T, E = scores.shape[-2:]
+    return (scores.sum(-2) * chosen.sum(-2)).sum(-1).mean() * E / (k * T * T)
+
+
+class Experts(nn.Module):
+    """The E expert MLPs (GELU or SwiGLU, moe_ffn_hidden_size = F wide), their
+    weights stacked as Hugging Face's Mixtral stores them: fc (E, fc_out, C),
+    proj (E, C, F), biases (E, fc_out) and (E, C) unless disabled. Under expert
+    parallelism this rank holds E_local of them, from expert `first` on."""
 
     def __init__(self, config: GPTConfig):
+        super().__init__()
+        H, Fe, El = config.hidden_size, config.moe_ffn_hidden_size, config.num_experts // parallel.layout.ep_size
+        self.num_experts, self.first, self.swiglu = config.num_experts, parallel.layout.ep_rank * El, config.swiglu
+        fc_out = 2 * Fe if config.swiglu else Fe  # SwiGLU: [gate | up], as MLP.fc
+        self.fc = nn.Parameter(torch.empty(El, fc_out, H))
+        self.proj = nn.Parameter(torch.empty(El, H, Fe))
+        bias = not config.disable_bias_linear
+        self.fc_bias = nn.Parameter(torch.zeros(El, fc_out)) if bias else None
+        self.proj_bias = nn.Parameter(torch.zeros(El, H)) if bias else None
+        for p in self.parameters():  # this rank's alone: expert_parallel.reduce_expert_grads
+            parallel.mark(p, expert_parallel=True)
+
+    def forward(self, e: int, x):
+        """This rank's expert e's MLP: (n, C) -> (n, C)."""
+        bias = (None, None) if self.fc_bias is None else (self.fc_bias[e], self.proj_bias[e])
+        return F.linear(self.activation(F.linear(x, self.fc[e], bias[0])), self.proj[e], bias[1])
+
+    def activation(self, h):
+        """MLP.hidden's activation, on fc's output: (n, fc_out) -> (n, F)."""
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        """GPT-2's init: fc ~ N(0, std), proj ~ N(0, out_std), biases 0; drawn
+        for all E experts, so each rank keeps the same numbers at any EP."""
+        for w, s in ((self.fc, std), (self.proj, out_std)):
+            w.copy_(w.new_empty(self.num_experts, *w.shape[1:]).normal_(0.0, s)[self.first:self.first + len(w)])
+        for b in (self.fc_bias, self.proj_bias):
+            if b is not None:
+                b.zero_()
+
+
+class MoE(nn.Module):
+    """A mixture of experts in the MLP's place (Shazeer et al. 2017; Switch,
+    Mixtral): a router scores the E experts for each token, and the token's
+    output is the sum of its k best experts' MLPs, weighted by the router's probs:
+
+        probs, routing_map = top-k(score(x W_router))    (N, E) each, k chosen a row
+        y = sum over e chosen of probs[:, e] * MLP_e(x)  (+ a shared expert's MLP(x))
+
+    forward is the plain loop over the experts; expert_parallel.py computes the
+    same sum over the tokens sorted by expert, with the experts spread over
+    ranks, and with the grouped GEMM."""
+
+    aux_loss_scale = 1.0  # the factor of the LM loss that backward starts from (see AuxLoss)
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        expert_parallel.check_layout(config)
+        self.config, H, E = config, config.hidden_size, config.num_experts
+        self.router = nn.Linear(H, E, bias=False)  # run in fp32: which experts a token gets is sensitive
+        self.experts = Experts(config)
+        self.shared_expert = self.shared_expert_gate = None
+        if config.moe_shared_expert_intermediate_size:  # its dropout is the MoE's
+            self.shared_expert = MLP(dataclasses.replace(
+                config, ffn_hidden_size=config.moe_shared_expert_intermediate_size, hidden_dropout=0.0))
+            if config.moe_shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        if config.moe_router_enable_expert_bias:  # fp32; tokens counted over a step (update_expert_bias)
+            self.register_buffer("expert_bias", torch.zeros(E))
+            self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+        else:
+            self.expert_bias = None
+        self.aux_losses = {}  # name -> the sum of its values (no coefficient) since the loop last read it
+        self.drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+
+    def forward(self, x):
+        """(B, T, C) -> (B, T, C)."""
+        h = x.flatten(0, 1)                                        # (N, C)
+        probs, routing_map = self.route(h, x.shape[0])             # (N, E) each
+        if parallel.layout.ep_size > 1 or self.config.moe_grouped_gemm:
+            y = expert_parallel.experts(self.experts, h, probs, routing_map, self.config)
+        else:
+            y = torch.zeros_like(h)
+            for e in range(self.config.num_experts):
+                tokens = routing_map[:, e].nonzero().squeeze(1)    # (n_e,) the tokens expert e takes
+                out = self.experts(e, h[tokens]) * probs[tokens, e, None]  # (n_e, C)
+                y.index_add_(0, tokens, out.to(y.dtype))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(h)                         # (N, C)
+            y = y + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(h)) * shared)
+        return self.drop(y.view_as(x))
+
+    def route(self, h, B: int):
+        """h (N, C), B sequences of N/B tokens -> probs (N, E) fp32 and routing_map
+        (N, E) bool; in training the auxiliary losses join backward and the
+        tokens per expert are counted for the expert bias."""
+        cfg = self.config
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(h.float(), self.router.weight.float())  # (N, E)
+        probs, routing_map = topk_routing(logits, cfg, self.expert_bias)
+        if cfg.moe_expert_capacity_factor is not None:
+            probs, routing_map = drop_tokens(probs, routing_map, cfg)
+        if self.training and torch.is_grad_enabled():
+            probs = self.add_aux_losses(probs, logits, B)
+            if self.expert_bias is not None:
+                self.tokens_per_expert += routing_map.sum(0)
+        return probs, routing_map
+
+    def add_aux_losses(self, probs, logits, B: int):
+        """Attach the load-balancing loss (aux_loss over the N tokens, seq_aux_loss
+        per sequence) and the z-loss to probs' backward, each times its
+        coefficient; record them (their sum since the last read) in aux_losses."""
+        cfg, k, E = self.config, self.config.moe_router_topk, logits.shape[1]
+        losses = {}
+        kind = cfg.moe_router_load_balancing_type
+        if kind != "none" and cfg.moe_aux_loss_coeff > 0:  # over every expert's score, not the chosen k's
+            scores = torch.softmax(logits, dim=-1) if cfg.moe_router_score_function == "softmax" else \
+                torch.sigmoid(logits) / (torch.sigmoid(logits).sum(-1, keepdim=True) + 1e-20)
+            chosen = torch.zeros_like(scores).scatter(1, torch.topk(scores, k, dim=-1).indices, 1.0)
+            S = B if kind == "seq_aux_loss" else 1
+            name = "seq_load_balancing_loss" if kind == "seq_aux_loss" else "load_balancing_loss"
+            losses[name] = (load_balancing_loss(scores.view(S, -1, E), chosen.view(S, -1, E), k), cfg.moe_aux_loss_coeff)
+        if cfg.moe_z_loss_coeff:  # ST-MoE: keeps the logits small
+            losses["z_loss"] = (torch.logsumexp(logits, dim=-1).square().mean(), cfg.moe_z_loss_coeff)
+        if not losses:
+            return probs
+        for name, (loss, _) in losses.items():
+            self.aux_losses[name] = self.aux_losses.get(name, 0.0) + loss.detach()
+        return AuxLoss.apply(probs, sum(coeff * loss for loss, coeff in losses.values()), self.aux_loss_scale)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> None:
+        """DeepSeek-V3's aux-loss-free balancing, after each optimizer step: each
+        expert's bias moves by the update rate toward the mean load (up if it
+        took fewer tokens than the mean, down if more), from the tokens counted
+        over the step and summed over `group` (the ranks whose tokens differ)."""
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(self.tokens_per_expert, group=group)
+        counts = self.tokens_per_expert
+        self.expert_bias += torch.sign(counts.mean() - counts) * self.config.moe_router_bias_update_rate
+        counts.zero_()
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x));
+    the MLP is a mixture of experts on the MoE layers (is_moe_layer)."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = make_layernorm(config, config.hidden_size)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_layernorm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if is_moe_layer(config, layer) else MLP(config)
 
     def forward(self, x, rope=None, cache=None, documents=None):
         if not getattr(self.ln_2, "fuses_residual_add", False):
@@ -408,6 +656,8 @@ def init_weights(module: nn.Module, config: GPTConfig) -> None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=std)
+        elif isinstance(m, Experts):  # the stacked weights of a MoE's experts
+            m.init_weights(std, std / math.sqrt(2 * config.num_layers))
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
@@ -448,7 +698,7 @@ class GPT(nn.Module):
         if c.position_embedding_type == "learned_absolute":  # rope: positions act in attention
             yield "wpe", lambda: nn.Embedding(c.max_position_embeddings, c.hidden_size)
         for i in range(c.num_layers):
-            yield f"blocks.{i}", lambda: Block(c)
+            yield f"blocks.{i}", lambda i=i: Block(c, i)
         yield "ln_f", lambda: make_layernorm(c, c.hidden_size)
         if c.untie_embeddings_and_output_weights:  # else the head is wte (see GPT.head)
             yield "output_layer", lambda: nn.Linear(c.hidden_size, c.padded_vocab_size, bias=False)
@@ -698,6 +948,8 @@ def count_parameters(config: GPTConfig, exclude_embeddings: bool = False) -> int
     per_layer = (2 * norm                    # ln_1, ln_2
                  + (H + b) * (qkv + H + fc)  # qkv, attn.proj, mlp.fc
                  + (Fh + b) * H)             # mlp.proj
+    if config.qk_layernorm:                  # q_norm, k_norm over a head's dims
+        per_layer += 2 * norm // H * config.head_dim
     n = L * per_layer + norm           # + ln_f
     if not exclude_embeddings:
         heads = 2 if config.untie_embeddings_and_output_weights else 1  # wte (+ output_layer)
@@ -733,6 +985,7 @@ ADMITS = {"int": ("an int", lambda v: isinstance(v, int) and not isinstance(v, b
                     and abs(v) <= sys.float_info.max),
           "bool": ("true or false", lambda v: isinstance(v, bool)),
           "str": ("a string", lambda v: isinstance(v, str)),
+          "list": ("a list", lambda v: isinstance(v, (list, tuple))),
           "None": ("none", lambda v: v is None)}
 
 
@@ -799,6 +1052,52 @@ def check_config(config: GPTConfig) -> None:
         if config.attention_dropout > 0:
             raise UsageError("attention_impl='triton' has no attention dropout; set "
                              "attention_dropout=0 or use attention_impl='torch'")
+    if config.num_experts is not None:
+        check_moe_config(config)
+
+
+MOE_CHOICES = {"moe_router_score_function": ("softmax", "sigmoid"),
+               "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none"),
+               "moe_token_drop_policy": ("probs", "position"),
+               "moe_token_dispatcher_type": ("allgather", "alltoall")}
+
+
+def check_moe_config(config: GPTConfig) -> None:
+    """The mixture of experts' options: one line each, naming the flag and the fix."""
+    E, k, freq = config.num_experts, config.moe_router_topk, config.moe_layer_freq
+    if not isinstance(E, int) or E < 1:
+        raise UsageError(f"--num-experts must be a positive int (or unset: a dense model), got {E!r}")
+    if not isinstance(k, int) or not 1 <= k <= E:
+        raise UsageError(f"--moe-router-topk must be an int from 1 to --num-experts ({E}), got {k!r}")
+    if not (isinstance(freq, int) and freq >= 1 or isinstance(freq, (list, tuple)) and len(freq) == config.num_layers
+            and set(freq) <= {0, 1}):
+        raise UsageError(f"--moe-layer-freq must be an int >= 1 or a list of {config.num_layers} zeros and ones "
+                         f"(one per layer), got {freq!r}")
+    for name, choices in MOE_CHOICES.items():
+        if getattr(config, name) not in choices:
+            raise UsageError(f"unknown --{name.replace('_', '-')} {getattr(config, name)!r}; choose one of {list(choices)}")
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        if (getattr(config, name) or 0) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    if k == 1 and config.moe_router_score_function == "softmax" and not config.moe_router_pre_softmax:
+        raise UsageError("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over "
+                         "one logit is 1, and its gradient 0)")
+    if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
+        raise UsageError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+    if config.moe_expert_capacity_factor is not None and not config.moe_expert_capacity_factor > 0:
+        raise UsageError(f"--moe-expert-capacity-factor must be > 0 (or unset: dropless), "
+                         f"got {config.moe_expert_capacity_factor}")
+    if config.moe_pad_expert_input_to_capacity and config.moe_expert_capacity_factor is None:
+        raise UsageError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if config.moe_shared_expert_gate and not config.moe_shared_expert_intermediate_size:
+        raise UsageError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    if config.moe_grouped_gemm and (config.hidden_size % 8 or config.moe_ffn_hidden_size % 8):
+        raise UsageError(f"--moe-grouped-gemm needs --hidden-size ({config.hidden_size}) and --moe-ffn-hidden-size "
+                         f"({config.moe_ffn_hidden_size}) divisible by 8 (grouped_mm's 16-byte rows)")
 
 
 def claimed_shapes(config: GPTConfig, where: str) -> dict[str, tuple[int, ...]]:

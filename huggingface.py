@@ -105,6 +105,8 @@ def hf_architecture(config: GPTConfig) -> str:
                        (c.rotary_percent == 1.0, "--rotary-percent 1.0 (Llama rotates whole heads)"),
                        (c.normalization == "RMSNorm", "--normalization RMSNorm"),
                        (c.swiglu, "--swiglu")]}
+    for arch in needs:  # neither has these (Mixtral and Qwen-MoE export: issue 71's phase 2)
+        needs[arch] += [(c.num_experts is None, "no --num-experts"), (not c.qk_layernorm, "no --qk-layernorm")]
     missing = {arch: [flag for ok, flag in needs[arch] if not ok] for arch in needs}
     for arch, flags in missing.items():
         if not flags:

@@ -120,6 +120,13 @@ class Layout:
     cp_rank: int = 0
     dp_cp_group: object = None
     dp_cp_size: int = 1  # dp_size x cp_size: the ranks gradients are averaged over
+    # Expert parallelism (expert_parallel.py), folded out of DP x CP: ep_group,
+    # ep consecutive ranks of a dp_cp_group, split the experts; expert_dp_group,
+    # one rank of each, hold the same experts (their gradients are summed there).
+    ep_group: object = None
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_dp_group: object = None
     initialized: bool = False
 
 
@@ -127,8 +134,9 @@ layout = Layout()  # read it as parallel.layout.tp_size: initialize() replaces i
 
 
 def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None,
-               pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
-    """Build the TP, CP, DP and PP groups (in the order drawn above), on every
+               pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
+               expert_model_parallel_size: int = 1) -> None:
+    """Build the TP, CP, DP, PP and EP groups (in the order drawn above), on every
     rank (new_group is collective); without torch.distributed, a single-rank
     world. Pass init_process_group's `timeout`: new_group does not inherit
     it, and torch's 30-minute default would let a dead peer hang DDP that long."""
@@ -142,6 +150,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
                 f"`torchrun --nproc_per_node {tp * cp * pp} ...` and call "
                 "torch.distributed.init_process_group() before parallel.initialize()")
         destroy()  # no groups: the sizes and ranks of one process
+        check_expert_parallel_size(expert_model_parallel_size, 1)
         layout = Layout(initialized=True)
         return
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -151,7 +160,8 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
             f"--tensor-model-parallel-size {tp}{cp_flag} x --pipeline-model-parallel-size {pp} = "
             f"{tp * cp * pp} does not divide the world size {world}: launch a multiple of "
             f"{tp * cp * pp} processes or pick sizes whose product divides {world}")
-    dp = world // (tp * cp * pp)
+    dp, ep = world // (tp * cp * pp), expert_model_parallel_size
+    check_expert_parallel_size(ep, dp * cp)
     stage_size = dp * cp * tp  # ranks per pipeline stage
     new = Layout(tp_size=tp, tp_rank=rank % tp, cp_size=cp, cp_rank=rank % (cp * tp) // tp,
                  dp_size=dp, dp_rank=rank % stage_size // (cp * tp), dp_cp_size=dp * cp,
@@ -161,6 +171,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         made = [(dist.new_group(ranks, timeout=timeout), ranks) for ranks in rank_lists]
         return next((group for group, ranks in made if rank in ranks), None)
     stages = [range(s * stage_size, (s + 1) * stage_size) for s in range(pp)]
+    dp_cp_ranks = [list(range(st[0] + t, st[-1] + 1, tp)) for st in stages for t in range(tp)]  # same stage, TP rank
     # TP: consecutive ranks; DP: same stage, CP and TP rank
     new.tp_group = new.mp_group = mine([list(range(a, a + tp)) for a in range(0, world, tp)])
     new.dp_group = mine([list(range(st[0] + c * tp + t, st[-1] + 1, cp * tp))
@@ -169,9 +180,10 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     if cp > 1:  # CP: same stage, DP and TP rank; DP x CP: same stage and TP rank
         new.cp_group = mine([list(range(st[0] + d * cp * tp + t, st[0] + (d + 1) * cp * tp, tp))
                              for st in stages for d in range(dp) for t in range(tp)])
-        new.dp_cp_group = mine([list(range(st[0] + t, st[-1] + 1, tp)) for st in stages for t in range(tp)])
+        new.dp_cp_group = mine(dp_cp_ranks)
     pipelines = [list(range(first, world, stage_size)) for first in range(stage_size)]
     new.pp_group = mine(pipelines)                                    # PP: same DP, CP and TP rank
+    _expert_groups(new, ep, dp_cp_ranks, mine)
     if pp > 1:                                                        # TP x PP: same DP and CP rank
         new.embedding_group = mine([[ranks[0], ranks[-1]] for ranks in pipelines])
         new.mp_group = mine([[s * stage_size + r + t for s in range(pp) for t in range(tp)]
@@ -179,11 +191,28 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     layout = new
 
 
+def check_expert_parallel_size(ep: int, dp_cp: int) -> None:
+    if not isinstance(ep, int) or ep < 1 or dp_cp % ep:
+        raise UsageError(f"--expert-model-parallel-size {ep} must divide data x context parallel size {dp_cp}: "
+                         f"launch a multiple of it as ranks or pick a size that divides {dp_cp}")
+
+
+def _expert_groups(new: Layout, ep: int, dp_cp_ranks: list, mine) -> None:
+    """EP folded out of DP x CP, as Megatron folds it: each DP x CP group's
+    ranks, in order, split into blocks of ep (the EP groups), and the ranks at
+    the same place in each block hold the same experts (expert_dp_group)."""
+    new.ep_size, new.ep_rank = ep, (new.dp_rank * new.cp_size + new.cp_rank) % ep
+    new.expert_dp_group = new.dp_cp_group
+    if ep > 1:
+        new.ep_group = mine([r[i:i + ep] for r in dp_cp_ranks for i in range(0, len(r), ep)])
+        new.expert_dp_group = mine([r[i::ep] for r in dp_cp_ranks for i in range(ep)])
+
+
 def destroy() -> None:
     """Forget the groups (the world group itself belongs to the caller)."""
     global layout
     groups = {layout.tp_group, layout.dp_group, layout.pp_group, layout.embedding_group,
-              layout.mp_group, layout.cp_group, layout.dp_cp_group} - {None}
+              layout.mp_group, layout.cp_group, layout.dp_cp_group, layout.ep_group, layout.expert_dp_group} - {None}
     for group in groups:
         if dist.is_initialized():
             dist.destroy_process_group(group)

@@ -1653,6 +1653,8 @@ def test_from_hf_reads_a_llama_checkpoint_that_transformers_wrote(tmp_path):
     (dict(LLAMA_OPTIONS, normalization="LayerNorm"), "--normalization RMSNorm"),
     (dict(LLAMA_OPTIONS, rotary_percent=0.5), "--rotary-percent 1.0"),
     (dict(num_query_groups=2), "no --group-query-attention"),
+    (dict(LLAMA_OPTIONS, qk_layernorm=True), "no --qk-layernorm"),
+    (dict(LLAMA_OPTIONS, num_experts=4), "no --num-experts"),
 ])
 def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(tmp_path, options, flag):
     m = tiny_model(**options)

@@ -171,7 +171,9 @@ def test_gpt2_init_scales_residual_projections():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("options", [{}, ALL_OPTIONS], ids=["gpt2", "all-options"])
+@pytest.mark.parametrize("options", [{}, ALL_OPTIONS, dict(num_experts=4, moe_shared_expert_intermediate_size=32,
+                                                             moe_shared_expert_gate=True, qk_layernorm=True)],
+                         ids=["gpt2", "all-options", "moe"])
 def test_modules_are_registered_in_init_order(options):
     """The weights depend on the seed and the order the pieces are initialized
     in. ZeRO-3 builds the model on emptied partitions and re-initializes it one
@@ -453,10 +455,37 @@ def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
 
 
 @pytest.mark.quick
+def test_qk_layernorm_is_qwen3s_attention():
+    """--qk-layernorm: each head's q and k go through an RMSNorm over its head
+    dims before RoPE, as in transformers' Qwen3Attention, whose output ours is
+    from the same weights (qkv = [q_proj | k_proj | v_proj], proj = o_proj)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
+    config = tiny(**LLAMA_OPTIONS, num_query_groups=2, qk_layernorm=True, rotary_base=500.0)
+    ours = tiny_model(**LLAMA_OPTIONS, num_query_groups=2, qk_layernorm=True, rotary_base=500.0).blocks[0].attn
+    hf = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500.0}, attention_bias=False)
+    theirs = Qwen3Attention(hf, layer_idx=0).eval()
+    with torch.no_grad():
+        for name, part in zip("qkv", ours.qkv.weight.split([64, 32, 32])):
+            getattr(theirs, f"{name}_proj").weight.copy_(part)
+        theirs.o_proj.weight.copy_(ours.proj.weight)
+        for norm in ("q_norm", "k_norm"):  # not ones, so that a missing norm shows
+            getattr(ours, norm).weight.uniform_(0.5, 1.5)
+            getattr(theirs, norm).weight.copy_(getattr(ours, norm).weight)
+    x, positions = torch.randn(2, 10, 64), torch.arange(10)
+    cos_sin = Qwen3RotaryEmbedding(hf)(x, positions[None])
+    causal = torch.full((10, 10), float("-inf")).triu(1)                 # HF's additive mask
+    torch.testing.assert_close(ours(x, rope=gpt.rope_angles(config, positions)), theirs(x, cos_sin, causal)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("options", [{}, dict(swiglu=True), dict(num_query_groups=1),
                                      dict(untie_embeddings_and_output_weights=True),
                                      dict(disable_bias_linear=True), dict(normalization="RMSNorm"),
-                                     dict(position_embedding_type="rope"), ALL_OPTIONS],
+                                     dict(position_embedding_type="rope"), ALL_OPTIONS, dict(qk_layernorm=True),
+                                     dict(ALL_OPTIONS, qk_layernorm=True)],
                          ids=lambda o: ",".join(o) or "gpt2")
 def test_parameter_count_matches_the_built_model(options):
     m = tiny_model(**options)
