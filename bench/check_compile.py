@@ -69,7 +69,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import fused_kernels  # noqa: E402
 
-MODULES = (kernels,)  # where check_compile looks for *_kernel functions
+MODULES = (fused_kernels,)  # where check_compile looks for *_kernel functions
 
 # Largest dynamic shared memory one block may request (cudaDevAttrMax-
 # SharedMemoryPerBlockOptin), the figure Triton's launcher checks against.

@@ -115,7 +115,7 @@ def test_flash_attention_reads_the_qkv_projection_in_place(monkeypatch):
         launches.append((name, [a.data_ptr() for a in args if torch.is_tensor(a)]))
         return real_launch(name, num_rows, bh, *args, **kw)
 
-    monkeypatch.setattr(kernels, "_launch_attn", spy)
+    monkeypatch.setattr(fused_kernels, "_launch_attn", spy)
     o = fused_kernels.flash_attention(q, k, v)
     grads = torch.autograd.grad(o, (q, k, v), do)
     assert [name for name, _ in launches] == ["fwd", "dkdv", "dq"]
@@ -190,7 +190,7 @@ def test_grouped_query_attention_reads_the_shared_heads_in_place(monkeypatch):
         launches.append((name, bh, [a.data_ptr() for a in args[1:3]]))
         return real_launch(name, num_rows, bh, *args, **kw)
 
-    monkeypatch.setattr(kernels, "_launch_attn", spy)
+    monkeypatch.setattr(fused_kernels, "_launch_attn", spy)
     fused_kernels.flash_attention(q, k, v).sum().backward()
     assert [(name, bh) for name, bh, _ in launches] == [("fwd", B * H), ("dkdv", B * G), ("dq", B * H)]
     for name, _, ptrs in launches:
@@ -338,7 +338,7 @@ def _run_clean(code: str) -> subprocess.CompletedProcess:
 
 def test_require_triton_on_cpu_without_interpreter_raises_helpful_error():
     code = (
-        "import torch, kernels\n"
+        "import torch, fused_kernels\n"
         "try:\n"
         "    fused_kernels.require_triton('cpu')\n"
         "except ValueError as e:  # launch.UsageError\n"
@@ -354,7 +354,7 @@ def test_module_imports_and_falls_back_without_triton():
     # sys.modules[name] = None makes `import triton` raise ImportError
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
-        "import torch, kernels\n"
+        "import torch, fused_kernels\n"
         "assert not fused_kernels.HAS_TRITON and not fused_kernels.triton_usable('cpu')\n"
         "q = torch.randn(1, 2, 8, 32)\n"
         "try:\n"
@@ -629,7 +629,7 @@ def test_autocast_adds_no_cast_around_the_custom_kernels():
     kernel_nodes = 0
     for graph, phase in zip(graphs, ("forward", "backward")):
         for node in graph.nodes:
-            if not str(node.target).startswith("kernels."):
+            if not str(node.target).startswith("fused_kernels."):
                 continue
             kernel_nodes += 1
             assert not [a for a in node.all_input_nodes if str(a.target).startswith(casts)], (phase, node)
@@ -903,7 +903,7 @@ def test_layer_norm_output_in_the_autocast_dtype_leaves_training_unchanged(monke
 
     narrow, dtypes = train_five_steps()
     assert dtypes == {torch.bfloat16}
-    monkeypatch.setattr(kernels, "_autocast_dtype", lambda x: None)  # the fp32 output of before
+    monkeypatch.setattr(fused_kernels, "_autocast_dtype", lambda x: None)  # the fp32 output of before
     wide, dtypes = train_five_steps()
     assert dtypes == {torch.float32}
     assert narrow == wide
