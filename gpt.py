@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 import context
 import fused_kernels
+import fused_loss
 import parallel
 from launch import UsageError
 
@@ -50,7 +51,7 @@ from launch import UsageError
 
 ATTENTION_IMPLS = ("torch", "triton")  # "triton": fused_kernels.flash_attention (FlashAttention-2)
 LAYERNORM_IMPLS = ("torch", "triton")  # "triton": fused_kernels.TritonLayerNorm (fused LayerNorm)
-LOSS_IMPLS = ("fused", "full")         # "fused": fused_kernels.FusedLinearCrossEntropy (head + loss in spans)
+LOSS_IMPLS = ("fused", "full")         # "fused": fused_loss.FusedLinearCrossEntropy (head + loss in spans)
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -546,7 +547,7 @@ class GPT(nn.Module):
         V_padded) or, with labels, the mean cross-entropy over the tokens
         loss_mask keeps (all without one; a label has no ignore value), fp32.
         loss_impl "fused" (the default) computes it without holding the logits whole
-        (fused_kernels.FusedLinearCrossEntropy). Under tensor parallelism each rank
+        (fused_loss.FusedLinearCrossEntropy). Under tensor parallelism each rank
         holds V/tp rows of the weight (Megatron's vocab-parallel head): h
         enters through f (under sequence parallelism it is all-gathered, and
         the backward reduce-scatter does f's sum), the logits are all-gathered
@@ -570,7 +571,7 @@ class GPT(nn.Module):
                 return token_loss.mean()
             mask = loss_mask.flatten().float()
             return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)  # a fully masked batch: 0, not NaN
-        return fused_kernels.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
+        return fused_loss.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
 
     # -- bookkeeping ------------------------------------------------------------
 
