@@ -3,7 +3,8 @@
   1. whether Triton runs here: the optional import, the interpreter switch,
      require_triton() naming the fix
   2. flash_attention(): causal FlashAttention-2 with grouped-query attention,
-     its autotuned launchers and autograd
+     its autotuned launchers, and its forward and backward ops (context.py's
+     ring runs them on its blocks)
   3. layer_norm(), add_layer_norm() (residual add fused in; RMSNorm without a
      bias), and the drop-in modules TritonLayerNorm / TritonRMSNorm
   4. the row statistics and gradient of a span of logits: the fused LM head
@@ -495,24 +496,26 @@ def _attn_backward(do, q, k, v, o, lse, causal, sm_scale):
 @torch.library.custom_op("fused_kernels::flash_attention", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) = FlashAttention-2 forward, o in q's dtype."""
-    o, lse = _attn_forward(*_kernel_inputs(q, k, v), causal, sm_scale)
-    return o.to(q.dtype), lse
+    """(o, lse) = FlashAttention-2 forward: o in q's dtype, lse (B, H, T) fp32, the
+    log-sum-exp of each query's scores (the ring in context.py merges blocks by it)."""
+    o, lse2 = _attn_forward(*_kernel_inputs(q, k, v), causal, sm_scale)
+    return o.to(q.dtype), lse2.view(q.shape[:3]) / LOG2E  # the kernels': base 2, (B*H, T)
 
 
 @flash_attention_op.register_fake
 def _(q, k, v, causal, sm_scale):
-    B, H, T, _ = q.shape
-    return _empty_bthd(q), q.new_empty((B * H, T), dtype=torch.float32)
+    return _empty_bthd(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_kernels::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 o: torch.Tensor, lse: torch.Tensor, causal: bool,
                                 sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of flash_attention_op, in q's dtype."""
+    """(dq, dk, dv) of flash_attention_op, in q's dtype, from its o and lse (of a
+    ring's block: the merged o and lse of its query rows, context.py)."""
     q2, k2, v2 = _kernel_inputs(q, k, v)
-    grads = _attn_backward(do, q2, k2, v2, o.to(q2.dtype), lse, causal, sm_scale)
+    lse2 = (lse * LOG2E).reshape(-1, q.shape[2])          # (B*H, T), base 2, as the kernels read it
+    grads = _attn_backward(do, q2, k2, v2, o.to(q2.dtype), lse2, causal, sm_scale)
     return tuple(g.to(q.dtype) for g in grads)
 
 
