@@ -23,10 +23,9 @@ rank's vocab slice: step 2 merges the rows' statistics over the TP group
 (parallel.vocab_parallel_lse), and dh is a partial sum, which the f operator
 in front of the head all-reduces in backward.
 
-On CUDA the row passes of steps 2 and 3 are Triton kernels (fused_kernels.py
-section 4: one read of the logits, then one read and one in-place write);
-elsewhere the same maths runs as torch ops, in place. loss_impl="full"
-(logits, then F.cross_entropy) is its reference.
+On CUDA steps 2 and 3 are two Triton row passes (fused_kernels.py section 4:
+one read of the logits, then one read and one in-place write), elsewhere the
+same maths in place in torch. loss_impl="full" (logits, F.cross_entropy) is its reference.
 """
 import torch
 
