@@ -83,7 +83,7 @@ class TrainConfig:
     layernorm_impl: str | None = flag(None, "triton | torch (default: triton on CUDA in eager mode, torch on "
                                             "CPU and under --compile)", BOTH)
     loss_impl: str = flag("fused", "fused: LM head + cross-entropy in chunks, never the full fp32 logits "
-                                   "(fused_kernels.FusedLinearCrossEntropy); full: the logits, then the loss (for comparison)")
+                                   "(fused_loss.FusedLinearCrossEntropy); full: the logits, then the loss (for comparison)")
     recompute_activations: bool = flag(False, "activation checkpointing: recompute each block in backward", BOTH)
     # architecture options (unset: the preset's, GPT-2's by default)
     position_embedding_type: str | None = flag(None, "learned_absolute | rope (default: the preset's, learned_absolute)")

@@ -153,12 +153,11 @@ def _torch_scores(q, k, causal, docs=None):
 
 def _block_forward(q, k, v, causal: bool, impl: str, docs=None):
     """(o, lse) of softmax(q k^T / sqrt(D)) v over one block: o (B, H, n, D)
-    and lse (B, H, n), fp32. The Triton kernel's lse is in base 2 of the
-    scaled scores, (B*H, n): lse = lse2 * ln 2. With documents (docs, torch
-    only) a row may read no key of the block: lse -inf, o 0 (see _merge)."""
+    and lse (B, H, n), fp32. With documents (docs, torch only) a row may
+    read no key of the block: lse -inf, o 0 (see _merge)."""
     if impl == "triton" and docs is None:  # the Triton kernels take no document masks
-        o, lse2 = fused_kernels._attn_forward(*fused_kernels._kernel_inputs(q, k, v), causal, 1 / math.sqrt(q.shape[-1]))
-        return o.float(), lse2.view(q.shape[:3]) / fused_kernels.LOG2E
+        o, lse = fused_kernels.flash_attention_op(q, k, v, causal, 1 / math.sqrt(q.shape[-1]))
+        return o.float(), lse
     s = _torch_scores(q, k, causal, docs)
     lse = s.logsumexp(-1)
     p = torch.exp(s - lse.clamp(min=torch.finfo(s.dtype).min)[..., None])  # a row of -inf: exp(-inf) = 0, no NaN
@@ -173,9 +172,7 @@ def _block_backward(do, q, k, v, o, lse, causal: bool, impl: str, docs=None):
     dK and dV summed over the query heads of each K/V head."""
     scale = 1 / math.sqrt(q.shape[-1])
     if impl == "triton" and docs is None:
-        q2, k2, v2 = fused_kernels._kernel_inputs(q, k, v)
-        lse2 = (lse * fused_kernels.LOG2E).reshape(-1, q.shape[2])  # (B*H, n), base 2
-        grads = fused_kernels._attn_backward(do, q2, k2, v2, o.to(q2.dtype), lse2, causal, scale)
+        grads = fused_kernels.flash_attention_backward_op(do, q, k, v, o, lse, causal, scale)
         return tuple(g.float() for g in grads)
     G, repeat = k.shape[1], q.shape[1] // k.shape[1]
     do, o = do.float(), o.float()

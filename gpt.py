@@ -2,7 +2,7 @@
 
 1. GPTConfig + PRESETS: GPT-2's sizes (124M ... 1.5B), tiny ones for tests and
    CPU runs, and Llama-shaped ones. Field names follow Megatron-LM's flags.
-2. Plug-in seams: `make_layernorm` builds every norm, CausalSelfAttention.heads
+2. Plug-in seams: `make_layernorm` builds every norm, CausalSelfAttention.attend
    picks the attention; another implementation is one more name in
    ATTENTION_IMPLS / LAYERNORM_IMPLS and one more branch there.
 3. The model: by default GPT-2's (learned positions, pre-LayerNorm blocks,
@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 import context
 import expert_parallel
 import fused_kernels
+import fused_loss
 import parallel
 from launch import UsageError
 
@@ -54,7 +55,7 @@ from launch import UsageError
 
 ATTENTION_IMPLS = ("torch", "triton")  # "triton": fused_kernels.flash_attention (FlashAttention-2)
 LAYERNORM_IMPLS = ("torch", "triton")  # "triton": fused_kernels.TritonLayerNorm (fused LayerNorm)
-LOSS_IMPLS = ("fused", "full")         # "fused": fused_kernels.FusedLinearCrossEntropy (head + loss in spans)
+LOSS_IMPLS = ("fused", "full")         # "fused": fused_loss.FusedLinearCrossEntropy (head + loss in spans)
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -181,15 +182,6 @@ def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 # Model
 
 
-def cached_attention(q, k, v):
-    """Attention of Tq new queries over Tk >= Tq keys, the last Tq theirs (a KV
-    cache step; inference only). Query i sees keys 0 .. Tk - Tq + i: the causal
-    mask aligned bottom right, where SDPA's is_causal aligns it top left."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (Tq, Tk)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-
-
 def make_layernorm(config: GPTConfig, hidden: int) -> nn.Module:
     """Every norm in the model: LayerNorm (weight and bias) or RMSNorm (weight only)."""
     rms = config.normalization == "RMSNorm"
@@ -261,48 +253,46 @@ class CausalSelfAttention(nn.Module):
         if config.qk_layernorm:  # over each head's hd dims, as Megatron's and Qwen3's
             self.q_norm, self.k_norm = (make_layernorm(config, config.head_dim) for _ in "qk")
 
-    def heads(self, x, *chunk, rope=None, cache=None, documents=None):
-        """Everything before the output projection: (B, T, C) -> (B, T, C/tp).
-        Under TP qkv is column-parallel with output [Q_r | K_r | V_r]: this rank
-        attends with its nh/tp query and G/tp key/value heads (under sequence
-        parallelism qkv gathers all T tokens). rope: rope_angles(...) or None;
-        `chunk`: see domino_blocks; cache: KVCache.extend for this layer;
-        documents: (B, T) document ids (--reset-attention-mask) or None."""
-        cfg, hd = self.config, self.head_dim
-        qkv = self.qkv(x, *chunk)                        # (B, T, (nh + 2G) * hd / tp)
-        B, T, _ = qkv.shape
-        tp = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd // qkv.shape[-1]
-        nh, G = cfg.num_attention_heads // tp, cfg.num_query_groups // tp  # heads on this rank
+    def forward(self, x, rope=None, cache=None, documents=None):
+        y = self.attend(self.qkv(x), rope, cache, documents)  # (B, T, C/tp)
+        return self.resid_drop(self.proj(y))                 # (B, T, C)
+
+    def attend(self, qkv, rope=None, cache=None, documents=None):
+        """Causal self-attention of the heads in qkv (B, T, (nh + 2G) * hd) -> (B, T, nh * hd).
+        Under TP this rank's nh/tp query and G/tp key/value heads ([Q_r | K_r | V_r]). rope:
+        rope_angles(...) or None; cache: KVCache.extend for this layer (generation);
+        documents: (B, T) document ids (--reset-attention-mask)."""
+        cfg, hd, tp = self.config, self.head_dim, parallel.layout.tp_size
+        nh, G = cfg.num_attention_heads // tp, cfg.num_query_groups // tp  # the heads on this rank
         q, k, v = qkv.split([nh * hd, G * hd, G * hd], dim=2)
-        q = q.view(B, T, nh, hd).transpose(1, 2)         # (B, nh, T, hd)
-        k = k.view(B, T, G, hd).transpose(1, 2)          # (B, G, T, hd)
-        v = v.view(B, T, G, hd).transpose(1, 2)          # (B, G, T, hd)
+        q, k, v = q.unflatten(2, (nh, hd)), k.unflatten(2, (G, hd)), v.unflatten(2, (G, hd))  # (B, T, heads, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd), k and v (B, G, T, hd)
         if cfg.qk_layernorm:                             # before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:
             k, v = cache(k, v)                           # (B, G, L + T, hd): the prefix's too
-        # Causal softmax attention, scale 1/sqrt(hd); under GQA (G < nh) query
-        # head h reads key/value head h // (nh/G).
-        if k.shape[2] != q.shape[2]:                     # new queries over a cached prefix
-            y = cached_attention(q, k, v)
-        elif parallel.layout.cp_size > 1 and cache is None:  # the other CP ranks' tokens too (context.py)
-            y = context.attention(q, k, v, cfg.cp_comm_type, cfg.attention_impl, documents)
-        elif cfg.attention_impl == "triton" and documents is None:  # FlashAttention-2 (fused_kernels.py; no dropout)
-            y = fused_kernels.flash_attention(q, k, v, causal=True)
-        else:
+        prefix = k.shape[2] > q.shape[2]                 # new queries over a cached prefix
+        spread = parallel.layout.cp_size > 1 and cache is None  # the other CP ranks' tokens too
+        flash = cfg.attention_impl == "triton" and documents is None  # FlashAttention-2 (no dropout)
+        # The textbook (nanoGPT's): causal softmax attention, scale 1/sqrt(hd); under GQA (G < nh)
+        # query head h reads key/value head h // (nh/G); with documents, causal within each one.
+        if not (prefix or spread or flash):
             p = cfg.attention_dropout if self.training else 0.0
-            # with documents, causal within each one (context.same_document): (B, 1, T, T)
             mask = None if documents is None else context.same_document(documents, documents, causal=True)
             # Each TP rank holds other heads: attention dropout draws this rank's own mask.
             with parallel.per_rank_rng() if p > 0 and tp > 1 else contextlib.nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                    enable_gqa=G != nh)
-        return y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, C_local)
-
-    def forward(self, x, rope=None, cache=None, documents=None):
-        return self.resid_drop(self.proj(self.heads(x, rope=rope, cache=cache, documents=documents)))  # (B, T, C)
+        elif prefix:  # query i sees keys 0 .. L + i: the causal mask aligned bottom right, not top left
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=G != nh)
+        elif spread:                                     # context.py: ring or all-to-all
+            y = context.attention(q, k, v, cfg.cp_comm_type, cfg.attention_impl, documents)
+        else:                                            # fused_kernels.py
+            y = fused_kernels.flash_attention(q, k, v, causal=True)
+        return y.transpose(1, 2).flatten(2)             # (B, T, nh * hd)
 
 
 class MLP(nn.Module):
@@ -590,7 +580,7 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None, documents=
     ropes = rope.tensor_split(n_chunks, dim=0) if per_sample else [rope] * len(chunks)
     docs = documents.tensor_split(n_chunks, dim=0) if documents is not None else [None] * len(chunks)
     sublayers = [s for b in blocks for s in (
-        parallel.Sublayer(b.ln_1, lambda h, d, i, b=b: b.attn.heads(h, d, rope=ropes[i], documents=docs[i]),
+        parallel.Sublayer(b.ln_1, lambda h, d, i, b=b: b.attn.attend(b.attn.qkv(h, d), ropes[i], documents=docs[i]),
                           b.attn.proj, b.attn.resid_drop),
         parallel.Sublayer(b.ln_2, lambda h, d, i, b=b: b.mlp.hidden(h, d), b.mlp.proj, b.mlp.drop))]
     outputs = parallel.domino(sublayers, chunks, add_and_norm,
@@ -746,15 +736,15 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device)  # (T,) broadcasts over B
         x, rope = self.embed(input_ids, position_ids)               # (B, T[/tp], C)
-        if kv_cache is not None:  # generation: each layer reads and extends its cache
+        if kv_cache is None and not (self.domino or self.config.activation_checkpointing):
+            for block in self.blocks:
+                x = block(x, rope, documents=document_ids)          # (B, T[/tp], C)
+        elif kv_cache is None:  # the same blocks, run otherwise (Domino, recomputation)
+            x = self.run_blocks(x, rope, self.blocks, document_ids)
+        else:  # generation: each layer reads and extends its cache
             for i, block in enumerate(self.blocks):
                 x = block(x, rope, functools.partial(kv_cache.extend, i))
             kv_cache.length += T
-        elif self.domino or self.config.activation_checkpointing:
-            x = self.run_blocks(x, rope, self.blocks, document_ids)
-        else:
-            for block in self.blocks:
-                x = block(x, rope, documents=document_ids)          # (B, T, C)
         return self.head(x, labels, loss_mask)
 
     def embed(self, input_ids, position_ids):
@@ -777,13 +767,10 @@ class GPT(nn.Module):
             return domino_blocks(blocks, x, n_chunks, rope, documents)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in blocks:
-            if recompute:
-                # The RoPE angles and documents ride in a closure, not as inputs:
-                # DeepSpeed's --partition-activations would split every input.
-                x = parallel.checkpoint_with_rng(self.checkpoint_fn,
-                                                 functools.partial(block, rope=rope, documents=documents), x)
-            else:
-                x = block(x, rope, documents=documents)
+            # The RoPE angles and documents ride in a closure, not as inputs:
+            # DeepSpeed's --partition-activations would split every input.
+            run = functools.partial(block, rope=rope, documents=documents)
+            x = parallel.checkpoint_with_rng(self.checkpoint_fn, run, x) if recompute else run(x)
         return x
 
     def head(self, x, labels=None, loss_mask=None):
@@ -791,7 +778,7 @@ class GPT(nn.Module):
         V_padded) or, with labels, the mean cross-entropy over the tokens
         loss_mask keeps (all without one; a label has no ignore value), fp32.
         loss_impl "fused" (the default) computes it without holding the logits whole
-        (fused_kernels.FusedLinearCrossEntropy). Under tensor parallelism each rank
+        (fused_loss.FusedLinearCrossEntropy). Under tensor parallelism each rank
         holds V/tp rows of the weight (Megatron's vocab-parallel head): h
         enters through f (under sequence parallelism it is all-gathered, and
         the backward reduce-scatter does f's sum), the logits are all-gathered
@@ -815,7 +802,7 @@ class GPT(nn.Module):
                 return token_loss.mean()
             mask = loss_mask.flatten().float()
             return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)  # a fully masked batch: 0, not NaN
-        return fused_kernels.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
+        return fused_loss.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
 
     # -- bookkeeping ------------------------------------------------------------
 

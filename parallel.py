@@ -294,20 +294,10 @@ def all_reduce_mean(x: torch.Tensor, group=None) -> torch.Tensor:
 def launch_all_gather(x: torch.Tensor) -> torch.Tensor:
     """Start the all-gather of every rank's x (B, ...) along dim 0: (tp * B, ...),
     rank r's rows at [r * B, (r + 1) * B), after wait()."""
-    if x.device.type == "cpu":  # gloo: see below
+    if x.device.type == "cpu":  # gloo: see the workarounds at the end of section 3
         return _launch_all_gather_as_sum(x)
     return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), layout.tp_size,
                                                              layout.tp_group.group_name)
-
-
-def _launch_all_gather_as_sum(x: torch.Tensor) -> torch.Tensor:
-    """launch_all_gather of CPU tensors (gloo): the sum of every rank's x at
-    its own rows, zeros elsewhere. Gloo's all-gather beside another collective
-    in flight (sequence parallelism, Domino) corrupts the heap: see
-    bench/check_gloo_gather.py. The sum moves about twice an all-gather's bytes."""
-    before, after = layout.tp_rank * x.shape[0], (layout.tp_size - 1 - layout.tp_rank) * x.shape[0]
-    # zeros above and below x along dim 0 (a pad, not a cat: Inductor would keep x twice for backward)
-    return launch_all_reduce(F.pad(x, (0, 0) * (x.dim() - 1) + (before, after)))   # (tp * B, ...)
 
 
 def gathered_sequence(in_flight: torch.Tensor) -> torch.Tensor:
@@ -408,10 +398,9 @@ def _from_linear(cls, linear: nn.Linear, **kwargs):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T + b with A split along its OUTPUT dim: rank r holds the rows
-    A_r (out/tp, in) and computes Y_r = f(X) A_r^T + b_r, sharded (..., out/tp).
-    Under sequence parallelism X is this rank's tokens (B, T/tp, in),
-    all-gathered instead (section 3)."""
+    """Y = X A^T + b with A split along its OUTPUT dim: rank r holds the rows A_r
+    (out/tp, in) and computes Y_r = f(X) A_r^T + b_r, sharded (..., out/tp). Under
+    sequence parallelism X is this rank's tokens (B, T/tp, in), f their all-gather."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  blocks=1, init_method: Callable[[torch.Tensor], None] = init_normal(),
@@ -425,9 +414,10 @@ class ColumnParallelLinear(nn.Module):
             self.bias = _mark_sharded(nn.Parameter(torch.zeros(out_features // layout.tp_size)), 0, blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # dX's reduce-scatter is waited for at once
-            return _SequenceParallelLinear.apply(_WaitForGrad.apply(x), None, self.weight, self.bias)
-        return F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)  # (..., out/tp)
+        f = gather_from_sequence_parallel_region if self.sequence_parallel else copy_to_tensor_parallel_region
+        if not (self.sequence_parallel and torch.is_grad_enabled()):
+            return F.linear(f(x), self.weight, self.bias)  # (..., out/tp)
+        return _SequenceParallelLinear.apply(_WaitForGrad.apply(x), self.weight, self.bias)  # keeps T/tp tokens
 
     from_linear = classmethod(_from_linear)
 
@@ -548,8 +538,8 @@ def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
 # ============================================================================
 # 3. Sequence parallelism: f and g along the sequence, and its column GEMM
 # ============================================================================
-# (The module docstring draws it.) The column-parallel GEMM gathers its input
-# itself, so as to keep only this rank's tokens for backward.
+# (The module docstring draws it.) The column GEMM's textbook form, f along the sequence then
+# F.linear, keeps all T tokens for dW: in training _SequenceParallelLinear keeps T/tp instead.
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Into the tensor-parallel region (before a column-parallel layer or the
@@ -618,7 +608,7 @@ class _WaitForGrad(torch.autograd.Function):
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
-    """The column-parallel GEMM on this rank's tokens x (B, T/tp, in):
+    """The column-parallel GEMM on this rank's tokens x (B, T/tp, in), in training:
         forward   Y = [x_0; ...; x_{tp-1}] W_r^T + b_r    all-gather, then GEMM
         backward  dx = reduce-scatter(dY W_r), returned still IN FLIGHT (a
                   _WaitForGrad node before this one waits for it), and
@@ -628,16 +618,18 @@ class _SequenceParallelLinear(torch.autograd.Function):
     GEMM, each hidden behind a GEMM (Megatron; on GPU this needs
     CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware queue the NCCL kernel
     starts before the GEMM, not behind it). A weight that needs no gradient
-    needs neither x nor the re-gather. `gathered`: X, all-gathered already
-    (Domino launches it early), or None."""
+    needs neither x nor the re-gather."""
 
     @staticmethod
-    def forward(ctx, x, gathered, weight, bias):
-        ctx.input_dtype, ctx.has_bias = x.dtype, bias is not None
-        x = in_autocast_dtype(x)                                # keep and move 16 bits
-        ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, weight)   # (B, T/tp, in)
-        total = gathered if gathered is not None else all_gather_sequence(x)    # (B, T, in)
-        return F.linear(total, weight, bias)                    # (B, T, out/tp)
+    def forward(ctx, x, weight, bias):
+        x = _SequenceParallelLinear.keep(ctx, x, weight, bias)
+        return F.linear(all_gather_sequence(x), weight, bias)   # (B, T, out/tp)
+
+    @staticmethod
+    def keep(ctx, x, weight, bias):  # x (B, T/tp, in) for dW, in 16 bits under autocast: moved and kept so
+        ctx.input_dtype, ctx.has_bias, x = x.dtype, bias is not None, in_autocast_dtype(x)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        return x
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -655,7 +647,29 @@ class _SequenceParallelLinear(torch.autograd.Function):
             grad_weight = (g2d.t() @ total.reshape(-1, total.shape[-1]).to(dtype)).to(weight.dtype)
         if ctx.has_bias:
             grad_bias = g2d.sum(dim=0).to(weight.dtype)
-        return grad_input, None, grad_weight, grad_bias
+        return grad_input, grad_weight, grad_bias, None  # None: Domino's gathered X, if given (section 4)
+
+
+def sum_sequence_parallel_grads(module: nn.Module) -> None:
+    """Under sequence parallelism every replicated parameter (norms,
+    row-parallel biases, learned positions) sees only this rank's tokens:
+    its full gradient is the sum over the TP group. A hook sums it in
+    backward, before it lands in .grad, so DDP's and ZeRO's hooks,
+    accumulation and clipping all see it (Megatron sums once per step)."""
+    for p in module.parameters():
+        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
+            p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
+
+
+# -- Workarounds, to read past: gloo's all-gather; the re-gather's place under torch.compile --
+def _launch_all_gather_as_sum(x: torch.Tensor) -> torch.Tensor:
+    """launch_all_gather of CPU tensors (gloo): the sum of every rank's x at
+    its own rows, zeros elsewhere. Gloo's all-gather beside another collective
+    in flight (sequence parallelism, Domino) corrupts the heap: see
+    bench/check_gloo_gather.py. The sum moves about twice an all-gather's bytes."""
+    before, after = layout.tp_rank * x.shape[0], (layout.tp_size - 1 - layout.tp_rank) * x.shape[0]
+    # zeros above and below x along dim 0 (a pad, not a cat: Inductor would keep x twice for backward)
+    return launch_all_reduce(F.pad(x, (0, 0) * (x.dim() - 1) + (before, after)))   # (tp * B, ...)
 
 
 @torch.library.custom_op("parallel::after", mutates_args=())
@@ -671,17 +685,6 @@ def _after(x: torch.Tensor, dependency: torch.Tensor) -> torch.Tensor:
 @_after.register_fake
 def _(x, dependency):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def sum_sequence_parallel_grads(module: nn.Module) -> None:
-    """Under sequence parallelism every replicated parameter (norms,
-    row-parallel biases, learned positions) sees only this rank's tokens:
-    its full gradient is the sum over the TP group. A hook sums it in
-    backward, before it lands in .grad, so DDP's and ZeRO's hooks,
-    accumulation and clipping all see it (Megatron sums once per step)."""
-    for p in module.parameters():
-        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
-            p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
 
 
 # ============================================================================
@@ -745,10 +748,20 @@ class DominoColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, chunk: ChunkCollectives | None = None) -> torch.Tensor:
         if chunk is None:
             return super().forward(x)
-        if self.sequence_parallel:  # waited for here, outside the Function (Dynamo traces it so)
-            gathered = gathered_sequence(chunk.gathered_input)                       # (B, T, in)
-            return _SequenceParallelLinear.apply(x, gathered, self.weight, self.bias)
-        return F.linear(_CopyToTensorParallelRegionInFlight.apply(x), self.weight, self.bias)
+        if not self.sequence_parallel:
+            return F.linear(_CopyToTensorParallelRegionInFlight.apply(x), self.weight, self.bias)
+        gathered = gathered_sequence(chunk.gathered_input)  # (B, T, in), waited for outside the Function (for Dynamo)
+        return _GatheredSequenceParallelLinear.apply(x, self.weight, self.bias, gathered)
+
+
+class _GatheredSequenceParallelLinear(_SequenceParallelLinear):
+    """_SequenceParallelLinear given X gathered (Domino launched it as the chunk
+    entered), and its backward: the gathered X takes no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gathered):
+        _SequenceParallelLinear.keep(ctx, x, weight, bias)
+        return F.linear(gathered, weight, bias)                  # (B, T, out/tp)
 
 
 class _LandedReduce(torch.autograd.Function):

@@ -1,5 +1,5 @@
 """Peak memory and time of the LM head + loss: the full-logits path vs the
-fused one (fused_kernels.FusedLinearCrossEntropy), forward + backward, at GPT-2 124M's head (hidden 768,
+fused one (fused_loss.FusedLinearCrossEntropy), forward + backward, at GPT-2 124M's head (hidden 768,
 50304 rows) for micro-batch x seq tokens.
 
     python bench/bench_loss.py                    # CUDA if present (bf16 autocast), else CPU (fp32)
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import fused_kernels  # noqa: E402
+import fused_loss  # noqa: E402
 import parallel  # noqa: E402
 
 
@@ -35,11 +35,11 @@ def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def fused_loss(h, weight, labels):
-    return fused_kernels.FusedLinearCrossEntropy.apply(h, weight, labels, None, True)
+def fused_head_loss(h, weight, labels):
+    return fused_loss.FusedLinearCrossEntropy.apply(h, weight, labels, None, True)
 
 
-PATHS = {"full logits": full_logits_loss, "fused (fused_kernels.FusedLinearCrossEntropy)": fused_loss}
+PATHS = {"full logits": full_logits_loss, "fused (fused_loss.FusedLinearCrossEntropy)": fused_head_loss}
 
 
 def main():

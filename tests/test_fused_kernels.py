@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_kernels
+import fused_loss
 import parallel
 from conftest import run_bounded
 
@@ -441,7 +442,7 @@ def test_triton_rmsnorm_module_is_a_drop_in_for_nn_rmsnorm():
 
 
 # ---------------------------------------------------------------------------
-# the fused loss's row kernels (fused_kernels.span_lse_and_grad_) against their torch twins
+# the fused loss's row kernels (through fused_loss.span_lse_and_grad_) against their torch twins
 
 @pytest.mark.quick
 @pytest.mark.usefixtures("single_rank")
@@ -459,8 +460,8 @@ def test_row_kernels_match_the_torch_row_maths(vocab_start, need_grads):
     results = []
     for use_triton in (True, False):
         dz = z.clone()
-        lse, target = fused_kernels.span_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
-                                                   triton_kernels=use_triton)
+        lse, target = fused_loss.span_lse_and_grad_(dz, labels, weight, vocab_start, need_grads,
+                                                  triton_kernels=use_triton)
         results.append((lse, target, dz))
     (lse, target, dz), (lse_t, target_t, dz_t) = results
     local = labels - vocab_start
@@ -602,7 +603,7 @@ def test_fused_loss_row_kernels_compile_whole():
     z, labels, weight = torch.randn(8, 40, generator=g), torch.randint(0, 40, (8,), generator=g), torch.rand(8, generator=g)
 
     def passes(z):
-        lse, target = fused_kernels.span_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
+        lse, target = fused_loss.span_lse_and_grad_(z, labels, weight, 0, triton_kernels=True)
         return lse, target, z
     want = passes(z.clone())
     torch._dynamo.reset()

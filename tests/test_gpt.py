@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpt
-import fused_kernels
+import fused_loss
 import pipeline
 from gpt import (GPT, GPTConfig, LLAMA_OPTIONS, PRESETS, KVCache, apply_rope, count_parameters, filter_logits,
                  flops_per_token, generate, rope_angles)
@@ -531,7 +531,7 @@ def test_llama_124m_preset_matches_gpt2_124m_in_width_and_parameters():
 
 
 # -----------------------------------------------------------------------------
-# The fused LM head + cross-entropy (fused_kernels.FusedLinearCrossEntropy) against the full-logits path
+# The fused LM head + cross-entropy (fused_loss.FusedLinearCrossEntropy) against the full-logits path
 #
 # The full path (F.linear to every logit, then F.cross_entropy)
 # is the reference: the fused loss must give the same loss and the same
@@ -545,7 +545,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def fused_lm_loss(h, weight, labels, loss_mask=None):
     """The fused head + loss as GPT.head calls it."""
-    return fused_kernels.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
+    return fused_loss.FusedLinearCrossEntropy.apply(h, weight, labels, loss_mask, torch.is_grad_enabled())
 
 
 def full_reference(h, weight, labels, loss_mask=None):
@@ -578,7 +578,7 @@ def problem(N=37, C=24, V=300, seed=0):
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_loss_matches_full_logits_in_fp32(monkeypatch, span_tokens, masked):
     h, weight, labels = problem()
-    monkeypatch.setitem(fused_kernels.SPAN_LOGITS, "cpu", span_tokens * weight.shape[0])
+    monkeypatch.setitem(fused_loss.SPAN_LOGITS, "cpu", span_tokens * weight.shape[0])
     mask = None
     if masked:
         mask = (torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) > 0.3).float()

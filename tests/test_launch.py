@@ -42,6 +42,27 @@ def test_the_import_graph_has_no_circle():
         order += leaves
         graph = {m: deps for m, deps in graph.items() if m not in leaves}
     assert order[0] == "launch" and project_imports("launch") == set()
+    assert project_imports("fused_kernels") == {"launch"}  # leaf maths: the kernels take no layout
+
+
+@pytest.mark.quick
+def test_no_module_uses_another_modules_private_names():
+    """Modules meet through public names only (`fused_kernels.flash_attention_op`,
+    not `fused_kernels._attn_forward`): a private name may change with its own
+    module. context.py's ring called the kernels' private launchers (issue 70)."""
+    reached = []
+    for module in MODULES:
+        tree, ours = ast.parse(open(os.path.join(ROOT, module + ".py")).read()), project_imports(module)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ours:
+                names = [node.attr]
+            elif isinstance(node, ast.ImportFrom) and node.module in ours:
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            reached += [f"{module}.py:{node.lineno} {name}" for name in names
+                        if name.startswith("_") and not name.startswith("__")]
+    assert not reached, reached
 
 
 def reached_from(module: str) -> set[str]:
@@ -122,7 +143,7 @@ def modules_loaded_by(imports: str, then: str = "") -> set[str]:
 @pytest.mark.quick
 def test_preparing_data_loads_no_model_code():
     loaded = modules_loaded_by("prepare")
-    assert not {"gpt", "fused_kernels", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & loaded
+    assert not {"gpt", "fused_kernels", "fused_loss", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & loaded
 
 
 # a plain checkpoint's file, with np.random's state (numpy's types), read as every load reads it

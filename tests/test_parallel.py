@@ -485,7 +485,7 @@ def _assert_same_run(got, want, what, tol=1e-5, grad_atol=1e-7):
 
 def _check_gpt_tensor_parallel_matches_single_gpu(options):
     # The reference is T=1 with the full-logits loss; T=2 runs the default
-    # fused head + loss (fused_kernels.FusedLinearCrossEntropy), vocab-parallel.
+    # fused head + loss (fused_loss.FusedLinearCrossEntropy), vocab-parallel.
     def build(tp, **overrides):
         return _build_gpt(tp, **options, **overrides)
 
