@@ -39,9 +39,10 @@ import parallel
 from config import TrainConfig, check_numbers, model_config
 from gpt import GPT, GPTConfig
 from huggingface import HF_CONFIG, from_hf, is_hf_directory, to_hf, write_hf_tokenizer
-from launch import (DIGESTS, DIST_METADATA, UsageError, atomic_write, data_only_loads, digest_files, digests_problem,
-                    dist_index_problem, dist_reader, fsync_path, parse_json, plain_file_problem, read_dist_index,
-                    read_dist_metadata, regular_file, tensors_problem, write_digests, zip_problem)
+from launch import (DIGESTS, DIST_METADATA, Damaged, UsageError, atomic_write, data_only_loads, digest_files,
+                    digests_problem, dist_index_problem, dist_reader, fsync_path, parse_json, plain_file_problem,
+                    read_dist_index, read_dist_metadata, regular_file, saved_claims, tensors_problem, write_digests,
+                    zip_problem)
 
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"
@@ -80,8 +81,7 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like, pa
         state[index] = {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
                         for k, v in saved["state"][names[id(p)]].items()}
         if problem := state_fit_problem(p, state[index]):
-            raise UsageError(f"checkpoint {path}: the optimizer state of {names[id(p)]} {problem}: the "
-                             f"checkpoint is damaged or was edited")
+            raise Damaged(path, f"the optimizer state of {names[id(p)]} {problem}")
     optimizer.load_state_dict({"state": state, "param_groups": adamw_groups(optimizer, saved["param_groups"],
                                                                             path, log)})
 
@@ -150,8 +150,7 @@ def adamw_groups(optimizer, saved: list, path: str, log) -> list[dict]:
     Megatron: said in one line where they are not this run's flags."""
     own = optimizer.state_dict()["param_groups"]
     if len(saved) != len(own):
-        raise UsageError(f"checkpoint {path}: its optimizer has {len(saved)} parameter groups, this run's "
-                         f"{len(own)}: the checkpoint is damaged or was edited")
+        raise Damaged(path, f"its optimizer has {len(saved)} parameter groups, this run's {len(own)}")
     changed = {}
     for mine, theirs in zip(own, saved):
         now = saved_settings(mine)
@@ -400,7 +399,10 @@ def damage(found: Found) -> str | None:
     except UsageError as e:  # a file of the wrong form
         problem = str(e)
     # (outside: a refusal of a file that would run code stops the run, see data_only_loads)
-    return problem or cut_short(found) or contents_problem(found)
+    try:
+        return problem or cut_short(found) or contents_problem(found)
+    except Damaged as e:  # a file not as its writer writes it, found reading it
+        return e.problem
 
 
 def cut_short(found: Found) -> str | None:
@@ -448,18 +450,18 @@ def contents_problem(found: Found) -> str | None:
 
 
 def plain_contents_problem(path: str) -> str | None:
-    """contents_problem of a plain checkpoint, read by torch.load's mmap: a view of each record, none read."""
+    """contents_problem of a plain checkpoint, whose tensors' claims are read but none of their bytes."""
     file = os.path.join(path, PLAIN_FILE)
     with regular_file(file) as (f, _):
         if not zipfile.is_zipfile(f):
             return None  # torch's pre-zip format, read as data alone as before (cut_short: not a cut zip)
         if problem := zip_problem(f):
             return f"{PLAIN_FILE} {problem}"
-    with data_only_loads(path):
-        try:
-            state = torch.load(file, map_location="cpu", mmap=True)
-        except RuntimeError as e:  # a tensor that claims more bytes than its record holds (mapped: no record grows)
-            return f"{PLAIN_FILE} holds a tensor larger than its record ({str(e).strip().splitlines()[0]})"
+        with data_only_loads(path):
+            try:
+                state = saved_claims(f)
+            except (ValueError, TypeError, AttributeError, KeyError, IndexError, EOFError, RecursionError) as e:
+                return f"{PLAIN_FILE} is not as torch.save writes ({type(e).__name__}: {str(e)[:200]})"
     if not isinstance(state, dict):
         return None
     if problem := tensors_problem(tensors_in(state)):
@@ -1011,8 +1013,8 @@ def read_dist_shards(cfg: TrainConfig, model: GPT, found: Found) -> dict:
         md = saved.get(key)
         theirs = md and (tuple(md.size), md.properties.dtype if key.startswith("optimizer.") else mine[1])
         if theirs and theirs != mine:
-            raise UsageError(f"checkpoint {found.path}: its {DIST_METADATA} gives {key} {shown(theirs)}, where this "
-                             f"run's is of {shown(mine)}: the checkpoint is damaged or was edited")
+            raise Damaged(found.path, f"its {DIST_METADATA} gives {key} {shown(theirs)}, where this run's has "
+                                      f"{shown(mine)}")
     if optim:
         state.update({"optimizer.param_groups": None, "scaler": None})
     state = read_dist(found.path, state)
@@ -1039,11 +1041,11 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
         except dcp.api.CheckpointException as e:  # DCP wraps each rank's error; a refusal is data_only_loads' line
             refused = [exc for exc, _ in e.failures.values() if isinstance(exc, (pickle.UnpicklingError, UsageError))]
             failed = next(iter(e.failures.values()))[0]  # a piece that is not what the index says it is
-            raise (refused or [UsageError(f"checkpoint {path} is damaged: reading it failed: {type(failed).__name__}: "
-                                          f"{(str(failed).strip().splitlines() or [''])[0][:300]}")])[0] from None
+            said = (str(failed).strip().splitlines() or [""])[0][:300]
+            raise (refused or [Damaged(path, f"reading it failed: {type(failed).__name__}: {said}")])[0] from None
         pieces = [state[key].numpy().tobytes() for key in stages]
         if problem := next(filter(None, (zip_problem(io.BytesIO(piece)) for piece in pieces)), None):
-            raise UsageError(f"checkpoint {path} is damaged: a stage's random state {problem}")
+            raise Damaged(path, f"a stage's random state {problem}")
         state["pipeline_rng"] = [torch.load(io.BytesIO(piece)) for piece in pieces]
     state["rng"] = state["pipeline_rng"][0]
     return state

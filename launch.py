@@ -53,6 +53,18 @@ class UsageError(ValueError):
     to do. errors_reported prints it once, with exit status 2 (other errors are bugs)."""
 
 
+class Damaged(UsageError):
+    """A checkpoint's file that is not what its writer writes (checkpoint.damage
+    passes the checkpoint over for the newest intact one): one line naming it."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"checkpoint {path} is damaged: {problem}")
+        self.path, self.problem = path, problem
+
+    def __reduce__(self):  # DCP sends a rank's error to the others pickled
+        return Damaged, (self.path, self.problem)
+
+
 @contextlib.contextmanager
 def errors_reported(prog: str):
     """Around a program's whole run (train.py's and eval_tasks.py's main): a user's
@@ -529,15 +541,14 @@ def dist_reader(path: str):
     def read_metadata(*args, **kwargs):
         metadata = read_dist_index(path)
         if problem := dist_index_problem(path, metadata):  # before DCP allocates or reads anything
-            raise UsageError(f"checkpoint {path} is damaged: {problem}")
+            raise Damaged(path, problem)
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = reader.load_id
         return metadata
 
     def slice_file(file, info):  # each piece DCP reads is torch.load-ed whole: a zip of its own
         if problem := zip_problem(Extent(file, info.offset, info.length)):
-            raise UsageError(f"checkpoint {path} is damaged: the piece of {info.relative_path} at byte "
-                             f"{info.offset:,} {problem}")
+            raise Damaged(path, f"the piece of {info.relative_path} at byte {info.offset:,} {problem}")
         return Extent(file, info.offset, info.length)
     reader.read_metadata = read_metadata  # in place of DCP's unpickling of the index
     reader._slice_file = slice_file
@@ -552,12 +563,10 @@ def read_dist_index(path: str):
         try:
             metadata = DistMetadataUnpickler(f).load()
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
-            raise UsageError(f"checkpoint {path} is damaged: {DIST_METADATA} is not DCP's index "
-                             f"({type(e).__name__}: {str(e)[:200]})") from None
+            raise Damaged(path, f"{DIST_METADATA} is not DCP's index ({type(e).__name__}: {str(e)[:200]})") from None
     if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
             and isinstance(metadata.storage_data, dict)):
-        raise UsageError(f"checkpoint {path} is damaged: {DIST_METADATA} holds a "
-                         f"{type(metadata).__name__}, not DCP's index")
+        raise Damaged(path, f"{DIST_METADATA} holds a {type(metadata).__name__}, not DCP's index")
     named_files(path, (getattr(info, "relative_path", None) for info in metadata.storage_data.values()),
                 os.path.join(path, DIST_METADATA))  # before DCP opens any of them
     return metadata
@@ -642,30 +651,64 @@ def zip_problem(f) -> str | None:
     return None
 
 
+def saved_claims(f):
+    """What a torch.save zip (f: a binary file that zip_problem passed) holds,
+    unpickled as torch.load(weights_only=True) unpickles it (so inside
+    data_only_loads), but with no tensor's bytes read: each storage on the meta
+    device, marked with the extent of its record in f (storage.record: first
+    byte, size; None: no such record)."""
+    from torch._weights_only_unpickler import Unpickler
+    records = {}  # a record's name, after the archive's own folder (as torch's reader names it) -> its extent
+    with zipfile.ZipFile(f) as archive:
+        for record in archive.infolist():
+            f.seek(record.header_offset)
+            header = f.read(30)  # a local file header: its name's and extra field's lengths at 26 and 28
+            if header[:4] == b"PK\x03\x04":
+                start = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + \
+                    int.from_bytes(header[28:30], "little")
+                records[record.filename.split("/", 1)[-1]] = (start, record.file_size)
+
+    class Claims(Unpickler):
+        def persistent_load(self, saved_id):  # ("storage", its type, key, device, elements), as torch.save writes
+            _, kind, key, _, elements = saved_id
+            dtype = torch.uint8 if kind is torch.UntypedStorage else kind.dtype
+            storage = torch.UntypedStorage(elements * dtype.itemsize, device="meta")
+            storage.record = records.get(f"data/{key}")
+            return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+    first, size = records.get("data.pkl", (0, 0))
+    f.seek(first)
+    return Claims(io.BytesIO(f.read(size)), encoding="utf-8").load()
+
+
 def tensors_problem(tensors: dict) -> str | None:
-    """Why tensors one file holds (name -> tensor, as torch.load(mmap=True)
-    gives them: views of its records) are not each its own bytes of it, or
-    None. A tensor's size and strides are claims: one with a stride of 0, or
-    whose elements overlap, or two on the same bytes, would give a model, or
-    an optimizer's in-place update, more elements than the file holds."""
-    spans = []  # (first byte, end, name) of each tensor, in memory
+    """Why tensors a torch.save file holds (name -> tensor, as saved_claims
+    gives them: claims, no bytes read) are not each its own bytes of the file,
+    or None. A storage's size, a tensor's size and strides are claims: a record
+    of another size than its storage says, a stride of 0 or elements that
+    overlap, or two tensors on the same bytes would give a model, or an
+    optimizer's in-place update, more elements than the file holds."""
+    spans = []  # (first byte in the file, end, name) of each tensor
     for name, t in tensors.items():
+        storage = t.untyped_storage()
+        first, size = getattr(storage, "record", None) or (0, None)
+        if size != storage.nbytes():
+            return f"{name}'s storage claims {storage.nbytes():,} bytes, its record holds {size or 0:,}"
         reach = 0  # the furthest element the dimensions with smaller strides reach
-        for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1]):
+        for extent, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1]):
             if stride <= reach:
                 return (f"{name} of size {tuple(t.shape)} has strides {t.stride()}: its elements overlap "
                         f"(a tensor torch.save writes has its own bytes for each)")
-            reach += (size - 1) * stride
+            reach += (extent - 1) * stride
         start, length = t.storage_offset() * t.element_size(), (reach + 1) * t.element_size()
-        if t.numel() and start + length > t.untyped_storage().nbytes():
-            return (f"{name} of size {tuple(t.shape)} claims bytes up to {start + length:,} of a record of "
-                    f"{t.untyped_storage().nbytes():,}")
+        if t.numel() and start + length > storage.nbytes():
+            return f"{name} of size {tuple(t.shape)} claims bytes up to {start + length:,} of a record of " \
+                   f"{storage.nbytes():,}"
         if t.numel():
-            spans.append((t.data_ptr(), t.data_ptr() + length, name))
+            spans.append((first + start, first + start + length, name))
     spans.sort()
-    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+    for (_, end, one), (start, _, other) in zip(spans, spans[1:]):
         if start < end:
-            return f"{first} and {second} are views of the same bytes (torch.save gives each tensor its own)"
+            return f"{one} and {other} are views of the same bytes (torch.save gives each tensor its own)"
     return None
 
 
