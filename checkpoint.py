@@ -89,21 +89,25 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like, pa
 ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step")  # what torch's AdamW keeps of a parameter (none before its first step)
 
 
-def state_fit_problem(p: torch.Tensor, state: dict) -> str | None:
-    """Why a parameter's AdamW state is not laid out as `p` (this rank's shard: shape,
-    dtype, strides, and the storage behind them) with a step count, or None."""
-    if state and set(state) != set(ADAMW_STATE):
-        return f"holds {sorted(map(str, state))}, not AdamW's {', '.join(ADAMW_STATE)}"
+def state_fit_problem(p: torch.Tensor, state) -> str | None:
+    """Why a parameter's AdamW state is not laid out as `p` (shape, dtype,
+    strides, and the storage behind them) with a count of steps, or None.
+    At a load, p is this rank's shard; judging a checkpoint, its weight (all
+    on the meta device: what the file claims, no bytes read)."""
+    if not isinstance(state, dict) or state and set(state) != set(ADAMW_STATE):
+        held = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        return f"holds {held}, not AdamW's {', '.join(ADAMW_STATE)}"
     for key in ADAMW_STATE[:2] if state else ():
         v = state[key]
         if not torch.is_tensor(v) or (v.shape, v.dtype, v.stride()) != (p.shape, p.dtype, p.stride()) or \
                 v.untyped_storage().nbytes() < (v.storage_offset() + v.numel()) * v.element_size():
-            return f"{key} is {described(v)}, not laid out as its parameter here ({described(p)})"
+            return f"has {key} {described(v)}, not laid out as its weight ({described(p)})"
     step = state.get("step", 0)
-    count = step.item() if torch.is_tensor(step) and step.dim() == 0 else step
-    if type(count) not in (int, float) or not 0 <= count < float("inf"):
-        return f"step is {described(step)}, not a count of steps"
-    return None
+    if torch.is_tensor(step):  # (on the meta device, its value is not read)
+        counts = step.dim() == 0 and step.is_floating_point() and (step.is_meta or 0 <= step.item() < float("inf"))
+    else:
+        counts = type(step) in (int, float) and 0 <= step < float("inf")
+    return None if counts else f"has step {described(step)}, not a count of steps"
 
 
 def described(v) -> str:
@@ -437,8 +441,8 @@ def contents_problem(found: Found) -> str | None:
     if problem := dist_index_problem(found.path, metadata):
         return problem
     saved, weights, states = metadata.state_dict_metadata, {}, {}
-    for key, md in saved.items():
-        held = (tuple(md.size), md.properties.dtype) if hasattr(md, "size") else md
+    for key, md in saved.items():  # each tensor as its index describes it, on the meta device
+        held = torch.empty(md.size, dtype=md.properties.dtype, device="meta") if hasattr(md, "size") else md
         if key.startswith("model."):
             weights[key[len("model."):]] = held
         elif key.startswith("optimizer.") and key != "optimizer.param_groups":
@@ -469,10 +473,7 @@ def plain_contents_problem(path: str) -> str | None:
     optimizer, model = state.get("optimizer"), state.get("model")
     if not isinstance(optimizer, dict) or not isinstance(model, dict) or not isinstance(optimizer.get("state"), dict):
         return None
-    weights = {name: (tuple(t.shape), t.dtype) for name, t in model.items() if torch.is_tensor(t)}
-    states = {name: {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) and v.dim() else v for k, v in held.items()}
-              if isinstance(held, dict) else held for name, held in optimizer["state"].items()}
-    return optimizer_problem(weights, states, optimizer.get("param_groups"))
+    return optimizer_problem(model, optimizer["state"], optimizer.get("param_groups"))
 
 
 def tensors_in(state) -> dict:
@@ -490,39 +491,15 @@ def tensors_in(state) -> dict:
 
 
 def optimizer_problem(weights: dict, states: dict, groups) -> str | None:
-    """Why a checkpoint's AdamW state does not fit its weights, or None. weights:
-    name -> (shape, dtype); states: name -> {key: (shape, dtype) of a moment, or the
-    step (a 0-dim tensor, or a number)}; groups: its param_groups (settings_problem)."""
+    """Why a checkpoint's AdamW states (name -> {key: tensor}) do not fit its
+    weights (name -> tensor), both on the meta device, or its param_groups'
+    settings are ones the flags refuse (settings_problem), or None."""
     for name, state in states.items():
-        if name not in weights:
+        if not torch.is_tensor(weights.get(name)):
             return f"it holds an optimizer state for {name!r}, which is none of its weights"
-        if not isinstance(state, dict) or (state and set(state) != set(ADAMW_STATE)):
-            held = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
-            return f"the optimizer state of {name} holds {held}, not AdamW's {', '.join(ADAMW_STATE)}"
-        for key, held in state.items():
-            if key == "step" and not counts_steps(held):
-                return f"the optimizer step of {name} is {shown(held)}, not a count"
-            if key != "step" and held != weights[name]:
-                return (f"the optimizer state {key} of {name} has {shown(held)}, where its weight has "
-                        f"{shown(weights[name])}")
+        if problem := state_fit_problem(weights[name], state):
+            return f"the optimizer state of {name} {problem}"
     return settings_problem(groups)
-
-
-def counts_steps(held) -> bool:
-    """Whether an AdamW step, as a checkpoint holds it, is one: a number, a floating
-    0-dim tensor, or DCP's (shape (), floating dtype)."""
-    if torch.is_tensor(held):
-        return held.dim() == 0 and held.is_floating_point()
-    if isinstance(held, tuple):
-        return held[0] == () and isinstance(held[1], torch.dtype) and held[1].is_floating_point
-    return type(held) in (int, float)
-
-
-def shown(held) -> str:
-    """A (shape, dtype) pair as a line says it."""
-    if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], torch.dtype):
-        return f"shape {list(held[0])} and dtype {str(held[1]).removeprefix('torch.')}"
-    return repr(held)[:80]
 
 
 def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None, group=None) -> None:
@@ -1009,12 +986,11 @@ def read_dist_shards(cfg: TrainConfig, model: GPT, found: Found) -> dict:
             optim[name][k] = t = torch.zeros(()) if k == "step" else torch.empty_like(p)
             state[key] = t if k == "step" else as_shards(p, t)
     for key, t in state.items():  # the sizes this run reads into against the index's, before DCP reads any
-        mine = (tuple(t.size()), t.dtype if torch.is_tensor(t) else t.metadata().tensor_properties.dtype)
-        md = saved.get(key)
-        theirs = md and (tuple(md.size), md.properties.dtype if key.startswith("optimizer.") else mine[1])
-        if theirs and theirs != mine:
-            raise Damaged(found.path, f"its {DIST_METADATA} gives {key} {shown(theirs)}, where this run's has "
-                                      f"{shown(mine)}")
+        mine = (list(t.size()), t.dtype if torch.is_tensor(t) else t.metadata().tensor_properties.dtype)
+        theirs = key in saved and (list(saved[key].size), saved[key].properties.dtype)
+        if theirs and (theirs[0] != mine[0] or key.startswith("optimizer.") and theirs[1] != mine[1]):
+            raise Damaged(found.path, f"its {DIST_METADATA} gives {key} as {theirs[0]} {theirs[1]}, where this run's "
+                                      f"is {mine[0]} {mine[1]}")
     if optim:
         state.update({"optimizer.param_groups": None, "scaler": None})
     state = read_dist(found.path, state)

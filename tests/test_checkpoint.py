@@ -766,8 +766,8 @@ def test_a_plain_checkpoint_whose_tensors_or_settings_lie_is_passed_over_and_no_
                        weights_only=False)["model"]["wte.weight"].shape
     hostile = {
         12: (_moments(lambda m: {**m, "exp_avg": torch.zeros(3, 3)}),
-             f"the optimizer state exp_avg of wte.weight has shape [3, 3] and dtype float32, where its weight has "
-             f"shape {list(shape)} and dtype float32"),
+             f"the optimizer state of wte.weight has exp_avg [3, 3] float32 with strides [3, 1], not laid out as its "
+             f"weight ({list(shape)} float32 with strides [{shape[1]}, 1])"),
         11: (_moments(lambda m: {**m, "exp_avg": torch.full((1,), .01).expand(*shape)}),
              f"{file}: optimizer.state.wte.weight.exp_avg of size {tuple(shape)} has strides (0, 0): its elements "
              f"overlap"),
@@ -836,8 +836,8 @@ def test_a_torch_dist_checkpoint_whose_index_or_states_lie_is_passed_over_and_ex
         16: (_piece_change(wte, relative_path=checkpoint.DIST_METADATA), f".metadata gives its own bytes as {wte}'s"),
         15: (_index_change(_one_element_pieces), ", its pieces hold 1"),
         14: (_moments(lambda m: {**m, "exp_avg": torch.zeros(9)}),
-             f"the optimizer state exp_avg of wte.weight has shape [9] and dtype float32, where its weight has "
-             f"shape {list(shape)}"),
+             f"the optimizer state of wte.weight has exp_avg [9] float32 with strides [1], not laid out as its weight "
+             f"({list(shape)} float32"),
         13: (_appended("optimizer.wte.weight.exp_avg", torch.full((1,), .01).expand(*shape)),
              f"of __0_0.distcp, fewer than its piece's {shape.numel() * 4:,}"),
         12: (_settings(eps=-1.0), "(--adam-eps -1.0: it must be at least 0)"),
@@ -988,11 +988,11 @@ def test_a_resume_takes_the_adamw_state_and_settings_of_a_checkpoint_into_this_r
     optimizer.step()  # descent: each weight moves against its gradient
     assert all((params[n] < before[n]).all() for n in params if params[n].dim() > 1)
     p = params[square]
-    for change, says in (({"exp_avg": torch.zeros(3, 3)}, r"exp_avg is \[3, 3\] float32"),
+    for change, says in (({"exp_avg": torch.zeros(3, 3)}, r"has exp_avg \[3, 3\] float32"),
                          ({"exp_avg": torch.zeros(p.shape).t()}, r"with strides \[1, \d+\], not laid out"),
                          ({"exp_avg_sq": torch.zeros(1).expand(*p.shape)}, r"with strides \[0, 0\]"),
                          ({"exp_avg": torch.zeros(p.shape, dtype=torch.float64)}, "float64"),
-                         ({"step": torch.tensor(float("nan"))}, "step is"), ({"step": torch.zeros(9)}, "step is"),
+                         ({"step": torch.tensor(float("nan"))}, "has step"), ({"step": torch.zeros(9)}, "has step"),
                          ({"max_exp_avg_sq": torch.zeros(p.shape)}, "not AdamW's")):
         with pytest.raises(launch.Damaged, match=rf"^checkpoint ckpt/iter_0000002 is damaged: the optimizer state "
                                                  rf"of {re.escape(square)} .*{says}"):
