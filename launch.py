@@ -9,7 +9,8 @@ module every other may import, so it imports none of them.
   3. Files that appear whole: written under a temporary name, forced to disk,
      renamed into place (atomic_write, fsync_path)
   4. Files that may come from anyone, as checkpoint.py and huggingface.py read
-     them: plain files, their digests, pickles of data only, DCP's index
+     them: plain files, their digests, pickles of data only, DCP's index; the
+     sizes they claim, held to the bytes they hold
 """
 from __future__ import annotations
 
