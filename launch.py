@@ -547,10 +547,10 @@ def dist_reader(path: str):
         metadata.storage_meta.load_id = reader.load_id
         return metadata
 
-    def slice_file(file, info):  # each piece DCP reads is torch.load-ed whole: a zip of its own
+    def slice_file(file, info, dcp_slice=reader._slice_file):  # each piece DCP reads is torch.load-ed whole
         if problem := zip_problem(Extent(file, info.offset, info.length)):
             raise Damaged(path, f"the piece of {info.relative_path} at byte {info.offset:,} {problem}")
-        return Extent(file, info.offset, info.length)
+        return dcp_slice(file, info)
     reader.read_metadata = read_metadata  # in place of DCP's unpickling of the index
     reader._slice_file = slice_file
     return reader
@@ -607,19 +607,12 @@ def read_dist_metadata(path: str):
 # header against its file, and DCP's planner a save's pieces against their
 # tensors): memory is bounded by the files, and no write leaves a buffer.
 
-class Extent(io.RawIOBase):
+class Extent:
     """Bytes [offset, offset + length) of an open binary file, as a file of
-    their own (DCP's view of one misreads a seek from the end, as zipfile's)."""
+    their own for zipfile (DCP's view of them misreads a seek from the end)."""
 
     def __init__(self, f, offset: int, length: int):
-        super().__init__()
         self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
 
     def tell(self) -> int:
         return self.pos
@@ -628,11 +621,11 @@ class Extent(io.RawIOBase):
         self.pos = max(0, pos + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence])
         return self.pos
 
-    def readinto(self, buffer) -> int:
+    def read(self, n: int = -1) -> bytes:
         self.f.seek(self.offset + self.pos)
-        read = self.f.readinto(memoryview(buffer)[:max(0, self.length - self.pos)])
-        self.pos += read
-        return read
+        data = self.f.read(max(0, self.length - self.pos if n < 0 else min(n, self.length - self.pos)))
+        self.pos += len(data)
+        return data
 
 
 def zip_problem(f) -> str | None:

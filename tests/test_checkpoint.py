@@ -16,6 +16,7 @@ import contextlib
 import errno
 import glob
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -812,9 +813,10 @@ def test_a_torch_dist_checkpoint_whose_index_or_states_lie_is_passed_over_and_ex
     rest uninitialized: an export wrote heap bytes); or re-saved with a 1-D
     optimizer state for a 2-D weight (allocated as saved: the fused AdamW
     wrote past it), a state of one element expanded, AdamW settings the flags
-    refuse. `train.py --load` and --export-from name each in one line and read
-    the newest intact checkpoint, whose saved betas go on, said in a line; the
-    export holds its bytes. With none intact, --load stops in one line."""
+    refuse, a piece compressed (deflate). `train.py --load` and --export-from
+    name each in one line and read the newest intact checkpoint, whose saved
+    betas go on, said in a line; the export holds its bytes. With none intact,
+    --load stops in one line."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(dist_saves, ckpt)
     distcp = os.path.getsize(ckpt / "iter_0000004" / "__0_0.distcp")
@@ -841,6 +843,8 @@ def test_a_torch_dist_checkpoint_whose_index_or_states_lie_is_passed_over_and_ex
         13: (_appended("optimizer.wte.weight.exp_avg", torch.full((1,), .01).expand(*shape)),
              f"of __0_0.distcp, fewer than its piece's {shape.numel() * 4:,}"),
         12: (_settings(eps=-1.0), "(--adam-eps -1.0: it must be at least 0)"),
+        11: (_appended("optimizer.param_groups", [], zipfile.ZIP_DEFLATED),
+             "compressed (deflate), where torch.save stores every record as it is"),
     }
     _plant(ckpt, hostile)
     _settings(betas=(0.8, 0.99), **IMPLEMENTATION)(str(ckpt / "iter_0000004"))
@@ -884,15 +888,21 @@ def _one_element_pieces(metadata) -> None:
             tensor.chunks = [dataclasses.replace(tensor.chunks[0], sizes=torch.Size([1] * len(tensor.size)))]
 
 
-def _appended(fqn: str, tensor: torch.Tensor):
-    """A change to a torch_dist checkpoint: fqn's bytes torch.save(tensor) as it is (expanded: one element),
-    appended to its .distcp and named by its index."""
+def _appended(fqn: str, obj, compression: int = zipfile.ZIP_STORED):
+    """A change to a torch_dist checkpoint: fqn's piece torch.save(obj) as it is (an expanded tensor: one
+    element), its records compressed with ZIP_DEFLATED (as torch.save never writes), appended to its
+    .distcp and named by its index."""
+    saved, piece = io.BytesIO(), io.BytesIO()
+    torch.save(obj, saved)
+    with zipfile.ZipFile(saved) as old, zipfile.ZipFile(piece, "w", compression) as new:
+        for record in old.infolist():
+            new.writestr(record.filename, old.read(record))
+
     def change(tag):
+        offset = os.path.getsize(os.path.join(tag, "__0_0.distcp"))
         with open(os.path.join(tag, "__0_0.distcp"), "ab") as f:
-            offset = f.tell()
-            torch.save(tensor, f)
-            length = f.tell() - offset
-        _index_edited(tag, lambda md: _piece_of(md, fqn).__dict__.update(offset=offset, length=length))
+            f.write(piece.getvalue())
+        _index_edited(tag, lambda md: _piece_of(md, fqn).__dict__.update(offset=offset, length=len(piece.getvalue())))
     return change
 
 
