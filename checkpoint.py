@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from config import TrainConfig, model_config
+from config import TrainConfig, check_numbers, model_config
 from gpt import GPT, GPTConfig, claimed_shapes, wanted_type
 from huggingface import HF_CONFIG, from_hf, hf_tokenizer, is_hf_directory, to_hf, write_files
-from launch import (DIGESTS, DIST_METADATA, UsageError, atomic_write, data_only_loads, digest_files, digests_problem,
-                    dist_reader, fsync_path, parse_json, plain_file_problem, read_dist_metadata, regular_file,
-                    write_digests)
+from launch import (DIGESTS, DIST_METADATA, Damaged, UsageError, atomic_write, data_only_loads, digest_files,
+                    digests_problem, dist_index_problem, dist_reader, fsync_path, parse_json, plain_file_problem,
+                    read_dist_index, read_dist_metadata, regular_file, saved_claims, tensors_problem, write_digests,
+                    zip_problem)
 
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"
@@ -69,8 +70,9 @@ def set_rng_state(state: dict, log) -> None:
             f"or on another device; they start afresh from --seed")
 
 
-def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like) -> None:
-    """Inverse of states_for_writer: this rank's shards (shard_like), numbered as torch numbers them."""
+def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like, path: str, log) -> None:
+    """Inverse of states_for_writer: this rank's shards (shard_like), numbered as torch numbers them,
+    each laid out as its parameter here before the optimizer sees it (its fused update writes in place)."""
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
     for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
@@ -78,10 +80,93 @@ def load_full_optimizer_state(model: GPT, optimizer, saved: dict, shard_like) ->
             raise KeyError(f"checkpoint has no optimizer state for parameter {names[id(p)]!r}")
         state[index] = {k: shard_like(p, v) if torch.is_tensor(v) and v.dim() > 0 else v
                         for k, v in saved["state"][names[id(p)]].items()}
-    # the saved hyperparameters, with this optimizer's own numbering (a stage holds some of the parameters)
-    groups = [{**g, "params": own["params"]}
-              for g, own in zip(saved["param_groups"], optimizer.state_dict()["param_groups"])]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if problem := state_fit_problem(p, state[index]):
+            raise Damaged(path, f"the optimizer state of {names[id(p)]} {problem}")
+    optimizer.load_state_dict({"state": state, "param_groups": adamw_groups(optimizer, saved["param_groups"],
+                                                                            path, log)})
+
+
+ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step")  # what torch's AdamW keeps of a parameter (none before its first step)
+
+
+def state_fit_problem(p: torch.Tensor, state) -> str | None:
+    """Why a parameter's AdamW state is not laid out as `p` (shape, dtype,
+    strides, and the storage behind them) with a count of steps, or None.
+    At a load, p is this rank's shard; judging a checkpoint, its weight (all
+    on the meta device: what the file claims, no bytes read)."""
+    if not isinstance(state, dict) or state and set(state) != set(ADAMW_STATE):
+        held = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        return f"holds {held}, not AdamW's {', '.join(ADAMW_STATE)}"
+    for key in ADAMW_STATE[:2] if state else ():
+        v = state[key]
+        if not torch.is_tensor(v) or (v.shape, v.dtype, v.stride()) != (p.shape, p.dtype, p.stride()) or \
+                v.untyped_storage().nbytes() < (v.storage_offset() + v.numel()) * v.element_size():
+            return f"has {key} {described(v)}, not laid out as its weight ({described(p)})"
+    step = state.get("step", 0)
+    if torch.is_tensor(step):  # (on the meta device, its value is not read)
+        counts = step.dim() == 0 and step.is_floating_point() and (step.is_meta or 0 <= step.item() < float("inf"))
+    else:
+        counts = type(step) in (int, float) and 0 <= step < float("inf")
+    return None if counts else f"has step {described(step)}, not a count of steps"
+
+
+def described(v) -> str:
+    if not torch.is_tensor(v):
+        return repr(v)[:80]
+    return f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')} with strides {list(v.stride())}"
+
+
+# An AdamW param group's settings (its betas, eps and weight decay) as the flags that give them
+SETTINGS = {"adam_beta1": ("betas", 0), "adam_beta2": ("betas", 1), "adam_eps": ("eps", None),
+            "weight_decay": ("weight_decay", None)}
+
+
+def saved_settings(group: dict) -> dict:
+    """TrainConfig's fields of the AdamW settings a param group holds (None: not a number)."""
+    settings = {}
+    for field, (key, i) in SETTINGS.items():
+        if key in group:
+            value = group[key] if i is None else (group[key][i] if isinstance(group[key], (list, tuple)) and
+                                                  len(group[key]) == 2 else None)
+            settings[field] = value if type(value) in (int, float) else None
+    return settings
+
+
+def settings_problem(groups) -> str | None:
+    """Why a checkpoint's optimizer param_groups hold AdamW settings that the flags would refuse, or None."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return "its optimizer's param_groups are not a list of AdamW's parameter groups"
+    for group in groups:
+        settings = saved_settings(group)
+        if None in settings.values():
+            return f"its optimizer's {SETTINGS[next(f for f, v in settings.items() if v is None)][0]} is not a number"
+        try:
+            check_numbers(dataclasses.replace(TrainConfig(), **settings))
+        except UsageError as e:
+            return f"its optimizer's param_groups hold a setting no flag may take ({e})"
+    return None
+
+
+def adamw_groups(optimizer, saved: list, path: str, log) -> list[dict]:
+    """The optimizer's own param groups (this run's implementation: fused, foreach,
+    maximize, capturable, ...; and its learning rate, set every step), with the
+    checkpoint's AdamW settings (betas, eps, weight decay), which go on, as in
+    Megatron: said in one line where they are not this run's flags."""
+    own = optimizer.state_dict()["param_groups"]
+    if len(saved) != len(own):
+        raise Damaged(path, f"its optimizer has {len(saved)} parameter groups, this run's {len(own)}")
+    changed = {}
+    for mine, theirs in zip(own, saved):
+        now = saved_settings(mine)
+        for field, value in saved_settings(theirs).items():
+            if value != now[field]:
+                changed.setdefault(field, (value, now[field]))
+    if changed:
+        log("the checkpoint's AdamW settings go on: " + ", ".join(
+            f"--{field.replace('_', '-')} {value:g} (this run: {now:g})" for field, (value, now) in changed.items()))
+    followed = [{k: (tuple(map(float, g[k])) if k == "betas" else float(g[k])) for k in ("betas", "eps", "weight_decay")
+                 if k in g} for g in saved]
+    return [{**mine, **theirs} for mine, theirs in zip(own, followed)]
 
 
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
@@ -303,7 +388,8 @@ def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, st
 
 def damage(found: Found) -> str | None:
     """What is wrong with a checkpoint, or None: a file that is not plain or
-    not as DIGESTS lists it (without DIGESTS: one cut short), or another iteration's."""
+    not as DIGESTS lists it, one cut short, another iteration's, or what no
+    save writes (contents_problem: digests prove only that files are as written)."""
     if found.kind is None:
         return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
     names = sorted(os.listdir(found.path))
@@ -316,26 +402,23 @@ def damage(found: Found) -> str | None:
                 problem = f"its {DS_META} records iteration {saved}, not {found.iteration}"
     except UsageError as e:  # a file of the wrong form
         problem = str(e)
-    # (outside: cut_short's refusal of an index that would run code stops the run, see data_only_loads)
-    return problem or (None if DIGESTS in names else cut_short(found))
+    # (outside: a refusal of a file that would run code stops the run, see data_only_loads)
+    try:
+        return problem or cut_short(found) or contents_problem(found)
+    except Damaged as e:  # a file not as its writer writes it, found reading it
+        return e.problem
 
 
 def cut_short(found: Found) -> str | None:
-    """A file cut short, by its own index: a zip's directory, DCP's .metadata."""
+    """A file cut short, by its own index: a zip's directory, DCP's .metadata
+    (the extents it gives each file: dist_index_problem, in contents_problem)."""
     if found.kind == "torch_dist":
         try:
-            metadata = dist_reader(found.path).read_metadata()
+            read_dist_index(found.path)
         except (EOFError, pickle.UnpicklingError) as e:  # cut short, or a refused global (said by the read)
             if isinstance(e, EOFError) or "truncated" in str(e):
                 return f"{DIST_METADATA} is truncated"
-            metadata = read_dist_metadata(found.path)
-        ends = {}
-        for info in metadata.storage_data.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        for name, end in sorted(ends.items()):
-            path = os.path.join(found.path, name)
-            if not os.path.exists(path) or os.path.getsize(path) < end:
-                return f"{name} is {'missing' if not os.path.exists(path) else 'truncated'}"
+            read_dist_metadata(found.path)
         return None
     for name in sorted(n for n in os.listdir(found.path) if n.endswith(".pt")):
         with open(os.path.join(found.path, name), "rb") as f:
@@ -343,6 +426,80 @@ def cut_short(found: Found) -> str | None:
         if zipped and not zipfile.is_zipfile(os.path.join(found.path, name)):
             return f"{name} is truncated (its zip directory is gone)"
     return None
+
+
+def contents_problem(found: Found) -> str | None:
+    """What a checkpoint's files hold that no save of train.py writes (a file
+    edited, its digest recomputed, as anyone can), read without a tensor's
+    bytes: a size or a stride that claims more bytes than the file holds, an
+    optimizer state that does not fit its weight, AdamW settings no flag may take."""
+    if found.kind == "plain":
+        return plain_contents_problem(found.path)
+    if found.kind != "torch_dist":
+        return None
+    metadata = read_dist_index(found.path)
+    if problem := dist_index_problem(found.path, metadata):
+        return problem
+    saved, weights, states = metadata.state_dict_metadata, {}, {}
+    for key, md in saved.items():  # each tensor as its index describes it, on the meta device
+        held = torch.empty(md.size, dtype=md.properties.dtype, device="meta") if hasattr(md, "size") else md
+        if key.startswith("model."):
+            weights[key[len("model."):]] = held
+        elif key.startswith("optimizer.") and key != "optimizer.param_groups":
+            name, _, k = key[len("optimizer."):].rpartition(".")
+            states.setdefault(name, {})[k] = held
+    groups = read_dist(found.path, {"optimizer.param_groups": None}, no_dist=True)["optimizer.param_groups"] \
+        if "optimizer.param_groups" in saved else []
+    return optimizer_problem(weights, states, groups)
+
+
+def plain_contents_problem(path: str) -> str | None:
+    """contents_problem of a plain checkpoint, whose tensors' claims are read but none of their bytes."""
+    file = os.path.join(path, PLAIN_FILE)
+    with regular_file(file) as (f, _):
+        if not zipfile.is_zipfile(f):
+            return None  # torch's pre-zip format, read as data alone as before (cut_short: not a cut zip)
+        if problem := zip_problem(f):
+            return f"{PLAIN_FILE} {problem}"
+        with data_only_loads(path):
+            try:
+                state = saved_claims(f)
+            except (ValueError, TypeError, AttributeError, KeyError, IndexError, EOFError, RecursionError) as e:
+                return f"{PLAIN_FILE} is not as torch.save writes ({type(e).__name__}: {str(e)[:200]})"
+    if not isinstance(state, dict):
+        return None
+    if problem := tensors_problem(tensors_in(state)):
+        return f"{PLAIN_FILE}: {problem}"
+    optimizer, model = state.get("optimizer"), state.get("model")
+    if not isinstance(optimizer, dict) or not isinstance(model, dict) or not isinstance(optimizer.get("state"), dict):
+        return None
+    return optimizer_problem(model, optimizer["state"], optimizer.get("param_groups"))
+
+
+def tensors_in(state) -> dict:
+    """Every tensor of a nested state by its path ("model.wte.weight"); each container once."""
+    found, todo, seen = {}, [("", state)], set()
+    while todo:
+        name, obj = todo.pop()
+        if torch.is_tensor(obj):
+            found[name] = obj
+        elif isinstance(obj, (dict, list, tuple)) and id(obj) not in seen:
+            seen.add(id(obj))
+            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            todo += [(f"{name}.{k}" if name else str(k), v) for k, v in items]
+    return found
+
+
+def optimizer_problem(weights: dict, states: dict, groups) -> str | None:
+    """Why a checkpoint's AdamW states (name -> {key: tensor}) do not fit its
+    weights (name -> tensor), both on the meta device, or its param_groups'
+    settings are ones the flags refuse (settings_problem), or None."""
+    for name, state in states.items():
+        if not torch.is_tensor(weights.get(name)):
+            return f"it holds an optimizer state for {name!r}, which is none of its weights"
+        if problem := state_fit_problem(weights[name], state):
+            return f"the optimizer state of {name} {problem}"
+    return settings_problem(groups)
 
 
 def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, extra=None, group=None) -> None:
@@ -652,7 +809,7 @@ def load_checkpoint(cfg: TrainConfig, model: GPT, optimizer, scaler, log):
         model.load_full_state_dict(weights)
         shard_like = parallel.shard_like
     if not weights_only(cfg):
-        load_full_optimizer_state(model, optimizer, state["optimizer"], shard_like)
+        load_full_optimizer_state(model, optimizer, state["optimizer"], shard_like, found.path, log)
         if scaler and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
     return start_position(cfg, state, found.path, log)
@@ -823,18 +980,22 @@ class AsyncSave:
 
 
 def read_dist_shards(cfg: TrainConfig, model: GPT, found: Found) -> dict:
-    """A torch_dist checkpoint read into this rank's parameters and (unless weights_only) optimizer states."""
+    """A torch_dist checkpoint read into this rank's parameters and (unless weights_only) optimizer states:
+    into buffers of this run's sizes (p's shard of each moment, a 0-dim step), never the sizes the index says."""
     saved = read_dist_metadata(found.path).state_dict_metadata
     state, optim = dist_model_state(model), {}
     for name, p in model.named_parameters() if not weights_only(cfg) else ():
         optim[name] = {}
         for key in (key for key in saved if key.startswith(f"optimizer.{name}.")):
-            dtype, size = saved[key].properties.dtype, saved[key].size
-            if len(size) == p.dim():  # shaped like p: p's shard of it
-                optim[name][key.rsplit(".", 1)[1]] = t = torch.empty(p.shape, dtype=dtype, device=p.device)
-                state[key] = as_shards(p, t)
-            else:
-                optim[name][key.rsplit(".", 1)[1]] = state[key] = torch.empty(size, dtype=dtype)
+            k = key.rsplit(".", 1)[1]
+            optim[name][k] = t = torch.zeros(()) if k == "step" else torch.empty_like(p)
+            state[key] = t if k == "step" else as_shards(p, t)
+    for key, t in state.items():  # the sizes this run reads into against the index's, before DCP reads any
+        mine = (list(t.size()), t.dtype if torch.is_tensor(t) else t.metadata().tensor_properties.dtype)
+        theirs = key in saved and (list(saved[key].size), saved[key].properties.dtype)
+        if theirs and (theirs[0] != mine[0] or key.startswith("optimizer.") and theirs[1] != mine[1]):
+            raise Damaged(found.path, f"its {DIST_METADATA} gives {key} as {theirs[0]} {theirs[1]}, where this run's "
+                                      f"is {mine[0]} {mine[1]}")
     if optim:
         state.update({"optimizer.param_groups": None, "scaler": None})
     state = read_dist(found.path, state)
@@ -860,8 +1021,13 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
                      no_dist=no_dist or not dist.is_initialized())
         except dcp.api.CheckpointException as e:  # DCP wraps each rank's error; a refusal is data_only_loads' line
             refused = [exc for exc, _ in e.failures.values() if isinstance(exc, (pickle.UnpicklingError, UsageError))]
-            raise (refused or [e])[0] from None
-        state["pipeline_rng"] = [torch.load(io.BytesIO(state[key].numpy().tobytes())) for key in stages]
+            failed = next(iter(e.failures.values()))[0]  # a piece that is not what the index says it is
+            said = (str(failed).strip().splitlines() or [""])[0][:300]
+            raise (refused or [Damaged(path, f"reading it failed: {type(failed).__name__}: {said}")])[0] from None
+        pieces = [state[key].numpy().tobytes() for key in stages]
+        if problem := next(filter(None, (zip_problem(io.BytesIO(piece)) for piece in pieces)), None):
+            raise Damaged(path, f"a stage's random state {problem}")
+        state["pipeline_rng"] = [torch.load(io.BytesIO(piece)) for piece in pieces]
     state["rng"] = state["pipeline_rng"][0]
     return state
 

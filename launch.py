@@ -9,7 +9,8 @@ module every other may import, so it imports none of them.
   3. Files that appear whole: written under a temporary name, forced to disk,
      renamed into place (atomic_write, fsync_path)
   4. Files that may come from anyone, as checkpoint.py and huggingface.py read
-     them: plain files, their digests, pickles of data only, DCP's index
+     them: plain files, their digests, pickles of data only, DCP's index; the
+     sizes they claim, held to the bytes they hold
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import hashlib
 import importlib
 import io
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -50,6 +52,18 @@ import torch.distributed as dist
 class UsageError(ValueError):
     """A mistake in the flags, the data or a checkpoint; its message says what
     to do. errors_reported prints it once, with exit status 2 (other errors are bugs)."""
+
+
+class Damaged(UsageError):
+    """A checkpoint's file that is not what its writer writes (checkpoint.damage
+    passes the checkpoint over for the newest intact one): one line naming it."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"checkpoint {path} is damaged: {problem}")
+        self.path, self.problem = path, problem
+
+    def __reduce__(self):  # DCP sends a rank's error to the others pickled
+        return Damaged, (self.path, self.problem)
 
 
 @contextlib.contextmanager
@@ -555,21 +569,45 @@ def _unsafe_globals(f) -> list[str]:
 
 
 def dist_reader(path: str):
-    """DCP's reader, but its index (a pickle) is read by DistMetadataUnpickler
-    and may name only the checkpoint's own files."""
+    """DCP's reader, but its index (a pickle) is read by DistMetadataUnpickler,
+    may name only the checkpoint's own files and must describe them truly
+    (dist_index_problem), and each piece it reads must be a zip stored as
+    torch.save stores one (zip_problem)."""
     import torch.distributed.checkpoint as dcp
     reader = dcp.FileSystemReader(path)
 
     def read_metadata(*args, **kwargs):
-        with open(os.path.join(path, DIST_METADATA), "rb") as f:
-            metadata = DistMetadataUnpickler(f).load()
-        named_files(path, (info.relative_path for info in metadata.storage_data.values()),
-                    os.path.join(path, DIST_METADATA))  # before DCP opens any of them
+        metadata = read_dist_index(path)
+        if problem := dist_index_problem(path, metadata):  # before DCP allocates or reads anything
+            raise Damaged(path, problem)
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = reader.load_id
         return metadata
+
+    def slice_file(file, info, dcp_slice=reader._slice_file):  # each piece DCP reads is torch.load-ed whole
+        if problem := zip_problem(Extent(file, info.offset, info.length)):
+            raise Damaged(path, f"the piece of {info.relative_path} at byte {info.offset:,} {problem}")
+        return dcp_slice(file, info)
     reader.read_metadata = read_metadata  # in place of DCP's unpickling of the index
+    reader._slice_file = slice_file
     return reader
+
+
+def read_dist_index(path: str):
+    """DCP's index of the checkpoint in `path`, unpickled as data alone and
+    naming only its own files; anything else but DCP's Metadata is a UsageError."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    with open(os.path.join(path, DIST_METADATA), "rb") as f:
+        try:
+            metadata = DistMetadataUnpickler(f).load()
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
+            raise Damaged(path, f"{DIST_METADATA} is not DCP's index ({type(e).__name__}: {str(e)[:200]})") from None
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)):
+        raise Damaged(path, f"{DIST_METADATA} holds a {type(metadata).__name__}, not DCP's index")
+    named_files(path, (getattr(info, "relative_path", None) for info in metadata.storage_data.values()),
+                os.path.join(path, DIST_METADATA))  # before DCP opens any of them
+    return metadata
 
 
 class DistMetadataUnpickler(pickle.Unpickler):
@@ -598,3 +636,196 @@ class DistMetadataUnpickler(pickle.Unpickler):
 def read_dist_metadata(path: str):
     with data_only_loads(path, "torch_dist"):
         return dist_reader(path).read_metadata()
+
+
+# What a file says of its own sizes is a claim: torch's and DCP's readers
+# allocate what it claims, and read, copy or write where it points. These
+# hold each claim to the bytes the file holds (as safetensors checks its
+# header against its file, and DCP's planner a save's pieces against their
+# tensors): memory is bounded by the files, and no write leaves a buffer.
+
+class Extent:
+    """Bytes [offset, offset + length) of an open binary file, as a file of
+    their own for zipfile (DCP's view of them misreads a seek from the end)."""
+
+    def __init__(self, f, offset: int, length: int):
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = max(0, pos + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence])
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        self.f.seek(self.offset + self.pos)
+        data = self.f.read(max(0, self.length - self.pos if n < 0 else min(n, self.length - self.pos)))
+        self.pos += len(data)
+        return data
+
+
+def zip_problem(f) -> str | None:
+    """Why `f` (a binary file) is not a zip as torch.save writes one: every
+    record stored as it is (torch's reader inflates a compressed record whole,
+    to whatever size it claims, before anything is checked), or None."""
+    try:
+        with zipfile.ZipFile(f) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        return f"is not a zip archive as torch.save writes ({e})"
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.compress_size != record.file_size:
+            how = zipfile.compressor_names.get(record.compress_type, f"method {record.compress_type}")
+            return (f"holds its record {record.filename} compressed ({how}), where torch.save stores every "
+                    f"record as it is")
+    return None
+
+
+def saved_claims(f):
+    """What a torch.save zip (f: a binary file that zip_problem passed) holds,
+    unpickled as torch.load(weights_only=True) unpickles it (so inside
+    data_only_loads), but with no tensor's bytes read: each storage on the meta
+    device, marked with the extent of its record in f (storage.record: first
+    byte, size; None: no such record)."""
+    from torch._weights_only_unpickler import Unpickler
+    records = {}  # a record's name, after the archive's own folder (as torch's reader names it) -> its extent
+    with zipfile.ZipFile(f) as archive:
+        for record in archive.infolist():
+            f.seek(record.header_offset)
+            header = f.read(30)  # a local file header: its name's and extra field's lengths at 26 and 28
+            if header[:4] == b"PK\x03\x04":
+                start = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + \
+                    int.from_bytes(header[28:30], "little")
+                records[record.filename.split("/", 1)[-1]] = (start, record.file_size)
+
+    class Claims(Unpickler):
+        def persistent_load(self, saved_id):  # ("storage", its type, key, device, elements), as torch.save writes
+            _, kind, key, _, elements = saved_id
+            dtype = torch.uint8 if kind is torch.UntypedStorage else kind.dtype
+            storage = torch.UntypedStorage(elements * dtype.itemsize, device="meta")
+            storage.record = records.get(f"data/{key}")
+            return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+    first, size = records.get("data.pkl", (0, 0))
+    f.seek(first)
+    return Claims(io.BytesIO(f.read(size)), encoding="utf-8").load()
+
+
+def tensors_problem(tensors: dict) -> str | None:
+    """Why tensors a torch.save file holds (name -> tensor, as saved_claims
+    gives them: claims, no bytes read) are not each its own bytes of the file,
+    or None. A storage's size, a tensor's size and strides are claims: a record
+    of another size than its storage says, a stride of 0 or elements that
+    overlap, or two tensors on the same bytes would give a model, or an
+    optimizer's in-place update, more elements than the file holds."""
+    spans = []  # (first byte in the file, end, name) of each tensor
+    for name, t in tensors.items():
+        storage = t.untyped_storage()
+        first, size = getattr(storage, "record", None) or (0, None)
+        if size != storage.nbytes():
+            return f"{name}'s storage claims {storage.nbytes():,} bytes, its record holds {size or 0:,}"
+        reach = 0  # the furthest element the dimensions with smaller strides reach
+        for extent, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1]):
+            if stride <= reach:
+                return (f"{name} of size {tuple(t.shape)} has strides {t.stride()}: its elements overlap "
+                        f"(a tensor torch.save writes has its own bytes for each)")
+            reach += (extent - 1) * stride
+        start, length = t.storage_offset() * t.element_size(), (reach + 1) * t.element_size()
+        if t.numel() and start + length > storage.nbytes():
+            return f"{name} of size {tuple(t.shape)} claims bytes up to {start + length:,} of a record of " \
+                   f"{storage.nbytes():,}"
+        if t.numel():
+            spans.append((first + start, first + start + length, name))
+    spans.sort()
+    for (_, end, one), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            return f"{one} and {other} are views of the same bytes (torch.save gives each tensor its own)"
+    return None
+
+
+def _whole_numbers(values) -> bool:
+    return isinstance(values, (tuple, list)) and all(type(v) is int and v >= 0 for v in values)
+
+
+def dist_index_problem(directory: str, metadata) -> str | None:
+    """Why DCP's index of the checkpoint in `directory` does not describe its
+    files as DCP's save writes them, or None. DCP's reader trusts it: it
+    allocates each tensor's size, reads each piece where the index says, and
+    leaves any part of a tensor no piece covers as it was (uninitialized
+    memory). So each tensor's pieces tile it exactly, and each piece's bytes
+    lie in its file, hold at least its elements and are no other piece's."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+    least = {}  # MetadataIndex of each piece -> the fewest bytes it takes in its file
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            least[MetadataIndex(fqn)] = 0
+            continue
+        if not (isinstance(md, TensorStorageMetadata) and isinstance(getattr(md.properties, "dtype", None),
+                                                                      torch.dtype)):
+            return f"{DIST_METADATA} describes {fqn!r} as neither a tensor nor bytes"
+        if problem := _tiling_problem(md):
+            return f"{DIST_METADATA}: {fqn} of size {list(md.size)} {problem}"
+        for chunk in md.chunks:
+            least[MetadataIndex(fqn, chunk.offsets)] = math.prod(chunk.sizes) * md.properties.dtype.itemsize
+    if missing := next((index for index in least if index not in metadata.storage_data), None):
+        piece = "" if missing.offset is None else f"'s piece at {list(missing.offset)}"
+        return f"{DIST_METADATA} gives no bytes for {missing.fqn}{piece}"
+    return _extents_problem(directory, metadata.storage_data, least)
+
+
+def _tiling_problem(md) -> str | None:
+    """Why a tensor's pieces (DCP's chunks) do not tile its size exactly, or None."""
+    size, chunks = md.size, md.chunks
+    if not _whole_numbers(size) or not isinstance(chunks, list):
+        return "is not a tensor's shape, in pieces"
+    boxes = []  # (first, end) index of each piece that holds elements
+    for chunk in chunks:
+        first, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (_whole_numbers(first) and _whole_numbers(sizes) and len(first) == len(sizes) == len(size)):
+            return f"has a piece that is not one of {len(size)} dimensions ({str(chunk)[:100]})"
+        end = [a + n for a, n in zip(first, sizes)]
+        if any(e > n for e, n in zip(end, size)):
+            return f"has a piece outside it (at {list(first)}, of size {list(sizes)})"
+        if math.prod(sizes):
+            boxes.append((first, end))
+    held = sum(math.prod(e - a for a, e in zip(first, end)) for first, end in boxes)
+    if held != math.prod(size):
+        return f"is {math.prod(size):,} elements, its pieces hold {held:,}"
+    if size:  # a sweep along the dimension the pieces are split most along: each overlap is found
+        dim = max(range(len(size)), key=lambda d: len({first[d] for first, _ in boxes}))
+        boxes.sort(key=lambda box: box[0][dim])
+        reaching = []  # the pieces so far that reach past this one's start along dim
+        for first, end in boxes:
+            reaching = [(a, e) for a, e in reaching if e[dim] > first[dim]]
+            if any(all(x < f and y < g for x, f, y, g in zip(first, e, a, end)) for a, e in reaching):
+                return f"has pieces that overlap (one at {list(first)})"
+            reaching.append((first, end))
+    return None
+
+
+def _extents_problem(directory: str, storage_data: dict, least: dict) -> str | None:
+    """Why the bytes DCP's index gives each piece (storage_data) do not lie
+    in its file, the piece's own and as many as it holds (`least`), or None."""
+    spans = {}  # file name -> [(first byte, end, the piece's tensor)]
+    for index, info in storage_data.items():
+        fqn, name = getattr(index, "fqn", index), getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if name == DIST_METADATA:
+            return f"{DIST_METADATA} gives its own bytes as {fqn}'s (they are in a .distcp file)"
+        if not _whole_numbers([offset, length]):
+            return f"{DIST_METADATA} places {fqn} at byte {offset!r}, {length!r} bytes: not an extent of a file"
+        if getattr(info, "transform_descriptors", None):
+            return f"{DIST_METADATA} gives {fqn}'s bytes transformed ({info.transform_descriptors}), as no save does"
+        if length < least.get(index, 0):
+            return (f"{DIST_METADATA} gives {fqn} {length:,} bytes of {name}, fewer than its piece's "
+                    f"{least[index]:,}")
+        spans.setdefault(name, []).append((offset, offset + length, fqn))
+    for name, extents in sorted(spans.items()):
+        size, (_, end, fqn) = os.path.getsize(os.path.join(directory, name)), max(extents, key=lambda s: s[1])
+        if end > size:
+            return f"{name} is truncated: {DIST_METADATA} places {fqn}'s bytes up to byte {end:,}, past its {size:,}"
+        extents.sort()
+        for (_, end, first), (start, _, second) in zip(extents, extents[1:]):
+            if start < end:
+                return f"{DIST_METADATA} places {first} and {second} on the same bytes of {name}"
+    return None

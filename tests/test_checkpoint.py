@@ -16,6 +16,7 @@ import contextlib
 import errno
 import glob
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 
 import pytest
 import torch
@@ -33,7 +35,10 @@ import torch.distributed.checkpoint as dcp  # checkpoint.py's torch_dist calls: 
 from torch.distributed.checkpoint.staging import DefaultStager
 
 import checkpoint
+import config
 import eval_tasks
+import launch
+import parallel
 import train
 import train_ops
 from conftest import (IDS, ROOT, TINY, VOCAB, _train_main, read_metrics, run_bounded, run_on_ranks, run_together,
@@ -644,6 +649,396 @@ def test_a_torch_dist_checkpoint_that_would_import_run_or_read_what_it_chose_is_
     with pytest.raises(UsageError, match=f"names '{checkpoint.DIGESTS}', not one of its own files .*is not one of "
                                          f"the files its {checkpoint.DIGESTS} lists"):
         checkpoint.read_dist_metadata(tag)
+
+
+# -----------------------------------------------------------------------------
+# Files that lie about their sizes, strides, pieces or settings (issue 69), their
+# digests recomputed as anyone can: each is damage, named in one line and passed
+# over; nothing is allocated, read or written past what the files hold
+
+
+def _resaved(tag: str, edit) -> None:
+    """tag's checkpoint (either format) read whole, edit(state) applied, written
+    back as its format's save writes it (DCP: torch.save of each piece as it is
+    given), and its digests made anew."""
+    if os.path.exists(os.path.join(tag, checkpoint.PLAIN_FILE)):
+        state = torch.load(os.path.join(tag, checkpoint.PLAIN_FILE), weights_only=False)
+        edit(state)
+        torch.save(state, os.path.join(tag, checkpoint.PLAIN_FILE))
+    else:
+        saved = checkpoint.read_dist_metadata(tag).state_dict_metadata
+        state = checkpoint.read_dist(tag, {k: torch.empty(md.size, dtype=md.properties.dtype)
+                                           if hasattr(md, "size") else None for k, md in saved.items()}, no_dist=True)
+        state = {k: state[k] for k in saved}  # (not read_dist's own pipeline_rng and rng)
+        edit(state)
+        shutil.rmtree(tag)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tag),
+                 planner=dcp.DefaultSavePlanner(**checkpoint.AS_THEY_ARE), no_dist=True)
+    _rewrite_digests(tag)
+
+
+def _index_edited(tag: str, edit) -> None:
+    """tag's DCP index (.metadata), edit(metadata) applied, and its digests made anew."""
+    with open(os.path.join(tag, checkpoint.DIST_METADATA), "rb") as f:
+        metadata = pickle.load(f)
+    edit(metadata)
+    with open(os.path.join(tag, checkpoint.DIST_METADATA), "wb") as f:
+        pickle.dump(metadata, f)
+    _rewrite_digests(tag)
+
+
+def _piece_of(metadata, fqn: str):
+    """The _StorageInfo (file, offset, length) of a tensor's first piece in a DCP index."""
+    return next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
+
+
+def _rezipped(path: str, compression: int = zipfile.ZIP_STORED, shorten: str | None = None,
+              zeros: int = 0) -> None:
+    """The torch.save zip at `path` written anew record by record: compressed
+    (ZIP_DEFLATED, which torch's reader inflates and torch.save never writes),
+    the record named `shorten` cut to its first 4 bytes (a storage that claims
+    more bytes than its record holds), and each record over 1 MiB `zeros`
+    bytes of zeros instead (one saved under torch.serialization.skip_data)."""
+    with zipfile.ZipFile(path) as old, zipfile.ZipFile(f"{path}.new", "w", compression, compresslevel=1) as new:
+        for record in old.infolist():
+            with new.open(record.filename, "w", force_zip64=True) as out:
+                if record.file_size > 1 << 20 and zeros:
+                    for _ in range(zeros >> 20):
+                        out.write(bytes(1 << 20))
+                else:
+                    out.write(old.read(record)[:4 if record.filename == shorten else None])
+    os.replace(f"{path}.new", path)
+    _rewrite_digests(os.path.dirname(path))
+
+
+def _plant(ckpt, hostile: dict) -> None:
+    """Each of `hostile` (iteration: (what is done to a copy of iteration 4, what
+    the problem says)), planted in ckpt as a checkpoint of its own iteration."""
+    for iteration, (change, _) in sorted(hostile.items(), reverse=True):
+        tag = str(ckpt / f"iter_{iteration:07d}")
+        shutil.copytree(ckpt / "iter_0000004", tag)
+        _resaved(tag, lambda state: state.__setitem__("iteration", iteration))
+        change(tag)
+    (ckpt / checkpoint.LATEST).write_text(str(max(hostile)))
+
+
+def _moments(edit):
+    """A change to a checkpoint of either format: edit(moments of wte.weight) -> the new ones."""
+    def change(tag):
+        def edited(state):
+            if "optimizer" in state:
+                state["optimizer"]["state"]["wte.weight"] = edit(state["optimizer"]["state"]["wte.weight"])
+            else:
+                keys = {k: f"optimizer.wte.weight.{k}" for k in ("exp_avg", "exp_avg_sq", "step")}
+                state.update({keys[k]: v for k, v in edit({k: state[key] for k, key in keys.items()}).items()})
+        _resaved(tag, edited)
+    return change
+
+
+def _settings(**settings):
+    """A change to a checkpoint of either format: its optimizer's param groups updated with `settings`."""
+    def change(tag):
+        def edited(state):
+            for group in (state["optimizer"]["param_groups"] if "optimizer" in state
+                          else state["optimizer.param_groups"]):
+                group.update(settings)
+        _resaved(tag, edited)
+    return change
+
+
+IMPLEMENTATION = dict(maximize=True, fused=False, foreach=True, capturable=True, differentiable=True)
+
+
+def test_a_plain_checkpoint_whose_tensors_or_settings_lie_is_passed_over_and_no_step_writes_past_a_buffer(
+        corpus, two_saves, tmp_path):
+    """model_optim_rng.pt edited as anyone can, its digests recomputed: an
+    optimizer state of the wrong shape (the fused AdamW would update 3.2 M
+    elements of a 9-element buffer: SIGSEGV), or of the right shape with stride 0
+    (one element of storage), two states on the same bytes, a record compressed
+    (deflate) or shorter than its storage says, AdamW settings that the flags
+    refuse. `train.py --load` names each in one line and resumes from the newest
+    intact checkpoint, whose param groups ask for maximize, no fused kernel,
+    foreach, capturable and differentiable: this run's own optimizer goes on, and
+    the losses are an untouched copy's. With none intact, --load and
+    --export-from stop in one line (status 2: never a signal)."""
+    ckpt, untouched = tmp_path / "ckpt", tmp_path / "untouched"
+    shutil.copytree(two_saves, ckpt)
+    shutil.copytree(two_saves, untouched)
+    file = checkpoint.PLAIN_FILE
+    shape = torch.load(os.path.join(two_saves, "iter_0000004", file), mmap=True,
+                       weights_only=False)["model"]["wte.weight"].shape
+    hostile = {
+        12: (_moments(lambda m: {**m, "exp_avg": torch.zeros(3, 3)}),
+             f"the optimizer state of wte.weight has exp_avg [3, 3] float32 with strides [3, 1], not laid out as its "
+             f"weight ({list(shape)} float32 with strides [{shape[1]}, 1])"),
+        11: (_moments(lambda m: {**m, "exp_avg": torch.full((1,), .01).expand(*shape)}),
+             f"{file}: optimizer.state.wte.weight.exp_avg of size {tuple(shape)} has strides (0, 0): its elements "
+             f"overlap"),
+        10: (_moments(lambda m: {**m, "exp_avg_sq": m["exp_avg"]}), "are views of the same bytes"),
+        9: (_settings(betas=(5.0, -3.0)), "param_groups hold a setting no flag may take (--adam-beta1 5.0: it must "
+                                          "be at least 0 and below 1)"),
+        8: (_settings(eps=-1.0), "(--adam-eps -1.0: it must be at least 0)"),
+        7: (lambda tag: _rezipped(os.path.join(tag, file), zipfile.ZIP_DEFLATED),
+            f"{file} holds its record model_optim_rng/data.pkl compressed (deflate), where torch.save stores every "
+            f"record as it is"),
+        6: (lambda tag: _rezipped(os.path.join(tag, file), shorten="model_optim_rng/data/0"),
+            "bytes, its record holds 4"),
+    }
+    _plant(ckpt, hostile)
+    _settings(**IMPLEMENTATION)(str(ckpt / "iter_0000004"))
+    probes = [["train.py", *TINY, "--data-path", corpus, "--train-iters", "14", "--load", str(path), "--eval-interval",
+               "0", "--metrics-file", f"{path}.jsonl"] for path in (ckpt, untouched)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc, _ = run_together([[sys.executable, *args] for args in probes], 240, cwd=ROOT, env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for iteration, (_, problem) in hostile.items():
+        line = f"checkpoint {ckpt}/iter_{iteration:07d} cannot be loaded: "
+        assert line in proc.stdout and problem in proc.stdout.split(line)[1].splitlines()[0], (problem, proc.stdout)
+    assert f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint" in proc.stdout
+    curves = [[(m["iteration"], m["loss"], m["grad_norm"]) for m in read_metrics(f"{path}.jsonl")]
+              for path in (ckpt, untouched)]
+    assert curves[0] == curves[1] and [i for i, *_ in curves[0]] == list(range(5, 15))  # no ascent, no other kernel
+    hostile[12][0](str(ckpt / "iter_0000004"))  # now none is intact
+    hostile[11][0](str(ckpt / "iter_0000002"))
+    stops_in_one_line([(probes[0][:-2], f"no intact checkpoint in {ckpt}: "),
+                       (["train.py", "--export-from", str(ckpt), "--export-to", str(tmp_path / "out")],
+                        f"{ckpt}/iter_0000002: {hostile[11][1]}")], timeout=240)
+
+
+def test_a_torch_dist_checkpoint_whose_index_or_states_lie_is_passed_over_and_exports_the_intact_ones_bytes(
+        corpus, dist_saves, tmp_path):
+    """.metadata (DCP's index) edited as anyone can, its digests recomputed: a
+    tensor's size of [2**20, 2**20] (DCP would allocate it before reading), a
+    piece larger than its tensor, bytes past the end of the .distcp (an offset
+    after it, or a length of 2**40), a negative offset, a tensor's bytes read
+    from .metadata itself, each tensor's pieces one element (DCP leaves the
+    rest uninitialized: an export wrote heap bytes); or re-saved with a 1-D
+    optimizer state for a 2-D weight (allocated as saved: the fused AdamW
+    wrote past it), a state of one element expanded, AdamW settings the flags
+    refuse, a piece compressed (deflate). `train.py --load` and --export-from
+    name each in one line and read the newest intact checkpoint, whose saved
+    betas go on, said in a line; the export holds its bytes. With none intact,
+    --load stops in one line."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(dist_saves, ckpt)
+    distcp = os.path.getsize(ckpt / "iter_0000004" / "__0_0.distcp")
+    shape = checkpoint.read_dist_metadata(str(ckpt / "iter_0000004")).state_dict_metadata["model.wte.weight"].size
+
+    wte = "model.wte.weight"
+    hostile = {
+        21: (_index_change(lambda md: setattr(md.state_dict_metadata[wte], "size", torch.Size([2**20, 2**20]))),
+             f".metadata: {wte} of size [1048576, 1048576] is 1,099,511,627,776 elements, its pieces hold "
+             f"{shape.numel():,}"),
+        20: (_index_change(lambda md: setattr(md.state_dict_metadata[wte].chunks[0], "sizes",
+                                              torch.Size([shape[0] + 1, shape[1]]))),
+             f"{wte} of size {list(shape)} has a piece outside it (at [0, 0], of size [{shape[0] + 1}, {shape[1]}])"),
+        19: (_piece_change(wte, offset=distcp),
+             f"__0_0.distcp is truncated: .metadata places {wte}'s bytes up to byte"),
+        18: (_piece_change(wte, length=2**40), f"__0_0.distcp is truncated: .metadata places {wte}'s bytes up to byte "
+                                               f"{2**40 // 10**9:,}"),
+        17: (_piece_change(wte, offset=-1), f".metadata places {wte} at byte -1"),
+        16: (_piece_change(wte, relative_path=checkpoint.DIST_METADATA), f".metadata gives its own bytes as {wte}'s"),
+        15: (_index_change(_one_element_pieces), ", its pieces hold 1"),
+        14: (_moments(lambda m: {**m, "exp_avg": torch.zeros(9)}),
+             f"the optimizer state of wte.weight has exp_avg [9] float32 with strides [1], not laid out as its weight "
+             f"({list(shape)} float32"),
+        13: (_appended("optimizer.wte.weight.exp_avg", torch.full((1,), .01).expand(*shape)),
+             f"of __0_0.distcp, fewer than its piece's {shape.numel() * 4:,}"),
+        12: (_settings(eps=-1.0), "(--adam-eps -1.0: it must be at least 0)"),
+        11: (_appended("optimizer.param_groups", [], zipfile.ZIP_DEFLATED),
+             "compressed (deflate), where torch.save stores every record as it is"),
+    }
+    _plant(ckpt, hostile)
+    _settings(betas=(0.8, 0.99), **IMPLEMENTATION)(str(ckpt / "iter_0000004"))
+    load = ["train.py", *TINY, "--data-path", corpus, "--train-iters", "5", "--load", str(ckpt), "--eval-interval", "0",
+            "--metrics-file", str(tmp_path / "m.jsonl")]
+    export = ["train.py", "--export-from", str(ckpt), "--export-to", str(tmp_path / "out")]
+    procs = run_together([[sys.executable, *args] for args in (load, export)], 240, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for proc in procs:
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        for iteration, (_, problem) in hostile.items():
+            line = f"checkpoint {ckpt}/iter_{iteration:07d} cannot be loaded: "
+            assert line in proc.stdout and problem in proc.stdout.split(line)[1].splitlines()[0], (problem, proc.stdout)
+        assert f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint" in proc.stdout
+    assert ("the checkpoint's AdamW settings go on: --adam-beta1 0.8 (this run: 0.9), --adam-beta2 0.99 (this run: "
+            "0.95)") in procs[0].stdout
+    assert [m["iteration"] for m in read_metrics(tmp_path / "m.jsonl")] == [5]
+    exported = torch.load(tmp_path / "out" / "iter_0000004" / checkpoint.PLAIN_FILE, weights_only=False)["model"]
+    saved = {k[len("model."):]: v for k, v in dist_tensors(os.path.join(dist_saves, "iter_0000004")).items()
+             if k.startswith("model.")}
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    hostile[14][0](str(ckpt / "iter_0000004"))  # now none is intact
+    hostile[13][0](str(ckpt / "iter_0000002"))
+    stops_in_one_line([(load[:-2], f"{ckpt}/iter_0000004: {hostile[14][1]}")], timeout=240)
+
+
+def _index_change(edit):
+    """A change to a torch_dist checkpoint: its index edited by edit(metadata)."""
+    return lambda tag: _index_edited(tag, edit)
+
+
+def _piece_change(fqn: str, **fields):
+    """A change to a torch_dist checkpoint: where its index says fqn's first piece lies (file, offset, length)."""
+    return _index_change(lambda md: _piece_of(md, fqn).__dict__.update(fields))
+
+
+def _one_element_pieces(metadata) -> None:
+    """Each weight's pieces in a DCP index made one, of one element: the rest of it covered by none."""
+    for fqn, tensor in metadata.state_dict_metadata.items():
+        if fqn.startswith("model."):
+            tensor.chunks = [dataclasses.replace(tensor.chunks[0], sizes=torch.Size([1] * len(tensor.size)))]
+
+
+def _appended(fqn: str, obj, compression: int = zipfile.ZIP_STORED):
+    """A change to a torch_dist checkpoint: fqn's piece torch.save(obj) as it is (an expanded tensor: one
+    element), its records compressed with ZIP_DEFLATED (as torch.save never writes), appended to its
+    .distcp and named by its index."""
+    saved, piece = io.BytesIO(), io.BytesIO()
+    torch.save(obj, saved)
+    with zipfile.ZipFile(saved) as old, zipfile.ZipFile(piece, "w", compression) as new:
+        for record in old.infolist():
+            new.writestr(record.filename, old.read(record))
+
+    def change(tag):
+        offset = os.path.getsize(os.path.join(tag, "__0_0.distcp"))
+        with open(os.path.join(tag, "__0_0.distcp"), "ab") as f:
+            f.write(piece.getvalue())
+        _index_edited(tag, lambda md: _piece_of(md, fqn).__dict__.update(offset=offset, length=len(piece.getvalue())))
+    return change
+
+
+# Peak RSS of a command and all it waits for (ru_maxrss, KiB), written to the file argv[1]
+PEAK_RSS = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+            "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+            "sys.exit(rc if rc >= 0 else 128 - rc)")
+
+
+def test_a_checkpoint_that_claims_more_than_its_bytes_is_refused_within_a_memory_bound(tmp_path):
+    """A plain checkpoint of 10 KB and a torch_dist one of 60 KB whose
+    model_config claims hidden size 65536 (and whose shapes are its), each
+    tensor one element of storage (plain: expanded, stride 0; torch_dist: a
+    piece of one element that its index says is the whole tensor), and a plain
+    one re-zipped with deflate, whose record of 1 GiB of zeros torch's reader
+    would inflate: eval_tasks.py or train.py --export-from stops in one line
+    naming each, with a peak RSS (the process and all it waits for) under
+    1 GiB (the interpreter with torch: about 0.45) plus 4x the files' bytes.
+    Nothing of the claimed model is built, no record inflated."""
+    file, huge = checkpoint.PLAIN_FILE, tiny(hidden_size=65536, ffn_hidden_size=4 * 65536)
+    with torch.device("meta"):
+        shapes = {k: t.shape for k, t in GPT(huge).state_dict().items()}
+    record = {"consumed_samples": 0, "rng": None, "config": {}, "model_config": dataclasses.asdict(huge)}
+    checkpoint.write_plain_checkpoint(str(tmp_path / "plain"), {
+        "model": {k: torch.full((1,), .01).expand(*s) for k, s in shapes.items()}, "optimizer": None,
+        "scaler": None, "iteration": 2, **record})
+    tag = str(tmp_path / "dist" / "iter_0000002")
+    dcp.save({**{f"model.{k}": torch.full([1] * len(s), .01) for k, s in shapes.items()}, "iteration": 2, **record,
+              "rng.stage0": torch.zeros(8, dtype=torch.uint8)}, storage_writer=dcp.FileSystemWriter(tag),
+             planner=dcp.DefaultSavePlanner(**checkpoint.AS_THEY_ARE), no_dist=True)
+
+    def claimed(metadata):
+        for k, size in shapes.items():
+            tensor = metadata.state_dict_metadata[f"model.{k}"]
+            tensor.size = tensor.chunks[0].sizes = size
+    _index_edited(tag, claimed)
+    (tmp_path / "deflated" / "iter_0000002").mkdir(parents=True)
+    with torch.serialization.skip_data():  # the record's bytes are left out: holes, never in memory
+        torch.save({"model": {"wte.weight": torch.empty(1 << 28)}, "optimizer": None, "iteration": 2, **record},
+                   tmp_path / "deflated" / "iter_0000002" / file)
+    _rezipped(str(tmp_path / "deflated" / "iter_0000002" / file), zipfile.ZIP_DEFLATED, zeros=1 << 30)
+    probes = {"plain": (["eval_tasks.py", "--task", "GENERATE", "--num-samples", "1", "--load"],
+                        f"{file}: model.", "has strides (0,"),
+              "dist": (["train.py", "--export-to", str(tmp_path / "out"), "--export-from"],
+                       ".metadata gives model.", "fewer than its piece's"),
+              "deflated": (["eval_tasks.py", "--task", "GENERATE", "--num-samples", "1", "--load"],
+                           f"{file} holds its record ", "compressed (deflate)")}
+    for name in probes:
+        (tmp_path / name / checkpoint.LATEST).write_text("2")
+    procs = run_together([[sys.executable, "-c", PEAK_RSS, str(tmp_path / f"{name}.peak"), sys.executable, *args,
+                           str(tmp_path / name)] for name, (args, *_) in probes.items()], 240, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for (name, (args, *says)), proc in zip(probes.items(), procs):
+        held = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(tmp_path / name) for f in files)
+        peak = int((tmp_path / f"{name}.peak").read_text()) << 10
+        assert peak < (1 << 30) + 4 * held, (name, peak, held, proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (name, proc.stderr[-3000:])
+        assert lines[0].startswith(f"{args[0]}: error: no intact checkpoint in {tmp_path / name}: "
+                                   f"{tmp_path / name}/iter_0000002: ") and all(s in lines[0] for s in says), lines
+
+
+@pytest.mark.quick
+def test_a_resume_takes_the_adamw_state_and_settings_of_a_checkpoint_into_this_runs_own_optimizer():
+    """load_full_optimizer_state: the checkpoint gives each parameter's AdamW
+    state and step, and its betas, eps and weight decay, which go on (a line
+    says where they are not this run's flags); this run's optimizer keeps its
+    own kind (fused, never maximize, foreach, capturable or differentiable from a
+    file). A state not laid out as its parameter here (shape, dtype, strides),
+    or a step that counts nothing, is one line before the optimizer sees it."""
+    model = tiny_model()
+    optimizer = train.build_optimizer(model, config.parse_args(["--preset", "tiny"]))
+    params = dict(model.named_parameters())
+    square = next(n for n, p in params.items() if p.dim() == 2 and p.shape[0] == p.shape[1])
+
+    def saved(**change):
+        state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.ones_like(p)}
+                 for n, p in params.items()}
+        state[square].update(change)
+        return {"state": state, "param_groups": [{**g, "betas": (0.8, 0.99), **IMPLEMENTATION}
+                                                 for g in optimizer.state_dict()["param_groups"]]}
+    said = []
+    checkpoint.load_full_optimizer_state(model, optimizer, saved(), parallel.shard_like, "ckpt/iter_0000002",
+                                         said.append)
+    assert said == ["the checkpoint's AdamW settings go on: --adam-beta1 0.8 (this run: 0.9), --adam-beta2 0.99 "
+                    "(this run: 0.95)"]
+    for group in optimizer.param_groups:
+        assert group["betas"] == (0.8, 0.99) and group["fused"] and not group["foreach"]
+        assert not any(group[k] for k in ("maximize", "capturable", "differentiable"))
+    before = {n: p.detach().clone() for n, p in params.items()}
+    for p in params.values():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # descent: each weight moves against its gradient
+    assert all((params[n] < before[n]).all() for n in params if params[n].dim() > 1)
+    p = params[square]
+    for change, says in (({"exp_avg": torch.zeros(3, 3)}, r"has exp_avg \[3, 3\] float32"),
+                         ({"exp_avg": torch.zeros(p.shape).t()}, r"with strides \[1, \d+\], not laid out"),
+                         ({"exp_avg_sq": torch.zeros(1).expand(*p.shape)}, r"with strides \[0, 0\]"),
+                         ({"exp_avg": torch.zeros(p.shape, dtype=torch.float64)}, "float64"),
+                         ({"step": torch.tensor(float("nan"))}, "has step"), ({"step": torch.zeros(9)}, "has step"),
+                         ({"max_exp_avg_sq": torch.zeros(p.shape)}, "not AdamW's")):
+        with pytest.raises(launch.Damaged, match=rf"^checkpoint ckpt/iter_0000002 is damaged: the optimizer state "
+                                                 rf"of {re.escape(square)} .*{says}"):
+            checkpoint.load_full_optimizer_state(model, optimizer, saved(**change), parallel.shard_like,
+                                                 "ckpt/iter_0000002", said.append)
+
+
+@pytest.mark.quick
+def test_a_torch_dist_index_whose_pieces_overlap_or_share_bytes_is_damage(dist_saves):
+    """launch.dist_index_problem, beyond what the command-line tests above plant:
+    pieces that hold as many elements as their tensor but overlap (and so leave
+    a hole), two pieces on the same bytes of a file, bytes transformed (DCP's
+    compression extensions, which no save here writes)."""
+    tag = os.path.join(dist_saves, "iter_0000004")
+    assert launch.dist_index_problem(tag, launch.read_dist_index(tag)) is None
+
+    def overlapping(md):
+        wte = md.state_dict_metadata["model.wte.weight"]
+        (rows, cols), chunk = wte.size, wte.chunks[0]
+        wte.chunks = [dataclasses.replace(chunk, sizes=torch.Size([rows // 2 + 1, cols])),
+                      dataclasses.replace(chunk, offsets=torch.Size([rows // 2, 0]),
+                                          sizes=torch.Size([rows // 2 - 1, cols]))]
+
+    def shared(md):
+        model = _piece_of(md, "model.wte.weight")
+        _piece_of(md, "optimizer.wte.weight.exp_avg").__dict__.update(offset=model.offset, length=model.length)
+    for edit, says in ((overlapping, "model.wte.weight of size .* has pieces that overlap"),
+                       (shared, r"places model.wte.weight and optimizer.wte.weight.exp_avg on the same bytes of "
+                                r"__0_0.distcp"),
+                       (lambda md: _piece_of(md, "model.wte.weight").__dict__.update(transform_descriptors=["zstd"]),
+                        r"gives model.wte.weight's bytes transformed \(\['zstd'\]\)")):
+        metadata = launch.read_dist_index(tag)
+        edit(metadata)
+        assert re.search(says, launch.dist_index_problem(tag, metadata) or ""), says
 
 
 @pytest.mark.parametrize("flags", [["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist", "--async-save"]])
