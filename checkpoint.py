@@ -156,7 +156,7 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
         fsync_path(root)
     old = final_dir + ".old"
     if os.path.exists(final_dir):
-        shutil.rmtree(old, ignore_errors=True)  # a stale copy from an earlier crash
+        remove_leftover(old)  # a stale copy from an earlier crash
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
     save_dir = os.path.dirname(final_dir)
@@ -168,20 +168,28 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
     atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(str(iteration).encode()))
     if kind == "deepspeed":
         atomic_write(ds_pointer, lambda f: f.write(f"iter_{iteration:07d}".encode()))
-    shutil.rmtree(old, ignore_errors=True)
+    remove_leftover(old)
 
 
 def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     """SAVE/iter_N/model_optim_rng.pt + SAVE/latest_checkpointed_iteration.txt."""
     final = os.path.join(save_dir, f"iter_{state['iteration']:07d}")
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_leftover(tmp)
     os.makedirs(tmp)
     with freed_on_failure(tmp):
         torch.save(state, os.path.join(tmp, PLAIN_FILE))
         write_digests(tmp, digest_files(tmp, [PLAIN_FILE]))
         publish(tmp, final, "plain", state["iteration"])
     return final
+
+
+def remove_leftover(path: str) -> None:
+    """What an unfinished save left (SAVE/iter_N.tmp, or .old); a link there (planted, or copied
+    in) is removed, never followed: a save writes only into a directory of its own."""
+    if os.path.islink(path):
+        os.unlink(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -206,16 +214,17 @@ def saved_iterations(save_dir: str) -> list[int]:
 
 
 def iteration_of(name: str) -> int | None:
-    """N of a checkpoint's directory name iter_NNNNNNN, else None."""
-    match = re.fullmatch(r"iter_([0-9]{7})", name)
-    return int(match[1]) if match else None
+    """N of a checkpoint's directory name iter_NNNNNNN, else None: seven digits or
+    more (iteration 10,000,000 has eight), as f"iter_{N:07d}" writes them."""
+    match = re.fullmatch(r"iter_([0-9]{7,})", name)
+    return int(match[1]) if match and f"{int(match[1]):07d}" == match[1] else None
 
 
 def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
     """Delete unfinished saves (iter_N.tmp) and all but the `keep` newest checkpoints up to `current`."""
     for name in sorted(os.listdir(save_dir)):
         if name.startswith("iter_") and name.endswith(".tmp"):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            remove_leftover(os.path.join(save_dir, name))
             log(f"removed {name}, the leftover of a save that did not complete")
     if not keep:
         return
@@ -351,7 +360,7 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
     final = os.path.join(cfg.save, f"iter_{iteration:07d}")
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
-    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what, group)
+    on_every_rank(lambda: first and remove_leftover(tmp), what, group)
 
     def publish_on_first():
         if first:
@@ -401,7 +410,7 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     what_is_there(load_dir)
     named = []
     megatron, deepspeed = os.path.join(load_dir, LATEST), os.path.join(load_dir, DS_LATEST)
-    if os.path.exists(megatron):
+    if os.path.lexists(megatron):
         text = pointer_text(megatron)
         if text == "release":
             raise UsageError(f"{megatron} names Megatron's release/ directory, a layout train.py does not "
@@ -410,7 +419,7 @@ def latest_checkpoint(load_dir: str) -> Found | None:
             raise UsageError(f"{megatron} holds {text[:40]!r}, not an iteration number: write the iteration "
                              f"to load into it, or delete it to load the newest iter_N there")
         named.append(f"iter_{int(text):07d}")
-    if os.path.exists(deepspeed):  # the same rules: a checkpoint of load_dir
+    if os.path.lexists(deepspeed):  # the same rules: a checkpoint of load_dir
         tag = pointer_text(deepspeed)
         if iteration_of(tag) is None:
             raise UsageError(f"{deepspeed} holds {tag[:40]!r}, not the name of a checkpoint in {load_dir} "
@@ -429,8 +438,12 @@ def latest_checkpoint(load_dir: str) -> Found | None:
 
 
 def pointer_text(path: str) -> str:
-    """A pointer file's first bytes (an iteration, a tag); not UTF-8: U+FFFD."""
-    with regular_file(path, follow=True) as (f, _):
+    """A pointer file's first bytes (an iteration, a tag); not UTF-8: U+FFFD. It is a file of
+    the save directory like any other (plain_file_problem): a link is not followed, nor echoed."""
+    if problem := plain_file_problem(*os.path.split(path)):
+        raise UsageError(f"{os.path.dirname(path)}: its pointer {problem}: replace it with a file that names "
+                         f"the checkpoint to load, or delete it to load the newest iter_N there")
+    with regular_file(path) as (f, _):
         return f.read(200).decode("utf-8", "replace").strip()
 
 

@@ -307,33 +307,49 @@ def _not_regular(mode: int) -> str | None:
     return next((what for test, what in kinds if test(mode)), "a device")
 
 
+NAME_MOST = 255  # bytes in one file name (NAME_MAX: Linux's, and most filesystems')
+HOLES_FROM = 64 << 20  # bytes: a file this large whose blocks hold less than half of it is sparse
+
+
+def shown(name) -> str:
+    """repr(name), shortened where it is long (a name from a file may be any length)."""
+    text = repr(name)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text):,} characters)"
+
+
 def plain_file_problem(directory: str, name: str) -> str | None:
     """Why `name`, given by a checkpoint (its digests, DCP's or a Hugging Face index),
     is not a bare file name (nothing sha256sum would escape) of a regular file of
     `directory`, or None: a link, FIFO or device (a tar can carry them) would be read
-    outside it or forever."""
-    if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0"):
-        return f"{name!r} is not a file name in the checkpoint's directory"
+    outside it or forever, and a sparse file for as long as the size it claims (its
+    holes cost a tar a few bytes; no save writes one)."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0") or \
+            len(name.encode(errors="replace")) > NAME_MOST:
+        return f"{shown(name)} is not a file name in the checkpoint's directory"
     path = os.path.join(directory, name)
     try:
-        mode = os.lstat(path).st_mode
+        info = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         return f"{name} is missing"
-    if stat.S_ISLNK(mode):
+    if stat.S_ISLNK(info.st_mode):
         return f"{name} is a symbolic link (to {os.readlink(path)}), not a file"
-    what = _not_regular(mode)
-    return what and f"{name} is {what}, not a file"
+    if what := _not_regular(info.st_mode):
+        return f"{name} is {what}, not a file"
+    on_disk = info.st_blocks * 512
+    if info.st_size >= HOLES_FROM and on_disk < info.st_size // 2:
+        return f"{name} is a sparse file: {info.st_size:,} bytes, of which {on_disk:,} are on disk"
+    return None
 
 
 @contextlib.contextmanager
-def regular_file(path: str, follow: bool = False):
-    """(binary file, size) of `path`, opened only if it is a regular file (and,
-    unless `follow`, not a link), checked before the open and on the open file;
-    a UsageError otherwise. A FIFO never blocks the open; a reader takes `size` bytes."""
-    if what := _not_regular((os.stat if follow else os.lstat)(path).st_mode):
+def regular_file(path: str):
+    """(binary file, size) of `path`, opened only if it is a regular file (not a
+    link), checked before the open and on the open file; a UsageError otherwise.
+    A FIFO never blocks the open; a reader takes `size` bytes."""
+    if what := _not_regular(os.lstat(path).st_mode):
         raise UsageError(f"{path} is {what}, not a file")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as e:  # swapped for a link since the check
         if e.errno != errno.ELOOP:
             raise
@@ -362,7 +378,7 @@ def named_files(directory: str, names, index: str, links: bool = False) -> list[
         if problem is None and listed is not None and name not in listed:
             problem = f"{name} is not one of the files its {DIGESTS} lists"
         if problem:
-            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not one of "
+            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {shown(name)}, not one of "
                              f"its own files ({problem}). Load checkpoints only from a source you trust")
         paths[name] = path
     return list(paths.values())
@@ -379,8 +395,13 @@ def sha256_of(path: str) -> str:
 
 def listed_digests(directory: str) -> dict[str, str]:
     """name -> sha256 of each line of directory's DIGESTS: `SHA256  NAME`, or
-    `SHA256 *NAME` as `sha256sum -b` writes; any other line is a UsageError."""
+    `SHA256 *NAME` as `sha256sum -b` writes; any other line is a UsageError.
+    It is read only as large as a line for each file there can make it."""
     with regular_file(os.path.join(directory, DIGESTS)) as (f, size):
+        most = (64 + 2 + NAME_MOST + 1) * len(os.listdir(directory))
+        if size > most:
+            raise UsageError(f"{DIGESTS} is {size:,} bytes, more than a line for each file there can take "
+                             f"({most:,})")
         text = f.read(size).decode("utf-8", "replace")
     listed = {}
     for number, line in enumerate(text.removesuffix("\n").split("\n") if text else [], 1):

@@ -190,6 +190,31 @@ def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_pa
     assert open(ckpt / checkpoint.LATEST).read() == "5"
 
 
+@pytest.mark.parametrize("flags", [["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"], ["--deepspeed"]],
+                         ids=["torch", "torch_dist", "deepspeed"])
+def test_a_link_planted_as_a_saves_temporary_name_is_removed_not_written_through(
+        ids_corpus, tmp_path, capsys, flags):
+    """SAVE/iter_0000002.tmp, the name the save at iteration 2 writes under,
+    and iter_0000009.tmp (an unfinished save's, which the save removes),
+    planted as links to a directory beside SAVE. The save writes nothing
+    through them (DCP and DeepSpeed wrote into the directory, then published
+    the link as iter_0000002; the torch format failed): each link is
+    removed, what it named is as it was, and iter_0000002 is a directory of
+    its own that loads."""
+    save, beside = tmp_path / "ckpt", tmp_path / "beside"
+    beside.mkdir()
+    (beside / "theirs.txt").write_text("not the run's")
+    save.mkdir()
+    for name in ("iter_0000002.tmp", "iter_0000009.tmp"):
+        os.symlink(beside, save / name)
+    train.main([*TINY, *IDS, "--data-path", ids_corpus, "--train-iters", "2", "--eval-interval", "0",
+                "--save", str(save), "--save-interval", "2", *flags])
+    assert "removed iter_0000009.tmp, the leftover of a save that did not complete" in capsys.readouterr().out
+    assert os.listdir(beside) == ["theirs.txt"] and (beside / "theirs.txt").read_text() == "not the run's"
+    assert not glob.glob(str(save / "*.tmp")) and not os.path.islink(save / "iter_0000002")
+    assert checkpoint.verified_checkpoint(str(save), print).path == str(save / "iter_0000002")
+
+
 # -----------------------------------------------------------------------------
 # A diverged model never reaches a checkpoint (in-process: a single rank)
 
@@ -484,6 +509,118 @@ def test_a_checkpoint_whose_files_lead_elsewhere_is_passed_over_and_nothing_is_r
         assert f"{ckpt}/iter_0000004: {hostile[10][1]}; " in errors[0], errors[0]
         assert errors[0].endswith(f"{ckpt}/iter_0000002: {hostile[15][1]} `SHA256  NAME` of a file listed once")
         assert "Traceback" not in proc.stderr
+
+
+def _edited(tag: str, edit) -> None:
+    """tag's model_optim_rng.pt rewritten with edit(its state) done, and its
+    checksums made anew to match, as anyone who edits a checkpoint can."""
+    path = os.path.join(tag, checkpoint.PLAIN_FILE)
+    state = torch.load(path, weights_only=False)
+    edit(state)
+    torch.save(state, path)
+    _rewrite_digests(tag)
+
+
+def _export_log(ckpt, out, capsys) -> str:
+    """train.py --export-from ckpt --export-to out -> what it printed."""
+    train.main(["--export-from", str(ckpt), "--export-to", str(out)])
+    return capsys.readouterr().out
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("how", ["a sparse file", "an oversized checksums.sha256"])
+def test_a_checkpoint_that_would_cost_more_to_read_than_its_bytes_is_passed_over(two_saves, tmp_path, capsys, how):
+    """A file of 256 MiB that is holes (a tar carries them in a few bytes, and
+    a reader takes as long as the size says: 16 TB would take hours), listed
+    in checksums.sha256 made anew; or a checksums.sha256 larger than a line
+    for each file there can make it (a GB of it took GBs of memory). Neither
+    is read: --export-from names it in one line and exports the checkpoint before."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(two_saves, ckpt)
+    tag = ckpt / "iter_0000004"
+    if how == "a sparse file":
+        with open(tag / "holes.bin", "wb") as f:
+            f.truncate(256 << 20)
+        _rewrite_digests(str(tag))
+        problem = "holes.bin is a sparse file: 268,435,456 bytes, of which "
+    else:
+        with open(tag / checkpoint.DIGESTS, "a") as f:
+            f.write("#" * (1 << 20) + "\n")
+        problem = (f"checksums.sha256 is {os.path.getsize(tag / checkpoint.DIGESTS):,} bytes, more than a line "
+                   f"for each file there can take (644)")  # 2 files: (64 + 2 + 255 + 1) x 2
+    log = _export_log(ckpt, out, capsys)
+    assert f"checkpoint {tag} cannot be loaded: {problem}" in log, log
+    assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in log
+    assert sorted(os.listdir(out)) == ["iter_0000002", checkpoint.LATEST]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("where", ["checksums.sha256", "DCP's .metadata", "a Hugging Face index"])
+def test_a_file_name_longer_than_a_filesystem_takes_is_one_line(two_saves, dist_saves, tmp_path, capsys, where):
+    """A name of 302 characters (a file name has at most 255 bytes: opening
+    it would be `OSError: File name too long`) in checksums.sha256, as a
+    tensor's file in DCP's .metadata, or in a Hugging Face
+    model.safetensors.index.json: --export-from names it, shortened, in one
+    line. Wrong digests are damage: the checkpoint before is exported."""
+    long = "x" * 290 + ".safetensors"
+    shown = f"'{'x' * 59}... (304 characters)"  # its repr, shortened
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    if where == "checksums.sha256":
+        shutil.copytree(two_saves, ckpt)
+        _rewrite_digests(str(ckpt / "iter_0000004"), f"{'0' * 64}  {long}")
+        log = _export_log(ckpt, out, capsys)
+        assert (f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {shown} is not a file name in the checkpoint's "
+                f"directory") in log, log
+        assert sorted(os.listdir(out)) == ["iter_0000002", checkpoint.LATEST]
+        return
+    if where == "DCP's .metadata":
+        shutil.copytree(dist_saves, ckpt)
+        tag, index = ckpt / "iter_0000004", checkpoint.DIST_METADATA
+        metadata = checkpoint.read_dist_metadata(str(tag))
+        for key, info in metadata.storage_data.items():
+            if key.fqn == "model.wte.weight":
+                info.relative_path = long
+        with open(tag / index, "wb") as f:
+            pickle.dump(metadata, f)
+        _rewrite_digests(str(tag))
+    else:
+        to_hf(tiny_model(), str(tmp_path / "good"))
+        tag, index = ckpt, "model.safetensors.index.json"
+        ckpt.mkdir()
+        shutil.copy(tmp_path / "good" / HF_CONFIG, ckpt)
+        (ckpt / index).write_text(json.dumps({"metadata": {}, "weight_map": {"wte.weight": long}}))
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--export-from", str(ckpt), "--export-to", str(out)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"train.py: error: refusing to read the checkpoint in {tag}: {tag / index} names {shown}, not one of its own "
+        f"files ({shown} is not a file name in the checkpoint's directory). Load checkpoints only from a source "
+        f"you trust"]
+
+
+@pytest.mark.quick
+def test_an_iteration_of_eight_digits_is_a_checkpoint_like_any_other(two_saves, tmp_path, capsys):
+    """From iteration 10,000,000 a save's name has eight digits (iter_N of at
+    least seven, as Megatron's): without a pointer it is the newest there
+    (never the one before it), DeepSpeed's `latest` may name one, and
+    --keep-last-checkpoints counts them (it kept them all, and deleted the
+    newest seven-digit ones in their stead)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(two_saves, ckpt)
+    os.remove(ckpt / checkpoint.LATEST)
+    big = ckpt / "iter_10000004"
+    shutil.copytree(ckpt / "iter_0000004", big)
+    _edited(str(big), lambda state: state.update(iteration=10_000_004))
+    _export_log(ckpt, tmp_path / "out", capsys)
+    assert sorted(os.listdir(tmp_path / "out")) == ["iter_10000004", checkpoint.LATEST]
+    (ckpt / checkpoint.DS_LATEST).write_text("iter_10000006")  # gone: the newest intact one loads
+    log = _export_log(ckpt, tmp_path / "again", capsys)
+    assert f"checkpoint {ckpt}/iter_10000006 cannot be loaded: it holds no checkpoint" in log, log
+    assert f"falling back to {big} (iteration 10000004), the newest intact checkpoint" in log
+    said = []
+    checkpoint.remove_old_checkpoints(str(ckpt), 10_000_004, 2, said.append)
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == ["iter_0000004", "iter_10000004"]
+    assert said == ["removed checkpoint iter_0000002 (--keep-last-checkpoints 2)"]
 
 
 def test_pytorchs_converter_gives_a_torch_dist_checkpoint_as_the_torch_formats_states(
@@ -1072,17 +1209,29 @@ def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared
 @pytest.mark.quick
 @pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "a pointer of binary bytes",
                                    "a pointer of a digit that is not ASCII", "DeepSpeed's pointer to ../outside",
-                                   "DeepSpeed's pointer to an absolute path", "an iteration's directory",
+                                   "DeepSpeed's pointer to an absolute path", "a pointer that is a link",
+                                   "DeepSpeed's pointer that is a link", "an iteration's directory",
                                    "a Hugging Face directory", "a file"])
 def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_saves, tmp_path, capsys, given):
     """Megatron's "release" pointer, a damaged one (empty, binary, a `²`,
     which str.isdigit() takes and int() does not), DeepSpeed's naming a
-    directory outside the save directory, a checkpoint's own iter_N
-    directory, a transformers model, a file: one line that says what to give."""
+    directory outside the save directory, either pointer a link to a file
+    outside it (never read: its bytes are not echoed), a checkpoint's own
+    iter_N directory, a transformers model, a file: one line that says what to give."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(two_saves, ckpt)
     pointer, load = os.path.join(ckpt, checkpoint.LATEST), ckpt
-    if given == "a file":
+    if given.endswith("a link"):
+        secret = tmp_path / "secret.txt"
+        secret.write_text("4 the start of a file outside the save directory")
+        pointer = os.path.join(ckpt, checkpoint.DS_LATEST if given.startswith("DeepSpeed") else checkpoint.LATEST)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(pointer)
+        os.symlink(secret, pointer)
+        message = (f"{ckpt}: its pointer {os.path.basename(pointer)} is a symbolic link (to {secret}), not a "
+                   f"file: replace it with a file that names the checkpoint to load, or delete it to load the "
+                   f"newest iter_N there")
+    elif given == "a file":
         load = pointer
         message = (f"{load} is a file, not a checkpoint directory: give the directory that holds "
                    f"{checkpoint.LATEST} (the one train.py's --save wrote)")
