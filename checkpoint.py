@@ -311,8 +311,9 @@ def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, st
 
 
 def damage(found: Found) -> str | None:
-    """What is wrong with a checkpoint, or None: a file that is not plain or
-    not as DIGESTS lists it (without DIGESTS: one cut short), or another iteration's."""
+    """What is wrong with a checkpoint, or None: a file that is not plain, not as
+    DIGESTS lists it or cut short (by its own index), another iteration's, or what
+    it records that no load could take (record_problem)."""
     if found.kind is None:
         return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
     names = sorted(os.listdir(found.path))
@@ -325,8 +326,8 @@ def damage(found: Found) -> str | None:
                 problem = f"its {DS_META} records iteration {saved}, not {found.iteration}"
     except UsageError as e:  # a file of the wrong form
         problem = str(e)
-    # (outside: cut_short's refusal of an index that would run code stops the run, see data_only_loads)
-    return problem or (None if DIGESTS in names else cut_short(found))
+    # (outside: a refusal of an index or a pickle that would run code stops the run, see data_only_loads)
+    return problem or cut_short(found) or record_problem(found)
 
 
 def cut_short(found: Found) -> str | None:
@@ -348,9 +349,67 @@ def cut_short(found: Found) -> str | None:
         return None
     for name in sorted(n for n in os.listdir(found.path) if n.endswith(".pt")):
         with open(os.path.join(found.path, name), "rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"  # not torch's pre-zip format, which has no index
-        if zipped and not zipfile.is_zipfile(os.path.join(found.path, name)):
+            head = f.read(4)
+        if head == b"PK\x03\x04" and not zipfile.is_zipfile(os.path.join(found.path, name)):
             return f"{name} is truncated (its zip directory is gone)"
+        if head != b"PK\x03\x04" and not head.startswith(b"\x80"):  # torch's pre-zip format, a pickle: no index
+            return f"{name} is truncated, or not a checkpoint's file: neither a zip (torch.save's) nor a pickle"
+    return None
+
+
+def record_problem(found: Found) -> str | None:
+    """What a plain or torch_dist checkpoint records that no load could take, or None: counts
+    that are not counts, weights that its model_config does not describe, a parameter without
+    its optimizer state, random states that no generator takes. No tensor's bytes are read."""
+    if found.kind == "plain":
+        path = os.path.join(found.path, PLAIN_FILE)
+        with data_only_loads(found.path):
+            state = torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
+        weights = state.get("model") if isinstance(state, dict) else None
+    elif found.kind == "torch_dist":
+        state, saved = read_dist(found.path, {}, no_dist=True), read_dist_metadata(found.path).state_dict_metadata
+        weights = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+                   for key, md in saved.items() if key.startswith("model.") and hasattr(md, "properties")}
+    else:
+        return None  # (DeepSpeed's: read_deepspeed_meta)
+    if not isinstance(weights, dict) or not all(torch.is_tensor(t) for t in weights.values()):
+        return "it holds no model weights (a dict of tensors)"
+    for key in ("iteration", "consumed_samples"):
+        if type(state.get(key)) is not int or state[key] < 0:
+            return f"its {key} is {type(state[key]).__name__ if key in state else 'absent'}, not a count"
+    if not isinstance(state.get("model_config"), dict):
+        return "it has no model_config"
+    try:
+        checked_model_config(state["model_config"], weights, found.path)
+    except UsageError as e:
+        return str(e).removeprefix(f"checkpoint {found.path}: ")
+    except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong type
+        return f"its model_config describes no model ({type(e).__name__}: {e})"
+    optimizer = state.get("optimizer")  # (None: weights only, an export's)
+    held = optimizer.get("state") if isinstance(optimizer, dict) else {}
+    if optimizer is not None and (missing := [name for name in weights if name not in held]):
+        return f"it has no optimizer state for parameter {missing[0]!r}"
+    return rng_problem(state)
+
+
+def rng_problem(state: dict) -> str | None:
+    """Why a checkpoint's random states (its rng, each pipeline stage's) are not ones that
+    set_rng_state restores, or None: each is tried on a generator of its own."""
+    stages = state.get("pipeline_rng") or []
+    if not isinstance(stages, list):
+        return "its pipeline_rng is not a list"
+    for where, rng in (("rng", state.get("rng")), *((f"pipeline_rng[{i}]", r) for i, r in enumerate(stages))):
+        if rng is None:  # (an export's)
+            continue
+        restore = {"python": random.Random().setstate, "numpy": np.random.RandomState().set_state,
+                   "torch": torch.Generator().set_state}
+        if torch.cuda.is_available() and isinstance(rng, dict) and "cuda" in rng:
+            restore["cuda"] = torch.Generator("cuda").set_state
+        for key, set_state in restore.items():
+            try:
+                set_state(rng[key])
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError):
+                return f"its {where}[{key!r}] is not the state of a {key} random generator"
     return None
 
 
@@ -503,8 +562,16 @@ def verified_checkpoint(load_dir: str, log) -> Found | None:
     raise UsageError(f"no intact checkpoint in {load_dir}: {'; '.join(problems)}")
 
 
+# What trainer_state.json records: each of this value's type, an int at least it (the context- and
+# pipeline-parallel sizes were added later: 1 where absent)
+DS_FIELDS = {"iteration": 0, "consumed_samples": 0, "zero_stage": 0, "data_parallel_size": 1,
+             "tensor_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
+             "model_config": {}, "tensor_parallel_layout": {}}
+
+
 def read_deepspeed_meta(tag_dir: str) -> dict:
-    """trainer_state.json of a DeepSpeed checkpoint written by train.py, or a UsageError."""
+    """trainer_state.json of a DeepSpeed checkpoint written by train.py, or a UsageError
+    naming what it lacks or records wrong."""
     path = os.path.join(tag_dir, DS_META)
     if not os.path.lexists(path):
         raise UsageError(f"{path} is missing: not a complete checkpoint written by train.py")
@@ -512,7 +579,31 @@ def read_deepspeed_meta(tag_dir: str) -> dict:
         meta = parse_json(f.read(size), path, ": cut short or damaged")
     if not isinstance(meta, dict) or type(meta.get("iteration")) is not int:
         raise UsageError(f"{path} records no iteration: not the {DS_META} train.py writes")
+    meta = {"context_parallel_size": 1, "pipeline_model_parallel_size": 1, **meta}
+    if wrong := deepspeed_meta_problem(meta, tag_dir):
+        raise UsageError(f"{path} records {wrong}: not the {DS_META} train.py writes, or damaged")
     return meta
+
+
+def deepspeed_meta_problem(meta: dict, tag_dir: str) -> str | None:
+    """What a trainer_state.json records that no load can take, or None."""
+    for key, least in DS_FIELDS.items():
+        if key not in meta:
+            return f"no {key}"
+        if type(meta[key]) is not type(least):
+            return f"{key} of type {type(meta[key]).__name__}"
+        if type(least) is int and meta[key] < least:
+            return f"{key} {meta[key]}"
+    if meta["zero_stage"] > 3:
+        return f"zero_stage {meta['zero_stage']}"
+    if not all(isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v)
+               for v in meta["tensor_parallel_layout"].values()):
+        return "a tensor_parallel_layout entry that is not [dim, blocks]"
+    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+    files = len(glob.glob(os.path.join(glob.escape(tag_dir), "mp_rank_*_model_states.pt")))
+    if tp * pp != files:  # one a model-parallel rank
+        return f"tensor- x pipeline-parallel size {tp} x {pp}, where {files} model-states files are"
+    return None
 
 
 def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:

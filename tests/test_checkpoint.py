@@ -387,8 +387,12 @@ def _damage(path: str, how: str) -> None:
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
-    elif how.startswith("truncated"):
-        os.truncate(path, os.path.getsize(path) // 2)
+    elif how.startswith(("truncated", "cut to", "not a zip")):
+        if how.startswith("not a zip"):
+            with open(path, "wb") as f:
+                f.write(b"not the bytes of a checkpoint\n" * 100)
+        else:
+            os.truncate(path, int(how.split()[2]) if how.startswith("cut to") else os.path.getsize(path) // 2)
         if how.endswith("no digests"):  # a checkpoint from before them, or copied without them
             os.remove(os.path.join(os.path.dirname(path), checkpoint.DIGESTS))
     else:
@@ -397,11 +401,16 @@ def _damage(path: str, how: str) -> None:
 
 @pytest.mark.quick
 @pytest.mark.parametrize("fmt, how", [("torch", "a flipped byte"), ("torch", "truncated"), ("torch", "missing"),
-                                      ("torch", "truncated, no digests"), ("torch_dist", "a flipped byte"),
+                                      ("torch", "truncated, no digests"), ("torch", "cut to 0 bytes, no digests"),
+                                      ("torch", "cut to 3 bytes, no digests"), ("torch", "not a zip, no digests"),
+                                      ("torch_dist", "a flipped byte"),
                                       ("torch_dist", "missing"), ("torch_dist", "truncated, no digests"),
                                       ("torch_dist", "truncated index, no digests")])
 def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_before(
         corpus, two_saves, dist_saves, tmp_path, capsys, fmt, how):
+    """A file of the newest checkpoint damaged, cut short (a model file without
+    digests cut to 0-3 bytes, or that is no zip: not torch.save's, nor a pickle)
+    or missing: one line names it, and the run resumes from the one before."""
     ckpt, name = str(tmp_path / "ckpt"), {"torch": checkpoint.PLAIN_FILE, "torch_dist": "__0_0.distcp"}[fmt]
     name = checkpoint.DIST_METADATA if "index" in how else name
     shutil.copytree(two_saves if fmt == "torch" else dist_saves, ckpt)
@@ -410,9 +419,12 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_b
     train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", ckpt, "--eval-interval", "0",
                 "--metrics-file", str(metrics)])
     out = capsys.readouterr().out
+    no_zip = f"{name} is truncated, or not a checkpoint's file: neither a zip (torch.save's) nor a pickle"
     problem = {("torch", "missing"): "it holds no checkpoint",
                ("torch_dist", "missing"): f"{name} is missing",
                ("torch", "truncated, no digests"): f"{name} is truncated (its zip directory is gone)",
+               ("torch", "cut to 0 bytes, no digests"): no_zip, ("torch", "cut to 3 bytes, no digests"): no_zip,
+               ("torch", "not a zip, no digests"): no_zip,
                ("torch_dist", "truncated, no digests"): f"{name} is truncated",
                ("torch_dist", "truncated index, no digests"): f"{name} is truncated"}.get((fmt, how), f"{name} is damaged")
     assert f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {problem}" in out
@@ -596,6 +608,88 @@ def test_a_file_name_longer_than_a_filesystem_takes_is_one_line(two_saves, dist_
         f"train.py: error: refusing to read the checkpoint in {tag}: {tag / index} names {shown}, not one of its own "
         f"files ({shown} is not a file name in the checkpoint's directory). Load checkpoints only from a source "
         f"you trust"]
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda s: s.update(consumed_samples="abc"), "its consumed_samples is str, not a count"),
+    (lambda s: s["optimizer"]["state"].pop("wte.weight"), "it has no optimizer state for parameter 'wte.weight'"),
+    (lambda s: s["rng"].update(torch=torch.zeros(10, dtype=torch.uint8)),
+     "its rng['torch'] is not the state of a torch random generator"),
+    (lambda s: s["rng"].update(python=(3, (1, 2, 3), None)),
+     "its rng['python'] is not the state of a python random generator"),
+    (lambda s: s["model"].pop("ln_f.weight"), "its model_config does not describe its tensors: ln_f.weight is "
+                                              "absent there, of shape (64,) by the model_config"),
+    (lambda s: s["model"].update({"extra.weight": torch.zeros(3)}),
+     "its model_config does not describe its tensors: extra.weight is of shape (3,) there, absent by the"),
+], ids=["consumed_samples 'abc'", "an optimizer state removed", "rng['torch'] of the wrong size",
+        "rng['python'] of the wrong length", "a weight missing", "an extra weight"])
+def test_a_checkpoint_that_records_what_no_load_can_take_is_passed_over(
+        corpus, two_saves, tmp_path, capsys, edit, problem):
+    """The newest plain checkpoint edited, its checksums made anew: a count of
+    samples that is no number, a parameter's AdamW state gone, a random
+    generator's state of the wrong size, a weight its model_config does not
+    have or lacks. Each was a traceback once the load read it (the strict
+    load's, the optimizer's, the generator's); now one line names it and the
+    run resumes from the checkpoint before."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    shutil.copytree(two_saves, ckpt)
+    _edited(str(ckpt / "iter_0000004"), edit)
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", str(ckpt), "--eval-interval", "0",
+                "--metrics-file", str(metrics)])
+    out = capsys.readouterr().out
+    assert f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {problem}" in out, out
+    assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in out
+    assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
+
+
+def _deepspeed_meta(two_saves: str, iteration: int, **changes) -> dict:
+    """A trainer_state.json as a 1-rank ZeRO-1 save of two_saves' model writes
+    it, `changes` made (a change to None: the key dropped)."""
+    with checkpoint.data_only_loads(two_saves):
+        record = torch.load(os.path.join(two_saves, "iter_0000004", checkpoint.PLAIN_FILE))["model_config"]
+    meta = {"iteration": iteration, "consumed_samples": 8 * iteration, "zero_stage": 1, "data_parallel_size": 1,
+            "context_parallel_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+            "model_config": record, "tensor_parallel_layout": {}, **changes}
+    return {key: value for key, value in meta.items() if value is not None}
+
+
+def _deepspeed_checkpoint(tag: str, meta: dict) -> None:
+    """A DeepSpeed checkpoint's files at tag (its shards stand-ins), with checksums."""
+    os.makedirs(tag)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"iteration": meta["iteration"]}, os.path.join(tag, name))
+    with open(os.path.join(tag, checkpoint.DS_META), "w") as f:
+        json.dump(meta, f)
+    _rewrite_digests(tag)
+
+
+@pytest.mark.quick
+def test_a_deepspeed_trainer_state_that_records_what_no_load_can_take_is_passed_over(two_saves, tmp_path, capsys):
+    """DeepSpeed checkpoints whose trainer_state.json records a valid iteration
+    but no tensor-parallel size or one that is "x", no model_config, a
+    pipeline-parallel size of 1,000,000 (where one model-states file is), no
+    data-parallel size, or ZeRO stage "two", with DeepSpeed's `latest` naming
+    the newest: --export-from names each in one line (each was a traceback
+    in the export or the load) and exports the plain checkpoint before them."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(two_saves, ckpt)
+    cases = {10: ({"tensor_model_parallel_size": None}, "no tensor_model_parallel_size"),
+             9: ({"tensor_model_parallel_size": "x"}, "tensor_model_parallel_size of type str"),
+             8: ({"model_config": None}, "no model_config"),
+             7: ({"pipeline_model_parallel_size": 1000000},
+                 "tensor- x pipeline-parallel size 1 x 1000000, where 1 model-states files are"),
+             6: ({"data_parallel_size": None}, "no data_parallel_size"),
+             5: ({"zero_stage": "two"}, "zero_stage of type str")}
+    for iteration, (changes, _) in cases.items():
+        _deepspeed_checkpoint(str(ckpt / f"iter_{iteration:07d}"), _deepspeed_meta(two_saves, iteration, **changes))
+    (ckpt / checkpoint.DS_LATEST).write_text("iter_0000010")
+    log = _export_log(ckpt, out, capsys)
+    for iteration, (_, problem) in cases.items():
+        tag = ckpt / f"iter_{iteration:07d}"
+        assert (f"checkpoint {tag} cannot be loaded: {tag}/{checkpoint.DS_META} records {problem}: not the "
+                f"{checkpoint.DS_META} train.py writes, or damaged") in log, log
+    assert f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint" in log
+    assert sorted(os.listdir(out)) == ["iter_0000004", checkpoint.LATEST]
 
 
 @pytest.mark.quick
@@ -1054,9 +1148,12 @@ def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp
     one is read, for resume, export and evaluation alike (latest_checkpoint)."""
     save = str(tmp_path)
     checkpoint.write_plain_checkpoint(save, {"iteration": 2})
-    os.makedirs(os.path.join(save, "iter_0000004"))
-    with open(os.path.join(save, "iter_0000004", checkpoint.DS_META), "w") as f:
-        json.dump({"iteration": 4}, f)
+    tag = os.path.join(save, "iter_0000004")
+    os.makedirs(tag)
+    torch.save({}, os.path.join(tag, "mp_rank_00_model_states.pt"))
+    with open(os.path.join(tag, checkpoint.DS_META), "w") as f:
+        json.dump({"iteration": 4, "consumed_samples": 32, "zero_stage": 1, "data_parallel_size": 1,
+                   "tensor_model_parallel_size": 1, "model_config": {}, "tensor_parallel_layout": {}}, f)
     with open(os.path.join(save, checkpoint.DS_LATEST), "w") as f:
         f.write("iter_0000004")
     found = checkpoint.latest_checkpoint(save)
@@ -1087,14 +1184,12 @@ def test_deepspeeds_pointer_and_trainer_state_are_held_to_what_megatrons_pointer
     shutil.copytree(two_saves, ckpt)
     os.remove(os.path.join(ckpt, "iter_0000004", checkpoint.DIGESTS))
     shard = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
-    for iteration, state in ((5, '{"iteration": 5, "consume'), (6, '{"iteration": 7}'), (7, '{"iteration": 7}')):
+    for iteration, recorded in ((5, 5), (6, 7), (7, 7)):
         tag = os.path.join(ckpt, f"iter_{iteration:07d}")
-        os.makedirs(tag)
-        for name in ("mp_rank_00_model_states.pt", shard.format(0)):
-            torch.save({"iteration": iteration}, os.path.join(tag, name))
-        with open(os.path.join(tag, checkpoint.DS_META), "w") as f:
-            f.write(state)
-        _rewrite_digests(tag)
+        _deepspeed_checkpoint(tag, _deepspeed_meta(two_saves, recorded))
+    with open(os.path.join(ckpt, "iter_0000005", checkpoint.DS_META), "w") as f:
+        f.write('{"iteration": 5, "consume')
+    _rewrite_digests(os.path.join(ckpt, "iter_0000005"))
     torch.save({}, os.path.join(ckpt, "iter_0000007", shard.format(1)))
     with open(os.path.join(ckpt, checkpoint.DS_LATEST), "w") as f:
         f.write("iter_0000009")
