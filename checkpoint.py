@@ -41,7 +41,7 @@ from gpt import GPT, GPTConfig
 from huggingface import HF_CONFIG, from_hf, is_hf_directory, to_hf, write_hf_tokenizer
 from launch import (DIGESTS, DIST_METADATA, UsageError, atomic_write, data_only_loads, digest_files, digests_problem,
                     dist_reader, fsync_path, parse_json, plain_file_problem, read_dist_metadata, regular_file,
-                    write_digests)
+                    take_lock, write_digests)
 
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"
@@ -532,6 +532,40 @@ def check_writable_directory(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path} {where}: give a directory (one that is not there yet is made)")
     if not os.access(there, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: this user cannot write {there}: give a directory it can write")
+
+
+LOCK = "train.lock"  # in --save while a run writes it, holding "pid N on HOST" (writing_alone)
+
+
+@contextlib.contextmanager
+def writing_alone(save: str | None):
+    """--save checked, then this run's alone until the block ends: global rank 0 holds
+    SAVE/train.lock. Another run given the same --save (it would delete this one's
+    unfinished save as a leftover, then write over its checkpoints) stops in one line.
+    The kernel releases the lock (flock) however its process ends, so the rank 0 of a
+    restart, on this node or another, finds the lock of one killed before it free."""
+    if not save:
+        yield
+        return
+    check_writable_directory(save, "--save")
+    path, held, mistake = os.path.join(save, LOCK), None, [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            held = take_lock(path)
+        except BlockingIOError as e:
+            mistake = [f"another run is writing {save} ({e}, which holds {LOCK}): wait for it to end, or give "
+                       f"this run another --save"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(mistake, src=0)  # every rank stops, not rank 0 alone
+    if mistake[0]:
+        raise UsageError(mistake[0])
+    try:
+        yield
+    finally:
+        if held is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)  # before the lock goes (see take_lock)
+            os.close(held)
 
 
 def kind_of(path: str) -> str | None:

@@ -7,7 +7,7 @@ module every other may import, so it imports none of them.
   2. torchrun's environment: the default process group, with a fresh store
      for each restart of an elastic job (init_distributed)
   3. Files that appear whole: written under a temporary name, forced to disk,
-     renamed into place (atomic_write, fsync_path)
+     renamed into place (atomic_write, fsync_path); a lock file (take_lock)
   4. Files that may come from anyone, as checkpoint.py and huggingface.py read
      them: plain files, their digests, pickles of data only, DCP's index
 """
@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import enum
 import errno
+import fcntl
 import functools
 import glob
 import hashlib
@@ -261,7 +262,7 @@ def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
 
 
 # ----------------------------------------------------------------------------
-# 3. Files written atomically
+# 3. Files written atomically, and a lock file
 # ----------------------------------------------------------------------------
 
 def atomic_write(path: str, write) -> None:
@@ -289,6 +290,33 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def take_lock(path: str) -> int | None:
+    """An exclusive lock (flock) on the file `path`, made if need be, and this process's
+    "pid N on HOST" in it -> its descriptor; None where the filesystem has no locks. Held
+    by another process: BlockingIOError of that one's "pid N on HOST"."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        if os.path.lexists(path) and (problem := plain_file_problem(*os.path.split(path))):
+            raise UsageError(f"{os.path.dirname(path)}: {problem}: delete it (it is made when it is not there)")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = re.match(r"pid [0-9]+ on [\w.-]+", os.pread(fd, 300, 0).decode("ascii", "replace"))
+            os.close(fd)
+            if e.errno != errno.EWOULDBLOCK:
+                return None  # (ENOLCK, EOPNOTSUPP: a filesystem without locks)
+            raise BlockingIOError(holder[0] if holder else "a process whose pid it does not give") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)  # removed by the process that held it, as this one locked it: lock the new one
+    with contextlib.suppress(OSError):  # (a full disk: the lock holds all the same)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    return fd
 
 
 # ----------------------------------------------------------------------------

@@ -709,8 +709,6 @@ def plan_batches(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
 def train(cfg: TrainConfig, env: launch.Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
     preempt = Preemption(env.device, cfg.exit_duration_in_mins)  # the time limit counts the setup too
-    if cfg.save:  # now, not at the first save, a save interval of compute later
-        checkpoint.check_writable_directory(cfg.save, "--save")
     cfg, accum, global_batch = plan_batches(cfg)
     logger = Logger(cfg, enabled=env.is_main, resume=bool(cfg.load))
     if cfg.domino and parallel.layout.tp_size == 1:
@@ -826,7 +824,9 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
             print(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
             return
-        train(cfg, init_processes(cfg))
+        env = init_processes(cfg)
+        with checkpoint.writing_alone(cfg.save):  # --save checked now, not a save interval of compute later
+            train(cfg, env)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

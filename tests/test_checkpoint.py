@@ -22,6 +22,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -213,6 +214,59 @@ def test_a_link_planted_as_a_saves_temporary_name_is_removed_not_written_through
     assert os.listdir(beside) == ["theirs.txt"] and (beside / "theirs.txt").read_text() == "not the run's"
     assert not glob.glob(str(save / "*.tmp")) and not os.path.islink(save / "iter_0000002")
     assert checkpoint.verified_checkpoint(str(save), print).path == str(save / "iter_0000002")
+
+
+HOLDS_ITS_SAVE = """
+import sys, time
+sys.path.insert(0, {root!r})
+import train
+real_step = train.train_step
+
+def slow_step(*args, **kwargs):  # a long first step: the run holds its --save meanwhile
+    time.sleep(600)
+    return real_step(*args, **kwargs)
+
+train.train_step = slow_step
+train.main(sys.argv[1:])
+"""
+
+
+def test_a_second_run_given_the_same_save_directory_stops_in_one_line(corpus, two_saves, tmp_path, capsys):
+    """A run resumed from SAVE and writing it (held in its first step) and a
+    second run started with the same --save, which would delete the first's
+    unfinished save (iter_N.tmp) as a leftover and write over its
+    checkpoints: the second stops in one line that names the first's pid,
+    and SAVE is as it was. Once the first is killed (SIGKILL: its lock file
+    stays) the same command resumes and saves: the kernel released the dead
+    process's lock, as for a torchrun restart (test_launch.py's restarts)."""
+    save, script = tmp_path / "ckpt", tmp_path / "holder.py"
+    shutil.copytree(two_saves, save)
+    script.write_text(HOLDS_ITS_SAVE.format(root=ROOT))
+    args = [*TINY, "--data-path", corpus, "--eval-interval", "0", "--save", str(save), "--load", str(save)]
+    lock = save / checkpoint.LOCK
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([sys.executable, str(script), *args, "--train-iters", "8"], cwd=ROOT,
+                                 stdout=log, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text()) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert lock.exists() and first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        before = {k: v for k, v in tree_digests(save).items() if k != checkpoint.LOCK}
+        with pytest.raises(SystemExit) as stop:
+            train.main([*args, "--train-iters", "8"])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"train.py: error: another run is writing {save} (pid {first.pid} on {socket.gethostname()}, which "
+            f"holds {checkpoint.LOCK}): wait for it to end, or give this run another --save"]
+        assert {k: v for k, v in tree_digests(save).items() if k != checkpoint.LOCK} == before
+    finally:
+        first.kill()
+        first.wait()
+    assert lock.exists()  # no handler ran
+    train.main([*args, "--train-iters", "5"])
+    assert f"loaded checkpoint {save}/iter_0000004 (iteration 4)" in capsys.readouterr().out
+    assert (save / checkpoint.LATEST).read_text() == "5" and not lock.exists()
 
 
 # -----------------------------------------------------------------------------
