@@ -634,9 +634,11 @@ def deepspeed_meta_problem(meta: dict, tag_dir: str) -> str | None:
                for v in meta["tensor_parallel_layout"].values()):
         return "a tensor_parallel_layout entry that is not [dim, blocks]"
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
-    files = len(glob.glob(os.path.join(glob.escape(tag_dir), "mp_rank_*_model_states.pt")))
-    if tp * pp != files:  # one a model-parallel rank
-        return f"tensor- x pipeline-parallel size {tp} x {pp}, where {files} model-states files are"
+    ranks = {int(m[1]) for m in map(re.compile(r".*mp_rank_([0-9]+)_model_states\.pt").fullmatch,
+                                    os.listdir(tag_dir)) if m}  # (under ZeRO-3 one file a DP rank too)
+    if ranks != set(range(tp * pp)):  # the model-parallel ranks' files
+        return (f"tensor- x pipeline-parallel size {tp} x {pp} ({tp * pp} model-parallel ranks), where model "
+                f"states are there for {len(ranks)}")
     return None
 
 

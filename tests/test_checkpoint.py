@@ -731,7 +731,8 @@ def test_a_deepspeed_trainer_state_that_records_what_no_load_can_take_is_passed_
              9: ({"tensor_model_parallel_size": "x"}, "tensor_model_parallel_size of type str"),
              8: ({"model_config": None}, "no model_config"),
              7: ({"pipeline_model_parallel_size": 1000000},
-                 "tensor- x pipeline-parallel size 1 x 1000000, where 1 model-states files are"),
+                 "tensor- x pipeline-parallel size 1 x 1000000 (1000000 model-parallel ranks), where model "
+                 "states are there for 1"),
              6: ({"data_parallel_size": None}, "no data_parallel_size"),
              5: ({"zero_stage": "two"}, "zero_stage of type str")}
     for iteration, (changes, _) in cases.items():
