@@ -41,8 +41,8 @@ from gpt import GPT, GPTConfig, claimed_shapes, wanted_type
 from huggingface import HF_CONFIG, from_hf, hf_tokenizer, is_hf_directory, to_hf, write_files
 from launch import (DIGESTS, DIST_METADATA, Damaged, UsageError, atomic_write, data_only_loads, digest_files,
                     digests_problem, dist_index_problem, dist_reader, fsync_path, parse_json, plain_file_problem,
-                    read_dist_index, read_dist_metadata, regular_file, saved_claims, tensors_problem, write_digests,
-                    zip_problem)
+                    read_dist_index, read_dist_metadata, regular_file, saved_claims, take_lock, tensors_problem,
+                    write_digests, zip_problem)
 
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"
@@ -241,7 +241,7 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
         fsync_path(root)
     old = final_dir + ".old"
     if os.path.exists(final_dir):
-        shutil.rmtree(old, ignore_errors=True)  # a stale copy from an earlier crash
+        remove_leftover(old)  # a stale copy from an earlier crash
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
     save_dir = os.path.dirname(final_dir)
@@ -253,20 +253,28 @@ def publish(tmp_dir: str, final_dir: str, kind: str, iteration: int) -> None:
     atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(str(iteration).encode()))
     if kind == "deepspeed":
         atomic_write(ds_pointer, lambda f: f.write(f"iter_{iteration:07d}".encode()))
-    shutil.rmtree(old, ignore_errors=True)
+    remove_leftover(old)
 
 
 def write_plain_checkpoint(save_dir: str, state: dict) -> str:
     """SAVE/iter_N/model_optim_rng.pt + SAVE/latest_checkpointed_iteration.txt."""
     final = os.path.join(save_dir, f"iter_{state['iteration']:07d}")
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_leftover(tmp)
     os.makedirs(tmp)
     with freed_on_failure(tmp):
         torch.save(state, os.path.join(tmp, PLAIN_FILE))
         write_digests(tmp, digest_files(tmp, [PLAIN_FILE]))
         publish(tmp, final, "plain", state["iteration"])
     return final
+
+
+def remove_leftover(path: str) -> None:
+    """What an unfinished save left (SAVE/iter_N.tmp, or .old); a link there (planted, or copied
+    in) is removed, never followed: a save writes only into a directory of its own."""
+    if os.path.islink(path):
+        os.unlink(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -291,16 +299,17 @@ def saved_iterations(save_dir: str) -> list[int]:
 
 
 def iteration_of(name: str) -> int | None:
-    """N of a checkpoint's directory name iter_NNNNNNN, else None."""
-    match = re.fullmatch(r"iter_([0-9]{7})", name)
-    return int(match[1]) if match else None
+    """N of a checkpoint's directory name iter_NNNNNNN, else None: seven digits or
+    more (iteration 10,000,000 has eight), as f"iter_{N:07d}" writes them."""
+    match = re.fullmatch(r"iter_([0-9]{7,})", name)
+    return int(match[1]) if match and f"{int(match[1]):07d}" == match[1] else None
 
 
 def remove_old_checkpoints(save_dir: str, current: int, keep: int | None, log) -> None:
     """Delete unfinished saves (iter_N.tmp) and all but the `keep` newest checkpoints up to `current`."""
     for name in sorted(os.listdir(save_dir)):
         if name.startswith("iter_") and name.endswith(".tmp"):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            remove_leftover(os.path.join(save_dir, name))
             log(f"removed {name}, the leftover of a save that did not complete")
     if not keep:
         return
@@ -387,9 +396,10 @@ def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, st
 
 
 def damage(found: Found) -> str | None:
-    """What is wrong with a checkpoint, or None: a file that is not plain or
-    not as DIGESTS lists it, one cut short, another iteration's, or what no
-    save writes (contents_problem: digests prove only that files are as written)."""
+    """What is wrong with a checkpoint, or None: a file that is not plain, not as
+    DIGESTS lists it or cut short (by its own index), another iteration's, what it
+    records that no load could take (record_problem), or what no save writes
+    (contents_problem: digests prove only that files are as written)."""
     if found.kind is None:
         return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
     names = sorted(os.listdir(found.path))
@@ -402,9 +412,9 @@ def damage(found: Found) -> str | None:
                 problem = f"its {DS_META} records iteration {saved}, not {found.iteration}"
     except UsageError as e:  # a file of the wrong form
         problem = str(e)
-    # (outside: a refusal of a file that would run code stops the run, see data_only_loads)
+    # (outside: a refusal of an index or a pickle that would run code stops the run, see data_only_loads)
     try:
-        return problem or cut_short(found) or contents_problem(found)
+        return problem or cut_short(found) or record_problem(found) or contents_problem(found)
     except Damaged as e:  # a file not as its writer writes it, found reading it
         return e.problem
 
@@ -422,9 +432,67 @@ def cut_short(found: Found) -> str | None:
         return None
     for name in sorted(n for n in os.listdir(found.path) if n.endswith(".pt")):
         with open(os.path.join(found.path, name), "rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"  # not torch's pre-zip format, which has no index
-        if zipped and not zipfile.is_zipfile(os.path.join(found.path, name)):
+            head = f.read(4)
+        if head == b"PK\x03\x04" and not zipfile.is_zipfile(os.path.join(found.path, name)):
             return f"{name} is truncated (its zip directory is gone)"
+        if head != b"PK\x03\x04" and not head.startswith(b"\x80"):  # torch's pre-zip format, a pickle: no index
+            return f"{name} is truncated, or not a checkpoint's file: neither a zip (torch.save's) nor a pickle"
+    return None
+
+
+def record_problem(found: Found) -> str | None:
+    """What a plain or torch_dist checkpoint records that no load could take, or None: counts
+    that are not counts, weights that its model_config does not describe, a parameter without
+    its optimizer state, random states that no generator takes. No tensor's bytes are read."""
+    if found.kind == "plain":
+        path = os.path.join(found.path, PLAIN_FILE)
+        with data_only_loads(found.path):
+            state = torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
+        weights = state.get("model") if isinstance(state, dict) else None
+    elif found.kind == "torch_dist":
+        state, saved = read_dist(found.path, {}, no_dist=True), read_dist_metadata(found.path).state_dict_metadata
+        weights = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+                   for key, md in saved.items() if key.startswith("model.") and hasattr(md, "properties")}
+    else:
+        return None  # (DeepSpeed's: read_deepspeed_meta)
+    if not isinstance(weights, dict) or not all(torch.is_tensor(t) for t in weights.values()):
+        return "it holds no model weights (a dict of tensors)"
+    for key in ("iteration", "consumed_samples"):
+        if type(state.get(key)) is not int or state[key] < 0:
+            return f"its {key} is {type(state[key]).__name__ if key in state else 'absent'}, not a count"
+    if not isinstance(state.get("model_config"), dict):
+        return "it has no model_config"
+    try:
+        checked_model_config(state["model_config"], weights, found.path)
+    except UsageError as e:
+        return str(e).removeprefix(f"checkpoint {found.path}: ")
+    except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong type
+        return f"its model_config describes no model ({type(e).__name__}: {e})"
+    optimizer = state.get("optimizer")  # (None: weights only, an export's)
+    held = optimizer.get("state") if isinstance(optimizer, dict) else {}
+    if optimizer is not None and (missing := [name for name in weights if name not in held]):
+        return f"it has no optimizer state for parameter {missing[0]!r}"
+    return rng_problem(state)
+
+
+def rng_problem(state: dict) -> str | None:
+    """Why a checkpoint's random states (its rng, each pipeline stage's) are not ones that
+    set_rng_state restores, or None: each is tried on a generator of its own."""
+    stages = state.get("pipeline_rng") or []
+    if not isinstance(stages, list):
+        return "its pipeline_rng is not a list"
+    for where, rng in (("rng", state.get("rng")), *((f"pipeline_rng[{i}]", r) for i, r in enumerate(stages))):
+        if rng is None:  # (an export's)
+            continue
+        restore = {"python": random.Random().setstate, "numpy": np.random.RandomState().set_state,
+                   "torch": torch.Generator().set_state}
+        if torch.cuda.is_available() and isinstance(rng, dict) and "cuda" in rng:
+            restore["cuda"] = torch.Generator("cuda").set_state
+        for key, set_state in restore.items():
+            try:
+                set_state(rng[key])
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError):
+                return f"its {where}[{key!r}] is not the state of a {key} random generator"
     return None
 
 
@@ -508,7 +576,7 @@ def write_every_rank(cfg: TrainConfig, kind: str, iteration: int, write, log, ex
     final = os.path.join(cfg.save, f"iter_{iteration:07d}")
     tmp, what = final + ".tmp", f"saving checkpoint {iteration} to {cfg.save}"
     first = not dist.is_initialized() or dist.get_rank() == 0
-    on_every_rank(lambda: first and shutil.rmtree(tmp, ignore_errors=True), what, group)
+    on_every_rank(lambda: first and remove_leftover(tmp), what, group)
 
     def publish_on_first():
         if first:
@@ -558,7 +626,7 @@ def latest_checkpoint(load_dir: str) -> Found | None:
     what_is_there(load_dir)
     named = []
     megatron, deepspeed = os.path.join(load_dir, LATEST), os.path.join(load_dir, DS_LATEST)
-    if os.path.exists(megatron):
+    if os.path.lexists(megatron):
         text = pointer_text(megatron)
         if text == "release":
             raise UsageError(f"{megatron} names Megatron's release/ directory, a layout train.py does not "
@@ -567,7 +635,7 @@ def latest_checkpoint(load_dir: str) -> Found | None:
             raise UsageError(f"{megatron} holds {text[:40]!r}, not an iteration number: write the iteration "
                              f"to load into it, or delete it to load the newest iter_N there")
         named.append(f"iter_{int(text):07d}")
-    if os.path.exists(deepspeed):  # the same rules: a checkpoint of load_dir
+    if os.path.lexists(deepspeed):  # the same rules: a checkpoint of load_dir
         tag = pointer_text(deepspeed)
         if iteration_of(tag) is None:
             raise UsageError(f"{deepspeed} holds {tag[:40]!r}, not the name of a checkpoint in {load_dir} "
@@ -586,8 +654,12 @@ def latest_checkpoint(load_dir: str) -> Found | None:
 
 
 def pointer_text(path: str) -> str:
-    """A pointer file's first bytes (an iteration, a tag); not UTF-8: U+FFFD."""
-    with regular_file(path, follow=True) as (f, _):
+    """A pointer file's first bytes (an iteration, a tag); not UTF-8: U+FFFD. It is a file of
+    the save directory like any other (plain_file_problem): a link is not followed, nor echoed."""
+    if problem := plain_file_problem(*os.path.split(path)):
+        raise UsageError(f"{os.path.dirname(path)}: its pointer {problem}: replace it with a file that names "
+                         f"the checkpoint to load, or delete it to load the newest iter_N there")
+    with regular_file(path) as (f, _):
         return f.read(200).decode("utf-8", "replace").strip()
 
 
@@ -619,6 +691,40 @@ def check_writable_directory(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: this user cannot write {there}: give a directory it can write")
 
 
+LOCK = "train.lock"  # in --save while a run writes it, holding "pid N on HOST" (writing_alone)
+
+
+@contextlib.contextmanager
+def writing_alone(save: str | None):
+    """--save checked, then this run's alone until the block ends: global rank 0 holds
+    SAVE/train.lock. Another run given the same --save (it would delete this one's
+    unfinished save as a leftover, then write over its checkpoints) stops in one line.
+    The kernel releases the lock (flock) however its process ends, so the rank 0 of a
+    restart, on this node or another, finds the lock of one killed before it free."""
+    if not save:
+        yield
+        return
+    check_writable_directory(save, "--save")
+    path, held, mistake = os.path.join(save, LOCK), None, [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            held = take_lock(path)
+        except BlockingIOError as e:
+            mistake = [f"another run is writing {save} ({e}, which holds {LOCK}): wait for it to end, or give "
+                       f"this run another --save"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(mistake, src=0)  # every rank stops, not rank 0 alone
+    if mistake[0]:
+        raise UsageError(mistake[0])
+    try:
+        yield
+    finally:
+        if held is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)  # before the lock goes (see take_lock)
+            os.close(held)
+
+
 def kind_of(path: str) -> str | None:
     return next((kind for kind, marker in MARKERS if os.path.exists(os.path.join(path, marker))), None)
 
@@ -647,8 +753,16 @@ def verified_checkpoint(load_dir: str, log) -> Found | None:
     raise UsageError(f"no intact checkpoint in {load_dir}: {'; '.join(problems)}")
 
 
+# What trainer_state.json records: each of this value's type, an int at least it (the context- and
+# pipeline-parallel sizes were added later: 1 where absent)
+DS_FIELDS = {"iteration": 0, "consumed_samples": 0, "zero_stage": 0, "data_parallel_size": 1,
+             "tensor_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
+             "model_config": {}, "tensor_parallel_layout": {}}
+
+
 def read_deepspeed_meta(tag_dir: str) -> dict:
-    """trainer_state.json of a DeepSpeed checkpoint written by train.py, or a UsageError."""
+    """trainer_state.json of a DeepSpeed checkpoint written by train.py, or a UsageError
+    naming what it lacks or records wrong."""
     path = os.path.join(tag_dir, DS_META)
     if not os.path.lexists(path):
         raise UsageError(f"{path} is missing: not a complete checkpoint written by train.py")
@@ -656,7 +770,33 @@ def read_deepspeed_meta(tag_dir: str) -> dict:
         meta = parse_json(f.read(size), path, ": cut short or damaged")
     if not isinstance(meta, dict) or type(meta.get("iteration")) is not int:
         raise UsageError(f"{path} records no iteration: not the {DS_META} train.py writes")
+    meta = {"context_parallel_size": 1, "pipeline_model_parallel_size": 1, **meta}
+    if wrong := deepspeed_meta_problem(meta, tag_dir):
+        raise UsageError(f"{path} records {wrong}: not the {DS_META} train.py writes, or damaged")
     return meta
+
+
+def deepspeed_meta_problem(meta: dict, tag_dir: str) -> str | None:
+    """What a trainer_state.json records that no load can take, or None."""
+    for key, least in DS_FIELDS.items():
+        if key not in meta:
+            return f"no {key}"
+        if type(meta[key]) is not type(least):
+            return f"{key} of type {type(meta[key]).__name__}"
+        if type(least) is int and meta[key] < least:
+            return f"{key} {meta[key]}"
+    if meta["zero_stage"] > 3:
+        return f"zero_stage {meta['zero_stage']}"
+    if not all(isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v)
+               for v in meta["tensor_parallel_layout"].values()):
+        return "a tensor_parallel_layout entry that is not [dim, blocks]"
+    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+    ranks = {int(m[1]) for m in map(re.compile(r".*mp_rank_([0-9]+)_model_states\.pt").fullmatch,
+                                    os.listdir(tag_dir)) if m}  # (under ZeRO-3 one file a DP rank too)
+    if ranks != set(range(tp * pp)):  # the model-parallel ranks' files
+        return (f"tensor- x pipeline-parallel size {tp} x {pp} ({tp * pp} model-parallel ranks), where model "
+                f"states are there for {len(ranks)}")
+    return None
 
 
 def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:

@@ -7,7 +7,7 @@ module every other may import, so it imports none of them.
   2. torchrun's environment: the default process group, with a fresh store
      for each restart of an elastic job (init_distributed)
   3. Files that appear whole: written under a temporary name, forced to disk,
-     renamed into place (atomic_write, fsync_path)
+     renamed into place (atomic_write, fsync_path); a lock file (take_lock)
   4. Files that may come from anyone, as checkpoint.py and huggingface.py read
      them: plain files, their digests, pickles of data only, DCP's index; the
      sizes they claim, held to the bytes they hold
@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import enum
 import errno
+import fcntl
 import functools
 import glob
 import hashlib
@@ -275,7 +276,7 @@ def join_attempt_store(agent, world: int, timeout: datetime.timedelta):
 
 
 # ----------------------------------------------------------------------------
-# 3. Files written atomically
+# 3. Files written atomically, and a lock file
 # ----------------------------------------------------------------------------
 
 def atomic_write(path: str, write) -> None:
@@ -305,6 +306,33 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def take_lock(path: str) -> int | None:
+    """An exclusive lock (flock) on the file `path`, made if need be, and this process's
+    "pid N on HOST" in it -> its descriptor; None where the filesystem has no locks. Held
+    by another process: BlockingIOError of that one's "pid N on HOST"."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        if os.path.lexists(path) and (problem := plain_file_problem(*os.path.split(path))):
+            raise UsageError(f"{os.path.dirname(path)}: {problem}: delete it (it is made when it is not there)")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = re.match(r"pid [0-9]+ on [\w.-]+", os.pread(fd, 300, 0).decode("ascii", "replace"))
+            os.close(fd)
+            if e.errno != errno.EWOULDBLOCK:
+                return None  # (ENOLCK, EOPNOTSUPP: a filesystem without locks)
+            raise BlockingIOError(holder[0] if holder else "a process whose pid it does not give") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)  # removed by the process that held it, as this one locked it: lock the new one
+    with contextlib.suppress(OSError):  # (a full disk: the lock holds all the same)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    return fd
+
+
 # ----------------------------------------------------------------------------
 # 4. Files that may come from anyone: read only where a file is what it
 # claims to be, then as data alone
@@ -321,24 +349,41 @@ def _not_regular(mode: int) -> str | None:
     return next((what for test, what in kinds if test(mode)), "a device")
 
 
+NAME_MOST = 255  # bytes in one file name (NAME_MAX: Linux's, and most filesystems')
+HOLES_FROM = 64 << 20  # bytes: a file this large whose blocks hold less than half of it is sparse
+
+
+def shown(name) -> str:
+    """repr(name), shortened where it is long (a name from a file may be any length)."""
+    text = repr(name)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text):,} characters)"
+
+
 def plain_file_problem(directory: str, name: str, links: bool = False) -> str | None:
     """Why `name`, given by a checkpoint (its digests, DCP's or a Hugging Face index),
     is not a bare file name (nothing sha256sum would escape) of a regular file of
     `directory`, or None: a link, FIFO or device (a tar can carry them) would be read
-    outside it or forever. `links`: a link that stays in place (link_in_place) is fine."""
-    if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0"):
-        return f"{name!r} is not a file name in the checkpoint's directory"
+    outside it or forever, and a sparse file for as long as the size it claims (its
+    holes cost a tar a few bytes; no save writes one). `links`: a link that stays in
+    place (link_in_place) is fine."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\n\r\0") or \
+            len(name.encode(errors="replace")) > NAME_MOST:
+        return f"{shown(name)} is not a file name in the checkpoint's directory"
     path = os.path.join(directory, name)
     try:
-        mode = os.lstat(path).st_mode
+        info = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         return f"{name} is missing"
-    if stat.S_ISLNK(mode):
+    if stat.S_ISLNK(info.st_mode):
         if links and link_in_place(directory, path):
             return None
         return f"{name} is a symbolic link (to {os.readlink(path)}), not a file"
-    what = _not_regular(mode)
-    return what and f"{name} is {what}, not a file"
+    if what := _not_regular(info.st_mode):
+        return f"{name} is {what}, not a file"
+    on_disk = info.st_blocks * 512
+    if info.st_size >= HOLES_FROM and on_disk < info.st_size // 2:
+        return f"{name} is a sparse file: {info.st_size:,} bytes, of which {on_disk:,} are on disk"
+    return None
 
 
 def link_in_place(directory: str, path: str) -> bool:
@@ -356,7 +401,8 @@ def link_in_place(directory: str, path: str) -> bool:
 def regular_file(path: str, follow: bool = False):
     """(binary file, size) of `path`, opened only if it is a regular file (and,
     unless `follow`, not a link), checked before the open and on the open file;
-    a UsageError otherwise. A FIFO never blocks the open; a reader takes `size` bytes."""
+    a UsageError otherwise. A FIFO never blocks the open; a reader takes `size` bytes.
+    `follow`: a file a user names (a flag's), or one link_in_place has judged."""
     if what := _not_regular((os.stat if follow else os.lstat)(path).st_mode):
         raise UsageError(f"{path} is {what}, not a file")
     try:
@@ -387,7 +433,7 @@ def named_files(directory: str, names, index: str, links: bool = False) -> list[
         if problem is None and listed is not None and name not in listed:
             problem = f"{name} is not one of the files its {DIGESTS} lists"
         if problem:
-            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {name!r}, not one of "
+            raise UsageError(f"refusing to read the checkpoint in {directory}: {index} names {shown(name)}, not one of "
                              f"its own files ({problem}). Load checkpoints only from a source you trust")
         paths[name] = path
     return list(paths.values())
@@ -430,8 +476,13 @@ def sha256_of(path: str) -> str:
 
 def listed_digests(directory: str) -> dict[str, str]:
     """name -> sha256 of each line of directory's DIGESTS: `SHA256  NAME`, or
-    `SHA256 *NAME` as `sha256sum -b` writes; any other line is a UsageError."""
+    `SHA256 *NAME` as `sha256sum -b` writes; any other line is a UsageError.
+    It is read only as large as a line for each file there can make it."""
     with regular_file(os.path.join(directory, DIGESTS)) as (f, size):
+        most = (64 + 2 + NAME_MOST + 1) * len(os.listdir(directory))
+        if size > most:
+            raise UsageError(f"{DIGESTS} is {size:,} bytes, more than a line for each file there can take "
+                             f"({most:,})")
         text = f.read(size).decode("utf-8", "replace")
     listed = {}
     for number, line in enumerate(text.removesuffix("\n").split("\n") if text else [], 1):

@@ -399,8 +399,6 @@ def validation_loss(model, mcfg: GPTConfig, dataset, cfg: TrainConfig, device, c
 def train(cfg: TrainConfig, env: launch.Dist) -> None:
     """The whole run in an initialized world (tests call it repeatedly in one world)."""
     preempt = train_ops.Preemption(env.device, cfg.exit_duration_in_mins)  # the time limit counts the setup too
-    if cfg.save:  # now, not at the first save, a save interval of compute later
-        checkpoint.check_writable_directory(cfg.save, "--save")
     cfg, accum, global_batch = train_ops.plan_batches(cfg)
     logger = train_ops.Logger(cfg, resume=bool(cfg.load))
     if cfg.domino and parallel.layout.tp_size == 1:

@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None, *, train, usage: str) -> None:
             checkpoint.export_weights(cfg.export_from, cfg.export_to, cfg.export_format)
             launch.say(f"exported {cfg.export_from} -> {cfg.export_to} ({cfg.export_format})")
             return
-        train(cfg, init_processes(cfg))
+        env = init_processes(cfg)
+        with checkpoint.writing_alone(cfg.save):  # --save checked now, not a save interval of compute later
+            train(cfg, env)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -23,6 +23,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -197,6 +198,84 @@ def test_keep_last_checkpoints_removes_older_ones_after_each_save(corpus, tmp_pa
     assert open(ckpt / checkpoint.LATEST).read() == "5"
 
 
+@pytest.mark.parametrize("flags", [["--ckpt-format", "torch"], ["--ckpt-format", "torch_dist"], ["--deepspeed"]],
+                         ids=["torch", "torch_dist", "deepspeed"])
+def test_a_link_planted_as_a_saves_temporary_name_is_removed_not_written_through(
+        ids_corpus, tmp_path, capsys, flags):
+    """SAVE/iter_0000002.tmp, the name the save at iteration 2 writes under,
+    and iter_0000009.tmp (an unfinished save's, which the save removes),
+    planted as links to a directory beside SAVE. The save writes nothing
+    through them (DCP and DeepSpeed wrote into the directory, then published
+    the link as iter_0000002; the torch format failed): each link is
+    removed, what it named is as it was, and iter_0000002 is a directory of
+    its own that loads."""
+    save, beside = tmp_path / "ckpt", tmp_path / "beside"
+    beside.mkdir()
+    (beside / "theirs.txt").write_text("not the run's")
+    save.mkdir()
+    for name in ("iter_0000002.tmp", "iter_0000009.tmp"):
+        os.symlink(beside, save / name)
+    train.main([*TINY, *IDS, "--data-path", ids_corpus, "--train-iters", "2", "--eval-interval", "0",
+                "--save", str(save), "--save-interval", "2", *flags])
+    assert "removed iter_0000009.tmp, the leftover of a save that did not complete" in capsys.readouterr().out
+    assert os.listdir(beside) == ["theirs.txt"] and (beside / "theirs.txt").read_text() == "not the run's"
+    assert not glob.glob(str(save / "*.tmp")) and not os.path.islink(save / "iter_0000002")
+    assert checkpoint.verified_checkpoint(str(save), print).path == str(save / "iter_0000002")
+
+
+HOLDS_ITS_SAVE = """
+import sys, time
+sys.path.insert(0, {root!r})
+import train
+real_step = train.train_step
+
+def slow_step(*args, **kwargs):  # a long first step: the run holds its --save meanwhile
+    time.sleep(600)
+    return real_step(*args, **kwargs)
+
+train.train_step = slow_step
+train.main(sys.argv[1:])
+"""
+
+
+def test_a_second_run_given_the_same_save_directory_stops_in_one_line(corpus, two_saves, tmp_path, capsys):
+    """A run resumed from SAVE and writing it (held in its first step) and a
+    second run started with the same --save, which would delete the first's
+    unfinished save (iter_N.tmp) as a leftover and write over its
+    checkpoints: the second stops in one line that names the first's pid,
+    and SAVE is as it was. Once the first is killed (SIGKILL: its lock file
+    stays) the same command resumes and saves: the kernel released the dead
+    process's lock, as for a torchrun restart (test_launch.py's restarts)."""
+    save, script = tmp_path / "ckpt", tmp_path / "holder.py"
+    shutil.copytree(two_saves, save)
+    script.write_text(HOLDS_ITS_SAVE.format(root=ROOT))
+    args = [*TINY, "--data-path", corpus, "--eval-interval", "0", "--save", str(save), "--load", str(save)]
+    lock = save / checkpoint.LOCK
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([sys.executable, str(script), *args, "--train-iters", "8"], cwd=ROOT,
+                                 stdout=log, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text()) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert lock.exists() and first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        before = {k: v for k, v in tree_digests(save).items() if k != checkpoint.LOCK}
+        with pytest.raises(SystemExit) as stop:
+            train.main([*args, "--train-iters", "8"])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"train.py: error: another run is writing {save} (pid {first.pid} on {socket.gethostname()}, which "
+            f"holds {checkpoint.LOCK}): wait for it to end, or give this run another --save"]
+        assert {k: v for k, v in tree_digests(save).items() if k != checkpoint.LOCK} == before
+    finally:
+        first.kill()
+        first.wait()
+    assert lock.exists()  # no handler ran
+    train.main([*args, "--train-iters", "5"])
+    assert f"loaded checkpoint {save}/iter_0000004 (iteration 4)" in capsys.readouterr().out
+    assert (save / checkpoint.LATEST).read_text() == "5" and not lock.exists()
+
+
 # -----------------------------------------------------------------------------
 # A diverged model never reaches a checkpoint (in-process: a single rank)
 
@@ -369,8 +448,12 @@ def _damage(path: str, how: str) -> None:
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
-    elif how.startswith("truncated"):
-        os.truncate(path, os.path.getsize(path) // 2)
+    elif how.startswith(("truncated", "cut to", "not a zip")):
+        if how.startswith("not a zip"):
+            with open(path, "wb") as f:
+                f.write(b"not the bytes of a checkpoint\n" * 100)
+        else:
+            os.truncate(path, int(how.split()[2]) if how.startswith("cut to") else os.path.getsize(path) // 2)
         if how.endswith("no digests"):  # a checkpoint from before them, or copied without them
             os.remove(os.path.join(os.path.dirname(path), checkpoint.DIGESTS))
     else:
@@ -400,6 +483,22 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_b
     assert f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {problem}" in out
     assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in out
     assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("how", ["cut to 0 bytes, no digests", "cut to 3 bytes, no digests", "not a zip, no digests"])
+def test_a_model_file_of_a_few_bytes_or_no_zip_is_cut_short(two_saves, tmp_path, capsys, how):
+    """The newest checkpoint's model file, without digests, cut to 0-3 bytes
+    or bytes that are no zip (not torch.save's, nor a pickle): an EOFError
+    traceback, or the line for a file that would run code, before. One line
+    says it is cut short, and --export-from exports the checkpoint before."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(two_saves, ckpt)
+    _damage(str(ckpt / "iter_0000004" / checkpoint.PLAIN_FILE), how)
+    log = _export_log(ckpt, tmp_path / "out", capsys)
+    assert (f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {checkpoint.PLAIN_FILE} is truncated, or not a "
+            f"checkpoint's file: neither a zip (torch.save's) nor a pickle") in log, log
+    assert sorted(os.listdir(tmp_path / "out")) == ["iter_0000002", checkpoint.LATEST]
 
 
 @pytest.mark.quick
@@ -491,6 +590,201 @@ def test_a_checkpoint_whose_files_lead_elsewhere_is_passed_over_and_nothing_is_r
         assert f"{ckpt}/iter_0000004: {hostile[10][1]}; " in errors[0], errors[0]
         assert errors[0].endswith(f"{ckpt}/iter_0000002: {hostile[15][1]} `SHA256  NAME` of a file listed once")
         assert "Traceback" not in proc.stderr
+
+
+def _edited(tag: str, edit) -> None:
+    """tag's model_optim_rng.pt rewritten with edit(its state) done, and its
+    checksums made anew to match, as anyone who edits a checkpoint can."""
+    path = os.path.join(tag, checkpoint.PLAIN_FILE)
+    state = torch.load(path, weights_only=False)
+    edit(state)
+    torch.save(state, path)
+    _rewrite_digests(tag)
+
+
+def _export_log(ckpt, out, capsys) -> str:
+    """train.py --export-from ckpt --export-to out -> what it printed."""
+    train.main(["--export-from", str(ckpt), "--export-to", str(out)])
+    return capsys.readouterr().out
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("how", ["a sparse file", "an oversized checksums.sha256"])
+def test_a_checkpoint_that_would_cost_more_to_read_than_its_bytes_is_passed_over(two_saves, tmp_path, capsys, how):
+    """A file of 256 MiB that is holes (a tar carries them in a few bytes, and
+    a reader takes as long as the size says: 16 TB would take hours), listed
+    in checksums.sha256 made anew; or a checksums.sha256 larger than a line
+    for each file there can make it (a GB of it took GBs of memory). Neither
+    is read: --export-from names it in one line and exports the checkpoint before."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(two_saves, ckpt)
+    tag = ckpt / "iter_0000004"
+    if how == "a sparse file":
+        with open(tag / "holes.bin", "wb") as f:
+            f.truncate(256 << 20)
+        _rewrite_digests(str(tag))
+        problem = "holes.bin is a sparse file: 268,435,456 bytes, of which "
+    else:
+        with open(tag / checkpoint.DIGESTS, "a") as f:
+            f.write("#" * (1 << 20) + "\n")
+        problem = (f"checksums.sha256 is {os.path.getsize(tag / checkpoint.DIGESTS):,} bytes, more than a line "
+                   f"for each file there can take (644)")  # 2 files: (64 + 2 + 255 + 1) x 2
+    log = _export_log(ckpt, out, capsys)
+    assert f"checkpoint {tag} cannot be loaded: {problem}" in log, log
+    assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in log
+    assert sorted(os.listdir(out)) == ["iter_0000002", checkpoint.LATEST]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("where", ["checksums.sha256", "DCP's .metadata", "a Hugging Face index"])
+def test_a_file_name_longer_than_a_filesystem_takes_is_one_line(two_saves, dist_saves, tmp_path, capsys, where):
+    """A name of 302 characters (a file name has at most 255 bytes: opening
+    it would be `OSError: File name too long`) in checksums.sha256, as a
+    tensor's file in DCP's .metadata, or in a Hugging Face
+    model.safetensors.index.json: --export-from names it, shortened, in one
+    line. Wrong digests are damage: the checkpoint before is exported."""
+    long = "x" * 290 + ".safetensors"
+    shown = f"'{'x' * 59}... (304 characters)"  # its repr, shortened
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    if where == "checksums.sha256":
+        shutil.copytree(two_saves, ckpt)
+        _rewrite_digests(str(ckpt / "iter_0000004"), f"{'0' * 64}  {long}")
+        log = _export_log(ckpt, out, capsys)
+        assert (f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {shown} is not a file name in the checkpoint's "
+                f"directory") in log, log
+        assert sorted(os.listdir(out)) == ["iter_0000002", checkpoint.LATEST]
+        return
+    if where == "DCP's .metadata":
+        shutil.copytree(dist_saves, ckpt)
+        tag, index = ckpt / "iter_0000004", checkpoint.DIST_METADATA
+        metadata = checkpoint.read_dist_metadata(str(tag))
+        for key, info in metadata.storage_data.items():
+            if key.fqn == "model.wte.weight":
+                info.relative_path = long
+        with open(tag / index, "wb") as f:
+            pickle.dump(metadata, f)
+        _rewrite_digests(str(tag))
+    else:
+        to_hf(tiny_model(), str(tmp_path / "good"))
+        tag, index = ckpt, "model.safetensors.index.json"
+        ckpt.mkdir()
+        shutil.copy(tmp_path / "good" / HF_CONFIG, ckpt)
+        (ckpt / index).write_text(json.dumps({"metadata": {}, "weight_map": {"wte.weight": long}}))
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--export-from", str(ckpt), "--export-to", str(out)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"train.py: error: refusing to read the checkpoint in {tag}: {tag / index} names {shown}, not one of its own "
+        f"files ({shown} is not a file name in the checkpoint's directory). Load checkpoints only from a source "
+        f"you trust"]
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda s: s.update(consumed_samples="abc"), "its consumed_samples is str, not a count"),
+    (lambda s: s["optimizer"]["state"].pop("wte.weight"), "it has no optimizer state for parameter 'wte.weight'"),
+    (lambda s: s["rng"].update(torch=torch.zeros(10, dtype=torch.uint8)),
+     "its rng['torch'] is not the state of a torch random generator"),
+    (lambda s: s["rng"].update(python=(3, (1, 2, 3), None)),
+     "its rng['python'] is not the state of a python random generator"),
+    (lambda s: s["model"].pop("ln_f.weight"), "its model_config does not describe its tensors: ln_f.weight is "
+                                              "absent there, of shape (64,) by the model_config"),
+    (lambda s: s["model"].update({"extra.weight": torch.zeros(3)}),
+     "its model_config does not describe its tensors: extra.weight is of shape (3,) there, absent by the"),
+], ids=["consumed_samples 'abc'", "an optimizer state removed", "rng['torch'] of the wrong size",
+        "rng['python'] of the wrong length", "a weight missing", "an extra weight"])
+def test_a_checkpoint_that_records_what_no_load_can_take_is_passed_over(
+        corpus, two_saves, tmp_path, capsys, edit, problem):
+    """The newest plain checkpoint edited, its checksums made anew: a count of
+    samples that is no number, a parameter's AdamW state gone, a random
+    generator's state of the wrong size, a weight its model_config does not
+    have or lacks. Each was a traceback once the load read it (the strict
+    load's, the optimizer's, the generator's); now one line names it and the
+    run resumes from the checkpoint before."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    shutil.copytree(two_saves, ckpt)
+    _edited(str(ckpt / "iter_0000004"), edit)
+    train.main([*TINY, "--data-path", corpus, "--train-iters", "5", "--load", str(ckpt), "--eval-interval", "0",
+                "--metrics-file", str(metrics)])
+    out = capsys.readouterr().out
+    assert f"checkpoint {ckpt}/iter_0000004 cannot be loaded: {problem}" in out, out
+    assert f"falling back to {ckpt}/iter_0000002 (iteration 2), the newest intact checkpoint" in out
+    assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
+
+
+def _deepspeed_meta(two_saves: str, iteration: int, **changes) -> dict:
+    """A trainer_state.json as a 1-rank ZeRO-1 save of two_saves' model writes
+    it, `changes` made (a change to None: the key dropped)."""
+    with checkpoint.data_only_loads(two_saves):
+        record = torch.load(os.path.join(two_saves, "iter_0000004", checkpoint.PLAIN_FILE))["model_config"]
+    meta = {"iteration": iteration, "consumed_samples": 8 * iteration, "zero_stage": 1, "data_parallel_size": 1,
+            "context_parallel_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+            "model_config": record, "tensor_parallel_layout": {}, **changes}
+    return {key: value for key, value in meta.items() if value is not None}
+
+
+def _deepspeed_checkpoint(tag: str, meta: dict) -> None:
+    """A DeepSpeed checkpoint's files at tag (its shards stand-ins), with checksums."""
+    os.makedirs(tag)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"iteration": meta["iteration"]}, os.path.join(tag, name))
+    with open(os.path.join(tag, checkpoint.DS_META), "w") as f:
+        json.dump(meta, f)
+    _rewrite_digests(tag)
+
+
+@pytest.mark.quick
+def test_a_deepspeed_trainer_state_that_records_what_no_load_can_take_is_passed_over(two_saves, tmp_path, capsys):
+    """DeepSpeed checkpoints whose trainer_state.json records a valid iteration
+    but no tensor-parallel size or one that is "x", no model_config, a
+    pipeline-parallel size of 1,000,000 (where one model-states file is), no
+    data-parallel size, or ZeRO stage "two", with DeepSpeed's `latest` naming
+    the newest: --export-from names each in one line (each was a traceback
+    in the export or the load) and exports the plain checkpoint before them."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(two_saves, ckpt)
+    cases = {10: ({"tensor_model_parallel_size": None}, "no tensor_model_parallel_size"),
+             9: ({"tensor_model_parallel_size": "x"}, "tensor_model_parallel_size of type str"),
+             8: ({"model_config": None}, "no model_config"),
+             7: ({"pipeline_model_parallel_size": 1000000},
+                 "tensor- x pipeline-parallel size 1 x 1000000 (1000000 model-parallel ranks), where model "
+                 "states are there for 1"),
+             6: ({"data_parallel_size": None}, "no data_parallel_size"),
+             5: ({"zero_stage": "two"}, "zero_stage of type str")}
+    for iteration, (changes, _) in cases.items():
+        _deepspeed_checkpoint(str(ckpt / f"iter_{iteration:07d}"), _deepspeed_meta(two_saves, iteration, **changes))
+    (ckpt / checkpoint.DS_LATEST).write_text("iter_0000010")
+    log = _export_log(ckpt, out, capsys)
+    for iteration, (_, problem) in cases.items():
+        tag = ckpt / f"iter_{iteration:07d}"
+        assert (f"checkpoint {tag} cannot be loaded: {tag}/{checkpoint.DS_META} records {problem}: not the "
+                f"{checkpoint.DS_META} train.py writes, or damaged") in log, log
+    assert f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint" in log
+    assert sorted(os.listdir(out)) == ["iter_0000004", checkpoint.LATEST]
+
+
+@pytest.mark.quick
+def test_an_iteration_of_eight_digits_is_a_checkpoint_like_any_other(two_saves, tmp_path, capsys):
+    """From iteration 10,000,000 a save's name has eight digits (iter_N of at
+    least seven, as Megatron's): without a pointer it is the newest there
+    (never the one before it), DeepSpeed's `latest` may name one, and
+    --keep-last-checkpoints counts them (it kept them all, and deleted the
+    newest seven-digit ones in their stead)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(two_saves, ckpt)
+    os.remove(ckpt / checkpoint.LATEST)
+    big = ckpt / "iter_10000004"
+    shutil.copytree(ckpt / "iter_0000004", big)
+    _edited(str(big), lambda state: state.update(iteration=10_000_004))
+    _export_log(ckpt, tmp_path / "out", capsys)
+    assert sorted(os.listdir(tmp_path / "out")) == ["iter_10000004", checkpoint.LATEST]
+    (ckpt / checkpoint.DS_LATEST).write_text("iter_10000006")  # gone: the newest intact one loads
+    log = _export_log(ckpt, tmp_path / "again", capsys)
+    assert f"checkpoint {ckpt}/iter_10000006 cannot be loaded: it holds no checkpoint" in log, log
+    assert f"falling back to {big} (iteration 10000004), the newest intact checkpoint" in log
+    said = []
+    checkpoint.remove_old_checkpoints(str(ckpt), 10_000_004, 2, said.append)
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == ["iter_0000004", "iter_10000004"]
+    assert said == ["removed checkpoint iter_0000002 (--keep-last-checkpoints 2)"]
 
 
 def test_pytorchs_converter_gives_a_torch_dist_checkpoint_as_the_torch_formats_states(
@@ -1314,9 +1608,12 @@ def test_a_directory_where_both_pointers_disagree_reads_the_newer_checkpoint(tmp
     one is read, for resume, export and evaluation alike (latest_checkpoint)."""
     save = str(tmp_path)
     checkpoint.write_plain_checkpoint(save, {"iteration": 2})
-    os.makedirs(os.path.join(save, "iter_0000004"))
-    with open(os.path.join(save, "iter_0000004", checkpoint.DS_META), "w") as f:
-        json.dump({"iteration": 4}, f)
+    tag = os.path.join(save, "iter_0000004")
+    os.makedirs(tag)
+    torch.save({}, os.path.join(tag, "mp_rank_00_model_states.pt"))
+    with open(os.path.join(tag, checkpoint.DS_META), "w") as f:
+        json.dump({"iteration": 4, "consumed_samples": 32, "zero_stage": 1, "data_parallel_size": 1,
+                   "tensor_model_parallel_size": 1, "model_config": {}, "tensor_parallel_layout": {}}, f)
     with open(os.path.join(save, checkpoint.DS_LATEST), "w") as f:
         f.write("iter_0000004")
     found = checkpoint.latest_checkpoint(save)
@@ -1347,14 +1644,12 @@ def test_deepspeeds_pointer_and_trainer_state_are_held_to_what_megatrons_pointer
     shutil.copytree(two_saves, ckpt)
     os.remove(os.path.join(ckpt, "iter_0000004", checkpoint.DIGESTS))
     shard = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
-    for iteration, state in ((5, '{"iteration": 5, "consume'), (6, '{"iteration": 7}'), (7, '{"iteration": 7}')):
+    for iteration, recorded in ((5, 5), (6, 7), (7, 7)):
         tag = os.path.join(ckpt, f"iter_{iteration:07d}")
-        os.makedirs(tag)
-        for name in ("mp_rank_00_model_states.pt", shard.format(0)):
-            torch.save({"iteration": iteration}, os.path.join(tag, name))
-        with open(os.path.join(tag, checkpoint.DS_META), "w") as f:
-            f.write(state)
-        _rewrite_digests(tag)
+        _deepspeed_checkpoint(tag, _deepspeed_meta(two_saves, recorded))
+    with open(os.path.join(ckpt, "iter_0000005", checkpoint.DS_META), "w") as f:
+        f.write('{"iteration": 5, "consume')
+    _rewrite_digests(os.path.join(ckpt, "iter_0000005"))
     torch.save({}, os.path.join(ckpt, "iter_0000007", shard.format(1)))
     with open(os.path.join(ckpt, checkpoint.DS_LATEST), "w") as f:
         f.write("iter_0000009")
@@ -1469,17 +1764,29 @@ def test_a_checkpoint_older_than_a_schedule_flag_still_has_its_schedule_compared
 @pytest.mark.quick
 @pytest.mark.parametrize("given", ["a pointer to 'release'", "an empty pointer", "a pointer of binary bytes",
                                    "a pointer of a digit that is not ASCII", "DeepSpeed's pointer to ../outside",
-                                   "DeepSpeed's pointer to an absolute path", "an iteration's directory",
+                                   "DeepSpeed's pointer to an absolute path", "a pointer that is a link",
+                                   "DeepSpeed's pointer that is a link", "an iteration's directory",
                                    "a Hugging Face directory", "a file"])
 def test_a_load_directory_that_is_not_a_save_directory_is_one_line(corpus, two_saves, tmp_path, capsys, given):
     """Megatron's "release" pointer, a damaged one (empty, binary, a `²`,
     which str.isdigit() takes and int() does not), DeepSpeed's naming a
-    directory outside the save directory, a checkpoint's own iter_N
-    directory, a transformers model, a file: one line that says what to give."""
+    directory outside the save directory, either pointer a link to a file
+    outside it (never read: its bytes are not echoed), a checkpoint's own
+    iter_N directory, a transformers model, a file: one line that says what to give."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(two_saves, ckpt)
     pointer, load = os.path.join(ckpt, checkpoint.LATEST), ckpt
-    if given == "a file":
+    if given.endswith("a link"):
+        secret = tmp_path / "secret.txt"
+        secret.write_text("4 the start of a file outside the save directory")
+        pointer = os.path.join(ckpt, checkpoint.DS_LATEST if given.startswith("DeepSpeed") else checkpoint.LATEST)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(pointer)
+        os.symlink(secret, pointer)
+        message = (f"{ckpt}: its pointer {os.path.basename(pointer)} is a symbolic link (to {secret}), not a "
+                   f"file: replace it with a file that names the checkpoint to load, or delete it to load the "
+                   f"newest iter_N there")
+    elif given == "a file":
         load = pointer
         message = (f"{load} is a file, not a checkpoint directory: give the directory that holds "
                    f"{checkpoint.LATEST} (the one train.py's --save wrote)")
