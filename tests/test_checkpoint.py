@@ -1727,7 +1727,8 @@ def test_from_hf_reads_an_moe_or_qk_layernorm_checkpoint_that_transformers_wrote
     mlp.experts.{e}.gate/up/down_proj), or transformers 5's own names (experts.gate_up_proj
     and experts.down_proj stacked, which transformers reads too). Ours gives its logits to
     1e-5, with its MoE layers (decoder_sparse_step, mlp_only_layers) and its routing
-    (norm_topk_prob); and our export of it is save_pretrained's directory, tensor for tensor."""
+    (norm_topk_prob); and --export-from it, to a plain checkpoint and from that to Hugging
+    Face (checkpoint.export_weights), writes save_pretrained's tensors, bit for bit."""
     from safetensors.torch import load_file, save_file
     transformers = pytest.importorskip("transformers")
     theirs = random_kin(arch)
@@ -1747,10 +1748,10 @@ def test_from_hf_reads_an_moe_or_qk_layernorm_checkpoint_that_transformers_wrote
         torch.testing.assert_close(ours(x)[..., :100], want, atol=1e-5, rtol=1e-5)
         read = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
         torch.testing.assert_close(read(x).logits, want, atol=0, rtol=0)  # a layout transformers reads
-    if layout == "save_pretrained":
-        to_hf(ours, str(tmp_path / "again"))
-        saved, exported = load_file(str(tmp_path / "model.safetensors")), load_file(str(tmp_path / "again" /
-                                                                                       "model.safetensors"))
+    if layout == "save_pretrained":  # --export-from it to a plain checkpoint, and that --export-format hf
+        checkpoint.export_weights(str(tmp_path), str(tmp_path / "plain"), "plain")
+        checkpoint.export_weights(str(tmp_path / "plain"), str(tmp_path / "again"), "hf")
+        saved, exported = (load_file(str(tmp_path / d / "model.safetensors")) for d in (".", "again"))
         assert saved.keys() == exported.keys()
         assert all(torch.equal(saved[k], exported[k]) for k in saved)
 
