@@ -2096,12 +2096,13 @@ def test_a_hugging_face_directory_that_would_run_code_or_read_elsewhere_is_one_l
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """A GPT-2 and a Llama directory, as to_hf writes them (the tiny models,
-    100 tokens: ~100 KB of safetensors each). -> {"gpt2": dir, "llama": dir}"""
+    """A GPT-2, a Llama, a Mixtral and a Qwen2-MoE directory, as to_hf writes them (the
+    tiny models, 100 tokens: ~100 KB of safetensors each). -> {"gpt2": dir, ...}"""
     out = tmp_path_factory.mktemp("hf")
-    for arch, options in (("gpt2", {}), ("llama", LLAMA)):
+    shapes = {"gpt2": {}, "llama": LLAMA, "mixtral": KIN["mixtral"][0], "qwen2_moe": KIN["qwen2_moe"][0]}
+    for arch, options in shapes.items():
         to_hf(tiny_model(**options), str(out / arch))
-    return {arch: str(out / arch) for arch in ("gpt2", "llama")}
+    return {arch: str(out / arch) for arch in shapes}
 
 
 DROP = object()  # hf_variant: remove the key
@@ -2151,8 +2152,16 @@ def hf_variant(source: str, out, config=None, weights=None, layout="safetensors"
     ("llama", None, {"model.layers.1.mlp.down_proj.weight": torch.zeros(64, 100)},
      "config.json does not describe its weights: model.layers.1.mlp.down_proj.weight is of shape (64, 100) there, "
      "of shape (64, 128) by config.json"),
+    ("mixtral", {"num_local_experts": "4"}, None, "config.json: num_local_experts is '4', not an int or none"),
+    ("mixtral", {"sliding_window": 4096}, None, "config.json: sliding_window attention is not supported"),
+    ("qwen2_moe", {"qkv_bias": True}, None, "config.json: qkv_bias and mlp_bias differ; --disable-bias-linear sets"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, None,
+     "config.json: decoder_sparse_step 0 and mlp_only_layers [0] are not a positive int and a list of layers"),
+    ("qwen2_moe", None, {"model.layers.1.mlp.experts.2.down_proj.weight": torch.zeros(64, 16)},
+     "config.json does not describe its weights: model.layers.1.mlp.experts.2.down_proj.weight is of shape (64, 16) "
+     "there, of shape (64, 32) by config.json"),
 ], ids=["no-n_layer", "epsilon-x", "epsilon-nan", "tie-yes", "heads-0", "theta-abc", "theta-nan", "scaling-list",
-        "gpt2-shape", "llama-shape"])
+        "gpt2-shape", "llama-shape", "experts-str", "sliding-window", "qkv-bias", "sparse-step-0", "expert-shape"])
 def test_a_hugging_face_config_or_weights_not_of_one_model_is_one_line(hf_models, tmp_path, capsys, arch, config,
                                                                        weights, says):
     """config.json with a key missing, a value of the wrong type, NaN (a model
@@ -2184,6 +2193,10 @@ CLAIMS = [
     ("llama", {"num_hidden_layers": 20000}, "config.json says 20000 layers, its weights hold 2"),
     ("gpt2 sharded", {"n_layer": 20000}, "config.json says 20000 layers, its weights hold 2"),
     ("gpt2 bin", {"n_embd": 2 ** 20}, "transformer.wte.weight is of shape (100, 64) there, of shape (100, 1048576)"),
+    ("mixtral", {"num_local_experts": 10 ** 9}, "config.json says 1000000000 experts, its weights hold 4"),
+    ("qwen2_moe", {"num_hidden_layers": 10 ** 12, "decoder_sparse_step": 2},  # (a list of its MoE layers)
+     "config.json says 1000000000000 layers, its weights hold 2"),
+    ("qwen2_moe", {"moe_intermediate_size": 2 ** 40}, "model.layers.1.mlp.experts.0.gate_proj.weight is of shape (32,"),
 ]
 
 
@@ -2220,9 +2233,10 @@ def test_a_hugging_face_config_that_claims_more_than_its_weights_is_one_line_in_
     read without a tensor; pytorch_model.bin's tensors) before a model is built:
     a width of 2**20, 10**9 tokens, 10**12 positions, an MLP 2**40 wide or 20000
     layers over weights of a few hundred KB, in GPT-2 and Llama directories, sharded
-    or not, is one line from --export-from and eval_tasks.py --hf, under a memory
-    limit (the claims ask for 4 GB to 281 TB), and the peak memory grows by no
-    more than a few times the weights' bytes."""
+    or not, or 10**9 experts, 10**12 layers or experts 2**40 wide in Mixtral and
+    Qwen2-MoE ones, is one line from --export-from and eval_tasks.py --hf, under a
+    memory limit (the claims ask for 4 GB to 281 TB), and the peak memory grows by
+    no more than a few times the weights' bytes."""
     argvs, says, biggest = [], [], 0
     for i, (arch, claim, message) in enumerate(CLAIMS):
         kind, _, layout = arch.partition(" ")
@@ -2350,18 +2364,127 @@ def test_from_hf_reads_a_llama_checkpoint_that_transformers_wrote(tmp_path):
         torch.testing.assert_close(ours(x)[..., :100], theirs(x).logits, atol=1e-5, rtol=1e-5)
 
 
+# Llama's kin: a shape of ours -> (transformers' class, its model_type). Two layers: Qwen's with one MoE layer
+# and one dense (--moe-layer-freq's pattern, their mlp_only_layers); Qwen2-MoE's top-k of the full softmax.
+KIN = {"mixtral": (dict(LLAMA, num_experts=4), "MixtralForCausalLM"),
+       "qwen2_moe": (dict(LLAMA, num_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48,
+                          moe_shared_expert_gate=True, moe_layer_freq=[0, 1], moe_router_pre_softmax=True),
+                     "Qwen2MoeForCausalLM"),
+       "qwen3_moe": (dict(LLAMA, num_experts=4, qk_layernorm=True, moe_layer_freq=[1, 0]), "Qwen3MoeForCausalLM"),
+       "qwen3": (dict(LLAMA, qk_layernorm=True), "Qwen3ForCausalLM")}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("arch", KIN)
+def test_an_moe_or_qk_layernorm_export_loads_in_transformers_with_the_same_logits(tmp_path, arch):
+    """--export-format hf of the experts and --qk-layernorm: Mixtral for Llama's options
+    with experts, Qwen2-MoE with a gated shared expert, Qwen3-MoE with the experts and
+    q and k normed, Qwen3 with them normed alone. transformers' class gives our logits
+    to 1e-5, and from_hf reads the directory back to the same config and the same
+    weights, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    options, cls = KIN[arch]
+    ours = randomized(tiny_model(**options))
+    to_hf(ours, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["model_type"] == arch
+    theirs = getattr(transformers, cls).from_pretrained(str(tmp_path)).eval()
+    x = tokens(T=32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[..., :100], theirs(x).logits, atol=1e-5, rtol=1e-5)
+    back = from_hf(str(tmp_path), padded_vocab_size=128)
+    assert back.config == ours.config
+    want, got = unpadded(ours.state_dict(), 100), back.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k][:want[k].shape[0]], want[k]), k
+
+
+def random_kin(arch: str):
+    """A random tiny model of transformers' own (every weight ~ N(0, 0.2)), of Llama's kin."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, tie_word_embeddings=False)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg = {"mixtral": lambda: transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2),
+           "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**shape, **experts, shared_expert_intermediate_size=48,
+                                                            decoder_sparse_step=2, qkv_bias=False),
+           "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**shape, **experts, head_dim=16, mlp_only_layers=[1],
+                                                            norm_topk_prob=True),
+           "qwen3": lambda: transformers.Qwen3Config(**shape, head_dim=16)}[arch]()
+    torch.manual_seed(0)
+    model = getattr(transformers, KIN[arch][1])(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("layout", ["save_pretrained", "fused"])
+@pytest.mark.parametrize("arch", KIN)
+def test_from_hf_reads_an_moe_or_qk_layernorm_checkpoint_that_transformers_wrote(tmp_path, arch, layout):
+    """A directory transformers wrote: save_pretrained's (one matrix per expert, as the Hub's
+    Mixtral and Qwen-MoE checkpoints: Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, Qwen's
+    mlp.experts.{e}.gate/up/down_proj), or transformers 5's own names (experts.gate_up_proj
+    and experts.down_proj stacked, which transformers reads too). Ours gives its logits to
+    1e-5, with its MoE layers (decoder_sparse_step, mlp_only_layers) and its routing
+    (norm_topk_prob); and --export-from it, to a plain checkpoint and from that to Hugging
+    Face (checkpoint.export_weights), writes save_pretrained's tensors, bit for bit."""
+    from safetensors.torch import load_file, save_file
+    transformers = pytest.importorskip("transformers")
+    theirs = random_kin(arch)
+    if layout == "fused":
+        theirs.config.save_pretrained(str(tmp_path))
+        save_file({k: t.contiguous() for k, t in theirs.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    else:
+        theirs.save_pretrained(str(tmp_path))
+    ours = from_hf(str(tmp_path)).eval()
+    c = ours.config
+    assert (c.num_experts, c.moe_layer_freq, c.moe_router_pre_softmax, c.qk_layernorm, c.moe_shared_expert_gate) == {
+        "mixtral": (4, 1, False, False, False), "qwen2_moe": (4, [0, 1], True, False, True),
+        "qwen3_moe": (4, [1, 0], False, True, False), "qwen3": (None, 1, False, True, False)}[arch]
+    x = tokens(T=32)
+    with torch.no_grad():
+        want = theirs(x).logits
+        torch.testing.assert_close(ours(x)[..., :100], want, atol=1e-5, rtol=1e-5)
+        read = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+        torch.testing.assert_close(read(x).logits, want, atol=0, rtol=0)  # a layout transformers reads
+    if layout == "save_pretrained":  # --export-from it to a plain checkpoint, and that --export-format hf
+        checkpoint.export_weights(str(tmp_path), str(tmp_path / "plain"), "plain")
+        checkpoint.export_weights(str(tmp_path / "plain"), str(tmp_path / "again"), "hf")
+        saved, exported = (load_file(str(tmp_path / d / "model.safetensors")) for d in (".", "again"))
+        assert saved.keys() == exported.keys()
+        assert all(torch.equal(saved[k], exported[k]) for k in saved)
+
+
 @pytest.mark.parametrize("options,flag", [
     (dict(position_embedding_type="rope"), "--position-embedding-type learned_absolute"),
     (dict(LLAMA_OPTIONS, normalization="LayerNorm"), "--normalization RMSNorm"),
     (dict(LLAMA_OPTIONS, rotary_percent=0.5), "--rotary-percent 1.0"),
     (dict(num_query_groups=2), "no --group-query-attention"),
-    (dict(LLAMA_OPTIONS, qk_layernorm=True), "no --qk-layernorm"),
-    (dict(LLAMA_OPTIONS, num_experts=4), "no --num-experts"),
+    (dict(LLAMA_OPTIONS, qk_layernorm=True, disable_bias_linear=False), "Llama, needs no --qk-layernorm"),
+    (dict(num_experts=4), "Mixtral, needs --position-embedding-type rope, --normalization RMSNorm, --swiglu"),
+    (dict(LLAMA_OPTIONS, num_experts=4, disable_bias_linear=False), "Mixtral, needs --disable-bias-linear"),
+    (dict(LLAMA_OPTIONS, num_experts=4, moe_router_score_function="sigmoid"),
+     "Mixtral, needs --moe-router-score-function softmax"),
+    (dict(LLAMA_OPTIONS, num_experts=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+     "Mixtral, needs --moe-router-score-function softmax, no --moe-router-enable-expert-bias"),
+    (dict(LLAMA_OPTIONS, num_experts=4, moe_expert_capacity_factor=1.0), "no --moe-expert-capacity-factor (dropless)"),
+    (dict(LLAMA_OPTIONS, num_experts=4, moe_router_pre_softmax=True), "Mixtral, needs no --moe-router-pre-softmax"),
+    (dict(LLAMA_OPTIONS, num_experts=4, moe_layer_freq=2), "Mixtral, needs --moe-layer-freq 1"),
+    (dict(LLAMA_OPTIONS, num_experts=4, moe_shared_expert_intermediate_size=32), "needs --moe-shared-expert-gate"),
+    (dict(LLAMA_OPTIONS, num_experts=4, moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+          qk_layernorm=True), "Qwen2-MoE, needs no --qk-layernorm"),
 ])
 def test_export_of_a_model_no_transformers_architecture_computes_names_the_flag(tmp_path, options, flag):
+    """What no transformers class computes (a router's sigmoid scores or expert bias,
+    capacity, biases on experts, a shared expert beside normed q and k, ...): one line
+    naming the closest class and the flags it needs, and nothing written."""
     m = tiny_model(**options)
-    with pytest.raises(ValueError, match=flag):
+    with pytest.raises(ValueError, match=re.escape(flag)) as refused:
         to_hf(m, str(tmp_path / "out"))
+    assert "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()  # refused before writing anything
     assert hf_architecture(tiny_model().config) == "gpt2"
     assert hf_architecture(tiny_model(**LLAMA).config) == "llama"

@@ -275,15 +275,25 @@ def test_hugging_face_directory_is_a_model_too(files, reference, tmp_path):
                                  reference, task)
 
 
-def test_a_hugging_face_llama_directory_is_a_model_too(files, tmp_path):
+@pytest.mark.parametrize("arch, extra", [
+    ("Llama", {}), ("Mixtral", dict(num_local_experts=4)),
+    ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      qkv_bias=False)),
+    ("Qwen3Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
+                      head_dim=16)),
+])
+def test_a_hugging_face_llama_directory_is_a_model_too(files, tmp_path, arch, extra):
     """--hf of a Llama that transformers made (random weights; grouped-query
-    attention, untied head): transformers' own perplexity on the same windows."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    attention, untied head), or of its mixtures of experts, Mixtral, Qwen2-MoE
+    (a shared expert) and Qwen3-MoE (q and k normed, every other layer MoE):
+    transformers' own perplexity on the same windows."""
+    import transformers
     torch.manual_seed(0)
     llama = str(tmp_path / "llama")
-    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=50257,
-                                 max_position_embeddings=64)).save_pretrained(llama)
+    config = getattr(transformers, f"{arch}Config")(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=50257, max_position_embeddings=64, tie_word_embeddings=False, **extra)
+    getattr(transformers, f"{arch}ForCausalLM")(config).save_pretrained(llama)
     results = evaluate_here(files, "wiki", ["--hf", llama], tmp_path)
     ppl, scored = reference_perplexity(llama, files["wiki"], SEQ, SEQ)
     assert results["tokens_scored"] == scored
