@@ -711,6 +711,25 @@ def test_a_checkpoint_that_records_what_no_load_can_take_is_passed_over(
     assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_load_reads_what_a_checkpoint_records_once_before_its_tensors(two_saves, dist_saves, monkeypatch, fmt):
+    """--load's checks before a tensor is read (damage's verdict, then this
+    run's model against the checkpoint's model_config) read its record once:
+    a plain checkpoint's pickle is unpickled once, without a tensor's bytes,
+    and a torch_dist checkpoint's non-tensors are read (DCP) once. Each was
+    read three times, by each check on its own."""
+    import torch._weights_only_unpickler as unpickler
+    reads = []
+    monkeypatch.setattr(unpickler.Unpickler, "load",
+                        lambda self, load=unpickler.Unpickler.load: reads.append("pickle") or load(self))
+    monkeypatch.setattr(checkpoint, "read_dist",
+                        lambda *args, read=checkpoint.read_dist, **kwargs: reads.append("DCP") or read(*args, **kwargs))
+    cfg = config.parse_args([*TINY, "--load", two_saves if fmt == "torch" else dist_saves])
+    assert checkpoint.checkpoint_to_load(cfg, lambda line: None).iteration == 4
+    assert reads.count("pickle" if fmt == "torch" else "DCP") == 1, reads
+
+
 def _deepspeed_meta(two_saves: str, iteration: int, **changes) -> dict:
     """A trainer_state.json as a 1-rank ZeRO-1 save of two_saves' model writes
     it, `changes` made (a change to None: the key dropped)."""
