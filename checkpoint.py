@@ -726,8 +726,8 @@ def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> G
                              f"checkpoint is damaged or was edited")
     try:
         mcfg = GPTConfig(**{**record, **runtime})
-    except UsageError as e:
-        raise UsageError(f"checkpoint {path}: {e}") from None
+    except UsageError as e:  # a value out of its field's range
+        raise UsageError(f"checkpoint {path}: its model_config describes no model: {e}") from None
     layers = len({key.split(".")[1] for key in weights if key.startswith("blocks.")})
     if mcfg.num_layers != layers:
         raise UsageError(f"checkpoint {path}: its model_config says num_layers {mcfg.num_layers}, its "
