@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import glob
 import io
 import json
@@ -28,7 +29,6 @@ import re
 import shutil
 import tempfile
 import warnings
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -39,15 +39,13 @@ import parallel
 from config import TrainConfig, check_numbers, model_config
 from gpt import GPT, GPTConfig, claimed_shapes, wanted_type
 from huggingface import HF_CONFIG, from_hf, hf_tokenizer, is_hf_directory, to_hf, write_files
-from launch import (DIGESTS, DIST_METADATA, Damaged, UsageError, atomic_write, data_only_loads, digest_files,
-                    digests_problem, dist_index_problem, dist_reader, fsync_path, parse_json, plain_file_problem,
-                    read_dist_index, read_dist_metadata, regular_file, saved_claims, take_lock, tensors_problem,
-                    write_digests, zip_problem)
+from launch import (DIGESTS, DIST_METADATA, DS_META, Damaged, UsageError, atomic_write, cut_short, data_only_loads,
+                    digest_files, digests_problem, dist_reader, fsync_path, plain_file_problem, read_deepspeed_meta,
+                    read_dist_metadata, regular_file, rng_problem, saved_record, take_lock, write_digests, zip_problem)
 
 LATEST = "latest_checkpointed_iteration.txt"  # Megatron's pointer: both kinds write it
 PLAIN_FILE = "model_optim_rng.pt"
 DS_LATEST = "latest"  # DeepSpeed's own pointer file name, so its tools work on our checkpoints
-DS_META = "trainer_state.json"
 MARKERS = (("plain", PLAIN_FILE), ("torch_dist", DIST_METADATA), ("deepspeed", DS_META))  # kind: its file
 
 
@@ -126,8 +124,9 @@ def saved_settings(group: dict) -> dict:
     settings = {}
     for field, (key, i) in SETTINGS.items():
         if key in group:
-            value = group[key] if i is None else (group[key][i] if isinstance(group[key], (list, tuple)) and
-                                                  len(group[key]) == 2 else None)
+            value = group[key]
+            if i is not None:  # one of the betas
+                value = value[i] if isinstance(value, (list, tuple)) and len(value) == 2 else None
             settings[field] = value if type(value) in (int, float) else None
     return settings
 
@@ -138,8 +137,8 @@ def settings_problem(groups) -> str | None:
         return "its optimizer's param_groups are not a list of AdamW's parameter groups"
     for group in groups:
         settings = saved_settings(group)
-        if None in settings.values():
-            return f"its optimizer's {SETTINGS[next(f for f, v in settings.items() if v is None)][0]} is not a number"
+        if unnumbered := [field for field, value in settings.items() if value is None]:
+            return f"its optimizer's {SETTINGS[unnumbered[0]][0]} is not a number"
         try:
             check_numbers(dataclasses.replace(TrainConfig(), **settings))
         except UsageError as e:
@@ -397,9 +396,10 @@ def digests_of_every_rank(directory: str, what: str, group=None) -> dict[str, st
 
 def damage(found: Found) -> str | None:
     """What is wrong with a checkpoint, or None: a file that is not plain, not as
-    DIGESTS lists it or cut short (by its own index), another iteration's, what it
-    records that no load could take (record_problem), or what no save writes
-    (contents_problem: digests prove only that files are as written)."""
+    DIGESTS lists it or cut short (by its own index), another iteration's, what no
+    save writes (digests prove only that files are as written: found.record holds
+    each claim to the file's bytes), or what it records that no load could take
+    (record_problem)."""
     if found.kind is None:
         return f"it holds no checkpoint (none of {', '.join(marker for _, marker in MARKERS)})"
     names = sorted(os.listdir(found.path))
@@ -407,54 +407,28 @@ def damage(found: Found) -> str | None:
         problem = next(filter(None, (plain_file_problem(found.path, name) for name in names)), None) or (
             digests_problem(found.path, names) if DIGESTS in names else None)
         if problem is None and found.kind == "deepspeed":
-            saved = read_deepspeed_meta(found.path)["iteration"]
+            saved = found.record["iteration"]
             if saved != found.iteration:
                 problem = f"its {DS_META} records iteration {saved}, not {found.iteration}"
     except UsageError as e:  # a file of the wrong form
         problem = str(e)
     # (outside: a refusal of an index or a pickle that would run code stops the run, see data_only_loads)
     try:
-        return problem or cut_short(found) or record_problem(found) or contents_problem(found)
+        return problem or cut_short(found.path, found.kind) or record_problem(found)
     except Damaged as e:  # a file not as its writer writes it, found reading it
         return e.problem
 
 
-def cut_short(found: Found) -> str | None:
-    """A file cut short, by its own index: a zip's directory, DCP's .metadata
-    (the extents it gives each file: dist_index_problem, in contents_problem)."""
-    if found.kind == "torch_dist":
-        try:
-            read_dist_index(found.path)
-        except (EOFError, pickle.UnpicklingError) as e:  # cut short, or a refused global (said by the read)
-            if isinstance(e, EOFError) or "truncated" in str(e):
-                return f"{DIST_METADATA} is truncated"
-            read_dist_metadata(found.path)
-        return None
-    for name in sorted(n for n in os.listdir(found.path) if n.endswith(".pt")):
-        with open(os.path.join(found.path, name), "rb") as f:
-            head = f.read(4)
-        if head == b"PK\x03\x04" and not zipfile.is_zipfile(os.path.join(found.path, name)):
-            return f"{name} is truncated (its zip directory is gone)"
-        if head != b"PK\x03\x04" and not head.startswith(b"\x80"):  # torch's pre-zip format, a pickle: no index
-            return f"{name} is truncated, or not a checkpoint's file: neither a zip (torch.save's) nor a pickle"
-    return None
-
-
 def record_problem(found: Found) -> str | None:
-    """What a plain or torch_dist checkpoint records that no load could take, or None: counts
-    that are not counts, weights that its model_config does not describe, a parameter without
-    its optimizer state, random states that no generator takes. No tensor's bytes are read."""
-    if found.kind == "plain":
-        path = os.path.join(found.path, PLAIN_FILE)
-        with data_only_loads(found.path):
-            state = torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
-        weights = state.get("model") if isinstance(state, dict) else None
-    elif found.kind == "torch_dist":
-        state, saved = read_dist(found.path, {}, no_dist=True), read_dist_metadata(found.path).state_dict_metadata
-        weights = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype, device="meta")
-                   for key, md in saved.items() if key.startswith("model.") and hasattr(md, "properties")}
-    else:
+    """What a plain or torch_dist checkpoint records (found.record: no tensor's bytes)
+    that no load could take, or None: counts that are not counts, weights that its
+    model_config does not describe, a parameter without its optimizer state, random
+    states that no generator takes, an optimizer state that does not fit its weight,
+    AdamW settings no flag may take."""
+    if found.kind not in ("plain", "torch_dist"):
         return None  # (DeepSpeed's: read_deepspeed_meta)
+    state = found.record
+    weights = state.get("model") if isinstance(state, dict) else None
     if not isinstance(weights, dict) or not all(torch.is_tensor(t) for t in weights.values()):
         return "it holds no model weights (a dict of tensors)"
     for key in ("iteration", "consumed_samples"):
@@ -472,90 +446,8 @@ def record_problem(found: Found) -> str | None:
     held = optimizer.get("state") if isinstance(optimizer, dict) else {}
     if optimizer is not None and (missing := [name for name in weights if name not in held]):
         return f"it has no optimizer state for parameter {missing[0]!r}"
-    return rng_problem(state)
-
-
-def rng_problem(state: dict) -> str | None:
-    """Why a checkpoint's random states (its rng, each pipeline stage's) are not ones that
-    set_rng_state restores, or None: each is tried on a generator of its own."""
-    stages = state.get("pipeline_rng") or []
-    if not isinstance(stages, list):
-        return "its pipeline_rng is not a list"
-    for where, rng in (("rng", state.get("rng")), *((f"pipeline_rng[{i}]", r) for i, r in enumerate(stages))):
-        if rng is None:  # (an export's)
-            continue
-        restore = {"python": random.Random().setstate, "numpy": np.random.RandomState().set_state,
-                   "torch": torch.Generator().set_state}
-        if torch.cuda.is_available() and isinstance(rng, dict) and "cuda" in rng:
-            restore["cuda"] = torch.Generator("cuda").set_state
-        for key, set_state in restore.items():
-            try:
-                set_state(rng[key])
-            except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError):
-                return f"its {where}[{key!r}] is not the state of a {key} random generator"
-    return None
-
-
-def contents_problem(found: Found) -> str | None:
-    """What a checkpoint's files hold that no save of train.py writes (a file
-    edited, its digest recomputed, as anyone can), read without a tensor's
-    bytes: a size or a stride that claims more bytes than the file holds, an
-    optimizer state that does not fit its weight, AdamW settings no flag may take."""
-    if found.kind == "plain":
-        return plain_contents_problem(found.path)
-    if found.kind != "torch_dist":
-        return None
-    metadata = read_dist_index(found.path)
-    if problem := dist_index_problem(found.path, metadata):
-        return problem
-    saved, weights, states = metadata.state_dict_metadata, {}, {}
-    for key, md in saved.items():  # each tensor as its index describes it, on the meta device
-        held = torch.empty(md.size, dtype=md.properties.dtype, device="meta") if hasattr(md, "size") else md
-        if key.startswith("model."):
-            weights[key[len("model."):]] = held
-        elif key.startswith("optimizer.") and key != "optimizer.param_groups":
-            name, _, k = key[len("optimizer."):].rpartition(".")
-            states.setdefault(name, {})[k] = held
-    groups = read_dist(found.path, {"optimizer.param_groups": None}, no_dist=True)["optimizer.param_groups"] \
-        if "optimizer.param_groups" in saved else []
-    return optimizer_problem(weights, states, groups)
-
-
-def plain_contents_problem(path: str) -> str | None:
-    """contents_problem of a plain checkpoint, whose tensors' claims are read but none of their bytes."""
-    file = os.path.join(path, PLAIN_FILE)
-    with regular_file(file) as (f, _):
-        if not zipfile.is_zipfile(f):
-            return None  # torch's pre-zip format, read as data alone as before (cut_short: not a cut zip)
-        if problem := zip_problem(f):
-            return f"{PLAIN_FILE} {problem}"
-        with data_only_loads(path):
-            try:
-                state = saved_claims(f)
-            except (ValueError, TypeError, AttributeError, KeyError, IndexError, EOFError, RecursionError) as e:
-                return f"{PLAIN_FILE} is not as torch.save writes ({type(e).__name__}: {str(e)[:200]})"
-    if not isinstance(state, dict):
-        return None
-    if problem := tensors_problem(tensors_in(state)):
-        return f"{PLAIN_FILE}: {problem}"
-    optimizer, model = state.get("optimizer"), state.get("model")
-    if not isinstance(optimizer, dict) or not isinstance(model, dict) or not isinstance(optimizer.get("state"), dict):
-        return None
-    return optimizer_problem(model, optimizer["state"], optimizer.get("param_groups"))
-
-
-def tensors_in(state) -> dict:
-    """Every tensor of a nested state by its path ("model.wte.weight"); each container once."""
-    found, todo, seen = {}, [("", state)], set()
-    while todo:
-        name, obj = todo.pop()
-        if torch.is_tensor(obj):
-            found[name] = obj
-        elif isinstance(obj, (dict, list, tuple)) and id(obj) not in seen:
-            seen.add(id(obj))
-            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-            todo += [(f"{name}.{k}" if name else str(k), v) for k, v in items]
-    return found
+    return rng_problem(state) or (optimizer_problem(weights, held, optimizer.get("param_groups"))
+                                  if isinstance(held, dict) and isinstance(optimizer, dict) else None)
 
 
 def optimizer_problem(weights: dict, states: dict, groups) -> str | None:
@@ -618,6 +510,15 @@ class Found:
     kind: str | None  # "plain" (train.py's own), "torch_dist", "deepspeed", or None: named, not there
     iteration: int
     path: str       # its directory, SAVE/iter_0000100
+
+    @functools.cached_property
+    def record(self):
+        """What it records, read once (by damage, for checkpoint_to_load too) as data alone:
+        DeepSpeed's trainer_state.json; a plain or torch_dist checkpoint's state, each
+        tensor a claim on the meta device, held to its file's bytes (Damaged where it lies)."""
+        if self.kind == "deepspeed":
+            return read_deepspeed_meta(self.path)
+        return dist_record(self.path) if self.kind == "torch_dist" else saved_record(self.path, PLAIN_FILE)
 
 
 def latest_checkpoint(load_dir: str) -> Found | None:
@@ -753,52 +654,6 @@ def verified_checkpoint(load_dir: str, log) -> Found | None:
     raise UsageError(f"no intact checkpoint in {load_dir}: {'; '.join(problems)}")
 
 
-# What trainer_state.json records: each of this value's type, an int at least it (the context- and
-# pipeline-parallel sizes were added later: 1 where absent)
-DS_FIELDS = {"iteration": 0, "consumed_samples": 0, "zero_stage": 0, "data_parallel_size": 1,
-             "tensor_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
-             "model_config": {}, "tensor_parallel_layout": {}}
-
-
-def read_deepspeed_meta(tag_dir: str) -> dict:
-    """trainer_state.json of a DeepSpeed checkpoint written by train.py, or a UsageError
-    naming what it lacks or records wrong."""
-    path = os.path.join(tag_dir, DS_META)
-    if not os.path.lexists(path):
-        raise UsageError(f"{path} is missing: not a complete checkpoint written by train.py")
-    with regular_file(path) as (f, size):
-        meta = parse_json(f.read(size), path, ": cut short or damaged")
-    if not isinstance(meta, dict) or type(meta.get("iteration")) is not int:
-        raise UsageError(f"{path} records no iteration: not the {DS_META} train.py writes")
-    meta = {"context_parallel_size": 1, "pipeline_model_parallel_size": 1, **meta}
-    if wrong := deepspeed_meta_problem(meta, tag_dir):
-        raise UsageError(f"{path} records {wrong}: not the {DS_META} train.py writes, or damaged")
-    return meta
-
-
-def deepspeed_meta_problem(meta: dict, tag_dir: str) -> str | None:
-    """What a trainer_state.json records that no load can take, or None."""
-    for key, least in DS_FIELDS.items():
-        if key not in meta:
-            return f"no {key}"
-        if type(meta[key]) is not type(least):
-            return f"{key} of type {type(meta[key]).__name__}"
-        if type(least) is int and meta[key] < least:
-            return f"{key} {meta[key]}"
-    if meta["zero_stage"] > 3:
-        return f"zero_stage {meta['zero_stage']}"
-    if not all(isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v)
-               for v in meta["tensor_parallel_layout"].values()):
-        return "a tensor_parallel_layout entry that is not [dim, blocks]"
-    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
-    ranks = {int(m[1]) for m in map(re.compile(r".*mp_rank_([0-9]+)_model_states\.pt").fullmatch,
-                                    os.listdir(tag_dir)) if m}  # (under ZeRO-3 one file a DP rank too)
-    if ranks != set(range(tp * pp)):  # the model-parallel ranks' files
-        return (f"tensor- x pipeline-parallel size {tp} x {pp} ({tp * pp} model-parallel ranks), where model "
-                f"states are there for {len(ranks)}")
-    return None
-
-
 def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
     """--load's checkpoint (None: start from scratch), refused where this run cannot take it."""
     if not cfg.load:
@@ -809,7 +664,7 @@ def checkpoint_to_load(cfg: TrainConfig, log) -> Found | None:
         log(f"no checkpoint in {cfg.load}; starting from scratch")
         return None
     if weights_only(cfg) or (found.kind == "deepspeed") == cfg.deepspeed:
-        check_same_model(cfg, saved_model_config(found), found.path)  # before a tensor is read
+        check_same_model(cfg, found.record.get("model_config"), found.path)  # before a tensor is read
         return found
     if cfg.deepspeed:
         raise UsageError(f"--load {cfg.load} holds a plain train.py checkpoint: resume it without "
@@ -845,17 +700,6 @@ def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
                          f"give this run the checkpoint's flags")
 
 
-def saved_model_config(found: Found) -> dict | None:
-    """The model_config a checkpoint of any kind records, read without its tensors."""
-    if found.kind == "deepspeed":
-        return read_deepspeed_meta(found.path).get("model_config")
-    if found.kind == "torch_dist":
-        return read_dist(found.path, {}, no_dist=True)["model_config"]
-    path = os.path.join(found.path, PLAIN_FILE)
-    with data_only_loads(found.path):
-        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path)).get("model_config")
-
-
 def saved_model(found: Found, **runtime) -> tuple[GPT, dict]:
     """The model a checkpoint of any kind holds, on the host, and the rest of its state."""
     weights, state = read_weights(found)
@@ -882,8 +726,8 @@ def checked_model_config(record: dict, weights: dict, path: str, **runtime) -> G
                              f"checkpoint is damaged or was edited")
     try:
         mcfg = GPTConfig(**{**record, **runtime})
-    except UsageError as e:
-        raise UsageError(f"checkpoint {path}: {e}") from None
+    except UsageError as e:  # a value out of its field's range
+        raise UsageError(f"checkpoint {path}: its model_config describes no model: {e}") from None
     layers = len({key.split(".")[1] for key in weights if key.startswith("blocks.")})
     if mcfg.num_layers != layers:
         raise UsageError(f"checkpoint {path}: its model_config says num_layers {mcfg.num_layers}, its "
@@ -1141,6 +985,27 @@ def read_dist_shards(cfg: TrainConfig, model: GPT, found: Found) -> dict:
     state = read_dist(found.path, state)
     state["optimizer"] = {"state": optim, "param_groups": state.get("optimizer.param_groups")}
     return state
+
+
+def dist_record(path: str) -> dict:
+    """A torch_dist checkpoint's record in a plain one's form (Found.record): its
+    non-tensors and random states, read, and each tensor as .metadata describes it,
+    on the meta device (no bytes read)."""
+    saved = read_dist_metadata(path).state_dict_metadata
+    groups = "optimizer.param_groups" in saved
+    record = read_dist(path, {"optimizer.param_groups": None} if groups else {}, no_dist=True)
+    weights, states = {}, {}
+    for key, md in saved.items():
+        held = torch.empty(md.size, dtype=md.properties.dtype, device="meta") if hasattr(md, "size") else md
+        if key.startswith("model.") and hasattr(md, "size"):
+            weights[key[len("model."):]] = held
+        elif key.startswith("optimizer.") and key != "optimizer.param_groups":
+            name, _, k = key[len("optimizer."):].rpartition(".")
+            states.setdefault(name, {})[k] = held
+    for name in weights:  # a parameter without a state (none before its first step) has no keys here
+        states.setdefault(name, {})
+    return {**record, "model": weights, "optimizer": {"state": states,
+                                                      "param_groups": record.get("optimizer.param_groups", [])}}
 
 
 def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:

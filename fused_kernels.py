@@ -55,7 +55,7 @@ def require_triton(device) -> None:
                f"but got a tensor on {device}; unset TRITON_INTERPRET to use the GPU")
     else:
         why = (f"got a tensor on {device}: the kernels need a CUDA device, or "
-               f"TRITON_INTERPRET=1 set before importing kernels to run them on CPU")
+               f"TRITON_INTERPRET=1 set before importing fused_kernels to run them on CPU")
     raise UsageError(f"attention_impl/layernorm_impl='triton' cannot run: {why}. "
                      f"Use --attention-impl torch --layernorm-impl torch instead.")
 

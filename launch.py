@@ -10,7 +10,8 @@ module every other may import, so it imports none of them.
      renamed into place (atomic_write, fsync_path); a lock file (take_lock)
   4. Files that may come from anyone, as checkpoint.py and huggingface.py read
      them: plain files, their digests, pickles of data only, DCP's index; the
-     sizes they claim, held to the bytes they hold
+     sizes they claim, held to the bytes they hold; a checkpoint's record read
+     without its tensors' bytes, its random states, DeepSpeed's trainer_state.json
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import math
 import os
 import pickle
 import pickletools
+import random
 import re
 import signal
 import socket
@@ -520,6 +522,28 @@ def digests_problem(directory: str, names: list[str]) -> str | None:
     return None
 
 
+def cut_short(directory: str, kind: str) -> str | None:
+    """checkpoint.damage's verdict on a file of a checkpoint of `kind` cut short, by
+    its own index, or None: a .pt's zip directory, DCP's .metadata (the extents it
+    gives each file: dist_index_problem, as the checkpoint is read)."""
+    if kind == "torch_dist":
+        try:
+            read_dist_index(directory)
+        except (EOFError, pickle.UnpicklingError) as e:  # cut short, or a refused global (said by the read)
+            if isinstance(e, EOFError) or "truncated" in str(e):
+                return f"{DIST_METADATA} is truncated"
+            read_dist_metadata(directory)
+        return None
+    for name in sorted(n for n in os.listdir(directory) if n.endswith(".pt")):
+        with open(os.path.join(directory, name), "rb") as f:
+            head = f.read(4)
+        if head == b"PK\x03\x04" and not zipfile.is_zipfile(os.path.join(directory, name)):
+            return f"{name} is truncated (its zip directory is gone)"
+        if head != b"PK\x03\x04" and not head.startswith(b"\x80"):  # torch's pre-zip format, a pickle: no index
+            return f"{name} is truncated, or not a checkpoint's file: neither a zip (torch.save's) nor a pickle"
+    return None
+
+
 # Data only (docs/checkpoints.md): a pickle may name any function for its reader
 # to call, so every checkpoint file is read as weights_only: tensors, numbers,
 # strings and containers, plus the few types below, which rebuild data and call
@@ -741,6 +765,7 @@ def saved_claims(f):
     byte, size; None: no such record)."""
     from torch._weights_only_unpickler import Unpickler
     records = {}  # a record's name, after the archive's own folder (as torch's reader names it) -> its extent
+    end = f.seek(0, os.SEEK_END)  # (a zip's directory may claim a record larger than the file holds)
     with zipfile.ZipFile(f) as archive:
         for record in archive.infolist():
             f.seek(record.header_offset)
@@ -748,7 +773,7 @@ def saved_claims(f):
             if header[:4] == b"PK\x03\x04":
                 start = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + \
                     int.from_bytes(header[28:30], "little")
-                records[record.filename.split("/", 1)[-1]] = (start, record.file_size)
+                records[record.filename.split("/", 1)[-1]] = (start, max(0, min(record.file_size, end - start)))
 
     class Claims(Unpickler):
         def persistent_load(self, saved_id):  # ("storage", its type, key, device, elements), as torch.save writes
@@ -787,10 +812,89 @@ def tensors_problem(tensors: dict) -> str | None:
                    f"{storage.nbytes():,}"
         if t.numel():
             spans.append((first + start, first + start + length, name))
-    spans.sort()
-    for (_, end, one), (start, _, other) in zip(spans, spans[1:]):
-        if start < end:
-            return f"{one} and {other} are views of the same bytes (torch.save gives each tensor its own)"
+    if pair := _overlapping(spans):
+        return f"{pair[0]} and {pair[1]} are views of the same bytes (torch.save gives each tensor its own)"
+    return None
+
+
+def _overlapping(spans: list) -> tuple[str, str] | None:
+    """The names of the first two of `spans` ((first byte, end, name) each) that share bytes, or None."""
+    spans = sorted(spans)
+    return next(((one, other) for (_, end, one), (start, _, other) in zip(spans, spans[1:]) if start < end), None)
+
+
+def tensors_in(state) -> dict:
+    """Every tensor of a nested state by its path ("model.wte.weight"); each container once."""
+    found, todo, seen = {}, [("", state)], set()
+    while todo:
+        name, obj = todo.pop()
+        if torch.is_tensor(obj):
+            found[name] = obj
+        elif isinstance(obj, (dict, list, tuple)) and id(obj) not in seen:
+            seen.add(id(obj))
+            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            todo += [(f"{name}.{k}" if name else str(k), v) for k, v in items]
+    return found
+
+
+def saved_record(directory: str, name: str):
+    """What the torch.save file `name` of a checkpoint's directory holds, read as
+    data alone (data_only_loads) and without a tensor's bytes: each a claim
+    (saved_claims) held to the file's bytes (zip_problem, tensors_problem), else
+    Damaged; but the random generators' states, which rng_problem must try, are
+    read. A file in torch's pre-zip format (no records to hold claims to) is read whole."""
+    with regular_file(os.path.join(directory, name)) as (f, _), data_only_loads(directory):
+        if not zipfile.is_zipfile(f):
+            f.seek(0)
+            return torch.load(f, map_location="cpu")
+        if problem := zip_problem(f):
+            raise Damaged(directory, f"{name} {problem}")
+        try:
+            state = saved_claims(f)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError, EOFError, RecursionError) as e:
+            raise Damaged(directory, f"{name} is not as torch.save writes ({type(e).__name__}: {str(e)[:200]})") \
+                from None
+        if problem := tensors_problem(tensors_in(state)):
+            raise Damaged(directory, f"{name}: {problem}")
+        for _, rng in _random_states(state) if isinstance(state, dict) else ():
+            if isinstance(rng, dict):
+                rng.update({k: _with_bytes(f, t) for k, t in rng.items() if torch.is_tensor(t) and t.is_meta})
+    return state
+
+
+def _with_bytes(f, t: torch.Tensor) -> torch.Tensor:
+    """A claim of saved_claims' that tensors_problem has passed, with its bytes read from its record in f."""
+    first, size = t.untyped_storage().record
+    data = torch.empty(size, dtype=torch.uint8)
+    f.seek(first)
+    f.readinto(data.numpy())
+    return data.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _random_states(state: dict) -> list[tuple[str, object]]:
+    """(where, state) of each random generators' state a checkpoint records: its rng, each pipeline stage's."""
+    stages = state.get("pipeline_rng") or []
+    return [("rng", state.get("rng")),
+            *((f"pipeline_rng[{i}]", r) for i, r in enumerate(stages if isinstance(stages, list) else []))]
+
+
+def rng_problem(state: dict) -> str | None:
+    """Why a checkpoint's random states (its rng, each pipeline stage's) are not ones that
+    checkpoint.set_rng_state restores, or None: each is tried on a generator of its own."""
+    if not isinstance(state.get("pipeline_rng") or [], list):
+        return "its pipeline_rng is not a list"
+    for where, rng in _random_states(state):
+        if rng is None:  # (an export's)
+            continue
+        restore = {"python": random.Random().setstate, "numpy": np.random.RandomState().set_state,
+                   "torch": torch.Generator().set_state}
+        if torch.cuda.is_available() and isinstance(rng, dict) and "cuda" in rng:
+            restore["cuda"] = torch.Generator("cuda").set_state
+        for key, set_state in restore.items():
+            try:
+                set_state(rng[key])
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError):
+                return f"its {where}[{key!r}] is not the state of a {key} random generator"
     return None
 
 
@@ -875,8 +979,54 @@ def _extents_problem(directory: str, storage_data: dict, least: dict) -> str | N
         size, (_, end, fqn) = os.path.getsize(os.path.join(directory, name)), max(extents, key=lambda s: s[1])
         if end > size:
             return f"{name} is truncated: {DIST_METADATA} places {fqn}'s bytes up to byte {end:,}, past its {size:,}"
-        extents.sort()
-        for (_, end, first), (start, _, second) in zip(extents, extents[1:]):
-            if start < end:
-                return f"{DIST_METADATA} places {first} and {second} on the same bytes of {name}"
+        if pair := _overlapping(extents):
+            return f"{DIST_METADATA} places {pair[0]} and {pair[1]} on the same bytes of {name}"
+    return None
+
+
+# What train.py writes beside a DeepSpeed checkpoint's own files (checkpoint.save_deepspeed_checkpoint):
+# each field of this value's type, an int at least it (the context- and pipeline-parallel sizes were
+# added later: 1 where absent)
+DS_META = "trainer_state.json"
+DS_FIELDS = {"iteration": 0, "consumed_samples": 0, "zero_stage": 0, "data_parallel_size": 1,
+             "tensor_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
+             "model_config": {}, "tensor_parallel_layout": {}}
+
+
+def read_deepspeed_meta(tag_dir: str) -> dict:
+    """trainer_state.json of a DeepSpeed checkpoint written by train.py, or a UsageError
+    naming what it lacks or records wrong."""
+    path = os.path.join(tag_dir, DS_META)
+    if not os.path.lexists(path):
+        raise UsageError(f"{path} is missing: not a complete checkpoint written by train.py")
+    with regular_file(path) as (f, size):
+        meta = parse_json(f.read(size), path, ": cut short or damaged")
+    if not isinstance(meta, dict) or type(meta.get("iteration")) is not int:
+        raise UsageError(f"{path} records no iteration: not the {DS_META} train.py writes")
+    meta = {"context_parallel_size": 1, "pipeline_model_parallel_size": 1, **meta}
+    if wrong := deepspeed_meta_problem(meta, tag_dir):
+        raise UsageError(f"{path} records {wrong}: not the {DS_META} train.py writes, or damaged")
+    return meta
+
+
+def deepspeed_meta_problem(meta: dict, tag_dir: str) -> str | None:
+    """What a trainer_state.json records that no load can take, or None."""
+    for key, least in DS_FIELDS.items():
+        if key not in meta:
+            return f"no {key}"
+        if type(meta[key]) is not type(least):
+            return f"{key} of type {type(meta[key]).__name__}"
+        if type(least) is int and meta[key] < least:
+            return f"{key} {meta[key]}"
+    if meta["zero_stage"] > 3:
+        return f"zero_stage {meta['zero_stage']}"
+    if not all(isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v)
+               for v in meta["tensor_parallel_layout"].values()):
+        return "a tensor_parallel_layout entry that is not [dim, blocks]"
+    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+    ranks = {int(m[1]) for m in map(re.compile(r".*mp_rank_([0-9]+)_model_states\.pt").fullmatch,
+                                    os.listdir(tag_dir)) if m}  # (under ZeRO-3 one file a DP rank too)
+    if ranks != set(range(tp * pp)):  # the model-parallel ranks' files
+        return (f"tensor- x pipeline-parallel size {tp} x {pp} ({tp * pp} model-parallel ranks), where model "
+                f"states are there for {len(ranks)}")
     return None

@@ -109,7 +109,7 @@ def main():
              "--micro-batch-size", str(B), "--seq-length", str(T), "--max-position-embeddings", str(max(1024, T))]
     flags += ["--num-attention-heads", "2"] if args.smoke else ["--bf16"]  # smoke: head dim 32, as the kernels have
     cfg = config.parse_args(flags + train_flags)
-    trainer = train.PlainTraining(cfg, launch.Dist(0, 1, 0, dev, datetime.timedelta(minutes=5)), print)
+    trainer = train.PlainTraining(cfg, launch.Dist(0, 1, 0, dev, datetime.timedelta(minutes=5)))
     tokens = torch.randint(0, 50257, (B, T + 1))
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
              "position_ids": torch.arange(T).expand(B, T).contiguous(), "loss_mask": torch.ones(B, T)}

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 import checkpoint
 import config
 import eval_tasks
+import huggingface
 import launch
 import parallel
 import train
@@ -711,6 +712,25 @@ def test_a_checkpoint_that_records_what_no_load_can_take_is_passed_over(
     assert [m["iteration"] for m in read_metrics(metrics)] == [3, 4, 5]
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_load_reads_what_a_checkpoint_records_once_before_its_tensors(two_saves, dist_saves, monkeypatch, fmt):
+    """--load's checks before a tensor is read (damage's verdict, then this
+    run's model against the checkpoint's model_config) read its record once:
+    a plain checkpoint's pickle is unpickled once, without a tensor's bytes,
+    and a torch_dist checkpoint's non-tensors are read (DCP) once. Each was
+    read three times, by each check on its own."""
+    import torch._weights_only_unpickler as unpickler
+    reads = []
+    monkeypatch.setattr(unpickler.Unpickler, "load",
+                        lambda self, load=unpickler.Unpickler.load: reads.append("pickle") or load(self))
+    monkeypatch.setattr(checkpoint, "read_dist",
+                        lambda *args, read=checkpoint.read_dist, **kwargs: reads.append("DCP") or read(*args, **kwargs))
+    cfg = config.parse_args([*TINY, "--load", two_saves if fmt == "torch" else dist_saves])
+    assert checkpoint.checkpoint_to_load(cfg, lambda line: None).iteration == 4
+    assert reads.count("pickle" if fmt == "torch" else "DCP") == 1, reads
+
+
 def _deepspeed_meta(two_saves: str, iteration: int, **changes) -> dict:
     """A trainer_state.json as a 1-rank ZeRO-1 save of two_saves' model writes
     it, `changes` made (a change to None: the key dropped)."""
@@ -1040,6 +1060,15 @@ def _settings(**settings):
     return change
 
 
+def _passed_over(log: str, ckpt, hostile: dict) -> None:
+    """The log names each of `hostile`'s checkpoints (_plant's) with its problem on its
+    line, and falls back to iteration 4's."""
+    for iteration, (_, problem) in hostile.items():
+        line = f"checkpoint {ckpt}/iter_{iteration:07d} cannot be loaded: "
+        assert line in log and problem in log.split(line)[1].splitlines()[0], (problem, log)
+    assert f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint" in log
+
+
 IMPLEMENTATION = dict(maximize=True, fused=False, foreach=True, capturable=True, differentiable=True)
 
 
@@ -1085,10 +1114,7 @@ def test_a_plain_checkpoint_whose_tensors_or_settings_lie_is_passed_over_and_no_
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc, _ = run_together([[sys.executable, *args] for args in probes], 240, cwd=ROOT, env=env)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for iteration, (_, problem) in hostile.items():
-        line = f"checkpoint {ckpt}/iter_{iteration:07d} cannot be loaded: "
-        assert line in proc.stdout and problem in proc.stdout.split(line)[1].splitlines()[0], (problem, proc.stdout)
-    assert f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint" in proc.stdout
+    _passed_over(proc.stdout, ckpt, hostile)
     curves = [[(m["iteration"], m["loss"], m["grad_norm"]) for m in read_metrics(f"{path}.jsonl")]
               for path in (ckpt, untouched)]
     assert curves[0] == curves[1] and [i for i, *_ in curves[0]] == list(range(5, 15))  # no ascent, no other kernel
@@ -1151,10 +1177,7 @@ def test_a_torch_dist_checkpoint_whose_index_or_states_lie_is_passed_over_and_ex
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     for proc in procs:
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        for iteration, (_, problem) in hostile.items():
-            line = f"checkpoint {ckpt}/iter_{iteration:07d} cannot be loaded: "
-            assert line in proc.stdout and problem in proc.stdout.split(line)[1].splitlines()[0], (problem, proc.stdout)
-        assert f"falling back to {ckpt}/iter_0000004 (iteration 4), the newest intact checkpoint" in proc.stdout
+        _passed_over(proc.stdout, ckpt, hostile)
     assert ("the checkpoint's AdamW settings go on: --adam-beta1 0.8 (this run: 0.9), --adam-beta2 0.99 (this run: "
             "0.95)") in procs[0].stdout
     assert [m["iteration"] for m in read_metrics(tmp_path / "m.jsonl")] == [5]
@@ -2259,12 +2282,14 @@ def test_a_hugging_face_config_that_claims_more_than_its_weights_is_one_line_in_
 
 
 def test_a_hugging_face_export_copies_no_tokenizer_file_through_a_link_out_or_past_a_bound(hf_models, tmp_path,
-                                                                                          capsys):
+                                                                                          capsys, monkeypatch):
     """The tokenizer's files, copied into an exported directory (the kind that
     gets uploaded), are held to the weights' rule: tokenizer.json a link to a
     file elsewhere (/etc/passwd, say) and merges.txt one to a dotfile, a FIFO,
-    or a file past the bound are one line, and nothing is exported; links into
-    a Hugging Face cache's blobs/, as its snapshots' are, are copied."""
+    a sparse file (1 GiB of holes) or a file past the bound (here 1 MiB) are
+    one line, and nothing is exported; links into a Hugging Face cache's
+    blobs/, as its snapshots' are, are copied."""
+    monkeypatch.setattr(huggingface, "TOKENIZER_MOST", 1 << 20)  # (256 MiB: a sparse file, were it larger)
     secret = tmp_path / "passwd"
     secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
     (tmp_path / ".netrc").write_text("machine example.com password hunter2\n")
@@ -2279,8 +2304,10 @@ def test_a_hugging_face_export_copies_no_tokenizer_file_through_a_link_out_or_pa
                                          os.symlink(tmp_path / ".netrc", os.path.join(hf, "merges.txt")))),
              f"tokenizer.json is a symbolic link (to {secret}), not a file"),
             (source("fifo", lambda hf: os.mkfifo(os.path.join(hf, "vocab.json"))), "vocab.json is a FIFO, not a file"),
-            (source("huge", lambda hf: open(os.path.join(hf, "tokenizer.json"), "wb").truncate(1 << 30)),  # sparse
-             "tokenizer.json holds 1,073,741,824 bytes, more than a file of its kind")):
+            (source("holes", lambda hf: open(os.path.join(hf, "tokenizer.json"), "wb").truncate(1 << 30)),
+             "tokenizer.json is a sparse file: 1,073,741,824 bytes, of which"),
+            (source("huge", lambda hf: open(os.path.join(hf, "tokenizer.json"), "wb").write(bytes(2 << 20))),
+             "tokenizer.json holds 2,097,152 bytes, more than a file of its kind")):
         with pytest.raises(SystemExit) as stop:
             train.main(["--export-from", hf, "--export-to", str(tmp_path / "out"), "--export-format", "hf"])
         err = capsys.readouterr().err
