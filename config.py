@@ -675,9 +675,9 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
     validate_deepspeed(cfg, given)
     validate_sequence_parallel(cfg)
     validate_context_parallel(cfg)
+    validate_experts(cfg, given)
     validate_compile(cfg)
     validate_pipeline(cfg)
-    validate_experts(cfg, given)
     if cfg.keep_last_checkpoints is not None and cfg.keep_last_checkpoints < 1:
         raise UsageError(f"--keep-last-checkpoints {cfg.keep_last_checkpoints}: keep at least 1")
     if cfg.finetune and not cfg.load:
