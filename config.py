@@ -1016,8 +1016,10 @@ def compile_options(cfg: TrainConfig) -> dict:
     """torch.compile's keyword arguments from --compile-backend / --compile-mode
     (Inductor takes a mode's options, and ours, as one dict)."""
     import torch._inductor
-    if cfg.num_experts is not None:  # Dynamo's, for the tokens per expert (expert_parallel.py): process-wide
-        torch._dynamo.config.capture_dynamic_output_shape_ops = torch._dynamo.config.capture_scalar_outputs = True
+    if cfg.num_experts is not None:  # Dynamo's, process-wide: the tokens per expert (expert_parallel.py), and
+        dynamo = torch._dynamo.config  # gpt.MoE.record's figures, once a forward under recomputation too
+        dynamo.capture_dynamic_output_shape_ops = dynamo.capture_scalar_outputs = True
+        dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if cfg.compile_backend != "inductor":
         return {"backend": cfg.compile_backend}
     options = dict(torch._inductor.list_mode_options(cfg.compile_mode))

@@ -7,6 +7,7 @@ inputs, the layer against transformers' Mixtral and Qwen2-MoE blocks from the
 same weights, and expert parallelism against one process holding every
 expert: EP = 2 and 4 give its outputs and gradients, for both dispatchers,
 the loop and the grouped GEMM, dropless and with capacity."""
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,8 +26,8 @@ import gpt
 import parallel
 import train
 import train_ops
-from conftest import (IDS, VOCAB, as_torchrun_rank, read_metrics, run_on_ranks, tiny, tiny_model, tokens, torchrun,
-                      train_on_ranks)
+from conftest import (IDS, VOCAB, as_torchrun_rank, process_env, read_metrics, run_on_ranks,
+                      tiny, tiny_model, tokens, torchrun, train_on_ranks)
 from launch import UsageError
 
 
@@ -492,7 +493,8 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of eac
     "ep2": ["--expert-model-parallel-size", "2", *ALLTOALL],  # EP 2 x expert-DP 2: a loop over experts
     "ep4-allgather-grouped-recompute": ["--expert-model-parallel-size", "4", "--moe-grouped-gemm",
                                         "--recompute-activations"],
-    "ep2-compiled": ["--expert-model-parallel-size", "2", *ALLTOALL, "--compile", "--compile-backend", "aot_eager"],
+    "ep2-compiled-recompute": ["--expert-model-parallel-size", "2", *ALLTOALL, "--compile", "--compile-backend",
+                               "aot_eager", "--recompute-activations"],
     # the pipelined step (4 micro-batches a step): PP with experts waits for their composition,
     # its refusal lifted here to check the auxiliary losses' share at EP 1 (the curve, not the figures)
     "pp2-ep1": ["--pipeline-model-parallel-size", "2"],
@@ -564,8 +566,8 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     on the tokens of all ranks, and the logged figures are the whole batch's:
     with the all-to-all dispatcher and a loop over experts at EP 2 (as EP 2 x
     expert-DP 2), the all-gather one and the grouped GEMM at EP 4 with
-    recomputation (whose rerun forwards are not logged twice), compiled at EP 2,
-    resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
+    recomputation (whose rerun forwards are not logged twice), compiled at EP 2
+    with recomputation, resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
     and (the LM loss's curve) through the pipelined step at EP 1."""
     runs, _ = moe_runs
     one, got = {m["iteration"]: m for m in runs["one"]}, runs[name]
@@ -583,13 +585,15 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
 def test_a_resume_at_the_same_ep_is_bit_identical_and_compiled_ep_breaks_no_graph(moe_runs):
     """A run saved at EP 2 and resumed at EP 2 takes the uninterrupted run's steps
     bit for bit, from either checkpoint format; train.py --compile at EP 2 (the
-    all-to-all's split sizes, the tokens per expert: data-dependent) makes its
-    graphs with no graph break."""
+    all-to-all's split sizes, the tokens per expert: data-dependent), with
+    recomputation (the figures recorded in a recomputed block), makes its graphs
+    with no graph break."""
     runs, counters = moe_runs
     for fmt in ("torch", "torch_dist"):
         assert runs[f"resume-{fmt}-ep2"] == [
             {**m, "tokens_per_sec": r["tokens_per_sec"]} for m, r in zip(runs["ep2"][2:], runs[f"resume-{fmt}-ep2"])]
-    assert counters["ep2-compiled"]["graphs"] >= 1 and counters["ep2-compiled"]["graph_breaks"] == 0, counters
+    compiled = counters["ep2-compiled-recompute"]
+    assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0, counters
     assert counters["ep2"]["graphs"] == 0
 
 
@@ -775,3 +779,22 @@ def test_a_layout_the_experts_cannot_take_is_one_line_from_rank_0(ids_corpus):
     assert proc.returncode != 0 and proc.stderr.count("train.py: error") == 1, proc.stderr[-3000:]
     assert "train.py: error: --num-experts 3 must be divisible by --expert-model-parallel-size 2" in proc.stderr
     assert 'train.py", line' not in proc.stderr
+
+
+def test_the_aux_losses_gradient_carries_the_fp16_loss_scale(single_rank):
+    """Under --fp16 backward starts from the loss times the loss scale (2^16):
+    the auxiliary losses join it with the same factor (train_step hands the
+    engine's scale to gpt.set_aux_loss_scale), so once unscaled the step's
+    gradients are fp32's. (Both forwards run in fp32 here: the scale alone differs.)"""
+    g = torch.Generator().manual_seed(0)
+    batches = [{"tokens": torch.randint(0, VOCAB, (2, 16), generator=g), "loss_mask": torch.ones(2, 16),
+                "labels": torch.randint(0, VOCAB, (2, 16), generator=g), "position_ids": torch.arange(16).expand(2, 16)}
+               for _ in range(2)]
+    norms = []
+    for precision in ([], ["--fp16"]):
+        cfg = config.parse_args(["--preset", "tiny", *IDS, "--num-experts", "8", "--moe-aux-loss-coeff", "1",
+                                 "--moe-z-loss-coeff", "0.1", "--lr", "0", *precision])
+        trainer = train.PlainTraining(cfg, process_env())
+        trainer.precision = contextlib.nullcontext()
+        norms.append(float(train.train_step(trainer, batches, 0.0)[1]))
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6)
