@@ -446,7 +446,7 @@ class MoE(nn.Module):
     same sum over the tokens sorted by expert, with the experts spread over
     ranks, and with the grouped GEMM."""
 
-    aux_loss_scale = 1.0  # the factor of the LM loss that backward starts from (see AuxLoss)
+    aux_loss_scale = 1.0  # the factor of the LM loss that backward starts from (AuxLoss; set_aux_loss_scale)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -963,9 +963,12 @@ def count_parameters(config: GPTConfig, exclude_embeddings: bool = False, active
         per_layer += 2 * norm // H * config.head_dim
     n = L * per_layer + norm           # + ln_f
     E, k, shared = config.num_experts, config.moe_router_topk, config.moe_shared_expert_intermediate_size
-    for layer in range(L):             # the MLP, or a MoE's router, experts and shared expert (and its gate)
-        n += H * E + (k if active else E) * mlp(config.moe_ffn_hidden_size) + (
-            mlp(shared) + H * config.moe_shared_expert_gate if shared else 0) if is_moe_layer(config, layer) else mlp(Fh)
+    for layer in range(L):
+        if not is_moe_layer(config, layer):
+            n += mlp(Fh)
+        else:                          # the router, E experts (k active), a shared expert and its gate
+            n += H * E + (k if active else E) * mlp(config.moe_ffn_hidden_size)
+            n += mlp(shared) + H * config.moe_shared_expert_gate if shared else 0
     if not exclude_embeddings:
         heads = 2 if config.untie_embeddings_and_output_weights else 1  # wte (+ output_layer)
         positions = config.max_position_embeddings if config.position_embedding_type != "rope" else 0

@@ -1066,9 +1066,8 @@ def _mark_sharded(param: nn.Parameter, dim: int, blocks=1) -> nn.Parameter:
 # --------------------------------------------------------------------------
 
 def split_of(param: nn.Parameter) -> tuple | None:
-    """How `param` is split: (group, size, this rank's place, dim, blocks) of
-    the TP ranks, or for a MoE's stacked expert weights (expert_parallel) the
-    EP ranks, along dim 0; None where every rank holds it whole."""
+    """How `param` is split: (group, size, this rank's place, dim, blocks) of the TP ranks, or of
+    the EP ranks along dim 0 for a MoE's stacked experts; None where every rank holds it whole."""
     if getattr(param, "expert_parallel", False) and layout.ep_size > 1:
         return layout.ep_group, layout.ep_size, layout.ep_rank, 0, 1
     if getattr(param, "tensor_model_parallel", False) and layout.tp_size > 1:
@@ -1078,10 +1077,9 @@ def split_of(param: nn.Parameter) -> tuple | None:
 
 def gather_like(param: nn.Parameter, t: torch.Tensor, to_first: bool = False) -> torch.Tensor | None:
     """The full tensor of `t`, split the way `param` is (the parameter itself,
-    or a gradient or optimizer state shaped like it), on every rank of the
-    split; collective for split parameters. to_first: on its first rank alone
-    (TP rank 0 for whole tensors; the others return None and never allocate
-    it: checkpoint writes)."""
+    or a gradient or optimizer state shaped like it), on every rank of its split
+    (split_of); collective for split parameters. to_first: on the split's first rank
+    alone (or TP rank 0; the others return None and never allocate it: checkpoint writes)."""
     split = split_of(param)
     first = not to_first or (split[2] if split else layout.tp_rank) == 0
     if split is None:
@@ -1104,8 +1102,7 @@ def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
 
 def full_state_dict(module: nn.Module) -> dict:
     """module.state_dict() with every sharded parameter gathered to its full
-    tensor: the same keys and shapes for any tp and ep. Collective over the TP
-    and EP groups."""
+    tensor: the same keys and shapes at any tp and ep. Collective over their groups."""
     params = dict(module.named_parameters())
     return {name: gather_like(params[name], t) if name in params else t
             for name, t in module.state_dict().items()}
