@@ -170,9 +170,11 @@ def adamw_groups(optimizer, saved: list, path: str, log) -> list[dict]:
 
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
     """The full states, assembled tensor by tensor on global rank 0; (None, None) elsewhere.
-    Only the first DP replica's first CP rank takes part. (Gathering on every rank
-    would put 16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
-    if parallel.layout.dp_rank != 0 or parallel.layout.cp_rank != 0:
+    Only the first DP replica's first CP rank takes part, with the EP ranks folded out of
+    DP x CP beside it that hold the other experts. (Gathering on every rank would put
+    16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
+    lay = parallel.layout
+    if lay.dp_rank * lay.cp_size + lay.cp_rank >= lay.ep_size:  # its place in DP x CP, past the first EP group
         return None, None
 
     def gather_to_writer(param, t):
@@ -188,7 +190,7 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
     optim = {name: {k: gather_to_writer(p, v) if torch.is_tensor(v) and v.shape == p.shape else v
                     for k, v in optimizer.state.get(p, {}).items()}
              for name, p in params.items()}
-    if parallel.layout.tp_rank != 0:
+    if lay.tp_rank != 0 or lay.ep_rank != 0:
         return None, None
     if parallel.layout.pp_size > 1:
         model_sd, optim = whole_pipeline(model_sd, optim)
@@ -685,7 +687,7 @@ def weights_only(cfg: TrainConfig) -> bool:
 ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                 "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
                 "normalization", "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear",
-                "num_query_groups")
+                "num_query_groups", "qk_layernorm", "num_experts", "moe_router_topk", "moe_layer_freq")
 
 
 def check_same_model(cfg: TrainConfig, saved: dict | None, path: str) -> None:
@@ -829,24 +831,25 @@ AS_THEY_ARE = dict(flatten_state_dict=False, flatten_sharded_tensors=False)  # o
 
 
 def as_shards(param, t: torch.Tensor) -> torch.Tensor:
-    """`t` (a parameter, or state shaped like it) as DCP sees it: a TP shard as a ShardedTensor of
+    """`t` (a parameter, or state shaped like it) as DCP sees it: a TP (or EP) shard as a ShardedTensor of
     views of its pieces of the full tensor ([Q_r | K_r | V_r]: no DTensor placement describes it)."""
-    if not getattr(param, "tensor_model_parallel", False) or parallel.layout.tp_size == 1:
+    split = parallel.split_of(param)
+    if split is None:
         return t
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-    dim, tp, group = param.partition_dim, parallel.layout.tp_size, parallel.layout.tp_group
+    group, size, rank, dim, blocks = split
     full = list(t.shape)
-    full[dim] *= tp
+    full[dim] *= size
     mine, everyone = [], []
-    for r in range(tp):
-        for start, local, length in parallel.shard_pieces(full[dim], param.partition_blocks, r, tp):
+    for r in range(size):
+        for start, local, length in parallel.shard_pieces(full[dim], blocks, r, size):
             offsets, sizes = [0] * t.dim(), list(t.shape)
             offsets[dim], sizes[dim] = start, length
             piece = ShardMetadata(offsets, sizes, f"rank:{dist.get_global_rank(group, r)}/{t.device}")
             everyone.append(piece)
-            if r == parallel.layout.tp_rank:
+            if r == rank:
                 mine.append(Shard(t.narrow(dim, local, length), piece))
     properties = TensorProperties(dtype=t.dtype, layout=t.layout, requires_grad=False,
                                   memory_format=torch.contiguous_format, pin_memory=False)

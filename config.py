@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import math
@@ -44,6 +45,28 @@ def whole_number(value) -> int:
     if isinstance(value, bool) or not number.is_integer():  # nor are nan and inf
         raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
     return int(number)
+
+
+def layer_pattern(text: str) -> int | list:
+    """--moe-layer-freq: an int, or Megatron's pattern, 0/1 lists with + and *
+    ("([1]*3+[0])*2"), read from its syntax tree (never run)."""
+    def value(node):  # an int, or a list of ints
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        items = [value(e) for e in node.elts] if isinstance(node, ast.List) else None
+        if items is not None and all(type(item) is int for item in items):
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            times, pattern = (a, b) if isinstance(a, int) else (b, a)
+            if isinstance(node.op, ast.Mult) and isinstance(pattern, list) and len(pattern) * times > 1 << 16:
+                raise ValueError  # more layers than any model has
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError
+    try:
+        return value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor 0/1 lists with + and *") from None
 
 
 SWITCH_WORDS = {**dict.fromkeys(("true", "t", "yes", "y", "on", "1"), True),
@@ -97,6 +120,27 @@ class TrainConfig:
     num_query_groups: int | None = flag(None, "key/value heads under --group-query-attention; divides the heads "
                                               "(and is divisible by --tensor-model-parallel-size)")
     kv_channels: int | None = flag(None, "Megatron's head dim; here always --hidden-size / --num-attention-heads")
+    qk_layernorm: bool = flag(False, "each head's query and key normed before RoPE (Qwen3, OLMo 2)")
+    # a mixture of experts in the MLP's place (gpt.MoE, expert_parallel.py; docs/model.md)
+    num_experts: int | None = flag(None, "E experts on the MoE layers (default: a dense model)")
+    moe_layer_freq: int | list = flag(1, "MoE layers: every Nth from layer 0, or a 0/1 a layer: "
+                                         "Megatron's pattern, e.g. ([1]*3+[0])*2", type=layer_pattern)
+    moe_ffn_hidden_size: int | None = flag(None, "each expert's MLP width (default: --ffn-hidden-size)")
+    moe_router_topk: int = flag(2, "experts per token")
+    moe_router_score_function: str = flag("softmax", "softmax | sigmoid (DeepSeek-V3)")
+    moe_router_pre_softmax: bool = flag(False, "top-k of the softmax over all E (default: softmax of the top k)")
+    moe_shared_expert_intermediate_size: int | None = flag(None, "an MLP this wide that every token also runs")
+    moe_shared_expert_gate: bool = flag(False, "the shared expert's output times sigmoid(x w) (Qwen2-MoE)")
+    moe_router_load_balancing_type: str = flag("aux_loss", "aux_loss | seq_aux_loss (per sequence) | none")
+    moe_aux_loss_coeff: float = flag(0.0, "the load-balancing loss's coefficient")
+    moe_z_loss_coeff: float | None = flag(None, "the router z-loss's coefficient (ST-MoE)")
+    moe_router_enable_expert_bias: bool = flag(False, "DeepSeek-V3's aux-loss-free balancing, a bias per expert")
+    moe_router_bias_update_rate: float = flag(1e-3, "how far each step moves that bias toward the mean load")
+    moe_expert_capacity_factor: float | None = flag(None, "an expert's most tokens, x its even share (default: all)")
+    moe_token_drop_policy: str = flag("probs", "over capacity, keep the highest probs | position")
+    moe_pad_expert_input_to_capacity: bool = flag(False, "every expert takes exactly its capacity of tokens")
+    moe_grouped_gemm: bool = flag(False, "a rank's experts as one grouped GEMM, not a loop")
+    moe_token_dispatcher_type: str = flag("allgather", "how tokens reach other EP ranks' experts: allgather | alltoall")
     # parallelism
     tensor_model_parallel_size: int = flag(1, "tp: ranks that split every layer (consecutive ranks, one node)", BOTH)
     pipeline_model_parallel_size: int = flag(1, "pp: pipeline stages, each holding num_layers/pp consecutive layers "
@@ -116,6 +160,7 @@ class TrainConfig:
                                                     "waiting longer fails (Megatron's default)", BOTH)
     domino: bool = flag(False, "overlap tensor-parallel all-reduces with compute (DeepSpeed-Domino)", BOTH)
     domino_chunks: int = flag(2, "micro-batch chunks that --domino interleaves", BOTH)
+    expert_model_parallel_size: int = flag(1, "ep: ranks that split the experts, folded out of DP x CP")
     sequence_parallel: bool = flag(False, "split LayerNorms, dropouts and residual adds along the sequence over "
                                           "the tensor-parallel ranks (activation memory / tp); needs "
                                           "--tensor-model-parallel-size > 1")
@@ -630,6 +675,7 @@ def check_training(cfg: TrainConfig, given: set[str]) -> None:
     validate_deepspeed(cfg, given)
     validate_sequence_parallel(cfg)
     validate_context_parallel(cfg)
+    validate_experts(cfg, given)
     validate_compile(cfg)
     validate_pipeline(cfg)
     if cfg.keep_last_checkpoints is not None and cfg.keep_last_checkpoints < 1:
@@ -840,6 +886,21 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                          "--compile cannot capture: drop one of them")
 
 
+def validate_experts(cfg: TrainConfig, given: set[str]) -> None:
+    """What the mixture of experts' flags need besides each other (GPTConfig checks
+    their values, expert_parallel.check_layout the layouts they run under)."""
+    loose = sorted(name for name in given if name.startswith("moe_")) + \
+        ["expert_model_parallel_size"] * (cfg.expert_model_parallel_size > 1)
+    if cfg.num_experts is None and loose:
+        raise UsageError(f"--{loose[0].replace('_', '-')} needs --num-experts (a mixture of experts): give it, "
+                         f"or drop the MoE flags for a dense model")
+    if cfg.num_experts is not None and cfg.deepspeed:
+        raise UsageError("--num-experts does not run under --deepspeed yet: drop --deepspeed")
+    if cfg.compile and cfg.moe_grouped_gemm and not cfg.bf16:
+        raise UsageError("--compile with --moe-grouped-gemm needs --bf16 (torch.compile traces grouped_mm in bf16 "
+                         "only): add --bf16, or drop --moe-grouped-gemm (the loop compiles in any precision)")
+
+
 def validate_deepspeed(cfg: TrainConfig, given: set[str]) -> None:
     ds_flags = cfg.zero_stage is not None or cfg.deepspeed_config or cfg.zero_offload_optimizer \
         or cfg.partition_activations
@@ -881,7 +942,10 @@ def model_config(cfg: TrainConfig, device: torch.device | None = None) -> GPTCon
         "rotary_percent", "normalization", "num_query_groups") if getattr(cfg, k) is not None}
     # switches turn an option on; off means the preset's choice
     overrides.update({k: True for k in ("swiglu", "untie_embeddings_and_output_weights",
-                                        "disable_bias_linear") if getattr(cfg, k)})
+                                        "disable_bias_linear", "qk_layernorm") if getattr(cfg, k)})
+    if cfg.num_experts is not None:  # the MoE flags are GPTConfig's fields by name
+        overrides.update({k: getattr(cfg, k) for k in GPTConfig.__dataclass_fields__ if k.startswith("moe_")},
+                         num_experts=cfg.num_experts)
     # Padded to a multiple of --make-vocab-size-divisible-by alone (Megatron multiplies it
     # by the TP size): the embedding's shape, and every checkpoint, fit any layout.
     overrides["vocab_size"] = eod_token(cfg) + 1
@@ -951,9 +1015,13 @@ OVERLAP_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
 def compile_options(cfg: TrainConfig) -> dict:
     """torch.compile's keyword arguments from --compile-backend / --compile-mode
     (Inductor takes a mode's options, and ours, as one dict)."""
+    import torch._inductor
+    if cfg.num_experts is not None:  # Dynamo's, process-wide: the tokens per expert (expert_parallel.py), and
+        dynamo = torch._dynamo.config  # gpt.MoE.record's figures, once a forward under recomputation too
+        dynamo.capture_dynamic_output_shape_ops = dynamo.capture_scalar_outputs = True
+        dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if cfg.compile_backend != "inductor":
         return {"backend": cfg.compile_backend}
-    import torch._inductor
     options = dict(torch._inductor.list_mode_options(cfg.compile_mode))
     if cfg.tensor_model_parallel_size > 1 and (cfg.domino or cfg.sequence_parallel):
         options.update(OVERLAP_INDUCTOR_OPTIONS)

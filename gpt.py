@@ -446,7 +446,7 @@ class MoE(nn.Module):
     same sum over the tokens sorted by expert, with the experts spread over
     ranks, and with the grouped GEMM."""
 
-    aux_loss_scale = 1.0  # the factor of the LM loss that backward starts from (see AuxLoss)
+    aux_loss_scale = 1.0  # the factor of the LM loss that backward starts from (AuxLoss; set_aux_loss_scale)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -465,7 +465,7 @@ class MoE(nn.Module):
             self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
         else:
             self.expert_bias = None
-        self.aux_losses = {}  # name -> the sum of its values (no coefficient) since the loop last read it
+        self.stats = {}  # name -> the sum of its values since the loop last read them (record)
         self.drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
 
     def forward(self, x):
@@ -488,23 +488,24 @@ class MoE(nn.Module):
     def route(self, h, B: int):
         """h (N, C), B sequences of N/B tokens -> probs (N, E) fp32 and routing_map
         (N, E) bool; in training the auxiliary losses join backward and the
-        tokens per expert are counted for the expert bias."""
+        forward's figures are recorded (record)."""
         cfg = self.config
         with torch.autocast(h.device.type, enabled=False):
             logits = F.linear(h.float(), self.router.weight.float())  # (N, E)
-        probs, routing_map = topk_routing(logits, cfg, self.expert_bias)
+        probs, chosen = topk_routing(logits, cfg, self.expert_bias)
+        routing_map = chosen
         if cfg.moe_expert_capacity_factor is not None:
-            probs, routing_map = drop_tokens(probs, routing_map, cfg)
+            probs, routing_map = drop_tokens(probs, chosen, cfg)
         if self.training and torch.is_grad_enabled():
-            probs = self.add_aux_losses(probs, logits, B)
-            if self.expert_bias is not None:
-                self.tokens_per_expert += routing_map.sum(0)
+            probs, losses = self.add_aux_losses(probs, logits, B)
+            if not parallel.recomputing:  # once a forward, not again where recomputation reruns it
+                self.record(losses, chosen, routing_map)
         return probs, routing_map
 
     def add_aux_losses(self, probs, logits, B: int):
         """Attach the load-balancing loss (aux_loss over the N tokens, seq_aux_loss
         per sequence) and the z-loss to probs' backward, each times its
-        coefficient; record them (their sum since the last read) in aux_losses."""
+        coefficient -> (probs, {name: loss}), the losses without coefficients."""
         cfg, k, E = self.config, self.config.moe_router_topk, logits.shape[1]
         losses = {}
         kind = cfg.moe_router_load_balancing_type
@@ -517,23 +518,45 @@ class MoE(nn.Module):
             losses[name] = (load_balancing_loss(scores.view(S, -1, E), chosen.view(S, -1, E), k), cfg.moe_aux_loss_coeff)
         if cfg.moe_z_loss_coeff:  # ST-MoE: keeps the logits small
             losses["z_loss"] = (torch.logsumexp(logits, dim=-1).square().mean(), cfg.moe_z_loss_coeff)
-        if not losses:
-            return probs
-        for name, (loss, _) in losses.items():
-            self.aux_losses[name] = self.aux_losses.get(name, 0.0) + loss.detach()
-        return AuxLoss.apply(probs, sum(coeff * loss for loss, coeff in losses.values()), self.aux_loss_scale)
+        if losses:
+            probs = AuxLoss.apply(probs, sum(coeff * loss for loss, coeff in losses.values()), self.aux_loss_scale)
+        return probs, {name: loss for name, (loss, _) in losses.items()}
 
-    @torch.no_grad()
-    def update_expert_bias(self, group=None) -> None:
-        """DeepSeek-V3's aux-loss-free balancing, after each optimizer step: each
-        expert's bias moves by the update rate toward the mean load (up if it
-        took fewer tokens than the mean, down if more), from the tokens counted
-        over the step and summed over `group` (the ranks whose tokens differ)."""
-        if group is not None and torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(self.tokens_per_expert, group=group)
-        counts = self.tokens_per_expert
-        self.expert_bias += torch.sign(counts.mean() - counts) * self.config.moe_router_bias_update_rate
-        counts.zero_()
+    def record(self, losses: dict, chosen, routing_map) -> None:
+        """Add a training forward's figures to `stats` (train_ops.moe_figures reads them): each auxiliary loss,
+        the tokens per expert chosen, those dropped, one forward; count the tokens for the expert bias."""
+        figures = {**losses, "tokens": chosen.sum(0).float(), "dropped": (chosen & ~routing_map).sum().float(),
+                   "forwards": torch.ones((), device=chosen.device)}
+        for name, value in figures.items():
+            self.stats[name] = self.stats.get(name, 0.0) + value.detach()
+        if self.expert_bias is not None:
+            self.tokens_per_expert += routing_map.sum(0)
+
+
+@torch.no_grad()
+def update_expert_biases(layers, group=None) -> None:
+    """DeepSeek-V3's aux-loss-free balancing, after each optimizer step: each expert's bias moves by the
+    update rate toward the mean load (up if it took fewer tokens, down if more), from the tokens counted
+    over the step on every rank of `group` (whose tokens differ), every MoE layer's in one all-reduce."""
+    layers = [layer for layer in layers if layer.expert_bias is not None]
+    if not layers:
+        return
+    counts = torch.stack([layer.tokens_per_expert for layer in layers])  # (L, E)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(counts, group=group)
+    for layer, count in zip(layers, counts):
+        layer.expert_bias += torch.sign(count.mean() - count) * layer.config.moe_router_bias_update_rate
+        layer.tokens_per_expert.zero_()
+
+
+def set_aux_loss_scale(layers, batch: dict, micro_batches: int, scale=None) -> None:
+    """Before a micro-batch's forward: the MoE `layers`' auxiliary losses will join backward with the factor
+    its LM loss carries there (AuxLoss): 1/m of m micro-batches, CP's weight, the fp16 loss `scale` (or None).
+    A new tensor each time: a backward still to come keeps its own."""
+    factor = weighted_loss(torch.full((), 1 / micro_batches, device=batch["tokens"].device), batch)
+    factor = scale(factor) if scale else factor
+    for layer in layers:
+        layer.aux_loss_scale = factor
 
 
 class Block(nn.Module):
@@ -924,20 +947,28 @@ def filter_logits(logits, top_k: int | None = None, top_p: float | None = None):
 # Parameter and FLOP accounting (analytic, so no model needs to be built)
 
 
-def count_parameters(config: GPTConfig, exclude_embeddings: bool = False) -> int:
+def count_parameters(config: GPTConfig, exclude_embeddings: bool = False, active: bool = False) -> int:
     """The full model's parameters (a tied head once), from the config alone;
-    exclude_embeddings drops wte, wpe and output_layer (Kaplan's N)."""
+    exclude_embeddings drops wte, wpe and output_layer (Kaplan's N); active
+    counts k of a MoE layer's E experts, those a token runs through."""
     H, Fh, L = config.hidden_size, config.ffn_hidden_size, config.num_layers
     b = 0 if config.disable_bias_linear else 1          # a bias per output feature
     norm = H if config.normalization == "RMSNorm" else 2 * H
     qkv = H + 2 * config.num_query_groups * config.head_dim  # GQA: narrower K and V
-    fc = 2 * Fh if config.swiglu else Fh                 # SwiGLU: gate and up
+    def mlp(width: int) -> int:              # fc (SwiGLU: gate and up), proj
+        return (H + b) * (2 * width if config.swiglu else width) + (width + b) * H
     per_layer = (2 * norm                    # ln_1, ln_2
-                 + (H + b) * (qkv + H + fc)  # qkv, attn.proj, mlp.fc
-                 + (Fh + b) * H)             # mlp.proj
+                 + (H + b) * (qkv + H))      # qkv, attn.proj
     if config.qk_layernorm:                  # q_norm, k_norm over a head's dims
         per_layer += 2 * norm // H * config.head_dim
     n = L * per_layer + norm           # + ln_f
+    E, k, shared = config.num_experts, config.moe_router_topk, config.moe_shared_expert_intermediate_size
+    for layer in range(L):
+        if not is_moe_layer(config, layer):
+            n += mlp(Fh)
+        else:                          # the router, E experts (k active), a shared expert and its gate
+            n += H * E + (k if active else E) * mlp(config.moe_ffn_hidden_size)
+            n += mlp(shared) + H * config.moe_shared_expert_gate if shared else 0
     if not exclude_embeddings:
         heads = 2 if config.untie_embeddings_and_output_weights else 1  # wte (+ output_layer)
         positions = config.max_position_embeddings if config.position_embedding_type != "rope" else 0
@@ -950,13 +981,13 @@ def flops_per_token(config: GPTConfig, seq_length: int) -> int:
 
         6 * N  +  12 * num_layers * hidden_size * seq_length
 
-    N = non-embedding parameters + hidden_size * padded_vocab_size: each weight
+    N = non-embedding parameters (of a MoE, those active) + hidden_size * padded_vocab_size: each weight
     costs 2 FLOPs forward and 4 backward; the LM head (tied or not) is one real
     matmul, embedding lookups are free. The second term is attention's Q K^T
     and P V: 2 * 2 * T * H forward per layer, times 3 with backward. The causal
     half is not subtracted (the PaLM / nanoGPT convention), so MFU compares."""
     H, L = config.hidden_size, config.num_layers
-    n = count_parameters(config, exclude_embeddings=True) + H * config.padded_vocab_size
+    n = count_parameters(config, exclude_embeddings=True, active=True) + H * config.padded_vocab_size
     return 6 * n + 12 * L * H * seq_length
 
 

@@ -918,6 +918,9 @@ def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     return True
 
 
+recomputing = False  # while checkpoint_with_rng reruns a block in backward (gpt.MoE records a forward once)
+
+
 def checkpoint_with_rng(checkpoint_fn, fn, *args):
     """checkpoint_fn(fn, *args) (torch's or DeepSpeed's activation
     checkpointing), replaying the tracker's streams too: checkpointing
@@ -935,12 +938,14 @@ def checkpoint_with_rng(checkpoint_fn, fn, *args):
         if not runs:                     # the forward pass
             runs.append(True)
             return fn(*inputs)
-        now = dict(_TRACKER)             # the recompute, in backward
+        global recomputing
+        now, recomputing = dict(_TRACKER), True  # the recompute, in backward
         _replace_tracker(start)
         try:
             return fn(*inputs)
         finally:
             _replace_tracker(now)
+            recomputing = False
     return checkpoint_fn(run, *args)
 
 
@@ -1060,33 +1065,44 @@ def _mark_sharded(param: nn.Parameter, dim: int, blocks=1) -> nn.Parameter:
 # Layout-independent checkpoints
 # --------------------------------------------------------------------------
 
+def split_of(param: nn.Parameter) -> tuple | None:
+    """How `param` is split: (group, size, this rank's place, dim, blocks) of the TP ranks, or of
+    the EP ranks along dim 0 for a MoE's stacked experts; None where every rank holds it whole."""
+    if getattr(param, "expert_parallel", False) and layout.ep_size > 1:
+        return layout.ep_group, layout.ep_size, layout.ep_rank, 0, 1
+    if getattr(param, "tensor_model_parallel", False) and layout.tp_size > 1:
+        return layout.tp_group, layout.tp_size, layout.tp_rank, param.partition_dim, param.partition_blocks
+    return None
+
+
 def gather_like(param: nn.Parameter, t: torch.Tensor, to_first: bool = False) -> torch.Tensor | None:
     """The full tensor of `t`, split the way `param` is (the parameter itself,
-    or a gradient or optimizer state shaped like it), on every TP rank;
-    collective for sharded parameters. to_first: on TP rank 0 alone (the others
-    return None and never allocate it: checkpoint writes)."""
-    first = not to_first or layout.tp_rank == 0
-    if layout.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+    or a gradient or optimizer state shaped like it), on every rank of its split
+    (split_of); collective for split parameters. to_first: on the split's first rank
+    alone (or TP rank 0; the others return None and never allocate it: checkpoint writes)."""
+    split = split_of(param)
+    first = not to_first or (split[2] if split else layout.tp_rank) == 0
+    if split is None:
         return t if first else None
+    group, size, _, dim, blocks = split
     t = t.contiguous()
-    shards = [torch.empty_like(t) for _ in range(layout.tp_size)] if first else None
+    shards = [torch.empty_like(t) for _ in range(size)] if first else None
     if to_first:
-        dist.gather(t, shards, dst=dist.get_global_rank(layout.tp_group, 0), group=layout.tp_group)
+        dist.gather(t, shards, dst=dist.get_global_rank(group, 0), group=group)
     else:
-        dist.all_gather(shards, t, group=layout.tp_group)
-    return merge_shards(shards, param.partition_dim, param.partition_blocks) if first else None
+        dist.all_gather(shards, t, group=group)
+    return merge_shards(shards, dim, blocks) if first else None
 
 
 def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """Inverse of gather_like: this rank's slice of `full`, split like `param`."""
-    if getattr(param, "tensor_model_parallel", False):
-        return shard_tensor(full, param.partition_dim, layout.tp_rank, layout.tp_size, param.partition_blocks)
-    return full
+    split = split_of(param)
+    return full if split is None else shard_tensor(full, split[3], split[2], split[1], split[4])
 
 
 def full_state_dict(module: nn.Module) -> dict:
     """module.state_dict() with every sharded parameter gathered to its full
-    tensor: the same keys and shapes for any tp. Collective over the TP group."""
+    tensor: the same keys and shapes at any tp and ep. Collective over their groups."""
     params = dict(module.named_parameters())
     return {name: gather_like(params[name], t) if name in params else t
             for name, t in module.state_dict().items()}
@@ -1094,7 +1110,7 @@ def full_state_dict(module: nn.Module) -> dict:
 
 def load_full_state_dict(module: nn.Module, sd: dict) -> None:
     """Inverse of full_state_dict: slice each full tensor the way this rank's
-    parameter is split, then load strictly (any tp can load any tp's save)."""
+    parameter is split, then load strictly (any tp or ep can load any's save)."""
     params = dict(module.named_parameters())
     module.load_state_dict({name: shard_like(params[name], t) if name in params else t
                             for name, t in sd.items()}, strict=True)

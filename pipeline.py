@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 import parallel
 from config import TrainConfig
 from data import to_device
-from gpt import GPT, GPTConfig, rope_angles, weighted_loss
+from gpt import GPT, GPTConfig, MoE, rope_angles, set_aux_loss_scale, weighted_loss
 from launch import UsageError
 
 # The layers are split into pp stages, one per pipeline rank (Huang et al.,
@@ -438,9 +438,12 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
                               zero_bubble=cfg.enable_zero_bubble)
     batches = [to_device(b, device) for b in batches]
     total = torch.zeros((), device=device)
+    moe = [layer for layer in model.modules() if isinstance(layer, MoE)] if torch.is_grad_enabled() else []
 
     def forward(chunk: int, micro: int, x):
         nonlocal total
+        if moe:  # their auxiliary losses' gradients: this micro-batch's share of the loss
+            set_aux_loss_scale(moe, batches[micro], m, scale)
         with precision:
             out = stage(chunk, batches[micro], x)
         if stage.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import context
 import data as data_lib
+import expert_parallel
 import launch
 import parallel
 import pipeline
@@ -42,7 +43,7 @@ import train_ops
 import zero
 from config import CUDA_GRAPH_MODES, TrainConfig, autocast, compile_options, eod_token, model_config
 from data import to_device
-from gpt import GPT, GPTConfig, weighted_loss
+from gpt import GPT, GPTConfig, MoE, set_aux_loss_scale, update_expert_biases, weighted_loss
 from launch import UsageError
 
 
@@ -73,8 +74,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True
     """AdamW; biases and LayerNorm weights (every tensor with < 2 dims) get no decay.
     Both engines build it (PlainTraining; DeepSpeedTraining is handed it)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if param_ndim(p) >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if param_ndim(p) < 2], "weight_decay": 0.0}]
+    matrix = {p: param_ndim(p) - getattr(p, "expert_parallel", False) >= 2 for p in params}  # experts: (E, ...)
+    groups = [{"params": [p for p in params if matrix[p]], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if not matrix[p]], "weight_decay": 0.0}]
     # fused: one kernel for all tensors, which can skip a step on the device (train.PlainTraining.finish).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              eps=cfg.adam_eps, fused=fused)
@@ -188,6 +190,8 @@ def train_step(trainer, batches: list, lr: float):
         for i, batch in enumerate(batches):
             b = to_device(batch, trainer.device)
             with trainer.micro_batch(last=i == m - 1):
+                if trainer.moe_layers:  # their auxiliary losses' gradients: this loss's share
+                    set_aux_loss_scale(trainer.moe_layers.values(), b, m, trainer.scale)
                 with trainer.precision:  # the engine's autocast (--bf16 / --fp16)
                     loss = trainer.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"],
                                          document_ids=b.get("document_ids"))
@@ -263,9 +267,13 @@ class PlainTraining:
         self.model = self.raw if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
         if cfg.compile:
             self.model = torch.compile(self.model, **compile_options(cfg))
+        # the mixtures of experts, by layer number ("blocks.3.mlp": 3)
+        self.moe_layers = {int(n.split(".")[1]): m for n, m in self.raw.named_modules() if isinstance(m, MoE)}
         lay = parallel.layout  # gradients are averaged over DP x CP (pipelines: pipeline.GradientAverager)
-        if lay.dp_cp_size > 1 and lay.pp_size == 1:
-            self.model = DDP(self.model, process_group=lay.dp_cp_group,
+        if lay.dp_cp_size > 1 and lay.pp_size == 1:  # but the experts' (finish), which EP ranks hold apart
+            DDP._set_params_and_buffers_to_ignore_for_model(self.model, [
+                n for n, p in self.model.named_parameters() if getattr(p, "expert_parallel", False)])
+            self.model = DDP(self.model, process_group=lay.dp_cp_group, forward_sync_buffers=False,  # MoE's counts
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
         self.precision = autocast(cfg, env.device)               # the forward's (--bf16 / --fp16)
         self.scale = self.scaler.scale if self.scaler else None  # a loss's, before backward
@@ -310,6 +318,8 @@ class PlainTraining:
         so replicas cannot drift apart; the skip stays on the device: no host read."""
         if parallel.layout.pp_size > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
             pipeline.reduce_pipeline_grads(self.raw, self.averager)
+        elif self.moe_layers:  # the experts' averages, which DDP left alone
+            expert_parallel.reduce_expert_grads(self.raw)
         if self.scaler:
             self.scaler.unscale_(self.raw.parameters())
         grad_norm = clip_grad_norm_(self.raw.parameters(), self.max_norm)
@@ -322,6 +332,8 @@ class PlainTraining:
         del self.optimizer.grad_scale, self.optimizer.found_inf
         if self.scaler:
             self.scaler.update(found_inf)
+        if self.moe_layers:  # DeepSeek-V3's expert bias, from the step's tokens on every DP x CP rank
+            update_expert_biases(self.moe_layers.values(), parallel.layout.dp_cp_group)
         return grad_norm, found_inf
 
     def save(self, iteration: int, consumed: int) -> None:
@@ -340,14 +352,15 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     0 (0 * inf is NaN: an inf in any rank's copy makes the norm non-finite
     everywhere). A non-finite norm leaves the grads untouched: the caller
     decides. Each pipeline stage adds its own layers' squares (the last
-    stage's copy of a tied embedding counts like a replica: times 0)."""
+    stage's copy of a tied embedding counts like a replica: times 0); each EP
+    rank its own experts' (summed over the EP group)."""
     lay = parallel.layout
-    counted, copies = [], []  # copies: replicated grads that another rank counts
+    counted, experts, copies = [], [], []  # copies: replicated grads that another rank counts
     for p in parameters:
         own = (getattr(p, "tensor_model_parallel", False) or lay.tp_rank == 0) and not getattr(p, "pipeline_copy", 0)
         if p.grad is not None:
-            (counted if own else copies).append(p.grad)
-    grads = counted + copies
+            (experts if own and getattr(p, "expert_parallel", False) else counted if own else copies).append(p.grad)
+    grads = counted + experts + copies
     if not grads:
         return torch.tensor(0.0)
     # Every grad's norm in a few launches (foreach): a loop per parameter kept an H200
@@ -355,7 +368,11 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     # 2e-5 over a 3M-element embedding, enough to tell layouts apart): there it sums in fp64.
     fp = torch.float64 if grads[0].device.type == "cpu" else torch.float32
     squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=fp)).square()
-    sq = (squares[:len(counted)].sum() + squares[len(counted):].sum() * 0.0).float()
+    c, e = len(counted), len(counted) + len(experts)
+    sq_experts = squares[c:e].sum().float()
+    if lay.ep_size > 1:
+        dist.all_reduce(sq_experts, group=lay.ep_group)
+    sq = (squares[:c].sum() + squares[e:].sum() * 0.0).float() + sq_experts
     for size, group in ((lay.tp_size, lay.tp_group), (lay.pp_size, lay.pp_group)):
         if size > 1:
             dist.all_reduce(sq, group=group)
@@ -462,6 +479,8 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets,
             mean_loss, since_log = sum(since_log) / len(since_log), []
             metrics = {"iteration": iteration, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
                        **meter.figures(), "batch_size": batch_size, "consumed_samples": consumed}
+            if trainer.moe_layers:  # their auxiliary losses, the tokens' spread over the experts, those dropped
+                metrics.update(train_ops.moe_figures(trainer.moe_layers))
             if eval_now:
                 metrics["val_loss"] = validation_loss(trainer.model, mcfg, valid_ds, cfg, env.device,
                                                       eval_consumed(iteration, cfg, global_batch), accum)

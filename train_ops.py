@@ -37,11 +37,11 @@ SIGTERM_BEFORE_THE_LOOP = ("train.py: SIGTERM before training started (while loa
 
 
 def init_processes(cfg: TrainConfig) -> launch.Dist:
-    """The default process group (launch.py), then this layout's TP, CP, DP and PP groups (parallel.py)."""
+    """The default process group (launch.py), then this layout's TP, CP, DP, PP and EP groups (parallel.py)."""
     env = launch.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
                                   one_queue=cfg.domino or cfg.sequence_parallel, deepspeed=cfg.deepspeed)
     parallel.initialize(cfg.tensor_model_parallel_size, env.timeout, cfg.pipeline_model_parallel_size,
-                        cfg.context_parallel_size)
+                        cfg.context_parallel_size, cfg.expert_model_parallel_size)
     return env
 
 
@@ -193,9 +193,11 @@ def describe_run(cfg: TrainConfig, env: launch.Dist, mcfg: GPTConfig, global_bat
     lay = parallel.layout
     pp_schedule = "" if lay.pp_size == 1 else " (ZB-H1)" if cfg.enable_zero_bubble else \
         " (interleaved 1F1B)" if cfg.num_layers_per_virtual_pipeline_stage else " (1F1B)"
-    launch.say(f"model: {count_parameters(mcfg):,} parameters | world {env.world_size} = "
+    active = f" ({count_parameters(mcfg, active=True):,} active)" if mcfg.num_experts else ""
+    launch.say(f"model: {count_parameters(mcfg):,} parameters{active} | world {env.world_size} = "
                f"TP {lay.tp_size} x {f'CP {lay.cp_size} ({cfg.cp_comm_type}) x ' if lay.cp_size > 1 else ''}"
-               f"DP {lay.dp_size} x PP {lay.pp_size}{pp_schedule} | global batch {global_batch} "
+               f"DP {lay.dp_size}{f' (EP {lay.ep_size})' if lay.ep_size > 1 else ''} x PP {lay.pp_size}{pp_schedule}"
+               f" | global batch {global_batch} "
                f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
                f"device {env.device}")
 
@@ -203,6 +205,7 @@ def describe_run(cfg: TrainConfig, env: launch.Dist, mcfg: GPTConfig, global_bat
 class Logger:
     """Rank 0 prints each log line (launch.say), and writes the same figures to
     --metrics-file (JSON lines) and TensorBoard."""
+    MOE = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss", "moe_imbalance", "moe_dropped")  # moe_figures'
 
     def __init__(self, cfg: TrainConfig, resume: bool):
         self.file, self.tb = None, None
@@ -223,6 +226,8 @@ class Logger:
             parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
         if metrics.get("skipped_iterations"):
             parts.append(f"skipped {metrics['skipped_iterations']} (non-finite grads)")
+        if "moe_imbalance" in metrics:  # the means over the MoE layers (each layer's: the file, TensorBoard)
+            parts.append(", ".join(f"{name} {metrics[name]:.4g}" for name in self.MOE if name in metrics))
         parts.append(f"batch {metrics['batch_size']}")
         if "val_loss" in metrics:
             parts.append(f"val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f})")
@@ -240,6 +245,27 @@ class Logger:
         for sink in (self.file, self.tb):
             if sink:
                 sink.close()
+
+
+def moe_figures(layers: dict) -> dict:
+    """What the MoE layers (layer number -> gpt.MoE) recorded since the last call
+    (MoE.stats, cleared), over the DP x CP ranks, whose tokens differ: each
+    auxiliary loss's mean (without its coefficient), the imbalance of the tokens
+    per expert (max over mean; 1 is even) and the share of token choices dropped
+    over capacity (moe_dropped); each as NAME/layerI, and their mean over layers as NAME."""
+    first = next(iter(layers.values()))
+    names, E = list(first.stats)[:-3], first.config.num_experts  # the losses; then tokens (E), dropped, forwards
+    sums = torch.stack([torch.cat([v.reshape(-1) for v in layer.stats.values()]) for layer in layers.values()])
+    if parallel.layout.dp_cp_size > 1:
+        dist.all_reduce(sums, group=parallel.layout.dp_cp_group)
+    tokens = sums[:, -E - 2:-2]                                                     # (L, E)
+    table = torch.cat([sums[:, :len(names)] / sums[:, -1:], (tokens.amax(1) / tokens.mean(1))[:, None],
+                       (sums[:, -2] / tokens.sum(1))[:, None]], dim=1).tolist()    # (L, figures)
+    names += ["moe_imbalance", "moe_dropped"]
+    for layer in layers.values():
+        layer.stats.clear()
+    figures = {f"{name}/layer{i}": v for i, row in zip(layers, table) for name, v in zip(names, row)}
+    return {**{name: sum(row[j] for row in table) / len(table) for j, name in enumerate(names)}, **figures}
 
 
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation), matched against

@@ -205,6 +205,7 @@ class DeepSpeedTraining:
     deepspeed.initialize copies its fp32 master weights. build_model,
     build_optimizer, clip_grad_norm_: train.py's, which imports this module."""
     saver = None  # its saves are synchronous (config.py refuses --async-save with --deepspeed)
+    moe_layers = {}  # config.py refuses --num-experts with --deepspeed (for now)
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer,
                  clip_grad_norm_):

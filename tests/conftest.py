@@ -69,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
 # test_launch.py, whose tests wait out real timeouts, and test_docs.py and
 # test_bench.py, which run whole scripts, to the end. By each file's wall time
 # in the suite (`--durations=0`, 2026-11-29), the longest first.
-LONGEST_FIRST = ["test_train.py", "test_checkpoint.py", "test_parallel.py", "test_pipeline.py", "test_zero.py",
+LONGEST_FIRST = ["test_train.py", "test_checkpoint.py", "test_expert_parallel.py", "test_parallel.py", "test_pipeline.py", "test_zero.py",
                  "test_launch.py", "test_fused_kernels.py", "test_eval_tasks.py", "test_bench.py", "test_docs.py",
                  "test_conftest.py", "test_context.py"]
 

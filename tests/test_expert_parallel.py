@@ -7,17 +7,27 @@ inputs, the layer against transformers' Mixtral and Qwen2-MoE blocks from the
 same weights, and expert parallelism against one process holding every
 expert: EP = 2 and 4 give its outputs and gradients, for both dispatchers,
 the loop and the grouped GEMM, dropless and with capacity."""
+import contextlib
+import dataclasses
+import json
 import math
+import os
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import checkpoint
+import config
+import eval_tasks
 import expert_parallel
 import gpt
 import parallel
-from conftest import run_on_ranks, tiny, tokens
+import train
+import train_ops
+from conftest import (IDS, VOCAB, as_torchrun_rank, process_env, read_metrics, run_on_ranks,
+                      tiny, tiny_model, tokens, torchrun, train_on_ranks)
 from launch import UsageError
 
 
@@ -116,9 +126,9 @@ def test_the_recorded_aux_losses_are_megatron_cores(mcore, kind, score):
         first = lambda t: t.view(3, 8, 8).transpose(0, 1).reshape(8, 24)  # noqa: E731
         want = mcore.switch_load_balancing_loss_func(first(scores), first(chosen).sum(0), 8, 2, 8, 1.0) / 3
         name = "seq_load_balancing_loss"
-    torch.testing.assert_close(layer.aux_losses[name], want, rtol=1e-6, atol=0)
-    torch.testing.assert_close(layer.aux_losses["z_loss"], mcore.z_loss_func(logits, 1.0), rtol=1e-6, atol=0)
-    assert not layer.aux_losses[name].requires_grad
+    torch.testing.assert_close(layer.stats[name], want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(layer.stats["z_loss"], mcore.z_loss_func(logits, 1.0), rtol=1e-6, atol=0)
+    assert not layer.stats[name].requires_grad
 
 
 @pytest.mark.quick
@@ -159,7 +169,7 @@ def test_the_expert_bias_moves_as_megatron_cores_and_only_picks(mcore, monkeypat
     monkeypatch.setattr(mcore.parallel_state, "get_tensor_and_data_parallel_group", lambda **kw: None)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **kw: None)
     want = mcore.get_updated_expert_bias(counts, layer.expert_bias.clone(), 0.01)
-    layer.update_expert_bias()
+    gpt.update_expert_biases([layer])
     assert torch.equal(layer.expert_bias, want) and not layer.tokens_per_expert.any()
     logits = torch.randn(32, 8)
     biased = gpt.topk_routing(logits, layer.config, torch.full((8,), 5.0) * (torch.arange(8) < 2))
@@ -463,3 +473,328 @@ def test_layouts_the_experts_do_not_run_under_are_refused_in_one_line(monkeypatc
         with pytest.raises(UsageError, match=flag) as error:
             gpt.MoE(moe_config())
         assert "\n" not in str(error.value)
+
+
+# -----------------------------------------------------------------------------
+# train.py with experts: the flags, the curves at EP 1, 2 and 4, resumes across EP
+
+
+# A tiny MoE model whose every option the loop touches is on: 8 experts, top-2 of
+# sigmoid scores, the load-balancing and z losses, DeepSeek's expert bias.
+# Global batch 16: 8 micro-batches in one process, 2 on each of 4 ranks.
+MOE_RUN = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+           "--train-iters", "4", "--lr", "3e-3", "--eval-interval", "2",
+           "--eval-iters", "1", "--log-interval", "1", "--sample-tokens", "0", "--seed", "5", *IDS,
+           "--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-router-score-function", "sigmoid",
+           "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-router-enable-expert-bias",
+           "--moe-router-bias-update-rate", "1e-2"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of each is EP = 1's in one process
+    "ep2": ["--expert-model-parallel-size", "2", *ALLTOALL],  # EP 2 x expert-DP 2: a loop over experts
+    "ep4-allgather-grouped-recompute": ["--expert-model-parallel-size", "4", "--moe-grouped-gemm",
+                                        "--recompute-activations"],
+    "ep2-compiled-recompute": ["--expert-model-parallel-size", "2", *ALLTOALL, "--compile", "--compile-backend",
+                               "aot_eager", "--recompute-activations"],
+    # the pipelined step (4 micro-batches a step): PP with experts waits for their composition,
+    # its refusal lifted here to check the auxiliary losses' share at EP 1 (the curve, not the figures)
+    "pp2-ep1": ["--pipeline-model-parallel-size", "2"],
+    # saved at EP 2 after 2 steps, then resumed to the end at EP 1 (DP 4), 2 and 4
+    **{f"save-{fmt}": ["--expert-model-parallel-size", "2", *ALLTOALL, "--exit-interval", "2",
+                       "--save", f"{{out}}/{fmt}", "--ckpt-format", fmt] for fmt in ("torch", "torch_dist")},
+    **{f"resume-{fmt}-ep{ep}": ["--expert-model-parallel-size", str(ep), *ALLTOALL, "--load", f"{{out}}/{fmt}",
+                                "--ckpt-format", fmt] for fmt in ("torch", "torch_dist") for ep in (1, 2, 4)},
+}
+
+
+def _train_moe_runs(out: str, data: str, runs: list) -> None:
+    """The EP_RUNS named in turn on these ranks, as train.py runs them; the graphs
+    and graph breaks of each (counters.json); checkpoints under out."""
+    as_torchrun_rank()
+    found = {}
+    for name in runs:
+        flags = EP_RUNS[name]
+        flags = [f.format(out=out) for f in flags]
+        cfg = config.parse_args([*MOE_RUN, "--data-path", data, "--data-cache-path", os.path.join(out, "cache"),
+                                 "--metrics-file", os.path.join(out, name + ".jsonl"), *flags])
+        parallel.destroy()
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        refusal = expert_parallel.check_layout
+        if name == "pp2-ep1":
+            expert_parallel.check_layout = lambda config: None
+        try:
+            train.train(cfg, train_ops.init_processes(cfg))
+        finally:
+            expert_parallel.check_layout = refusal
+        counters = torch._dynamo.utils.counters
+        found[name] = {"graphs": counters["stats"]["unique_graphs"],
+                       "graph_breaks": sum(counters["graph_break"].values())}
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "counters.json"), "w") as f:
+            json.dump(found, f)
+
+
+@pytest.fixture(scope="module")
+def moe_runs(ids_corpus, tmp_path_factory):
+    """EP = 1 in one process (8 micro-batches a step), then every EP_RUNS run on 4
+    gloo ranks (2 each), in one launch. -> (the metrics of each run by name, counters)"""
+    out = str(tmp_path_factory.mktemp("moe"))
+    train_on_ranks([*MOE_RUN, "--data-path", ids_corpus, "--data-cache-path", os.path.join(out, "cache"),
+                    "--metrics-file", os.path.join(out, "one.jsonl")])
+    run_on_ranks(_train_moe_runs, out, ids_corpus, list(EP_RUNS), world_size=4)
+    with open(os.path.join(out, "counters.json")) as f:
+        return {name: read_metrics(os.path.join(out, name + ".jsonl")) for name in ["one", *EP_RUNS]}, json.load(f)
+
+
+# What each step logs: the LM and validation losses, the gradient norm, and the MoE layers' figures
+# (their means over layers, and layer 1's own)
+CURVE = ["loss", "grad_norm", "val_loss", "load_balancing_loss", "z_loss", "moe_imbalance", "moe_dropped",
+         "load_balancing_loss/layer1", "z_loss/layer1", "moe_imbalance/layer1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in EP_RUNS if not name.startswith("save")])
+def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
+    """train.py with experts over 4 ranks, EP folded out of DP, follows one process
+    holding every expert (8 micro-batches a step against 2), to 1e-5 in fp32, each
+    step: the LM loss, the gradient norm, the validation loss and what the MoE
+    layers log (the load-balancing and z losses, the imbalance of the tokens per
+    expert, none dropped). Which proves the experts' gradients are averaged over
+    the ranks holding the same experts and the rest over DP (EP 1, 2 and 4), the
+    clipping norm counts each expert once, the auxiliary losses take each
+    micro-batch's share of the gradient (1/8 against 1/2), the expert bias moves
+    on the tokens of all ranks, and the logged figures are the whole batch's:
+    with the all-to-all dispatcher and a loop over experts at EP 2 (as EP 2 x
+    expert-DP 2), the all-gather one and the grouped GEMM at EP 4 with
+    recomputation (whose rerun forwards are not logged twice), compiled at EP 2
+    with recomputation, resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
+    and (the LM loss's curve) through the pipelined step at EP 1."""
+    runs, _ = moe_runs
+    one, got = {m["iteration"]: m for m in runs["one"]}, runs[name]
+    assert [m["iteration"] for m in got] == ([3, 4] if name.startswith("resume") else [1, 2, 3, 4])
+    curve = CURVE[:3] if name.startswith("pp") else CURVE  # rank 0 logs its own stage's MoE layers
+    for m in got:
+        want = one[m["iteration"]]
+        assert set(m) >= {k for k in curve if k != "val_loss"} and ("val_loss" in m) == ("val_loss" in want)
+        for key in (k for k in curve if k in want):
+            assert m[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, m["iteration"], key)
+    assert runs["one"][-1]["loss"] < runs["one"][0]["loss"] - 0.1  # it trained
+
+
+@pytest.mark.slow
+def test_a_resume_at_the_same_ep_is_bit_identical_and_compiled_ep_breaks_no_graph(moe_runs):
+    """A run saved at EP 2 and resumed at EP 2 takes the uninterrupted run's steps
+    bit for bit, from either checkpoint format; train.py --compile at EP 2 (the
+    all-to-all's split sizes, the tokens per expert: data-dependent), with
+    recomputation (the figures recorded in a recomputed block), makes its graphs
+    with no graph break."""
+    runs, counters = moe_runs
+    for fmt in ("torch", "torch_dist"):
+        assert runs[f"resume-{fmt}-ep2"] == [
+            {**m, "tokens_per_sec": r["tokens_per_sec"]} for m, r in zip(runs["ep2"][2:], runs[f"resume-{fmt}-ep2"])]
+    compiled = counters["ep2-compiled-recompute"]
+    assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0, counters
+    assert counters["ep2"]["graphs"] == 0
+
+
+@pytest.mark.quick
+def test_the_moe_flags_reach_the_model_and_moe_layer_freq_reads_megatrons_patterns():
+    """Every GPTConfig MoE field is the flag of its name (Megatron's), and
+    --qk-layernorm; --moe-layer-freq takes an interval or Megatron's pattern,
+    a Python expression of 0/1 lists, + and *, read without running it. A
+    resume whose routing differs from its checkpoint's is refused in one line."""
+    args = ["--preset", "tiny", "--num-layers", "8", "--qk-layernorm", "--num-experts", "4",
+            "--moe-layer-freq", "([1]*3+[0])*2", "--moe-ffn-hidden-size", "48", "--moe-router-topk", "1",
+            "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
+            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
+            "--moe-z-loss-coeff", "0.001", "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy",
+            "position", "--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm",
+            "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2"]
+    cfg = config.parse_args(args)
+    mcfg = config.model_config(cfg)
+    assert (mcfg.qk_layernorm, mcfg.num_experts, mcfg.moe_layer_freq, cfg.expert_model_parallel_size) == \
+        (True, 4, [1, 1, 1, 0, 1, 1, 1, 0], 2)
+    moe_fields = [name for name in gpt.GPTConfig.__dataclass_fields__ if name.startswith("moe_")]
+    assert all(getattr(mcfg, name) == getattr(cfg, name) != getattr(gpt.GPTConfig(), name) for name in moe_fields
+               if name not in ("moe_router_score_function", "moe_router_enable_expert_bias",
+                               "moe_router_bias_update_rate", "moe_layer_freq"))
+    sigmoid = config.model_config(config.parse_args(["--preset", "tiny", "--num-experts", "4", "--moe-layer-freq", "2",
+                                                     "--moe-router-score-function", "sigmoid",
+                                                     "--moe-router-enable-expert-bias",
+                                                     "--moe-router-bias-update-rate", "0.1"]))
+    assert (sigmoid.moe_layer_freq, sigmoid.moe_router_score_function, sigmoid.moe_router_enable_expert_bias,
+            sigmoid.moe_router_bias_update_rate) == (2, "sigmoid", True, 0.1)
+    assert config.model_config(config.parse_args(["--preset", "tiny"])).num_experts is None  # dense by default
+    top2 = config.parse_args([("2" if a == "1" and args[i - 1] == "--moe-router-topk" else a) for i, a in enumerate(args)])
+    with pytest.raises(UsageError, match=r"CKPT is another model: moe_router_topk 1 \(this run: 2\)"):
+        checkpoint.check_same_model(top2, dataclasses.asdict(mcfg), "CKPT")  # a resume of another routing
+    assert [config.layer_pattern(text) for text in ("[1,0]*2", "[0]+[1]*3", "3")] == [[1, 0, 1, 0], [0, 1, 1, 1], 3]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-router-topk", "1"], "--moe-router-topk needs --num-experts"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size needs --num-experts"),
+    (["--num-experts", "4", "--moe-layer-freq", "__import__('os').getcwd()"], "--moe-layer-freq"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1]*10**9"], "--moe-layer-freq"),
+    (["--num-experts", "4", "--moe-layer-freq", "[[1], [0]]"], "--moe-layer-freq"),
+    (["--num-experts", "4", "--deepspeed"], "--num-experts does not run under --deepspeed"),
+    (["--num-experts", "4", "--moe-grouped-gemm", "--compile"], "--compile with --moe-grouped-gemm needs --bf16"),
+])
+def test_a_moe_flag_mistake_is_one_line(flags, message):
+    with pytest.raises(UsageError) as error:
+        config.parse_args(["--preset", "tiny", *flags])
+    assert message in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(UsageError, match="--moe-layer-freq must be an int >= 1 or a list of 2 zeros and ones"):
+        config.model_config(config.parse_args(["--preset", "tiny", "--num-experts", "4", "--moe-layer-freq", "[1]*3"]))
+
+
+@pytest.mark.quick
+def test_the_model_summary_counts_total_and_active_parameters():
+    """gpt.count_parameters is the model's parameter count, MoE layers, shared
+    experts and qk norms included; active counts k of E experts (those a token
+    runs), and the FLOPs per token (MFU's) are those of the active parameters."""
+    for options in (dict(), dict(moe_layer_freq=[0, 1], swiglu=True, disable_bias_linear=True, qk_layernorm=True,
+                                 moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True)):
+        config = moe_config(**options)
+        model = gpt.GPT(config)
+        total = sum(p.numel() for p in model.parameters())
+        one_expert = sum(p[0].numel() for p in model.blocks[1].mlp.experts.parameters())
+        assert gpt.count_parameters(config) == total
+        assert gpt.count_parameters(config, active=True) == total - (8 - 2) * one_expert * sum(
+            gpt.is_moe_layer(config, i) for i in range(2))
+    dense_like = tiny(ffn_hidden_size=2 * 32, disable_bias_linear=True)  # the MLP of 2 experts of 32
+    assert gpt.flops_per_token(moe_config(disable_bias_linear=True), 32) - gpt.flops_per_token(dense_like, 32) == \
+        6 * 2 * 64 * 8  # and the 2 routers
+
+
+def test_a_forward_is_recorded_once_under_recomputation_and_the_figures_read_as_logged():
+    """A training forward records its figures once, also where activation
+    recomputation reruns it in backward; train_ops.moe_figures reads them (and
+    clears them): each loss's mean over the forwards, the tokens per expert's max
+    over mean, the share of choices dropped over capacity; per layer and averaged."""
+    model = tiny_model(num_experts=8, moe_ffn_hidden_size=32, activation_checkpointing=True,
+                       moe_aux_loss_coeff=0.1, moe_expert_capacity_factor=0.5)
+    for seed in (1, 2):
+        model(tokens(seed=seed), labels=tokens(seed=seed + 10)).backward()
+    layer = model.blocks[1].mlp
+    assert layer.stats["forwards"] == 2 and layer.stats["tokens"].sum() == 2 * 32 * 2
+    stats = {i: {k: v.clone() for k, v in model.blocks[i].mlp.stats.items()} for i in (0, 1)}
+    figures = train_ops.moe_figures({i: model.blocks[i].mlp for i in (0, 1)})
+    for i, s in stats.items():
+        assert figures[f"load_balancing_loss/layer{i}"] == pytest.approx(s["load_balancing_loss"].item() / 2)
+        assert figures[f"moe_imbalance/layer{i}"] == pytest.approx((s["tokens"].max() / s["tokens"].mean()).item())
+        assert figures[f"moe_dropped/layer{i}"] == pytest.approx(s["dropped"].item() / 128) and s["dropped"] > 0
+    assert figures["moe_dropped"] == pytest.approx((figures["moe_dropped/layer0"] + figures["moe_dropped/layer1"]) / 2)
+    assert not layer.stats  # read
+    with torch.no_grad():
+        model(tokens())
+    assert not layer.stats  # evaluation records nothing
+
+
+def test_the_reported_losses_are_the_lm_loss_alone_and_the_aux_losses_join_backward(ids_corpus, tmp_path):
+    """At --lr 0 the model never changes: with the auxiliary losses on (and
+    their coefficients large) the logged loss and validation loss are those
+    without them, bit for bit, while the gradient norm shows the auxiliary
+    losses in backward, and their values are logged on their own."""
+    common = [*MOE_RUN, "--data-path", ids_corpus, "--train-iters", "2", "--eval-interval", "1", "--lr", "0",
+              "--min-lr", "0", "--global-batch-size", "4", "--moe-router-score-function", "softmax"]
+    common = [f for i, f in enumerate(common) if "bias" not in f and "bias" not in common[i - 1]]  # no expert bias
+    rows = {}
+    for coeff in ("0", "1"):
+        train.main([*common, "--moe-aux-loss-coeff", coeff, "--moe-z-loss-coeff", coeff,
+                    "--metrics-file", str(tmp_path / f"{coeff}.jsonl")])
+        rows[coeff] = read_metrics(tmp_path / f"{coeff}.jsonl")
+    for without, with_aux in zip(rows["0"], rows["1"], strict=True):
+        assert (without["loss"], without["val_loss"]) == (with_aux["loss"], with_aux["val_loss"])
+        assert with_aux["grad_norm"] > 1.01 * without["grad_norm"]
+        assert "z_loss" not in without and with_aux["z_loss"] > 0 and with_aux["load_balancing_loss"] >= 1
+
+
+# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh, its model, MoE,
+# training and layout flags as pasted (with --moe-grouped-gemm and 8 experts), at tiny
+# sizes, its data ours (NullTokenizer ids; its --split leaves our small corpus no
+# validation), its 2 ranks expert-parallel (its --use-distributed-optimizer is ZeRO-1
+# here, and its --sequence-parallel needs TP: not taken).
+MIXTRAL_RECIPE = """
+    --use-mcore-models --disable-bias-linear --seq-length 32 --max-position-embeddings 2048 --num-layers 2
+    --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --init-method-std 0.01 --attention-dropout 0.0
+    --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu
+    --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion
+    --no-position-embedding --rotary-base 1000000
+    --num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+    --moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
+    --micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 3 --min-lr 1.0e-5 --weight-decay 0.1
+    --clip-grad 1.0
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 2
+    --eval-iters 1 --no-load-optim --no-load-rng
+""".split()
+
+
+@pytest.mark.slow
+def test_megatrons_mixtral_recipe_as_pasted_logs_the_experts_and_its_checkpoint_samples(ids_corpus, tmp_path):
+    """Megatron-LM's Mixtral example trains as written under torchrun at EP 2
+    (the flags of Megatron's own kernels named in one line). The run opens with
+    its total and active parameters and its EP; each log line carries the MoE
+    layers' means (the load-balancing loss, the imbalance, the dropped share),
+    each layer's are in the metrics file and TensorBoard. Its closing sample is
+    generated at EP 2, and its checkpoint (experts gathered from both EP ranks)
+    samples in one process with eval_tasks.py, greedy with the KV cache as without."""
+    ckpt, metrics = str(tmp_path / "ckpt"), tmp_path / "m.jsonl"
+    proc = torchrun("train.py", *MIXTRAL_RECIPE, "--data-path", ids_corpus, *IDS, "--log-interval", "1",
+                    "--metrics-file", str(metrics), "--tensorboard-dir", str(tmp_path / "tb"), "--save", ckpt,
+                    "--sample-tokens", "4", nproc=2)
+    mcfg = config.model_config(config.parse_args([*MIXTRAL_RECIPE, *IDS]))
+    total, active = gpt.count_parameters(mcfg), gpt.count_parameters(mcfg, active=True)
+    assert f"model: {total:,} parameters ({active:,} active) | world 2 = TP 1 x DP 2 (EP 2) x PP 1" in proc.stdout
+    assert "--use-mcore-models, --no-masked-softmax-fusion, --overlap-param-gather, --overlap-grad-reduce: " \
+           "no effect here" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
+    assert len(lines) == 3 and all("load_balancing_loss" in line and "moe_imbalance" in line and
+                                   "moe_dropped 0" in line for line in lines), proc.stdout
+    rows = read_metrics(metrics)
+    per_layer = {f"{name}/layer{i}" for name in ("load_balancing_loss", "moe_imbalance", "moe_dropped") for i in (0, 1)}
+    assert all(set(row) >= per_layer and row["moe_imbalance"] >= 1 for row in rows)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {f"train/{key}" for key in per_layer} <= set(events.Tags()["scalars"])
+    assert "-" * 40 + " sample " in proc.stdout
+    out = tmp_path / "samples.jsonl"
+    eval_tasks.main(["--task", "GENERATE", "--load", ckpt, *IDS, "--num-samples", "1", "--out-seq-length", "12",
+                     "--temperature", "0", "--sample-output-file", str(out)])
+    sample = read_metrics(out)[0]["tokens"]
+    model, _ = checkpoint.saved_model(checkpoint.verified_checkpoint(ckpt, print))
+    assert model.blocks[0].mlp.experts.fc.shape[0] == 8
+    uncached = gpt.generate(model, torch.tensor([[VOCAB]]), 12, temperature=0, use_cache=False)[0, 1:].tolist()
+    assert sample == uncached[:len(sample)] and len(sample) > 0
+
+
+@pytest.mark.slow
+def test_a_layout_the_experts_cannot_take_is_one_line_from_rank_0(ids_corpus):
+    """A mistake found once the ranks have started (here building the experts
+    over 2 EP ranks): one line from rank 0, no traceback."""
+    proc = torchrun("train.py", *MOE_RUN, "--data-path", ids_corpus, "--num-experts", "3",
+                    "--expert-model-parallel-size", "2", "--train-iters", "1", nproc=2, check=False)
+    assert proc.returncode != 0 and proc.stderr.count("train.py: error") == 1, proc.stderr[-3000:]
+    assert "train.py: error: --num-experts 3 must be divisible by --expert-model-parallel-size 2" in proc.stderr
+    assert 'train.py", line' not in proc.stderr
+
+
+def test_the_aux_losses_gradient_carries_the_fp16_loss_scale(single_rank):
+    """Under --fp16 backward starts from the loss times the loss scale (2^16):
+    the auxiliary losses join it with the same factor (train_step hands the
+    engine's scale to gpt.set_aux_loss_scale), so once unscaled the step's
+    gradients are fp32's. (Both forwards run in fp32 here: the scale alone differs.)"""
+    g = torch.Generator().manual_seed(0)
+    batches = [{"tokens": torch.randint(0, VOCAB, (2, 16), generator=g), "loss_mask": torch.ones(2, 16),
+                "labels": torch.randint(0, VOCAB, (2, 16), generator=g), "position_ids": torch.arange(16).expand(2, 16)}
+               for _ in range(2)]
+    norms = []
+    for precision in ([], ["--fp16"]):
+        cfg = config.parse_args(["--preset", "tiny", *IDS, "--num-experts", "8", "--moe-aux-loss-coeff", "1",
+                                 "--moe-z-loss-coeff", "0.1", "--lr", "0", *precision])
+        trainer = train.PlainTraining(cfg, process_env())
+        trainer.precision = contextlib.nullcontext()
+        norms.append(float(train.train_step(trainer, batches, 0.0)[1]))
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6)
