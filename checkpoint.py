@@ -21,6 +21,7 @@ import errno
 import functools
 import glob
 import io
+import itertools
 import json
 import os
 import pickle
@@ -831,26 +832,31 @@ AS_THEY_ARE = dict(flatten_state_dict=False, flatten_sharded_tensors=False)  # o
 
 
 def as_shards(param, t: torch.Tensor) -> torch.Tensor:
-    """`t` (a parameter, or state shaped like it) as DCP sees it: a TP (or EP) shard as a ShardedTensor of
-    views of its pieces of the full tensor ([Q_r | K_r | V_r]: no DTensor placement describes it)."""
-    split = parallel.split_of(param)
-    if split is None:
+    """`t` (a parameter, or state shaped like it) as DCP sees it: a TP (or EP, or EP x TP) shard as a
+    ShardedTensor of views of its pieces of the full tensor ([Q_r | K_r | V_r]: no DTensor placement describes it)."""
+    splits = parallel.split_of(param)
+    if not splits:
         return t
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-    group, size, rank, dim, blocks = split
     full = list(t.shape)
-    full[dim] *= size
+    for _, size, _, dim, _ in splits:
+        full[dim] *= size
     mine, everyone = [], []
-    for r in range(size):
-        for start, local, length in parallel.shard_pieces(full[dim], blocks, r, size):
-            offsets, sizes = [0] * t.dim(), list(t.shape)
-            offsets[dim], sizes[dim] = start, length
-            piece = ShardMetadata(offsets, sizes, f"rank:{dist.get_global_rank(group, r)}/{t.device}")
+    for places in itertools.product(*(range(split[1]) for split in splits)):  # a rank's place in each split
+        # its global rank: TP's and EP's offsets from this rank's add up (TP ranks are consecutive)
+        owner = dist.get_rank() + sum(dist.get_global_rank(group, r) - dist.get_global_rank(group, here)
+                                      for (group, _, here, _, _), r in zip(splits, places))
+        for pieces in itertools.product(*(parallel.shard_pieces(full[dim], blocks, r, size)
+                                          for (_, size, _, dim, blocks), r in zip(splits, places))):
+            offsets, sizes, view = [0] * t.dim(), list(t.shape), t
+            for (_, _, _, dim, _), (start, local, length) in zip(splits, pieces):
+                offsets[dim], sizes[dim], view = start, length, view.narrow(dim, local, length)
+            piece = ShardMetadata(offsets, sizes, f"rank:{owner}/{t.device}")
             everyone.append(piece)
-            if r == rank:
-                mine.append(Shard(t.narrow(dim, local, length), piece))
+            if owner == dist.get_rank():
+                mine.append(Shard(view, piece))
     properties = TensorProperties(dtype=t.dtype, layout=t.layout, requires_grad=False,
                                   memory_format=torch.contiguous_format, pin_memory=False)
     return ShardedTensor._init_from_local_shards_and_global_metadata(

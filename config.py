@@ -161,6 +161,8 @@ class TrainConfig:
     domino: bool = flag(False, "overlap tensor-parallel all-reduces with compute (DeepSpeed-Domino)", BOTH)
     domino_chunks: int = flag(2, "micro-batch chunks that --domino interleaves", BOTH)
     expert_model_parallel_size: int = flag(1, "ep: ranks that split the experts, folded out of DP x CP")
+    expert_tensor_parallel_size: int | None = flag(None, "the TP ranks each expert is split over: "
+                                                         "--tensor-model-parallel-size's (the default) only")
     sequence_parallel: bool = flag(False, "split LayerNorms, dropouts and residual adds along the sequence over "
                                           "the tensor-parallel ranks (activation memory / tp); needs "
                                           "--tensor-model-parallel-size > 1")
@@ -890,10 +892,15 @@ def validate_experts(cfg: TrainConfig, given: set[str]) -> None:
     """What the mixture of experts' flags need besides each other (GPTConfig checks
     their values, expert_parallel.check_layout the layouts they run under)."""
     loose = sorted(name for name in given if name.startswith("moe_")) + \
-        ["expert_model_parallel_size"] * (cfg.expert_model_parallel_size > 1)
+        ["expert_model_parallel_size"] * (cfg.expert_model_parallel_size > 1) + \
+        ["expert_tensor_parallel_size"] * (cfg.expert_tensor_parallel_size is not None)
     if cfg.num_experts is None and loose:
         raise UsageError(f"--{loose[0].replace('_', '-')} needs --num-experts (a mixture of experts): give it, "
                          f"or drop the MoE flags for a dense model")
+    etp, tp = cfg.expert_tensor_parallel_size, cfg.tensor_model_parallel_size
+    if etp not in (None, tp):
+        raise UsageError(f"--expert-tensor-parallel-size {etp}: the experts split over the tensor-parallel ranks "
+                         f"as the dense MLP does, so it must be --tensor-model-parallel-size {tp}: drop it")
     if cfg.num_experts is not None and cfg.deepspeed:
         raise UsageError("--num-experts does not run under --deepspeed yet: drop --deepspeed")
     if cfg.compile and cfg.moe_grouped_gemm and not cfg.bf16:

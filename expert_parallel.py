@@ -58,10 +58,11 @@ def check_layout(config) -> None:
     if config.num_experts % lay.ep_size:
         raise UsageError(f"--num-experts {config.num_experts} must be divisible by --expert-model-parallel-size "
                          f"{lay.ep_size}: each EP rank holds the same number of experts")
-    for size, flag in ((lay.tp_size, "--tensor-model-parallel-size"), (lay.cp_size, "--context-parallel-size"),
-                       (lay.pp_size, "--pipeline-model-parallel-size")):
+    for size, flag in ((lay.cp_size, "--context-parallel-size"), (lay.pp_size, "--pipeline-model-parallel-size")):
         if size > 1:
             raise UsageError(f"--num-experts does not run under {flag} > 1 yet: use data and expert parallelism")
+    if lay.tp_size > 1 and config.domino_chunks > 1:
+        raise UsageError("--num-experts does not run under --domino yet: drop --domino (--sequence-parallel works)")
 
 
 def experts(mlps, x, probs, routing_map, config):
@@ -109,7 +110,7 @@ def grouped_experts(mlps, rows, counts):
         which = torch.repeat_interleave(counts, output_size=rows.shape[0])            # (R,)
         h = h + mlps.fc_bias[which].to(dtype)
     out = F.grouped_mm(mlps.activation(h), mlps.proj.to(dtype).transpose(1, 2), offs=offsets)  # (R, C)
-    return out if mlps.proj_bias is None else out + mlps.proj_bias[which].to(dtype)
+    return out if mlps.proj_bias is None else out + mlps.proj_bias[which].to(dtype) / parallel.layout.tp_size
 
 
 # --------------------------------------------------------------------------

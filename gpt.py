@@ -396,7 +396,9 @@ class Experts(nn.Module):
     """The E expert MLPs (GELU or SwiGLU, moe_ffn_hidden_size = F wide), their
     weights stacked as Hugging Face's Mixtral stores them: fc (E, fc_out, C),
     proj (E, C, F), biases (E, fc_out) and (E, C) unless disabled. Under expert
-    parallelism this rank holds E_local of them, from expert `first` on."""
+    parallelism this rank holds E_local of them, from expert `first` on; under tensor
+    parallelism each expert split as the dense MLP (shard_experts), and each TP
+    rank adds 1/tp of the proj bias: g sums the partial outputs."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -413,7 +415,7 @@ class Experts(nn.Module):
 
     def forward(self, e: int, x):
         """This rank's expert e's MLP: (n, C) -> (n, C)."""
-        bias = (None, None) if self.fc_bias is None else (self.fc_bias[e], self.proj_bias[e])
+        bias = (None, None) if self.fc_bias is None else (self.fc_bias[e], self.proj_bias[e] / parallel.layout.tp_size)
         return F.linear(self.activation(F.linear(x, self.fc[e], bias[0])), self.proj[e], bias[1])
 
     def activation(self, h):
@@ -467,9 +469,25 @@ class MoE(nn.Module):
             self.expert_bias = None
         self.stats = {}  # name -> the sum of its values since the loop last read them (record)
         self.drop = make_dropout(config.hidden_dropout, per_rank=config.sequence_parallel)
+        self.sequence_parallel = config.sequence_parallel and parallel.layout.tp_size > 1
 
     def forward(self, x):
-        """(B, T, C) -> (B, T, C)."""
+        """(B, T, C) -> (B, T, C). Under TP the experts split as the dense MLP, and the
+        whole mixture is its f ... g region: every rank routes all the TP group's
+        tokens (under SP gathered (B, T/tp, C) -> (B, T, C), and reduce-scattered
+        back), so routing, capacity and the aux losses see TP = 1's tokens."""
+        sp = self.sequence_parallel
+        y = self.mixture((parallel.gather_from_sequence_parallel_region if sp else
+                          parallel.copy_to_tensor_parallel_region)(x))      # (B, T, C), partial sums under TP
+        y = (parallel.reduce_scatter_to_sequence_parallel_region if sp else
+             parallel.reduce_from_tensor_parallel_region)(y)                # x's shape
+        if self.shared_expert is not None:  # a dense MLP beside the experts (TP as MLP's, shard_block)
+            shared = self.shared_expert(x)
+            y = y + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
+        return self.drop(y)
+
+    def mixture(self, x):
+        """The routed experts' weighted sum: (B, T, C) -> (B, T, C)."""
         h = x.flatten(0, 1)                                        # (N, C)
         probs, routing_map = self.route(h, x.shape[0])             # (N, E) each
         if parallel.layout.ep_size > 1 or self.config.moe_grouped_gemm:
@@ -480,10 +498,7 @@ class MoE(nn.Module):
                 tokens = routing_map[:, e].nonzero().squeeze(1)    # (n_e,) the tokens expert e takes
                 out = self.experts(e, h[tokens]) * probs[tokens, e, None]  # (n_e, C)
                 y.index_add_(0, tokens, out.to(y.dtype))
-        if self.shared_expert is not None:
-            shared = self.shared_expert(h)                         # (N, C)
-            y = y + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(h)) * shared)
-        return self.drop(y.view_as(x))
+        return y.view_as(x)
 
     def route(self, h, B: int):
         """h (N, C), B sequences of N/B tokens -> probs (N, E) fp32 and routing_map
@@ -519,7 +534,9 @@ class MoE(nn.Module):
         if cfg.moe_z_loss_coeff:  # ST-MoE: keeps the logits small
             losses["z_loss"] = (torch.logsumexp(logits, dim=-1).square().mean(), cfg.moe_z_loss_coeff)
         if losses:
-            probs = AuxLoss.apply(probs, sum(coeff * loss for loss, coeff in losses.values()), self.aux_loss_scale)
+            # under TP a router's gradient is each rank's share, summed over TP (shard_experts): 1/tp each
+            probs = AuxLoss.apply(probs, sum(coeff * loss for loss, coeff in losses.values()),
+                                  self.aux_loss_scale / parallel.layout.tp_size)
         return probs, {name: loss for name, (loss, _) in losses.items()}
 
     def record(self, losses: dict, chosen, routing_map) -> None:
@@ -650,8 +667,31 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
     qkv_blocks = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
     block.attn.qkv = Column.from_linear(block.attn.qkv, blocks=qkv_blocks, sequence_parallel=sp)
     block.attn.proj = Row.from_linear(block.attn.proj, sequence_parallel=sp)
-    block.mlp.fc = Column.from_linear(block.mlp.fc, blocks=2 if cfg.swiglu else 1, sequence_parallel=sp)
-    block.mlp.proj = Row.from_linear(block.mlp.proj, sequence_parallel=sp)
+    if isinstance(block.mlp, MoE):
+        shard_experts(block.mlp, cfg)
+    for mlp in [block.mlp.shared_expert] if isinstance(block.mlp, MoE) else [block.mlp]:
+        if mlp is not None:
+            mlp.fc = Column.from_linear(mlp.fc, blocks=2 if cfg.swiglu else 1, sequence_parallel=sp)
+            mlp.proj = Row.from_linear(mlp.proj, sequence_parallel=sp)
+
+
+def shard_experts(moe: MoE, cfg: GPTConfig) -> None:
+    """A MoE's experts split as the dense MLP's fc and proj (Megatron's expert TP =
+    TP): the stacked fc (and its bias) along fc_out, [gate_r | up_r] under SwiGLU,
+    proj along its input, F. Inside the f ... g region (MoE.forward) the router and
+    the proj bias are replicated and get each rank's share of their gradient:
+    summed over TP by a hook (under SP, sum_sequence_parallel_grads's)."""
+    lay, ex = parallel.layout, moe.experts
+    for name, dim, blocks in (("fc", 1, 2 if cfg.swiglu else 1), ("fc_bias", 1, 2 if cfg.swiglu else 1),
+                              ("proj", 2, 1)):
+        if getattr(ex, name) is not None:
+            shard = nn.Parameter(parallel.shard_tensor(getattr(ex, name).detach(), dim, lay.tp_rank, lay.tp_size, blocks))
+            parallel.mark(shard, expert_parallel=True, tensor_model_parallel=True, partition_dim=dim,
+                          partition_blocks=blocks)
+            setattr(ex, name, shard)
+    for p in (moe.router.weight, ex.proj_bias) if not cfg.sequence_parallel else ():
+        if p is not None:
+            p.register_hook(parallel.all_reduce)
 
 
 def init_weights(module: nn.Module, config: GPTConfig) -> None:

@@ -1065,39 +1065,44 @@ def _mark_sharded(param: nn.Parameter, dim: int, blocks=1) -> nn.Parameter:
 # Layout-independent checkpoints
 # --------------------------------------------------------------------------
 
-def split_of(param: nn.Parameter) -> tuple | None:
-    """How `param` is split: (group, size, this rank's place, dim, blocks) of the TP ranks, or of
-    the EP ranks along dim 0 for a MoE's stacked experts; None where every rank holds it whole."""
-    if getattr(param, "expert_parallel", False) and layout.ep_size > 1:
-        return layout.ep_group, layout.ep_size, layout.ep_rank, 0, 1
+def split_of(param: nn.Parameter) -> list[tuple]:
+    """How `param` is split: a (group, size, this rank's place, dim, blocks) per split, over the TP ranks
+    and, for a MoE's stacked experts, over the EP ranks along dim 0 (TP's first); [] where held whole."""
+    splits = []
     if getattr(param, "tensor_model_parallel", False) and layout.tp_size > 1:
-        return layout.tp_group, layout.tp_size, layout.tp_rank, param.partition_dim, param.partition_blocks
-    return None
+        splits.append((layout.tp_group, layout.tp_size, layout.tp_rank, param.partition_dim, param.partition_blocks))
+    if getattr(param, "expert_parallel", False) and layout.ep_size > 1:
+        splits.append((layout.ep_group, layout.ep_size, layout.ep_rank, 0, 1))
+    return splits
 
 
 def gather_like(param: nn.Parameter, t: torch.Tensor, to_first: bool = False) -> torch.Tensor | None:
     """The full tensor of `t`, split the way `param` is (the parameter itself,
-    or a gradient or optimizer state shaped like it), on every rank of its split
-    (split_of); collective for split parameters. to_first: on the split's first rank
+    or a gradient or optimizer state shaped like it), on every rank of its splits
+    (split_of, each in turn); collective for split parameters. to_first: on the splits' first rank
     alone (or TP rank 0; the others return None and never allocate it: checkpoint writes)."""
-    split = split_of(param)
-    first = not to_first or (split[2] if split else layout.tp_rank) == 0
-    if split is None:
-        return t if first else None
-    group, size, _, dim, blocks = split
-    t = t.contiguous()
-    shards = [torch.empty_like(t) for _ in range(size)] if first else None
-    if to_first:
-        dist.gather(t, shards, dst=dist.get_global_rank(group, 0), group=group)
-    else:
-        dist.all_gather(shards, t, group=group)
-    return merge_shards(shards, dim, blocks) if first else None
+    splits = split_of(param)
+    if to_first and not splits and layout.tp_rank != 0:
+        return None
+    for group, size, rank, dim, blocks in splits:
+        first = not to_first or rank == 0
+        t = t.contiguous()
+        shards = [torch.empty_like(t) for _ in range(size)] if first else None
+        if to_first:
+            dist.gather(t, shards, dst=dist.get_global_rank(group, 0), group=group)
+        else:
+            dist.all_gather(shards, t, group=group)
+        if not first:
+            return None
+        t = merge_shards(shards, dim, blocks)
+    return t
 
 
 def shard_like(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """Inverse of gather_like: this rank's slice of `full`, split like `param`."""
-    split = split_of(param)
-    return full if split is None else shard_tensor(full, split[3], split[2], split[1], split[4])
+    for _, size, rank, dim, blocks in split_of(param):
+        full = shard_tensor(full, dim, rank, size, blocks)
+    return full
 
 
 def full_state_dict(module: nn.Module) -> dict:

@@ -461,17 +461,17 @@ def test_a_bad_moe_option_is_refused_in_one_line(bad, flag):
 @pytest.mark.quick
 def test_layouts_the_experts_do_not_run_under_are_refused_in_one_line(monkeypatch):
     """An EP size that does not divide DP x CP (here one process), or the
-    experts; and, so far, TP, CP or PP with experts."""
+    experts; and, so far, CP or PP with experts, and Domino (TP with overlap)."""
     monkeypatch.setattr(parallel, "layout", parallel.layout)  # put back after the test
     with pytest.raises(UsageError, match="--expert-model-parallel-size 2 must divide"):
         parallel.initialize(expert_model_parallel_size=2)
-    for layout, flag in ((parallel.Layout(ep_size=3), "divisible by --expert-model-parallel-size 3"),
-                         (parallel.Layout(tp_size=2), "--tensor-model-parallel-size"),
-                         (parallel.Layout(cp_size=2), "--context-parallel-size"),
-                         (parallel.Layout(pp_size=2), "--pipeline-model-parallel-size")):
+    for layout, flag, options in ((parallel.Layout(ep_size=3), "divisible by --expert-model-parallel-size 3", {}),
+                                  (parallel.Layout(cp_size=2), "--context-parallel-size", {}),
+                                  (parallel.Layout(pp_size=2), "--pipeline-model-parallel-size", {}),
+                                  (parallel.Layout(tp_size=2), "--domino", dict(domino_chunks=2))):
         monkeypatch.setattr(parallel, "layout", layout)
         with pytest.raises(UsageError, match=flag) as error:
-            gpt.MoE(moe_config())
+            gpt.MoE(moe_config(**options))
         assert "\n" not in str(error.value)
 
 
@@ -640,6 +640,11 @@ def test_the_moe_flags_reach_the_model_and_moe_layer_freq_reads_megatrons_patter
     (["--num-experts", "4", "--moe-layer-freq", "[[1], [0]]"], "--moe-layer-freq"),
     (["--num-experts", "4", "--deepspeed"], "--num-experts does not run under --deepspeed"),
     (["--num-experts", "4", "--moe-grouped-gemm", "--compile"], "--compile with --moe-grouped-gemm needs --bf16"),
+    (["--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size needs --num-experts"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+     "--expert-tensor-parallel-size 1: the experts split over the tensor-parallel ranks as the dense MLP does, "
+     "so it must be --tensor-model-parallel-size 2: drop it"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "must be --tensor-model-parallel-size 1"),
 ])
 def test_a_moe_flag_mistake_is_one_line(flags, message):
     with pytest.raises(UsageError) as error:
@@ -798,3 +803,57 @@ def test_the_aux_losses_gradient_carries_the_fp16_loss_scale(single_rank):
         trainer.precision = contextlib.nullcontext()
         norms.append(float(train.train_step(trainer, batches, 0.0)[1]))
     assert norms[1] == pytest.approx(norms[0], rel=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# Tensor parallelism (expert TP = TP): the experts split as the dense MLP, the
+# whole mixture one f ... g region (under SP: gather ... reduce-scatter)
+
+
+TP_CASES = [  # SwiGLU, no biases, a gated shared expert, both losses per sequence; GELU with biases, grouped, capacity
+    dict(swiglu=True, disable_bias_linear=True, moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
+    dict(moe_grouped_gemm=True, moe_aux_loss_coeff=0.1, moe_expert_capacity_factor=1.0),
+]
+TP_LAYOUTS = [(2, False, 1), (2, True, 1), (2, True, 2), (2, False, 2)]  # (TP, SP, EP) on 4 ranks
+
+
+def _model_loss_and_grads(options, sp=False):
+    """A tiny MoE GPT at this process's layout, one forward and backward of the same
+    tokens on every rank -> (loss, {name: the full gradient, as one process holds it})."""
+    config = moe_config(hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sp, **options)
+    torch.manual_seed(0)
+    model = gpt.GPT(config)
+    loss = model(tokens(B=2, T=16, seed=3), labels=tokens(B=2, T=16, seed=4))
+    loss.backward()
+    expert_parallel.reduce_expert_grads(model)  # the experts' averages over DP; the others' as DDP takes them
+    lay = parallel.layout
+    return loss.detach(), {n: parallel.gather_like(p, p.grad if getattr(p, "expert_parallel", False) else
+                                                   parallel.all_reduce_mean(p.grad, lay.dp_cp_group))
+                           for n, p in model.named_parameters()}
+
+
+def _check_tensor_parallel_is_one_process():
+    parallel.initialize(1)
+    want = [_model_loss_and_grads(options) for options in TP_CASES]
+    for tp, sp, ep in TP_LAYOUTS:
+        parallel.destroy()
+        parallel.initialize(tp, expert_model_parallel_size=ep)
+        for options, (loss, grads) in zip(TP_CASES, want):
+            got_loss, got = _model_loss_and_grads(options, sp)
+            case = f"TP={tp} SP={sp} EP={ep} {options}"
+            torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6, msg=case)
+            for name, grad in grads.items():
+                torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{case}: {name}")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_experts_give_one_processs_loss_and_gradients():
+    """On 4 ranks, TP 2 (x DP 2), TP 2 + SP, and EP 2 x TP 2 with and without SP
+    give one process's loss and every parameter's full gradient, to 1e-5 in fp32:
+    the experts split as the dense MLP (fc by columns, proj by rows, the proj bias
+    a 1/tp share a rank), the router and the capacity on every token of the TP
+    group, the aux losses a 1/tp share of the gradient a rank, the router's summed
+    over TP; a gated shared expert (a dense MLP beside them), SwiGLU, capacity, the
+    loop and the grouped GEMM."""
+    run_on_ranks(_check_tensor_parallel_is_one_process, world_size=4)
