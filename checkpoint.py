@@ -447,7 +447,8 @@ def record_problem(found: Found) -> str | None:
         return f"its model_config describes no model ({type(e).__name__}: {e})"
     optimizer = state.get("optimizer")  # (None: weights only, an export's)
     held = optimizer.get("state") if isinstance(optimizer, dict) else {}
-    if optimizer is not None and (missing := [name for name in weights if name not in held]):
+    params = [name for name in weights if not name.endswith(".mlp.expert_bias")]  # a buffer (gpt.MoE), no state
+    if optimizer is not None and (missing := [name for name in params if name not in held]):
         return f"it has no optimizer state for parameter {missing[0]!r}"
     return rng_problem(state) or (optimizer_problem(weights, held, optimizer.get("param_groups"))
                                   if isinstance(held, dict) and isinstance(optimizer, dict) else None)

@@ -652,6 +652,8 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
         attn.proj    RowParallelLinear
         mlp.fc       ColumnParallelLinear (SwiGLU: 2 blocks, [gate_r|up_r])
         mlp.proj     RowParallelLinear
+        mlp (MoE)    its experts split as mlp.fc and mlp.proj (shard_experts); its
+                     shared expert, a dense MLP, as mlp.fc and mlp.proj
         output_layer ColumnParallelLinear (untied head; vocab rows split)
         norms, wpe, row-parallel biases: replicated
 
@@ -681,11 +683,11 @@ def shard_experts(moe: MoE, cfg: GPTConfig) -> None:
     proj along its input, F. Inside the f ... g region (MoE.forward) the router and
     the proj bias are replicated and get each rank's share of their gradient:
     summed over TP by a hook (under SP, sum_sequence_parallel_grads's)."""
-    lay, ex = parallel.layout, moe.experts
-    for name, dim, blocks in (("fc", 1, 2 if cfg.swiglu else 1), ("fc_bias", 1, 2 if cfg.swiglu else 1),
-                              ("proj", 2, 1)):
-        if getattr(ex, name) is not None:
-            shard = nn.Parameter(parallel.shard_tensor(getattr(ex, name).detach(), dim, lay.tp_rank, lay.tp_size, blocks))
+    lay, ex, gate_up = parallel.layout, moe.experts, 2 if cfg.swiglu else 1
+    for name, dim, blocks in (("fc", 1, gate_up), ("fc_bias", 1, gate_up), ("proj", 2, 1)):
+        full = getattr(ex, name)  # (E_local, fc_out, C), (E_local, fc_out), (E_local, C, F)
+        if full is not None:
+            shard = nn.Parameter(parallel.shard_tensor(full.detach(), dim, lay.tp_rank, lay.tp_size, blocks))
             parallel.mark(shard, expert_parallel=True, tensor_model_parallel=True, partition_dim=dim,
                           partition_blocks=blocks)
             setattr(ex, name, shard)

@@ -489,6 +489,7 @@ MOE_RUN = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2", 
            "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-router-enable-expert-bias",
            "--moe-router-bias-update-rate", "1e-2"]
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of each is EP = 1's in one process
     "ep2": ["--expert-model-parallel-size", "2", *ALLTOALL],  # EP 2 x expert-DP 2: a loop over experts
     "ep4-allgather-grouped-recompute": ["--expert-model-parallel-size", "4", "--moe-grouped-gemm",
@@ -503,6 +504,18 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of eac
                        "--save", f"{{out}}/{fmt}", "--ckpt-format", fmt] for fmt in ("torch", "torch_dist")},
     **{f"resume-{fmt}-ep{ep}": ["--expert-model-parallel-size", str(ep), *ALLTOALL, "--load", f"{{out}}/{fmt}",
                                 "--ckpt-format", fmt] for fmt in ("torch", "torch_dist") for ep in (1, 2, 4)},
+    # tensor parallelism, the experts split over TP 2 as the dense MLP (expert TP = TP), x DP 2
+    "tp2": ["--tensor-model-parallel-size", "2"],
+    "tp2-sp-grouped": [*TP2_SP, "--moe-grouped-gemm"],
+    "ep2-tp2-sp": [*TP2_SP, "--expert-model-parallel-size", "2", *ALLTOALL],
+    # saved at EP 2 x TP 2 (+SP, all-to-all; all-gather) after 2 steps, resumed at EP 1 x TP 1 (DP 4);
+    # saved at EP 2 x TP 1 (save-torch), resumed at EP 2 x TP 2 + SP
+    **{f"save-tp-{fmt}": [*TP2_SP[:2], *TP2_SP[2:] * (fmt == "torch"), "--expert-model-parallel-size", "2",
+                          *ALLTOALL * (fmt == "torch"), "--exit-interval", "2", "--save", f"{{out}}/tp-{fmt}",
+                          "--ckpt-format", fmt] for fmt in ("torch", "torch_dist")},
+    **{f"resume-tp-{fmt}-ep1-tp1": ["--load", f"{{out}}/tp-{fmt}", "--ckpt-format", fmt]
+       for fmt in ("torch", "torch_dist")},
+    "resume-torch-ep2-tp2-sp": [*TP2_SP, "--expert-model-parallel-size", "2", *ALLTOALL, "--load", "{out}/torch"],
 }
 
 
