@@ -550,7 +550,7 @@ def _train_moe_runs(out: str, data: str, runs: list) -> None:
 @pytest.fixture(scope="module")
 def moe_runs(ids_corpus, tmp_path_factory):
     """EP = 1 in one process (8 micro-batches a step), then every EP_RUNS run on 4
-    gloo ranks (2 each), in one launch. -> (the metrics of each run by name, counters)"""
+    gloo ranks (2 each; 4 each at TP 2), in one launch. -> (the metrics of each run by name, counters)"""
     out = str(tmp_path_factory.mktemp("moe"))
     train_on_ranks([*MOE_RUN, "--data-path", ids_corpus, "--data-cache-path", os.path.join(out, "cache"),
                     "--metrics-file", os.path.join(out, "one.jsonl")])
@@ -581,7 +581,10 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     expert-DP 2), the all-gather one and the grouped GEMM at EP 4 with
     recomputation (whose rerun forwards are not logged twice), compiled at EP 2
     with recomputation, resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
-    and (the LM loss's curve) through the pipelined step at EP 1."""
+    and (the LM loss's curve) through the pipelined step at EP 1. Under tensor parallelism
+    (the experts split over TP as the dense MLP, the mixture one f ... g region): TP 2, TP 2
+    + SP with the grouped GEMM, EP 2 x TP 2 + SP; resumed at EP 1 x TP 1 from EP 2 x TP 2
+    (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2."""
     runs, _ = moe_runs
     one, got = {m["iteration"]: m for m in runs["one"]}, runs[name]
     assert [m["iteration"] for m in got] == ([3, 4] if name.startswith("resume") else [1, 2, 3, 4])
