@@ -22,7 +22,9 @@ from test_expert_parallel import ALLTOALL, MOE_RUN
 
 # MOE_RUN (8 experts, top-2 of sigmoid scores, the load-balancing and z losses, the
 # expert bias) on 4 layers, the last two MoE: the first pipeline stage holds none of them.
-RUN = [*MOE_RUN, "--num-layers", "4", "--moe-layer-freq", "[0,0,1,1]"]
+# Without the loss on each document's last token, CP ranks keep different shares of the
+# loss (context.split_batch's weights), which the auxiliary losses must not take.
+RUN = [*MOE_RUN, "--num-layers", "4", "--moe-layer-freq", "[0,0,1,1]", "--eod-mask-loss"]
 SEQ = ["--moe-router-load-balancing-type", "seq_aux_loss"]
 BASELINES = {"one": [], "one-seq": SEQ}  # one process, every expert, 8 micro-batches a step
 PP2, CP2 = ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]
@@ -71,7 +73,9 @@ def test_experts_under_pp_and_cp_follow_one_process(runs, name):
     the stages' figures are gathered, the experts' gradients averaged apart
     from the stage's others, and the expert bias moves per stage. Under CP2
     (ring and all-to-all attention) aux_loss and seq_aux_loss, their values
-    and their gradients, are the whole sequences' (the CP sums)."""
+    and their gradients, are the whole sequences' (the CP sums), and the
+    auxiliary losses' gradients do not take the LM loss's CP weight (the
+    ranks keep different shares of the loss: --eod-mask-loss)."""
     baseline, _ = RUNS[name]
     want, got = {m["iteration"]: m for m in runs[baseline]}, runs[name]
     assert [m["iteration"] for m in got] == [1, 2, 3, 4]
