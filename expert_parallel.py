@@ -58,9 +58,6 @@ def check_layout(config) -> None:
     if config.num_experts % lay.ep_size:
         raise UsageError(f"--num-experts {config.num_experts} must be divisible by --expert-model-parallel-size "
                          f"{lay.ep_size}: each EP rank holds the same number of experts")
-    for size, flag in ((lay.cp_size, "--context-parallel-size"), (lay.pp_size, "--pipeline-model-parallel-size")):
-        if size > 1:
-            raise UsageError(f"--num-experts does not run under {flag} > 1 yet: use data and expert parallelism")
     if lay.tp_size > 1 and config.domino_chunks > 1:
         raise UsageError("--num-experts does not run under --domino yet: drop --domino (--sequence-parallel works)")
 
@@ -165,6 +162,18 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.adjoint(grad), None, None
+
+
+def sum_over_context(x):
+    """x summed over the CP group (whose ranks hold parts of the same sequences),
+    differentiable: an all-reduce's adjoint is itself (each CP rank's loss of
+    the sum sends its gradient to every rank's summand)."""
+    return _Collective.apply(x, _cp_sum, _cp_sum)
+
+
+def _cp_sum(x):
+    return parallel.wait(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum",
+                                                               parallel.layout.cp_group.group_name))
 
 
 # Raw collectives on the EP group (functional: torch.compile traces them, parallel.py's form)

@@ -387,9 +387,13 @@ def drop_tokens(probs, routing_map, config: GPTConfig):
 def load_balancing_loss(scores, chosen, k: int):
     """Switch's loss over groups of T tokens, scores and chosen (S, T, E) -> the
     mean over groups of E / (k T^2) sum_e (sum_t scores) (sum_t chosen): 1 when
-    both spread evenly, E at worst. One group: aux_loss; one per sequence: seq_aux_loss."""
+    both spread evenly, E at worst. One group: aux_loss; one per sequence: seq_aux_loss.
+    Under CP each rank holds 1/cp of every group's tokens: the sums are the CP group's (Megatron's)."""
     T, E = scores.shape[-2:]
-    return (scores.sum(-2) * chosen.sum(-2)).sum(-1).mean() * E / (k * T * T)
+    sums = torch.stack([scores.sum(-2), chosen.sum(-2)])                    # (2, S, E)
+    if parallel.layout.cp_size > 1:
+        sums, T = expert_parallel.sum_over_context(sums), T * parallel.layout.cp_size
+    return (sums[0] * sums[1]).sum(-1).mean() * E / (k * T * T)
 
 
 class Experts(nn.Module):
@@ -568,9 +572,10 @@ def update_expert_biases(layers, group=None) -> None:
 
 def set_aux_loss_scale(layers, batch: dict, micro_batches: int, scale=None) -> None:
     """Before a micro-batch's forward: the MoE `layers`' auxiliary losses will join backward with the factor
-    its LM loss carries there (AuxLoss): 1/m of m micro-batches, CP's weight, the fp16 loss `scale` (or None).
+    its LM loss carries there (AuxLoss): 1/m of m micro-batches, the fp16 loss `scale` (or None); not CP's
+    weight, the loss mask's share (the losses count every token, CP's whole sequences through the CP sums).
     A new tensor each time: a backward still to come keeps its own."""
-    factor = weighted_loss(torch.full((), 1 / micro_batches, device=batch["tokens"].device), batch)
+    factor = torch.full((), 1 / micro_batches, device=batch["tokens"].device)
     factor = scale(factor) if scale else factor
     for layer in layers:
         layer.aux_loss_scale = factor

@@ -315,7 +315,10 @@ def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | 
 #
 # The price: stage s holds s micro-batches' (X, dY). W is the blocks'
 # linears'; the biases, norms, embeddings and head (small, or on one stage)
-# take theirs in I. The model and parallel.py carry nothing for it.
+# take theirs in I, and so do a MoE's experts (their stacked weights, no
+# linear's): each expert's GEMM takes a data-dependent share of the tokens,
+# or all share one grouped GEMM, so W would keep a ragged (X, dY) per expert
+# to gain their part of I back. The model and parallel.py carry nothing for it.
 
 def zb_h1_order(pp: int, rank: int, m: int) -> list[Action]:
     """ZB-H1's: for x = 0, 1, ..., F x, I x-(pp-1-rank) and W x-(pp-1), where they exist."""
@@ -468,17 +471,23 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
 # 5. The gradient reductions stages need
 
 def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) -> None:
-    """After the schedule: average the gradients over DP x CP (DDP's job at
-    pp = 1; with an averager, land the all-reduces pipeline_step started), then
-    sum the tied embedding's over its two stages, so both copies take the same
-    step (Megatron's embedding all-reduce)."""
+    """After the schedule: average the gradients over DP x CP, but the experts'
+    (DDP's job at pp = 1; with an averager, land the all-reduces pipeline_step
+    started), then sum the tied embedding's over its two stages, so both
+    copies take the same step (Megatron's embedding all-reduce)."""
     if averager is not None:
         averager.wait()
     elif parallel.layout.dp_cp_size > 1:
-        average([p.grad for p in model.parameters() if p.grad is not None], parallel.layout.dp_cp_group)()
+        average([p.grad for p in averaged(model) if p.grad is not None], parallel.layout.dp_cp_group)()
     tied = tied_embedding_copy(model)
     if tied is not None:
         dist.all_reduce(tied.grad, group=parallel.layout.embedding_group)
+
+
+def averaged(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients are averaged over DP x CP here: not the
+    experts' (EP ranks hold different ones: expert_parallel.reduce_expert_grads)."""
+    return [p for p in model.parameters() if p.requires_grad and not getattr(p, "expert_parallel", False)]
 
 
 def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
@@ -518,9 +527,8 @@ class GradientAverager:
     def __init__(self, model: nn.Module, group, bucket_bytes: int = 25 * 2**20):
         self.group, self.bucket_bytes = group, bucket_bytes
         self.bucket, self.pending, self.accumulated, self.micro_batches = [], [], {}, 0
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._accumulated)
+        for p in averaged(model):
+            p.register_post_accumulate_grad_hook(self._accumulated)
 
     def begin(self, micro_batches: int) -> None:
         """A step of `micro_batches` backwards starts (until then, and after wait(), the hooks do nothing)."""

@@ -318,7 +318,7 @@ class PlainTraining:
         so replicas cannot drift apart; the skip stays on the device: no host read."""
         if parallel.layout.pp_size > 1:  # the averages DDP makes at pp = 1, and the tied embedding's sum
             pipeline.reduce_pipeline_grads(self.raw, self.averager)
-        elif self.moe_layers:  # the experts' averages, which DDP left alone
+        if self.moe_layers:  # the experts' averages, which DDP (or the stages' reduction) left alone
             expert_parallel.reduce_expert_grads(self.raw)
         if self.scaler:
             self.scaler.unscale_(self.raw.parameters())
@@ -479,7 +479,7 @@ def loop(cfg: TrainConfig, env: launch.Dist, trainer, schedule: tuple, datasets,
             mean_loss, since_log = sum(since_log) / len(since_log), []
             metrics = {"iteration": iteration, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
                        **meter.figures(), "batch_size": batch_size, "consumed_samples": consumed}
-            if trainer.moe_layers:  # their auxiliary losses, the tokens' spread over the experts, those dropped
+            if mcfg.num_experts:  # their auxiliary losses, the tokens' spread over the experts, those dropped
                 metrics.update(train_ops.moe_figures(trainer.moe_layers))
             if eval_now:
                 metrics["val_loss"] = validation_loss(trainer.model, mcfg, valid_ds, cfg, env.device,

@@ -252,20 +252,28 @@ def moe_figures(layers: dict) -> dict:
     (MoE.stats, cleared), over the DP x CP ranks, whose tokens differ: each
     auxiliary loss's mean (without its coefficient), the imbalance of the tokens
     per expert (max over mean; 1 is even) and the share of token choices dropped
-    over capacity (moe_dropped); each as NAME/layerI, and their mean over layers as NAME."""
-    first = next(iter(layers.values()))
-    names, E = list(first.stats)[:-3], first.config.num_experts  # the losses; then tokens (E), dropped, forwards
-    sums = torch.stack([torch.cat([v.reshape(-1) for v in layer.stats.values()]) for layer in layers.values()])
-    if parallel.layout.dp_cp_size > 1:
-        dist.all_reduce(sums, group=parallel.layout.dp_cp_group)
-    tokens = sums[:, -E - 2:-2]                                                     # (L, E)
-    table = torch.cat([sums[:, :len(names)] / sums[:, -1:], (tokens.amax(1) / tokens.mean(1))[:, None],
-                       (sums[:, -2] / tokens.sum(1))[:, None]], dim=1).tolist()    # (L, figures)
-    names += ["moe_imbalance", "moe_dropped"]
-    for layer in layers.values():
-        layer.stats.clear()
-    figures = {f"{name}/layer{i}": v for i, row in zip(layers, table) for name, v in zip(names, row)}
-    return {**{name: sum(row[j] for row in table) / len(table) for j, name in enumerate(names)}, **figures}
+    over capacity (moe_dropped); each as NAME/layerI, and their mean over layers as NAME.
+    Every rank calls it: under PP each stage adds its own layers' (a stage may hold none)."""
+    rows = {}  # layer -> {name: figure}
+    if layers:
+        first = next(iter(layers.values()))
+        names, E = list(first.stats)[:-3], first.config.num_experts  # the losses; then tokens (E), dropped, forwards
+        sums = torch.stack([torch.cat([v.reshape(-1) for v in layer.stats.values()]) for layer in layers.values()])
+        if parallel.layout.dp_cp_size > 1:
+            dist.all_reduce(sums, group=parallel.layout.dp_cp_group)
+        tokens = sums[:, -E - 2:-2]                                                     # (L, E)
+        table = torch.cat([sums[:, :len(names)] / sums[:, -1:], (tokens.amax(1) / tokens.mean(1))[:, None],
+                           (sums[:, -2] / tokens.sum(1))[:, None]], dim=1).tolist()    # (L, figures)
+        rows = {i: dict(zip(names + ["moe_imbalance", "moe_dropped"], row)) for i, row in zip(layers, table)}
+        for layer in layers.values():
+            layer.stats.clear()
+    if parallel.layout.pp_size > 1:  # the other stages' layers too, for rank 0's log line and file
+        stages = [None] * parallel.layout.pp_size
+        dist.all_gather_object(stages, rows, group=parallel.layout.pp_group)
+        rows = dict(sorted(item for stage in stages for item in stage.items()))
+    figures = {f"{name}/layer{i}": v for i, row in rows.items() for name, v in row.items()}
+    names = list(next(iter(rows.values())))
+    return {**{name: sum(row[name] for row in rows.values()) / len(rows) for name in names}, **figures}
 
 
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation), matched against

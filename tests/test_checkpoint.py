@@ -643,7 +643,8 @@ def test_a_file_name_longer_than_a_filesystem_takes_is_one_line(two_saves, dist_
     it would be `OSError: File name too long`) in checksums.sha256, as a
     tensor's file in DCP's .metadata, or in a Hugging Face
     model.safetensors.index.json: --export-from names it, shortened, in one
-    line. Wrong digests are damage: the checkpoint before is exported."""
+    line. No file of the checkpoint can bear it, so it is damage: from a save
+    directory, the checkpoint before is exported."""
     long = "x" * 290 + ".safetensors"
     shown = f"'{'x' * 59}... (304 characters)"  # its repr, shortened
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
@@ -655,6 +656,7 @@ def test_a_file_name_longer_than_a_filesystem_takes_is_one_line(two_saves, dist_
                 f"directory") in log, log
         assert sorted(os.listdir(out)) == ["iter_0000002", checkpoint.LATEST]
         return
+    named = f"names {shown}, a file it does not hold ({shown} is not a file name in the checkpoint's directory)"
     if where == "DCP's .metadata":
         shutil.copytree(dist_saves, ckpt)
         tag, index = ckpt / "iter_0000004", checkpoint.DIST_METADATA
@@ -665,6 +667,10 @@ def test_a_file_name_longer_than_a_filesystem_takes_is_one_line(two_saves, dist_
         with open(tag / index, "wb") as f:
             pickle.dump(metadata, f)
         _rewrite_digests(str(tag))
+        log = _export_log(ckpt, out, capsys)
+        assert f"checkpoint {tag} cannot be loaded: {tag / checkpoint.DIST_METADATA} {named}" in log, log
+        assert sorted(os.listdir(out)) == ["iter_0000002", checkpoint.LATEST]
+        return
     else:
         to_hf(tiny_model(), str(tmp_path / "good"))
         tag, index = ckpt, "model.safetensors.index.json"
@@ -675,9 +681,7 @@ def test_a_file_name_longer_than_a_filesystem_takes_is_one_line(two_saves, dist_
         train.main(["--export-from", str(ckpt), "--export-to", str(out)])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"train.py: error: refusing to read the checkpoint in {tag}: {tag / index} names {shown}, not one of its own "
-        f"files ({shown} is not a file name in the checkpoint's directory). Load checkpoints only from a source "
-        f"you trust"]
+        f"train.py: error: checkpoint {tag} is damaged: {tag / index} {named}"]
 
 
 @pytest.mark.parametrize("edit, problem", [

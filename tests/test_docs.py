@@ -128,6 +128,24 @@ def test_the_readme_is_short_and_says_how_to_run_it_and_test_it():
     assert not [page for page in PAGES[1:] if page not in linked], "pages no other page links to"
 
 
+@pytest.mark.quick
+def test_the_readmes_reading_figures_are_what_bench_reading_lines_counts():
+    """README's "Reading the code" gives, for each idea, the lines of its
+    textbook core: each figure is bench/reading_lines.py's count within its
+    TOLERANCE, and each peer's figure is the script's, so an edit that grows
+    a core past the README's word fails here until the README says so."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import reading_lines
+    rows = dict(re.findall(r"^\| ([^|]+?) \| (\d+) \| [^|]*\|$", read("README.md"), re.M))
+    counted = reading_lines.counts()
+    assert set(rows) == set(counted), "README's reading figures name other ideas than bench/reading_lines.py"
+    for idea, n in counted.items():
+        assert abs(int(rows[idea]) - n) <= reading_lines.TOLERANCE * n, f"{idea}: README says {rows[idea]}, " \
+            f"bench/reading_lines.py counts {n}: update README.md"
+        peer = reading_lines.CORES[idea][1]
+        assert not peer or re.search(rf"^\| {re.escape(idea)} \| \d+ \| .*: {peer[0]} \|$", read("README.md"), re.M)
+
+
 @pytest.mark.slow
 def test_every_runnable_block_runs_at_a_tiny_size(tmp_path):
     """The commands marked runnable (the README's quick start by hand, and the

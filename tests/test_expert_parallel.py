@@ -461,13 +461,11 @@ def test_a_bad_moe_option_is_refused_in_one_line(bad, flag):
 @pytest.mark.quick
 def test_layouts_the_experts_do_not_run_under_are_refused_in_one_line(monkeypatch):
     """An EP size that does not divide DP x CP (here one process), or the
-    experts; and, so far, CP or PP with experts, and Domino (TP with overlap)."""
+    experts; and, so far, Domino (TP with overlap) with experts."""
     monkeypatch.setattr(parallel, "layout", parallel.layout)  # put back after the test
     with pytest.raises(UsageError, match="--expert-model-parallel-size 2 must divide"):
         parallel.initialize(expert_model_parallel_size=2)
     for layout, flag, options in ((parallel.Layout(ep_size=3), "divisible by --expert-model-parallel-size 3", {}),
-                                  (parallel.Layout(cp_size=2), "--context-parallel-size", {}),
-                                  (parallel.Layout(pp_size=2), "--pipeline-model-parallel-size", {}),
                                   (parallel.Layout(tp_size=2), "--domino", dict(domino_chunks=2))):
         monkeypatch.setattr(parallel, "layout", layout)
         with pytest.raises(UsageError, match=flag) as error:
@@ -496,8 +494,8 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of eac
                                         "--recompute-activations"],
     "ep2-compiled-recompute": ["--expert-model-parallel-size", "2", *ALLTOALL, "--compile", "--compile-backend",
                                "aot_eager", "--recompute-activations"],
-    # the pipelined step (4 micro-batches a step): PP with experts waits for their composition,
-    # its refusal lifted here to check the auxiliary losses' share at EP 1 (the curve, not the figures)
+    # the pipelined step (4 micro-batches a step), each stage one of the two MoE layers
+    # (tests/test_expert_pipeline_context.py: with EP, every schedule, and CP)
     "pp2-ep1": ["--pipeline-model-parallel-size", "2"],
     # saved at EP 2 after 2 steps, then resumed to the end at EP 1 (DP 4), 2 and 4
     **{f"save-{fmt}": ["--expert-model-parallel-size", "2", *ALLTOALL, "--exit-interval", "2",
@@ -532,13 +530,7 @@ def _train_moe_runs(out: str, data: str, runs: list) -> None:
         parallel.destroy()
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        refusal = expert_parallel.check_layout
-        if name == "pp2-ep1":
-            expert_parallel.check_layout = lambda config: None
-        try:
-            train.train(cfg, train_ops.init_processes(cfg))
-        finally:
-            expert_parallel.check_layout = refusal
+        train.train(cfg, train_ops.init_processes(cfg))
         counters = torch._dynamo.utils.counters
         found[name] = {"graphs": counters["stats"]["unique_graphs"],
                        "graph_breaks": sum(counters["graph_break"].values())}
@@ -581,18 +573,17 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     expert-DP 2), the all-gather one and the grouped GEMM at EP 4 with
     recomputation (whose rerun forwards are not logged twice), compiled at EP 2
     with recomputation, resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
-    and (the LM loss's curve) through the pipelined step at EP 1. Under tensor parallelism
-    (the experts split over TP as the dense MLP, the mixture one f ... g region): TP 2, TP 2
-    + SP with the grouped GEMM, EP 2 x TP 2 + SP; resumed at EP 1 x TP 1 from EP 2 x TP 2
+    and through the pipelined step at EP 1 (rank 0 logs the other stage's layer too). Under tensor
+    parallelism (the experts split over TP as the dense MLP, the mixture one f ... g region): TP 2,
+    TP 2 + SP with the grouped GEMM, EP 2 x TP 2 + SP; resumed at EP 1 x TP 1 from EP 2 x TP 2
     (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2."""
     runs, _ = moe_runs
     one, got = {m["iteration"]: m for m in runs["one"]}, runs[name]
     assert [m["iteration"] for m in got] == ([3, 4] if name.startswith("resume") else [1, 2, 3, 4])
-    curve = CURVE[:3] if name.startswith("pp") else CURVE  # rank 0 logs its own stage's MoE layers
     for m in got:
         want = one[m["iteration"]]
-        assert set(m) >= {k for k in curve if k != "val_loss"} and ("val_loss" in m) == ("val_loss" in want)
-        for key in (k for k in curve if k in want):
+        assert set(m) >= {k for k in CURVE if k != "val_loss"} and ("val_loss" in m) == ("val_loss" in want)
+        for key in (k for k in CURVE if k in want):
             assert m[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, m["iteration"], key)
     assert runs["one"][-1]["loss"] < runs["one"][0]["loss"] - 0.1  # it trained
 
