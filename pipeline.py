@@ -62,8 +62,8 @@ def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stag
 
 
 def stage_model(config: GPTConfig, chunks: list[range]) -> GPT:
-    """The stage of layers `chunks`: the whole model, built and initialized as on one device
-    (GPT), keeping their blocks and its ends (`ends`; tied: a copy of wte, marked pipeline_copy)."""
+    """The stage of layers `chunks`: the whole model built and initialized as on one device (GPT),
+    keeping their blocks and its `ends` (embeddings, final norm, head; tied: a wte copy, pipeline_copy)."""
     first, last = chunks[0].start == 0, chunks[-1].stop == config.num_layers
     tied = not config.untie_embeddings_and_output_weights
     ends = {"wte": first or (last and tied), "wpe": first, "ln_f": last, "output_layer": last}
@@ -266,9 +266,9 @@ def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | 
 #     I  (the input gradient)  a linear y = X W^T + b stores (X, dY), not dW
 #     W  (any tick later)      dW = dY^T X
 #
-# The previous stage waits for I, nothing for W. ZB-H1 (--enable-zero-bubble) keeps 1F1B's
-# F's and I's, and stage s runs its W's s micro-batches late, in 1F1B's cool-down, holding
-# their (X, dY); the model carries nothing for it (pp=4, m=8: 3 idle ticks of 27, 1F1B's 9 of 33):
+# The previous stage waits for I, nothing for W. ZB-H1 (--enable-zero-bubble) keeps 1F1B's F's
+# and I's, and stage s runs each W s micro-batches after its I, in 1F1B's cool-down, holding s
+# micro-batches' (X, dY); the model carries nothing for it (pp=4, m=8: 3 idle ticks of 27, not 9 of 33):
 #
 #     stage 0  0123...aA4bB5cC6dD7eEfFgGhH
 #     stage 1  .012..a3bA4cB5dC6eD7fEgFhGH
@@ -408,7 +408,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
 
     tokens = cfg.seq_length // parallel.layout.cp_size  # this rank's share (context.py) ...
     tokens //= parallel.layout.tp_size if model.sequence_parallel else 1  # ... of which SP keeps 1/tp
-    dtype = next(model.parameters()).dtype  # the weights' (fp32 under autocast; DeepSpeed's fp16/bf16: 16-bit)
+    dtype = next(model.parameters()).dtype  # the residual stream's: fp32 under autocast, DeepSpeed's bf16/fp16
     zero_bubble = LaterWeightGrads(model) if cfg.enable_zero_bubble and torch.is_grad_enabled() else None
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
                  dtype, after=averager and averager.after, act=zero_bubble and zero_bubble.act)
