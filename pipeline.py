@@ -420,10 +420,9 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
 # 5. The gradient reductions stages need
 
 def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) -> None:
-    """After the schedule: average the gradients over DP x CP (DDP's job at
-    pp = 1; with an averager, land the all-reduces pipeline_step started), then
-    sum the tied embedding's over its two stages, so both copies take the same
-    step (Megatron's embedding all-reduce)."""
+    """After the schedule: average the gradients over DP x CP (DDP's job at pp = 1; with an
+    averager, land the all-reduces pipeline_step started), then sum the tied embedding's over
+    its two stages, so both copies take the same step (Megatron's embedding all-reduce)."""
     if averager is not None:
         averager.wait()
     elif parallel.layout.dp_cp_size > 1:
@@ -434,9 +433,8 @@ def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) 
 
 
 def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
-    """Where a tied embedding is split over two pipeline stages (the first's
-    embedding, the last's head) and this stage holds one copy: its weight,
-    whose gradient the two stages sum; else None."""
+    """Where a tied embedding is split over two pipeline stages (the first's embedding, the
+    last's head) and this stage holds one copy: its weight, whose gradient they sum; else None."""
     tied = not model.config.untie_embeddings_and_output_weights
     return model.wte.weight if tied and parallel.layout.pp_size > 1 and hasattr(model, "wte") else None
 
@@ -456,16 +454,13 @@ def average(grads: list[torch.Tensor], group):
 
 
 class GradientAverager:
-    """Averages a stage's gradients over its data-parallel group while the
-    schedule still runs (DDP's reducer cannot: it expects each forward's
-    backward before the next forward, and 1F1B keeps several in flight).
-
-    A parameter's gradient is final once the step's last micro-batch has been
-    through its backward (a hook counts). Final gradients gather in a bucket
-    (DDP's 25 MB), all-reduced when it fills, during the rest of that backward
-    (Megatron's --overlap-grad-reduce); flush() launches a partial bucket as
-    each backward ends. In 1F1B's drain the last stage ends first, and its
-    all-reduces run while stage 0 drains. wait() lands them all."""
+    """Averages a stage's gradients over its data-parallel group while the schedule
+    still runs (DDP's reducer cannot: it expects each forward's backward before the
+    next forward, and 1F1B keeps several in flight). A gradient is final once the
+    step's last micro-batch has been through its backward (a hook counts); final ones
+    gather in a bucket (DDP's 25 MB), all-reduced when it fills, during the rest of that
+    backward (Megatron's --overlap-grad-reduce; docs/pipeline.md); flush() launches a
+    partial bucket as each backward ends, wait() lands them all."""
 
     def __init__(self, model: nn.Module, group, bucket_bytes: int = 25 * 2**20):
         self.group, self.bucket_bytes = group, bucket_bytes
