@@ -14,7 +14,7 @@ where the all-to-all sits in the step (issue 71's "Measured").
    (alltoall dispatcher), recorded by a TorchDispatchMode on rank 0: the
    GEMMs and the collectives (a2a: an all-to-all posted; land: its wait).
 
-    OMP_NUM_THREADS=2 python bench/bench_moe.py           # a few minutes on 2 cores
+    OMP_NUM_THREADS=2 python bench/bench_moe.py           # minutes on 2 idle cores
     python bench/bench_moe.py --smoke                     # tiny sizes, seconds
 """
 import argparse
@@ -41,7 +41,7 @@ from train import build_optimizer  # noqa: E402
 
 ADAMW = types.SimpleNamespace(lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
 SIZES = {  # Mixtral's shape (Llama options, SwiGLU experts), scaled to a CPU; vocab small so the MLPs weigh
-    "full": dict(preset="cpu", F=512, B=8, T=256, warmup=2, steps=7, mem_B=1, mem_T=64),
+    "full": dict(preset="cpu", F=512, B=4, T=256, warmup=1, steps=5, mem_B=1, mem_T=64),
     "smoke": dict(preset="tiny", F=32, B=2, T=16, warmup=1, steps=2, mem_B=1, mem_T=16),
 }
 
