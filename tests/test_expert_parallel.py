@@ -706,9 +706,9 @@ def test_the_reported_losses_are_the_lm_loss_alone_and_the_aux_losses_join_backw
 # d98e8a6), every argument as pasted but: the sizes scaled down (layers, hidden, heads
 # and query groups 4:1 as Mixtral's, ffn 3.5 x hidden, sequence, global batch, EP 8 -> 2,
 # and the iteration counts: 10 steps, decay over 8, warm-up 1, save and evaluate at 5
-# and 10), its data ours (NullTokenizer ids), and these not taken, each refused in one
-# line: --pipeline-model-parallel-size 4 (the experts run with DP and EP only),
-# --use-distributed-optimizer (ZeRO-1 is --deepspeed, refused with experts),
+# and 10), its layout DP x EP (its --pipeline-model-parallel-size 4 at 1: PP with experts
+# has tests of its own), its data ours (NullTokenizer ids), and these not taken, each
+# refused in one line: --use-distributed-optimizer (ZeRO-1 is --deepspeed, refused with experts),
 # --sequence-parallel (needs TP > 1; Megatron turns it off at TP 1), --tokenizer-type
 # Llama2Tokenizer and --tokenizer-model (GPT-2's BPE or ids only).
 MIXTRAL_RECIPE = """
