@@ -32,6 +32,10 @@ different tokens: an expert's gradient covers its EP group's tokens, and
 reduce_expert_grads sums it over the ranks holding the same expert
 (layout.expert_dp_group) while DDP averages the other weights over DP x CP.
 
+Under ZB-H1 (pipeline.py section 3b) the experts take their dW in I, not W:
+each expert's GEMM takes a data-dependent share of the tokens (or all share
+one grouped GEMM), so W would keep a ragged (X, dY) per expert.
+
 torch.compile and the data-dependent token counts: the plain loop and
 permute take each expert's tokens with nonzero, whose size Dynamo traces as
 an unbacked symbol under capture_dynamic_output_shape_ops; the all-to-all's

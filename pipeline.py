@@ -1,9 +1,6 @@
-"""Pipeline parallelism: the layers split into stages, one per pipeline rank,
-and a step's micro-batches scheduled through them. Sections: 1. the stages;
-2. the schedules, 1F1B and interleaved, timed on one clock and drawn (chart);
-3. run_pipeline, one rank's part of a schedule, and 3b. zero bubble (ZB-H1);
-4. the pipelined step; 5. the gradient reductions stages need; 6. the checks.
-"""
+"""Pipeline parallelism, in sections: 1. the stages; 2. the schedules, 1F1B and
+interleaved, on one clock and drawn (chart); 3. run_pipeline, and 3b. zero bubble
+(ZB-H1); 4. the pipelined step; 5. the stages' gradient reductions; 6. the checks."""
 from __future__ import annotations
 
 import contextlib
@@ -23,26 +20,22 @@ from data import to_device
 from gpt import GPT, GPTConfig, MoE, rope_angles, set_aux_loss_scale, weighted_loss
 from launch import UsageError
 
-# The layers are split into pp stages, one per pipeline rank (Huang et al.,
-# "GPipe", 2019; Narayanan et al., "Megatron-LM at scale", 2021): stage 0
-# holds the embedding, the last stage the final norm, the head and the loss.
-# A stage sends its output (B, T[/tp], C) to the next one and, in backward,
-# the gradient w.r.t. its input to the previous one; the global batch is cut
-# into m micro-batches, to keep every stage busy. 1F1B (PipeDream-flush,
-# Narayanan et al. 2021), pp=4, m=8, drawn by chart(pipeline_timeline(4, 8)):
-# a forward (digit: micro-batch) takes a tick, a backward (letter: a=0, b=1,
-# ...) two, '.' is idle:
+# The layers are split into pp stages, one per pipeline rank (GPipe, Huang et al. 2019;
+# Megatron-LM, Narayanan et al. 2021): stage 0 holds the embedding, the last the final
+# norm, the head and the loss. A stage sends its output (B, T[/tp], C) to the next and,
+# in backward, the gradient w.r.t. its input to the previous; the batch is cut into m
+# micro-batches to keep every stage busy. 1F1B (PipeDream-flush), pp=4, m=8, drawn by
+# chart(pipeline_timeline(4, 8)): a forward (digit: micro-batch) takes a tick, a backward two:
 #
 #     stage 0  0123......aa4bb5cc6dd7ee.ff.gg.hh
 #     stage 1  .012....aa3bb4cc5dd6ee7ff.gg.hh..
 #     stage 2  ..01..aa2bb3cc4dd5ee6ff7gg.hh....
 #     stage 3  ...0aa1bb2cc3dd4ee5ff6gg7hh......
 #
-# Stage s warms up with pp-1-s forwards, then alternates a forward and a
-# backward (the steady state), then cools down with the last backwards: it
-# holds at most pp-s micro-batches' activations (GPipe, all forwards first,
-# holds m). The idle ticks, the bubble, are (pp-1)/(m+pp-1) of the step
-# (here 9 of 33 a stage): fewer with more micro-batches.
+# Stage s warms up with pp-1-s forwards, alternates a forward and a backward
+# (the steady state), then cools down with the last backwards: it holds at most
+# pp-s micro-batches' activations (GPipe, all forwards first: m). The idle
+# ticks ('.', the bubble) are (pp-1)/(m+pp-1) of the step (here 9 of 33).
 #
 # Interleaved 1F1B (--num-layers-per-virtual-pipeline-stage): rank r holds v
 # model chunks, chunk c being virtual stage c*pp + r, and a micro-batch goes
@@ -53,9 +46,8 @@ from launch import UsageError
 #     stage 2  ..01..aa.bb2..3...cc.dd....
 #     stage 3  ...0aa1bb......2cc3dd......
 #
-# A tick is 1/v as long, and the bubble (pp-1)/(v*m+pp-1) (here 3 of 27 a
-# rank): about v times smaller, for v times more messages. Zero bubble
-# (ZB-H1, section 3b) fills 1F1B's cool-down with weight gradients instead.
+# A tick is 1/v as long, the bubble (pp-1)/(v*m+pp-1) (here 3 of 27): about v
+# times smaller, for v times the messages. ZB-H1 (3b) fills 1F1B's cool-down.
 
 
 # ----------------------------------------------------------------------------
@@ -63,18 +55,15 @@ from launch import UsageError
 
 def pipeline_chunks(num_layers: int, pp: int, rank: int, layers_per_virtual_stage: int | None = None) -> list[range]:
     """The layers of each model chunk of pipeline rank `rank`: one chunk of
-    num_layers/pp consecutive layers, or v = num_layers/(pp*n) chunks of
-    n = layers_per_virtual_stage layers, chunk c being virtual stage c*pp + rank."""
+    num_layers/pp layers, or num_layers/(pp*n) chunks of n = layers_per_virtual_stage."""
     n = layers_per_virtual_stage or num_layers // pp
     check_layers(num_layers, pp, n, layers_per_virtual_stage)
     return [range((c * pp + rank) * n, (c * pp + rank + 1) * n) for c in range(num_layers // (pp * n))]
 
 
 def stage_model(config: GPTConfig, chunks: list[range]) -> GPT:
-    """The stage of layers `chunks`: the whole model, built and initialized as
-    on one device (GPT), keeping their blocks; the first layer's stage the
-    embeddings, the last layer's the final norm and the head (tied: a copy of
-    the embedding, marked pipeline_copy)."""
+    """The stage of layers `chunks`: the whole model built and initialized as on one device (GPT),
+    keeping their blocks and its `ends` (embeddings, final norm, head; tied: a wte copy, pipeline_copy)."""
     first, last = chunks[0].start == 0, chunks[-1].stop == config.num_layers
     tied = not config.untie_embeddings_and_output_weights
     ends = {"wte": first or (last and tied), "wpe": first, "ln_f": last, "output_layer": last}
@@ -90,11 +79,9 @@ def stage_model(config: GPTConfig, chunks: list[range]) -> GPT:
 
 
 class Stage(nn.Module):
-    """stage_model's `model` (or a whole GPT: one chunk), a model chunk at a
-    time, from the model's own pieces: chunk `chunk` embeds `batch`'s tokens
-    or runs on x (B, T[/tp], C), the previous stage's output, and returns its
-    output or, ending with the last layer, the loss (a module: torch.compile
-    compiles each chunk's forward whole)."""
+    """stage_model's `model` (or a whole GPT: one chunk) a chunk at a time, from the model's
+    own pieces: chunk `chunk` embeds `batch`'s tokens or runs on x, the previous stage's output,
+    and returns its output or, with the last layer, the loss (torch.compile compiles a chunk whole)."""
 
     def __init__(self, model: GPT):
         super().__init__()
@@ -105,16 +92,14 @@ class Stage(nn.Module):
         model, layers = self.model, self.chunks[chunk]
         if layers.start == 0:
             x, rope = model.embed(batch["tokens"], batch["position_ids"])  # (B, T[/tp], C)
-        else:
+        else:  # RoPE's angles, as embed gives them
             rope = rope_angles(model.config, batch["position_ids"]) \
                 if model.config.position_embedding_type == "rope" else None
         # every chunk holds n layers, in model.blocks in layer order; a slice of the list, as a
         # slice of the ModuleList would build a new module every forward (0.2 ms at 48)
         n = len(layers)
         x = model.run_blocks(x, rope, list(model.blocks)[chunk * n:(chunk + 1) * n], batch.get("document_ids"))
-        if layers.stop < model.config.num_layers:
-            return x
-        return model.head(x, batch["labels"], batch["loss_mask"])
+        return x if layers.stop < model.config.num_layers else model.head(x, batch["labels"], batch["loss_mask"])
 
 
 # ----------------------------------------------------------------------------
@@ -127,9 +112,8 @@ class Action(NamedTuple):
 
 
 def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = False) -> list[Action]:
-    """One rank's actions, in Megatron's order. The k-th of its m*v forwards
-    runs chunk (k mod pp*v) // pp: micro-batches go through the chunks in
-    groups of pp (the backwards through the chunks in reverse)."""
+    """One rank's actions, in Megatron's order. The k-th of its m*v forwards runs chunk
+    (k mod pp*v) // pp: micro-batches go through the chunks in groups of pp (backwards in reverse)."""
     def action(kind: str, k: int) -> Action:
         chunk = k % (pp * v) // pp
         return Action(kind, v - 1 - chunk if kind == "B" else chunk, k // (pp * v) * pp + k % pp)
@@ -145,37 +129,32 @@ def rank_order(pp: int, rank: int, m: int, v: int = 1, forward_only: bool = Fals
     return order + [action("B", k) for k in range(total - warmup, total)]
 
 
-# A backward costs about two forwards (the gradients w.r.t. inputs and weights
-# are a matmul each), so the clock gives it two ticks (equal ticks would make
-# neighbours wait on each other's backwards); zero bubble splits it in two.
+# A backward is two matmuls (dX, dW) to a forward's one, so it takes two ticks
+# (with one, neighbours would wait on each other's backwards); ZB-H1's I and W one.
 DURATION = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
 def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False,
                       zero_bubble: bool = False) -> list[list[Action | None]]:
-    """Every rank's actions (rank_order's; zero_bubble: zb_h1_order's, one
-    chunk a rank) on a common clock: ticks[t][rank] is the action the rank
-    starts at tick t, or None (busy with a backward, or idle: the bubble). An
-    action starts at the first tick after the one that finished its input:
-    the previous virtual stage's forward, or the next one's backward (the
-    last's: its own forward)."""
+    """Every rank's actions (rank_order's; zero_bubble: zb_h1_order's) on one clock: ticks[t][rank]
+    is the action the rank starts at tick t, or None (busy, or idle: the bubble). An action taking a
+    message (_messages, as run_pipeline exchanges them) starts after the tick its sender ends."""
     if not forward_only:
         check_micro_batches(m, pp, v)
     orders = [zb_h1_order(pp, r, m) if zero_bubble and not forward_only else rank_order(pp, r, m, v, forward_only)
               for r in range(pp)]
-    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> tick it ends
-    last = pp * v - 1
+    inputs = {_messages(a, r, pp, v) for r in range(pp) for a in orders[r]} - {None}  # (receiver, its action)
+    sent: dict[tuple, int] = {}  # a message -> the tick its sender ends
     ticks, position, free = [], [0] * pp, [0] * pp  # free: the first tick a rank is not busy
     while any(position[r] < len(orders[r]) for r in range(pp)):
         t, row = len(ticks), []
         for r in range(pp):
             a = orders[r][position[r]] if position[r] < len(orders[r]) and free[r] <= t else None
-            needs = _input_of(a, a.chunk * pp + r, last) if a else None
-            if a is None or (needs is not None and done.get(needs, t) >= t):
-                row.append(None)
-                continue
-            done[(a.kind, a.chunk * pp + r, a.micro)] = t + DURATION[a.kind] - 1
-            position[r], free[r] = position[r] + 1, t + DURATION[a.kind]
+            if a is not None and (r, a) in inputs and sent.get((r, a), t) >= t:
+                a = None  # its input has not come
+            if a is not None:
+                sent[_messages(a, r, pp, v)] = t + DURATION[a.kind] - 1
+                position[r], free[r] = position[r] + 1, t + DURATION[a.kind]
             row.append(a)
         if not any(row) and all(f <= t for f in free):
             raise RuntimeError(f"pipeline schedule stalls at tick {t}: {orders}")
@@ -183,31 +162,18 @@ def pipeline_timeline(pp: int, m: int, v: int = 1, forward_only: bool = False,
     return ticks + [[None] * pp] * (max(free) - len(ticks))  # the last backwards' ends
 
 
-def _input_of(a: Action, s: int, last: int) -> tuple[str, int, int] | None:
-    """The (kind, virtual stage, micro) whose end gives a, on stage s, its input."""
-    if a.kind == "F":
-        return ("F", s - 1, a.micro) if s > 0 else None
-    if a.kind == "W":
-        return ("I", s, a.micro)
-    return (a.kind, s + 1, a.micro) if s < last else ("F", s, a.micro)
-
-
 def _messages(a: Action | None, sender: int, pp: int, v: int):
-    """(receiver, (kind, receiver's chunk, micro)) of what `sender`'s action a
-    sends when it ends: F's output to the next virtual stage, B's (I's) input
-    gradient to the previous one; W sends nothing."""
+    """(receiver, (kind, receiver's chunk, micro)) of what `sender`'s action a sends as it
+    ends: F's output to the next virtual stage, B's (I's) input gradient to the previous."""
     if a is None or a.kind == "W":
         return None
-    s = a.chunk * pp + sender + (1 if a.kind == "F" else -1)
-    if not 0 <= s < pp * v:
-        return None
-    return s % pp, (a.kind, s // pp, a.micro)
+    s = a.chunk * pp + sender + (1 if a.kind == "F" else -1)  # the virtual stage it goes to
+    return (s % pp, (a.kind, s // pp, a.micro)) if 0 <= s < pp * v else None
 
 
 def chart(ticks: list[list[Action | None]]) -> str:
-    """`ticks` drawn as above: a row per (virtual) stage, a column per tick; a
-    forward its micro-batch's digit (m <= 10), a backward its letter (a = 0)
-    over two ticks, zero bubble's I and W lower- and upper-case, '.' idle."""
+    """`ticks` drawn as above: a row per (virtual) stage, a column per tick; a forward its micro-batch's
+    digit (m <= 10), a backward its letter (a = 0) over two ticks, ZB-H1's I and W lower- and upper-case."""
     pp, v = len(ticks[0]), 1 + max(a.chunk for row in ticks for a in row if a)
     rows = [["."] * len(ticks) for _ in range(pp * v)]
     for t, row in enumerate(ticks):
@@ -232,12 +198,9 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
             send what this rank's action ending at t made, and receive
             what its neighbours' actions ending at t made    (exchange)
 
-    forward(chunk, micro, x) runs a model chunk on x, the previous stage's
-    output (None on the first virtual stage): its output, on the last the
-    loss. timeline gets each action's (tick, action, start, end); after(action)
-    runs as it ends."""
+    forward(chunk, micro, x) runs a model chunk on x (None on the first virtual stage): its output,
+    on the last the loss. timeline gets each action's (tick, action, start, end); after(action) as it ends."""
     rank, pp, group = parallel.layout.pp_rank, parallel.layout.pp_size, parallel.layout.pp_group
-    act = act or _act
     ending = {(t + DURATION[a.kind] - 1, r): a for t, row in enumerate(ticks) for r, a in enumerate(row) if a}
     received: dict[tuple, torch.Tensor] = {}  # (kind, chunk, micro) -> from a neighbour
     in_flight: dict[tuple, tuple] = {}        # (chunk, micro) -> (input, output) until its backward
@@ -274,7 +237,7 @@ def run_pipeline(ticks: list[list[Action | None]], v: int, forward, shape: tuple
         if a is not None:
             unblock_senders_during(a, t)
             start = time.perf_counter()
-            output = act(a, forward, received, in_flight)
+            output = (act or _act)(a, forward, received, in_flight)
             if timeline is not None:
                 timeline.append((t, a, start, time.perf_counter()))
             if after is not None:
@@ -303,22 +266,14 @@ def _act(a: Action, forward, received: dict, in_flight: dict) -> torch.Tensor | 
 #     I  (the input gradient)  a linear y = X W^T + b stores (X, dY), not dW
 #     W  (any tick later)      dW = dY^T X
 #
-# The previous stage waits for I, nothing for W. ZB-H1 (--enable-zero-bubble)
-# keeps 1F1B's F's and I's, and stage s runs each W s micro-batches after its
-# I, where 1F1B cools down (digit F, lower-case I, upper-case W, a tick each;
-# pp=4, m=8: 3 idle ticks of 27, 1F1B's 9 of 33):
+# The previous stage waits for I, nothing for W. ZB-H1 (--enable-zero-bubble) keeps 1F1B's F's
+# and I's, and stage s runs each W s micro-batches after its I, in 1F1B's cool-down, holding s
+# micro-batches' (X, dY); the model carries nothing for it (pp=4, m=8: 3 idle ticks of 27, not 9 of 33):
 #
 #     stage 0  0123...aA4bB5cC6dD7eEfFgGhH
 #     stage 1  .012..a3bA4cB5dC6eD7fEgFhGH
 #     stage 2  ..01.a2b3cA4dB5eC6fD7gEhFGH
 #     stage 3  ...0a1b2c3dA4eB5fC6gD7hEFGH
-#
-# The price: stage s holds s micro-batches' (X, dY). W is the blocks'
-# linears'; the biases, norms, embeddings and head (small, or on one stage)
-# take theirs in I, and so do a MoE's experts (their stacked weights, no
-# linear's): each expert's GEMM takes a data-dependent share of the tokens,
-# or all share one grouped GEMM, so W would keep a ragged (X, dY) per expert
-# to gain their part of I back. The model and parallel.py carry nothing for it.
 
 def zb_h1_order(pp: int, rank: int, m: int) -> list[Action]:
     """ZB-H1's: for x = 0, 1, ..., F x, I x-(pp-1-rank) and W x-(pp-1), where they exist."""
@@ -429,14 +384,11 @@ def weight_grads(store: list) -> None:
 def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precision, scale=None,
                   averager: GradientAverager | None = None) -> torch.Tensor:
     """The micro-batches through this rank's `stage` (maybe compiled, under
-    `precision`) in the schedule's order (1F1B, interleaved or ZB-H1), forwards
-    and backwards; under torch.no_grad, forwards alone. The last stage
-    differentiates each micro-batch's share of the loss, scaled by `scale`
-    (--fp16's; None: as it is). Returns the mean loss, on every stage.
-    averager: the GradientAverager that starts on gradients as they become
-    final (None: the engine reduces after the step)."""
-    model = stage.model
-    m, v = len(batches), len(stage.chunks)
+    `precision`) in the schedule's order, forwards and backwards (under no_grad,
+    forwards); the last stage differentiates each one's share of the loss, scaled
+    by `scale` (--fp16's). Returns the mean loss, on every stage. averager: starts
+    on gradients as they become final (None: the engine reduces after the step)."""
+    model, m, v = stage.model, len(batches), len(stage.chunks)
     ticks = pipeline_timeline(parallel.layout.pp_size, m, v, forward_only=not torch.is_grad_enabled(),
                               zero_bubble=cfg.enable_zero_bubble)
     batches = [to_device(b, device) for b in batches]
@@ -444,7 +396,6 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
     moe = [layer for layer in model.modules() if isinstance(layer, MoE)] if torch.is_grad_enabled() else []
 
     def forward(chunk: int, micro: int, x):
-        nonlocal total
         if moe:  # their auxiliary losses' gradients: this micro-batch's share of the loss
             set_aux_loss_scale(moe, batches[micro], m, scale)
         with precision:
@@ -452,14 +403,12 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
         if stage.chunks[chunk].stop < model.config.num_layers:  # not the last layer's chunk
             return out                                               # (B, T[/tp], C) to the next stage
         loss = weighted_loss(out, batches[micro]) / m
-        total += loss.detach()
+        total.add_(loss.detach())
         return scale(loss) if scale and torch.is_grad_enabled() else loss
 
     tokens = cfg.seq_length // parallel.layout.cp_size  # this rank's share (context.py) ...
     tokens //= parallel.layout.tp_size if model.sequence_parallel else 1  # ... of which SP keeps 1/tp
-    # The residual stream's dtype: the weights' (fp32 under autocast; DeepSpeed's 16-bit modules are 16-bit)
-    dtype = next(model.parameters()).dtype
-
+    dtype = next(model.parameters()).dtype  # the residual stream's: fp32 under autocast, DeepSpeed's bf16/fp16
     zero_bubble = LaterWeightGrads(model) if cfg.enable_zero_bubble and torch.is_grad_enabled() else None
     run_pipeline(ticks, v, forward, (cfg.micro_batch_size, tokens, model.config.hidden_size), device,
                  dtype, after=averager and averager.after, act=zero_bubble and zero_bubble.act)
@@ -471,10 +420,9 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
 # 5. The gradient reductions stages need
 
 def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) -> None:
-    """After the schedule: average the gradients over DP x CP, but the experts'
-    (DDP's job at pp = 1; with an averager, land the all-reduces pipeline_step
-    started), then sum the tied embedding's over its two stages, so both
-    copies take the same step (Megatron's embedding all-reduce)."""
+    """After the schedule: average the gradients over DP x CP, but the experts' (DDP's job at
+    pp = 1; with an averager, land the all-reduces pipeline_step started), then sum the tied
+    embedding's over its two stages, so both copies take the same step (Megatron's embedding all-reduce)."""
     if averager is not None:
         averager.wait()
     elif parallel.layout.dp_cp_size > 1:
@@ -491,9 +439,8 @@ def averaged(model: nn.Module) -> list[nn.Parameter]:
 
 
 def tied_embedding_copy(model: GPT) -> nn.Parameter | None:
-    """Where a tied embedding is split over two pipeline stages (the first's
-    embedding, the last's head) and this stage holds one copy: its weight,
-    whose gradient the two stages sum; else None."""
+    """Where a tied embedding is split over two pipeline stages (the first's embedding, the
+    last's head) and this stage holds one copy: its weight, whose gradient they sum; else None."""
     tied = not model.config.untie_embeddings_and_output_weights
     return model.wte.weight if tied and parallel.layout.pp_size > 1 and hasattr(model, "wte") else None
 
@@ -513,16 +460,13 @@ def average(grads: list[torch.Tensor], group):
 
 
 class GradientAverager:
-    """Averages a stage's gradients over its data-parallel group while the
-    schedule still runs (DDP's reducer cannot: it expects each forward's
-    backward before the next forward, and 1F1B keeps several in flight).
-
-    A parameter's gradient is final once the step's last micro-batch has been
-    through its backward (a hook counts). Final gradients gather in a bucket
-    (DDP's 25 MB), all-reduced when it fills, during the rest of that backward
-    (Megatron's --overlap-grad-reduce); flush() launches a partial bucket as
-    each backward ends. In 1F1B's drain the last stage ends first, and its
-    all-reduces run while stage 0 drains. wait() lands them all."""
+    """Averages a stage's gradients over its data-parallel group while the schedule
+    still runs (DDP's reducer cannot: it expects each forward's backward before the
+    next forward, and 1F1B keeps several in flight). A gradient is final once the
+    step's last micro-batch has been through its backward (a hook counts); final ones
+    gather in a bucket (DDP's 25 MB), all-reduced when it fills, during the rest of that
+    backward (Megatron's --overlap-grad-reduce; docs/pipeline.md); flush() launches a
+    partial bucket as each backward ends, wait() lands them all."""
 
     def __init__(self, model: nn.Module, group, bucket_bytes: int = 25 * 2**20):
         self.group, self.bucket_bytes = group, bucket_bytes

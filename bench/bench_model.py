@@ -115,7 +115,7 @@ def nanogpt_worker(args) -> None:
     import importlib.util
     import torch
     from gpt import GPTConfig, flops_per_token
-    from train import peak_flops_by_name
+    from train_ops import peak_flops_by_name
     if not os.path.exists(NANOGPT):
         sys.exit(f"{NANOGPT} is missing; see this script's docstring")
     spec = importlib.util.spec_from_file_location("nanogpt_model", NANOGPT)

@@ -1,10 +1,14 @@
-"""bench/run_gpu.sh, the one command a GPU session runs, works before it meets a GPU.
+"""The bench scripts work before a full run: bench/run_gpu.sh, the one command
+a GPU session runs, before it meets a GPU, and bench/bench_moe.py.
 
-Its --smoke mode runs every stage on CPU (Triton interpreter, tiny shapes);
-the figures mean nothing, but every table must come out filled.
+Their --smoke modes run every stage on CPU (Triton interpreter, tiny shapes);
+the figures mean little, but every table must come out filled.
 """
 import os
 import re
+import sys
+
+import pytest
 
 from conftest import run_bounded
 
@@ -55,3 +59,24 @@ def test_profile_step_blames_gpu_idle_on_the_host_op_that_launched_the_next_kern
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": ev}))
     assert idle_by_host_op(str(tmp_path / "t.json")) == [
         ("aten::pow", 0.06), ("(compiled graph)", 0.005), ("(launch unknown)", 0.003)]
+
+
+@pytest.mark.slow
+def test_bench_moe_smoke_fills_its_three_tables():
+    """bench/bench_moe.py --smoke (tiny sizes): the step's tokens/s of the dense
+    model, the expert loop and grouped_mm; rank 0's memory at EP = 1, 2, 4, the
+    experts' weights and AdamW states 1/EP of EP=1's; and the order of one MoE
+    layer's GEMMs and all-to-alls at EP = 2, forward and backward."""
+    proc = run_bounded([sys.executable, "bench/bench_moe.py", "--smoke"], 600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"load average at start [\d.]+ [\d.]+ [\d.]+", out)
+    for model in (r"dense \(MLP 2F\)", "MoE, loop", "MoE, grouped_mm"):
+        assert re.search(rf"\| {model} \|( [\d,]+ \|){{5}}\n", out), model
+    for ep, share in (("1", "1.000"), ("2", "0.500"), ("4", "0.250")):
+        assert re.search(rf"\| EP={ep} \|( [\d.]+ \|){{7}} {share} \| {share} \|\n", out), ep
+    for variant, gemm in (("loop", "gemm"), ("grouped_mm", "grouped_mm")):
+        forward = re.search(rf"{variant}, forward: +(.*)", out).group(1)
+        backward = re.search(rf"{variant}, backward: +(.*)", out).group(1)
+        assert forward.startswith("router  a2a(counts)  land  a2a(rows)  land  ") and gemm in forward, forward
+        assert backward.startswith("a2a(rows)  land  ") and gemm in backward and "router" in backward, backward

@@ -27,7 +27,7 @@ import parallel
 import train
 import train_ops
 from conftest import (IDS, VOCAB, as_torchrun_rank, process_env, read_metrics, run_on_ranks,
-                      tiny, tiny_model, tokens, torchrun, train_on_ranks)
+                      tiny, tiny_model, tokens, torchrun, train_on_ranks, write_zipf_corpus)
 from launch import UsageError
 
 
@@ -726,52 +726,64 @@ def test_the_reported_losses_are_the_lm_loss_alone_and_the_aux_losses_join_backw
         assert "z_loss" not in without and with_aux["z_loss"] > 0 and with_aux["load_balancing_loss"] >= 1
 
 
-# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh, its model, MoE,
-# training and layout flags as pasted (with --moe-grouped-gemm and 8 experts), at tiny
-# sizes, its data ours (NullTokenizer ids; its --split leaves our small corpus no
-# validation), its 2 ranks expert-parallel (its --use-distributed-optimizer is ZeRO-1
-# here, and its --sequence-parallel needs TP: not taken).
+# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (its main at
+# d98e8a6), every argument as pasted but: the sizes scaled down (layers, hidden, heads
+# and query groups 4:1 as Mixtral's, ffn 3.5 x hidden, sequence, global batch, EP 8 -> 2,
+# and the iteration counts: 10 steps, decay over 8, warm-up 1, save and evaluate at 5
+# and 10), its layout DP x EP (its --pipeline-model-parallel-size 4 at 1: PP with experts
+# has tests of its own), its data ours (NullTokenizer ids), and these not taken, each
+# refused in one line: --use-distributed-optimizer (ZeRO-1 is --deepspeed, refused with experts),
+# --sequence-parallel (needs TP > 1; Megatron turns it off at TP 1), --tokenizer-type
+# Llama2Tokenizer and --tokenizer-model (GPT-2's BPE or ids only).
 MIXTRAL_RECIPE = """
-    --use-mcore-models --disable-bias-linear --seq-length 32 --max-position-embeddings 2048 --num-layers 2
-    --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --init-method-std 0.01 --attention-dropout 0.0
+    --use-mcore-models --disable-bias-linear --seq-length 64 --max-position-embeddings 32768 --num-layers 2
+    --hidden-size 128 --ffn-hidden-size 448 --num-attention-heads 8 --init-method-std 0.01 --attention-dropout 0.0
     --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu
     --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion
     --no-position-embedding --rotary-base 1000000
     --num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
     --moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
-    --micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 3 --min-lr 1.0e-5 --weight-decay 0.1
-    --clip-grad 1.0
+    --split 99990,8,2
+    --micro-batch-size 1 --global-batch-size 8 --lr 1e-4 --train-iters 10 --lr-decay-iters 8
+    --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 1 --clip-grad 1.0 --bf16
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 2
-    --eval-iters 1 --no-load-optim --no-load-rng
+    --log-interval 1 --save-interval 5 --eval-interval 5 --eval-iters 10 --no-load-optim --no-load-rng
 """.split()
 
 
 @pytest.mark.slow
-def test_megatrons_mixtral_recipe_as_pasted_logs_the_experts_and_its_checkpoint_samples(ids_corpus, tmp_path):
-    """Megatron-LM's Mixtral example trains as written under torchrun at EP 2
-    (the flags of Megatron's own kernels named in one line). The run opens with
-    its total and active parameters and its EP; each log line carries the MoE
+def test_megatrons_mixtral_recipe_as_pasted_trains_logs_the_experts_and_its_checkpoint_samples(tmp_path):
+    """Megatron-LM's Mixtral example trains as written under torchrun at EP 2,
+    bf16: its loss and validation loss finite, the loss falling (lr 1e-4). The
+    run opens with its total and active parameters and its EP (the flags of
+    Megatron's own kernels named in one line); each log line carries the MoE
     layers' means (the load-balancing loss, the imbalance, the dropped share),
     each layer's are in the metrics file and TensorBoard. Its closing sample is
     generated at EP 2, and its checkpoint (experts gathered from both EP ranks)
     samples in one process with eval_tasks.py, greedy with the KV cache as without."""
+    data = write_zipf_corpus(str(tmp_path / "ids_text_document"), documents=15000)  # --split's 8e-5: 1 valid document
     ckpt, metrics = str(tmp_path / "ckpt"), tmp_path / "m.jsonl"
-    proc = torchrun("train.py", *MIXTRAL_RECIPE, "--data-path", ids_corpus, *IDS, "--log-interval", "1",
-                    "--metrics-file", str(metrics), "--tensorboard-dir", str(tmp_path / "tb"), "--save", ckpt,
-                    "--sample-tokens", "4", nproc=2)
+    proc = torchrun("train.py", *MIXTRAL_RECIPE, "--data-path", data, *IDS, "--save", ckpt, "--load", ckpt,
+                    "--tensorboard-dir", f"{ckpt}/tensorboard", "--metrics-file", str(metrics), "--sample-tokens", "4",
+                    nproc=2, timeout=600)
     mcfg = config.model_config(config.parse_args([*MIXTRAL_RECIPE, *IDS]))
     total, active = gpt.count_parameters(mcfg), gpt.count_parameters(mcfg, active=True)
     assert f"model: {total:,} parameters ({active:,} active) | world 2 = TP 1 x DP 2 (EP 2) x PP 1" in proc.stdout
     assert "--use-mcore-models, --no-masked-softmax-fusion, --overlap-param-gather, --overlap-grad-reduce: " \
            "no effect here" in proc.stdout
     lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
-    assert len(lines) == 3 and all("load_balancing_loss" in line and "moe_imbalance" in line and
-                                   "moe_dropped 0" in line for line in lines), proc.stdout
+    assert len(lines) == 10 and all("load_balancing_loss" in line and "moe_imbalance" in line and
+                                    "moe_dropped 0" in line for line in lines), proc.stdout
     rows = read_metrics(metrics)
+    losses = [row["loss"] for row in rows]
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.02, losses  # it learns
+    assert [row["iteration"] for row in rows if "val_loss" in row] == [5, 10]
+    assert all(math.isfinite(row["val_loss"]) for row in rows if "val_loss" in row)
     per_layer = {f"{name}/layer{i}" for name in ("load_balancing_loss", "moe_imbalance", "moe_dropped") for i in (0, 1)}
     assert all(set(row) >= per_layer and row["moe_imbalance"] >= 1 for row in rows)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(tmp_path / "tb"))
+    events = EventAccumulator(f"{ckpt}/tensorboard")
     events.Reload()
     assert {f"train/{key}" for key in per_layer} <= set(events.Tags()["scalars"])
     assert "-" * 40 + " sample " in proc.stdout
