@@ -894,8 +894,9 @@ def validate_experts(cfg: TrainConfig, given: set[str]) -> None:
     if cfg.num_experts is None and loose:
         raise UsageError(f"--{loose[0].replace('_', '-')} needs --num-experts (a mixture of experts): give it, "
                          f"or drop the MoE flags for a dense model")
-    if cfg.num_experts is not None and cfg.deepspeed:
-        raise UsageError("--num-experts does not run under --deepspeed yet: drop --deepspeed")
+    if cfg.num_experts is not None and cfg.deepspeed and cfg.zero_stage == 3:
+        raise UsageError("--num-experts with --deepspeed --zero-stage 3 (or its --deepspeed_config's): DeepSpeed's "
+                         "ZeRO-3 takes no experts but its AutoEP layers; use --zero-stage 1 or 2")
     if cfg.compile and cfg.moe_grouped_gemm and not cfg.bf16:
         raise UsageError("--compile with --moe-grouped-gemm needs --bf16 (torch.compile traces grouped_mm in bf16 "
                          "only): add --bf16, or drop --moe-grouped-gemm (the loop compiles in any precision)")
