@@ -928,6 +928,12 @@ def moe_worker(out: str) -> None:
         dist.barrier()
         worker_run(out, name + "_resume", [*MOE, "--expert-model-parallel-size", "2", "--deepspeed",
                                            "--zero-stage", str(stage), "--load", ck(name + "_resume")])
+    try:  # the EP 2 checkpoint at EP 1: refused (on every rank alike, before DeepSpeed reads it)
+        worker_run(out, "moe_z1_ep1_from_ep2", [*MOE, "--deepspeed", "--zero-stage", "1", "--load", ck("moe_z1_ep2")])
+    except UsageError as e:
+        if dist.get_rank() == 0:
+            with open(os.path.join(out, "moe_refused.txt"), "w") as f:
+                f.write(str(e))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -982,3 +988,18 @@ def test_zero3_with_experts_is_one_line_from_rank_0(corpus):
     assert proc.returncode != 0 and proc.stderr.count("train.py: error") == 1, proc.stderr[-3000:]
     assert "--num-experts with --deepspeed --zero-stage 3" in proc.stderr and "--zero-stage 1 or 2" in proc.stderr
     assert 'train.py", line' not in proc.stderr
+
+
+def test_a_zero_checkpoint_with_experts_elsewhere_is_one_line(moe_runs, tmp_path):
+    """A ZeRO checkpoint of experts over EP 2 resumed at EP 1 is refused in one
+    line naming the sizes, as another data-parallel size is; its weights are
+    not exported yet (zero_to_fp32 would merge each rank's experts as if they
+    were one tensor's partitions): one line too."""
+    with open(os.path.join(moe_runs, "moe_refused.txt")) as f:
+        refused = f.read()
+    assert "was written with expert-parallel size 2, this run has 1" in refused and "\n" not in refused
+    with pytest.raises(UsageError, match="of experts over --expert-model-parallel-size 2 resumes in its own "
+                                         "layout only") as error:
+        checkpoint.export_weights(os.path.join(moe_runs, "ckpt_moe_z2_ep2"), str(tmp_path / "x"),
+                                  "plain")
+    assert "\n" not in str(error.value) and not os.path.exists(tmp_path / "x")
