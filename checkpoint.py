@@ -1044,7 +1044,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     """engine.save_checkpoint under a temporary tag, published by rank 0 once every rank has written."""
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(), "config": cfg.flags()}
     if parallel.layout.tp_size == 1 and parallel.layout.pp_size == 1 and not engine.has_moe_layers:
-        # For ds_to_universal, which would merge a strided QKV split, stages or experts wrongly: it refuses without this
+        # For ds_to_universal, which would merge a strided QKV split, stages or experts wrongly: it refuses without it
         client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
     # what an export needs to merge the shards of any tp: every stage's, on the first (rank 0 writes it)
     layout = {name: [p.partition_dim, p.partition_blocks] for name, p in engine.module.named_parameters()
@@ -1054,7 +1054,8 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
     meta = {"iteration": iteration, "consumed_samples": consumed,
             "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.layout.dp_size,
             "context_parallel_size": parallel.layout.cp_size, "tensor_model_parallel_size": parallel.layout.tp_size,
-            "pipeline_model_parallel_size": parallel.layout.pp_size, "expert_model_parallel_size": parallel.layout.ep_size,
+            "pipeline_model_parallel_size": parallel.layout.pp_size,
+            "expert_model_parallel_size": parallel.layout.ep_size,
             "model_config": dataclasses.asdict(engine.module.config), "tensor_parallel_layout": layout}
 
     def write_meta(tmp):

@@ -639,6 +639,8 @@ def test_the_moe_flags_reach_the_model_and_moe_layer_freq_reads_megatrons_patter
     (["--num-experts", "4", "--moe-layer-freq", "[1]*10**9"], "--moe-layer-freq"),
     (["--num-experts", "4", "--moe-layer-freq", "[[1], [0]]"], "--moe-layer-freq"),
     (["--num-experts", "4", "--deepspeed", "--zero-stage", "3"], "--num-experts with --deepspeed --zero-stage 3"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--deepspeed", "--zero-stage", "0", "--bf16"],
+     "--expert-model-parallel-size > 1 with --deepspeed --zero-stage 0 and --bf16/--fp16"),
     (["--num-experts", "4", "--moe-grouped-gemm", "--compile"], "--compile with --moe-grouped-gemm needs --bf16"),
 ])
 def test_a_moe_flag_mistake_is_one_line(flags, message):
