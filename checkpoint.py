@@ -1102,10 +1102,9 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
     each model-parallel rank's (pp_rank * tp + tp_rank) DP partitions, then its TP shards merge."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     meta = read_deepspeed_meta(tag_dir)
-    if meta.get("expert_model_parallel_size", 1) > 1:  # zero_to_fp32 would merge its experts over DP
-        raise UsageError(f"{tag_dir}: a DeepSpeed checkpoint of experts over --expert-model-parallel-size "
-                         f"{meta['expert_model_parallel_size']} resumes in its own layout only (its weights do not "
-                         f"export yet): relaunch with that layout and --deepspeed")
+    if (ep := meta.get("expert_model_parallel_size", 1)) > 1:  # zero_to_fp32 would merge its experts over DP
+        raise UsageError(f"{tag_dir}: a DeepSpeed checkpoint of experts over --expert-model-parallel-size {ep} "
+                         f"resumes in its own layout only (its weights do not export yet): relaunch with that layout")
     tp, layout = meta["tensor_model_parallel_size"], meta["tensor_parallel_layout"]
     full = {}
     for stage in range(meta.get("pipeline_model_parallel_size", 1)):

@@ -199,13 +199,10 @@ def load_weights(model: GPT, weights: dict, ds) -> None:
 
 
 def expert_groups(model: GPT, optimizer):
-    """Under expert parallelism, the context to build the engine in: DeepSpeed's MoE
-    parameter groups. ZeRO then averages an expert weight's gradient over the
-    ranks holding the same experts (layout.expert_dp_group; divided by DP x CP
-    like every gradient) and partitions its optimizer state there, the other
-    weights over DP x CP; its grad norm counts each expert once. DeepSpeed names
-    the groups by the EP size ("ep_size_2"); ours are registered under that name,
-    and gpt.Experts stands for its MoE class, by which it tells a model with experts."""
+    """Under expert parallelism, the context to build the engine in: DeepSpeed's MoE parameter groups, so
+    ZeRO averages (over DP x CP) and partitions the experts over the ranks holding the same experts, our
+    layout.expert_dp_group registered under DeepSpeed's name ("ep_size_2"); its norm counts each expert
+    once. gpt.Experts stands for DeepSpeed's MoE class, by which it tells a model with experts."""
     lay = parallel.layout
     if lay.ep_size == 1:  # every rank holds every expert: averaged over DP x CP as the other weights
         return nullcontext()
@@ -217,9 +214,8 @@ def expert_groups(model: GPT, optimizer):
                             (groups._EXPERT_DATA_PARALLEL_GROUP, lay.expert_dp_group)):
         registry.clear()  # (an earlier run's, in this process)
         registry[name] = group
-    for p in model.parameters():
-        if getattr(p, "expert_parallel", False):
-            p.allreduce, p.group_name = False, name  # DeepSpeed's marks of an expert weight
+    for p in (p for p in model.parameters() if getattr(p, "expert_parallel", False)):
+        p.allreduce, p.group_name = False, name  # DeepSpeed's marks of an expert weight
     optimizer.param_groups[:] = split_params_into_different_moe_groups_for_optimizer(
         [{**group, "name": str(i)} for i, group in enumerate(optimizer.param_groups)])
     return mock.patch.object(engine, "MoE", Experts)
