@@ -1050,8 +1050,8 @@ def read_dist(path: str, state: dict, no_dist: bool = False) -> dict:
 def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed: int, log) -> None:
     """engine.save_checkpoint under a temporary tag, published by rank 0 once every rank has written."""
     client_state = {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(), "config": cfg.flags()}
-    if parallel.layout.tp_size == 1 and parallel.layout.pp_size == 1:
-        # For ds_to_universal, which would merge a strided QKV split, or stages, wrongly: it refuses without this
+    if parallel.layout.tp_size == 1 and parallel.layout.pp_size == 1 and not engine.has_moe_layers:
+        # For ds_to_universal, which would merge a strided QKV split, stages or experts wrongly: it refuses without it
         client_state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
     # what an export needs to merge the shards of any tp: every stage's, on the first (rank 0 writes it)
     layout = {name: [p.partition_dim, p.partition_blocks] for name, p in engine.module.named_parameters()
@@ -1062,6 +1062,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
             "zero_stage": engine.zero_optimization_stage(), "data_parallel_size": parallel.layout.dp_size,
             "context_parallel_size": parallel.layout.cp_size, "tensor_model_parallel_size": parallel.layout.tp_size,
             "pipeline_model_parallel_size": parallel.layout.pp_size,
+            "expert_model_parallel_size": parallel.layout.ep_size,
             "model_config": dataclasses.asdict(engine.module.config), "tensor_parallel_layout": layout}
 
     def write_meta(tmp):
@@ -1090,12 +1091,15 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> St
         refuse("data-parallel x context-parallel", f"{saved_dp} x {saved_cp} = {saved_dp * saved_cp}",
                f"{lay.dp_size} x {lay.cp_size} = {lay.dp_cp_size}")
     for name, saved, now in (("tensor-parallel", meta["tensor_model_parallel_size"], lay.tp_size),
-                             ("pipeline-parallel", meta.get("pipeline_model_parallel_size", 1), lay.pp_size)):
+                             ("pipeline-parallel", meta.get("pipeline_model_parallel_size", 1), lay.pp_size),
+                             ("expert-parallel", meta.get("expert_model_parallel_size", 1), lay.ep_size)):
         if saved != now:
             refuse(name, saved, now)
     with data_only_loads(found.path, found.kind):
         _, client = engine.load_checkpoint(os.path.dirname(found.path), tag=os.path.basename(found.path),
                                            load_optimizer_states=True, load_lr_scheduler_states=False)
+    if engine.has_moe_layers:  # its model file holds rank 0's experts: each rank's own are in its ZeRO partition
+        engine.optimizer.update_lp_params()
     client["pipeline_rng"] = [client["rng"]] * lay.pp_size  # each stage read its own file, its own streams
     return start_position(cfg, client, found.path, log)
 
@@ -1105,6 +1109,9 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
     each model-parallel rank's (pp_rank * tp + tp_rank) DP partitions, then its TP shards merge."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     meta = read_deepspeed_meta(tag_dir)
+    if (ep := meta.get("expert_model_parallel_size", 1)) > 1:  # zero_to_fp32 would merge its experts over DP
+        raise UsageError(f"{tag_dir}: a DeepSpeed checkpoint of experts over --expert-model-parallel-size {ep} "
+                         f"resumes in its own layout only (its weights do not export yet): relaunch with that layout")
     tp, layout = meta["tensor_model_parallel_size"], meta["tensor_parallel_layout"]
     full = {}
     for stage in range(meta.get("pipeline_model_parallel_size", 1)):

@@ -901,8 +901,18 @@ def validate_experts(cfg: TrainConfig, given: set[str]) -> None:
     if etp not in (None, tp):
         raise UsageError(f"--expert-tensor-parallel-size {etp}: the experts split over the tensor-parallel ranks "
                          f"as the dense MLP does, so it must be --tensor-model-parallel-size {tp}: drop it")
-    if cfg.num_experts is not None and cfg.deepspeed:
-        raise UsageError("--num-experts does not run under --deepspeed yet: drop --deepspeed")
+    split = [f"--{f.replace('_', '-')}" for f in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                   "context_parallel_size") if getattr(cfg, f) > 1]
+    if cfg.num_experts is not None and cfg.deepspeed and split:
+        raise UsageError(f"--num-experts under --deepspeed runs over data and expert parallelism alone (not yet "
+                         f"{', '.join(split)}): drop {split[0]}, or --deepspeed (the plain engine runs them all)")
+    if cfg.num_experts is not None and cfg.deepspeed and cfg.zero_stage == 3:
+        raise UsageError("--num-experts with --deepspeed --zero-stage 3 (or its --deepspeed_config's): DeepSpeed's "
+                         "ZeRO-3 takes no experts but its AutoEP layers; use --zero-stage 1 or 2")
+    if cfg.expert_model_parallel_size > 1 and cfg.deepspeed and cfg.zero_stage == 0 and (cfg.bf16 or cfg.fp16):
+        raise UsageError("--expert-model-parallel-size > 1 with --deepspeed --zero-stage 0 and --bf16/--fp16: "
+                         "DeepSpeed's 16-bit stage-0 optimizer miscounts the experts in the clipping norm; "
+                         "use --zero-stage 1 or 2")
     if cfg.compile and cfg.moe_grouped_gemm and not cfg.bf16:
         raise UsageError("--compile with --moe-grouped-gemm needs --bf16 (torch.compile traces grouped_mm in bf16 "
                          "only): add --bf16, or drop --moe-grouped-gemm (the loop compiles in any precision)")

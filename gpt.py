@@ -554,6 +554,11 @@ class MoE(nn.Module):
             self.tokens_per_expert += routing_map.sum(0)
 
 
+def moe_layers(model: nn.Module) -> dict:
+    """The model's mixtures of experts, by layer number ("blocks.3.mlp": 3)."""
+    return {int(n.split(".")[1]): m for n, m in model.named_modules() if isinstance(m, MoE)}
+
+
 @torch.no_grad()
 def update_expert_biases(layers, group=None) -> None:
     """DeepSeek-V3's aux-loss-free balancing, after each optimizer step: each expert's bias moves by the

@@ -43,7 +43,7 @@ import train_ops
 import zero
 from config import CUDA_GRAPH_MODES, TrainConfig, autocast, compile_options, eod_token, model_config
 from data import to_device
-from gpt import GPT, GPTConfig, MoE, set_aux_loss_scale, update_expert_biases, weighted_loss
+from gpt import GPT, GPTConfig, moe_layers, set_aux_loss_scale, update_expert_biases, weighted_loss
 from launch import UsageError
 
 
@@ -202,6 +202,8 @@ def train_step(trainer, batches: list, lr: float):
         total = pipeline.pipeline_step(trainer.model, batches, trainer.cfg, trainer.device, trainer.precision,
                                        trainer.scale, trainer.averager)
     grad_norm, skipped = trainer.finish()
+    if trainer.moe_layers:  # DeepSeek-V3's expert bias, from the step's tokens on every DP x CP rank
+        update_expert_biases(trainer.moe_layers.values(), parallel.layout.dp_cp_group)
     if parallel.layout.dp_cp_size > 1:  # the loss every rank reports: over the replicas
         total = parallel.all_reduce_mean(total, parallel.layout.dp_cp_group)
     return total, grad_norm, skipped
@@ -267,8 +269,7 @@ class PlainTraining:
         self.model = self.raw if parallel.layout.pp_size == 1 else pipeline.Stage(self.raw)
         if cfg.compile:
             self.model = torch.compile(self.model, **compile_options(cfg))
-        # the mixtures of experts, by layer number ("blocks.3.mlp": 3)
-        self.moe_layers = {int(n.split(".")[1]): m for n, m in self.raw.named_modules() if isinstance(m, MoE)}
+        self.moe_layers = moe_layers(self.raw)
         lay = parallel.layout  # gradients are averaged over DP x CP (pipelines: pipeline.GradientAverager)
         if lay.dp_cp_size > 1 and lay.pp_size == 1:  # but the experts' (finish), which EP ranks hold apart
             DDP._set_params_and_buffers_to_ignore_for_model(self.model, [
@@ -332,8 +333,6 @@ class PlainTraining:
         del self.optimizer.grad_scale, self.optimizer.found_inf
         if self.scaler:
             self.scaler.update(found_inf)
-        if self.moe_layers:  # DeepSeek-V3's expert bias, from the step's tokens on every DP x CP rank
-            update_expert_biases(self.moe_layers.values(), parallel.layout.dp_cp_group)
         return grad_norm, found_inf
 
     def save(self, iteration: int, consumed: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import nullcontext
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ import parallel
 import pipeline
 from launch import UsageError, say
 from config import TrainConfig, autocast, compile_options, json_switch, json_value, model_config
-from gpt import GPT, init_weights
+from gpt import GPT, Experts, init_weights, moe_layers
 
 # ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy of
 # model states. With Psi parameters, fp32 AdamW (4 bytes each for weights,
@@ -197,6 +198,29 @@ def load_weights(model: GPT, weights: dict, ds) -> None:
     each_module_gathered(model, ds, copy)
 
 
+def expert_groups(model: GPT, optimizer):
+    """Under expert parallelism, the context to build the engine in: DeepSpeed's MoE parameter groups, so
+    ZeRO averages (over DP x CP) and partitions the experts over the ranks holding the same experts, our
+    layout.expert_dp_group registered under DeepSpeed's name ("ep_size_2"); its norm counts each expert
+    once. gpt.Experts stands for DeepSpeed's MoE class, by which it tells a model with experts."""
+    lay = parallel.layout
+    if lay.ep_size == 1:  # every rank holds every expert: averaged over DP x CP as the other weights
+        return nullcontext()
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.runtime import engine
+    from deepspeed.utils import groups
+    name = f"ep_size_{lay.ep_size}"
+    for registry, group in ((groups._EXPERT_PARALLEL_GROUP, lay.ep_group),
+                            (groups._EXPERT_DATA_PARALLEL_GROUP, lay.expert_dp_group)):
+        registry.clear()  # (an earlier run's, in this process)
+        registry[name] = group
+    for p in (p for p in model.parameters() if getattr(p, "expert_parallel", False)):
+        p.allreduce, p.group_name = False, name  # DeepSpeed's marks of an expert weight
+    optimizer.param_groups[:] = split_params_into_different_moe_groups_for_optimizer(
+        [{**group, "name": str(i)} for i, group in enumerate(optimizer.param_groups)])
+    return mock.patch.object(engine, "MoE", Experts)
+
+
 class DeepSpeedTraining:
     """Model + our AdamW -> a DeepSpeed engine, resumed from --load; step and
     save as train.PlainTraining. A full resume reads DeepSpeed's own checkpoint
@@ -205,7 +229,6 @@ class DeepSpeedTraining:
     deepspeed.initialize copies its fp32 master weights. build_model,
     build_optimizer, clip_grad_norm_: train.py's, which imports this module."""
     saver = None  # its saves are synchronous (config.py refuses --async-save with --deepspeed)
-    moe_layers = {}  # config.py refuses --num-experts with --deepspeed (for now)
 
     def __init__(self, cfg: TrainConfig, env: launch.Dist, accum: int, log, build_model, build_optimizer,
                  clip_grad_norm_):
@@ -235,8 +258,10 @@ class DeepSpeedTraining:
         # On CPU the unfused AdamW: with the fused CPU kernel a resumed ZeRO-2 run's
         # grad norms differ from the uninterrupted run's in the last bit.
         optimizer = build_optimizer(model, cfg, fused=env.device.type == "cuda")
+        self.moe_layers = moe_layers(model)
         # No lr_scheduler: begin sets each step's learning rate (in samples, over the batch ramp).
-        self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+        with expert_groups(model, optimizer):
+            self.engine, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
         if cfg.compile and parallel.layout.pp_size == 1:
             # engine.module in place, after ZeRO's wrapping: the graphs see the partitioned model
             if stage == 3:  # GPT.head reads the head's weight (wte's, when tied) outside its module's call
