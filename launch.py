@@ -101,11 +101,13 @@ def report_usage_error(e: UsageError, prog: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train_ops.Preemption's handler would keep it alive
     rank = global_rank()
     if rank != 0 and dist.is_initialized():
+        start = time.monotonic()
         try:
             dist.distributed_c10d._get_default_store().wait(["usage_error"], datetime.timedelta(seconds=10))
             sys.exit(2)
-        except RuntimeError:  # rank 0 saw nothing wrong: this rank's own mistake
-            pass
+        except RuntimeError:  # rank 0 saw nothing wrong in 10 s: this rank's own mistake
+            if time.monotonic() - start < 5:  # no: the store is gone, as rank 0 reported and exited
+                sys.exit(2)
     elif rank != 0:
         time.sleep(10)  # torchrun (or the deepspeed launcher) stops this rank first, as rank 0 exits
     elif dist.is_initialized() and dist.get_world_size() > 1:

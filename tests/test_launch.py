@@ -141,6 +141,37 @@ def modules_loaded_by(imports: str, then: str = "") -> set[str]:
 
 
 @pytest.mark.quick
+def test_a_rank_other_than_0_prints_a_mistake_only_if_rank_0_saw_none(monkeypatch, capsys):
+    """report_usage_error on rank 1: where rank 0 has reported (its key in the
+    store), or has already exited and taken the store with it (the wait fails at
+    once: under load rank 1 can reach the wait after rank 0 and its launcher have
+    gone), rank 1 exits 2 in silence; only a wait that runs its 10 s out (rank 0
+    saw nothing wrong) makes it print its own mistake, naming its rank."""
+    import torch.distributed as dist
+
+    import launch
+
+    class Store:
+        def __init__(self, outcome):
+            self.outcome = outcome
+
+        def wait(self, keys, timeout):  # rank 0's key is there; or the store is gone; or 10 s pass
+            if self.outcome != "reported":
+                raise RuntimeError("Connection reset by peer" if self.outcome == "gone" else "Socket Timeout")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(launch, "global_rank", lambda: 1)
+    for outcome, waited, printed in (("reported", 0, ""), ("gone", 0.5, ""),
+                                     ("silent", 10, "train.py: error (rank 1): bad flag\n")):
+        ticks = iter((100, 100 + waited))  # time.monotonic before and after the wait
+        monkeypatch.setattr(launch.time, "monotonic", lambda: next(ticks))
+        monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: Store(outcome))
+        with pytest.raises(SystemExit) as stop:
+            launch.report_usage_error(launch.UsageError("bad flag"), "train.py")
+        assert stop.value.code == 2 and capsys.readouterr().err == printed, outcome
+
+
+@pytest.mark.quick
 def test_preparing_data_loads_no_model_code():
     loaded = modules_loaded_by("prepare")
     assert not {"gpt", "fused_kernels", "fused_loss", "parallel", "pipeline", "checkpoint", "config", "train", "zero"} & loaded
