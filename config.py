@@ -901,11 +901,6 @@ def validate_experts(cfg: TrainConfig, given: set[str]) -> None:
     if etp not in (None, tp):
         raise UsageError(f"--expert-tensor-parallel-size {etp}: the experts split over the tensor-parallel ranks "
                          f"as the dense MLP does, so it must be --tensor-model-parallel-size {tp}: drop it")
-    split = [f"--{f.replace('_', '-')}" for f in ("pipeline_model_parallel_size", "context_parallel_size")
-             if getattr(cfg, f) > 1]
-    if cfg.num_experts is not None and cfg.deepspeed and split:
-        raise UsageError(f"--num-experts under --deepspeed runs over data, expert and tensor parallelism (not yet "
-                         f"{', '.join(split)}): drop {split[0]}, or --deepspeed (the plain engine runs them all)")
     if cfg.num_experts is not None and cfg.deepspeed and cfg.zero_stage == 3:
         raise UsageError("--num-experts with --deepspeed --zero-stage 3 (or its --deepspeed_config's): DeepSpeed's "
                          "ZeRO-3 takes no experts but its AutoEP layers; use --zero-stage 1 or 2")

@@ -649,9 +649,6 @@ def test_the_moe_flags_reach_the_model_and_moe_layer_freq_reads_megatrons_patter
     (["--num-experts", "4", "--moe-layer-freq", "[1]*10**9"], "--moe-layer-freq"),
     (["--num-experts", "4", "--moe-layer-freq", "[[1], [0]]"], "--moe-layer-freq"),
     (["--num-experts", "4", "--deepspeed", "--zero-stage", "3"], "--num-experts with --deepspeed --zero-stage 3"),
-    (["--num-experts", "4", "--deepspeed", "--pipeline-model-parallel-size", "2"],
-     "--num-experts under --deepspeed runs over data, expert and tensor parallelism (not yet "
-     "--pipeline-model-parallel-size): drop --pipeline-model-parallel-size, or --deepspeed"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--deepspeed", "--zero-stage", "0", "--bf16"],
      "--expert-model-parallel-size > 1 with --deepspeed --zero-stage 0 and --bf16/--fp16"),
     (["--num-experts", "4", "--moe-grouped-gemm", "--compile"], "--compile with --moe-grouped-gemm needs --bf16"),

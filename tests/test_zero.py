@@ -902,14 +902,17 @@ MOE = ["--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-router-score-
        "--moe-router-bias-update-rate", "1e-2", "--moe-token-dispatcher-type", "alltoall",
        "--train-iters", "4", "--eval-interval", "2", "--lr-decay-iters", str(STEPS)]
 MOE_STAGES = (0, 1, 2)
-TP_RUNS = {"tp2": ["--tensor-model-parallel-size", "2"],
-           "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
+# D = 1: the other layouts of the two ranks, each run plain and under ZeRO-1 (ZeRO-2 at TP 2 + SP)
+LAYOUT_RUNS = {"tp2": ["--tensor-model-parallel-size", "2"],
+               "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+               "pp2": ["--pipeline-model-parallel-size", "2"],
+               "cp2_ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]}
 
 
 def moe_worker(out: str) -> None:
     """2 processes (D=2): the plain engine at EP 1 and EP 2 (the curves), then
-    ZeRO stages 0-2 at EP 1 and EP 2 (ZeRO-1 and 2 at EP 2 saved halfway); at TP 2
-    (D=1) the plain engine and ZeRO-1, at TP 2 + SP the plain engine and ZeRO-2; in bf16
+    ZeRO stages 0-2 at EP 1 and EP 2 (ZeRO-1 and 2 at EP 2 saved halfway); at
+    LAYOUT_RUNS' layouts (D=1) the plain engine and ZeRO; in bf16
     at EP 2 the plain engine, ZeRO-1 and 2; ZeRO-1 and 2 resumed from a copy of
     their halfway checkpoint, and ZeRO-1's at EP 1 (refused)."""
     import warnings
@@ -923,10 +926,10 @@ def moe_worker(out: str) -> None:
             save = ["--save", ck(f"moe_z{stage}_ep{ep}"), "--save-interval", "2"] if ep == 2 and stage else []
             worker_run(out, f"moe_z{stage}_ep{ep}", [*MOE, "--expert-model-parallel-size", str(ep),
                                                      "--deepspeed", "--zero-stage", str(stage), *save])
-    for name, tp in TP_RUNS.items():  # D = 1: the two ranks split each expert (expert TP = TP)
-        worker_run(out, f"moe_{name}", [*MOE, *tp])
-        worker_run(out, f"moe_z{1 + name.endswith('sp')}_{name}", [*MOE, *tp, "--deepspeed", "--zero-stage",
-                                                                     str(1 + name.endswith("sp"))])
+    for name, layout in LAYOUT_RUNS.items():
+        worker_run(out, f"moe_{name}", [*MOE, *layout])
+        stage = 1 + name.endswith("sp")
+        worker_run(out, f"moe_z{stage}_{name}", [*MOE, *layout, "--deepspeed", "--zero-stage", str(stage)])
     worker_run(out, "moe_ep2_bf16", [*MOE, "--expert-model-parallel-size", "2", "--bf16"])
     for stage in (1, 2):
         worker_run(out, f"moe_z{stage}_ep2_bf16", [*MOE, "--expert-model-parallel-size", "2", "--bf16",
@@ -982,12 +985,13 @@ def test_zero_with_experts_trains_the_plain_curve(moe_runs, stage, ep):
     assert ref[-1]["loss"] < ref[0]["loss"]
 
 
-@pytest.mark.parametrize("run", ["z1_tp2", "z2_tp2_sp"])
-def test_zero_with_experts_split_over_tensor_parallel_ranks_trains_the_plain_curve(moe_runs, run):
-    """ZeRO-1 at TP 2 and ZeRO-2 at TP 2 + SP (each expert's weights split over
-    the two ranks as the dense MLP's; the router's gradient summed over them)
-    train the plain engine's curve at the same layout and at TP 1 x D 2, to 1e-5
-    in fp32."""
+@pytest.mark.parametrize("run", ["z1_tp2", "z2_tp2_sp", "z1_pp2", "z1_cp2_ep2"])
+def test_zero_with_experts_at_tensor_pipeline_or_context_parallel_layouts_trains_the_plain_curve(moe_runs, run):
+    """With experts, ZeRO-1 at TP 2 (each expert's weights split over the two
+    ranks as the dense MLP's; the router's gradient summed over them), ZeRO-2
+    at TP 2 + SP, ZeRO-1 over 2 pipeline stages (1F1B), and ZeRO-1 at CP 2 with
+    EP 2 folded out of CP, each train the plain engine's curve at the same
+    layout and at TP 1 x D 2, to 1e-5 in fp32."""
     layout = run.partition("_")[2]
     ref, got = metrics(moe_runs, f"moe_{layout}"), metrics(moe_runs, f"moe_{run}")
     assert [m["iteration"] for m in got] == [1, 2, 3, 4]
