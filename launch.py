@@ -436,8 +436,8 @@ def named_files(directory: str, names, index: str, links: bool = False) -> list[
         problem = plain_file_problem(directory, name, links) if isinstance(name, str) else f"{name!r} is not a file name"
         if problem is None and listed is not None and name not in listed:
             problem = f"{name} is not one of the files its {DIGESTS} lists"
-        if problem and isinstance(name, str) and not any(c in name for c in "/\\") and name not in (".", "..") \
-                and (problem.endswith(" is missing") or len(name.encode(errors="replace")) > NAME_MOST):
+        if problem and (problem.endswith(" is missing") or isinstance(name, str) and not any(c in name for c in "/\\")
+                        and len(name.encode(errors="replace")) > NAME_MOST):
             # a name no file of it bears (cut short, or over 255 bytes), not one reaching elsewhere: damage
             raise Damaged(directory, f"{index} names {shown(name)}, a file it does not hold ({problem})")
         if problem:
