@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 import parallel
 from config import TrainConfig
 from data import to_device
-from gpt import GPT, GPTConfig, MoE, rope_angles, set_aux_loss_scale, weighted_loss
+from gpt import GPT, GPTConfig, moe_layers, rope_angles, set_aux_loss_scale, weighted_loss
 from launch import UsageError
 
 # The layers are split into pp stages, one per pipeline rank (GPipe, Huang et al. 2019;
@@ -393,7 +393,7 @@ def pipeline_step(stage: Stage, batches: list, cfg: TrainConfig, device, precisi
                               zero_bubble=cfg.enable_zero_bubble)
     batches = [to_device(b, device) for b in batches]
     total = torch.zeros((), device=device)
-    moe = [layer for layer in model.modules() if isinstance(layer, MoE)] if torch.is_grad_enabled() else []
+    moe = list(moe_layers(model).values()) if torch.is_grad_enabled() else []
 
     def forward(chunk: int, micro: int, x):
         if moe:  # their auxiliary losses' gradients: this micro-batch's share of the loss

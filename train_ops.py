@@ -330,17 +330,20 @@ class Meter:
         """One step done; skipped: its device flag (not read here)."""
         self.tokens, self.skipped = self.tokens + tokens, self.skipped + skipped
         if iteration == self.first:
-            if self.device.type == "cuda":  # the host's clock then times the GPU's work
-                torch.cuda.synchronize(self.device)
+            self.synchronize()
             launch.say(f"first step (iteration {iteration}) took {time.time() - self.t0:.1f} s, "
                        f"compilation and autotuning included")
             if not log_now:
                 self.t0, self.tokens = time.time(), 0
 
-    def figures(self) -> dict:
-        """tokens_per_sec, mfu and skipped_iterations since the last call."""
+    def synchronize(self) -> None:
+        """Wait for the device's queued work, so that the host's clock times it."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def figures(self) -> dict:
+        """tokens_per_sec, mfu and skipped_iterations since the last call."""
+        self.synchronize()
         tps = self.tokens / max(time.time() - self.t0, 1e-9)
         mfu = self.flops_per_token * tps / (self.peak * self.world) if self.peak else None
         figures = {"tokens_per_sec": tps, "mfu": mfu, "skipped_iterations": int(self.skipped)}
