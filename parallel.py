@@ -918,7 +918,7 @@ def set_rng_tracker_states_of_every_tp_rank(states: list[dict]) -> bool:
     return True
 
 
-recomputing = False  # while checkpoint_with_rng reruns a block in backward (gpt.MoE records a forward once)
+recomputing = False  # while checkpoint_with_rng reruns a block whose first run took grad (gpt.MoE records once)
 
 
 def checkpoint_with_rng(checkpoint_fn, fn, *args):
@@ -935,11 +935,11 @@ def checkpoint_with_rng(checkpoint_fn, fn, *args):
             # the recompute replays the traced graph; should fn break it (the
             # tracker's swap does), Dynamo runs this eagerly, through the branches below
             return fn(*inputs)
-        if not runs:                     # the forward pass
-            runs.append(True)
+        if not runs:                     # the forward pass: with grad (torch's), or not (DeepSpeed's reentrant)
+            runs.append(torch.is_grad_enabled())
             return fn(*inputs)
         global recomputing
-        now, recomputing = dict(_TRACKER), True  # the recompute, in backward
+        now, recomputing = dict(_TRACKER), runs[0]  # the recompute, in backward: a rerun if the first took grad
         _replace_tracker(start)
         try:
             return fn(*inputs)

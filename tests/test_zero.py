@@ -902,17 +902,19 @@ MOE = ["--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-router-score-
        "--moe-router-bias-update-rate", "1e-2", "--moe-token-dispatcher-type", "alltoall",
        "--train-iters", "4", "--eval-interval", "2", "--lr-decay-iters", str(STEPS)]
 MOE_STAGES = (0, 1, 2)
-# D = 1: the other layouts of the two ranks, each run plain and under ZeRO-1 (ZeRO-2 at TP 2 + SP)
+# The other layouts of the two ranks (D = 1), and recomputation (D = 2): each run plain and
+# under ZeRO-1 (ZeRO-2 at TP 2 + SP)
 LAYOUT_RUNS = {"tp2": ["--tensor-model-parallel-size", "2"],
                "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                "pp2": ["--pipeline-model-parallel-size", "2"],
-               "cp2_ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]}
+               "cp2_ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],
+               "recompute": ["--recompute-activations"]}  # DeepSpeed's checkpointing: its forward takes no grad
 
 
 def moe_worker(out: str) -> None:
     """2 processes (D=2): the plain engine at EP 1 and EP 2 (the curves), then
     ZeRO stages 0-2 at EP 1 and EP 2 (ZeRO-1 and 2 at EP 2 saved halfway); at
-    LAYOUT_RUNS' layouts (D=1) the plain engine and ZeRO; in bf16
+    LAYOUT_RUNS' the plain engine and ZeRO; in bf16
     at EP 2 the plain engine, ZeRO-1 and 2; ZeRO-1 and 2 resumed from a copy of
     their halfway checkpoint, and ZeRO-1's at EP 1 (refused)."""
     import warnings
@@ -985,13 +987,15 @@ def test_zero_with_experts_trains_the_plain_curve(moe_runs, stage, ep):
     assert ref[-1]["loss"] < ref[0]["loss"]
 
 
-@pytest.mark.parametrize("run", ["z1_tp2", "z2_tp2_sp", "z1_pp2", "z1_cp2_ep2"])
+@pytest.mark.parametrize("run", ["z1_tp2", "z2_tp2_sp", "z1_pp2", "z1_cp2_ep2", "z1_recompute"])
 def test_zero_with_experts_at_tensor_pipeline_or_context_parallel_layouts_trains_the_plain_curve(moe_runs, run):
     """With experts, ZeRO-1 at TP 2 (each expert's weights split over the two
     ranks as the dense MLP's; the router's gradient summed over them), ZeRO-2
     at TP 2 + SP, ZeRO-1 over 2 pipeline stages (1F1B), and ZeRO-1 at CP 2 with
-    EP 2 folded out of CP, each train the plain engine's curve at the same
-    layout and at TP 1 x D 2, to 1e-5 in fp32."""
+    EP 2 folded out of CP, and ZeRO-1 with --recompute-activations (DeepSpeed's
+    reentrant checkpointing, whose forward runs without grad: the recompute
+    records the layer's figures), each train the plain engine's curve at the
+    same layout and at TP 1 x D 2, to 1e-5 in fp32, the MoE figures included."""
     layout = run.partition("_")[2]
     ref, got = metrics(moe_runs, f"moe_{layout}"), metrics(moe_runs, f"moe_{run}")
     assert [m["iteration"] for m in got] == [1, 2, 3, 4]
