@@ -1076,7 +1076,7 @@ def save_deepspeed_checkpoint(cfg: TrainConfig, engine, iteration: int, consumed
 def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> Start:
     """Resume everything from a DeepSpeed checkpoint of this run's layout (ZeRO's
     partitions are one per rank of DP x CP: only that product must match)."""
-    meta, lay = read_deepspeed_meta(found.path), parallel.layout
+    meta, lay = found.record, parallel.layout  # trainer_state.json, as damage read and checked it
 
     def refuse(name, saved, now):
         raise UsageError(

@@ -118,8 +118,7 @@ def hf_architecture(config: GPTConfig) -> str:
              "qwen2_moe": [*experts, no_qk, (shared, "--moe-shared-expert-intermediate-size"),
                            (c.moe_shared_expert_gate, "--moe-shared-expert-gate")],
              "mixtral": [*experts, no_qk, no_shared, (not c.moe_router_pre_softmax, "no --moe-router-pre-softmax"),
-                         (c.moe_layer_freq == 1 if isinstance(c.moe_layer_freq, int) else all(c.moe_layer_freq),
-                          "--moe-layer-freq 1")],
+                         (all(is_moe_layer(c, i) for i in range(c.num_layers)), "--moe-layer-freq 1")],
              "qwen3_moe": [*experts, (qk, "--qk-layernorm"), no_shared]}
     missing = {arch: [flag for ok, flag in needs[arch] if not ok] for arch in needs}
     for arch, flags in missing.items():
