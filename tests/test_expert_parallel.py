@@ -505,6 +505,7 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of eac
     "ep2-tp2-sp": [*TP2_SP, "--expert-model-parallel-size", "2", *ALLTOALL],
     "ep2-tp2-sp-domino": [*TP2_SP, "--domino", "--expert-model-parallel-size", "2", *ALLTOALL],
     "tp2-sp-pp2": [*TP2_SP, "--pipeline-model-parallel-size", "2"],
+    "tp2-sp-compiled": [*TP2_SP, "--compile", "--compile-backend", "aot_eager"],
     "tp2-cp2-ep2": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                     "--expert-model-parallel-size", "2", *ALLTOALL],
     # saved at EP 2 x TP 2 (+SP, all-to-all; all-gather) after 2 steps, resumed at EP 1 x TP 1 (DP 4);
@@ -576,7 +577,7 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     with recomputation, resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
     and through the pipelined step at EP 1 (rank 0 logs the other stage's layer too). Under tensor
     parallelism (the experts split over TP as the dense MLP, the mixture one f ... g region): TP 2,
-    TP 2 + SP with the grouped GEMM, EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2, EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
+    TP 2 + SP with the grouped GEMM (and compiled, the loop), EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2, EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
     (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2."""
     runs, _ = moe_runs
     one, got = {m["iteration"]: m for m in runs["one"]}, runs[name]
@@ -595,13 +596,13 @@ def test_a_resume_at_the_same_ep_is_bit_identical_and_compiled_ep_breaks_no_grap
     bit for bit, from either checkpoint format; train.py --compile at EP 2 (the
     all-to-all's split sizes, the tokens per expert: data-dependent), with
     recomputation (the figures recorded in a recomputed block), makes its graphs
-    with no graph break."""
+    with no graph break; so does TP 2 + SP (the mixture's gather and reduce-scatter)."""
     runs, counters = moe_runs
     for fmt in ("torch", "torch_dist"):
         assert runs[f"resume-{fmt}-ep2"] == [
             {**m, "tokens_per_sec": r["tokens_per_sec"]} for m, r in zip(runs["ep2"][2:], runs[f"resume-{fmt}-ep2"])]
-    compiled = counters["ep2-compiled-recompute"]
-    assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0, counters
+    for compiled in (counters["ep2-compiled-recompute"], counters["tp2-sp-compiled"]):
+        assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0, counters
     assert counters["ep2"]["graphs"] == 0
 
 
