@@ -505,6 +505,7 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of eac
     "ep2-tp2-sp": [*TP2_SP, "--expert-model-parallel-size", "2", *ALLTOALL],
     "ep2-tp2-sp-domino": [*TP2_SP, "--domino", "--expert-model-parallel-size", "2", *ALLTOALL],
     "tp2-sp-pp2": [*TP2_SP, "--pipeline-model-parallel-size", "2"],
+    "tp2-sp-domino-pp2-zb": [*TP2_SP, "--domino", "--pipeline-model-parallel-size", "2", "--enable-zero-bubble"],
     "tp2-sp-compiled": [*TP2_SP, "--compile", "--compile-backend", "aot_eager"],
     "tp2-cp2-ep2": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                     "--expert-model-parallel-size", "2", *ALLTOALL],
@@ -577,7 +578,7 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     with recomputation, resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
     and through the pipelined step at EP 1 (rank 0 logs the other stage's layer too). Under tensor
     parallelism (the experts split over TP as the dense MLP, the mixture one f ... g region): TP 2,
-    TP 2 + SP with the grouped GEMM (and compiled, the loop), EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2, EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
+    TP 2 + SP with the grouped GEMM (and compiled, the loop), EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2 (and under Domino and ZB-H1), EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
     (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2."""
     runs, _ = moe_runs
     one, got = {m["iteration"]: m for m in runs["one"]}, runs[name]
