@@ -13,6 +13,7 @@
 #   kernels    bench/bench_kernels.py (attention, LayerNorm) -> kernels.md, autotune.json
 #   profile    bench/profile_step.py, 124M and 350M         -> profile.md
 #   model      bench/bench_model.py through train.py (MODEL_ARGS) -> model.md
+#   moe        bench/bench_moe_gemm.py: the experts as a loop and as grouped_mm, bf16 -> moe.md
 #   firststep  train.py's first step with an empty, then a warm Triton cache (--smoke: the empty one) -> firststep.log
 # STAGE_TIMEOUT (seconds, default 420) bounds each stage. At the end every
 # log is gathered into OUT_DIR/RESULTS.md, ready to paste into bench/RESULTS.md.
@@ -42,7 +43,7 @@ if [ "${1:-}" = "--smoke" ]; then
 fi
 OUT=${1:?usage: bash bench/run_gpu.sh [--smoke] OUT_DIR}
 mkdir -p "$OUT"
-STAGES=${STAGES:-env tests kernels profile model firststep}
+STAGES=${STAGES:-env tests kernels profile model moe firststep}
 LIMIT=${STAGE_TIMEOUT:-420}
 export PYTHONUNBUFFERED=1 SMOKE
 WORK=$(mktemp -d)
@@ -91,7 +92,7 @@ profile_all() {
 
 collect() {  # every stage's log in one file, in stage order
     echo "# bench/run_gpu.sh $SMOKE results"
-    for log in env.txt tests.log kernels.md profile.md model.md firststep.log; do
+    for log in env.txt tests.log kernels.md profile.md model.md moe.md firststep.log; do
         [ -f "$OUT/$log" ] || continue
         printf '\n## %s\n\n' "$log"
         if [ "$log" = tests.log ]; then tail -n 15 "$OUT/$log"; else cat "$OUT/$log"; fi
@@ -106,6 +107,7 @@ stage tests tests.log "python -m pytest -p no:cacheprovider -m gpu tests/ -q -rf
 stage kernels kernels.md "python bench/bench_kernels.py --autotune-log $OUT/autotune.json $SMOKE"
 stage profile profile.md profile_all
 stage model model.md "python bench/bench_model.py --workdir $WORK/model ${MODEL_ARGS:-} $SMOKE"
+stage moe moe.md "python bench/bench_moe_gemm.py $SMOKE"
 stage firststep firststep.log first_step
 collect > "$OUT/RESULTS.md"
 rm -rf "$WORK"

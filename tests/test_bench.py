@@ -19,7 +19,7 @@ def test_run_gpu_smoke_fills_every_table_of_one_results_file(tmp_path):
     out = tmp_path / "out"
     proc = run_bounded(["bash", "bench/run_gpu.sh", "--smoke", str(out)], 600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for stage in ("env", "tests", "kernels", "profile", "model", "firststep"):
+    for stage in ("env", "tests", "kernels", "profile", "model", "moe", "firststep"):
         assert re.search(rf"== {stage}: exit 0 after \d+ s", proc.stdout), stage
     results = (out / "RESULTS.md").read_text()
     assert "torch 2." in results and "triton" in results           # the versions
@@ -30,6 +30,8 @@ def test_run_gpu_smoke_fills_every_table_of_one_results_file(tmp_path):
     for variant in ("triton", "torch"):                                   # the model rows
         assert re.search(rf"\| tiny \| {variant} \| 2 \| [\d,]+ \| n/a \| [\d.]+ \|", results), variant
     assert re.search(r"cold cache: \| tiny \| triton", results)  # (the warm pass only on a GPU)
+    for shape in ("tiny, 8 experts", "tiny, 16 experts"):  # the experts' loop against grouped_mm
+        assert re.search(rf"\| {shape} \|( \d+ \|){{5}}( [\d.]+ \|){{3}} [\d.e+-]+ \|", results), shape
 
 
 def test_profile_step_blames_gpu_idle_on_the_host_op_that_launched_the_next_kernel(tmp_path):
