@@ -41,7 +41,7 @@ def init_processes(cfg: TrainConfig) -> launch.Dist:
     env = launch.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
                                   one_queue=cfg.domino or cfg.sequence_parallel, deepspeed=cfg.deepspeed)
     parallel.initialize(cfg.tensor_model_parallel_size, env.timeout, cfg.pipeline_model_parallel_size,
-                        cfg.context_parallel_size, cfg.expert_model_parallel_size)
+                        cfg.context_parallel_size, cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size)
     return env
 
 
@@ -249,7 +249,7 @@ class Logger:
 
 def moe_figures(layers: dict) -> dict:
     """What the MoE layers (layer number -> gpt.MoE) recorded since the last call
-    (MoE.stats, cleared), over the DP x CP ranks, whose tokens differ: each
+    (MoE.stats, cleared), over the ranks whose tokens differ (layout.routing_group): each
     auxiliary loss's mean (without its coefficient), the imbalance of the tokens
     per expert (max over mean; 1 is even) and the share of token choices dropped
     over capacity (moe_dropped); each as NAME/layerI, and their mean over layers as NAME.
@@ -259,8 +259,8 @@ def moe_figures(layers: dict) -> dict:
         first = next(iter(layers.values()))
         names, E = list(first.stats)[:-3], first.config.num_experts  # the losses; then tokens (E), dropped, forwards
         sums = torch.stack([torch.cat([v.reshape(-1) for v in layer.stats.values()]) for layer in layers.values()])
-        if parallel.layout.dp_cp_size > 1:
-            dist.all_reduce(sums, group=parallel.layout.dp_cp_group)
+        if parallel.layout.routing_group is not None:
+            dist.all_reduce(sums, group=parallel.layout.routing_group)
         tokens = sums[:, -E - 2:-2]                                                     # (L, E)
         table = torch.cat([sums[:, :len(names)] / sums[:, -1:], (tokens.amax(1) / tokens.mean(1))[:, None],
                            (sums[:, -2] / tokens.sum(1))[:, None]], dim=1).tolist()    # (L, figures)

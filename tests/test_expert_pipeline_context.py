@@ -7,7 +7,7 @@ averaged over the ranks holding the same experts (not with the stage's other
 weights), and ZB-H1 computes the experts' weight gradients in I (pipeline.py,
 section 3b). Under CP each rank routes its own tokens, but the load-balancing
 losses count whole sequences: their sums are the CP group's
-(expert_parallel.sum_over_context)."""
+(expert_parallel.sum_over_sequence)."""
 import os
 
 import pytest
@@ -18,7 +18,7 @@ import parallel
 import train
 import train_ops
 from conftest import as_torchrun_rank, read_metrics, run_on_ranks
-from test_expert_parallel import ALLTOALL, MOE_RUN
+from test_expert_parallel import ALLTOALL, ETP1, MOE_RUN
 
 # MOE_RUN (8 experts, top-2 of sigmoid scores, the load-balancing and z losses, the
 # expert bias) on 4 layers, the last two MoE: the first pipeline stage holds none of them.
@@ -38,6 +38,12 @@ RUNS = {  # name: (baseline, flags), on 4 ranks
     "cp2-a2a-ep4-seq": ("one-seq", [*CP2, "--cp-comm-type", "a2a", "--expert-model-parallel-size", "4", *SEQ]),
     "cp2-ring-ep2-seq": ("one-seq", [*CP2, "--cp-comm-type", "p2p", "--expert-model-parallel-size", "2",
                                      *ALLTOALL, *SEQ]),
+    # the experts whole on each TP rank (TP 2 + SP, expert TP 1): EP 2 over the TP pair, EP 4 over TP x CP
+    "tp2-etp1-pp2-1f1b-ep2": ("one", [*ETP1, *PP2, "--expert-model-parallel-size", "2", *ALLTOALL]),
+    "tp2-etp1-pp2-zb-h1-ep2-grouped": ("one", [*ETP1, *PP2, "--enable-zero-bubble", "--expert-model-parallel-size",
+                                               "2", *ALLTOALL, "--moe-grouped-gemm"]),
+    "tp2-etp1-cp2-ring-ep4-seq": ("one-seq", [*ETP1, *CP2, "--cp-comm-type", "p2p", "--expert-model-parallel-size",
+                                              "4", *SEQ]),
 }
 
 
