@@ -58,12 +58,10 @@ from launch import UsageError
 
 def check_layout(config) -> None:
     """The layouts the experts run under: refused in one line otherwise."""
-    lay = parallel.layout
-    if config.num_experts % lay.ep_size:
+    ep = parallel.layout.ep_size
+    if config.num_experts % ep:
         raise UsageError(f"--num-experts {config.num_experts} must be divisible by --expert-model-parallel-size "
-                         f"{lay.ep_size}: each EP rank holds the same number of experts")
-    if lay.tp_size > 1 and config.domino_chunks > 1:
-        raise UsageError("--num-experts does not run under --domino yet: drop --domino (--sequence-parallel works)")
+                         f"{ep}: each EP rank holds the same number of experts")
 
 
 def experts(mlps, x, probs, routing_map, config):

@@ -630,18 +630,27 @@ def domino_blocks(blocks: nn.ModuleList, x, n_chunks: int, rope=None, documents=
     (B, T, C) -> (B, T, C): the maths of running the blocks in turn (with
     dropout the masks are drawn in another order). The micro-batch splits along
     the batch into n_chunks (uneven is fine); each block is two sublayers,
-    attention and MLP. Per-sample RoPE angles and document ids split with the batch."""
-    chunks = list(x.tensor_split(n_chunks, dim=0))   # n x (b, T, C), under SP (b, T/tp, C)
+    attention and MLP. Per-sample RoPE angles and document ids split with the batch.
+    A mixture of experts is no sublayer: the chunks rejoin for it, so its routing,
+    capacity and aux losses see the micro-batch's tokens, as without Domino."""
     per_sample = rope is not None and rope.dim() == 4  # (B, 1, T, R/2)
-    ropes = rope.tensor_split(n_chunks, dim=0) if per_sample else [rope] * len(chunks)
-    docs = documents.tensor_split(n_chunks, dim=0) if documents is not None else [None] * len(chunks)
-    sublayers = [s for b in blocks for s in (
-        parallel.Sublayer(b.ln_1, lambda h, d, i, b=b: b.attn.attend(b.attn.qkv(h, d), ropes[i], documents=docs[i]),
-                          b.attn.proj, b.attn.resid_drop),
-        parallel.Sublayer(b.ln_2, lambda h, d, i, b=b: b.mlp.hidden(h, d), b.mlp.proj, b.mlp.drop))]
-    outputs = parallel.domino(sublayers, chunks, add_and_norm,
-                              sequence_parallel=next(iter(blocks)).attn.qkv.sequence_parallel)
-    return torch.cat(outputs, dim=0)
+    ropes = rope.tensor_split(n_chunks, dim=0) if per_sample else [rope] * n_chunks
+    docs = documents.tensor_split(n_chunks, dim=0) if documents is not None else [None] * n_chunks
+    sp, sublayers = next(iter(blocks)).attn.qkv.sequence_parallel, []
+    for b in blocks:
+        sublayers.append(parallel.Sublayer(
+            b.ln_1, lambda h, d, i, b=b: b.attn.attend(b.attn.qkv(h, d), ropes[i], documents=docs[i]),
+            b.attn.proj, b.attn.resid_drop))
+        if isinstance(b.mlp, MoE):  # the overlapped stack so far, then the experts on the whole x
+            x = torch.cat(parallel.domino(sublayers, x.tensor_split(n_chunks, dim=0), add_and_norm, sp), dim=0)
+            x, h = add_and_norm(b.ln_2, x, None)
+            x, sublayers = x + b.mlp(h), []
+        else:
+            sublayers.append(parallel.Sublayer(b.ln_2, lambda h, d, i, b=b: b.mlp.hidden(h, d),
+                                               b.mlp.proj, b.mlp.drop))
+    if not sublayers:
+        return x
+    return torch.cat(parallel.domino(sublayers, x.tensor_split(n_chunks, dim=0), add_and_norm, sp), dim=0)
 
 
 def tensor_parallel_piece(name: str, piece: nn.Module, cfg: GPTConfig) -> nn.Module:

@@ -470,17 +470,14 @@ def test_a_bad_moe_option_is_refused_in_one_line(bad, flag):
 
 @pytest.mark.quick
 def test_layouts_the_experts_do_not_run_under_are_refused_in_one_line(monkeypatch):
-    """An EP size that does not divide DP x CP (here one process), or the
-    experts; and, so far, Domino (TP with overlap) with experts."""
+    """An EP size that does not divide DP x CP (here one process), or the experts."""
     monkeypatch.setattr(parallel, "layout", parallel.layout)  # put back after the test
     with pytest.raises(UsageError, match="--expert-model-parallel-size 2 must divide"):
         parallel.initialize(expert_model_parallel_size=2)
-    for layout, flag, options in ((parallel.Layout(ep_size=3), "divisible by --expert-model-parallel-size 3", {}),
-                                  (parallel.Layout(tp_size=2), "--domino", dict(domino_chunks=2))):
-        monkeypatch.setattr(parallel, "layout", layout)
-        with pytest.raises(UsageError, match=flag) as error:
-            gpt.MoE(moe_config(**options))
-        assert "\n" not in str(error.value)
+    monkeypatch.setattr(parallel, "layout", parallel.Layout(ep_size=3))
+    with pytest.raises(UsageError, match="divisible by --expert-model-parallel-size 3") as error:
+        gpt.MoE(moe_config())
+    assert "\n" not in str(error.value)
 
 
 # -----------------------------------------------------------------------------
@@ -517,6 +514,7 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of eac
     "tp2": ["--tensor-model-parallel-size", "2"],
     "tp2-sp-grouped": [*TP2_SP, "--moe-grouped-gemm"],
     "ep2-tp2-sp": [*TP2_SP, "--expert-model-parallel-size", "2", *ALLTOALL],
+    "ep2-tp2-sp-domino": [*TP2_SP, "--domino", "--expert-model-parallel-size", "2", *ALLTOALL],
     "tp2-sp-pp2": [*TP2_SP, "--pipeline-model-parallel-size", "2"],
     "tp2-cp2-ep2": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                     "--expert-model-parallel-size", "2", *ALLTOALL],
@@ -600,7 +598,7 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     with recomputation, resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
     and through the pipelined step at EP 1 (rank 0 logs the other stage's layer too). Under tensor
     parallelism (the experts split over TP as the dense MLP, the mixture one f ... g region): TP 2,
-    TP 2 + SP with the grouped GEMM, EP 2 x TP 2 + SP, TP 2 + SP x PP 2, EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
+    TP 2 + SP with the grouped GEMM, EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2, EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
     (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2."""
     runs, _, _ = moe_runs
     one, got = {m["iteration"]: m for m in runs["one"]}, runs[name]
@@ -876,17 +874,19 @@ TP_CASES = [  # SwiGLU, no biases, a gated shared expert, both losses per sequen
     dict(swiglu=True, disable_bias_linear=True, moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
          moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
     dict(moe_grouped_gemm=True, moe_aux_loss_coeff=0.1, moe_expert_capacity_factor=1.0),
-    dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),  # GELU with biases, the loop, dropless
+    dict(moe_layer_freq=[1, 0], moe_aux_loss_coeff=0.1),  # experts, then a dense MLP
 ]
-# (TP, SP, EP, expert TP) on 4 ranks; expert TP 1: the experts whole on each TP rank, EP folded out of TP x DP
-TP_LAYOUTS = [(2, False, 1, 2), (2, True, 1, 2), (2, True, 2, 2), (2, False, 2, 2), (2, True, 1, 1), (2, True, 2, 1),
-              (2, True, 4, 1)]
+# (TP, SP, EP, Domino's chunks, expert TP) on 4 ranks; expert TP 1: the experts whole on each TP rank,
+# EP folded out of TP x DP
+TP_LAYOUTS = [(2, False, 1, 1, 2), (2, True, 1, 1, 2), (2, True, 2, 1, 2), (2, False, 2, 1, 2), (2, False, 1, 2, 2),
+              (2, True, 2, 2, 2), (2, True, 1, 1, 1), (2, True, 2, 1, 1), (2, True, 4, 1, 1), (2, True, 2, 2, 1)]
 
 
-def _model_loss_and_grads(options, sp=False):
+def _model_loss_and_grads(options, sp=False, domino=1):
     """A tiny MoE GPT at this process's layout, one forward and backward of the same
     tokens on every rank -> (loss, {name: the full gradient, as one process holds it})."""
-    config = moe_config(hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sp, **options)
+    config = moe_config(hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sp, domino_chunks=domino,
+                        **options)
     torch.manual_seed(0)
     model = gpt.GPT(config)
     loss = model(tokens(B=2, T=16, seed=3), labels=tokens(B=2, T=16, seed=4))
@@ -901,14 +901,14 @@ def _model_loss_and_grads(options, sp=False):
 def _check_tensor_parallel_is_one_process():
     parallel.initialize(1)
     want = [_model_loss_and_grads(options) for options in TP_CASES]
-    for tp, sp, ep, etp in TP_LAYOUTS:
+    for tp, sp, ep, domino, etp in TP_LAYOUTS:
         parallel.destroy()
         parallel.initialize(tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         for options, (loss, grads) in zip(TP_CASES, want):
             if etp == 1 and "moe_expert_capacity_factor" in options:  # each TP rank drops from its own tokens
                 continue
-            got_loss, got = _model_loss_and_grads(options, sp)
-            case = f"TP={tp} SP={sp} EP={ep} ETP={etp} {options}"
+            got_loss, got = _model_loss_and_grads(options, sp, domino)
+            case = f"TP={tp} SP={sp} EP={ep} Domino={domino} ETP={etp} {options}"
             torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6, msg=case)
             for name, grad in grads.items():
                 torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{case}: {name}")
@@ -922,8 +922,11 @@ def test_tensor_parallel_experts_give_one_processs_loss_and_gradients():
     a 1/tp share a rank), the router and the capacity on every token of the TP
     group, the aux losses a 1/tp share of the gradient a rank, the router's summed
     over TP; a gated shared expert (a dense MLP beside them), SwiGLU, capacity, the
-    loop and the grouped GEMM. With the experts whole on each TP rank (expert TP 1, under
-    SP) at EP 1, 2 (over TP) and 4 (over TP x DP), no capacity (each TP rank routes its own
+    loop and the grouped GEMM. Under Domino (2 chunks, TP 2, and EP 2 x TP 2 + SP) the
+    chunks rejoin for each mixture: the aux loss and capacity over the micro-batch, as
+    without Domino; every layer MoE, or experts then a dense MLP (overlapped again).
+    With the experts whole on each TP rank (expert TP 1, under SP) at EP 1, 2 (over TP)
+    and 4 (over TP x DP), and EP 2 under Domino, no capacity (each TP rank routes its own
     tokens): the same, the aux losses' sums (aux_loss and seq_aux_loss) over the TP group,
     the router's gradient summed over TP, the experts' over TP x DP."""
     run_on_ranks(_check_tensor_parallel_is_one_process, world_size=4)
