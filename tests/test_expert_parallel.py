@@ -530,6 +530,7 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of eac
     "etp1-ep1": ETP1,
     "etp1-ep2": [*ETP1, "--expert-model-parallel-size", "2", *ALLTOALL],
     "etp1-ep4-allgather-grouped": [*ETP1, "--expert-model-parallel-size", "4", "--moe-grouped-gemm"],
+    "etp1-ep2-domino": [*ETP1, "--domino", "--expert-model-parallel-size", "2", *ALLTOALL],
     # saved there at EP 2 after 2 steps; resumed at the same layout, at expert TP 2 (EP 2 x TP 2 + SP), at TP 1 EP 1
     **{f"save-etp1-{fmt}": [*ETP1, "--expert-model-parallel-size", "2", *ALLTOALL, "--exit-interval", "2",
                             "--save", f"{{out}}/etp1-{fmt}", "--ckpt-format", fmt] for fmt in ("torch", "torch_dist")},
