@@ -496,7 +496,7 @@ MOE_RUN = ["--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2", 
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 ETP1 = [*TP2_SP, "--expert-tensor-parallel-size", "1"]  # the experts whole on each TP rank, EP out of TP x DP
-EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4); the curve of each is EP = 1's in one process
+EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4, or TP x DP at expert TP 1); each follows EP = 1
     "ep2": ["--expert-model-parallel-size", "2", *ALLTOALL],  # EP 2 x expert-DP 2: a loop over experts
     "ep4-allgather-grouped-recompute": ["--expert-model-parallel-size", "4", "--moe-grouped-gemm",
                                         "--recompute-activations"],
@@ -600,7 +600,12 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     and through the pipelined step at EP 1 (rank 0 logs the other stage's layer too). Under tensor
     parallelism (the experts split over TP as the dense MLP, the mixture one f ... g region): TP 2,
     TP 2 + SP with the grouped GEMM, EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2, EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
-    (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2."""
+    (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2. With the experts
+    whole on each TP rank (expert TP 1, TP 2 + SP x DP 2; each TP rank routes its own tokens, EP folded
+    out of TP x DP): EP 1, EP 2 over the TP pair (and under Domino), EP 4 with the all-gather dispatcher and
+    the grouped GEMM, so the experts' gradients summed over TP too, the router's over TP, the clipping
+    norm counting each expert once, the expert bias and the figures over every rank; resumed from EP 2
+    there at expert TP 2 (EP 2 x TP 2 + SP) and at EP 1 x TP 1, in both formats."""
     runs, _, _ = moe_runs
     one, got = {m["iteration"]: m for m in runs["one"]}, runs[name]
     assert [m["iteration"] for m in got] == ([3, 4] if name.startswith("resume") else [1, 2, 3, 4])

@@ -1,5 +1,5 @@
 """Mixtures of experts under pipeline and context parallelism, with expert
-parallelism: train.py over 4 gloo ranks trains one process's curve.
+parallelism (and at expert TP 1 with TP 2 + SP): train.py over 4 gloo ranks trains one process's curve.
 
 Under PP each stage holds its own MoE layers: the stages' figures are
 gathered for rank 0's log line and metrics file, the experts' gradients are
@@ -81,7 +81,10 @@ def test_experts_under_pp_and_cp_follow_one_process(runs, name):
     (ring and all-to-all attention) aux_loss and seq_aux_loss, their values
     and their gradients, are the whole sequences' (the CP sums), and the
     auxiliary losses' gradients do not take the LM loss's CP weight (the
-    ranks keep different shares of the loss: --eod-mask-loss)."""
+    ranks keep different shares of the loss: --eod-mask-loss). With the experts
+    whole on each TP rank (TP 2 + SP, expert TP 1, EP folded out of TP x CP x DP):
+    EP 2 under PP2 (1F1B, ZB-H1 with the grouped GEMM), and EP 4 under CP2, whose
+    seq_aux_loss sums each sequence over TP x CP."""
     baseline, _ = RUNS[name]
     want, got = {m["iteration"]: m for m in runs[baseline]}, runs[name]
     assert [m["iteration"] for m in got] == [1, 2, 3, 4]
