@@ -166,7 +166,7 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
             f"{tp * cp * pp} does not divide the world size {world}: launch a multiple of "
             f"{tp * cp * pp} processes or pick sizes whose product divides {world}")
     dp, ep, etp = world // (tp * cp * pp), expert_model_parallel_size, expert_tensor_parallel_size or tp
-    check_expert_parallel_size(ep, dp * cp * tp // etp, tp // etp)
+    check_expert_parallel_size(ep, dp * cp * tp // etp, etp < tp)
     stage_size = dp * cp * tp  # ranks per pipeline stage
     new = Layout(tp_size=tp, tp_rank=rank % tp, cp_size=cp, cp_rank=rank % (cp * tp) // tp,
                  dp_size=dp, dp_rank=rank % stage_size // (cp * tp), dp_cp_size=dp * cp,

@@ -416,8 +416,8 @@ def test_the_ep_groups_fold_dp_x_cp_as_megatron_folds_them(monkeypatch, world, t
     """parallel.initialize's EP groups (and the groups of ranks holding the same
     experts) are megatron-core's RankGenerator's for the experts (order
     tp-cp-ep-dp-pp, its tp the expert TP): EP takes consecutive ranks of DP x CP, CP
-    first; at expert TP 1 under TP > 1 consecutive ranks of the stage's TP x CP x DP, where
-    an EP size that does not divide it is refused in one line."""
+    first; at expert TP 1 under TP > 1 consecutive ranks of the stage's TP x CP x DP. An EP
+    size that does not divide what it is folded out of is refused in one line that names it."""
     from megatron.core.parallel_state import RankGenerator
     theirs = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
     monkeypatch.setattr(parallel, "layout", parallel.layout)  # put back after the test
@@ -432,11 +432,11 @@ def test_the_ep_groups_fold_dp_x_cp_as_megatron_folds_them(monkeypatch, world, t
         assert list(lay.ep_group) == next(g for g in theirs.get_ranks("ep") if rank in g)
         assert list(lay.expert_dp_group) == next(g for g in theirs.get_ranks("dp") if rank in g)
         assert lay.ep_rank == lay.ep_group.index(rank)
-    if etp < tp:
-        with pytest.raises(UsageError, match=f"--expert-model-parallel-size 3 must divide tensor x data x context "
-                                             f"parallel size \\(--expert-tensor-parallel-size 1\\) {world // pp}:"):
-            parallel.initialize(tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                                expert_model_parallel_size=3, expert_tensor_parallel_size=etp)
+    folded = "tensor x data x context parallel size \\(--expert-tensor-parallel-size 1\\)" if etp < tp else \
+        "data x context parallel size"
+    with pytest.raises(UsageError, match=f"--expert-model-parallel-size 3 must divide {folded} {world // (pp * etp)}:"):
+        parallel.initialize(tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                            expert_model_parallel_size=3, expert_tensor_parallel_size=etp)
 
 
 # -----------------------------------------------------------------------------
