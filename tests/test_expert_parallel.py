@@ -470,14 +470,17 @@ def test_a_bad_moe_option_is_refused_in_one_line(bad, flag):
 
 @pytest.mark.quick
 def test_layouts_the_experts_do_not_run_under_are_refused_in_one_line(monkeypatch):
-    """An EP size that does not divide DP x CP (here one process), or the experts."""
+    """An EP size that does not divide DP x CP (here one process), or the experts;
+    experts whole on each TP rank (expert TP 1) of a model built without sequence parallelism."""
     monkeypatch.setattr(parallel, "layout", parallel.layout)  # put back after the test
     with pytest.raises(UsageError, match="--expert-model-parallel-size 2 must divide"):
         parallel.initialize(expert_model_parallel_size=2)
-    monkeypatch.setattr(parallel, "layout", parallel.Layout(ep_size=3))
-    with pytest.raises(UsageError, match="divisible by --expert-model-parallel-size 3") as error:
-        gpt.MoE(moe_config())
-    assert "\n" not in str(error.value)
+    for layout, message in ((parallel.Layout(ep_size=3), "divisible by --expert-model-parallel-size 3"),
+                            (parallel.Layout(tp_size=2, etp_size=1), "1 needs --sequence-parallel")):
+        monkeypatch.setattr(parallel, "layout", layout)
+        with pytest.raises(UsageError, match=message) as error:
+            gpt.MoE(moe_config())
+        assert "\n" not in str(error.value)
 
 
 # -----------------------------------------------------------------------------
