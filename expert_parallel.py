@@ -62,8 +62,9 @@ def check_layout(config) -> None:
     if config.num_experts % ep:
         raise UsageError(f"--num-experts {config.num_experts} must be divisible by --expert-model-parallel-size "
                          f"{ep}: each EP rank holds the same number of experts")
-    if parallel.layout.etp_size < parallel.layout.tp_size and not config.sequence_parallel:
-        raise UsageError("--expert-tensor-parallel-size 1 needs --sequence-parallel: each TP rank routes its own tokens")
+    if parallel.layout.whole_experts and not config.sequence_parallel:
+        raise UsageError("--expert-tensor-parallel-size 1 needs --sequence-parallel: each TP rank routes its own "
+                         "tokens")
 
 
 def experts(mlps, x, probs, routing_map, config):

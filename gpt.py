@@ -484,7 +484,7 @@ class MoE(nn.Module):
         back), so routing, capacity and the aux losses see TP = 1's tokens. Under expert
         TP 1 (experts whole on each TP rank, SP) each rank routes its own (B, T/tp, C)."""
         sp = self.sequence_parallel
-        if parallel.layout.etp_size < parallel.layout.tp_size:
+        if parallel.layout.whole_experts:
             y = self.mixture(x)                                             # (B, T/tp, C)
         else:
             y = self.mixture((parallel.gather_from_sequence_parallel_region if sp else

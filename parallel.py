@@ -134,6 +134,11 @@ class Layout:
     routing_group: object = None
     initialized: bool = False
 
+    @property
+    def whole_experts(self) -> bool:
+        """Expert TP 1 under TP > 1: each TP rank holds whole experts and routes its own tokens."""
+        return self.etp_size < self.tp_size
+
 
 layout = Layout()  # read it as parallel.layout.tp_size: initialize() replaces it
 
@@ -668,10 +673,9 @@ def sum_sequence_parallel_grads(module: nn.Module) -> None:
     backward, before it lands in .grad, so DDP's and ZeRO's hooks,
     accumulation and clipping all see it (Megatron sums once per step). Whole
     experts (expert TP 1) are summed with their expert_dp_group, which spans TP."""
-    whole_experts = layout.etp_size < layout.tp_size
     for p in module.parameters():
         if not getattr(p, "tensor_model_parallel", False) and p.requires_grad and \
-                not (whole_experts and getattr(p, "expert_parallel", False)):
+                not (layout.whole_experts and getattr(p, "expert_parallel", False)):
             p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
 
 

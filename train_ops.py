@@ -195,9 +195,9 @@ def describe_run(cfg: TrainConfig, env: launch.Dist, mcfg: GPTConfig, global_bat
         " (interleaved 1F1B)" if cfg.num_layers_per_virtual_pipeline_stage else " (1F1B)"
     active = f" ({count_parameters(mcfg, active=True):,} active)" if mcfg.num_experts else ""
     launch.say(f"model: {count_parameters(mcfg):,} parameters{active} | world {env.world_size} = "
-               f"TP {lay.tp_size} x {f'CP {lay.cp_size} ({cfg.cp_comm_type}) x ' if lay.cp_size > 1 else ''}"
-               f"DP {lay.dp_size}{f' (EP {lay.ep_size})' if lay.ep_size > 1 else ''}"
-               f"{' (expert TP 1)' if lay.etp_size < lay.tp_size else ''} x PP {lay.pp_size}{pp_schedule}"
+               f"TP {lay.tp_size}{' (expert TP 1)' if lay.whole_experts else ''} x "
+               f"{f'CP {lay.cp_size} ({cfg.cp_comm_type}) x ' if lay.cp_size > 1 else ''}"
+               f"DP {lay.dp_size}{f' (EP {lay.ep_size})' if lay.ep_size > 1 else ''} x PP {lay.pp_size}{pp_schedule}"
                f" | global batch {global_batch} "
                f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
                f"device {env.device}")
