@@ -694,7 +694,7 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
     qkv_blocks = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
     block.attn.qkv = Column.from_linear(block.attn.qkv, blocks=qkv_blocks, sequence_parallel=sp)
     block.attn.proj = Row.from_linear(block.attn.proj, sequence_parallel=sp)
-    if isinstance(block.mlp, MoE) and parallel.layout.etp_size > 1:
+    if isinstance(block.mlp, MoE) and not parallel.layout.whole_experts:
         shard_experts(block.mlp, cfg)
     for mlp in [block.mlp.shared_expert] if isinstance(block.mlp, MoE) else [block.mlp]:
         if mlp is not None:

@@ -193,8 +193,9 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         new.dp_cp_group = mine(dp_cp_ranks)
     pipelines = [list(range(first, world, stage_size)) for first in range(stage_size)]
     new.pp_group = mine(pipelines)                                    # PP: same DP, CP and TP rank
-    new.routing_group = new.dp_cp_group if etp == tp else mine([list(st) for st in stages])
-    _expert_groups(new, ep, dp_cp_ranks if etp == tp else [list(st) for st in stages], mine)
+    folds = dp_cp_ranks if etp == tp else [list(st) for st in stages]  # what EP is folded out of
+    new.routing_group = new.dp_cp_group if etp == tp else mine(folds)  # the ranks whose tokens differ
+    _expert_groups(new, ep, folds, mine)
     if pp > 1:                                                        # TP x PP: same DP and CP rank
         new.embedding_group = mine([[ranks[0], ranks[-1]] for ranks in pipelines])
         new.mp_group = mine([[s * stage_size + r + t for s in range(pp) for t in range(tp)]
