@@ -1094,7 +1094,7 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> St
                f"{lay.dp_size} x {lay.cp_size} = {lay.dp_cp_size}")
     for name, saved, now in (("tensor-parallel", meta["tensor_model_parallel_size"], lay.tp_size),
                              ("pipeline-parallel", meta.get("pipeline_model_parallel_size", 1), lay.pp_size),
-                             ("expert-parallel", meta.get("expert_model_parallel_size", 1), lay.ep_size)):
+                             ("expert-parallel", meta["expert_model_parallel_size"], lay.ep_size)):
         if saved != now:
             refuse(name, saved, now)
     with data_only_loads(found.path, found.kind):
@@ -1111,7 +1111,7 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
     each model-parallel rank's (pp_rank * tp + tp_rank) DP partitions, then its TP shards merge."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     meta = read_deepspeed_meta(tag_dir)
-    if (ep := meta.get("expert_model_parallel_size", 1)) > 1:  # zero_to_fp32 would merge its experts over DP
+    if (ep := meta["expert_model_parallel_size"]) > 1:  # zero_to_fp32 would merge its experts over DP
         raise UsageError(f"{tag_dir}: a DeepSpeed checkpoint of experts over --expert-model-parallel-size {ep} "
                          f"resumes in its own layout only (its weights do not export yet): relaunch with that layout")
     tp, layout = meta["tensor_model_parallel_size"], meta["tensor_parallel_layout"]

@@ -344,8 +344,8 @@ def _layout_problem(name: str, array: np.ndarray, dtype, shape: tuple) -> str | 
 def _gpt_indices_problem(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
                          doc_idx, sample_idx, shuffle_idx) -> str | None:
     """What build_gpt_indices would not have built, or None: doc_idx of these documents
-    only; sample_idx's row i at stream token i * seq_length, inside its document; and
-    shuffle_idx (at least num_samples long) naming samples that are there."""
+    only; sample_idx build_sample_idx's of doc_idx; and shuffle_idx (at least num_samples
+    long) naming samples that are there."""
     for name, array, shape in (("doc_idx", doc_idx, (None,)), ("sample_idx", sample_idx, (None, 2)),
                                ("shuffle_idx", shuffle_idx, (None,))):
         if problem := _layout_problem(name, array, np.int64, shape):
@@ -356,14 +356,8 @@ def _gpt_indices_problem(sizes: np.ndarray, documents: np.ndarray, seq_length: i
         return "shuffle_idx names samples that are not there"
     if not np.isin(doc_idx, documents).all():
         return "doc_idx names documents that are not this split's"
-    doc, offset = sample_idx[:, 0], sample_idx[:, 1]
-    if not ((0 <= doc) & (doc < len(doc_idx))).all():
-        return "sample_idx names documents that are not there"
-    doc_sizes = sizes[doc_idx].astype(np.int64)                # (D,)
-    first = np.cumsum(doc_sizes) - doc_sizes                   # each document's first stream token
-    inside = (0 <= offset) & (offset < doc_sizes[doc])
-    if not inside.all() or not np.array_equal(first[doc] + offset, np.arange(len(sample_idx)) * seq_length):
-        return f"sample_idx's rows are not {seq_length} stream tokens apart, each inside its document"
+    if not np.array_equal(sample_idx, build_sample_idx(sizes, doc_idx, seq_length, len(sample_idx) - 1)):
+        return f"sample_idx is not the one doc_idx gives (a row each {seq_length} stream tokens)"
     return None
 
 

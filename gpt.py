@@ -557,7 +557,8 @@ class MoE(nn.Module):
         for name, value in figures.items():
             self.stats[name] = self.stats.get(name, 0.0) + value.detach()
         if self.expert_bias is not None:
-            self.tokens_per_expert += routing_map.sum(0)
+            # a new tensor: with += torch 2.13's compiled step at TP x DP returned this buffer as its loss
+            self.tokens_per_expert = self.tokens_per_expert + routing_map.sum(0)
 
 
 def moe_layers(model: nn.Module) -> dict:

@@ -996,7 +996,7 @@ def _extents_problem(directory: str, storage_data: dict, least: dict) -> str | N
 DS_META = "trainer_state.json"
 DS_FIELDS = {"iteration": 0, "consumed_samples": 0, "zero_stage": 0, "data_parallel_size": 1,
              "tensor_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
-             "model_config": {}, "tensor_parallel_layout": {}}
+             "expert_model_parallel_size": 1, "model_config": {}, "tensor_parallel_layout": {}}
 
 
 def read_deepspeed_meta(tag_dir: str) -> dict:
@@ -1009,7 +1009,7 @@ def read_deepspeed_meta(tag_dir: str) -> dict:
         meta = parse_json(f.read(size), path, ": cut short or damaged")
     if not isinstance(meta, dict) or type(meta.get("iteration")) is not int:
         raise UsageError(f"{path} records no iteration: not the {DS_META} train.py writes")
-    meta = {"context_parallel_size": 1, "pipeline_model_parallel_size": 1, **meta}
+    meta = {"context_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1, **meta}
     if wrong := deepspeed_meta_problem(meta, tag_dir):
         raise UsageError(f"{path} records {wrong}: not the {DS_META} train.py writes, or damaged")
     return meta

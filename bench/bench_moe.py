@@ -13,6 +13,9 @@ where the all-to-all sits in the step (issue 71's "Measured").
 3. The order of operations of one MoE layer's forward and backward at EP = 2
    (alltoall dispatcher), recorded by a TorchDispatchMode on rank 0: the
    GEMMs and the collectives (a2a: an all-to-all posted; land: its wait).
+4. Why grouped_mm is not the default: the same rows placed 0-7 floats further
+   on in memory, each grouped_mm bit for bit the aligned one's or not (a
+   resumed run's tensors lie elsewhere: it would leave the curve's last bits).
 
     OMP_NUM_THREADS=2 python bench/bench_moe.py           # minutes on 2 idle cores
     python bench/bench_moe.py --smoke                     # tiny sizes, seconds
@@ -183,6 +186,22 @@ def on_four_ranks(size: dict) -> dict:
             return json.load(f)
 
 
+def alignment_rounding() -> list:
+    """grouped_mm of the same (100, 64) rows, the rows' first float at 4-byte
+    shifts 0..7 from an aligned address -> a row per shift: bit for bit the
+    shift-0 output or not, and the largest difference."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(100, 64, generator=g), torch.randn(4, 32, 64, generator=g)
+    offsets = torch.tensor([10, 40, 40, 100], dtype=torch.int32)
+    rows = []
+    for shift in range(8):
+        shifted = torch.empty(x.numel() + shift)[shift:].view_as(x).copy_(x)
+        out = torch.nn.functional.grouped_mm(shifted, w.transpose(1, 2), offs=offsets)
+        base = out if shift == 0 else base
+        rows.append([shift, "yes" if torch.equal(out, base) else "no", f"{(out - base).abs().max().item():.2e}"])
+    return rows
+
+
 def table(header: list, rows: list) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -216,6 +235,8 @@ def main() -> None:
     print("## 3. One MoE layer at EP = 2 (alltoall), rank 0's order of operations\n")
     for variant, (fwd, bwd) in found["order"].items():
         print(f"    {variant}, forward:  {fwd}\n    {variant}, backward: {bwd}\n")
+    print("## 4. grouped_mm of the same rows shifted in memory (fp32, 4 experts, 100 x 64)\n")
+    table(["shift (floats)", "bit for bit shift 0's", "largest difference"], alignment_rounding())
 
 
 if __name__ == "__main__":

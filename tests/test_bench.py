@@ -66,7 +66,8 @@ def test_bench_moe_smoke_fills_its_three_tables():
     """bench/bench_moe.py --smoke (tiny sizes): the step's tokens/s of the dense
     model, the expert loop and grouped_mm; rank 0's memory at EP = 1, 2, 4, the
     experts' weights and AdamW states 1/EP of EP=1's; and the order of one MoE
-    layer's GEMMs and all-to-alls at EP = 2, forward and backward."""
+    layer's GEMMs and all-to-alls at EP = 2, forward and backward; grouped_mm's bits
+    for the same rows at 8 places in memory."""
     proc = run_bounded([sys.executable, "bench/bench_moe.py", "--smoke"], 600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -80,3 +81,5 @@ def test_bench_moe_smoke_fills_its_three_tables():
         backward = re.search(rf"{variant}, backward: +(.*)", out).group(1)
         assert forward.startswith("router  a2a(counts)  land  a2a(rows)  land  ") and gemm in forward, forward
         assert backward.startswith("a2a(rows)  land  ") and gemm in backward and "router" in backward, backward
+    for shift in range(8):  # section 4: reported, whichever way this CPU rounds
+        assert re.search(rf"\| {shift} \| (yes|no) \| [\d.e+-]+ \|\n", out), shift

@@ -761,12 +761,14 @@ def test_a_deepspeed_trainer_state_that_records_what_no_load_can_take_is_passed_
     """DeepSpeed checkpoints whose trainer_state.json records a valid iteration
     but no tensor-parallel size or one that is "x", no model_config, a
     pipeline-parallel size of 1,000,000 (where one model-states file is), no
-    data-parallel size, or ZeRO stage "two", with DeepSpeed's `latest` naming
+    data-parallel size, ZeRO stage "two", or an expert-parallel size "2" (a
+    comparison with an int crashed), with DeepSpeed's `latest` naming
     the newest: --export-from names each in one line (each was a traceback
     in the export or the load) and exports the plain checkpoint before them."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     shutil.copytree(two_saves, ckpt)
-    cases = {10: ({"tensor_model_parallel_size": None}, "no tensor_model_parallel_size"),
+    cases = {11: ({"expert_model_parallel_size": "2"}, "expert_model_parallel_size of type str"),
+             10: ({"tensor_model_parallel_size": None}, "no tensor_model_parallel_size"),
              9: ({"tensor_model_parallel_size": "x"}, "tensor_model_parallel_size of type str"),
              8: ({"model_config": None}, "no model_config"),
              7: ({"pipeline_model_parallel_size": 1000000},
@@ -776,7 +778,7 @@ def test_a_deepspeed_trainer_state_that_records_what_no_load_can_take_is_passed_
              5: ({"zero_stage": "two"}, "zero_stage of type str")}
     for iteration, (changes, _) in cases.items():
         _deepspeed_checkpoint(str(ckpt / f"iter_{iteration:07d}"), _deepspeed_meta(two_saves, iteration, **changes))
-    (ckpt / checkpoint.DS_LATEST).write_text("iter_0000010")
+    (ckpt / checkpoint.DS_LATEST).write_text("iter_0000011")
     log = _export_log(ckpt, out, capsys)
     for iteration, (_, problem) in cases.items():
         tag = ckpt / f"iter_{iteration:07d}"

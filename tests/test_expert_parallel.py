@@ -519,6 +519,7 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4, or TP x DP at exp
     "ep2-tp2-sp": [*TP2_SP, "--expert-model-parallel-size", "2", *ALLTOALL],
     "ep2-tp2-sp-domino": [*TP2_SP, "--domino", "--expert-model-parallel-size", "2", *ALLTOALL],
     "tp2-sp-pp2": [*TP2_SP, "--pipeline-model-parallel-size", "2"],
+    "tp2-sp-compiled": [*TP2_SP, "--compile", "--compile-backend", "aot_eager"],
     "tp2-cp2-ep2": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                     "--expert-model-parallel-size", "2", *ALLTOALL],
     # saved at EP 2 x TP 2 (+SP, all-to-all; all-gather) after 2 steps, resumed at EP 1 x TP 1 (DP 4);
@@ -602,7 +603,7 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     with recomputation, resumed at EP 1, 2 and 4 from a checkpoint saved at EP 2, in both formats,
     and through the pipelined step at EP 1 (rank 0 logs the other stage's layer too). Under tensor
     parallelism (the experts split over TP as the dense MLP, the mixture one f ... g region): TP 2,
-    TP 2 + SP with the grouped GEMM, EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2, EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
+    TP 2 + SP with the grouped GEMM (and compiled, the loop), EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2, EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
     (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2. With the experts
     whole on each TP rank (expert TP 1, TP 2 + SP x DP 2; each TP rank routes its own tokens, EP folded
     out of TP x DP): EP 1, EP 2 over the TP pair (and under Domino), EP 4 with the all-gather dispatcher and
@@ -626,9 +627,10 @@ def test_a_resume_at_the_same_ep_is_bit_identical_and_compiled_ep_breaks_no_grap
     bit for bit, from either checkpoint format; train.py --compile at EP 2 (the
     all-to-all's split sizes, the tokens per expert: data-dependent), with
     recomputation (the figures recorded in a recomputed block), makes its graphs
-    with no graph break. The same at expert TP 1 (EP 2 over TP 2 + SP, x DP 2), whose
-    torch_dist checkpoint holds each tensor's bytes once: the experts, replicated over
-    the expert-DP ranks (and the rest over DP), are written by one rank each."""
+    with no graph break; so does TP 2 + SP (the mixture's gather and reduce-scatter).
+    The same resume at expert TP 1 (EP 2 over TP 2 + SP, x DP 2), whose torch_dist
+    checkpoint holds each tensor's bytes once: the experts, replicated over the
+    expert-DP ranks (and the rest over DP), are written by one rank each."""
     runs, counters, out = moe_runs
     for fmt, (uninterrupted, resumed) in itertools.product(("torch", "torch_dist"), (
             ("ep2", "resume-{}-ep2"), ("etp1-ep2", "resume-etp1-{}-same"))):
@@ -639,8 +641,8 @@ def test_a_resume_at_the_same_ep_is_bit_identical_and_compiled_ep_breaks_no_grap
     index = checkpoint.read_dist_metadata(saved).storage_data
     assert sum(place.length for place in index.values()) == \
         sum(os.path.getsize(f) for f in glob.glob(os.path.join(saved, "*.distcp")))
-    compiled = counters["ep2-compiled-recompute"]
-    assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0, counters
+    for compiled in (counters["ep2-compiled-recompute"], counters["tp2-sp-compiled"]):
+        assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0, counters
     assert counters["ep2"]["graphs"] == 0
 
 

@@ -546,6 +546,8 @@ DAMAGED_CACHE = {
     "cut short": ("shuffle_idx.npy", lambda path: os.truncate(path, os.path.getsize(path) // 2), "not an array"),
     "indexes past its samples": ("shuffle_idx.npy", lambda path: _rewrite(path, lambda a: a + len(a)),
                                  "shuffle_idx names samples that are not there"),
+    "rows moved": ("sample_idx.npy", lambda path: _rewrite(path, lambda a: a[::-1].copy()),
+                   "sample_idx is not the one doc_idx gives"),
     "of another shape": ("sample_idx.npy", lambda path: _rewrite(path, lambda a: np.concatenate([a, a], axis=1)),
                          "sample_idx is int64 ("),
     "of another dtype": ("doc_idx.npy", lambda path: _rewrite(path, lambda a: a.astype(np.float64)),
