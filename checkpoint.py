@@ -172,10 +172,12 @@ def adamw_groups(optimizer, saved: list, path: str, log) -> list[dict]:
 def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, None]:
     """The full states, assembled tensor by tensor on global rank 0; (None, None) elsewhere.
     Only the first DP replica's first CP rank takes part, with the EP ranks folded out of
-    DP x CP beside it that hold the other experts. (Gathering on every rank would put
-    16 bytes a parameter on each GPU: 24 GB at 1.5B and tp=2.)"""
+    DP x CP beside it that hold the other experts (under expert TP 1 out of TP x DP x CP,
+    with their TP groups). (Gathering on every rank would put 16 bytes a parameter on
+    each GPU: 24 GB at 1.5B and tp=2.)"""
     lay = parallel.layout
-    if lay.dp_rank * lay.cp_size + lay.cp_rank >= lay.ep_size:  # its place in DP x CP, past the first EP group
+    # its place in DP x CP (x TP/ETP: its TP group's first place in the stage), past the first EP group
+    if (lay.dp_rank * lay.cp_size + lay.cp_rank) * (lay.tp_size // lay.etp_size) >= lay.ep_size:
         return None, None
 
     def gather_to_writer(param, t):

@@ -162,7 +162,7 @@ class TrainConfig:
     domino_chunks: int = flag(2, "micro-batch chunks that --domino interleaves", BOTH)
     expert_model_parallel_size: int = flag(1, "ep: ranks that split the experts, folded out of DP x CP")
     expert_tensor_parallel_size: int | None = flag(None, "the TP ranks each expert is split over: "
-                                                         "--tensor-model-parallel-size's (the default) only")
+                                                         "--tensor-model-parallel-size's (the default), or 1")
     sequence_parallel: bool = flag(False, "split LayerNorms, dropouts and residual adds along the sequence over "
                                           "the tensor-parallel ranks (activation memory / tp); needs "
                                           "--tensor-model-parallel-size > 1")
@@ -898,9 +898,15 @@ def validate_experts(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--{loose[0].replace('_', '-')} needs --num-experts (a mixture of experts): give it, "
                          f"or drop the MoE flags for a dense model")
     etp, tp = cfg.expert_tensor_parallel_size, cfg.tensor_model_parallel_size
-    if etp not in (None, tp):
-        raise UsageError(f"--expert-tensor-parallel-size {etp}: the experts split over the tensor-parallel ranks "
-                         f"as the dense MLP does, so it must be --tensor-model-parallel-size {tp}: drop it")
+    if etp not in (None, 1, tp):
+        raise UsageError(f"--expert-tensor-parallel-size {etp}: each expert is split over the tensor-parallel ranks as "
+                         f"the dense MLP, or whole on each, so it must be 1 or --tensor-model-parallel-size ({tp})")
+    if etp == 1 < tp and not cfg.sequence_parallel:
+        raise UsageError(f"--expert-tensor-parallel-size 1 at --tensor-model-parallel-size {tp} needs "
+                         f"--sequence-parallel (each TP rank routes its own tokens, as Megatron's): add it")
+    if etp == 1 < tp and cfg.deepspeed:
+        raise UsageError("--expert-tensor-parallel-size 1 with --tensor-model-parallel-size > 1 does not run under "
+                         "--deepspeed yet: drop one of them")
     if cfg.num_experts is not None and cfg.deepspeed and cfg.zero_stage == 3:
         raise UsageError("--num-experts with --deepspeed --zero-stage 3 (or its --deepspeed_config's): DeepSpeed's "
                          "ZeRO-3 takes no experts but its AutoEP layers; use --zero-stage 1 or 2")

@@ -62,6 +62,9 @@ def check_layout(config) -> None:
     if config.num_experts % ep:
         raise UsageError(f"--num-experts {config.num_experts} must be divisible by --expert-model-parallel-size "
                          f"{ep}: each EP rank holds the same number of experts")
+    if parallel.layout.whole_experts and not config.sequence_parallel:
+        raise UsageError("--expert-tensor-parallel-size 1 needs --sequence-parallel: each TP rank routes its own "
+                         "tokens")
 
 
 def experts(mlps, x, probs, routing_map, config):
@@ -109,7 +112,7 @@ def grouped_experts(mlps, rows, counts):
         which = torch.repeat_interleave(counts, output_size=rows.shape[0])            # (R,)
         h = h + mlps.fc_bias[which].to(dtype)
     out = F.grouped_mm(mlps.activation(h), mlps.proj.to(dtype).transpose(1, 2), offs=offsets)  # (R, C)
-    return out if mlps.proj_bias is None else out + mlps.proj_bias[which].to(dtype) / parallel.layout.tp_size
+    return out if mlps.proj_bias is None else out + mlps.proj_bias[which].to(dtype) / parallel.layout.etp_size
 
 
 # --------------------------------------------------------------------------
@@ -166,16 +169,19 @@ class _Collective(torch.autograd.Function):
         return ctx.adjoint(grad), None, None
 
 
-def sum_over_context(x):
-    """x summed over the CP group (whose ranks hold parts of the same sequences),
-    differentiable: an all-reduce's adjoint is itself (each CP rank's loss of
-    the sum sends its gradient to every rank's summand)."""
-    return _Collective.apply(x, _cp_sum, _cp_sum)
+def sum_over_sequence(x):
+    """x summed over the ranks holding parts of the same sequences: the CP group,
+    and under expert TP 1 (SP) the TP group; differentiable: an all-reduce's adjoint
+    is itself (each rank's loss of the sum sends its gradient to every rank's summand)."""
+    return _Collective.apply(x, _sequence_sum, _sequence_sum)
 
 
-def _cp_sum(x):
-    return parallel.wait(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum",
-                                                               parallel.layout.cp_group.group_name))
+def _sequence_sum(x):
+    lay = parallel.layout
+    for size, group in ((lay.cp_size, lay.cp_group), (lay.tp_size // lay.etp_size, lay.tp_group)):
+        if size > 1:
+            x = parallel.wait(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name))
+    return x
 
 
 # Raw collectives on the EP group (functional: torch.compile traces them, parallel.py's form)

@@ -388,11 +388,13 @@ def load_balancing_loss(scores, chosen, k: int):
     """Switch's loss over groups of T tokens, scores and chosen (S, T, E) -> the
     mean over groups of E / (k T^2) sum_e (sum_t scores) (sum_t chosen): 1 when
     both spread evenly, E at worst. One group: aux_loss; one per sequence: seq_aux_loss.
-    Under CP each rank holds 1/cp of every group's tokens: the sums are the CP group's (Megatron's)."""
+    Under CP each rank holds 1/cp of every group's tokens: the sums are the CP group's (Megatron's);
+    under expert TP 1 (SP) each TP rank 1/tp more: the sums are TP x CP's."""
     T, E = scores.shape[-2:]
     sums = torch.stack([scores.sum(-2), chosen.sum(-2)])                    # (2, S, E)
-    if parallel.layout.cp_size > 1:
-        sums, T = expert_parallel.sum_over_context(sums), T * parallel.layout.cp_size
+    lay = parallel.layout
+    if lay.cp_size * lay.tp_size // lay.etp_size > 1:
+        sums, T = expert_parallel.sum_over_sequence(sums), T * lay.cp_size * lay.tp_size // lay.etp_size
     return (sums[0] * sums[1]).sum(-1).mean() * E / (k * T * T)
 
 
@@ -402,7 +404,7 @@ class Experts(nn.Module):
     proj (E, C, F), biases (E, fc_out) and (E, C) unless disabled. Under expert
     parallelism this rank holds E_local of them, from expert `first` on; under tensor
     parallelism each expert split as the dense MLP (shard_experts), and each TP
-    rank adds 1/tp of the proj bias: g sums the partial outputs."""
+    rank adds 1/tp of the proj bias: g sums the partial outputs (whole under expert TP 1)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -419,7 +421,7 @@ class Experts(nn.Module):
 
     def forward(self, e: int, x):
         """This rank's expert e's MLP: (n, C) -> (n, C)."""
-        bias = (None, None) if self.fc_bias is None else (self.fc_bias[e], self.proj_bias[e] / parallel.layout.tp_size)
+        bias = (None, None) if self.fc_bias is None else (self.fc_bias[e], self.proj_bias[e] / parallel.layout.etp_size)
         return F.linear(self.activation(F.linear(x, self.fc[e], bias[0])), self.proj[e], bias[1])
 
     def activation(self, h):
@@ -479,12 +481,16 @@ class MoE(nn.Module):
         """(B, T, C) -> (B, T, C). Under TP the experts split as the dense MLP, and the
         whole mixture is its f ... g region: every rank routes all the TP group's
         tokens (under SP gathered (B, T/tp, C) -> (B, T, C), and reduce-scattered
-        back), so routing, capacity and the aux losses see TP = 1's tokens."""
+        back), so routing, capacity and the aux losses see TP = 1's tokens. Under expert
+        TP 1 (experts whole on each TP rank, SP) each rank routes its own (B, T/tp, C)."""
         sp = self.sequence_parallel
-        y = self.mixture((parallel.gather_from_sequence_parallel_region if sp else
-                          parallel.copy_to_tensor_parallel_region)(x))      # (B, T, C), partial sums under TP
-        y = (parallel.reduce_scatter_to_sequence_parallel_region if sp else
-             parallel.reduce_from_tensor_parallel_region)(y)                # x's shape
+        if parallel.layout.whole_experts:
+            y = self.mixture(x)                                             # (B, T/tp, C)
+        else:
+            y = self.mixture((parallel.gather_from_sequence_parallel_region if sp else
+                              parallel.copy_to_tensor_parallel_region)(x))  # (B, T, C), partial sums under TP
+            y = (parallel.reduce_scatter_to_sequence_parallel_region if sp else
+                 parallel.reduce_from_tensor_parallel_region)(y)            # x's shape
         if self.shared_expert is not None:  # a dense MLP beside the experts (TP as MLP's, shard_block)
             shared = self.shared_expert(x)
             y = y + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
@@ -538,7 +544,7 @@ class MoE(nn.Module):
         if cfg.moe_z_loss_coeff:  # ST-MoE: keeps the logits small
             losses["z_loss"] = (torch.logsumexp(logits, dim=-1).square().mean(), cfg.moe_z_loss_coeff)
         if losses:
-            # under TP a router's gradient is each rank's share, summed over TP (shard_experts): 1/tp each
+            # under TP a router's gradient is each rank's share, summed over TP (shard_experts; SP's): 1/tp each
             probs = AuxLoss.apply(probs, sum(coeff * loss for loss, coeff in losses.values()),
                                   self.aux_loss_scale / parallel.layout.tp_size)
         return probs, {name: loss for name, (loss, _) in losses.items()}
@@ -672,7 +678,7 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
         attn.proj    RowParallelLinear
         mlp.fc       ColumnParallelLinear (SwiGLU: 2 blocks, [gate_r|up_r])
         mlp.proj     RowParallelLinear
-        mlp (MoE)    its experts split as mlp.fc and mlp.proj (shard_experts); its
+        mlp (MoE)    its experts split as mlp.fc and mlp.proj (shard_experts; whole at expert TP 1); its
                      shared expert, a dense MLP, as mlp.fc and mlp.proj
         output_layer ColumnParallelLinear (untied head; vocab rows split)
         norms, wpe, row-parallel biases: replicated
@@ -689,7 +695,7 @@ def shard_block(block: Block, cfg: GPTConfig) -> None:
     qkv_blocks = 3 if kv == cfg.hidden_size else (cfg.hidden_size, kv, kv)
     block.attn.qkv = Column.from_linear(block.attn.qkv, blocks=qkv_blocks, sequence_parallel=sp)
     block.attn.proj = Row.from_linear(block.attn.proj, sequence_parallel=sp)
-    if isinstance(block.mlp, MoE):
+    if isinstance(block.mlp, MoE) and not parallel.layout.whole_experts:
         shard_experts(block.mlp, cfg)
     for mlp in [block.mlp.shared_expert] if isinstance(block.mlp, MoE) else [block.mlp]:
         if mlp is not None:

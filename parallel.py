@@ -123,11 +123,21 @@ class Layout:
     # Expert parallelism (expert_parallel.py), folded out of DP x CP: ep_group,
     # ep consecutive ranks of a dp_cp_group, split the experts; expert_dp_group,
     # one rank of each, hold the same experts (their gradients are summed there).
+    # etp_size: the TP ranks each expert is split over, tp (as the MLP) or 1: whole
+    # experts, each TP rank routing its own tokens (under SP), EP folded out of the
+    # stage's TP x CP x DP. routing_group: the ranks routing different tokens (DP x CP, or that stage).
     ep_group: object = None
     ep_size: int = 1
     ep_rank: int = 0
     expert_dp_group: object = None
+    etp_size: int = 1
+    routing_group: object = None
     initialized: bool = False
+
+    @property
+    def whole_experts(self) -> bool:
+        """Expert TP 1 under TP > 1: each TP rank holds whole experts and routes its own tokens."""
+        return self.etp_size < self.tp_size
 
 
 layout = Layout()  # read it as parallel.layout.tp_size: initialize() replaces it
@@ -135,7 +145,7 @@ layout = Layout()  # read it as parallel.layout.tp_size: initialize() replaces i
 
 def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta | None = None,
                pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
-               expert_model_parallel_size: int = 1) -> None:
+               expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None) -> None:
     """Build the TP, CP, DP, PP and EP groups (in the order drawn above), on every
     rank (new_group is collective); without torch.distributed, a single-rank
     world. Pass init_process_group's `timeout`: new_group does not inherit
@@ -160,12 +170,12 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
             f"--tensor-model-parallel-size {tp}{cp_flag} x --pipeline-model-parallel-size {pp} = "
             f"{tp * cp * pp} does not divide the world size {world}: launch a multiple of "
             f"{tp * cp * pp} processes or pick sizes whose product divides {world}")
-    dp, ep = world // (tp * cp * pp), expert_model_parallel_size
-    check_expert_parallel_size(ep, dp * cp)
+    dp, ep, etp = world // (tp * cp * pp), expert_model_parallel_size, expert_tensor_parallel_size or tp
+    check_expert_parallel_size(ep, dp * cp * tp // etp, etp < tp)
     stage_size = dp * cp * tp  # ranks per pipeline stage
     new = Layout(tp_size=tp, tp_rank=rank % tp, cp_size=cp, cp_rank=rank % (cp * tp) // tp,
                  dp_size=dp, dp_rank=rank % stage_size // (cp * tp), dp_cp_size=dp * cp,
-                 pp_size=pp, pp_rank=rank // stage_size, initialized=True)
+                 pp_size=pp, pp_rank=rank // stage_size, etp_size=etp, initialized=True)
 
     def mine(rank_lists):  # every rank creates every group, in the same order; this rank's
         made = [(dist.new_group(ranks, timeout=timeout), ranks) for ranks in rank_lists]
@@ -183,7 +193,9 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
         new.dp_cp_group = mine(dp_cp_ranks)
     pipelines = [list(range(first, world, stage_size)) for first in range(stage_size)]
     new.pp_group = mine(pipelines)                                    # PP: same DP, CP and TP rank
-    _expert_groups(new, ep, dp_cp_ranks, mine)
+    folds = dp_cp_ranks if etp == tp else [list(st) for st in stages]  # what EP is folded out of
+    new.routing_group = new.dp_cp_group if etp == tp else mine(folds)  # the ranks whose tokens differ
+    _expert_groups(new, ep, folds, mine)
     if pp > 1:                                                        # TP x PP: same DP and CP rank
         new.embedding_group = mine([[ranks[0], ranks[-1]] for ranks in pipelines])
         new.mp_group = mine([[s * stage_size + r + t for s in range(pp) for t in range(tp)]
@@ -191,28 +203,33 @@ def initialize(tensor_model_parallel_size: int = 1, timeout: datetime.timedelta 
     layout = new
 
 
-def check_expert_parallel_size(ep: int, dp_cp: int) -> None:
+def check_expert_parallel_size(ep: int, dp_cp: int, whole_experts: bool = False) -> None:
     if not isinstance(ep, int) or ep < 1 or dp_cp % ep:
-        raise UsageError(f"--expert-model-parallel-size {ep} must divide data x context parallel size {dp_cp}: "
+        what = "tensor x data x context parallel size (--expert-tensor-parallel-size 1)" if whole_experts else \
+            "data x context parallel size"
+        raise UsageError(f"--expert-model-parallel-size {ep} must divide {what} {dp_cp}: "
                          f"launch a multiple of it as ranks or pick a size that divides {dp_cp}")
 
 
-def _expert_groups(new: Layout, ep: int, dp_cp_ranks: list, mine) -> None:
-    """EP folded out of DP x CP, as Megatron folds it: each DP x CP group's
-    ranks, in order, split into blocks of ep (the EP groups), and the ranks at
-    the same place in each block hold the same experts (expert_dp_group)."""
-    new.ep_size, new.ep_rank = ep, (new.dp_rank * new.cp_size + new.cp_rank) % ep
-    new.expert_dp_group = new.dp_cp_group
+def _expert_groups(new: Layout, ep: int, folds: list, mine) -> None:
+    """EP folded out of DP x CP (folds: the DP x CP groups), or under expert TP 1
+    out of the stages' TP x CP x DP, as Megatron folds it: each fold's ranks, in
+    order, split into blocks of ep (the EP groups), and the ranks at the same
+    place in each block hold the same experts (expert_dp_group)."""
+    rank = dist.get_rank()
+    new.ep_size, new.ep_rank = ep, next(f.index(rank) for f in folds if rank in f) % ep
+    new.expert_dp_group = new.routing_group  # the fold itself
     if ep > 1:
-        new.ep_group = mine([r[i:i + ep] for r in dp_cp_ranks for i in range(0, len(r), ep)])
-        new.expert_dp_group = mine([r[i::ep] for r in dp_cp_ranks for i in range(ep)])
+        new.ep_group = mine([r[i:i + ep] for r in folds for i in range(0, len(r), ep)])
+        new.expert_dp_group = mine([r[i::ep] for r in folds for i in range(ep)])
 
 
 def destroy() -> None:
     """Forget the groups (the world group itself belongs to the caller)."""
     global layout
     groups = {layout.tp_group, layout.dp_group, layout.pp_group, layout.embedding_group,
-              layout.mp_group, layout.cp_group, layout.dp_cp_group, layout.ep_group, layout.expert_dp_group} - {None}
+              layout.mp_group, layout.cp_group, layout.dp_cp_group, layout.ep_group, layout.expert_dp_group,
+              layout.routing_group} - {None}
     for group in groups:
         if dist.is_initialized():
             dist.destroy_process_group(group)
@@ -655,9 +672,11 @@ def sum_sequence_parallel_grads(module: nn.Module) -> None:
     row-parallel biases, learned positions) sees only this rank's tokens:
     its full gradient is the sum over the TP group. A hook sums it in
     backward, before it lands in .grad, so DDP's and ZeRO's hooks,
-    accumulation and clipping all see it (Megatron sums once per step)."""
+    accumulation and clipping all see it (Megatron sums once per step). Whole
+    experts (expert TP 1) are summed with their expert_dp_group, which spans TP."""
     for p in module.parameters():
-        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad:
+        if not getattr(p, "tensor_model_parallel", False) and p.requires_grad and \
+                not (layout.whole_experts and getattr(p, "expert_parallel", False)):
             p.register_hook(all_reduce)   # returns the sum over the TP group, a new tensor
 
 

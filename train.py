@@ -202,8 +202,8 @@ def train_step(trainer, batches: list, lr: float):
         total = pipeline.pipeline_step(trainer.model, batches, trainer.cfg, trainer.device, trainer.precision,
                                        trainer.scale, trainer.averager)
     grad_norm, skipped = trainer.finish()
-    if trainer.moe_layers:  # DeepSeek-V3's expert bias, from the step's tokens on every DP x CP rank
-        update_expert_biases(trainer.moe_layers.values(), parallel.layout.dp_cp_group)
+    if trainer.moe_layers:  # DeepSeek-V3's expert bias, from the step's tokens on every rank routing its own
+        update_expert_biases(trainer.moe_layers.values(), parallel.layout.routing_group)
     if parallel.layout.dp_cp_size > 1:  # the loss every rank reports: over the replicas
         total = parallel.all_reduce_mean(total, parallel.layout.dp_cp_group)
     return total, grad_norm, skipped
@@ -352,11 +352,12 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     everywhere). A non-finite norm leaves the grads untouched: the caller
     decides. Each pipeline stage adds its own layers' squares (the last
     stage's copy of a tied embedding counts like a replica: times 0); each EP
-    rank its own experts' (summed over the EP group)."""
+    rank its own experts' (summed over the EP group; whole experts, expert TP 1, counted on TP rank 0)."""
     lay = parallel.layout
     counted, experts, copies = [], [], []  # copies: replicated grads that another rank counts
     for p in parameters:
-        own = (getattr(p, "tensor_model_parallel", False) or lay.tp_rank == 0) and not getattr(p, "pipeline_copy", 0)
+        own = (getattr(p, "tensor_model_parallel", False) or lay.tp_rank == 0 or
+               lay.whole_experts and getattr(p, "expert_parallel", False)) and not getattr(p, "pipeline_copy", 0)
         if p.grad is not None:
             (experts if own and getattr(p, "expert_parallel", False) else counted if own else copies).append(p.grad)
     grads = counted + experts + copies
@@ -371,6 +372,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     sq_experts = squares[c:e].sum().float()
     if lay.ep_size > 1:
         dist.all_reduce(sq_experts, group=lay.ep_group)
+    if lay.whole_experts and lay.tp_rank > 0:  # every TP rank holds the EP group's sum: TP rank 0 adds it
+        sq_experts = sq_experts * 0.0
     sq = (squares[:c].sum() + squares[e:].sum() * 0.0).float() + sq_experts
     for size, group in ((lay.tp_size, lay.tp_group), (lay.pp_size, lay.pp_group)):
         if size > 1:

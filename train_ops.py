@@ -41,7 +41,7 @@ def init_processes(cfg: TrainConfig) -> launch.Dist:
     env = launch.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
                                   one_queue=cfg.domino or cfg.sequence_parallel, deepspeed=cfg.deepspeed)
     parallel.initialize(cfg.tensor_model_parallel_size, env.timeout, cfg.pipeline_model_parallel_size,
-                        cfg.context_parallel_size, cfg.expert_model_parallel_size)
+                        cfg.context_parallel_size, cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size)
     return env
 
 
@@ -195,7 +195,8 @@ def describe_run(cfg: TrainConfig, env: launch.Dist, mcfg: GPTConfig, global_bat
         " (interleaved 1F1B)" if cfg.num_layers_per_virtual_pipeline_stage else " (1F1B)"
     active = f" ({count_parameters(mcfg, active=True):,} active)" if mcfg.num_experts else ""
     launch.say(f"model: {count_parameters(mcfg):,} parameters{active} | world {env.world_size} = "
-               f"TP {lay.tp_size} x {f'CP {lay.cp_size} ({cfg.cp_comm_type}) x ' if lay.cp_size > 1 else ''}"
+               f"TP {lay.tp_size}{' (expert TP 1)' if lay.whole_experts else ''} x "
+               f"{f'CP {lay.cp_size} ({cfg.cp_comm_type}) x ' if lay.cp_size > 1 else ''}"
                f"DP {lay.dp_size}{f' (EP {lay.ep_size})' if lay.ep_size > 1 else ''} x PP {lay.pp_size}{pp_schedule}"
                f" | global batch {global_batch} "
                f"= {cfg.micro_batch_size} x {lay.dp_size} x {accum} accumulation{ramp} | "
@@ -249,7 +250,7 @@ class Logger:
 
 def moe_figures(layers: dict) -> dict:
     """What the MoE layers (layer number -> gpt.MoE) recorded since the last call
-    (MoE.stats, cleared), over the DP x CP ranks, whose tokens differ: each
+    (MoE.stats, cleared), over the ranks whose tokens differ (layout.routing_group): each
     auxiliary loss's mean (without its coefficient), the imbalance of the tokens
     per expert (max over mean; 1 is even) and the share of token choices dropped
     over capacity (moe_dropped); each as NAME/layerI, and their mean over layers as NAME.
@@ -259,8 +260,8 @@ def moe_figures(layers: dict) -> dict:
         first = next(iter(layers.values()))
         names, E = list(first.stats)[:-3], first.config.num_experts  # the losses; then tokens (E), dropped, forwards
         sums = torch.stack([torch.cat([v.reshape(-1) for v in layer.stats.values()]) for layer in layers.values()])
-        if parallel.layout.dp_cp_size > 1:
-            dist.all_reduce(sums, group=parallel.layout.dp_cp_group)
+        if parallel.layout.routing_group is not None:
+            dist.all_reduce(sums, group=parallel.layout.routing_group)
         tokens = sums[:, -E - 2:-2]                                                     # (L, E)
         table = torch.cat([sums[:, :len(names)] / sums[:, -1:], (tokens.amax(1) / tokens.mean(1))[:, None],
                            (sums[:, -2] / tokens.sum(1))[:, None]], dim=1).tolist()    # (L, figures)

@@ -1,5 +1,5 @@
 """Mixtures of experts under pipeline and context parallelism, with expert
-parallelism: train.py over 4 gloo ranks trains one process's curve.
+parallelism (and at expert TP 1 with TP 2 + SP): train.py over 4 gloo ranks trains one process's curve.
 
 Under PP each stage holds its own MoE layers: the stages' figures are
 gathered for rank 0's log line and metrics file, the experts' gradients are
@@ -7,7 +7,7 @@ averaged over the ranks holding the same experts (not with the stage's other
 weights), and ZB-H1 computes the experts' weight gradients in I (pipeline.py,
 section 3b). Under CP each rank routes its own tokens, but the load-balancing
 losses count whole sequences: their sums are the CP group's
-(expert_parallel.sum_over_context)."""
+(expert_parallel.sum_over_sequence)."""
 import os
 
 import pytest
@@ -18,7 +18,7 @@ import parallel
 import train
 import train_ops
 from conftest import as_torchrun_rank, read_metrics, run_on_ranks
-from test_expert_parallel import ALLTOALL, MOE_RUN
+from test_expert_parallel import ALLTOALL, ETP1, MOE_RUN
 
 # MOE_RUN (8 experts, top-2 of sigmoid scores, the load-balancing and z losses, the
 # expert bias) on 4 layers, the last two MoE: the first pipeline stage holds none of them.
@@ -38,6 +38,12 @@ RUNS = {  # name: (baseline, flags), on 4 ranks
     "cp2-a2a-ep4-seq": ("one-seq", [*CP2, "--cp-comm-type", "a2a", "--expert-model-parallel-size", "4", *SEQ]),
     "cp2-ring-ep2-seq": ("one-seq", [*CP2, "--cp-comm-type", "p2p", "--expert-model-parallel-size", "2",
                                      *ALLTOALL, *SEQ]),
+    # the experts whole on each TP rank (TP 2 + SP, expert TP 1): EP 2 over the TP pair, EP 4 over TP x CP
+    "tp2-etp1-pp2-1f1b-ep2": ("one", [*ETP1, *PP2, "--expert-model-parallel-size", "2", *ALLTOALL]),
+    "tp2-etp1-pp2-zb-h1-ep2-grouped": ("one", [*ETP1, *PP2, "--enable-zero-bubble", "--expert-model-parallel-size",
+                                               "2", *ALLTOALL, "--moe-grouped-gemm"]),
+    "tp2-etp1-cp2-ring-ep4-seq": ("one-seq", [*ETP1, *CP2, "--cp-comm-type", "p2p", "--expert-model-parallel-size",
+                                              "4", *SEQ]),
 }
 
 
@@ -75,7 +81,10 @@ def test_experts_under_pp_and_cp_follow_one_process(runs, name):
     (ring and all-to-all attention) aux_loss and seq_aux_loss, their values
     and their gradients, are the whole sequences' (the CP sums), and the
     auxiliary losses' gradients do not take the LM loss's CP weight (the
-    ranks keep different shares of the loss: --eod-mask-loss)."""
+    ranks keep different shares of the loss: --eod-mask-loss). With the experts
+    whole on each TP rank (TP 2 + SP, expert TP 1, EP folded out of TP x CP x DP):
+    EP 2 under PP2 (1F1B, ZB-H1 with the grouped GEMM), and EP 4 under CP2, whose
+    seq_aux_loss sums each sequence over TP x CP."""
     baseline, _ = RUNS[name]
     want, got = {m["iteration"]: m for m in runs[baseline]}, runs[name]
     assert [m["iteration"] for m in got] == [1, 2, 3, 4]
