@@ -209,10 +209,11 @@ def reduce_scatter(x):
 def reduce_expert_grads(model) -> None:
     """After backward: each expert weight's gradient, which covers its EP
     group's tokens, summed over the ranks holding the same experts and divided
-    by DP x CP: the mean DDP takes of every other gradient."""
+    by DP x CP: the mean DDP takes of every other gradient. (At EP 1 with the
+    experts split as TP splits the MLP, DDP averages them: nothing to do.)"""
     lay = parallel.layout
     for p in model.parameters():
-        if getattr(p, "expert_parallel", False) and p.grad is not None:
+        if parallel.averaged_apart(p) and p.grad is not None:
             if lay.expert_dp_group is not None and dist.get_world_size(lay.expert_dp_group) > 1:
                 dist.all_reduce(p.grad, group=lay.expert_dp_group)
             p.grad /= lay.dp_cp_size

@@ -139,6 +139,12 @@ class Layout:
         """Expert TP 1 under TP > 1: each TP rank holds whole experts and routes its own tokens."""
         return self.etp_size < self.tp_size
 
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the experts' gradients are averaged over other ranks than DP x CP (EP > 1, or
+        whole experts): then DDP leaves them to expert_parallel.reduce_expert_grads (averaged_apart)."""
+        return self.ep_size > 1 or self.whole_experts
+
 
 layout = Layout()  # read it as parallel.layout.tp_size: initialize() replaces it
 
@@ -665,6 +671,12 @@ class _SequenceParallelLinear(torch.autograd.Function):
         if ctx.has_bias:
             grad_bias = g2d.sum(dim=0).to(weight.dtype)
         return grad_input, grad_weight, grad_bias, None  # None: Domino's gathered X, if given (section 4)
+
+
+def averaged_apart(param: nn.Parameter) -> bool:
+    """An expert weight whose gradient DDP (or a pipeline's average) leaves to
+    expert_parallel.reduce_expert_grads; at EP 1 (expert TP = TP) the experts are averaged as the rest."""
+    return getattr(param, "expert_parallel", False) and layout.experts_apart
 
 
 def sum_sequence_parallel_grads(module: nn.Module) -> None:

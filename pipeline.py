@@ -434,8 +434,8 @@ def reduce_pipeline_grads(model: GPT, averager: GradientAverager | None = None) 
 
 def averaged(model: nn.Module) -> list[nn.Parameter]:
     """The parameters whose gradients are averaged over DP x CP here: not the
-    experts' (EP ranks hold different ones: expert_parallel.reduce_expert_grads)."""
-    return [p for p in model.parameters() if p.requires_grad and not getattr(p, "expert_parallel", False)]
+    experts' where EP ranks hold different ones (expert_parallel.reduce_expert_grads)."""
+    return [p for p in model.parameters() if p.requires_grad and not parallel.averaged_apart(p)]
 
 
 def tied_embedding_copy(model: GPT) -> nn.Parameter | None:

@@ -273,7 +273,7 @@ class PlainTraining:
         lay = parallel.layout  # gradients are averaged over DP x CP (pipelines: pipeline.GradientAverager)
         if lay.dp_cp_size > 1 and lay.pp_size == 1:  # but the experts' (finish), which EP ranks hold apart
             DDP._set_params_and_buffers_to_ignore_for_model(self.model, [
-                n for n, p in self.model.named_parameters() if getattr(p, "expert_parallel", False)])
+                n for n, p in self.model.named_parameters() if parallel.averaged_apart(p)])
             self.model = DDP(self.model, process_group=lay.dp_cp_group, forward_sync_buffers=False,  # MoE's counts
                              device_ids=[env.local_rank] if env.device.type == "cuda" else None)
         self.precision = autocast(cfg, env.device)               # the forward's (--bf16 / --fp16)

@@ -905,7 +905,7 @@ def _model_loss_and_grads(options, sp=False, domino=1):
     loss.backward()
     expert_parallel.reduce_expert_grads(model)  # the experts' averages over DP; the others' as DDP takes them
     lay = parallel.layout
-    return loss.detach(), {n: parallel.gather_like(p, p.grad if getattr(p, "expert_parallel", False) else
+    return loss.detach(), {n: parallel.gather_like(p, p.grad if parallel.averaged_apart(p) else
                                                    parallel.all_reduce_mean(p.grad, lay.dp_cp_group))
                            for n, p in model.named_parameters()}
 
@@ -924,6 +924,27 @@ def _check_tensor_parallel_is_one_process():
             torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6, msg=case)
             for name, grad in grads.items():
                 torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{case}: {name}")
+
+
+def _ddp_takes_the_experts_at_ep_1_only():
+    for ep in (1, 2):
+        parallel.destroy()
+        parallel.initialize(1, expert_model_parallel_size=ep)
+        cfg = config.parse_args(["--preset", "tiny", *IDS, "--num-experts", "4", "--expert-model-parallel-size",
+                                 str(ep)])
+        trainer = train.PlainTraining(cfg, process_env())
+        experts = {n for n, _ in trainer.raw.named_parameters() if ".experts." in n}  # 2 layers x 4
+        assert len(experts) == 8 and trainer.model.parameters_to_ignore == (experts if ep > 1 else set()), \
+            (ep, experts, trainer.model.parameters_to_ignore)
+
+
+@pytest.mark.slow
+def test_ddp_averages_the_experts_at_ep_1_and_leaves_them_to_their_holders_at_ep_2():
+    """On 2 data-parallel ranks at EP 1 every rank holds every expert: DDP averages the
+    experts' gradients with the rest (bucketed, overlapped with backward); at EP 2 they
+    leave DDP for expert_parallel.reduce_expert_grads, over the ranks holding the same
+    experts. (The curves at either EP: test_train_py_at_ep_2_and_4_follows_one_process.)"""
+    run_on_ranks(_ddp_takes_the_experts_at_ep_1_only, world_size=2)
 
 
 @pytest.mark.slow
