@@ -536,6 +536,8 @@ EP_RUNS = {  # name: flags, on 4 ranks (EP folded out of DP 4, or TP x DP at exp
     "etp1-ep2": [*ETP1, "--expert-model-parallel-size", "2", *ALLTOALL],
     "etp1-ep4-allgather-grouped": [*ETP1, "--expert-model-parallel-size", "4", "--moe-grouped-gemm"],
     "etp1-ep2-domino": [*ETP1, "--domino", "--expert-model-parallel-size", "2", *ALLTOALL],
+    "etp1-ep2-compiled": [*ETP1, "--expert-model-parallel-size", "2", *ALLTOALL, "--compile", "--compile-backend",
+                          "aot_eager"],
     # saved there at EP 2 after 2 steps; resumed at the same layout, at expert TP 2 (EP 2 x TP 2 + SP), at TP 1 EP 1
     **{f"save-etp1-{fmt}": [*ETP1, "--expert-model-parallel-size", "2", *ALLTOALL, "--exit-interval", "2",
                             "--save", f"{{out}}/etp1-{fmt}", "--ckpt-format", fmt] for fmt in ("torch", "torch_dist")},
@@ -607,7 +609,7 @@ def test_train_py_at_ep_2_and_4_follows_one_process(moe_runs, name):
     TP 2 + SP with the grouped GEMM (and compiled, the loop), EP 2 x TP 2 + SP (and under Domino), TP 2 + SP x PP 2 (and under Domino and ZB-H1), EP 2 x TP 2 x CP 2; resumed at EP 1 x TP 1 from EP 2 x TP 2
     (+ SP in the torch format, without in torch_dist's), at EP 2 x TP 2 + SP from EP 2. With the experts
     whole on each TP rank (expert TP 1, TP 2 + SP x DP 2; each TP rank routes its own tokens, EP folded
-    out of TP x DP): EP 1, EP 2 over the TP pair (and under Domino), EP 4 with the all-gather dispatcher and
+    out of TP x DP): EP 1, EP 2 over the TP pair (and under Domino, and compiled), EP 4 with the all-gather dispatcher and
     the grouped GEMM, so the experts' gradients summed over TP too, the router's over TP, the clipping
     norm counting each expert once, the expert bias and the figures over every rank; resumed from EP 2
     there at expert TP 2 (EP 2 x TP 2 + SP) and at EP 1 x TP 1, in both formats."""
@@ -628,7 +630,8 @@ def test_a_resume_at_the_same_ep_is_bit_identical_and_compiled_ep_breaks_no_grap
     bit for bit, from either checkpoint format; train.py --compile at EP 2 (the
     all-to-all's split sizes, the tokens per expert: data-dependent), with
     recomputation (the figures recorded in a recomputed block), makes its graphs
-    with no graph break; so does TP 2 + SP (the mixture's gather and reduce-scatter).
+    with no graph break; so do TP 2 + SP (the mixture's gather and reduce-scatter)
+    and EP 2 at expert TP 1 (the aux losses' sums over TP).
     The same resume at expert TP 1 (EP 2 over TP 2 + SP, x DP 2), whose torch_dist
     checkpoint holds each tensor's bytes once: the experts, replicated over the
     expert-DP ranks (and the rest over DP), are written by one rank each."""
@@ -642,7 +645,7 @@ def test_a_resume_at_the_same_ep_is_bit_identical_and_compiled_ep_breaks_no_grap
     index = checkpoint.read_dist_metadata(saved).storage_data
     assert sum(place.length for place in index.values()) == \
         sum(os.path.getsize(f) for f in glob.glob(os.path.join(saved, "*.distcp")))
-    for compiled in (counters["ep2-compiled-recompute"], counters["tp2-sp-compiled"]):
+    for compiled in (counters["ep2-compiled-recompute"], counters["tp2-sp-compiled"], counters["etp1-ep2-compiled"]):
         assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0, counters
     assert counters["ep2"]["graphs"] == 0
 
