@@ -357,7 +357,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     counted, experts, copies = [], [], []  # copies: replicated grads that another rank counts
     for p in parameters:
         own = (getattr(p, "tensor_model_parallel", False) or lay.tp_rank == 0 or
-               lay.whole_experts and getattr(p, "expert_parallel", False)) and not getattr(p, "pipeline_copy", 0)
+               getattr(p, "expert_parallel", False) and lay.whole_experts) and not getattr(p, "pipeline_copy", 0)
         if p.grad is not None:
             (experts if own and getattr(p, "expert_parallel", False) else counted if own else copies).append(p.grad)
     grads = counted + experts + copies
@@ -372,7 +372,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     sq_experts = squares[c:e].sum().float()
     if lay.ep_size > 1:
         dist.all_reduce(sq_experts, group=lay.ep_group)
-    if lay.whole_experts and lay.tp_rank > 0:  # every TP rank holds the EP group's sum: TP rank 0 adds it
+    if experts and lay.whole_experts and lay.tp_rank > 0:  # each TP rank holds the EP group's sum: TP rank 0 adds it
         sq_experts = sq_experts * 0.0
     sq = (squares[:c].sum() + squares[e:].sum() * 0.0).float() + sq_experts
     for size, group in ((lay.tp_size, lay.tp_group), (lay.pp_size, lay.pp_group)):

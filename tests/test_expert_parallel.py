@@ -285,22 +285,27 @@ def test_moe_layer_freq_picks_the_moe_layers_and_the_model_trains():
 
 
 @pytest.mark.quick
-def test_a_dense_models_step_enters_no_moe_code():
-    """Without --num-experts a training step (forward, loss, backward) calls no
-    function of expert_parallel.py and none of gpt.py's MoE."""
-    model = gpt.GPT(tiny())
+def test_a_dense_models_step_enters_no_moe_code(single_rank):
+    """Without --num-experts a training step (forward, loss, backward, clipping, AdamW)
+    calls no function of expert_parallel.py, none of gpt.py's MoE and none of parallel.py's
+    tests of the experts' layout."""
+    trainer = train.PlainTraining(config.parse_args(["--preset", "tiny", *IDS]), process_env())
+    batches = [{"tokens": tokens(), "labels": tokens(seed=2), "loss_mask": torch.ones(2, 16),
+                "position_ids": torch.arange(16).expand(2, 16)}]
     moe_names = {"MoE", "Experts", "AuxLoss", "topk_routing", "drop_tokens", "load_balancing_loss", "is_moe_layer"}
+    layout_names = {"Layout.whole_experts", "Layout.experts_apart", "averaged_apart"}
     entered = set()
 
     def profile(frame, event, arg):
         if event == "call":
-            code = frame.f_code
-            if code.co_filename.endswith("expert_parallel.py") or (
-                    code.co_filename.endswith("gpt.py") and code.co_qualname.split(".")[0] in moe_names):
+            code, file = frame.f_code, frame.f_code.co_filename
+            if file.endswith("expert_parallel.py") or (file.endswith("gpt.py") and code.co_qualname.split(".")[0]
+                                                        in moe_names) or (
+                    file.endswith("parallel.py") and code.co_qualname in layout_names):
                 entered.add(code.co_qualname)
     sys.setprofile(profile)
     try:
-        model(tokens(), labels=tokens(seed=2)).backward()
+        train.train_step(trainer, batches, 1e-3)
     finally:
         sys.setprofile(None)
     assert not entered, entered
