@@ -177,7 +177,7 @@ def states_for_writer(model: GPT, optimizer) -> tuple[dict, dict] | tuple[None, 
     each GPU: 24 GB at 1.5B and tp=2.)"""
     lay = parallel.layout
     # its place in DP x CP (x TP/ETP: its TP group's first place in the stage), past the first EP group
-    if (lay.dp_rank * lay.cp_size + lay.cp_rank) * (lay.tp_size // lay.etp_size) >= lay.ep_size:
+    if (lay.dp_rank * lay.cp_size + lay.cp_rank) * lay.routing_tp_size >= lay.ep_size:
         return None, None
 
     def gather_to_writer(param, t):
@@ -1086,14 +1086,14 @@ def load_deepspeed_checkpoint(cfg: TrainConfig, engine, found: Found, log) -> St
             f"tensor- and pipeline-parallel shards only fit the layout they were written with. Relaunch with "
             f"the old layout, or continue from its weights with fresh optimizer states "
             f"(add --no-load-optim: any layout loads them)")
-    saved_dp, saved_cp = meta["data_parallel_size"], meta.get("context_parallel_size", 1)
+    saved_dp, saved_cp = meta["data_parallel_size"], meta["context_parallel_size"]
     if meta["zero_stage"] > 0 and saved_dp * saved_cp != lay.dp_cp_size:
         if saved_cp == lay.cp_size == 1:
             refuse("data-parallel", saved_dp, lay.dp_size)
         refuse("data-parallel x context-parallel", f"{saved_dp} x {saved_cp} = {saved_dp * saved_cp}",
                f"{lay.dp_size} x {lay.cp_size} = {lay.dp_cp_size}")
     for name, saved, now in (("tensor-parallel", meta["tensor_model_parallel_size"], lay.tp_size),
-                             ("pipeline-parallel", meta.get("pipeline_model_parallel_size", 1), lay.pp_size),
+                             ("pipeline-parallel", meta["pipeline_model_parallel_size"], lay.pp_size),
                              ("expert-parallel", meta["expert_model_parallel_size"], lay.ep_size)):
         if saved != now:
             refuse(name, saved, now)
@@ -1116,7 +1116,7 @@ def consolidated_weights(tag_dir: str) -> tuple[dict, dict]:
                          f"resumes in its own layout only (its weights do not export yet): relaunch with that layout")
     tp, layout = meta["tensor_model_parallel_size"], meta["tensor_parallel_layout"]
     full = {}
-    for stage in range(meta.get("pipeline_model_parallel_size", 1)):
+    for stage in range(meta["pipeline_model_parallel_size"]):
         shards = []
         for r in range(stage * tp, (stage + 1) * tp):
             files = sorted(glob.glob(os.path.join(tag_dir, f"*mp_rank_{r:02d}_*.pt")))

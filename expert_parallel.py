@@ -178,7 +178,7 @@ def sum_over_sequence(x):
 
 def _sequence_sum(x):
     lay = parallel.layout
-    for size, group in ((lay.cp_size, lay.cp_group), (lay.tp_size // lay.etp_size, lay.tp_group)):
+    for size, group in ((lay.cp_size, lay.cp_group), (lay.routing_tp_size, lay.tp_group)):
         if size > 1:
             x = parallel.wait(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name))
     return x

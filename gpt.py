@@ -392,9 +392,9 @@ def load_balancing_loss(scores, chosen, k: int):
     under expert TP 1 (SP) each TP rank 1/tp more: the sums are TP x CP's."""
     T, E = scores.shape[-2:]
     sums = torch.stack([scores.sum(-2), chosen.sum(-2)])                    # (2, S, E)
-    lay = parallel.layout
-    if lay.cp_size * lay.tp_size // lay.etp_size > 1:
-        sums, T = expert_parallel.sum_over_sequence(sums), T * lay.cp_size * lay.tp_size // lay.etp_size
+    split = parallel.layout.cp_size * parallel.layout.routing_tp_size  # the ranks holding parts of a sequence
+    if split > 1:
+        sums, T = expert_parallel.sum_over_sequence(sums), T * split
     return (sums[0] * sums[1]).sum(-1).mean() * E / (k * T * T)
 
 

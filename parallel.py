@@ -140,6 +140,11 @@ class Layout:
         return self.etp_size < self.tp_size
 
     @property
+    def routing_tp_size(self) -> int:
+        """The TP ranks of a TP group that route different tokens: tp under expert TP 1, else 1."""
+        return self.tp_size // self.etp_size
+
+    @property
     def experts_apart(self) -> bool:
         """Whether the experts' gradients are averaged over other ranks than DP x CP (EP > 1, or
         whole experts): then DDP leaves them to expert_parallel.reduce_expert_grads (averaged_apart)."""
